@@ -1,0 +1,120 @@
+"""The job state machine: every state change is a guarded compare-and-set plus a job_event row.
+
+API, scheduler and worker all change job state through these functions only. Each UPDATE names the
+state it expects, so two schedulers (or an API cancel racing a runner) can never both win, on SQLite
+or PostgreSQL, without holding locks across calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from megatrain.db.models import (
+    ACTIVE_STATES,
+    QUEUED,
+    SCHEDULED,
+    TERMINAL_STATES,
+    Job,
+    JobEvent,
+    Node,
+    utcnow,
+)
+
+
+def record_event(
+    session: Session,
+    job_id: str,
+    kind: str,
+    reason: str = "",
+    data: dict[str, Any] | None = None,
+    from_status: str | None = None,
+    to_status: str | None = None,
+) -> None:
+    session.add(
+        JobEvent(
+            job_id=job_id,
+            kind=kind,
+            reason=reason,
+            data=data or {},
+            from_status=from_status,
+            to_status=to_status,
+            created_at=utcnow(),
+        )
+    )
+
+
+def _release_slots(session: Session, node_id: str | None, n: int) -> None:
+    if node_id is not None:
+        session.execute(update(Node).where(Node.id == node_id).values(slots_used=Node.slots_used - n))
+
+
+def transition(
+    session: Session,
+    job_id: str,
+    to_status: str,
+    *,
+    from_statuses: tuple[str, ...],
+    reason: str = "",
+    data: dict[str, Any] | None = None,
+    **fields: Any,
+) -> bool:
+    """Move a job to `to_status` if it is in one of `from_statuses`; False if someone else moved it.
+
+    Leaving an active state (scheduled/running) returns the job's slots to its node in the same
+    transaction. The caller commits.
+    """
+    row = session.execute(select(Job.status, Job.node_id, Job.num_procs).where(Job.id == job_id)).first()
+    if row is None or row.status not in from_statuses:
+        return False
+    now = utcnow()
+    values: dict[str, Any] = {"status": to_status, "status_reason": reason, "updated_at": now, **fields}
+    if to_status in TERMINAL_STATES:
+        values.setdefault("finished_at", now)
+    leaving_active = row.status in ACTIVE_STATES and to_status not in ACTIVE_STATES
+    if leaving_active:
+        values["node_id"] = None
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == row.status)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return False
+    if leaving_active:
+        _release_slots(session, row.node_id, row.num_procs)
+    record_event(session, job_id, to_status, reason, data, from_status=row.status, to_status=to_status)
+    return True
+
+
+def reserve_and_schedule(session: Session, job_id: str, node_id: str, reason: str = "") -> bool:
+    """Take the job's slots on a node and mark it scheduled, atomically; False if either fails.
+
+    The slot UPDATE is guarded by capacity, the state UPDATE by the queued state; the caller
+    commits on True and rolls back on False.
+    """
+    job = session.execute(select(Job.num_procs, Job.attempt).where(Job.id == job_id)).first()
+    if job is None:
+        return False
+    got = session.execute(
+        update(Node)
+        .where(Node.id == node_id, Node.slots_used + job.num_procs <= Node.slots_total)
+        .values(slots_used=Node.slots_used + job.num_procs)
+        .execution_options(synchronize_session=False)
+    )
+    if got.rowcount != 1:
+        return False
+    return transition(
+        session,
+        job_id,
+        SCHEDULED,
+        from_statuses=(QUEUED,),
+        reason=reason,
+        node_id=node_id,
+        scheduled_at=utcnow(),
+        attempt=job.attempt + 1,
+        cancel_requested=False,
+    )

@@ -1,0 +1,204 @@
+"""Tables of the control plane. Names are singular snake_case; timestamps end in _at (UTC)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Job states. Active states hold node slots; terminal states never change again.
+QUEUED, SCHEDULED, RUNNING = "queued", "scheduled", "running"
+SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
+JOB_STATES = (QUEUED, SCHEDULED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+ACTIVE_STATES = (SCHEDULED, RUNNING)
+TERMINAL_STATES = (SUCCEEDED, FAILED, CANCELLED)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class UTCDateTime(DateTime):
+    """Timezone-aware on PostgreSQL; SQLite drops tzinfo, so values are read back as UTC."""
+
+    cache_ok = True
+
+    def __init__(self) -> None:
+        super().__init__(timezone=True)
+
+    def result_processor(self, dialect, coltype):  # type: ignore[no-untyped-def]
+        parent = super().result_processor(dialect, coltype)
+
+        def process(value: Any) -> Any:
+            if parent is not None:
+                value = parent(value)
+            if isinstance(value, datetime) and value.tzinfo is None:
+                value = value.replace(tzinfo=UTC)
+            return value
+
+        return process
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenant"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ten"))
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_key"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    """sha256 hex of the whole key; the key itself is shown once and never stored."""
+    prefix: Mapped[str] = mapped_column(String(16))
+    """First characters of the key, to tell keys apart in listings."""
+    name: Mapped[str] = mapped_column(String(100), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class NodePool(Base):
+    __tablename__ = "node_pool"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("pool"))
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    accelerator: Mapped[str] = mapped_column(String(32), default="cpu")
+    """cpu, or the GPU model name (e.g. 'NVIDIA H100 80GB HBM3')."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Node(Base):
+    __tablename__ = "node"
+    __table_args__ = (UniqueConstraint("pool_id", "hostname"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("node"))
+    pool_id: Mapped[str] = mapped_column(ForeignKey("node_pool.id", ondelete="CASCADE"), index=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    slots_total: Mapped[int] = mapped_column(Integer)
+    slots_used: Mapped[int] = mapped_column(Integer, default=0)
+    """Changed only by guarded UPDATEs (see db.jobs) so concurrent schedulers never oversubscribe."""
+    status: Mapped[str] = mapped_column(String(16), default="ready")
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Job(Base):
+    __tablename__ = "job"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        Index("ix_job_status_priority", "status", "priority", "created_at"),
+        Index("ix_job_tenant_created", "tenant_id", "created_at"),
+    )
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))
+    kind: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default=QUEUED)
+    status_reason: Mapped[str] = mapped_column(Text, default="")
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    spec_hash: Mapped[str] = mapped_column(String(64))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    pool: Mapped[str] = mapped_column(String(100), default="default")
+    layout: Mapped[dict[str, Any]] = mapped_column(JSON)
+    num_procs: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    """Number of times the job has been started; retries bump it."""
+    max_retries: Mapped[int] = mapped_column(Integer, default=2)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("node.id", ondelete="SET NULL"), nullable=True)
+    runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    current_step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int] = mapped_column(Integer, default=0)
+    latest_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    latest_tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    latest_mfu: Mapped[float | None] = mapped_column(Float, nullable=True)
+    num_params: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    scheduled_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_event"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))
+    """A state ('queued', 'running', …) for transitions, or 'checkpoint_saved', 'resumed', 'info'."""
+    from_status: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_status: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class JobMetric(Base):
+    __tablename__ = "job_metric"
+    __table_args__ = (UniqueConstraint("job_id", "kind", "step"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))
+    """'train' (loss, lr, grad_norm, tokens_per_s, mfu, …) or 'val' (val_loss)."""
+    step: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """The engine's whole row, as written to metrics.jsonl."""
+
+
+class JobLog(Base):
+    __tablename__ = "job_log"
+    __table_args__ = (UniqueConstraint("job_id", "seq"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    """Monotonic per job across attempts, so clients can follow with ?after_seq=."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    line: Mapped[str] = mapped_column(Text)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoint"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    """Storage URL of the iter_{step:07d} folder."""
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -1,0 +1,1 @@
+"""Layout planning (pure), the scheduling loop, placement and reconciliation."""

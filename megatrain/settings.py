@@ -1,0 +1,111 @@
+"""Runtime settings, read once from MEGATRAIN_* environment variables.
+
+The embedded default needs none of them: SQLite under MEGATRAIN_HOME, file:// storage under it,
+the local executor. Production swaps settings, never code.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MEGATRAIN_", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".megatrain")
+    """Data directory of the embedded default: database, storage, run folders, the local API key."""
+
+    environment: Literal["dev", "production"] = "dev"
+    """`production` refuses the embedded defaults that are unsafe with several machines."""
+
+    database_url: str = ""
+    """SQLAlchemy URL; empty means sqlite:///{home}/megatrain.db."""
+
+    storage_url: str = ""
+    """file:///abs/path or s3://bucket/prefix; empty means file://{home}/storage."""
+
+    s3_endpoint_url: str | None = None
+    """Endpoint for S3-compatible stores (MinIO, moto); None means AWS."""
+
+    executor: Literal["local", "celery"] = "local"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+    api_url: str = "http://127.0.0.1:8000"
+    """Where the CLI and SDK find the API (MEGATRAIN_API_URL)."""
+
+    api_key: str | None = None
+    """Key the CLI uses; if unset it reads {home}/credentials, written by the embedded default."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    allowed_data_roots: str = ""
+    """Comma-separated roots (file:///… or s3://…) any tenant may read training data from.
+    Empty in dev means the user's home directory; empty in production means none."""
+
+    pool_name: str = "default"
+    cpu_slots: int = Field(default=8, ge=1, le=1024)
+    """Processes the local pool offers when the machine has no GPU (gloo ranks on CPU)."""
+
+    cpu_peak_tflops: float = Field(default=1.0, gt=0)
+    """Peak TFLOP/s per CPU process, for MFU on CPU runs (GPUs use a table of datasheet peaks)."""
+
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    scheduler_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    max_log_lines: int = Field(default=100_000, ge=100)
+    """Log lines kept per job; older ones are dropped first."""
+
+    @field_validator("home", mode="before")
+    @classmethod
+    def _expand_home(cls, v: object) -> object:
+        return Path(os.path.expanduser(str(v))).resolve() if v else v
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_production_defaults(self) -> Settings:
+        if self.environment == "production":
+            if not self.database_url or self.database_url.startswith("sqlite"):
+                raise ValueError("MEGATRAIN_DATABASE_URL must name a server database in production")
+            if not self.storage_url.startswith("s3://"):
+                raise ValueError("MEGATRAIN_STORAGE_URL must be s3://… in production")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'megatrain.db'}"
+
+    @property
+    def resolved_storage_url(self) -> str:
+        return (self.storage_url or (self.home / "storage").as_uri()).rstrip("/")
+
+    @property
+    def data_roots(self) -> list[str]:
+        roots = [r.strip().rstrip("/") for r in self.allowed_data_roots.split(",") if r.strip()]
+        if not roots and self.environment == "dev":
+            roots = [Path.home().resolve().as_uri()]
+        return roots
+
+    @property
+    def credentials_path(self) -> Path:
+        return self.home / "credentials"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.home / "runs"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def reset_settings_cache() -> None:
+    """Tests change MEGATRAIN_* variables; this makes the next get_settings() read them again."""
+    get_settings.cache_clear()

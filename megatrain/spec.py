@@ -1,0 +1,293 @@
+"""JobSpec: the one contract shared by the API, the scheduler, the worker and the engine.
+
+Every rule a spec can break is checked here, before anything runs, with a message that names the
+field and the rule. Engine-internal configs are derived from this tree, never kept by hand beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
+MAX_DIM = 1 << 17
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Strict):
+    arch: Literal["gpt2", "llama"] = "llama"
+    """gpt2: learned positions, LayerNorm, GELU, tied embeddings. llama: RoPE, RMSNorm, SwiGLU, GQA."""
+    num_layers: int = Field(4, ge=1, le=1024)
+    hidden_size: int = Field(256, ge=1, le=MAX_DIM)
+    num_attention_heads: int = Field(8, ge=1, le=1024)
+    num_query_groups: int | None = Field(None, ge=1, le=1024)
+    """Key/value heads (GQA); None means one per attention head (plain multi-head attention)."""
+    ffn_hidden_size: int | None = Field(None, ge=1, le=1 << 20)
+    """None: 4·hidden for gpt2; for llama 8/3·hidden rounded up to a multiple of 64."""
+    seq_length: int = Field(256, ge=1, le=1 << 20)
+    vocab_size: int | None = Field(None, ge=1, le=1 << 22)
+    """None: the tokenizer's vocabulary, padded to a multiple of 128."""
+    hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    norm_eps: float = Field(1e-5, gt=0.0, le=1e-1)
+    rope_theta: float = Field(10000.0, gt=0.0, le=1e9)
+    tie_embeddings: bool | None = None
+    """None: tied for gpt2, untied for llama."""
+    init_method_std: float = Field(0.02, gt=0.0, le=1.0)
+    num_experts: int = Field(0, ge=0, le=0)
+    """Mixture of experts is not supported yet; only 0 is accepted."""
+    init_from: str | None = Field(None, max_length=1024)
+    """null | checkpoint:JOB_ID[@STEP] (hf:PATH arrives with the interop work)."""
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelSpec:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={groups}"
+            )
+        if self.init_from is not None and not self.init_from.startswith("checkpoint:"):
+            raise ValueError("model.init_from must be null or checkpoint:JOB_ID[@STEP]")
+        return self
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return ((8 * self.hidden_size // 3) + 63) // 64 * 64
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+
+class TokenizerSpec(_Strict):
+    type: Literal["byte", "hf"] = "byte"
+    """byte: 256 byte values + end-of-document. hf: a Hugging Face tokenizers JSON file at `path`."""
+    path: str | None = Field(None, max_length=2048)
+
+    @model_validator(mode="after")
+    def _path_for_hf(self) -> TokenizerSpec:
+        if self.type == "hf" and not self.path:
+            raise ValueError("data.tokenizer.path is required when data.tokenizer.type is 'hf'")
+        if self.type == "byte" and self.path:
+            raise ValueError("data.tokenizer.path must be empty when data.tokenizer.type is 'byte'")
+        return self
+
+
+class DataSource(_Strict):
+    path: str = Field(..., min_length=1, max_length=2048)
+    """A JSONL file ({"text": …} per line, optionally .gz) as file:///abs/path or s3://bucket/key."""
+    weight: float = Field(1.0, gt=0.0, le=1e6)
+
+
+class DataSpec(_Strict):
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    train: list[DataSource] = Field(..., min_length=1, max_length=64)
+    text_key: str = Field("text", min_length=1, max_length=128)
+    split: str = "98,2,0"
+    """train,valid,test proportions of the documents, as in Megatron's --split."""
+
+    @field_validator("split")
+    @classmethod
+    def _split(cls, v: str) -> str:
+        parts = v.split(",")
+        try:
+            nums = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"data.split={v!r} must be comma-separated numbers such as '98,2,0'") from None
+        if len(nums) != 3 or any(n < 0 for n in nums) or nums[0] <= 0:
+            raise ValueError(f"data.split={v!r} needs 3 non-negative parts with a positive train part")
+        return v
+
+    @property
+    def split_fractions(self) -> tuple[float, float, float]:
+        nums = [float(p) for p in self.split.split(",")]
+        total = sum(nums)
+        return nums[0] / total, nums[1] / total, nums[2] / total
+
+
+class TrainingSpec(_Strict):
+    train_iters: int = Field(200, ge=1, le=100_000_000)
+    global_batch_size: int = Field(16, ge=1, le=1 << 24)
+    micro_batch_size: int = Field(4, ge=1, le=1 << 20)
+    lr: float = Field(3e-4, gt=0.0, le=10.0)
+    min_lr: float = Field(0.0, ge=0.0, le=10.0)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_iters: int = Field(0, ge=0, le=100_000_000)
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
+    clip_grad: float = Field(1.0, ge=0.0, le=1e6)
+    """Global gradient-norm clip; 0 disables it."""
+    precision: Literal["fp32", "bf16"] = "bf16"
+    recompute: Literal["none", "selective", "full"] = "none"
+    checkpoint_interval: int = Field(50, ge=0, le=100_000_000)
+    """Save every N iterations (and always at the end); 0 saves only at the end."""
+    log_interval: int = Field(10, ge=1, le=100_000_000)
+    eval_interval: int = Field(100, ge=0, le=100_000_000)
+    """Validate every N iterations; 0 disables validation."""
+    eval_iters: int = Field(4, ge=1, le=100_000)
+    seed: int = Field(1234, ge=0, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _batches(self) -> TrainingSpec:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"training.global_batch_size={self.global_batch_size} is not divisible by "
+                f"training.micro_batch_size={self.micro_batch_size}"
+            )
+        if self.warmup_iters > self.train_iters:
+            raise ValueError(
+                f"training.warmup_iters={self.warmup_iters} exceeds training.train_iters={self.train_iters}"
+            )
+        if self.min_lr > self.lr:
+            raise ValueError(f"training.min_lr={self.min_lr} exceeds training.lr={self.lr}")
+        return self
+
+
+class ParallelismSpec(_Strict):
+    tp: int = Field(1, ge=1, le=1024)
+    """Tensor-parallel degree."""
+    pp: int = Field(1, ge=1, le=1024)
+    """Pipeline-parallel degree."""
+    dp: int | Literal["auto"] = "auto"
+    """Data-parallel degree; auto fills resources.gpus (or 1)."""
+    cp: int = Field(1, ge=1, le=1)
+    ep: int = Field(1, ge=1, le=1)
+    virtual_stages: int = Field(1, ge=1, le=1)
+    sequence_parallel: bool = False
+
+    @field_validator("dp")
+    @classmethod
+    def _dp(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 65536:
+            raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]")
+        return v
+
+
+class ResourcesSpec(_Strict):
+    pool: str = Field("default", pattern=NAME_PATTERN)
+    gpus: int | None = Field(None, ge=1, le=65536)
+    """Processes (GPUs, or CPU slots on a CPU pool) the job asks for; None means tp·pp·dp."""
+    priority: int = Field(0, ge=-1000, le=1000)
+    max_runtime_s: int = Field(86400, ge=1, le=30 * 86400)
+    max_retries: int = Field(2, ge=0, le=100)
+
+
+class JobSpec(_Strict):
+    name: str = Field(..., pattern=NAME_PATTERN)
+    kind: Literal["pretrain", "finetune"] = "pretrain"
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    parallelism: Annotated[ParallelismSpec | Literal["auto"], Field(union_mode="left_to_right")] = "auto"
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        if self.kind == "finetune" and not self.model.init_from:
+            raise ValueError("model.init_from is required when kind is 'finetune'")
+        if isinstance(self.parallelism, ParallelismSpec):
+            tp = self.parallelism.tp
+            if self.model.num_attention_heads % tp:
+                raise ValueError(
+                    f"model.num_attention_heads={self.model.num_attention_heads} is not divisible by "
+                    f"parallelism.tp={tp}"
+                )
+            if self.model.query_groups % tp:
+                raise ValueError(
+                    f"model.num_query_groups={self.model.query_groups} is not divisible by "
+                    f"parallelism.tp={tp}"
+                )
+            if self.model.ffn_size % tp:
+                raise ValueError(
+                    f"model.ffn_hidden_size={self.model.ffn_size} is not divisible by parallelism.tp={tp}"
+                )
+            if self.parallelism.pp > self.model.num_layers:
+                raise ValueError(
+                    f"parallelism.pp={self.parallelism.pp} exceeds model.num_layers={self.model.num_layers}"
+                )
+            if self.parallelism.sequence_parallel and self.model.seq_length % tp:
+                raise ValueError(
+                    f"model.seq_length={self.model.seq_length} is not divisible by parallelism.tp={tp} "
+                    "(needed for sequence parallelism)"
+                )
+        return self
+
+
+class SpecError(ValueError):
+    """A spec that breaks a rule; `errors` lists each as {"field": "a.b", "message": "..."}."""
+
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+def format_validation_errors(
+    exc: ValidationError, prefix: tuple[str | int, ...] = ()
+) -> list[dict[str, str]]:
+    """Pydantic errors as [{"field": "model.hidden_size", "message": ...}], the shape every caller shows."""
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in (*prefix, *err["loc"]) if p not in ("ParallelismSpec",)]
+        # left_to_right unions add the branch name ('literal['auto']') to the location; drop it.
+        loc = [p for p in loc if not p.startswith("literal[")]
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append({"field": ".".join(loc) or "spec", "message": msg})
+    return out
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a dict into a JobSpec, raising SpecError with field-named messages."""
+    if not isinstance(data, dict):
+        raise SpecError([{"field": "spec", "message": "a job spec must be a mapping (YAML or JSON object)"}])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_errors(exc)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a spec from a YAML or JSON file (YAML is a superset, so one parser serves both)."""
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([{"field": "spec", "message": f"not valid YAML/JSON: {exc}"}]) from None
+    return parse_spec(data)
+
+
+def spec_json_schema() -> dict[str, Any]:
+    return JobSpec.model_json_schema()
+
+
+def dump_spec(spec: JobSpec) -> str:
+    return json.dumps(spec.model_dump(mode="json"), sort_keys=True)

@@ -1,0 +1,240 @@
+"""Object storage: file:// (the embedded default) and s3:// (boto3), behind one small interface.
+
+Keys are '/'-separated and relative to the store's root URL. The same code serves the engine
+(checkpoint writes), the worker and the API (listing and downloads).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+from urllib.parse import unquote, urlparse
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class StorageError(Exception):
+    pass
+
+
+def _check_key(key: str) -> str:
+    key = key.strip("/")
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") for p in parts):
+        raise StorageError(f"invalid storage key {key!r}")
+    return key
+
+
+class Store(Protocol):
+    url: str
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def put_file(self, key: str, path: str | Path) -> None: ...
+    def get_file(self, key: str, path: str | Path) -> None: ...
+    def open_read(self, key: str) -> BinaryIO: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str = "") -> list[ObjectInfo]: ...
+    def delete_prefix(self, prefix: str) -> None: ...
+    def child(self, prefix: str) -> Store: ...
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None: ...
+
+
+class FileStore:
+    """Objects are plain files under a root directory; writes land atomically via rename."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self.url = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(key, lambda f: f.write(data))
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        with open(path, "rb") as src:
+            self._atomic_write(key, lambda f: shutil.copyfileobj(src, f, 1 << 20))
+
+    def _atomic_write(self, key: str, write) -> None:  # type: ignore[no-untyped-def]
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{key} does not exist") from None
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.copyfile(self._path(key), path)
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{key} does not exist") from None
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{key} does not exist") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        if base.is_file():
+            return [ObjectInfo(prefix.strip("/"), base.stat().st_size)]
+        if not base.is_dir():
+            return []
+        out = []
+        for p in sorted(base.rglob("*")):
+            if p.is_file() and not p.name.startswith(".tmp-"):
+                out.append(ObjectInfo(p.relative_to(self.root).as_posix(), p.stat().st_size))
+        return out
+
+    def delete_prefix(self, prefix: str) -> None:
+        p = self._path(prefix)
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+    def child(self, prefix: str) -> FileStore:
+        return FileStore(self._path(prefix))
+
+    def local_path(self, key: str) -> Path:
+        return self._path(key)
+
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
+        return None
+
+
+class S3Store:
+    """s3://bucket/prefix through boto3; MEGATRAIN_S3_ENDPOINT_URL points it at MinIO or moto."""
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None):
+        import boto3
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        self._client = boto3.client("s3", endpoint_url=endpoint_url)
+
+    def _key(self, key: str) -> str:
+        key = _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _err(self, key: str, exc: Exception) -> StorageError:
+        return StorageError(f"{self.url}/{key}: {exc}")
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self._client.upload_file(str(path), self.bucket, self._key(key))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self._client.exceptions.NoSuchKey as exc:
+            raise self._err(key, exc) from None
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        from botocore.exceptions import ClientError
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._client.download_file(self.bucket, self._key(key), str(path))
+        except ClientError as exc:
+            raise self._err(key, exc) from None
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except self._client.exceptions.NoSuchKey as exc:
+            raise self._err(key, exc) from None
+        return body  # type: ignore[no-any-return]
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError:
+            return False
+
+    def _iter(self, prefix: str) -> Iterator[dict]:
+        full = self._key(prefix) + "/" if prefix.strip("/") else (f"{self.prefix}/" if self.prefix else "")
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+            yield from page.get("Contents", [])
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        return [ObjectInfo(o["Key"][strip:], o["Size"]) for o in self._iter(prefix)]
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = [{"Key": o["Key"]} for o in self._iter(prefix)]
+        for i in range(0, len(keys), 1000):
+            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000]})
+
+    def child(self, prefix: str) -> S3Store:
+        return S3Store(self.bucket, self._key(prefix), self.endpoint_url)
+
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
+        return self._client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
+        )
+
+
+def open_store(url: str, endpoint_url: str | None = None) -> Store:
+    """A Store for file:///abs/path or s3://bucket/prefix. A bare absolute path counts as file://."""
+    if url.startswith("/"):
+        return FileStore(url)
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return FileStore(unquote(parsed.path))
+    if parsed.scheme == "s3":
+        if endpoint_url is None:
+            endpoint_url = os.environ.get("MEGATRAIN_S3_ENDPOINT_URL") or None
+        return S3Store(parsed.netloc, parsed.path, endpoint_url)
+    raise StorageError(f"unsupported storage URL {url!r} (use file:///… or s3://bucket/prefix)")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """'s3://b/p/x.jsonl' -> ('s3://b/p', 'x.jsonl'); the parent as a store URL and the key in it."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    return head, tail
+
+
+def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
+    """Open a single object by URL for reading (data files)."""
+    if url.startswith("/") or url.startswith("file://"):
+        path = url if url.startswith("/") else unquote(urlparse(url).path)
+        return open(path, "rb")
+    parent, key = split_url(url)
+    data = open_store(parent, endpoint_url).get_bytes(key)
+    return io.BytesIO(data)

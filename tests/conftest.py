@@ -1,0 +1,109 @@
+"""Shared fixtures: an isolated MEGATRAIN_HOME, and databases on SQLite and PostgreSQL.
+
+PostgreSQL tests each get a fresh schema in the `test` database (MEGATRAIN_TEST_POSTGRES_URL), so
+they never see each other's rows; they are skipped only when that server is unreachable.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from megatrain.settings import reset_settings_cache
+
+POSTGRES_URL = os.environ.get(
+    "MEGATRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("MEGATRAIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _postgres_reachable() -> bool:
+    try:
+        import psycopg
+
+        dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(dsn, connect_timeout=3):
+            return True
+    except Exception:
+        return False
+
+
+def _redis_reachable() -> bool:
+    try:
+        import redis
+
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping())
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def postgres_available() -> bool:
+    return _postgres_reachable()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    if not _redis_reachable():
+        pytest.skip(f"Redis unreachable at {REDIS_URL}")
+    return REDIS_URL
+
+
+@pytest.fixture
+def megatrain_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private MEGATRAIN_HOME; every MEGATRAIN_* variable of the outer environment is cleared."""
+    for key in list(os.environ):
+        if key.startswith("MEGATRAIN_") and not key.startswith("MEGATRAIN_TEST_"):
+            monkeypatch.delenv(key)
+    home = tmp_path / "home"
+    monkeypatch.setenv("MEGATRAIN_HOME", str(home))
+    reset_settings_cache()
+    yield home
+    reset_settings_cache()
+
+
+def make_postgres_schema_url() -> tuple[str, str]:
+    """A URL whose connections use a new, empty schema; returns (url, schema)."""
+    import psycopg
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in POSTGRES_URL else "?"
+    return f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}", schema
+
+
+def drop_postgres_schema(schema: str) -> None:
+    import psycopg
+
+    dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(
+    request: pytest.FixtureRequest, megatrain_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """A migrated, empty database on SQLite and on PostgreSQL; MEGATRAIN_DATABASE_URL points at it."""
+    from megatrain.db.session import get_engine, upgrade_database
+
+    schema = None
+    if request.param == "sqlite":
+        url = f"sqlite:///{megatrain_home / 'megatrain.db'}"
+    else:
+        if not _postgres_reachable():
+            pytest.skip(f"PostgreSQL unreachable at {POSTGRES_URL}")
+        url, schema = make_postgres_schema_url()
+    monkeypatch.setenv("MEGATRAIN_DATABASE_URL", url)
+    reset_settings_cache()
+    upgrade_database(url)
+    yield url
+    get_engine(url).dispose()
+    if schema:
+        drop_postgres_schema(schema)
