@@ -7,6 +7,7 @@ field and the rule. Engine-internal configs are derived from this tree, never ke
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -241,6 +242,9 @@ class JobSpec(_Strict):
         return self
 
 
+_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:=| is | must | exceeds)")
+
+
 class SpecError(ValueError):
     """A spec that breaks a rule; `errors` lists each as {"field": "a.b", "message": "..."}."""
 
@@ -261,7 +265,12 @@ def format_validation_errors(
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
-        out.append({"field": ".".join(loc) or "spec", "message": msg})
+        # Cross-field rules name their field first ("model.hidden_size=250 is not …"); point at it.
+        named = _NAMED_FIELD.match(msg)
+        field = ".".join(loc)
+        if named and (not field or named.group(1).startswith(field)):
+            field = named.group(1)
+        out.append({"field": field or "spec", "message": msg})
     return out
 
 
