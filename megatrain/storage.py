@@ -10,6 +10,7 @@ import io
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +29,18 @@ class StorageError(Exception):
 
 
 def _check_key(key: str) -> str:
+    # Leading/trailing slashes are dropped, so '/etc/passwd' is the relative key 'etc/passwd' under
+    # the store's root; '..', '.', empty segments and control characters (NUL) are refused.
     key = key.strip("/")
     parts = key.split("/")
-    if not key or any(p in ("", ".", "..") for p in parts):
+    if not key or any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 for c in key):
         raise StorageError(f"invalid storage key {key!r}")
     return key
+
+
+# Creating clients from boto3's default session is not thread-safe, and the API opens stores from
+# several request threads at once.
+_BOTO_CLIENT_LOCK = threading.Lock()
 
 
 class Store(Protocol):
@@ -72,6 +80,8 @@ class FileStore:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
         try:
+            # mkstemp creates 0600; objects must stay readable by the other services' users.
+            os.fchmod(fd, 0o644)
             with os.fdopen(fd, "wb") as f:
                 write(f)
             os.replace(tmp, dest)
@@ -86,11 +96,19 @@ class FileStore:
             raise StorageError(f"{self.url}/{key} does not exist") from None
 
     def get_file(self, key: str, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        src = self._path(key)
+        dest = Path(path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # Copy beside the destination, then rename: a reader never sees a half-copied file.
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.tmp-")
+        os.close(fd)
         try:
-            shutil.copyfile(self._path(key), path)
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
         except FileNotFoundError:
             raise StorageError(f"{self.url}/{key} does not exist") from None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
     def open_read(self, key: str) -> BinaryIO:
         try:
@@ -139,8 +157,11 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
+        if not bucket:
+            raise StorageError("an s3:// URL needs a bucket: s3://bucket/prefix")
         self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        self._client = boto3.client("s3", endpoint_url=endpoint_url)
+        with _BOTO_CLIENT_LOCK:
+            self._client = boto3.client("s3", endpoint_url=endpoint_url)
 
     def _key(self, key: str) -> str:
         key = _check_key(key)
@@ -150,15 +171,31 @@ class S3Store:
         return StorageError(f"{self.url}/{key}: {exc}")
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        full = self._key(key)
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=full, Body=data)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._err(key, exc) from None
 
     def put_file(self, key: str, path: str | Path) -> None:
-        self._client.upload_file(str(path), self.bucket, self._key(key))
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        full = self._key(key)
+        try:
+            self._client.upload_file(str(path), self.bucket, full)
+        except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
+            raise self._err(key, exc) from None
 
     def get_bytes(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except self._client.exceptions.NoSuchKey as exc:
+            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+        except ClientError as exc:  # NoSuchKey, NoSuchBucket, AccessDenied: all one error to callers
             raise self._err(key, exc) from None
 
     def get_file(self, key: str, path: str | Path) -> None:
@@ -171,9 +208,12 @@ class S3Store:
             raise self._err(key, exc) from None
 
     def open_read(self, key: str) -> BinaryIO:
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
         try:
-            body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-        except self._client.exceptions.NoSuchKey as exc:
+            body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
+        except ClientError as exc:
             raise self._err(key, exc) from None
         return body  # type: ignore[no-any-return]
 
@@ -187,9 +227,18 @@ class S3Store:
             return False
 
     def _iter(self, prefix: str) -> Iterator[dict]:
-        full = self._key(prefix) + "/" if prefix.strip("/") else (f"{self.prefix}/" if self.prefix else "")
+        # Path semantics, as on file://: the object named `prefix` itself or anything below
+        # 'prefix/', never a sibling such as 'prefix2/…'.
+        if prefix.strip("/"):
+            exact = self._key(prefix)
+            under = exact + "/"
+            # The exact key sorts first among the keys it prefixes, so one key answers for it.
+            first = self._client.list_objects_v2(Bucket=self.bucket, Prefix=exact, MaxKeys=1)
+            yield from (o for o in first.get("Contents", []) if o["Key"] == exact)
+        else:
+            under = f"{self.prefix}/" if self.prefix else ""
         paginator = self._client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=under):
             yield from page.get("Contents", [])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
@@ -197,6 +246,7 @@ class S3Store:
         return [ObjectInfo(o["Key"][strip:], o["Size"]) for o in self._iter(prefix)]
 
     def delete_prefix(self, prefix: str) -> None:
+        _check_key(prefix)  # as on file://: an empty prefix would wipe the whole store
         keys = [{"Key": o["Key"]} for o in self._iter(prefix)]
         for i in range(0, len(keys), 1000):
             self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000]})
@@ -216,6 +266,9 @@ def open_store(url: str, endpoint_url: str | None = None) -> Store:
         return FileStore(url)
     parsed = urlparse(url)
     if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            # file://data/x would otherwise silently mean /x; the URL needs three slashes.
+            raise StorageError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
         return FileStore(unquote(parsed.path))
     if parsed.scheme == "s3":
         if endpoint_url is None:
@@ -234,7 +287,10 @@ def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
     """Open a single object by URL for reading (data files)."""
     if url.startswith("/") or url.startswith("file://"):
         path = url if url.startswith("/") else unquote(urlparse(url).path)
-        return open(path, "rb")
+        try:
+            return open(path, "rb")
+        except (FileNotFoundError, IsADirectoryError):
+            raise StorageError(f"{url} does not exist") from None
     parent, key = split_url(url)
     data = open_store(parent, endpoint_url).get_bytes(key)
     return io.BytesIO(data)
