@@ -1,0 +1,24 @@
+"""The megatrain Python SDK (httpx only: importing it pulls in no torch, fastapi or sqlalchemy).
+
+Usage: `with Client() as mt: job = mt.submit("spec.yaml"); print(mt.wait(job.id).status)`.
+"""
+
+from megatrain.client.client import Client, load_spec_file, read_credentials
+from megatrain.client.download import DownloadError
+from megatrain.client.errors import ApiError, ApiUnreachable, MegatrainError, SpecFileError
+from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Job, LogLine
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "ApiError",
+    "ApiUnreachable",
+    "Checkpoint",
+    "Client",
+    "DownloadError",
+    "Job",
+    "LogLine",
+    "MegatrainError",
+    "SpecFileError",
+    "load_spec_file",
+    "read_credentials",
+]

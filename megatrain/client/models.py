@@ -1,0 +1,80 @@
+"""Plain dataclasses the SDK returns; each keeps the server's whole object in `raw`.
+
+The API may add fields at any time; unknown ones land in `raw` rather than breaking old clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+
+def _pick(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls) if f.name != "raw"}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass
+class Job:
+    id: str
+    name: str = ""
+    kind: str = ""
+    status: str = ""
+    status_reason: str = ""
+    created_at: str | None = None
+    updated_at: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    current_step: int = 0
+    total_steps: int = 0
+    latest_loss: float | None = None
+    latest_tokens_per_s: float | None = None
+    latest_mfu: float | None = None
+    num_params: int | None = None
+    layout: dict[str, Any] | None = None
+    num_procs: int | None = None
+    attempt: int = 0
+    priority: int | None = None
+    pool: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Job:
+        return cls(**_pick(cls, data), raw=dict(data))
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def progress(self) -> float:
+        """Fraction of total_steps done, in [0, 1]."""
+        return min(1.0, self.current_step / self.total_steps) if self.total_steps else 0.0
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    uri: str = ""
+    size_bytes: int = 0
+    created_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Checkpoint:
+        return cls(**_pick(cls, data), raw=dict(data))
+
+
+@dataclass
+class LogLine:
+    seq: int
+    line: str
+    created_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LogLine:
+        return cls(**_pick(cls, data), raw=dict(data))
