@@ -184,12 +184,21 @@ class ParallelismSpec(_Strict):
     virtual_stages: int = Field(1, ge=1, le=1)
     sequence_parallel: bool = False
 
-    @field_validator("dp")
+    @field_validator("dp", mode="before")
     @classmethod
-    def _dp(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and not 1 <= v <= 65536:
+    def _dp(cls, v: object) -> object:
+        # One message for every bad value, instead of one per branch of the int | 'auto' union.
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int | str):
             raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]")
-        return v
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]") from None
+        if not 1 <= n <= 65536:
+            raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]")
+        return n
 
 
 class ResourcesSpec(_Strict):
@@ -243,6 +252,8 @@ class JobSpec(_Strict):
 
 
 _NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:=| is | must | exceeds)")
+# Location segments pydantic adds for union branches; no spec field has these names.
+_UNION_TAGS = {"ParallelismSpec", "int", "str", "float", "bool", "none"}
 
 
 class SpecError(ValueError):
@@ -257,11 +268,13 @@ def format_validation_errors(
     exc: ValidationError, prefix: tuple[str | int, ...] = ()
 ) -> list[dict[str, str]]:
     """Pydantic errors as [{"field": "model.hidden_size", "message": ...}], the shape every caller shows."""
-    out = []
+    items: list[tuple[str, str, bool]] = []
     for err in exc.errors(include_url=False):
-        loc = [str(p) for p in (*prefix, *err["loc"]) if p not in ("ParallelismSpec",)]
-        # left_to_right unions add the branch name ('literal['auto']') to the location; drop it.
-        loc = [p for p in loc if not p.startswith("literal[")]
+        raw = [str(p) for p in (*prefix, *err["loc"])]
+        # "Input should be 'auto'" from the literal branch of a union such as `parallelism`.
+        literal_branch = bool(raw) and raw[-1].startswith("literal[")
+        # Unions add the branch name ('ParallelismSpec', 'int', "literal['auto']") to the location.
+        loc = [p for p in raw if p not in _UNION_TAGS and not p.startswith("literal[")]
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
@@ -270,8 +283,14 @@ def format_validation_errors(
         field = ".".join(loc)
         if named and (not field or named.group(1).startswith(field)):
             field = named.group(1)
-        out.append({"field": field or "spec", "message": msg})
-    return out
+        items.append((field or "spec", msg, literal_branch))
+    # The literal branch's complaint is noise when the other branch named a problem inside the
+    # field ({"parallelism": {"tp": 0}} is not meant to be 'auto').
+    return [
+        {"field": field, "message": msg}
+        for field, msg, literal_branch in items
+        if not (literal_branch and any(f.startswith(field + ".") for f, _, lb in items if not lb))
+    ]
 
 
 def parse_spec(data: Any) -> JobSpec:

@@ -1,0 +1,294 @@
+"""JobSpec validation: every rule, the field each error names, YAML/JSON loading, schema, round trip."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from megatrain.spec import (
+    JobSpec,
+    ParallelismSpec,
+    SpecError,
+    dump_spec,
+    load_spec,
+    parse_spec,
+    spec_json_schema,
+)
+
+BASE: dict[str, Any] = {"name": "tiny", "data": {"train": [{"path": "file:///data/corpus.jsonl"}]}}
+
+
+def with_(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """BASE with the dotted `path` set to `value` (list indices as digits)."""
+    spec = copy.deepcopy(base or BASE)
+    cur: Any = spec
+    keys = path.split(".")
+    for k in keys[:-1]:
+        cur = cur[int(k)] if k.isdigit() else cur.setdefault(k, {})
+    cur[keys[-1]] = value
+    return spec
+
+
+def errors_of(spec: Any) -> list[dict[str, str]]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    assert str(info.value)  # the exception text lists the errors too
+    return info.value.errors
+
+
+def test_minimal_spec_gets_the_documented_defaults() -> None:
+    spec = parse_spec(BASE)
+    assert spec.kind == "pretrain" and spec.parallelism == "auto"
+    assert spec.model.arch == "llama" and spec.model.query_groups == spec.model.num_attention_heads
+    assert spec.model.head_dim == 256 // 8
+    assert spec.model.ffn_size == 704  # 8/3·256 = 682.67, rounded up to a multiple of 64
+    assert spec.model.tied is False
+    assert parse_spec(with_("model.arch", "gpt2")).model.ffn_size == 1024
+    assert parse_spec(with_("model.arch", "gpt2")).model.tied is True
+    assert spec.data.tokenizer.type == "byte" and spec.data.split_fractions == (0.98, 0.02, 0.0)
+    assert spec.resources.pool == "default" and spec.resources.gpus is None
+
+
+# (dotted path to change, new value, field the error must name, text the message must contain)
+RULES: list[tuple[str, Any, str, str]] = [
+    ("name", "bad name!", "name", "pattern"),
+    ("name", "", "name", "pattern"),
+    ("name", "x" * 101, "name", "pattern"),
+    ("kind", "distill", "kind", "pretrain"),
+    ("kind", "finetune", "model.init_from", "required when kind is 'finetune'"),
+    ("model.arch", "bert", "model.arch", "llama"),
+    ("model.num_layers", 0, "model.num_layers", "greater than or equal to 1"),
+    ("model.num_layers", 10**30, "model.num_layers", "less than or equal"),
+    ("model.hidden_size", 250, "model.hidden_size", "not divisible by model.num_attention_heads=8"),
+    ("model.num_query_groups", 3, "model.num_attention_heads", "model.num_query_groups=3"),
+    ("model.num_experts", 2, "model.num_experts", "less than or equal to 0"),
+    ("model.init_from", "hf:gpt2", "model.init_from", "checkpoint:JOB_ID"),
+    ("model.hidden_dropout", 1.0, "model.hidden_dropout", "less than 1"),
+    ("model.norm_eps", 0, "model.norm_eps", "greater than 0"),
+    ("model.seq_length", "long", "model.seq_length", "valid integer"),
+    ("model.flash", True, "model.flash", "unknown field"),
+    ("data.tokenizer", {"type": "hf"}, "data.tokenizer.path", "required"),
+    ("data.tokenizer", {"type": "byte", "path": "t.json"}, "data.tokenizer.path", "must be empty"),
+    ("data.tokenizer", {"type": "sentencepiece"}, "data.tokenizer.type", "byte"),
+    ("data.train", [], "data.train", "at least 1 item"),
+    ("data.train", [{"path": "", "weight": 1}], "data.train.0.path", "at least 1 character"),
+    ("data.train.0.weight", 0, "data.train.0.weight", "greater than 0"),
+    ("data.split", "a,b,c", "data.split", "comma-separated numbers"),
+    ("data.split", "98,2", "data.split", "3 non-negative parts"),
+    ("data.split", "0,1,1", "data.split", "positive train part"),
+    ("data.split", "98,-2,4", "data.split", "non-negative"),
+    ("training.global_batch_size", 10, "training.global_batch_size", "training.micro_batch_size=4"),
+    ("training.micro_batch_size", 0, "training.micro_batch_size", "greater than or equal to 1"),
+    ("training.warmup_iters", 1000, "training.warmup_iters", "exceeds training.train_iters=200"),
+    ("training.min_lr", 1.0, "training.min_lr", "exceeds training.lr"),
+    ("training.lr", 0, "training.lr", "greater than 0"),
+    ("training.precision", "fp16", "training.precision", "bf16"),
+    ("training.recompute", "some", "training.recompute", "selective"),
+    ("training.lr_schedule", "step", "training.lr_schedule", "cosine"),
+    ("training.adam_beta2", 1.0, "training.adam_beta2", "less than 1"),
+    ("training.seed", -1, "training.seed", "greater than or equal to 0"),
+    ("training.log_interval", 0, "training.log_interval", "greater than or equal to 1"),
+    ("parallelism", {"tp": 3}, "model.num_attention_heads", "not divisible by parallelism.tp=3"),
+    ("parallelism", {"tp": 0}, "parallelism.tp", "greater than or equal to 1"),
+    ("parallelism", {"pp": 8}, "parallelism.pp", "exceeds model.num_layers=4"),
+    ("parallelism", {"dp": 0}, "parallelism.dp", "'auto' or an integer"),
+    ("parallelism", {"dp": "many"}, "parallelism.dp", "'auto' or an integer"),
+    ("parallelism", {"dp": True}, "parallelism.dp", "'auto' or an integer"),
+    ("parallelism", {"cp": 2}, "parallelism.cp", "less than or equal to 1"),
+    ("parallelism", {"ep": 2}, "parallelism.ep", "less than or equal to 1"),
+    ("parallelism", {"virtual_stages": 2}, "parallelism.virtual_stages", "less than or equal to 1"),
+    ("parallelism", {"tensor": 2}, "parallelism.tensor", "unknown field"),
+    ("parallelism", "manual", "parallelism", "'auto'"),
+    ("resources.pool", "a b", "resources.pool", "pattern"),
+    ("resources.gpus", 0, "resources.gpus", "greater than or equal to 1"),
+    ("resources.priority", 5000, "resources.priority", "less than or equal to 1000"),
+    ("resources.max_runtime_s", 0, "resources.max_runtime_s", "greater than or equal to 1"),
+    ("resources.max_retries", -1, "resources.max_retries", "greater than or equal to 0"),
+    ("queue", "fast", "queue", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field", "text"), RULES, ids=[f"{r[0]}={r[1]!r}"[:60] for r in RULES]
+)
+def test_each_rule_names_its_field(path: str, value: Any, field: str, text: str) -> None:
+    errors = errors_of(with_(path, value))
+    assert [e["field"] for e in errors] == [field] * len(errors), errors
+    assert any(text in e["message"] for e in errors), errors
+
+
+# Rules that need two fields changed together.
+CROSS_RULES: list[tuple[dict[str, Any], str, str]] = [
+    (
+        {"model": {"num_attention_heads": 8, "num_query_groups": 2}, "parallelism": {"tp": 4}},
+        "model.num_query_groups",
+        "model.num_query_groups=2 is not divisible by parallelism.tp=4",
+    ),
+    (
+        {"model": {"ffn_hidden_size": 1001}, "parallelism": {"tp": 2}},
+        "model.ffn_hidden_size",
+        "model.ffn_hidden_size=1001 is not divisible by parallelism.tp=2",
+    ),
+    (
+        {"model": {"seq_length": 250}, "parallelism": {"tp": 4, "sequence_parallel": True}},
+        "model.seq_length",
+        "sequence parallelism",
+    ),
+    (
+        {"kind": "finetune", "model": {"init_from": None}},
+        "model.init_from",
+        "required when kind is 'finetune'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("changes", "field", "text"), CROSS_RULES)
+def test_cross_field_rules(changes: dict[str, Any], field: str, text: str) -> None:
+    errors = errors_of({**copy.deepcopy(BASE), **changes})
+    assert errors == [{"field": field, "message": errors[0]["message"]}]
+    assert text in errors[0]["message"]
+
+
+def test_the_same_values_pass_when_the_rule_is_met() -> None:
+    # Guards against rules that refuse everything: each cross rule's fixed-up twin validates.
+    ok = parse_spec(
+        {
+            **BASE,
+            "kind": "finetune",
+            "model": {"num_query_groups": 4, "seq_length": 248, "init_from": "checkpoint:17@100"},
+            "parallelism": {"tp": 4, "pp": 2, "dp": 2, "sequence_parallel": True},
+        }
+    )
+    assert isinstance(ok.parallelism, ParallelismSpec) and ok.parallelism.dp == 2
+    assert parse_spec(with_("parallelism", {"dp": "3"})).parallelism.dp == 3  # type: ignore[union-attr]
+    assert parse_spec(with_("parallelism", {"dp": "auto"})).parallelism.dp == "auto"  # type: ignore[union-attr]
+
+
+def test_several_errors_are_all_reported() -> None:
+    spec = with_("model.num_layers", 0, with_("training.lr", -1, with_("resources.gpus", 0)))
+    fields = sorted(e["field"] for e in errors_of(spec))
+    assert fields == ["model.num_layers", "resources.gpus", "training.lr"]
+
+
+def test_required_and_non_mapping() -> None:
+    assert errors_of({"name": "x"}) == [{"field": "data", "message": "Field required"}]
+    assert errors_of({"data": BASE["data"]})[0]["field"] == "name"
+    for bad in ([1, 2], "name: x", None, 3):
+        assert errors_of(bad) == [
+            {"field": "spec", "message": "a job spec must be a mapping (YAML or JSON object)"}
+        ]
+
+
+def test_validate_assignment_keeps_the_tree_valid() -> None:
+    spec = parse_spec(BASE)
+    with pytest.raises(ValueError):
+        spec.training.micro_batch_size = 0
+
+
+# --- loading, schema, round trip --------------------------------------------------------------
+
+YAML_SPEC = """\
+name: llama-tiny-pretrain
+kind: pretrain
+model:
+  arch: llama
+  num_layers: 4
+  hidden_size: 256
+  num_attention_heads: 8
+  num_query_groups: 4
+  seq_length: 128
+data:
+  tokenizer: {type: byte}
+  train:
+    - {path: "file:///data/a.jsonl.gz", weight: 2}
+    - {path: "s3://bucket/b.jsonl"}
+  split: 98,2,0     # unquoted: YAML reads it as a string
+training:
+  train_iters: 200
+  global_batch_size: 16
+  micro_batch_size: 4
+  lr: 3e-4          # PyYAML reads this as a string; pydantic still takes it as a float
+  warmup_iters: 20
+  precision: bf16
+parallelism: {tp: 2, pp: 1, dp: auto}
+resources: {pool: default, gpus: 4}
+"""
+
+
+def test_load_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text(YAML_SPEC)
+    spec = load_spec(path)
+    assert spec.name == "llama-tiny-pretrain"
+    assert spec.training.lr == pytest.approx(3e-4)
+    assert spec.data.split == "98,2,0"
+    assert [s.weight for s in spec.data.train] == [2.0, 1.0]
+    assert isinstance(spec.parallelism, ParallelismSpec) and spec.parallelism.tp == 2
+    assert spec.resources.gpus == 4
+
+
+def test_load_json(tmp_path: Path) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(yaml.safe_load(YAML_SPEC)))
+    assert load_spec(path) == load_spec_text(tmp_path, YAML_SPEC)
+
+
+def load_spec_text(tmp_path: Path, text: str) -> JobSpec:
+    path = tmp_path / "other.yaml"
+    path.write_text(text)
+    return load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("name: [unclosed", "not valid YAML/JSON"),
+        ('{"name": "x",', "not valid YAML/JSON"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("", "must be a mapping"),
+    ],
+)
+def test_load_refuses_bad_files(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec_text(tmp_path, text)
+    assert info.value.errors[0]["field"] == "spec"
+    assert message in info.value.errors[0]["message"]
+
+
+def test_load_reports_field_errors(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec_text(tmp_path, YAML_SPEC.replace("num_attention_heads: 8", "num_attention_heads: 6"))
+    assert info.value.errors[0]["field"] == "model.hidden_size"
+
+
+def test_json_schema_export() -> None:
+    schema = spec_json_schema()
+    json.dumps(schema)  # serialisable as is (served by the API, used by editors)
+    assert set(schema["required"]) == {"name", "data"}
+    assert set(schema["properties"]) == set(JobSpec.model_fields)
+    assert schema["additionalProperties"] is False
+    par = json.dumps(schema["properties"]["parallelism"])
+    assert "auto" in par and "ParallelismSpec" in par
+    model = schema["$defs"]["ModelSpec"]["properties"]
+    assert model["num_layers"]["minimum"] == 1 and model["arch"]["enum"] == ["gpt2", "llama"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        BASE,
+        yaml.safe_load(YAML_SPEC),
+        {**BASE, "kind": "finetune", "model": {"init_from": "checkpoint:3"}, "parallelism": {"dp": 2}},
+    ],
+)
+def test_round_trip_through_json(raw: dict[str, Any]) -> None:
+    spec = parse_spec(raw)
+    text = dump_spec(spec)
+    again = parse_spec(json.loads(text))
+    assert again == spec
+    assert dump_spec(again) == text  # stable, so it can be stored and compared
