@@ -1,0 +1,91 @@
+"""The SDK against the real API (uvicorn on a free port), on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from live_stack import LiveApi, add_checkpoint
+
+from megatrain.client import ApiError, Client
+
+
+def test_submit_get_list_cancel(live_api: LiveApi) -> None:
+    with Client() as c:  # URL and key come from the settings and the credentials file
+        job = c.submit(live_api.spec("first"))
+        assert job.status == "queued" and job.name == "first" and job.total_steps == 10
+        again = c.submit(live_api.spec("first"), idempotency_key="k1")
+        assert c.submit(live_api.spec("first"), idempotency_key="k1").id == again.id != job.id
+        assert c.get_job(job.id).id == job.id
+        ids = [j.id for j in c.list_jobs(page_size=1)]
+        assert sorted(ids) == sorted({job.id, again.id}) and len(ids) == 2
+        assert [j.id for j in c.list_jobs(limit=1)] == ids[:1]
+        c.cancel(job.id)
+        assert c.get_job(job.id).status == "cancelled"
+        assert [j.id for j in c.list_jobs(status="cancelled")] == [job.id]
+        assert [j.id for j in c.list_jobs(status="queued")] == [again.id]
+        kinds = [e.get("kind") or e.get("to_status") for e in c.events(job.id)]
+        assert "cancelled" in kinds
+        assert c.logs(job.id) == [] and c.metrics(job.id) == []
+
+
+def test_validation_error_names_the_field(live_api: LiveApi) -> None:
+    spec = live_api.spec()
+    spec["model"]["hidden_size"] = 33  # not divisible by 2 heads
+    with Client() as c, pytest.raises(ApiError) as ei:
+        c.submit(spec)
+    assert ei.value.status == 422
+    assert "model.hidden_size" in ei.value.fields
+    assert "model.hidden_size" in str(ei.value)
+
+
+def test_wrong_key_and_unknown_job(live_api: LiveApi) -> None:
+    with Client(live_api.url, api_key="mt_not-a-key") as c, pytest.raises(ApiError) as ei:
+        c.get_job("job-x")
+    assert ei.value.status == 401
+    with Client() as c, pytest.raises(ApiError) as ei:
+        c.get_job("job-does-not-exist")
+    assert ei.value.status == 404
+
+
+def test_health_and_schema(live_api: LiveApi) -> None:
+    with Client() as c:
+        assert isinstance(c.health(), dict)
+        assert "properties" in c.spec_schema()
+
+
+def test_download_checkpoint(live_api: LiveApi, tmp_path: Path) -> None:
+    with Client() as c:
+        job = c.submit(live_api.spec())
+        add_checkpoint(live_api.settings, job.id, 5, payload=b"five")
+        add_checkpoint(live_api.settings, job.id, 10, payload=b"ten")
+        assert [cp.step for cp in c.checkpoints(job.id)] == [5, 10]
+        latest = c.download(job.id, dest=tmp_path / "latest")
+        assert (latest / "model.safetensors").read_bytes() == b"ten"
+        assert (latest / "manifest.json").is_file()
+        older = c.download(job.id, step=5, dest=tmp_path / "five")
+        assert (older / "model.safetensors").read_bytes() == b"five"
+        with pytest.raises(ApiError) as ei:
+            c.download(job.id, step=7, dest=tmp_path / "seven")
+        assert ei.value.status == 404
+
+
+@pytest.mark.slow
+def test_tiny_job_end_to_end(live_stack: LiveApi, tmp_path: Path) -> None:
+    """A real (tiny) training job through scheduler, local executor and engine; checkpoint loads."""
+    pytest.importorskip("megatrain.engine.train", reason="the engine entry point has not landed yet")
+    from megatrain.engine.checkpoint import load_checkpoint
+
+    with Client() as c:
+        job = c.submit(live_stack.spec("e2e"))
+        final = c.wait(job.id, timeout_s=120, poll_interval_s=0.5)
+        log_text = "\n".join(ln.line for ln in c.logs(job.id))
+        assert final.status == "succeeded", f"{final.status_reason}\n{log_text[-3000:]}"
+        assert final.current_step == 10 and final.latest_loss is not None
+        train = [m for m in c.metrics(job.id) if m.get("kind", "train") == "train"]
+        assert [m["step"] for m in train][-1] == 10
+        assert [cp.step for cp in c.checkpoints(job.id)][-1] == 10
+        path = c.download(job.id, dest=tmp_path / "ckpt")
+    model, spec = load_checkpoint(str(path))
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert spec.name == "e2e"
