@@ -1,0 +1,195 @@
+"""From the engine's files to the database: JSONL tails, idempotent metric/checkpoint inserts, logs.
+
+Every write here is safe to repeat: metrics are unique on (job_id, kind, step) and checkpoints on
+(job_id, step), so a restarted runner or a resumed attempt that re-reads or re-writes a step never
+counts it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from megatrain.db.jobs import record_event
+from megatrain.db.models import Checkpoint, Job, JobLog, JobMetric, utcnow
+
+log = logging.getLogger(__name__)
+
+MAX_LINE_CHARS = 8192
+
+
+@dataclass
+class JsonlTail:
+    """Reads the complete lines appended to a file since the last committed offset.
+
+    `read()` does not move the offset; `commit()` does, once the rows are safely in the database,
+    so a failed transaction re-reads the same lines next time.
+    """
+
+    path: Path
+    offset: int = 0
+    _pending: int = field(default=0, repr=False)
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []  # only a partial line so far; the engine flushes whole lines
+        self._pending = self.offset + end + 1
+        rows = []
+        for raw in data[: end + 1].splitlines():
+            try:
+                row = json.loads(raw)
+            except ValueError:
+                log.warning("skipping malformed line in %s: %.200r", self.path, raw)
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def commit(self) -> None:
+        self.offset = max(self.offset, self._pending)
+
+
+def _insert_ignoring_duplicates(
+    session: Session, model: type, rows: list[dict[str, Any]], keys: list[str]
+) -> int:
+    """INSERT … ON CONFLICT DO NOTHING on PostgreSQL and SQLite; a savepoint per row elsewhere."""
+    if not rows:
+        return 0
+    dialect = session.get_bind().dialect.name
+    if dialect in ("postgresql", "sqlite"):
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        stmt = insert(model).values(rows).on_conflict_do_nothing(index_elements=keys)
+        return session.execute(stmt).rowcount or 0
+    inserted = 0
+    for row in rows:
+        try:
+            with session.begin_nested():
+                session.add(model(**row))
+            inserted += 1
+        except IntegrityError:
+            pass
+    return inserted
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def ingest_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) -> int:
+    """Store train/val rows (first write of a step wins) and the job's latest figures; returns inserts."""
+    now = utcnow()
+    records: dict[tuple[str, int], dict[str, Any]] = {}
+    latest_train: dict[str, Any] | None = None
+    for row in rows:
+        step = row.get("step")
+        if not isinstance(step, int):
+            continue
+        kind = "val" if "val_loss" in row else "train"
+        loss = _num(row.get("val_loss" if kind == "val" else "loss"))
+        records.setdefault(
+            (kind, step),
+            {"job_id": job_id, "kind": kind, "step": step, "created_at": now, "loss": loss, "data": row},
+        )
+        if kind == "train":
+            latest_train = row
+    inserted = _insert_ignoring_duplicates(
+        session, JobMetric, list(records.values()), ["job_id", "kind", "step"]
+    )
+    if latest_train is not None:
+        # The newest line is the truth even after a resume rewound the step counter.
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                current_step=latest_train["step"],
+                latest_loss=_num(latest_train.get("loss")),
+                latest_tokens_per_s=_num(latest_train.get("tokens_per_s")),
+                latest_mfu=_num(latest_train.get("mfu")),
+            )
+            .execution_options(synchronize_session=False)
+        )
+    return inserted
+
+
+EVENT_DATA_KEYS = (
+    "step",
+    "num_params",
+    "world_size",
+    "layout",
+    "device",
+    "resumed_from",
+    "uri",
+    "size_bytes",
+)
+
+
+def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], attempt: int) -> None:
+    """started → job_event (+ resumed, num_params); checkpoint_saved → checkpoint row + job_event."""
+    for row in rows:
+        kind = row.get("event")
+        data = {k: row[k] for k in EVENT_DATA_KEYS if k in row} | {"attempt": attempt}
+        if kind == "started":
+            if isinstance(row.get("num_params"), int):
+                session.execute(update(Job).where(Job.id == job_id).values(num_params=row["num_params"]))
+            record_event(session, job_id, "started", f"engine started on {row.get('device', '?')}", data)
+            if row.get("resumed_from") is not None:
+                record_event(session, job_id, "resumed", f"resumed from step {row['resumed_from']}", data)
+        elif kind == "checkpoint_saved" and isinstance(row.get("step"), int):
+            new = _insert_ignoring_duplicates(
+                session,
+                Checkpoint,
+                [
+                    {
+                        "job_id": job_id,
+                        "step": row["step"],
+                        "uri": str(row.get("uri", "")),
+                        "size_bytes": int(row.get("size_bytes") or 0),
+                        "created_at": utcnow(),
+                    }
+                ],
+                ["job_id", "step"],
+            )
+            if new:
+                record_event(session, job_id, "checkpoint_saved", f"checkpoint at step {row['step']}", data)
+        elif kind == "finished":
+            record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
+
+
+def next_log_seq(session: Session, job_id: str) -> int:
+    """The seq after the job's last stored line, so numbering carries on across attempts."""
+    return (session.scalar(select(func.max(JobLog.seq)).where(JobLog.job_id == job_id)) or 0) + 1
+
+
+def append_logs(session: Session, job_id: str, lines: list[str], first_seq: int, max_lines: int) -> int:
+    """Insert lines numbered from first_seq, drop the job's lines older than the last max_lines;
+    returns the next seq."""
+    if not lines:
+        return first_seq
+    now = utcnow()
+    session.execute(
+        JobLog.__table__.insert(),
+        [
+            {"job_id": job_id, "seq": first_seq + i, "created_at": now, "line": line[:MAX_LINE_CHARS]}
+            for i, line in enumerate(lines)
+        ],
+    )
+    next_seq = first_seq + len(lines)
+    session.execute(delete(JobLog).where(JobLog.job_id == job_id, JobLog.seq < next_seq - max_lines))
+    return next_seq

@@ -1,0 +1,309 @@
+"""The shard runner: runs one attempt of a job under torchrun and reports it to the database.
+
+`run_shard(job_id, settings)` claims a `scheduled` job (→ running), launches the engine, then loops:
+forward its output to job_log, tail metrics.jsonl/events.jsonl into the job's tables, heartbeat,
+honour cancel requests and max_runtime_s. On exit the job succeeds, is queued again (the engine
+resumes from the latest checkpoint) or fails. Every state change goes through db.jobs.transition.
+
+CLI: `python -m megatrain.worker.shard --job-id ID` (what the local executor spawns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
+
+from megatrain.db.jobs import transition
+from megatrain.db.models import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SCHEDULED,
+    SUCCEEDED,
+    Job,
+    utcnow,
+)
+from megatrain.db.session import get_sessionmaker, session_scope
+from megatrain.settings import Settings, get_settings
+from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.worker.procs import die_with_parent, terminate_tree
+
+log = logging.getLogger(__name__)
+
+ENGINE_MODULE_ENV = "MEGATRAIN_ENGINE_MODULE"
+"""Module (or path to a .py script) the runner starts; tests point it at a fake engine."""
+DEFAULT_ENGINE_MODULE = "megatrain.engine.train"
+KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
+"""Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
+POLL_S = 0.25
+TAIL_LINES_IN_REASON = 20
+MAX_REASON_CHARS = 4000
+
+
+@dataclass
+class _Attempt:
+    job_id: str
+    attempt: int
+    max_retries: int
+    num_procs: int
+    max_runtime_s: float
+    out_dir: Path
+
+
+def engine_command(num_procs: int, spec_path: Path, out_dir: Path, checkpoint_url: str) -> list[str]:
+    """torchrun for several processes; plain python for one (the engine's contract allows both)."""
+    engine = os.environ.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
+    target = [engine] if engine.endswith(".py") else ["-m", engine]
+    args = ["--spec", str(spec_path), "--out", str(out_dir), "--checkpoint-url", checkpoint_url]
+    if num_procs == 1:
+        return [sys.executable, "-u", *target, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={num_procs}",
+        *target,
+        *args,
+    ]
+
+
+def _claim(settings: Settings, job_id: str) -> _Attempt | None:
+    """scheduled → running, owned by this process; None when there is nothing (more) to do."""
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.status != SCHEDULED:
+            log.info("job %s is %s, not scheduled: nothing to do", job_id, job.status if job else "missing")
+            return None
+        if job.cancel_requested:
+            transition(s, job_id, CANCELLED, from_statuses=(SCHEDULED,), reason="cancelled before it started")
+            return None
+        out_dir = settings.runs_dir / job_id / f"attempt-{job.attempt}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "spec.json").write_text(json.dumps(job.spec, indent=2, sort_keys=True))
+        max_runtime_s = float((job.spec.get("resources") or {}).get("max_runtime_s") or 86400)
+        try:
+            total_steps = int(job.spec["training"]["train_iters"])
+        except (KeyError, TypeError, ValueError):
+            total_steps = job.total_steps
+        now = utcnow()
+        ok = transition(
+            s,
+            job_id,
+            RUNNING,
+            from_statuses=(SCHEDULED,),
+            reason=f"attempt {job.attempt} running on {socket.gethostname()}",
+            data={"attempt": job.attempt, "host": socket.gethostname(), "pid": os.getpid()},
+            runner_host=socket.gethostname(),
+            runner_pid=os.getpid(),
+            started_at=now,
+            heartbeat_at=now,
+            total_steps=total_steps,
+        )
+        if not ok:
+            return None
+        return _Attempt(job_id, job.attempt, job.max_retries, job.num_procs, max_runtime_s, out_dir)
+
+
+def _pump(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
+    for raw in iter(stream.readline, b""):
+        lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+    lines.put(None)
+
+
+class _Runner:
+    """One attempt's reporting loop; all database work happens in short transactions per tick."""
+
+    def __init__(self, settings: Settings, att: _Attempt):
+        self.settings = settings
+        self.att = att
+        self.url = settings.resolved_database_url
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.metrics = JsonlTail(att.out_dir / "metrics.jsonl")
+        self.events = JsonlTail(att.out_dir / "events.jsonl")
+        self.pending_lines: list[str] = []
+        self.recent: deque[str] = deque(maxlen=TAIL_LINES_IN_REASON)
+        self.next_seq = 0
+        self.last_heartbeat = time.monotonic()
+
+    def tick(self, heartbeat: bool) -> str | None:
+        """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
+        verdict = None
+        session = get_sessionmaker(self.url)()
+        try:
+            if self.next_seq == 0:
+                self.next_seq = next_log_seq(session, self.att.job_id)
+            seq = append_logs(
+                session, self.att.job_id, self.pending_lines, self.next_seq, self.settings.max_log_lines
+            )
+            ingest_metrics(session, self.att.job_id, self.metrics.read())
+            ingest_events(session, self.att.job_id, self.events.read(), self.att.attempt)
+            if heartbeat:
+                owned = session.execute(
+                    update(Job)
+                    .where(
+                        Job.id == self.att.job_id,
+                        Job.status == RUNNING,
+                        Job.runner_host == self.host,
+                        Job.runner_pid == self.pid,
+                    )
+                    .values(heartbeat_at=utcnow())
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if owned != 1:
+                    verdict = "lost"
+            row = session.execute(
+                select(Job.status, Job.cancel_requested, Job.runner_pid).where(Job.id == self.att.job_id)
+            ).first()
+            if row is None or row.status != RUNNING or row.runner_pid != self.pid:
+                verdict = "lost"
+            elif row.cancel_requested:
+                verdict = "cancel"
+            session.commit()
+        except SQLAlchemyError as exc:
+            # A database blip must not kill the training run: keep the lines, re-read the files next tick.
+            session.rollback()
+            log.warning("job %s: database error while reporting (will retry): %s", self.att.job_id, exc)
+            if len(self.pending_lines) > self.settings.max_log_lines:
+                del self.pending_lines[: -self.settings.max_log_lines]
+            return None
+        finally:
+            session.close()
+        self.next_seq = seq
+        self.pending_lines = []
+        self.metrics.commit()
+        self.events.commit()
+        return verdict
+
+    def finish(self, outcome: str, rc: int) -> None:
+        """Move the job out of running according to how the attempt ended."""
+        tail = "\n".join(self.recent)
+        job_id, att = self.att.job_id, self.att
+        with session_scope(self.url) as s:
+            clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
+            if outcome == "lost":
+                log.warning("job %s: no longer owned by this runner; engine stopped", job_id)
+                return
+            if outcome == "cancel":
+                ok = transition(s, job_id, CANCELLED, from_statuses=(RUNNING,), reason="cancelled by request")
+            elif outcome == "timeout":
+                reason = f"exceeded max_runtime_s={att.max_runtime_s:g}"
+                ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
+            elif rc == 0:
+                ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
+            elif att.attempt <= att.max_retries:
+                reason = (
+                    f"attempt {att.attempt} failed (exit code {rc}); retrying, will resume from the "
+                    f"latest checkpoint. Last output:\n{tail}"
+                )[:MAX_REASON_CHARS]
+                ok = transition(s, job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, **clear)
+            else:
+                reason = (
+                    f"attempt {att.attempt} failed (exit code {rc}), no retries left. Last output:\n{tail}"
+                )
+                ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason[:MAX_REASON_CHARS])
+            if not ok:
+                log.warning("job %s: someone else moved it out of running before this runner", job_id)
+
+
+def run_shard(job_id: str, settings: Settings | None = None) -> int:
+    """Run one attempt of a scheduled job to its end; returns the engine's exit code (0 if skipped)."""
+    settings = settings or get_settings()
+    att = _claim(settings, job_id)
+    if att is None:
+        return 0
+    spec_path = att.out_dir / "spec.json"
+    checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
+    cmd = engine_command(att.num_procs, spec_path, att.out_dir, checkpoint_url)
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
+    runner = _Runner(settings, att)
+    log.info("job %s attempt %d: %s", job_id, att.attempt, " ".join(cmd))
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=att.out_dir,
+            start_new_session=True,  # its own process group, killed as one
+            preexec_fn=die_with_parent,
+        )
+    except OSError as exc:
+        runner.recent.append(f"could not start the engine: {exc}")
+        runner.finish("exited", 127)
+        return 127
+    lines: queue.Queue[str | None] = queue.Queue()
+    pump = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True, name=f"pump-{job_id}")
+    pump.start()
+    started = time.monotonic()
+    outcome = "exited"
+    while True:
+        exited = proc.poll() is not None
+        _drain(lines, runner)
+        now = time.monotonic()
+        beat = now - runner.last_heartbeat >= settings.heartbeat_interval_s
+        if beat:
+            runner.last_heartbeat = now
+        verdict = runner.tick(heartbeat=beat)
+        if exited:
+            break
+        if verdict is None and now - started > att.max_runtime_s:
+            verdict = "timeout"
+        if verdict is not None:
+            outcome = verdict
+            log.info("job %s: stopping the engine (%s)", job_id, verdict)
+            terminate_tree(proc, KILL_GRACE_S)
+            break
+        time.sleep(POLL_S)
+    # Whatever the engine wrote last (its final metrics, the last lines of a traceback) still counts.
+    pump.join(timeout=5)
+    _drain(lines, runner)
+    for _ in range(3):
+        if runner.tick(heartbeat=False) is not None or not runner.pending_lines:
+            break
+        time.sleep(1)
+    rc = proc.returncode
+    runner.finish(outcome, rc)
+    return rc
+
+
+def _drain(lines: queue.Queue[str | None], runner: _Runner) -> None:
+    while True:
+        try:
+            line = lines.get_nowait()
+        except queue.Empty:
+            return
+        if line is not None:
+            runner.pending_lines.append(line)
+            runner.recent.append(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megatrain.worker.shard", description=__doc__)
+    parser.add_argument("--job-id", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rc = run_shard(args.job_id, get_settings())
+    sys.exit(0 if rc == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

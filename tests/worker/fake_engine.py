@@ -1,0 +1,112 @@
+"""A stand-in for `megatrain.engine.train` that follows its file contract without torch.
+
+Runs `training.train_iters` steps from the spec, resuming from the checkpoint store's `latest`.
+Rank 0 writes metrics.jsonl / events.jsonl / checkpoints; every rank records its pid under
+OUT/pids/. Behaviour knobs (environment):
+  FAKE_ENGINE_STEP_S         seconds per step (default 0.01)
+  FAKE_ENGINE_FAIL_AT        exit FAKE_ENGINE_EXIT_CODE (default 3) on reaching this step ...
+  FAKE_ENGINE_FAIL_MARKER    ... only if this file does not exist yet (it is created): fail once
+  FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+def _emit(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row | {"time": time.time()}) + "\n")
+        f.flush()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--checkpoint-url", default=None)
+    args = p.parse_args()
+    if os.environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out = Path(args.out)
+    (out / "pids").mkdir(parents=True, exist_ok=True)
+    (out / "pids" / f"rank{rank}.pid").write_text(str(os.getpid()))
+    spec = json.loads(Path(args.spec).read_text())
+    tr = spec.get("training", {})
+    iters, log_every = int(tr.get("train_iters", 20)), int(tr.get("log_interval", 1))
+    ckpt_every = int(tr.get("checkpoint_interval", 0))
+    ckpt = Path(unquote(urlparse(args.checkpoint_url).path)) if args.checkpoint_url else out / "checkpoints"
+    step_s = float(os.environ.get("FAKE_ENGINE_STEP_S", "0.01"))
+    fail_at = int(os.environ.get("FAKE_ENGINE_FAIL_AT", "0"))
+    marker = os.environ.get("FAKE_ENGINE_FAIL_MARKER")
+
+    start = int((ckpt / "latest").read_text()) if (ckpt / "latest").exists() else 0
+    lead = rank == 0
+    if lead:
+        print(f"fake engine: world={world} resuming from {start or None}", flush=True)
+        _emit(
+            out / "events.jsonl",
+            {
+                "event": "started",
+                "step": start,
+                "num_params": 1234,
+                "world_size": world,
+                "layout": {"dp": world},
+                "device": "cpu",
+                "resumed_from": start or None,
+            },
+        )
+    for step in range(start + 1, iters + 1):
+        time.sleep(step_s)
+        if fail_at and step == fail_at and (marker is None or not Path(marker).exists()):
+            if marker:
+                Path(marker).write_text("failed once")
+            print(f"fake engine: failing at step {step}", flush=True)
+            return int(os.environ.get("FAKE_ENGINE_EXIT_CODE", "3"))
+        if not lead:
+            continue
+        if step % log_every == 0:
+            loss = 10.0 / step
+            _emit(
+                out / "metrics.jsonl",
+                {
+                    "step": step,
+                    "loss": loss,
+                    "lr": 1e-3,
+                    "grad_norm": 1.0,
+                    "tokens_per_s": 1000.0 + step,
+                    "tflops_per_device": 0.1,
+                    "mfu": 0.1,
+                    "peak_memory_bytes": 0,
+                    "iter_time_s": step_s,
+                    "consumed_samples": step * 4,
+                },
+            )
+            print(f"step {step} loss {loss:.4f}", flush=True)
+        if ckpt_every and step % ckpt_every == 0:
+            folder = ckpt / f"iter_{step:07d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
+            (folder / "manifest.json").write_text(json.dumps({"files": ["trainer_state.json"]}))
+            (ckpt / "latest").write_text(str(step))
+            _emit(
+                out / "events.jsonl",
+                {"event": "checkpoint_saved", "step": step, "uri": folder.as_uri(), "size_bytes": 42},
+            )
+    if lead:
+        _emit(out / "events.jsonl", {"event": "finished", "step": iters})
+        print("fake engine: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The shard runner against the fake engine: ingestion, retries with resume, cancel, time limits."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+from worker_helpers import alive, wait_for
+
+from megatrain.db.jobs import reserve_and_schedule
+from megatrain.db.models import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobLog,
+    JobMetric,
+    Node,
+)
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings
+from megatrain.worker import shard
+from megatrain.worker.shard import run_shard
+
+
+def _job(url: str, job_id: str) -> Job:
+    with session_scope(url) as s:
+        return s.get(Job, job_id)
+
+
+def _events(url: str, job_id: str) -> list[JobEvent]:
+    with session_scope(url) as s:
+        return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+
+
+def _reschedule(url: str, job_id: str) -> None:
+    with session_scope(url) as s:
+        node_id = s.scalar(select(Node.id).where(Node.hostname == "testnode"))
+        assert reserve_and_schedule(s, job_id, node_id, "again")
+
+
+def test_success_ingests_metrics_events_logs_checkpoints(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path
+) -> None:
+    url = settings.resolved_database_url
+    job_id = make_job(train_iters=20, checkpoint_interval=5)
+    assert run_shard(job_id, settings) == 0
+    job = _job(url, job_id)
+    assert job.status == SUCCEEDED, job.status_reason
+    assert (job.current_step, job.total_steps, job.num_params) == (20, 20, 1234)
+    assert job.latest_loss == pytest.approx(0.5) and job.latest_tokens_per_s == pytest.approx(1020.0)
+    assert job.node_id is None and job.finished_at is not None
+    with session_scope(url) as s:
+        steps = s.scalars(
+            select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+        ).all()
+        assert steps == list(range(1, 21))
+        ckpts = s.scalars(
+            select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)
+        )
+        assert list(ckpts) == [5, 10, 15, 20]
+        lines = s.execute(
+            select(JobLog.seq, JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)
+        ).all()
+        assert s.get(Node, _job(url, job_id).node_id or "") is None
+        assert sum(s.scalars(select(Node.slots_used))) == 0
+    assert [seq for seq, _ in lines] == list(range(1, len(lines) + 1))
+    assert any("step 20 loss 0.5000" in line for _, line in lines)
+    kinds = [e.kind for e in _events(url, job_id)]
+    assert kinds[:3] == ["scheduled", "running", "started"]
+    assert kinds.count("checkpoint_saved") == 4 and kinds[-1] == "succeeded"
+    spec_file = settings.runs_dir / job_id / "attempt-1" / "spec.json"
+    assert '"train_iters": 20' in spec_file.read_text()
+    # a second delivery of the same job does nothing
+    assert run_shard(job_id, settings) == 0
+    assert len(_events(url, job_id)) == len(kinds)
+
+
+def test_failed_attempt_is_retried_and_resumes_from_checkpoint(
+    settings: Settings,
+    make_job: Callable[..., str],
+    fake_engine: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = settings.resolved_database_url
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_AT", "12")
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_MARKER", str(tmp_path / "failed-once"))
+    job_id = make_job(train_iters=20, checkpoint_interval=5)
+    assert run_shard(job_id, settings) == 3
+    job = _job(url, job_id)
+    assert job.status == QUEUED and job.attempt == 1
+    assert "exit code 3" in job.status_reason and "failing at step 12" in job.status_reason
+    assert job.runner_pid is None and job.current_step == 11
+    _reschedule(url, job_id)
+    assert run_shard(job_id, settings) == 0
+    job = _job(url, job_id)
+    assert job.status == SUCCEEDED and job.attempt == 2 and job.current_step == 20
+    resumed = [e for e in _events(url, job_id) if e.kind == "resumed"]
+    assert len(resumed) == 1 and resumed[0].data["resumed_from"] == 10 and resumed[0].data["attempt"] == 2
+    with session_scope(url) as s:
+        # steps 11 ran twice (before the failure and after the resume) but are stored once
+        steps = s.scalars(
+            select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+        ).all()
+        assert steps == list(range(1, 21))
+        seqs = s.scalars(select(JobLog.seq).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.job_id == job_id)) == 4
+
+
+def test_failure_without_retries_fails_with_last_output(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_AT", "3")
+    monkeypatch.setenv("FAKE_ENGINE_EXIT_CODE", "7")
+    job_id = make_job(max_retries=0)
+    assert run_shard(job_id, settings) == 7
+    job = _job(settings.resolved_database_url, job_id)
+    assert job.status == FAILED and "no retries left" in job.status_reason
+    assert "failing at step 3" in job.status_reason
+
+
+def _run_in_thread(job_id: str, settings: Settings) -> tuple[threading.Thread, list[int]]:
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(run_shard(job_id, settings)), daemon=True)
+    t.start()
+    return t, result
+
+
+def _rank_pids(settings: Settings, job_id: str, n: int) -> list[int]:
+    pid_dir = settings.runs_dir / job_id / "attempt-1" / "pids"
+    files = wait_for(
+        lambda: len(list(pid_dir.glob("rank*.pid"))) == n and list(pid_dir.glob("rank*.pid")), 60
+    )
+    return [int(f.read_text()) for f in files]
+
+
+def _request_cancel(url: str, job_id: str) -> None:
+    with session_scope(url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+
+
+@pytest.mark.distributed
+def test_cancel_kills_torchrun_and_every_rank(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = settings.resolved_database_url
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.2")
+    job_id = make_job(procs=2, train_iters=10_000)
+    thread, result = _run_in_thread(job_id, settings)
+    ranks = _rank_pids(settings, job_id, 2)
+    # torchrun is the ranks' parent; each rank lives in a session of its own
+    torchrun = int(Path(f"/proc/{ranks[0]}/stat").read_text().rpartition(")")[2].split()[1])
+    assert {os.getpgid(p) for p in ranks} != {os.getpgid(torchrun)}
+    wait_for(lambda: _job(url, job_id).current_step > 0, 30)
+    _request_cancel(url, job_id)
+    thread.join(30)
+    assert not thread.is_alive() and result
+    assert _job(url, job_id).status == CANCELLED
+    for pid in [torchrun, *ranks]:
+        assert not alive(pid), f"pid {pid} survived the cancel"
+
+
+def test_cancel_escalates_to_sigkill(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = settings.resolved_database_url
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.1")
+    monkeypatch.setenv("FAKE_ENGINE_IGNORE_SIGTERM", "1")
+    monkeypatch.setattr(shard, "KILL_GRACE_S", 0.5)
+    job_id = make_job(train_iters=10_000)
+    thread, _ = _run_in_thread(job_id, settings)
+    (pid,) = _rank_pids(settings, job_id, 1)
+    wait_for(lambda: _job(url, job_id).status == RUNNING)
+    _request_cancel(url, job_id)
+    thread.join(20)
+    assert not thread.is_alive()
+    assert _job(url, job_id).status == CANCELLED
+    assert not alive(pid)
+
+
+def test_max_runtime_fails_the_job(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.1")
+    job_id = make_job(train_iters=10_000, max_runtime_s=1)
+    assert run_shard(job_id, settings) != 0
+    job = _job(settings.resolved_database_url, job_id)
+    assert job.status == FAILED and job.status_reason == "exceeded max_runtime_s=1"
+    pid = int((settings.runs_dir / job_id / "attempt-1" / "pids" / "rank0.pid").read_text())
+    assert not alive(pid)
+
+
+def test_logs_are_capped_at_max_log_lines(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0")
+    settings = settings.model_copy(update={"max_log_lines": 100})
+    job_id = make_job(train_iters=300, checkpoint_interval=0)
+    assert run_shard(job_id, settings) == 0
+    with session_scope(settings.resolved_database_url) as s:
+        seqs = s.scalars(select(JobLog.seq).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+    # 300 step lines + the engine's first and last line; only the newest 100 remain
+    assert len(seqs) == 100 and seqs[-1] == 302 and seqs == list(range(203, 303))

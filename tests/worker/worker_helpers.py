@@ -1,0 +1,39 @@
+"""Helpers shared by the worker tests (imported by name: pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from megatrain.worker.procs import pid_alive
+
+
+def job_spec(train_iters: int = 20, checkpoint_interval: int = 5, max_runtime_s: int = 120) -> dict[str, Any]:
+    return {
+        "name": "fake",
+        "data": {"train": [{"path": "file:///dev/null"}]},
+        "training": {
+            "train_iters": train_iters,
+            "log_interval": 1,
+            "checkpoint_interval": checkpoint_interval,
+            "global_batch_size": 4,
+            "micro_batch_size": 1,
+            "warmup_iters": 0,
+        },
+        "resources": {"max_runtime_s": max_runtime_s},
+    }
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def alive(pid: int) -> bool:
+    return pid_alive(pid)
