@@ -114,14 +114,14 @@ def follow_job(client: Client, job_id: str, poll_interval_s: float = 1.0) -> Job
         TextColumn("{task.fields[status]}"),
         BarColumn(),
         TaskProgressColumn(),
-        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("step {task.fields[steps]}"),
         TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[tps]} tok/s"),
         TextColumn("MFU {task.fields[mfu]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(job_id, total=None, status="", loss="-", tps="-", mfu="-")
+        task = progress.add_task(job_id, total=None, status="", steps="-", loss="-", tps="-", mfu="-")
         while True:
             job = client.get_job(job_id)
             progress.update(
@@ -129,6 +129,7 @@ def follow_job(client: Client, job_id: str, poll_interval_s: float = 1.0) -> Job
                 total=job.total_steps or None,
                 completed=job.current_step,
                 status=_status(job.status),
+                steps=f"{job.current_step}/{job.total_steps or '?'}",
                 loss=_fmt(job.latest_loss, ".4f"),
                 tps=_fmt(job.latest_tokens_per_s, ",.0f"),
                 mfu=_fmt(None if job.latest_mfu is None else 100 * job.latest_mfu, ".2f") + "%",
