@@ -1,0 +1,176 @@
+"""Engine configs derived from the JobSpec: each component gets its slice, nothing is kept by hand.
+
+`TransformerConfig` is what the model needs; `TrainConfig` what the training loop needs. Both are
+built by pure functions of (spec, tokenizer vocabulary, layout), so tests need no torch for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from megatrain.spec import JobSpec, SpecError
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int:
+    """The embedding rows: the spec's vocab_size if given, else the tokenizer's rounded up to 128.
+
+    Padding keeps the LM-head matmul a friendly shape (and divisible by tensor-parallel degrees).
+    """
+    if requested is not None:
+        if requested < tokenizer_vocab:
+            raise SpecError(
+                [
+                    {
+                        "field": "model.vocab_size",
+                        "message": f"model.vocab_size={requested} is smaller than the tokenizer's "
+                        f"vocabulary ({tokenizer_vocab})",
+                    }
+                ]
+            )
+        return requested
+    return -(-tokenizer_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Everything `GPTModel` needs; the arch flavour is spelled out as explicit choices."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads; equal to num_attention_heads for plain multi-head attention."""
+    ffn_hidden_size: int
+    seq_length: int
+    vocab_size: int
+    """Padded embedding rows (>= the tokenizer's vocabulary)."""
+    position_embedding: Literal["learned", "rope"] = "rope"
+    normalization: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    activation: Literal["gelu", "swiglu"] = "swiglu"
+    add_bias: bool = False
+    """Biases on every Linear (GPT-2) or none (Llama)."""
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError("num_attention_heads must be divisible by num_query_groups")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError("rotary embeddings need an even head dimension")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of K (and of V): num_query_groups · head_dim."""
+        return self.num_query_groups * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        return cls(**data)
+
+
+def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig:
+    """The model slice of a spec, with the vocabulary padded for the tokenizer in use."""
+    m = spec.model
+    gpt2 = m.arch == "gpt2"
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
+        ffn_hidden_size=m.ffn_size,
+        seq_length=m.seq_length,
+        vocab_size=padded_vocab_size(tokenizer_vocab, m.vocab_size),
+        position_embedding="learned" if gpt2 else "rope",
+        normalization="layernorm" if gpt2 else "rmsnorm",
+        activation="gelu" if gpt2 else "swiglu",
+        add_bias=gpt2,
+        tie_embeddings=m.tied,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training-loop slice of a spec, resolved against the data-parallel degree."""
+
+    train_iters: int
+    global_batch_size: int
+    micro_batch_size: int
+    data_parallel_size: int
+    seq_length: int
+    lr: float
+    min_lr: float
+    lr_schedule: Literal["cosine", "linear", "constant"]
+    warmup_iters: int
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    precision: Literal["fp32", "bf16"]
+    recompute: Literal["none", "selective", "full"]
+    checkpoint_interval: int
+    log_interval: int
+    eval_interval: int
+    eval_iters: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size % (self.micro_batch_size * self.data_parallel_size):
+            raise ValueError("global_batch_size must be divisible by micro_batch_size × data_parallel_size")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches each rank runs per iteration: global / (micro · dp)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.global_batch_size // self.data_parallel_size
+
+
+def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
+    t = spec.training
+    return TrainConfig(
+        train_iters=t.train_iters,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_size=data_parallel_size,
+        seq_length=spec.model.seq_length,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        lr_schedule=t.lr_schedule,
+        warmup_iters=t.warmup_iters,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        precision=t.precision,
+        recompute=t.recompute,
+        checkpoint_interval=t.checkpoint_interval,
+        log_interval=t.log_interval,
+        eval_interval=t.eval_interval,
+        eval_iters=t.eval_iters,
+        seed=t.seed,
+    )

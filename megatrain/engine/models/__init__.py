@@ -1,0 +1,1 @@
+"""Plain single-device model definitions; parallelism is applied to them from outside."""

@@ -1,0 +1,230 @@
+"""One decoder-only transformer for both flavours: GPT-2 and Llama.
+
+GPT-2: learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
+Llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, untied LM head.
+
+Plain single-device nn.Module: no process groups, no globals. Every Linear is its own named
+submodule (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, lm_head) so tensor-parallel layers can replace them.
+
+Parameter names (per layer i), for mapping Hugging Face checkpoints:
+  embed.weight                     wte / embed_tokens
+  pos_embed.weight                 wpe                       (learned positions only)
+  layers.i.attn_norm               ln_1 / input_layernorm
+  layers.i.attn.qkv                c_attn / [q_proj; k_proj; v_proj] regrouped (see Attention)
+  layers.i.attn.proj               c_proj / o_proj
+  layers.i.mlp_norm                ln_2 / post_attention_layernorm
+  layers.i.mlp.fc1                 c_fc / [gate_proj; up_proj]
+  layers.i.mlp.fc2                 c_proj / down_proj
+  final_norm, lm_head              ln_f / norm, lm_head (absent from the state dict when tied)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatrain.engine.config import TransformerConfig
+
+# enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the autocast dtype; the reduction is the sensitive part.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.normalization == "layernorm":
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+def rope_tables(seq_length: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (T, head_dim) in the rotate-half layout Hugging Face Llama uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, hd); cos/sin: (T, hd)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with one fused QKV projection and grouped-query support.
+
+    The qkv output is laid out group by group, Megatron style: for each of the G key/value groups,
+    its H/G query heads, then its key head, then its value head. A tensor-parallel split of the
+    output dimension into contiguous chunks then hands each rank whole groups.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_groups = cfg.num_query_groups
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.attention_dropout
+        self.recompute_core = False
+        out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.add_bias)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, (H+2G)·hd) -> q (B, H, T, hd), k and v (B, G, T, hd)."""
+        b, t, _ = qkv.shape
+        per_group = self.num_heads // self.num_groups
+        qkv = qkv.view(b, t, self.num_groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(b, t, self.num_heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if self.num_groups != self.num_heads:
+            if _SDPA_HAS_GQA:
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True
+                )
+            # Query head h belongs to group h // (H/G): repeat each group's K/V that many times.
+            rep = self.num_heads // self.num_groups
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.split_qkv(self.qkv(x))
+        if rope is not None:
+            cos, sin = rope[0][:t], rope[1][:t]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute_core and self.training:
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    """GELU MLP, or SwiGLU with gate and up fused in fc1 (output rows: [gate; up])."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        width = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
+        self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.add_bias)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
+        return self.fc2(h)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPTModel(nn.Module):
+    """tokens (B, T) int64 -> logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.recompute_blocks = False
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embed = (
+            nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
+        )
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.position_embedding == "rope":
+            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta)
+            # Not persistent: derived from the config, so checkpoints carry weights only.
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, std) everywhere; output projections (attn.proj, mlp.fc2) by std/sqrt(2·layers)."""
+        std = self.config.init_method_std
+        out_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scaled = name.endswith("attn.proj") or name.endswith("mlp.fc2")
+                nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def set_recompute(self, mode: str) -> None:
+        """none | selective (attention core only) | full (each block). Recompute trades FLOPs for memory."""
+        self.recompute_blocks = mode == "full"
+        for layer in self.layers:
+            layer.attn.recompute_core = mode == "selective"
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        if t > self.config.seq_length:
+            raise ValueError(f"sequence of {t} tokens exceeds seq_length={self.config.seq_length}")
+        x = self.embed(tokens)  # (B, T, C)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(t, device=tokens.device))
+        else:
+            rope = (self.rope_cos, self.rope_sin)
+        x = self.dropout(x)
+        for layer in self.layers:
+            if self.recompute_blocks and self.training:
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope)
+        return self.lm_head(self.final_norm(x))  # (B, T, V)
+
+    def num_parameters(self) -> int:
+        """Unique parameters (a tied LM head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32. logits (B, T, V), labels (B, T)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
