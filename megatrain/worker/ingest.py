@@ -75,8 +75,9 @@ def _insert_ignoring_duplicates(
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert
-        stmt = insert(model).values(rows).on_conflict_do_nothing(index_elements=keys)
-        return session.execute(stmt).rowcount or 0
+        stmt = insert(model).values(rows).on_conflict_do_nothing(index_elements=keys).returning(model.id)
+        # RETURNING counts the rows really inserted (rowcount is -1 for multi-row inserts on psycopg).
+        return len(session.execute(stmt).all())
     inserted = 0
     for row in rows:
         try:

@@ -121,6 +121,25 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
         return _Attempt(job_id, job.attempt, job.max_retries, job.num_procs, max_runtime_s, out_dir)
 
 
+def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
+    """Ingest what earlier attempts on this host wrote after their runner's last tick (a runner
+    killed with -9 leaves such lines behind); the inserts are idempotent, so re-reading is safe."""
+    for n in range(1, att.attempt):
+        out = settings.runs_dir / att.job_id / f"attempt-{n}"
+        if not out.is_dir():
+            continue
+        metrics = JsonlTail(out / "metrics.jsonl").read()
+        checkpoints = [
+            r for r in JsonlTail(out / "events.jsonl").read() if r.get("event") == "checkpoint_saved"
+        ]
+        try:
+            with session_scope(settings.resolved_database_url) as s:
+                ingest_metrics(s, att.job_id, metrics)
+                ingest_events(s, att.job_id, checkpoints, n)
+        except SQLAlchemyError as exc:
+            log.warning("job %s: could not backfill attempt %d: %s", att.job_id, n, exc)
+
+
 def _pump(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
     for raw in iter(stream.readline, b""):
         lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
@@ -229,6 +248,7 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
     att = _claim(settings, job_id)
     if att is None:
         return 0
+    _backfill_earlier_attempts(settings, att)
     spec_path = att.out_dir / "spec.json"
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
     cmd = engine_command(att.num_procs, spec_path, att.out_dir, checkpoint_url)

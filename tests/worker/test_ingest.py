@@ -1,0 +1,76 @@
+"""Ingestion is idempotent: re-read files and resumed attempts never double-count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from megatrain.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings
+from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+
+
+def _count(url: str, model: type, job_id: str, **where: object) -> int:
+    with session_scope(url) as s:
+        q = select(func.count()).select_from(model).where(model.job_id == job_id)
+        for k, v in where.items():
+            q = q.where(getattr(model, k) == v)
+        return s.scalar(q)
+
+
+def test_metrics_and_checkpoints_are_stored_once(settings: Settings, make_job: Callable[..., str]) -> None:
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    rows = [{"step": 10, "loss": 2.0, "tokens_per_s": 5.0, "mfu": 0.3}, {"step": 10, "val_loss": 2.5}]
+    ckpt = [{"event": "checkpoint_saved", "step": 10, "uri": "file:///x/iter_0000010", "size_bytes": 7}]
+    with session_scope(url) as s:
+        assert ingest_metrics(s, job_id, rows) == 2
+        ingest_events(s, job_id, ckpt, attempt=1)
+    # the same lines again (a restarted runner), then a resumed attempt rewriting step 10
+    with session_scope(url) as s:
+        assert ingest_metrics(s, job_id, rows) == 0
+        assert ingest_metrics(s, job_id, [{"step": 10, "loss": 9.9}, {"step": 11, "loss": 1.9}]) == 1
+        ingest_events(s, job_id, ckpt, attempt=2)
+    assert _count(url, JobMetric, job_id) == 3
+    assert _count(url, Checkpoint, job_id) == 1
+    assert _count(url, JobEvent, job_id, kind="checkpoint_saved") == 1
+    with session_scope(url) as s:
+        first = s.scalar(
+            select(JobMetric).where(
+                JobMetric.job_id == job_id, JobMetric.kind == "train", JobMetric.step == 10
+            )
+        )
+        assert first.loss == 2.0 and first.data["tokens_per_s"] == 5.0
+        job = s.get(Job, job_id)
+        assert (job.current_step, job.latest_loss) == (11, 1.9)
+
+
+def test_tail_reads_only_complete_lines_and_rereads_until_committed(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    tail = JsonlTail(path)
+    assert tail.read() == []  # no file yet
+    path.write_text('{"step": 1}\n{"step": 2}\nnot json\n{"step"')
+    assert tail.read() == [{"step": 1}, {"step": 2}]
+    assert tail.read() == [{"step": 1}, {"step": 2}]  # not committed: the same rows again
+    tail.commit()
+    assert tail.read() == []
+    with open(path, "a") as f:
+        f.write(": 3}\n")
+    assert tail.read() == [{"step": 3}]
+
+
+def test_log_seq_continues_and_is_capped(settings: Settings, make_job: Callable[..., str]) -> None:
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    with session_scope(url) as s:
+        assert next_log_seq(s, job_id) == 1
+        nxt = append_logs(s, job_id, [f"a{i}" for i in range(80)], 1, max_lines=100)
+    with session_scope(url) as s:
+        assert next_log_seq(s, job_id) == nxt == 81
+        append_logs(s, job_id, [f"b{i}" for i in range(50)], nxt, max_lines=100)
+    with session_scope(url) as s:
+        seqs = s.scalars(select(JobLog.seq).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+    assert seqs == list(range(31, 131))
