@@ -287,4 +287,3 @@ class Scheduler:
                 except Exception:
                     log.exception("scheduler: unexpected error in %s; continuing", step.__name__)
             stop_event.wait(self.settings.scheduler_interval_s)
-

@@ -60,13 +60,17 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int) -> None:
     """preexec_fn: SIGTERM this child when the process (thread) that spawned it dies.
 
     torchrun answers SIGTERM by terminating its ranks, so `kill -9` of a runner leaves no orphans.
+    Use as `functools.partial(die_with_parent, os.getpid())`: a parent that died before prctl took
+    effect is caught by the ppid check.
     """
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _signal_all(groups: set[int], pids: set[int], sig: int) -> None:

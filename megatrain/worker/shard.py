@@ -11,6 +11,7 @@ CLI: `python -m megatrain.worker.shard --job-id ID` (what the local executor spa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -264,7 +265,7 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
             env=env,
             cwd=att.out_dir,
             start_new_session=True,  # its own process group, killed as one
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
     except OSError as exc:
         runner.recent.append(f"could not start the engine: {exc}")
@@ -301,7 +302,14 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
             break
         time.sleep(1)
     rc = proc.returncode
-    runner.finish(outcome, rc)
+    for delay in (0, 1, 5):
+        time.sleep(delay)
+        try:
+            runner.finish(outcome, rc)
+            break
+        except SQLAlchemyError as exc:
+            # If this keeps failing the reconciler requeues the job once heartbeats stop.
+            log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc
 
 

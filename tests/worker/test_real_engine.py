@@ -1,0 +1,79 @@
+"""The shard runner with the real engine (`megatrain.engine.train`) on a tiny spec, on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobMetric
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings
+from megatrain.worker.shard import run_shard
+
+pytestmark = pytest.mark.slow
+
+
+def _engine_importable() -> bool:
+    try:
+        return importlib.util.find_spec("megatrain.engine.train") is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+def test_real_engine_runs_under_the_runner(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    corpus = tmp_path / "corpus.jsonl"
+    text = "def add(a, b):\n    return a + b\n" * 40
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    spec = {
+        "name": "tiny-real",
+        "model": {
+            "arch": "llama",
+            "num_layers": 1,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "seq_length": 32,
+        },
+        "data": {"tokenizer": {"type": "byte"}, "train": [{"path": corpus.as_uri()}], "split": "90,10,0"},
+        "training": {
+            "train_iters": 6,
+            "global_batch_size": 4,
+            "micro_batch_size": 4,
+            "precision": "fp32",
+            "log_interval": 2,
+            "checkpoint_interval": 3,
+            "eval_interval": 0,
+            "warmup_iters": 0,
+        },
+        "resources": {"gpus": 1, "max_runtime_s": 300},
+    }
+    with session_scope(url) as s:
+        s.get(Job, job_id).spec = spec
+    from megatrain.db.jobs import reserve_and_schedule
+    from megatrain.db.models import Node
+
+    with session_scope(url) as s:
+        assert reserve_and_schedule(s, job_id, s.scalar(select(Node.id).where(Node.hostname == "testnode")))
+    rc = run_shard(job_id, settings)
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        steps = s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.kind == "train"))
+        ckpts = s.scalars(
+            select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)
+        )
+        assert rc == 0 and job.status == SUCCEEDED, job.status_reason
+        assert sorted(steps) == [2, 4, 6] and list(ckpts) == [3, 6]
+        assert job.num_params and job.num_params > 0 and job.latest_loss is not None
+    latest = settings.home / "storage" / "jobs" / job_id / "checkpoints" / "latest"
+    assert latest.read_text().strip() == "6"
