@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-WORDS = "def return import class self while for if else yield lambda None True False print".split()
+WORDS = ["def", "return", "import", "class", "self", "while", "for", "if", "else", "yield", "lambda", "None"]
 
 
 def write_corpus(path: Path, num_docs: int = 120, seed: int = 0) -> Path:

@@ -58,8 +58,9 @@ def test_tied_embeddings_and_param_names() -> None:
     assert model.lm_head.weight is model.embed.weight
     names = dict(model.named_parameters())
     assert "lm_head.weight" not in names  # counted once
-    assert {"pos_embed.weight", "layers.0.attn.qkv.weight", "layers.0.attn.proj.bias",
-            "layers.1.mlp.fc1.weight", "layers.1.mlp.fc2.weight", "final_norm.bias"} <= set(names)  # fmt: skip
+    expected = {"pos_embed.weight", "layers.0.attn.qkv.weight", "layers.0.attn.proj.bias",
+                "layers.1.mlp.fc1.weight", "layers.1.mlp.fc2.weight", "final_norm.bias"}  # fmt: skip
+    assert expected <= set(names)
     llama = GPTModel(make_config())
     assert llama.lm_head.weight is not llama.embed.weight
     assert not any(n.endswith(".bias") for n, _ in llama.named_parameters())
