@@ -21,6 +21,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -46,25 +47,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-class UTCDateTime(DateTime):
-    """Timezone-aware on PostgreSQL; SQLite drops tzinfo, so values are read back as UTC."""
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware on PostgreSQL; SQLite keeps naive values, so they are stored and read as UTC."""
 
+    impl = DateTime(timezone=True)
     cache_ok = True
 
-    def __init__(self) -> None:
-        super().__init__(timezone=True)
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None and dialect.name == "sqlite":
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value
 
-    def result_processor(self, dialect, coltype):  # type: ignore[no-untyped-def]
-        parent = super().result_processor(dialect, coltype)
-
-        def process(value: Any) -> Any:
-            if parent is not None:
-                value = parent(value)
-            if isinstance(value, datetime) and value.tzinfo is None:
-                value = value.replace(tzinfo=UTC)
-            return value
-
-        return process
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
 
 
 class Base(DeclarativeBase):
