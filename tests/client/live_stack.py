@@ -97,7 +97,7 @@ def add_checkpoint(settings: Settings, job_id: str, step: int, payload: bytes = 
     manifest = {
         "step": step,
         "files": [
-            {"path": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()
+            {"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()
         ],
     }
     store.put_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())

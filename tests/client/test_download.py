@@ -34,7 +34,7 @@ def _checkpoint_files() -> dict[str, bytes]:
     weights, state = b"\x00" * 1000 + b"weights", b'{"step": 20}'
     manifest = {
         "files": [
-            {"path": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             for name, data in (("model.safetensors", weights), ("trainer_state.json", state))
         ]
     }
