@@ -1,8 +1,10 @@
 """The demo job: a small Llama trained on the Python standard library's own sources.
 
 No torch here: the CLI imports this to build the corpus and the spec, then submits the job like
-any other. The spec is tuned to converge visibly (final loss well under 60% of the first logged
-loss) in a few minutes on 2 CPU cores.
+any other. The spec is tuned to converge visibly in a few minutes on 2 CPU cores. Measured with
+the default 4 MiB corpus on this project's 2-core AVX2 machine (single process, fp32): 133 s wall,
+first logged loss 5.32, final 1.56 (29%), validation loss 1.06, 4 checkpoints; about 3.5 minutes
+while other work shares the cores.
 """
 
 from __future__ import annotations
@@ -81,18 +83,19 @@ def demo_spec(corpus_url: str) -> dict[str, Any]:
             "split": "98,2,0",
         },
         "training": {
-            "train_iters": 400,
+            "train_iters": 500,
             "global_batch_size": 16,
             "micro_batch_size": 16,
             "lr": 3e-3,
             "min_lr": 3e-4,
             "lr_schedule": "cosine",
-            "warmup_iters": 40,
+            "warmup_iters": 50,
             "weight_decay": 0.1,
+            # bf16 would fall back to fp32 on CPUs without native bf16 anyway (see engine.train).
             "precision": "fp32",
-            "checkpoint_interval": 100,
+            "checkpoint_interval": 125,
             "log_interval": 10,
-            "eval_interval": 100,
+            "eval_interval": 125,
             "eval_iters": 4,
             "seed": 1234,
         },
