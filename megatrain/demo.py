@@ -3,8 +3,8 @@
 No torch here: the CLI imports this to build the corpus and the spec, then submits the job like
 any other. The spec is tuned to converge visibly in a few minutes on 2 CPU cores. Measured with
 the default 4 MiB corpus on this project's 2-core AVX2 machine (single process, fp32): 133 s wall,
-first logged loss 5.32, final 1.56 (29%), validation loss 1.06, 4 checkpoints; about 3.5 minutes
-while other work shares the cores.
+first logged loss 5.32, final 1.56 (29%), validation loss 1.06, 4 checkpoints. It runs slower
+when other processes (the API, tests) share the two cores.
 """
 
 from __future__ import annotations
