@@ -317,9 +317,10 @@ class EmbeddedStack:
         thread.start()
         self._threads.append(thread)
 
-    def start_in_background(self, timeout_s: float = 30.0) -> None:
+    def start_in_background(self, scheduler: bool = True, timeout_s: float = 30.0) -> None:
         """Serve from a thread (tests, embedding) and return once the port accepts requests."""
-        self.start_scheduler()
+        if scheduler:
+            self.start_scheduler()
         thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -343,6 +344,12 @@ class EmbeddedStack:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout_s)
+
+
+def _configure_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _server_errors(fn: F) -> F:
@@ -371,6 +378,7 @@ def up(
     port: Annotated[int | None, typer.Option(help="Port to listen on (MEGATRAIN_PORT).")] = None,
 ) -> None:
     """Run the whole embedded stack (API, dashboard, scheduler, local executor) in this process."""
+    _configure_logging()
     settings = get_settings()
     host = host or settings.host
     port = port or settings.port
@@ -393,6 +401,7 @@ def scheduler() -> None:
     """Run the scheduler loop alone (production: beside API replicas and Celery workers)."""
     from megatrain.scheduler.loop import Scheduler
 
+    _configure_logging()
     settings = get_settings()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -26,6 +26,7 @@ class Job:
     status_reason: str = ""
     created_at: str | None = None
     updated_at: str | None = None
+    scheduled_at: str | None = None
     started_at: str | None = None
     finished_at: str | None = None
     current_step: int = 0
@@ -37,8 +38,12 @@ class Job:
     layout: dict[str, Any] | None = None
     num_procs: int | None = None
     attempt: int = 0
+    max_retries: int | None = None
+    cancel_requested: bool = False
     priority: int | None = None
     pool: str | None = None
+    idempotency_key: str | None = None
+    spec: dict[str, Any] | None = field(default=None, repr=False)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod

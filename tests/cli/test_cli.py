@@ -133,6 +133,7 @@ def test_keys_create_gives_a_working_key_of_a_new_tenant(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL adds nothing here but time
 def test_submit_follow_runs_to_success(live_stack: LiveApi, tmp_path: Path) -> None:
     pytest.importorskip("megatrain.engine.train", reason="the engine entry point has not landed yet")
     code, out = run("submit", str(_write_spec(tmp_path, live_stack.spec("followed"))), "--follow")
@@ -171,6 +172,7 @@ def test_demo_starts_a_detached_stack_when_none_answers(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL adds nothing here but time
 def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole demo path with a smaller corpus and model, so it fits the test budget."""
     pytest.importorskip("megatrain.engine.train", reason="the engine entry point has not landed yet")

@@ -74,9 +74,7 @@ def start_live_api(
     settings = get_settings()
     key = EmbeddedStack.prepare(settings)
     stack = EmbeddedStack(settings, "127.0.0.1", port, log_level="warning")
-    if with_scheduler:
-        stack.start_scheduler()
-    stack.start_in_background()
+    stack.start_in_background(scheduler=with_scheduler)
     try:
         yield LiveApi(url=stack.url, key=key, settings=settings, data_path=data_path)
     finally:

@@ -71,6 +71,7 @@ def test_download_checkpoint(live_api: LiveApi, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL adds nothing here but time
 def test_tiny_job_end_to_end(live_stack: LiveApi, tmp_path: Path) -> None:
     """A real (tiny) training job through scheduler, local executor and engine; checkpoint loads."""
     pytest.importorskip("megatrain.engine.train", reason="the engine entry point has not landed yet")
