@@ -1,0 +1,103 @@
+"""The FastAPI application: `create_app(settings)` wires routers, auth, error shapes and middleware.
+
+The API enqueues work by database state only (a queued job row); it never imports the engine or the
+worker. Replicas are stateless: every request reads what it needs from the database.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+
+from megatrain import REPO_ROOT, __version__
+from megatrain.api.checkpoints.router import router as checkpoints_router
+from megatrain.api.errors import install_error_handlers
+from megatrain.api.health.router import router as health_router
+from megatrain.api.jobs.router import router as jobs_router
+from megatrain.api.keys.router import router as keys_router
+from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
+from megatrain.api.spec.router import router as spec_router
+from megatrain.db.session import session_scope, upgrade_database
+from megatrain.scheduler.pools import ensure_local_pool
+from megatrain.settings import Settings, get_settings
+from megatrain.spec import JobSpec
+
+log = logging.getLogger("megatrain.api")
+WEB_DIR = REPO_ROOT / "web"
+
+
+def prepare_backends(settings: Settings) -> None:
+    """Startup work: migrate the embedded SQLite database (server databases are migrated by their
+    own deploy step), and register this machine's pool when jobs run here."""
+    url = settings.resolved_database_url
+    if url.startswith("sqlite"):
+        upgrade_database(url)
+    if settings.executor == "local":
+        with session_scope(url) as session:
+            ensure_local_pool(session, settings)
+
+
+def _too_large(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestTooLarge)
+    return JSONResponse({"detail": f"request body exceeds the limit of {exc.limit} bytes"}, status_code=413)
+
+
+def _openapi_with_spec(app: FastAPI) -> dict[str, Any]:
+    """OpenAPI plus the JobSpec schema, which submissions reference (their bodies are parsed by hand
+    so that YAML is accepted too)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(spec_schema.pop("$defs", {}))
+        components["JobSpec"] = spec_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float = 0.5) -> FastAPI:
+    """The megatrain API for `settings` (default: get_settings()).
+
+    `sse_poll_interval_s` is how often event streams look for new rows in the database.
+    """
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(prepare_backends, settings)
+        yield
+
+    app = FastAPI(
+        title="megatrain",
+        version=__version__,
+        description="Training as a service: submit JobSpecs, follow them, download checkpoints.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.sse_poll_interval_s = sse_poll_interval_s
+    app.state.metrics = ApiMetrics(settings.resolved_database_url)
+
+    install_error_handlers(app)
+    app.add_exception_handler(RequestTooLarge, _too_large)
+    for router in (health_router, spec_router, jobs_router, checkpoints_router, keys_router):
+        app.include_router(router)
+    app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
+
+    # Added last = outermost: metrics see every answer, including 413s and 500s.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+
+    # The dashboard's static files, served at / (index.html for "/"); mounted after every API route.
+    if WEB_DIR.is_dir():
+        app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
+    else:
+        log.warning("no dashboard files at %s; serving the API only", WEB_DIR)
+    return app

@@ -1,0 +1,110 @@
+"""Checkpoints of a job: the list, and a download as a streamed tar or as presigned URLs.
+
+The folder is located by the storage layout (`{storage}/jobs/{job_id}/checkpoints/iter_{step:07d}`),
+never by a URL read back from the database, and only a folder whose manifest.json exists (written
+last by the engine) counts as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fastapi import HTTPException
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.db.models import Checkpoint
+from megatrain.settings import Settings
+from megatrain.storage import ObjectInfo, Store, open_store
+
+BLOCK = 512
+CHUNK = 1 << 20
+PRESIGN_EXPIRES_S = 3600
+
+
+def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
+    q = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)
+    return list(session.scalars(q).all())
+
+
+@dataclass
+class CheckpointFiles:
+    store: Store
+    prefix: str
+    """Key of the iter_{step:07d} folder within the store."""
+    folder: str
+    """Its name (iter_0000050), the single top folder of the tar."""
+    objects: list[ObjectInfo]
+
+    def relative(self, obj: ObjectInfo) -> str:
+        return obj.key[len(self.prefix) + 1 :]
+
+
+def locate(session: Session, settings: Settings, job_id: str, step: int) -> CheckpointFiles:
+    """The files of a complete checkpoint; 404 when there is no such (complete) checkpoint."""
+    if (
+        session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+        is None
+    ):
+        raise HTTPException(404, f"job {job_id} has no checkpoint at step {step}")
+    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
+    folder = f"iter_{step:07d}"
+    prefix = f"jobs/{job_id}/checkpoints/{folder}"
+    if not store.exists(f"{prefix}/manifest.json"):
+        raise HTTPException(
+            404, f"the checkpoint at step {step} of job {job_id} is incomplete or was deleted"
+        )
+    objects = [o for o in store.list(prefix) if o.key.startswith(prefix + "/")]
+    return CheckpointFiles(store, prefix, folder, objects)
+
+
+def tar_headers(files: CheckpointFiles) -> list[bytes]:
+    now = int(time.time())
+    headers = []
+    for obj in files.objects:
+        info = tarfile.TarInfo(f"{files.folder}/{files.relative(obj)}")
+        info.size, info.mode, info.mtime = obj.size, 0o644, now
+        headers.append(info.tobuf(format=tarfile.PAX_FORMAT))
+    return headers
+
+
+def tar_size(files: CheckpointFiles, headers: list[bytes]) -> int:
+    body = sum(len(h) + o.size + (-o.size % BLOCK) for h, o in zip(headers, files.objects, strict=True))
+    return body + 2 * BLOCK  # two zero blocks end the archive
+
+
+def stream_tar(files: CheckpointFiles, headers: list[bytes]) -> Iterator[bytes]:
+    """An uncompressed tar of the folder, written member by member (constant memory, any size).
+
+    Each member's size is fixed by its header: a file that shrank since it was listed is padded
+    with zeros (the manifest check on the client then fails loudly) and one that grew is cut.
+    """
+    for header, obj in zip(headers, files.objects, strict=True):
+        yield header
+        remaining = obj.size
+        with contextlib.closing(files.store.open_read(obj.key)) as f:
+            while remaining > 0:
+                chunk = f.read(min(CHUNK, remaining))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+                yield chunk
+        if remaining:
+            yield b"\0" * remaining
+        yield b"\0" * (-obj.size % BLOCK)
+    yield b"\0" * (2 * BLOCK)
+
+
+def presigned_listing(files: CheckpointFiles, job_id: str, step: int) -> dict[str, object] | None:
+    """{"job_id", "step", "expires_in_s", "files": [{"path", "size", "url"}]}; None without presigning."""
+    entries = []
+    for obj in files.objects:
+        url = files.store.presigned_url(obj.key, PRESIGN_EXPIRES_S)
+        if url is None:
+            return None
+        entries.append({"path": files.relative(obj), "size": obj.size, "url": url})
+    return {"job_id": job_id, "step": step, "expires_in_s": PRESIGN_EXPIRES_S, "files": entries}

@@ -1,0 +1,119 @@
+"""Which data a tenant's job may read: the rule the API applies before a spec is accepted.
+
+A data URL must be `file:///abs/path` or `s3://bucket/key` and, once normalised, lie under
+  - the tenant's own prefix `{storage}/tenants/{tenant_name}/`,
+  - the shared `{storage}/datasets/`, or
+  - one of `settings.data_roots` (MEGATRAIN_ALLOWED_DATA_ROOTS).
+Normalising refuses rather than repairs: relative paths, hosts in file URLs, `.`/`..`/empty
+segments (also when percent-encoded), double encoding, queries, fragments, control characters and
+other schemes are all errors. file:// paths are compared after resolving symlinks, so a link inside
+an allowed root cannot point the job at /etc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import unquote
+
+from megatrain.settings import Settings
+from megatrain.spec import JobSpec, SpecError
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class DataUrlError(ValueError):
+    pass
+
+
+def _decoded_segments(raw: str) -> list[str]:
+    """The path's segments after one round of percent-decoding (what every reader of it does)."""
+    if "?" in raw or "#" in raw:
+        raise DataUrlError("must not carry a query or fragment")
+    try:
+        decoded = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        raise DataUrlError("has percent-encoding that is not valid UTF-8") from None
+    if "%" in decoded:
+        raise DataUrlError("is percent-encoded twice")
+    if any(ord(c) < 32 or ord(c) == 127 for c in decoded) or "\\" in decoded:
+        raise DataUrlError("contains control characters or backslashes")
+    segments = decoded.split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        raise DataUrlError("must be a normalised path: no '.', '..' or empty ('//') segments")
+    return segments
+
+
+def normalise_data_url(url: str, *, root: bool = False) -> str:
+    """`url` as `file:///resolved/path` or `s3://bucket/key`; raises DataUrlError saying why not.
+
+    With `root=True` a trailing slash is allowed and an S3 URL may name just a bucket.
+    """
+    if root:
+        url = url.rstrip("/")
+    if url.startswith("file://"):
+        rest = url[len("file://") :]
+        if not rest.startswith("/"):
+            raise DataUrlError("a file URL needs an absolute path and no host: file:///abs/path")
+        segments = _decoded_segments(rest[1:]) if rest != "/" else []
+        path = os.path.realpath("/" + "/".join(segments))
+        return "file://" + path
+    if url.startswith("s3://"):
+        bucket, _, key = url[len("s3://") :].partition("/")
+        if not _BUCKET.match(bucket):
+            raise DataUrlError(f"names an invalid S3 bucket {bucket!r}")
+        if not key:
+            if root:
+                return f"s3://{bucket}"
+            raise DataUrlError("needs an object key: s3://bucket/key")
+        # S3 keys are used as written (nobody decodes them), so no percent signs at all.
+        if "%" in key:
+            raise DataUrlError("must not percent-encode an S3 key")
+        return f"s3://{bucket}/" + "/".join(_decoded_segments(key))
+    raise DataUrlError("must be file:///abs/path or s3://bucket/key")
+
+
+def allowed_roots(settings: Settings, tenant_name: str) -> list[str]:
+    storage = settings.resolved_storage_url
+    raw = [f"{storage}/tenants/{tenant_name}", f"{storage}/datasets", *settings.data_roots]
+    roots = []
+    for r in raw:
+        try:
+            roots.append(normalise_data_url(r, root=True))
+        except DataUrlError:
+            continue  # a malformed configured root grants nothing
+    return roots
+
+
+def _under(url: str, roots: list[str]) -> bool:
+    return any(url == r or url.startswith(r + "/") for r in roots)
+
+
+def check_data_access(spec: JobSpec, settings: Settings, tenant_name: str) -> None:
+    """Raise SpecError naming each data path (`data.train.0.path`, …) the tenant may not read."""
+    paths = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train)]
+    if spec.data.tokenizer.path:
+        paths.append(("data.tokenizer.path", spec.data.tokenizer.path))
+    roots = allowed_roots(settings, tenant_name)
+    storage = settings.resolved_storage_url
+    extra = ", ".join(settings.data_roots) or "none"
+    errors = []
+    for field, url in paths:
+        try:
+            normalised = normalise_data_url(url)
+        except DataUrlError as exc:
+            errors.append({"field": field, "message": f"{field}={url!r} {exc}"})
+            continue
+        if not _under(normalised, roots):
+            errors.append(
+                {
+                    "field": field,
+                    "message": (
+                        f"{field}={url!r} is outside the data this tenant may read: its own prefix "
+                        f"{storage}/tenants/{tenant_name}/, the shared {storage}/datasets/, or an "
+                        f"allowed data root (MEGATRAIN_ALLOWED_DATA_ROOTS: {extra})"
+                    ),
+                }
+            )
+    if errors:
+        raise SpecError(errors)

@@ -1,0 +1,190 @@
+"""/v1/jobs: submit, list, read, cancel, and follow a job's events, metrics and logs.
+
+A job id that is malformed, unknown, or another tenant's is the same 404 on every endpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
+from megatrain.api.jobs import service
+from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLinePublic
+from megatrain.api.sse import BATCH, event_stream_response, follow_job, wants_event_stream
+from megatrain.db.models import Job, JobMetric
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+def get_owned_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> Job:
+    return service.get_job(session, tenant, job_id)
+
+
+OwnedJob = Annotated[Job, Depends(get_owned_job)]
+
+_SPEC_BODY = {"$ref": "#/components/schemas/JobSpec"}
+_SUBMIT_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": _SPEC_BODY}, "application/yaml": {"schema": _SPEC_BODY}},
+    }
+}
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Repeat a submission safely: the same key and spec return the first job (200).",
+    ),
+]
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobPublic,
+    openapi_extra=_SUBMIT_OPENAPI,
+    responses={200: {"model": JobPublic, "description": "Replay of an earlier Idempotency-Key"}},
+)
+async def create_job(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: CurrentTenant,
+    idempotency_key: IdempotencyKey = None,
+) -> Job:
+    """Submit a JobSpec (JSON, or YAML with Content-Type application/yaml); 201 with the queued job.
+
+    The spec, its layout, its fit on the pool and its data paths are all checked first: any broken
+    rule is a 422 listing `{"field", "message"}` items. With `Idempotency-Key`, a repeat with the same
+    spec answers 200 with the first job; a different spec under the same key is a 409.
+    """
+    raw = await request.body()
+    data = service.parse_body(raw, request.headers.get("content-type", ""))
+    job, created = await run_in_threadpool(
+        service.submit_job, session, settings, tenant, data, idempotency_key
+    )
+    if not created:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return job
+
+
+@router.get("", response_model=JobPage)
+def list_jobs(
+    session: SessionDep,
+    tenant: CurrentTenant,
+    status: Annotated[str | None, Query(max_length=32)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+) -> dict[str, Any]:
+    """The tenant's jobs, newest first; follow `next_cursor` for older pages."""
+    jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor)
+    return {"items": jobs, "next_cursor": next_cursor}
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job: OwnedJob) -> Job:
+    return job
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> Job:
+    """Queued jobs are cancelled at once; scheduled/running ones get `cancel_requested` and stop when
+    their runner sees it. Cancelling a finished job is a 409."""
+    return service.cancel_job(session, tenant, job_id)
+
+
+@router.get("/{job_id}/events", response_model=list[JobEventPublic])
+def list_events(job: OwnedJob, session: SessionDep) -> list[Any]:
+    """State transitions and notable events (checkpoint_saved, resumed, cancel_requested), oldest first."""
+    return service.list_events(session, job.id)
+
+
+def _resume_from(query_value: int | None, last_event_id: int | None) -> int | None:
+    if last_event_id is None:
+        return query_value
+    return last_event_id if query_value is None else max(query_value, last_event_id)
+
+
+LastEventId = Annotated[int | None, Header(ge=0, le=2**62, description="SSE resume point")]
+
+
+@router.get(
+    "/{job_id}/metrics",
+    response_model=list[dict[str, Any]],
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+def list_metrics(
+    request: Request,
+    job: OwnedJob,
+    session: SessionDep,
+    since_step: Annotated[int | None, Query(ge=-1, le=2**62)] = None,
+    kind: Literal["train", "val"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
+    last_event_id: LastEventId = None,
+) -> Any:
+    """Metric rows with step > since_step: the engine's row plus `step` and `kind`, in step order.
+
+    With `Accept: text/event-stream`: Server-Sent Events, the existing rows then new ones as they
+    arrive, each with `id:` = its step (so `Last-Event-ID` resumes), then `event: end` once the job
+    has finished.
+    """
+    since = _resume_from(since_step, last_event_id)
+    if not wants_event_stream(request.headers.get("accept")):
+        return service.list_metrics(session, job.id, since, kind, limit)
+
+    def fetch(s: Session, last_id: int) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+        # Follow by row id (insertion order), so a val row stored after its train row is not lost.
+        q = select(JobMetric).where(JobMetric.job_id == job.id, JobMetric.id > last_id)
+        if since is not None:
+            q = q.where(JobMetric.step > since)
+        if kind is not None:
+            q = q.where(JobMetric.kind == kind)
+        rows = s.scalars(q.order_by(JobMetric.id).limit(BATCH)).all()
+        return [(r.step, service.metric_row(r)) for r in rows], (rows[-1].id if rows else last_id)
+
+    settings = request.app.state.settings
+    stream = follow_job(
+        settings.resolved_database_url, job.id, fetch, 0, request.app.state.sse_poll_interval_s
+    )
+    return event_stream_response(stream)
+
+
+@router.get(
+    "/{job_id}/logs",
+    response_model=list[LogLinePublic],
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+def list_logs(
+    request: Request,
+    job: OwnedJob,
+    session: SessionDep,
+    after_seq: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    follow: bool = False,
+    last_event_id: LastEventId = None,
+) -> Any:
+    """Log lines with seq > after_seq, oldest first. With `Accept: text/event-stream` (or
+    ?follow=true): SSE with `id:` = seq, following new lines until the job ends (`event: end`)."""
+    after = _resume_from(after_seq, last_event_id) or 0
+    if not (follow or wants_event_stream(request.headers.get("accept"))):
+        return service.list_logs(session, job.id, after, limit)
+
+    def fetch(s: Session, seq: int) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+        rows = service.list_logs(s, job.id, seq, BATCH)
+        events = [(r.seq, LogLinePublic.model_validate(r).model_dump(mode="json")) for r in rows]
+        return events, (rows[-1].seq if rows else seq)
+
+    settings = request.app.state.settings
+    stream = follow_job(
+        settings.resolved_database_url, job.id, fetch, after, request.app.state.sse_poll_interval_s
+    )
+    return event_stream_response(stream)

@@ -1,0 +1,84 @@
+"""Response shapes of the jobs API (the request body is a JobSpec: megatrain/spec.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class JobPublic(BaseModel):
+    """A job as every job endpoint returns it."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    kind: str
+    status: str
+    status_reason: str
+    spec: dict[str, Any]
+    priority: int
+    pool: str
+    layout: dict[str, Any]
+    num_procs: int
+    attempt: int
+    max_retries: int
+    cancel_requested: bool
+    idempotency_key: str | None
+    current_step: int
+    total_steps: int
+    latest_loss: float | None
+    latest_tokens_per_s: float | None
+    latest_mfu: float | None
+    num_params: int | None
+    created_at: datetime
+    updated_at: datetime
+    scheduled_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobPage(BaseModel):
+    items: list[JobPublic]
+    next_cursor: str | None
+    """Pass as ?cursor= for the next (older) page; null on the last page."""
+
+
+class JobEventPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    kind: str
+    from_status: str | None
+    to_status: str | None
+    reason: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class LogLinePublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    seq: int
+    line: str
+    created_at: datetime
+
+
+class CheckpointPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    step: int
+    uri: str
+    size_bytes: int
+    created_at: datetime
+
+
+class SpecCheck(BaseModel):
+    """What POST /v1/spec/validate found: the spec as the API would store it, and its layout."""
+
+    valid: bool
+    spec: dict[str, Any]
+    layout: dict[str, Any]
+    num_procs: int

@@ -1,0 +1,300 @@
+"""Jobs: validate and enqueue (by database state only; the scheduler picks queued jobs up), read,
+cancel. Every state change goes through db.jobs.transition."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from datetime import datetime
+from typing import Any
+
+import yaml
+from fastapi import HTTPException
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from megatrain.api.errors import FieldError
+from megatrain.api.jobs.data_access import check_data_access
+from megatrain.db.jobs import record_event, transition
+from megatrain.db.models import (
+    ACTIVE_STATES,
+    CANCELLED,
+    JOB_STATES,
+    QUEUED,
+    TERMINAL_STATES,
+    Job,
+    JobEvent,
+    JobLog,
+    JobMetric,
+    Node,
+    NodePool,
+    Tenant,
+    new_id,
+    utcnow,
+)
+from megatrain.scheduler.planner import Layout, fit_problem, plan_layout
+from megatrain.settings import Settings
+from megatrain.spec import JobSpec, dump_spec, parse_spec
+
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
+YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
+JSON_TYPES = {"", "application/json"}
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _no_yaml_aliases(text: str) -> None:
+    # Aliases let a small document expand into a huge one ("billion laughs"); specs never need them.
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError("YAML aliases (*name) are not accepted in a job spec")
+
+
+def parse_body(raw: bytes, content_type: str) -> Any:
+    """A request body as JSON (default) or YAML; unreadable bodies are 422s naming `body`."""
+    ctype = content_type.split(";", 1)[0].strip().lower()
+    if ctype not in JSON_TYPES and ctype not in YAML_TYPES and not ctype.endswith("+json"):
+        raise HTTPException(
+            415, f"unsupported Content-Type {ctype!r}: send application/json or application/yaml"
+        )
+    if not raw.strip():
+        raise FieldError("body", "a job spec is required")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FieldError("body", "the body is not valid UTF-8") from None
+    try:
+        if ctype in YAML_TYPES:
+            _no_yaml_aliases(text)
+            return yaml.safe_load(text)
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise FieldError("body", "the body is nested too deeply") from None
+    except (ValueError, yaml.YAMLError) as exc:  # JSONDecodeError, over-long integers, NaN
+        kind = "YAML" if ctype in YAML_TYPES else "JSON"
+        raise FieldError("body", f"not valid {kind}: {str(exc)[:300]}") from None
+
+
+# -- submission -------------------------------------------------------------------------------
+
+
+def _check_init_from(session: Session, spec: JobSpec, tenant: Tenant) -> None:
+    """`checkpoint:JOB_ID[@STEP]` must name one of the tenant's own jobs (no reading others' weights)."""
+    if not spec.model.init_from:
+        return
+    ref = spec.model.init_from.removeprefix("checkpoint:")
+    job_id, _, step = ref.partition("@")
+    if step and not step.isdigit():
+        raise FieldError(
+            "model.init_from", f"model.init_from={spec.model.init_from!r}: STEP must be an integer"
+        )
+    owned = JOB_ID_PATTERN.match(job_id) and session.scalar(
+        select(Job.id).where(Job.id == job_id, Job.tenant_id == tenant.id)
+    )
+    if not owned:
+        raise FieldError("model.init_from", f"model.init_from names job {job_id!r}, which does not exist")
+
+
+def validate_submission(
+    session: Session, settings: Settings, tenant: Tenant, data: Any
+) -> tuple[JobSpec, Layout]:
+    """Every rule a submission can break, in the order a user fixes them; raises SpecError/FieldError."""
+    spec = parse_spec(data)
+    layout = plan_layout(spec)
+    pool = spec.resources.pool
+    pool_id = session.scalar(select(NodePool.id).where(NodePool.name == pool))
+    if pool_id is None:
+        known = sorted(session.scalars(select(NodePool.name)).all())
+        raise FieldError(
+            "resources.pool",
+            f"resources.pool={pool!r} is not a known pool (known: {', '.join(known) or 'none'})",
+        )
+    slots = list(session.scalars(select(Node.slots_total).where(Node.pool_id == pool_id)).all())
+    problem = fit_problem(layout, slots, pool)
+    if problem:
+        raise FieldError("resources.pool" if not slots else "resources.gpus", problem)
+    check_data_access(spec, settings, tenant.name)
+    _check_init_from(session, spec, tenant)
+    return spec, layout
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """Hash of the canonical spec (defaults filled, keys sorted): equal for equal requests."""
+    return hashlib.sha256(dump_spec(spec).encode()).hexdigest()
+
+
+def _replay(session: Session, tenant: Tenant, key: str, digest: str) -> Job | None:
+    job = session.scalar(select(Job).where(Job.tenant_id == tenant.id, Job.idempotency_key == key))
+    if job is not None and job.spec_hash != digest:
+        raise HTTPException(
+            409, f"Idempotency-Key {key!r} was already used for job {job.id} with a different spec"
+        )
+    return job
+
+
+def submit_job(
+    session: Session, settings: Settings, tenant: Tenant, data: Any, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """(job, created): a new queued job, or the earlier one for a repeated Idempotency-Key."""
+    spec, layout = validate_submission(session, settings, tenant, data)
+    digest = spec_hash(spec)
+    if idempotency_key is not None:
+        existing = _replay(session, tenant, idempotency_key, digest)
+        if existing is not None:
+            return existing, False
+    job = Job(
+        id=new_id("job"),
+        tenant_id=tenant.id,
+        name=spec.name,
+        kind=spec.kind,
+        status=QUEUED,
+        status_reason="waiting for the scheduler",
+        spec=spec.model_dump(mode="json"),
+        spec_hash=digest,
+        idempotency_key=idempotency_key,
+        priority=spec.resources.priority,
+        pool=spec.resources.pool,
+        layout=layout.as_dict(),
+        num_procs=layout.world_size,
+        max_retries=spec.resources.max_retries,
+        total_steps=spec.training.train_iters,
+    )
+    session.add(job)
+    try:
+        session.flush()  # the job row exists before its event references it
+        record_event(session, job.id, QUEUED, "submitted", {"layout": layout.as_dict()}, to_status=QUEUED)
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the unique (tenant_id, key) race.
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        existing = _replay(session, tenant, idempotency_key, digest)
+        if existing is None:
+            raise
+        return existing, False
+    return job, True
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def get_job(session: Session, tenant: Tenant, job_id: str) -> Job:
+    """The tenant's job; any other id (malformed, missing, another tenant's) is the same 404."""
+    job = None
+    if JOB_ID_PATTERN.match(job_id):
+        job = session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant.id))
+    if job is None:
+        raise HTTPException(404, f"job {job_id[:64]!r} not found")
+    return job
+
+
+def encode_cursor(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created, job_id = json.loads(raw)
+        return datetime.fromisoformat(created), str(job_id)
+    except (binascii.Error, ValueError, TypeError):
+        raise FieldError("cursor", "not a cursor this API returned") from None
+
+
+def list_jobs(
+    session: Session, tenant: Tenant, status: str | None, limit: int, cursor: str | None
+) -> tuple[list[Job], str | None]:
+    """The tenant's jobs newest first, `limit` at a time, keyed on (created_at, id)."""
+    if status is not None and status not in JOB_STATES:
+        raise FieldError("status", f"status={status!r} is not one of {', '.join(JOB_STATES)}")
+    q = select(Job).where(Job.tenant_id == tenant.id)
+    if status is not None:
+        q = q.where(Job.status == status)
+    if cursor:
+        created, job_id = decode_cursor(cursor)
+        q = q.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
+    rows = list(session.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).all())
+    page = rows[:limit]
+    return page, encode_cursor(page[-1]) if len(rows) > limit else None
+
+
+def cancel_job(session: Session, tenant: Tenant, job_id: str) -> Job:
+    """Queued: cancelled now. Scheduled/running: `cancel_requested`, which the shard runner obeys.
+    Terminal: 409. Retried when a concurrent change moved the job between our read and write."""
+    job = get_job(session, tenant, job_id)
+    for _ in range(5):
+        status = session.scalar(select(Job.status).where(Job.id == job.id))
+        if status == QUEUED:
+            if transition(
+                session, job.id, CANCELLED, from_statuses=(QUEUED,), reason="cancelled by the user"
+            ):
+                session.commit()
+                break
+        elif status in ACTIVE_STATES:
+            asked = session.execute(
+                update(Job)
+                .where(Job.id == job.id, Job.status.in_(ACTIVE_STATES), Job.cancel_requested.is_(False))
+                .values(cancel_requested=True, updated_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+            if asked.rowcount == 1:
+                record_event(session, job.id, "cancel_requested", f"cancellation requested while {status}")
+                session.commit()
+                break
+            if session.scalar(
+                select(Job.cancel_requested).where(Job.id == job.id, Job.status.in_(ACTIVE_STATES))
+            ):
+                break  # asked before: cancelling twice is not an error
+        elif status in TERMINAL_STATES:
+            raise HTTPException(
+                409,
+                f"job {job.id} has already {status}; only queued, scheduled or running jobs can be cancelled",
+            )
+        session.rollback()
+    else:
+        raise HTTPException(409, f"job {job.id} kept changing state; try cancelling again")
+    session.refresh(job)
+    return job
+
+
+def list_events(session: Session, job_id: str) -> list[JobEvent]:
+    q = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.created_at, JobEvent.id)
+    return list(session.scalars(q).all())
+
+
+def metric_row(row: JobMetric) -> dict[str, Any]:
+    """The engine's row as it wrote it, plus the step and kind the database keys it by."""
+    return {**(row.data or {}), "step": row.step, "kind": row.kind}
+
+
+def list_metrics(
+    session: Session, job_id: str, since_step: int | None, kind: str | None, limit: int
+) -> list[dict[str, Any]]:
+    q = select(JobMetric).where(JobMetric.job_id == job_id)
+    if since_step is not None:
+        q = q.where(JobMetric.step > since_step)
+    if kind is not None:
+        q = q.where(JobMetric.kind == kind)
+    rows = session.scalars(q.order_by(JobMetric.step, JobMetric.kind).limit(limit)).all()
+    return [metric_row(r) for r in rows]
+
+
+def list_logs(session: Session, job_id: str, after_seq: int, limit: int) -> list[JobLog]:
+    q = (
+        select(JobLog)
+        .where(JobLog.job_id == job_id, JobLog.seq > after_seq)
+        .order_by(JobLog.seq)
+        .limit(limit)
+    )
+    return list(session.scalars(q).all())

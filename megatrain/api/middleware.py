@@ -1,0 +1,154 @@
+"""Plain ASGI middleware (no BaseHTTPMiddleware, so streaming responses pass straight through):
+a request-body size limit and Prometheus request metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from megatrain.db.models import JOB_STATES, Job
+from megatrain.db.session import get_sessionmaker
+
+
+class RequestTooLarge(Exception):
+    def __init__(self, limit: int):
+        self.limit = limit
+        super().__init__(f"request body exceeds {limit} bytes")
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes`: up front by Content-Length, and while reading for chunked
+    bodies or a Content-Length that lies."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = {"detail": f"request body exceeds the limit of {self.max_bytes} bytes"}
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    await _send_json(send, 400, {"detail": "invalid Content-Length header"})
+                    return
+                if length > self.max_bytes:
+                    await _send_json(send, 413, too_large)
+                    return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise RequestTooLarge(self.max_bytes)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except RequestTooLarge:
+            # Normally answered by the exception handler inside; this covers reads outside it.
+            if not started:
+                await _send_json(send, 413, too_large)
+
+
+class JobStateCollector(Collector):
+    """`megatrain_jobs{status=…}`: counted from the database at scrape time, so every API replica
+    reports the same truth."""
+
+    def __init__(self, database_url: str):
+        self.database_url = database_url
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily("megatrain_jobs", "Jobs by state (all tenants)", labels=["status"])
+        with get_sessionmaker(self.database_url)() as session:
+            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        for status in JOB_STATES:
+            gauge.add_metric([status], float(counts.get(status, 0)))
+        yield gauge
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Without describe() registering would call collect(), i.e. query the database at startup.
+        yield GaugeMetricFamily("megatrain_jobs", "Jobs by state (all tenants)", labels=["status"])
+
+
+class ApiMetrics:
+    """One registry per app (tests build many apps in one process; the global one would clash)."""
+
+    def __init__(self, database_url: str):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "megatrain_http_requests",
+            "HTTP requests by method, route template and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "megatrain_http_request_duration_seconds",
+            "Time to the end of the response (whole stream for SSE)",
+            ["method", "route"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.registry.register(JobStateCollector(database_url))
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def status_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, status_send)
+        finally:
+            # The route template, never the raw path: job ids would make the label set unbounded.
+            route = getattr(scope.get("route"), "path", None)
+            label = "unmatched" if route is None else (route or "/{static}")
+            method = scope.get("method", "")
+            method = method if method in _METHODS else "other"
+            self.metrics.requests.labels(method, label, str(status)).inc()
+            self.metrics.latency.labels(method, label).observe(time.perf_counter() - start)

@@ -1,0 +1,141 @@
+"""Checkpoint listing and downloads: a streamed tar from file:// storage, presigned URLs from S3."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import Api
+from fastapi.testclient import TestClient
+
+from megatrain.api.app import create_app
+from megatrain.db.models import Checkpoint
+from megatrain.db.session import session_scope
+from megatrain.storage import open_store
+
+
+def write_checkpoint(
+    api: Api,
+    job_id: str,
+    step: int,
+    manifest: bool = True,
+    store_url: str | None = None,
+    endpoint_url: str | None = None,
+) -> dict[str, bytes]:
+    """An engine-shaped iter folder (a nested shard included) plus its checkpoint row."""
+    store = open_store(store_url or api.settings.resolved_storage_url, endpoint_url)
+    prefix = f"jobs/{job_id}/checkpoints/iter_{step:07d}"
+    files = {
+        "model.safetensors": os.urandom(70_000),  # not a multiple of 512: exercises tar padding
+        "optimizer.pt": os.urandom(1234),
+        "trainer_state.json": json.dumps({"step": step}).encode(),
+        "shards/rank_0.pt": b"shard" * 100,
+    }
+    for name, data in files.items():
+        store.put_bytes(f"{prefix}/{name}", data)
+    if manifest:
+        entries = [
+            {"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()
+        ]
+        files["manifest.json"] = json.dumps({"step": step, "files": entries}).encode()
+        store.put_bytes(f"{prefix}/manifest.json", files["manifest.json"])
+    size = sum(map(len, files.values()))
+    with session_scope(api.db_url) as s:
+        s.add(Checkpoint(job_id=job_id, step=step, uri=f"{store.url}/{prefix}", size_bytes=size))
+    return files
+
+
+def test_list_and_tar_download(api: Api) -> None:
+    job_id = api.submit()["id"]
+    assert api.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=api.headers).json() == []
+    files = write_checkpoint(api, job_id, 10)
+    write_checkpoint(api, job_id, 5)
+    listed = api.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=api.headers).json()
+    assert [c["step"] for c in listed] == [5, 10]
+    assert set(listed[0]) == {"step", "uri", "size_bytes", "created_at"}
+    assert listed[1]["size_bytes"] == sum(map(len, files.values()))
+
+    resp = api.client.get(f"/v1/jobs/{job_id}/checkpoints/10/download", headers=api.headers)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/x-tar"
+    assert resp.headers["content-disposition"] == f'attachment; filename="{job_id}-iter_0000010.tar"'
+    assert int(resp.headers["content-length"]) == len(resp.content)
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert set(members) == {f"iter_0000010/{name}" for name in files}
+        for name, data in files.items():
+            member = members[f"iter_0000010/{name}"]
+            assert member.isfile() and member.size == len(data)
+            extracted = tar.extractfile(member)
+            assert extracted is not None and extracted.read() == data
+    # format=tar is what auto chose; file:// storage has no presigned URLs.
+    assert (
+        api.client.get(
+            f"/v1/jobs/{job_id}/checkpoints/10/download?format=tar", headers=api.headers
+        ).status_code
+        == 200
+    )
+    urls = api.client.get(f"/v1/jobs/{job_id}/checkpoints/10/download?format=urls", headers=api.headers)
+    assert urls.status_code == 422 and urls.json()["detail"][0]["field"] == "format"
+
+
+def test_missing_and_incomplete_checkpoints_are_404(api: Api) -> None:
+    job_id = api.submit()["id"]
+    write_checkpoint(api, job_id, 20, manifest=False)
+    for step in (7, 20):
+        resp = api.client.get(f"/v1/jobs/{job_id}/checkpoints/{step}/download", headers=api.headers)
+        assert resp.status_code == 404 and f"step {step}" in resp.json()["detail"]
+    for bad in ("-1", "abc", "1e3", str(10**12)):
+        resp = api.client.get(f"/v1/jobs/{job_id}/checkpoints/{bad}/download", headers=api.headers)
+        assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "step"
+
+
+@pytest.fixture
+def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+                       "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def test_s3_download_presigned_urls_or_tar(api: Api, moto_endpoint: str) -> None:
+    import boto3
+
+    bucket = f"mt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    settings = api.settings.model_copy(
+        update={"storage_url": f"s3://{bucket}/prod", "s3_endpoint_url": moto_endpoint}
+    )
+    with TestClient(create_app(settings)) as client:
+        job_id = client.post("/v1/jobs", json=api.spec(), headers=api.headers).json()["id"]
+        files = write_checkpoint(
+            api, job_id, 3, store_url=settings.resolved_storage_url, endpoint_url=moto_endpoint
+        )
+        resp = client.get(f"/v1/jobs/{job_id}/checkpoints/3/download", headers=api.headers)
+        assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+        listing = resp.json()
+        assert listing["job_id"] == job_id and listing["step"] == 3 and listing["expires_in_s"] > 0
+        assert {f["path"]: f["size"] for f in listing["files"]} == {n: len(d) for n, d in files.items()}
+        for entry in listing["files"]:  # presigned: fetched without our API key
+            assert httpx.get(entry["url"]).content == files[entry["path"]]
+        tar_resp = client.get(f"/v1/jobs/{job_id}/checkpoints/3/download?format=tar", headers=api.headers)
+        with tarfile.open(fileobj=io.BytesIO(tar_resp.content)) as tar:
+            got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+        assert got == {f"iter_0000003/{n}": d for n, d in files.items()}
