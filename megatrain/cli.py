@@ -120,20 +120,23 @@ def follow_job(client: Client, job_id: str, poll_interval_s: float = 1.0) -> Job
         TextColumn("MFU {task.fields[mfu]}"),
         TimeElapsedColumn(),
     )
+    last_seen: tuple[str, int] | None = None
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(job_id, total=None, status="", steps="-", loss="-", tps="-", mfu="-")
         while True:
             job = client.get_job(job_id)
-            progress.update(
-                task,
-                total=job.total_steps or None,
-                completed=job.current_step,
-                status=_status(job.status),
-                steps=f"{job.current_step}/{job.total_steps or '?'}",
-                loss=_fmt(job.latest_loss, ".4f"),
-                tps=_fmt(job.latest_tokens_per_s, ",.0f"),
-                mfu=_fmt(None if job.latest_mfu is None else 100 * job.latest_mfu, ".2f") + "%",
-            )
+            fields = {
+                "status": _status(job.status),
+                "steps": f"{job.current_step}/{job.total_steps or '?'}",
+                "loss": _fmt(job.latest_loss, ".4f"),
+                "tps": _fmt(job.latest_tokens_per_s, ",.0f"),
+                "mfu": _fmt(None if job.latest_mfu is None else 100 * job.latest_mfu, ".2f") + "%",
+            }
+            progress.update(task, total=job.total_steps or None, completed=job.current_step, **fields)
+            if not console.is_terminal and (job.status, job.current_step) != last_seen and not job.done:
+                # Piped to a file or CI log: no live bar there, so leave one line per change instead.
+                console.print("{status} step {steps} loss {loss} {tps} tok/s MFU {mfu}".format(**fields))
+            last_seen = (job.status, job.current_step)
             if job.done:
                 break
             time.sleep(poll_interval_s)
@@ -513,7 +516,12 @@ def demo(
 
     settings = get_settings()
     out = _out()
-    _ensure_api(settings)
+    proc = _ensure_api(settings)
+    if proc is not None:
+        out.print(
+            f"the stack keeps running in the background (pid {proc.pid}, "
+            f"log {settings.home / 'megatrain-up.log'}); stop it with `kill {proc.pid}`"
+        )
     corpus_url = _demo_corpus(settings)
     out.print(f"corpus: {corpus_url}")
     with Client() as client:

@@ -64,9 +64,8 @@ def start_live_api(
             f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"}) + "\n")
     port = _free_port()
     monkeypatch.setenv("MEGATRAIN_API_URL", f"http://127.0.0.1:{port}")
-    # Tenants may read the test corpus and the datasets `megatrain demo` builds in storage.
-    storage_url = get_settings().resolved_storage_url
-    monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", f"{data_dir.as_uri()},{storage_url}/datasets")
+    # The test corpus lies outside $HOME; {storage}/datasets (the demo's corpus) is allowed anyway.
+    monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", data_dir.as_uri())
     monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "2")
     monkeypatch.setenv("MEGATRAIN_SCHEDULER_INTERVAL_S", "0.2")
     monkeypatch.setenv("MEGATRAIN_HEARTBEAT_INTERVAL_S", "0.5")

@@ -86,6 +86,13 @@ def test_tiny_job_end_to_end(live_stack: LiveApi, tmp_path: Path) -> None:
         train = [m for m in c.metrics(job.id) if m.get("kind", "train") == "train"]
         assert [m["step"] for m in train][-1] == 10
         assert [cp.step for cp in c.checkpoints(job.id)][-1] == 10
+        # The SSE stream replays the stored rows, then ends because the job has finished.
+        streamed = list(c.stream_metrics(job.id))
+        assert [(m["step"], m["kind"]) for m in streamed] == [
+            (m["step"], m["kind"]) for m in c.metrics(job.id)
+        ]
+        assert [m["step"] for m in c.stream_metrics(job.id, since_step=6)] == [8, 10]
+        assert "".join(ln.line for ln in c.follow_logs(job.id)) == "".join(ln.line for ln in c.logs(job.id))
         path = c.download(job.id, dest=tmp_path / "ckpt")
     model, spec = load_checkpoint(str(path))
     assert sum(p.numel() for p in model.parameters()) > 0
