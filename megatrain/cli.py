@@ -353,6 +353,7 @@ def _configure_logging() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines are noise here
 
 
 def _server_errors(fn: F) -> F:
