@@ -329,8 +329,9 @@ class Client:
 
     def _fetch_to_file(self, url: str, target: Path, base: str) -> None:
         """Download one file of a listing: presigned URLs go out without our key, API paths with it."""
-        full = urljoin(base, url)
-        same_origin = httpx.URL(full).host == httpx.URL(self.api_url).host
+        full, api = httpx.URL(urljoin(base, url)), httpx.URL(self.api_url)
+        # Only the API's own origin gets our key: S3 refuses a presigned URL sent with a second auth.
+        same_origin = (full.scheme, full.host, full.port) == (api.scheme, api.host, api.port)
         stream = (
             self._http.stream("GET", full, follow_redirects=True)
             if same_origin

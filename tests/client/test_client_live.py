@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_stack import LiveApi, add_checkpoint
+from live_stack import LiveApi, add_checkpoint, start_live_api
 
 from megatrain.client import ApiError, Client
 
@@ -97,3 +98,57 @@ def test_tiny_job_end_to_end(live_stack: LiveApi, tmp_path: Path) -> None:
     model, spec = load_checkpoint(str(path))
     assert sum(p.numel() for p in model.parameters()) > 0
     assert spec.name == "e2e"
+
+
+@pytest.fixture
+def s3_live_api(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveApi]:
+    """The live API with its storage on S3 (moto over real HTTP), so downloads are presigned URLs."""
+    import os
+    import uuid
+
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+                       "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        bucket = f"mt-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        monkeypatch.setenv("MEGATRAIN_STORAGE_URL", f"s3://{bucket}/prod")
+        monkeypatch.setenv("MEGATRAIN_S3_ENDPOINT_URL", endpoint)
+        yield from start_live_api(tmp_path, monkeypatch, with_scheduler=False)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_download_from_s3_presigned_urls(
+    s3_live_api: LiveApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fetched: list[str] = []
+    original = Client._fetch_to_file
+
+    def spy(self: Client, url: str, target: Path, base: str) -> None:
+        fetched.append(url)
+        original(self, url, target, base)
+
+    monkeypatch.setattr(Client, "_fetch_to_file", spy)
+    with Client() as c:
+        job = c.submit(s3_live_api.spec())
+        add_checkpoint(s3_live_api.settings, job.id, 4, payload=b"from-s3" * 1000)
+        dest = c.download(job.id, dest=tmp_path / "ckpt")
+    assert (dest / "model.safetensors").read_bytes() == b"from-s3" * 1000
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "manifest.json",
+        "model.safetensors",
+        "trainer_state.json",
+    ]
+    # Every file came straight from S3 by presigned URL, not through the API.
+    assert len(fetched) == 3 and all("Signature" in u and not u.startswith(s3_live_api.url) for u in fetched)
