@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from megatrain import REPO_ROOT, __version__
@@ -38,11 +39,19 @@ def prepare_backends(settings: Settings) -> None:
     """Startup work: migrate the embedded SQLite database (server databases are migrated by their
     own deploy step), and register this machine's pool when jobs run here."""
     url = settings.resolved_database_url
-    if url.startswith("sqlite"):
+    embedded = url.startswith("sqlite")
+    if embedded:
         upgrade_database(url)
     if settings.executor == "local":
-        with session_scope(url) as session:
-            ensure_local_pool(session, settings)
+        try:
+            with session_scope(url) as session:
+                ensure_local_pool(session, settings)
+        except OperationalError:
+            if embedded:
+                raise
+            # A server database that is down now may be up later: start anyway, so that /healthz
+            # can say so; the scheduler registers the pool again on each of its ticks.
+            log.warning("database unreachable at startup; the local pool is not registered yet")
 
 
 def _too_large(_: Request, exc: Exception) -> JSONResponse:

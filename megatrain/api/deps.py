@@ -43,8 +43,6 @@ def get_current_tenant(request: Request, session: SessionDep) -> Tenant:
     tenant = authenticate(session, key.strip())
     if tenant is None:
         raise HTTPException(401, "invalid or revoked API key", headers=_UNAUTHORIZED)
-    # Streaming endpoints outlive this dependency's session; they need only the id.
-    request.state.tenant_id = tenant.id
     return tenant
 
 

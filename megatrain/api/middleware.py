@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megatrain.db.models import JOB_STATES, Job
@@ -88,15 +89,26 @@ class JobStateCollector(Collector):
         self.database_url = database_url
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("megatrain_database_up", "1 when the database answered this scrape")
+        try:
+            with get_sessionmaker(self.database_url)() as session:
+                q = select(Job.status, func.count()).group_by(Job.status)
+                counts = {status: n for status, n in session.execute(q).all()}
+        except SQLAlchemyError:
+            # A scrape still answers (and says the database is down) rather than failing with a 500.
+            up.add_metric([], 0.0)
+            yield up
+            return
+        up.add_metric([], 1.0)
+        yield up
         gauge = GaugeMetricFamily("megatrain_jobs", "Jobs by state (all tenants)", labels=["status"])
-        with get_sessionmaker(self.database_url)() as session:
-            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
         for status in JOB_STATES:
             gauge.add_metric([status], float(counts.get(status, 0)))
         yield gauge
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         # Without describe() registering would call collect(), i.e. query the database at startup.
+        yield GaugeMetricFamily("megatrain_database_up", "1 when the database answered this scrape")
         yield GaugeMetricFamily("megatrain_jobs", "Jobs by state (all tenants)", labels=["status"])
 
 

@@ -107,6 +107,18 @@ def test_healthz(api: Api) -> None:
         assert resp.status_code == 200 and resp.json()["status"] == "ok" and resp.json()["database"] == "ok"
 
 
+def test_database_down_is_503_not_500(megatrain_home: object) -> None:
+    settings = get_settings().model_copy(
+        update={"database_url": "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=2"}
+    )
+    with TestClient(create_app(settings)) as client:  # starts anyway
+        health = client.get("/healthz")
+        assert health.status_code == 503 and health.json()["database"] == "error"
+        jobs = client.get("/v1/jobs", headers={"Authorization": "Bearer mt_" + "a" * 40})
+        assert jobs.status_code == 503 and "database" in jobs.json()["detail"]
+        assert "megatrain_database_up 0.0" in client.get("/metrics").text
+
+
 def test_prometheus_metrics(api: Api) -> None:
     job_id = api.submit()["id"]
     api.client.post(f"/v1/jobs/{job_id}/cancel", headers=api.headers)
@@ -120,6 +132,7 @@ def test_prometheus_metrics(api: Api) -> None:
     assert 'route="/v1/jobs/{job_id}/cancel",status="200"} 1.0' in text
     assert 'megatrain_http_request_duration_seconds_count{method="POST",route="/v1/jobs"} 2.0' in text
     assert 'megatrain_jobs{status="queued"} 1.0' in text and 'megatrain_jobs{status="cancelled"} 1.0' in text
+    assert "megatrain_database_up 1.0" in text
     assert job_id not in text  # route templates, never raw paths
 
 
@@ -156,3 +169,16 @@ def test_startup_migrates_sqlite_and_registers_the_local_pool(megatrain_home: ob
         with session_scope(url) as s:
             assert s.scalar(select(NodePool.name)) == settings.pool_name
             assert s.scalar(select(Node.slots_total)) >= 1
+
+
+def test_api_imports_neither_engine_nor_worker_nor_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatrain.api.app; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' "
+        "or m.startswith(('megatrain.engine', 'megatrain.worker'))]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

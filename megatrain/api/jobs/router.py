@@ -28,7 +28,7 @@ def get_owned_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> Jo
 OwnedJob = Annotated[Job, Depends(get_owned_job)]
 
 _SPEC_BODY = {"$ref": "#/components/schemas/JobSpec"}
-_SUBMIT_OPENAPI: dict[str, Any] = {
+SUBMIT_OPENAPI: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {"application/json": {"schema": _SPEC_BODY}, "application/yaml": {"schema": _SPEC_BODY}},
@@ -49,7 +49,7 @@ IdempotencyKey = Annotated[
     "",
     status_code=201,
     response_model=JobPublic,
-    openapi_extra=_SUBMIT_OPENAPI,
+    openapi_extra=SUBMIT_OPENAPI,
     responses={200: {"model": JobPublic, "description": "Replay of an earlier Idempotency-Key"}},
 )
 async def create_job(

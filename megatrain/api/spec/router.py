@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.jobs import service
-from megatrain.api.jobs.router import _SUBMIT_OPENAPI
+from megatrain.api.jobs.router import SUBMIT_OPENAPI
 from megatrain.api.jobs.schemas import SpecCheck
 from megatrain.spec import spec_json_schema
 
@@ -22,7 +22,7 @@ def get_schema() -> dict[str, Any]:
     return spec_json_schema()
 
 
-@router.post("/validate", response_model=SpecCheck, openapi_extra=_SUBMIT_OPENAPI)
+@router.post("/validate", response_model=SpecCheck, openapi_extra=SUBMIT_OPENAPI)
 async def validate_spec(
     request: Request, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
 ) -> dict[str, Any]:
