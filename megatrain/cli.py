@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlparse
@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from megatrain.client import ApiError, ApiUnreachable, Client, Job, MegatrainError
+from megatrain.client import ApiError, ApiUnreachable, Client, Job, LogLine, MegatrainError
 from megatrain.settings import Settings, get_settings
 
 app = typer.Typer(
@@ -233,22 +233,15 @@ def logs(
 ) -> None:
     """Print a job's log lines."""
     with Client() as client:
-        if follow:
-            lines = client.follow_logs(job_id, after_seq=after_seq)
-        else:
-            client.get_job(job_id)  # an unknown job is an error, not an empty log
-            lines = iter(_all_logs(client, job_id, after_seq))
+        lines = client.follow_logs(job_id, after_seq) if follow else _all_logs(client, job_id, after_seq)
         for line in lines:
             typer.echo(line.line)
 
 
-def _all_logs(client: Client, job_id: str, after_seq: int) -> list[Any]:
-    out: list[Any] = []
-    while True:
-        batch = client.logs(job_id, after_seq=after_seq)
-        if not batch:
-            return out
-        out.extend(batch)
+def _all_logs(client: Client, job_id: str, after_seq: int) -> Iterator[LogLine]:
+    """Every stored line after after_seq, page by page (the API caps one answer at 1000 lines)."""
+    while batch := client.logs(job_id, after_seq=after_seq):
+        yield from batch
         after_seq = batch[-1].seq
 
 

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin
 
 import httpx
@@ -20,6 +20,9 @@ import yaml
 from megatrain.client.download import extract_checkpoint_files, extract_checkpoint_tar
 from megatrain.client.errors import ApiError, ApiUnreachable, SpecFileError
 from megatrain.client.models import Checkpoint, Job, LogLine
+
+if TYPE_CHECKING:
+    from megatrain.spec import JobSpec
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -169,7 +172,7 @@ class Client:
 
     # -- jobs ----------------------------------------------------------------------------------
 
-    def submit(self, spec: Any, idempotency_key: str | None = None) -> Job:
+    def submit(self, spec: dict[str, Any] | JobSpec | str | Path, idempotency_key: str | None = None) -> Job:
         """Submit a job (a dict, a JobSpec, or a YAML/JSON file path); returns it as queued.
 
         With an idempotency key, submitting again returns the first job instead of a second one.
