@@ -8,10 +8,8 @@ import json
 import os
 import tarfile
 import uuid
-from collections.abc import Iterator
 
 import httpx
-import pytest
 from conftest import Api
 from fastapi.testclient import TestClient
 
@@ -96,37 +94,18 @@ def test_missing_and_incomplete_checkpoints_are_404(api: Api) -> None:
         assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "step"
 
 
-@pytest.fixture
-def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
-                       "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(key, raising=False)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-def test_s3_download_presigned_urls_or_tar(api: Api, moto_endpoint: str) -> None:
+def test_s3_download_presigned_urls_or_tar(api: Api, moto_s3_endpoint: str) -> None:
     import boto3
 
     bucket = f"mt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    boto3.client("s3", endpoint_url=moto_s3_endpoint).create_bucket(Bucket=bucket)
     settings = api.settings.model_copy(
-        update={"storage_url": f"s3://{bucket}/prod", "s3_endpoint_url": moto_endpoint}
+        update={"storage_url": f"s3://{bucket}/prod", "s3_endpoint_url": moto_s3_endpoint}
     )
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json=api.spec(), headers=api.headers).json()["id"]
         files = write_checkpoint(
-            api, job_id, 3, store_url=settings.resolved_storage_url, endpoint_url=moto_endpoint
+            api, job_id, 3, store_url=settings.resolved_storage_url, endpoint_url=moto_s3_endpoint
         )
         resp = client.get(f"/v1/jobs/{job_id}/checkpoints/3/download", headers=api.headers)
         assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
