@@ -213,7 +213,7 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
     build = demo_mod.build_stdlib_corpus
     monkeypatch.setattr(demo_mod, "build_stdlib_corpus", lambda dest: build(dest, max_bytes=300_000))
 
-    def tiny_demo_spec(corpus_url: str) -> dict:
+    def tiny_demo_spec(corpus_url: str, **layout: object) -> dict:
         spec = live_stack.spec("demo-tiny")
         spec["data"]["train"] = [{"path": corpus_url}]
         return spec
