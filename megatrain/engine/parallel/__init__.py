@@ -1,0 +1,1 @@
+"""Parallelism applied to single-device models: process groups, tensor/sequence, data, pipeline."""

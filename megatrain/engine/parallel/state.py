@@ -1,0 +1,113 @@
+"""Process groups for a ParallelDims, passed explicitly to whatever needs them (no module globals).
+
+`ParallelState.single()` is the one-process state: every group is None and every size 1, so the
+parallel layers and collectives reduce to their single-device behaviour without a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatrain.engine.parallel.dims import DIMS, Coords, LayoutError, ParallelDims
+
+Group = dist.ProcessGroup | None
+
+
+@dataclass
+class ParallelState:
+    dims: ParallelDims
+    rank: int
+    device: torch.device
+    groups: dict[str, Group] = field(default_factory=dict)
+    """tp, cp, dp, pp, and mp (tp×pp: the model-parallel group); None where the size is 1."""
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> ParallelState:
+        return cls(ParallelDims(), 0, torch.device(device), {d: None for d in (*DIMS, "mp")})
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device: torch.device | str = "cpu") -> ParallelState:
+        """Create every group (collective: all ranks must call this with the same dims)."""
+        if not dist.is_initialized():
+            if dims.world_size == 1:
+                return cls(dims, 0, torch.device(device), {d: None for d in (*DIMS, "mp")})
+            raise LayoutError(f"{dims.describe()} needs {dims.world_size} processes; none is initialised")
+        world = dist.get_world_size()
+        if world != dims.world_size:
+            raise LayoutError(
+                f"tp×cp×dp×pp = {dims.tp}×{dims.cp}×{dims.dp}×{dims.pp} = {dims.world_size} "
+                f"but the world has {world} processes"
+            )
+        rank = dist.get_rank()
+        groups: dict[str, Group] = {}
+        for name, along in [*((d, (d,)) for d in DIMS), ("mp", ("tp", "pp"))]:
+            mine: Group = None
+            for ranks in dims.group_ranks(*along):
+                # new_group is collective over the world: every rank creates every group.
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    mine = group
+            groups[name] = mine
+        return cls(dims, rank, torch.device(device), groups)
+
+    @property
+    def coords(self) -> Coords:
+        return self.dims.coords(self.rank)
+
+    def group(self, dim: str) -> Group:
+        return self.groups[dim]
+
+    def size(self, dim: str) -> int:
+        if dim == "mp":
+            return self.dims.tp * self.dims.pp
+        return self.dims.size(dim)
+
+    def local_rank_in(self, dim: str) -> int:
+        c = self.coords
+        if dim == "mp":
+            return c.tp + self.dims.tp * c.pp
+        return getattr(c, dim)
+
+    # Shorthands the layers use most.
+    @property
+    def tp_group(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def dp_group(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def pp_group(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.dims.sequence_parallel
