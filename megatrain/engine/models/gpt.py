@@ -20,12 +20,15 @@ Parameter names (per layer i), for mapping Hugging Face checkpoints:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from megatrain.engine.config import TransformerConfig
 
@@ -82,6 +85,11 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
+        # Hooks that stay no-ops on one device. Tensor parallelism installs an RNG-tracker fork around
+        # the core (ranks hold different heads, so their dropout masks must differ) and a checkpoint
+        # context that restores the tracker's streams when the core is recomputed.
+        self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
         out = (self.num_heads + 2 * self.num_groups) * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.add_bias)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias)
@@ -97,27 +105,29 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
-        if self.num_groups != self.num_heads:
-            if _SDPA_HAS_GQA:
-                return F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True
-                )
-            # Query head h belongs to group h // (H/G): repeat each group's K/V that many times.
-            rep = self.num_heads // self.num_groups
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        with self.core_rng_context():
+            if self.num_groups != self.num_heads:
+                if _SDPA_HAS_GQA:
+                    return F.scaled_dot_product_attention(
+                        q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True
+                    )
+                # Query head h belongs to group h // (H/G): repeat each group's K/V that many times.
+                rep = self.num_heads // self.num_groups
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, t, c = x.shape
         q, k, v = self.split_qkv(self.qkv(x))
+        # Shapes from q, not x: under sequence parallelism x is a sequence shard that qkv all-gathers.
+        b, _, t, _ = q.shape
         if rope is not None:
             cos, sin = rope[0][:t], rope[1][:t]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute_core and self.training:
-            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.recompute_context_fn)
         else:
             y = self._core(q, k, v)  # (B, H, T, hd)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, H·hd)
 
 
 class MLP(nn.Module):
@@ -148,6 +158,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.recompute = False
+        """Full recompute of this block in backward (set by GPTModel.set_recompute)."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
@@ -160,7 +172,9 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
-        self.recompute_blocks = False
+        # torch.utils.checkpoint context_fn for block recompute; tensor parallelism installs one that
+        # restores its RNG-tracker streams so recomputed dropout masks equal the first pass.
+        self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = (
             nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
@@ -196,10 +210,17 @@ class GPTModel(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
-    def set_recompute(self, mode: str) -> None:
-        """none | selective (attention core only) | full (each block). Recompute trades FLOPs for memory."""
-        self.recompute_blocks = mode == "full"
-        for layer in self.layers:
+    def set_recompute(self, mode: str, every: int = 1) -> None:
+        """none | selective (attention core of every block) | full (blocks with index % every == 0).
+
+        Recompute trades FLOPs for memory; full with every=k recomputes about 1/k of the blocks.
+        """
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute mode {mode!r} is not one of none, selective, full")
+        if every < 1:
+            raise ValueError(f"recompute every={every} must be >= 1")
+        for i, layer in enumerate(self.layers):
+            layer.recompute = mode == "full" and i % every == 0
             layer.attn.recompute_core = mode == "selective"
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -214,8 +235,8 @@ class GPTModel(nn.Module):
             rope = (self.rope_cos, self.rope_sin)
         x = self.dropout(x)
         for layer in self.layers:
-            if self.recompute_blocks and self.training:
-                x = checkpoint(layer, x, rope, use_reentrant=False)
+            if layer.recompute and self.training:
+                x = checkpoint(layer, x, rope, use_reentrant=False, context_fn=self.recompute_context_fn)
             else:
                 x = layer(x, rope)
         return self.lm_head(self.final_norm(x))  # (B, T, V)
