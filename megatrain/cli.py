@@ -9,6 +9,7 @@ stays quick and torch-free. Every user error ends as one red line and exit code 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -504,12 +505,26 @@ def demo(
     to: Annotated[Path, typer.Option("--to", help="Where to put the final checkpoint.")] = Path(
         "megatrain-demo-checkpoint"
     ),
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree (a divisor of 4 heads).")] = 1,
+    dp: Annotated[int, typer.Option(min=1, help="Data-parallel degree (a divisor of 16).")] = 1,
+    sequence_parallel: Annotated[bool, typer.Option(help="Sequence parallelism (with tp > 1).")] = False,
+    write_spec: Annotated[
+        Path | None,
+        typer.Option(help="Only build the corpus and write the demo's spec here (for torchrun)."),
+    ] = None,
 ) -> None:
     """Train a small Llama on the Python standard library's sources, end to end, and load the result."""
     from megatrain.demo import demo_spec
 
     settings = get_settings()
     out = _out()
+    if write_spec is not None:
+        spec = demo_spec(_demo_corpus(settings), tp=tp, dp=dp, sequence_parallel=sequence_parallel)
+        write_spec.write_text(json.dumps(spec, indent=1) + "\n")
+        n = tp * dp
+        out.print(f"wrote {escape(str(write_spec))}; run it with: torchrun --standalone --nproc-per-node {n} "
+                  f"-m megatrain.engine.train --spec {escape(str(write_spec))} --out demo-run")
+        return
     proc = _ensure_api(settings)
     if proc is not None:
         out.print(
@@ -519,7 +534,7 @@ def demo(
     corpus_url = _demo_corpus(settings)
     out.print(f"corpus: {corpus_url}")
     with Client() as client:
-        job = client.submit(demo_spec(corpus_url))
+        job = client.submit(demo_spec(corpus_url, tp=tp, dp=dp, sequence_parallel=sequence_parallel))
         out.print(f"submitted demo job [bold]{job.id}[/bold]; watch it at {client.api_url}/")
         final = follow_job(client, job.id)
         if final.status != "succeeded":

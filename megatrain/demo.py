@@ -63,8 +63,11 @@ def build_stdlib_corpus(dest: Path, max_bytes: int = DEFAULT_CORPUS_BYTES) -> Pa
     return dest
 
 
-def demo_spec(corpus_url: str) -> dict[str, Any]:
-    """A small byte-level Llama (GQA, SwiGLU, RoPE) on the corpus at corpus_url, single process."""
+def demo_spec(corpus_url: str, tp: int = 1, dp: int = 1, sequence_parallel: bool = False) -> dict[str, Any]:
+    """A small byte-level Llama (GQA, SwiGLU, RoPE) on the corpus at corpus_url, on tp×dp processes."""
+    parallelism: dict[str, Any] | str = "auto"
+    if tp * dp > 1:
+        parallelism = {"tp": tp, "dp": dp, "sequence_parallel": sequence_parallel}
     return {
         "name": "demo-llama-stdlib",
         "kind": "pretrain",
@@ -85,7 +88,7 @@ def demo_spec(corpus_url: str) -> dict[str, Any]:
         "training": {
             "train_iters": 500,
             "global_batch_size": 16,
-            "micro_batch_size": 16,
+            "micro_batch_size": max(1, 16 // dp),
             "lr": 3e-3,
             "min_lr": 3e-4,
             "lr_schedule": "cosine",
@@ -99,6 +102,6 @@ def demo_spec(corpus_url: str) -> dict[str, Any]:
             "eval_iters": 4,
             "seed": 1234,
         },
-        "parallelism": "auto",
-        "resources": {"gpus": 1, "max_runtime_s": 1800},
+        "parallelism": parallelism,
+        "resources": {"gpus": tp * dp, "max_runtime_s": 1800},
     }

@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     cpu_peak_tflops: float = Field(default=1.0, gt=0)
     """Peak TFLOP/s per CPU process, for MFU on CPU runs (GPUs use a table of datasheet peaks)."""
 
+    cpu_low_precision: bool = False
+    """Run bf16/fp16 jobs in that precision on CPUs without native bf16 (AVX512-BF16/AMX), where it
+    is emulated and many times slower; by default such jobs run in fp32 there and say so."""
+
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
     scheduler_interval_s: float = Field(default=1.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)

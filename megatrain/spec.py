@@ -146,8 +146,19 @@ class TrainingSpec(_Strict):
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
     clip_grad: float = Field(1.0, ge=0.0, le=1e6)
     """Global gradient-norm clip; 0 disables it."""
-    precision: Literal["fp32", "bf16"] = "bf16"
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """bf16/fp16 keep low-precision model weights and fp32 main weights in the optimizer."""
     recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: selective (the attention core) or full (whole transformer layers)."""
+    recompute_every: int = Field(1, ge=1, le=100_000)
+    """With recompute=full, recompute every k-th layer (1 = every layer)."""
+    initial_loss_scale: float = Field(65536.0, ge=1.0, le=2.0**32)
+    """fp16 only: the dynamic loss scaler's starting scale."""
+    min_loss_scale: float = Field(1.0, ge=1e-8, le=2.0**32)
+    loss_scale_window: int = Field(1000, ge=1, le=1_000_000)
+    """fp16 only: steps without overflow before the scale doubles."""
+    hysteresis: int = Field(2, ge=1, le=1000)
+    """fp16 only: overflowing steps tolerated before the scale halves."""
     checkpoint_interval: int = Field(50, ge=0, le=100_000_000)
     """Save every N iterations (and always at the end); 0 saves only at the end."""
     log_interval: int = Field(10, ge=1, le=100_000_000)
@@ -167,6 +178,11 @@ class TrainingSpec(_Strict):
             raise ValueError(
                 f"training.warmup_iters={self.warmup_iters} exceeds training.train_iters={self.train_iters}"
             )
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(
+                f"training.min_loss_scale={self.min_loss_scale} exceeds "
+                f"training.initial_loss_scale={self.initial_loss_scale}"
+            )
         if self.min_lr > self.lr:
             raise ValueError(f"training.min_lr={self.min_lr} exceeds training.lr={self.lr}")
         return self
@@ -183,6 +199,12 @@ class ParallelismSpec(_Strict):
     ep: int = Field(1, ge=1, le=1)
     virtual_stages: int = Field(1, ge=1, le=1)
     sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    """Shard fp32 main weights and Adam states over dp (ZeRO-1); gradients are reduce-scattered."""
+    overlap_grad_reduce: bool = True
+    """Reduce each gradient bucket as soon as backward fills it."""
+    grad_bucket_elements: int = Field(40_000_000, ge=1, le=1 << 40)
+    """Elements per data-parallel gradient bucket."""
 
     @field_validator("dp", mode="before")
     @classmethod

@@ -87,7 +87,7 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("training.warmup_iters", 1000, "training.warmup_iters", "exceeds training.train_iters=200"),
     ("training.min_lr", 1.0, "training.min_lr", "exceeds training.lr"),
     ("training.lr", 0, "training.lr", "greater than 0"),
-    ("training.precision", "fp16", "training.precision", "bf16"),
+    ("training.precision", "fp8", "training.precision", "bf16"),
     ("training.recompute", "some", "training.recompute", "selective"),
     ("training.lr_schedule", "step", "training.lr_schedule", "cosine"),
     ("training.adam_beta2", 1.0, "training.adam_beta2", "less than 1"),

@@ -106,16 +106,38 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     spec: JobSpec,
 ) -> SavedCheckpoint:
-    """Write iter_{step}/ (manifest last) under root_url, then point `latest` at it."""
+    """Single-process save of a plain GPTModel and torch optimizer (see write_checkpoint)."""
+    extra = None if optimizer is None else {"optimizer": optimizer.state_dict(), "rng": rng_state()}
+    return write_checkpoint(
+        root_url, step, model_state_for_save(model), model.config, extra, trainer_state, spec
+    )
+
+
+def write_checkpoint(
+    root_url: str,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    model_config: TransformerConfig,
+    extra: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    spec: JobSpec,
+) -> SavedCheckpoint:
+    """Write iter_{step}/ (manifest last) under root_url, then point `latest` at it.
+
+    `model_state` holds full (unsharded) tensors under the single-device names, whatever layout
+    trained them, so any layout can resume from it and a download is a plain model. `extra`
+    (optimizer state, RNG states) goes to optimizer.pt.
+    """
     root = open_store(root_url)
     folder = iter_dir(step)
-    state = {"format": FORMAT, "step": step, "model_config": model.config.to_dict(), **trainer_state}
+    state = {"format": FORMAT, "step": step, "model_config": model_config.to_dict(), **trainer_state}
     with tempfile.TemporaryDirectory(prefix="megatrain-ckpt-") as tmp:
         tmpdir = Path(tmp)
-        save_file(model_state_for_save(model), tmpdir / MODEL_FILE, metadata={"format": "pt"})
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+        save_file(tensors, tmpdir / MODEL_FILE, metadata={"format": "pt"})
         files = [MODEL_FILE]
-        if optimizer is not None:
-            torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmpdir / OPTIMIZER_FILE)
+        if extra is not None:
+            torch.save(extra, tmpdir / OPTIMIZER_FILE)
             files.append(OPTIMIZER_FILE)
         (tmpdir / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
         (tmpdir / SPEC_FILE).write_text(dump_spec(spec))
@@ -203,19 +225,28 @@ def _open_folder(path_or_url: str | Path) -> _Folder:
     return _Folder(store)
 
 
+def read_checkpoint(
+    root_url: str, step: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(model state, optimizer.pt contents, trainer_state.json) of iter_{step}, checked by manifest."""
+    folder = _Folder(open_store(root_url).child(iter_dir(step)))
+    try:
+        model_state = load_file(folder.local(MODEL_FILE), device="cpu")
+        extra = torch.load(folder.local(OPTIMIZER_FILE), map_location="cpu", weights_only=False)
+        return model_state, extra, folder.json(STATE_FILE)
+    finally:
+        folder.close()
+
+
 def restore_training_state(
     root_url: str, step: int, model: GPTModel, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Load model, optimizer and RNG from iter_{step} in place; returns trainer_state.json."""
-    folder = _Folder(open_store(root_url).child(iter_dir(step)))
-    try:
-        load_model_state(model, load_file(folder.local(MODEL_FILE), device="cpu"))
-        extra = torch.load(folder.local(OPTIMIZER_FILE), map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(extra["optimizer"])
-        set_rng_state(extra["rng"])
-        return folder.json(STATE_FILE)
-    finally:
-        folder.close()
+    model_state, extra, trainer_state = read_checkpoint(root_url, step)
+    load_model_state(model, model_state)
+    optimizer.load_state_dict(extra["optimizer"])
+    set_rng_state(extra["rng"])
+    return trainer_state
 
 
 def load_checkpoint(path_or_url: str | Path, device: str = "cpu") -> tuple[GPTModel, JobSpec]:
@@ -242,11 +273,17 @@ def resolve_init_from(init_from: str, storage_url: str) -> str:
     return f"{root}/{iter_dir(step)}"
 
 
-def load_weights_into(model: GPTModel, path_or_url: str | Path) -> int:
-    """Copy a checkpoint's weights into `model` (fine-tuning start); returns the source step."""
+def read_weights(path_or_url: str | Path) -> tuple[dict[str, torch.Tensor], int]:
+    """A checkpoint's full model weights (single-device names) and its step; a root means its latest."""
     folder = _open_folder(path_or_url)
     try:
-        load_model_state(model, load_file(folder.local(MODEL_FILE), device="cpu"))
-        return int(folder.manifest["step"])
+        return load_file(folder.local(MODEL_FILE), device="cpu"), int(folder.manifest["step"])
     finally:
         folder.close()
+
+
+def load_weights_into(model: GPTModel, path_or_url: str | Path) -> int:
+    """Copy a checkpoint's weights into `model` (fine-tuning start); returns the source step."""
+    weights, step = read_weights(path_or_url)
+    load_model_state(model, weights)
+    return step

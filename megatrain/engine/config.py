@@ -127,8 +127,13 @@ class TrainConfig:
     adam_beta2: float
     adam_eps: float
     clip_grad: float
-    precision: Literal["fp32", "bf16"]
+    precision: Literal["fp32", "bf16", "fp16"]
     recompute: Literal["none", "selective", "full"]
+    recompute_every: int
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: int
+    hysteresis: int
     checkpoint_interval: int
     log_interval: int
     eval_interval: int
@@ -168,6 +173,11 @@ def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
         clip_grad=t.clip_grad,
         precision=t.precision,
         recompute=t.recompute,
+        recompute_every=t.recompute_every,
+        initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
         checkpoint_interval=t.checkpoint_interval,
         log_interval=t.log_interval,
         eval_interval=t.eval_interval,

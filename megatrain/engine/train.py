@@ -1,9 +1,11 @@
 """`python -m megatrain.engine.train --spec SPEC --out DIR [--checkpoint-url URL]`: the torchrun entry point.
 
-Runs as one process, or as N ranks under `torchrun --nproc-per-node N` (gloo on CPU, nccl on CUDA).
-Only pure data parallelism (tp = pp = cp = 1, torch DDP) exists so far. Rank 0 writes
+Runs as one process, or as N ranks under `torchrun --nproc-per-node N` (gloo on CPU, nccl on CUDA)
+with the spec's layout: tensor parallelism (+ sequence parallelism) and data parallelism with
+bucketed, overlapped gradient reduction and optionally the distributed optimizer (ZeRO-1), in fp32,
+bf16 or fp16 (dynamic loss scaling), with optional activation recompute. Global rank 0 writes
 DIR/metrics.jsonl and DIR/events.jsonl (one flushed JSON object per line) and checkpoints; every
-rank resumes from the latest complete checkpoint when one exists.
+rank resumes from the latest complete checkpoint when one exists, whatever layout wrote it.
 """
 
 from __future__ import annotations
@@ -23,26 +25,46 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 
 from megatrain.engine.checkpoint import (
     find_latest,
-    load_weights_into,
+    read_checkpoint,
+    read_weights,
     resolve_init_from,
-    restore_training_state,
-    save_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
 )
-from megatrain.engine.config import TrainConfig, train_config, transformer_config
+from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
 from megatrain.engine.data import build_datasets, build_tokenizer, microbatch_sample_ids
 from megatrain.engine.data.dataset import BlendedDataset
 from megatrain.engine.metrics import flops_per_iteration, peak_memory_bytes, peak_tflops, throughput
-from megatrain.engine.models.gpt import GPTModel, lm_loss
+from megatrain.engine.models.gpt import GPTModel
+from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megatrain.engine.parallel.data import DataParallel
+from megatrain.engine.parallel.dims import LayoutError, ParallelDims, validate_dims
+from megatrain.engine.parallel.parallelize import (
+    full_state_dict,
+    load_full_state_dict,
+    parallel_lm_loss,
+    parallelize_model,
+)
+from megatrain.engine.parallel.random import RNGStatesTracker
+from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.parallel.tensor import (
+    allreduce_sequence_parallel_grads,
+    gather_shards,
+    is_tensor_parallel,
+    shard_tensor,
+)
 from megatrain.scheduler.planner import Layout, plan_layout
 from megatrain.settings import get_settings
-from megatrain.spec import JobSpec, SpecError, load_spec
+from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Terminated(Exception):
@@ -80,20 +102,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr - (cfg.lr - cfg.min_lr) * progress
 
 
-def build_optimizer(model: GPTModel, cfg: TrainConfig, device: str) -> torch.optim.Optimizer:
-    """AdamW; as in Megatron, 1-D parameters (biases, norm weights) get no weight decay."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    impl = {"fused": True} if device.startswith("cuda") else {"foreach": True}
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **impl
-    )
-
-
 def cpu_has_native_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -102,26 +110,52 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32.
+def effective_precision(precision: str, device: str) -> str:
+    """The precision a run uses: the spec's, except bf16/fp16 on a CPU that only emulates them.
 
-    On CPUs without native bf16 (no AVX512-BF16/AMX) autocast emulates it and measured ~25×
-    slower than fp32 on this project's 2-core AVX2 machine, so there bf16 falls back to fp32.
+    Emulated bf16 measured ~25× slower than fp32 on this project's 2-core AVX2 machine, so there
+    such jobs run in fp32 unless MEGATRAIN_CPU_LOW_PRECISION=1 asks for the real thing.
     """
-    if precision != "bf16":
-        return None
-    if device.startswith("cuda") or cpu_has_native_bf16():
-        return torch.bfloat16
-    return None
+    if precision == "fp32" or device.startswith("cuda"):
+        return precision
+    if cpu_has_native_bf16() or get_settings().cpu_low_precision:
+        return precision
+    return "fp32"
 
 
 def check_layout(layout: Layout) -> None:
-    if layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
+    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
         raise UnsupportedLayout(
-            f"layout tp={layout.tp} pp={layout.pp} cp={layout.cp} ep={layout.ep} needs tensor/pipeline/"
-            "context/expert parallelism, which arrives with the parallel engine; this engine runs "
-            "data parallelism only (tp=pp=cp=ep=1)"
+            f"layout pp={layout.pp} cp={layout.cp} ep={layout.ep} needs pipeline/context/expert "
+            "parallelism, which this engine does not run yet; it runs tensor (+sequence) and data "
+            "parallelism (pp=cp=ep=1)"
         )
+
+
+def parallel_dims(layout: Layout) -> ParallelDims:
+    return ParallelDims(
+        tp=layout.tp,
+        cp=layout.cp,
+        dp=layout.dp,
+        pp=layout.pp,
+        ep=layout.ep,
+        sequence_parallel=layout.sequence_parallel,
+        virtual_stages=layout.virtual_stages,
+    )
+
+
+def validate_layout(dims: ParallelDims, world_size: int, mcfg: TransformerConfig) -> None:
+    """LayoutError naming the numbers when the layout cannot run this model on this world."""
+    validate_dims(
+        dims,
+        world_size,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_query_groups=mcfg.num_query_groups,
+        ffn_hidden_size=mcfg.ffn_hidden_size,
+        vocab_size=mcfg.vocab_size,
+        num_layers=mcfg.num_layers,
+        seq_length=mcfg.seq_length,
+    )
 
 
 class JsonlLog:
@@ -140,11 +174,12 @@ class JsonlLog:
             self._f.close()
 
 
-def _reduce_mean(value: torch.Tensor, ctx: Dist) -> float:
-    if ctx.group is not None:
+def _reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
+    """Mean over data-parallel ranks (tensor-parallel ranks already hold the same loss)."""
+    if state.dp_group is not None:
         value = value.clone()
-        dist.all_reduce(value, group=ctx.group)
-        value /= ctx.world_size
+        dist.all_reduce(value, group=state.dp_group)
+        value /= state.dp_size
     return float(value.item())
 
 
@@ -155,29 +190,86 @@ def _batch(dataset: BlendedDataset, ids: list[int], device: str) -> tuple[torch.
 
 @torch.no_grad()
 def evaluate(
-    model: GPTModel,
-    dataset: BlendedDataset,
-    cfg: TrainConfig,
-    ctx: Dist,
-    device: str,
-    dtype: torch.dtype | None,
+    model: nn.Module, dataset: BlendedDataset, cfg: TrainConfig, state: ParallelState, device: str
 ) -> float:
     """Mean loss over the first eval_iters global batches of the split (the same ones every time)."""
     model.eval()
     total = torch.zeros((), device=device)
     count = 0
     for it in range(cfg.eval_iters):
+        start = it * cfg.global_batch_size
         for ids in microbatch_sample_ids(
-            it * cfg.global_batch_size, cfg.global_batch_size, cfg.micro_batch_size, ctx.rank, ctx.world_size
+            start, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size
         ):
             x, y = _batch(dataset, ids, device)
-            with torch.autocast(
-                device.split(":")[0], dtype=dtype or torch.float32, enabled=dtype is not None
-            ):
-                total += lm_loss(model(x), y)
+            total += parallel_lm_loss(model(x), y, state)
             count += 1
     model.train()
-    return _reduce_mean(total / count, ctx)
+    return _reduce_mean(total / count, state)
+
+
+# -- checkpoint state across tensor and data parallelism ------------------------------------------
+
+
+def parameter_names(model: GPTModel) -> dict[nn.Parameter, str]:
+    """Canonical (single-device) name of every unique parameter; a tied head is `embed.weight`."""
+    return {p: name for name, p in model.named_parameters()}
+
+
+def _tp_gather(t: torch.Tensor, p: nn.Parameter, state: ParallelState) -> torch.Tensor:
+    if is_tensor_parallel(p) and state.tp_size > 1:
+        return gather_shards(t, p.partition_dim, p.partition_stride, state.tp_group, state.tp_size)
+    return t
+
+
+def _tp_shard(t: torch.Tensor, p: nn.Parameter, state: ParallelState) -> torch.Tensor:
+    if is_tensor_parallel(p):
+        return shard_tensor(t, p.partition_dim, state.tp_rank, state.tp_size, p.partition_stride)
+    return t
+
+
+def gather_optimizer_state(
+    optimizer: MixedPrecisionOptimizer, names: dict[nn.Parameter, str], state: ParallelState
+) -> dict[str, Any]:
+    """The optimizer's full state under canonical names: gathered over dp, then over tp (collective)."""
+    sd = optimizer.full_state_dict(names)
+    by_name = {name: p for p, name in names.items()}
+    sd["params"] = {
+        name: {k: _tp_gather(t, by_name[name], state).cpu() for k, t in entry.items()}
+        for name, entry in sd["params"].items()
+    }
+    return sd
+
+
+def scatter_optimizer_state(
+    optimizer: MixedPrecisionOptimizer,
+    sd: dict[str, Any],
+    names: dict[nn.Parameter, str],
+    state: ParallelState,
+) -> None:
+    """Inverse of gather_optimizer_state: this rank's tp shard of each entry, then its dp slices."""
+    by_name = {name: p for p, name in names.items()}
+    device = next(iter(names)).device
+    local = dict(sd)
+    local["params"] = {
+        name: {k: _tp_shard(t, by_name[name], state).to(device) for k, t in entry.items()}
+        for name, entry in sd["params"].items()
+        if name in by_name
+    }
+    optimizer.load_full_state_dict(local, names)
+
+
+def _all_rng_states(tracker: RNGStatesTracker | None, state: ParallelState) -> list[dict[str, Any]] | None:
+    """Every rank's RNG states, on global rank 0 (None elsewhere)."""
+    mine = {"default": rng_state(), "tracker": tracker.state_dict() if tracker is not None else None}
+    if state.dims.world_size == 1:
+        return [mine]
+    gathered: list[Any] = [None] * state.dims.world_size if state.rank == 0 else []
+    dist.gather_object(mine, gathered if state.rank == 0 else None, dst=0)
+    return gathered if state.rank == 0 else None
+
+
+# -- the run --------------------------------------------------------------------------------------
 
 
 def run(
@@ -191,49 +283,77 @@ def run(
         raise UnsupportedLayout(
             f"the spec's layout needs {layout.world_size} processes but {ctx.world_size} were started"
         )
-    cfg = train_config(spec, layout.dp)
+    par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
+    dims = parallel_dims(layout)
+    cfg = train_config(spec, dims.dp)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     device = f"cuda:{ctx.local_rank}" if torch.cuda.is_available() else "cpu"
-    dtype = autocast_dtype(cfg.precision, device)
-    effective_precision = "bf16" if dtype is torch.bfloat16 else "fp32"
+    precision = effective_precision(cfg.precision, device)
     log = print if ctx.is_main else (lambda *a, **k: None)
-    if effective_precision != cfg.precision:
-        log(f"precision {cfg.precision} requested; this CPU has no native bf16, so running fp32", flush=True)
+    if precision != cfg.precision:
+        log(
+            f"precision {cfg.precision} requested; this CPU has no native bf16, so running fp32 "
+            "(MEGATRAIN_CPU_LOW_PRECISION=1 runs it anyway)",
+            flush=True,
+        )
 
     tokenizer = build_tokenizer(spec.data.tokenizer)
     mcfg = transformer_config(spec, tokenizer.vocab_size)
+    try:
+        validate_layout(dims, ctx.world_size, mcfg)
+    except LayoutError as exc:
+        raise UnsupportedLayout(str(exc)) from None
+    state = ParallelState.build(dims, device)
     datasets = build_datasets(spec.data, tokenizer, mcfg.seq_length, cfg.seed)
     train_ds, valid_ds = datasets["train"], datasets["valid"]
     assert train_ds is not None
 
-    # Same seed on every rank: identical init (DDP also broadcasts rank 0's) and dropout streams.
+    # Same seed everywhere: every rank builds the full model identically, then keeps its shards, so
+    # any layout starts from the very weights a single process would.
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model = GPTModel(mcfg).to(device)
-    model.set_recompute(cfg.recompute)
-    optimizer = build_optimizer(model, cfg, device)
-
-    step, consumed, resumed_from = 0, 0, None
+    num_params = model.num_parameters()
+    tracker = RNGStatesTracker.for_tensor_parallel(cfg.seed, state) if dims.tp > 1 else None
+    model = parallelize_model(model, state, rng_tracker=tracker)
+    resumed_from, init_step = None, None
     latest = find_latest(ckpt_url)
-    if latest is not None:
-        state = restore_training_state(ckpt_url, latest, model, optimizer)
-        step, consumed, resumed_from = state["step"], state["consumed_samples"], state["step"]
-        log(f"resumed from {ckpt_url} step {step}", flush=True)
-    elif spec.model.init_from:
+    if latest is None and spec.model.init_from:
         src = resolve_init_from(spec.model.init_from, get_settings().resolved_storage_url)
-        log(f"initialised from {src} (step {load_weights_into(model, src)})", flush=True)
+        weights, init_step = read_weights(src)
+        load_full_state_dict(model, weights, state)
+        log(f"initialised from {src} (step {init_step})", flush=True)
+    model = model.to(dtype=PARAM_DTYPES[precision])
+    model.set_recompute(cfg.recompute, every=cfg.recompute_every)
+    ddp = DataParallel(
+        model,
+        state,
+        bucket_elements=par.grad_bucket_elements,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        use_distributed_optimizer=par.distributed_optimizer and dims.dp > 1,
+    )
+    optimizer = build_optimizer(ddp, cfg)
+    names = parameter_names(model)
 
-    ddp_model: torch.nn.Module = model
-    if ctx.group is not None:
-        ddp_model = DistributedDataParallel(
-            model, device_ids=[ctx.local_rank] if device.startswith("cuda") else None, process_group=ctx.group
-        )
+    step, consumed = 0, 0
+    if latest is not None:
+        model_state, extra, trainer_state = read_checkpoint(ckpt_url, latest)
+        if "params" in extra.get("optimizer", {}):
+            scatter_optimizer_state(optimizer, extra["optimizer"], names, state)
+        else:  # a checkpoint from before the parallel engine: weights only, fresh optimizer moments
+            load_full_state_dict(model, model_state, state)
+        rngs = extra.get("rng_per_rank")
+        if rngs is not None and len(rngs) == dims.world_size:
+            set_rng_state(rngs[state.rank]["default"])
+            if tracker is not None and rngs[state.rank]["tracker"] is not None:
+                tracker.load_state_dict(rngs[state.rank]["tracker"])
+        step, consumed, resumed_from = trainer_state["step"], trainer_state["consumed_samples"], latest
+        log(f"resumed from {ckpt_url} step {step}", flush=True)
 
     metrics = JsonlLog(out_dir / "metrics.jsonl", ctx.is_main)
     events = JsonlLog(out_dir / "events.jsonl", ctx.is_main)
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
-    num_params = model.num_parameters()
     events.write(
         {
             "event": "started",
@@ -242,18 +362,21 @@ def run(
             "world_size": ctx.world_size,
             "layout": layout.as_dict(),
             "device": device_name or "cpu",
-            "precision": effective_precision,
+            "precision": precision,
+            "distributed_optimizer": ddp.use_distributed_optimizer,
+            "recompute": cfg.recompute,
             "resumed_from": resumed_from,
         }
     )
     log(
-        f"model {num_params / 1e6:.2f}M params | layout {layout.as_dict()} | device {device_name or 'cpu'} "
-        f"| {cfg.grad_accum_steps} micro-batches of {cfg.micro_batch_size} per rank per step",
+        f"model {num_params / 1e6:.2f}M params | layout {dims.describe()} | {precision} | device "
+        f"{device_name or 'cpu'} | {cfg.grad_accum_steps} micro-batches of {cfg.micro_batch_size} per "
+        f"dp rank per step | distributed optimizer {'on' if ddp.use_distributed_optimizer else 'off'}",
         flush=True,
     )
 
     iter_flops = flops_per_iteration(mcfg, cfg.global_batch_size)
-    peak = peak_tflops(device_name, effective_precision, get_settings().cpu_peak_tflops)
+    peak = peak_tflops(device_name, precision, get_settings().cpu_peak_tflops)
     tokens_per_iter = cfg.global_batch_size * cfg.seq_length
     device_type = device.split(":")[0]
     last_eval: float | None = None
@@ -263,12 +386,17 @@ def run(
             torch.cuda.synchronize(device)
 
     def save(at: int) -> None:
+        # Collective: every rank helps gather the full weights and optimizer state; rank 0 writes.
+        weights = full_state_dict(model, state)
+        optim = gather_optimizer_state(optimizer, names, state)
+        rngs = _all_rng_states(tracker, state)
         if ctx.is_main:
-            saved = save_checkpoint(
+            saved = write_checkpoint(
                 ckpt_url,
                 at,
-                model,
-                optimizer,
+                weights,
+                mcfg,
+                {"optimizer": optim, "rng_per_rank": rngs, "layout": layout.as_dict()},
                 {"consumed_samples": consumed, "train_iters": cfg.train_iters},
                 spec,
             )
@@ -282,27 +410,41 @@ def run(
     model.train()
     loss_sum = torch.zeros((), device=device)
     interval_steps, interval_start, excluded = 0, time.perf_counter(), 0.0
-    grad_norm = torch.zeros(())
+    phase = {"forward": 0.0, "backward": 0.0, "grad_sync": 0.0, "optimizer": 0.0}
+    skipped_steps = 0
+    grad_norm, loss_scale = 0.0, None
     while step < cfg.train_iters:
         lr = lr_at(step + 1, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.zero_grad()
         micro_ids = microbatch_sample_ids(
-            consumed, cfg.global_batch_size, cfg.micro_batch_size, ctx.rank, ctx.world_size
+            consumed, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size
         )
         for m, ids in enumerate(micro_ids):
             x, y = _batch(train_ds, ids, device)
-            # Gradients are all-reduced only with the last micro-batch's backward.
-            no_sync = ctx.group is not None and m < len(micro_ids) - 1
-            with ddp_model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
-                with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                    loss = lm_loss(ddp_model(x), y) / len(micro_ids)
-                loss.backward()
+            # Gradient buckets are reduced only during the last micro-batch's backward.
+            last = m == len(micro_ids) - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                t0 = time.perf_counter()
+                loss = parallel_lm_loss(ddp(x), y, state) / len(micro_ids)
+                t1 = time.perf_counter()
+                optimizer.scale_loss(loss).backward()
+                t2 = time.perf_counter()
+            phase["forward"] += t1 - t0
+            phase["backward"] += t2 - t1
             loss_sum += loss.detach()
-        max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        ddp.finish_grad_sync()
+        allreduce_sequence_parallel_grads(model, state)
+        t1 = time.perf_counter()
+        optimizer.set_lr(lr)
+        result = optimizer.step()
+        phase["grad_sync"] += t1 - t0
+        phase["optimizer"] += time.perf_counter() - t1
+        if result.skipped:
+            skipped_steps += 1
+        else:
+            grad_norm = result.grad_norm
+        loss_scale = result.loss_scale
         step += 1
         consumed += cfg.global_batch_size
         interval_steps += 1
@@ -310,33 +452,41 @@ def run(
         if step % cfg.log_interval == 0 or step == cfg.train_iters:
             sync()
             iter_time = (time.perf_counter() - interval_start - excluded) / interval_steps
-            loss_mean = _reduce_mean(loss_sum, ctx) / interval_steps
+            loss_mean = _reduce_mean(loss_sum, state) / interval_steps
             rates = throughput(iter_flops, tokens_per_iter, iter_time, ctx.world_size, peak)
             row = {
                 "step": step,
                 "loss": loss_mean,
                 "lr": lr,
-                "grad_norm": float(grad_norm),
+                "grad_norm": grad_norm,
                 **rates,
                 "peak_memory_bytes": peak_memory_bytes(device),
                 "iter_time_s": iter_time,
+                **{f"{k}_time_s": v / interval_steps for k, v in phase.items()},
                 "consumed_samples": consumed,
+                "skipped_iters": skipped_steps,
             }
+            if loss_scale is not None:
+                row["loss_scale"] = loss_scale
             metrics.write(row)
             mfu = f"{rates['mfu']:.1%}" if rates["mfu"] is not None else "n/a"
+            skipped = f" | skipped {skipped_steps} (loss scale {loss_scale:g})" if skipped_steps else ""
             log(
                 f"step {step}/{cfg.train_iters} | loss {loss_mean:.4f} | lr {lr:.3e} | grad_norm "
-                f"{float(grad_norm):.3f} | {rates['tokens_per_s']:.0f} tok/s | "
-                f"{rates['tflops_per_device']:.3f} TFLOP/s/device | mfu {mfu} | {iter_time * 1e3:.0f} ms/it",
+                f"{grad_norm:.3f} | {rates['tokens_per_s']:.0f} tok/s | "
+                f"{rates['tflops_per_device']:.3f} TFLOP/s/device | mfu {mfu} | {iter_time * 1e3:.0f} ms/it"
+                f"{skipped}",
                 flush=True,
             )
             loss_sum.zero_()
             interval_steps, interval_start, excluded = 0, time.perf_counter(), 0.0
+            phase = dict.fromkeys(phase, 0.0)
+            skipped_steps = 0
 
         paused = time.perf_counter()
         final = step == cfg.train_iters
         if valid_ds is not None and cfg.eval_interval and (step % cfg.eval_interval == 0 or final):
-            last_eval = evaluate(model, valid_ds, cfg, ctx, device, dtype)
+            last_eval = evaluate(ddp, valid_ds, cfg, state, device)
             metrics.write({"step": step, "val_loss": last_eval})
             log(f"step {step} | validation loss {last_eval:.4f}", flush=True)
         if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final:
@@ -397,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec)
         check_layout(plan_layout(spec))
-    except (SpecError, UnsupportedLayout, OSError) as exc:
+    except (SpecError, UnsupportedLayout, LayoutError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     ctx = _init_distributed()

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
@@ -45,11 +45,6 @@ log = logging.getLogger(__name__)
 
 LOCAL_NODE_REFRESH_S = 10.0
 """How often the local executor's scheduler re-registers this machine (nvidia-smi is not free)."""
-
-
-def _aware(value: datetime | None) -> datetime | None:
-    # SQLite hands timestamps back without tzinfo; they are stored as UTC.
-    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
 @dataclass
@@ -225,13 +220,13 @@ class Scheduler:
     def _lost_why(self, job: Job, now: datetime) -> str | None:
         timeout = timedelta(seconds=self.settings.heartbeat_timeout_s)
         if job.status == SCHEDULED:
-            since = _aware(job.scheduled_at or job.updated_at)
+            since = job.scheduled_at or job.updated_at
             if since is not None and now - since > timeout:
                 return f"scheduled {(now - since).total_seconds():.0f}s ago but no runner picked it up"
             return None
         if job.runner_host == self.hostname and job.runner_pid and not pid_alive(job.runner_pid):
             return f"runner pid {job.runner_pid} on {job.runner_host} is gone"
-        last = _aware(job.heartbeat_at or job.started_at or job.updated_at)
+        last = job.heartbeat_at or job.started_at or job.updated_at
         if last is not None and now - last > timeout:
             return f"no heartbeat from {job.runner_host} for {(now - last).total_seconds():.0f}s"
         return None

@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def start_live_api(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, with_scheduler: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, with_scheduler: bool, cpu_slots: int = 2
 ) -> Iterator[LiveApi]:
     pytest.importorskip("megatrain.api.app", reason="the API (megatrain.api.app) has not landed yet")
     if with_scheduler:
@@ -66,7 +66,7 @@ def start_live_api(
     monkeypatch.setenv("MEGATRAIN_API_URL", f"http://127.0.0.1:{port}")
     # The test corpus lies outside $HOME; {storage}/datasets (the demo's corpus) is allowed anyway.
     monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", data_dir.as_uri())
-    monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "2")
+    monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", str(cpu_slots))
     monkeypatch.setenv("MEGATRAIN_SCHEDULER_INTERVAL_S", "0.2")
     monkeypatch.setenv("MEGATRAIN_HEARTBEAT_INTERVAL_S", "0.5")
     reset_settings_cache()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,15 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatrain.engine.config import train_config
-from megatrain.engine.train import EXIT_USAGE, lr_at, main, run
+from megatrain.engine.train import EXIT_USAGE, UnsupportedLayout, lr_at, main, run
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-               "peak_memory_bytes", "iter_time_s", "consumed_samples", "time"}  # fmt: skip
+               "peak_memory_bytes", "iter_time_s", "consumed_samples", "time", "skipped_iters",
+               "forward_time_s", "backward_time_s", "grad_sync_time_s", "optimizer_time_s"}  # fmt: skip
 
 
 def _cfg(corpus: Path, **kw):
@@ -39,12 +42,20 @@ def test_unsupported_layout_exits_with_a_clear_message(
     tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     raw = tiny_spec(corpus)
-    raw["parallelism"] = {"tp": 2}
+    raw["parallelism"] = {"pp": 2}
     raw["resources"] = {"gpus": 2}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE
-    assert "arrives with the parallel engine" in capsys.readouterr().err
+    assert "pipeline" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_layout_needing_more_processes_names_the_numbers(tmp_path: Path, corpus: Path) -> None:
+    raw = tiny_spec(corpus)
+    raw["parallelism"] = {"tp": 2, "dp": 2}
+    raw["resources"] = {"gpus": 4}
+    with pytest.raises(UnsupportedLayout, match="needs 4 processes but 1 were started"):
+        run(parse_spec(raw), tmp_path / "out")
 
 
 def test_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,46 +83,89 @@ def _torchrun(nproc: int, spec: Path, out: Path, timeout: float = 120) -> subpro
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.distributed
-def test_ddp_two_ranks_match_single_process(tmp_path: Path, corpus: Path) -> None:
-    """torchrun with 2 gloo ranks (dp=2) reproduces the single-process losses on the same batches.
+LAYOUTS = {
+    "dp2": ({"dp": 2}, 2),
+    "dp2-no-distopt": ({"dp": 2, "distributed_optimizer": False, "grad_bucket_elements": 2000}, 2),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, 2),
+    "tp2-dp2": ({"tp": 2, "dp": 2, "grad_bucket_elements": 3000}, 4),
+}
 
-    Both runs see the same 8 samples per step. One process accumulates 4 micro-batch gradients;
-    DDP accumulates 2 per rank and averages the two ranks. Only the fp32 summation order differs
-    (~1e-7 relative per gradient element) and Adam's normalised update keeps parameter differences
-    at that scale: measured, the losses agree to <1e-7 relative over these 6 steps. 1e-5 leaves
-    room for other thread counts and BLAS builds, while a sharding mistake (a rank seeing the
-    wrong samples, a missing gradient average) moves the loss by more than 1e-2.
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, layout: str) -> None:
+    """torchrun with gloo ranks in each layout reproduces the single-process run on the same batches.
+
+    Every layout sees the same 8 samples per step. Only the fp32 summation order differs (split
+    matmuls under tp, gradients summed across ranks under dp; ~1e-7 relative per element), and
+    Adam's normalised update keeps parameter differences at that scale: measured, losses agree to
+    ~1e-6 relative over these 6 steps. 1e-4 leaves room for other thread counts and BLAS builds,
+    while a sharding mistake (a rank seeing the wrong samples, a missing average, a wrong shard)
+    moves the loss by more than 1e-2.
     """
+    parallelism, nproc = LAYOUTS[layout]
     raw = tiny_spec(corpus, train_iters=6, checkpoint_interval=3, eval_interval=3, log_interval=1)
     single = run(parse_spec(raw), tmp_path / "single")
     assert single["step"] == 6
-    raw["resources"] = {"gpus": 2}
+    raw["parallelism"] = parallelism
+    raw["resources"] = {"gpus": nproc}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
-    proc = _torchrun(2, tmp_path / "spec.json", tmp_path / "ddp")
+    proc = _torchrun(nproc, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     ref = read_jsonl(tmp_path / "single" / "metrics.jsonl")
-    got = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
+    got = read_jsonl(tmp_path / "par" / "metrics.jsonl")
     train_rows = [r for r in got if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
-    assert all(set(r) == METRIC_KEYS for r in train_rows)
+    assert all(set(r) == METRIC_KEYS for r in train_rows), set(train_rows[0]) ^ METRIC_KEYS
     for a, b in zip([r for r in ref if "loss" in r], train_rows, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
         assert b["lr"] == a["lr"] and b["consumed_samples"] == a["consumed_samples"]
     val_ref = [r["val_loss"] for r in ref if "val_loss" in r]
     val_got = [r["val_loss"] for r in got if "val_loss" in r]
-    assert len(val_got) == 2 and val_got == pytest.approx(val_ref, rel=1e-5)
+    assert len(val_got) == 2 and val_got == pytest.approx(val_ref, rel=1e-4)
 
-    events = read_jsonl(tmp_path / "ddp" / "events.jsonl")
+    events = read_jsonl(tmp_path / "par" / "events.jsonl")
     assert [e["event"] for e in events] == ["started", "checkpoint_saved", "checkpoint_saved", "finished"]
-    assert events[0]["world_size"] == 2 and events[0]["layout"]["dp"] == 2
-    assert events[0]["resumed_from"] is None and events[0]["num_params"] > 0
+    assert events[0]["world_size"] == nproc and events[0]["layout"]["tp"] == parallelism.get("tp", 1)
+    assert events[0]["resumed_from"] is None
+    assert events[0]["num_params"] == read_jsonl(tmp_path / "single" / "events.jsonl")[0]["num_params"]
     assert [e["step"] for e in events[1:]] == [3, 6, 6]
-    ckpts = tmp_path / "ddp" / "checkpoints"
+    ckpts = tmp_path / "par" / "checkpoints"
     assert events[2]["uri"] == (ckpts / "iter_0000006").as_uri()
     assert (ckpts / "latest").read_text().strip() == "6"
     assert "step 6/6" in proc.stdout and proc.stdout.count("step 1/6") == 1  # rank 0 logs only
+
+    # The checkpoint holds full single-device weights whatever the layout: equal to the reference's.
+    from safetensors.torch import load_file
+
+    mine = load_file(ckpts / "iter_0000006" / "model.safetensors")
+    theirs = load_file(tmp_path / "single" / "checkpoints" / "iter_0000006" / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert torch.allclose(mine[name], t, rtol=1e-3, atol=1e-5), name
+
+
+@pytest.mark.distributed
+def test_resume_in_another_layout(tmp_path: Path, corpus: Path) -> None:
+    """A single-process checkpoint resumes under tp=2 × dp=2 and continues as the single run did."""
+    raw = tiny_spec(corpus, train_iters=6, checkpoint_interval=3, eval_interval=0, log_interval=1)
+    run(parse_spec(raw), tmp_path / "single")
+    resumed = tmp_path / "par" / "checkpoints"
+    shutil.copytree(tmp_path / "single" / "checkpoints" / "iter_0000003", resumed / "iter_0000003")
+    (resumed / "latest").write_text("3\n")
+    raw["parallelism"] = {"tp": 2, "dp": 2}
+    raw["resources"] = {"gpus": 4}
+    (tmp_path / "spec.json").write_text(json.dumps(raw))
+    proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if "loss" in r}
+    got = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "par" / "metrics.jsonl") if "loss" in r}
+    assert sorted(got) == [4, 5, 6]
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=1e-4)
+    assert read_jsonl(tmp_path / "par" / "events.jsonl")[0]["resumed_from"] == 3
 
 
 def test_sigterm_exits_promptly(tmp_path: Path, corpus: Path) -> None:
@@ -162,3 +216,48 @@ def test_finetune_starts_from_a_jobs_checkpoint(tmp_path: Path, corpus: Path, me
     assert first["tuned"] < first["scratch"] - 0.5  # it starts from the trained weights
     started = read_jsonl(tmp_path / "tuned" / "events.jsonl")[0]
     assert started["resumed_from"] is None and started["step"] == 0  # a new run, not a resume
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_runs_track_fp32(
+    tmp_path: Path, corpus: Path, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16/fp16 weights with fp32 main weights train like fp32 (CPU emulation forced on).
+
+    bf16 keeps 8 mantissa bits, so per-step logits differ by ~1e-2 relative from fp32; over 6 steps
+    the losses stay within 3% (measured ≤1%), while a broken main-weight copy or unscaling would
+    leave the loss flat or blow it up. fp16 also reports its loss scale.
+    """
+    from megatrain.settings import reset_settings_cache
+
+    monkeypatch.setenv("MEGATRAIN_CPU_LOW_PRECISION", "1")
+    reset_settings_cache()
+    raw = tiny_spec(corpus, train_iters=6, eval_interval=0, checkpoint_interval=0, log_interval=1)
+    run(parse_spec(raw), tmp_path / "fp32")
+    raw["training"]["precision"] = precision
+    run(parse_spec(raw), tmp_path / precision)
+    ref = [r["loss"] for r in read_jsonl(tmp_path / "fp32" / "metrics.jsonl")]
+    rows = read_jsonl(tmp_path / precision / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(ref, rel=3e-2)
+    assert rows[-1]["loss"] < 0.9 * rows[0]["loss"]
+    assert read_jsonl(tmp_path / precision / "events.jsonl")[0]["precision"] == precision
+    if precision == "fp16":
+        assert all(r["loss_scale"] >= 1 for r in rows) and sum(r["skipped_iters"] for r in rows) <= 2
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / precision / "checkpoints" / "iter_0000006" / "model.safetensors")
+    expected = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert {t.dtype for t in weights.values()} == {expected}
+
+
+def test_recompute_matches_no_recompute(tmp_path: Path, corpus: Path) -> None:
+    """Full (every 2nd layer) and selective recompute change memory, not the numbers: same losses."""
+    raw = tiny_spec(corpus, train_iters=4, eval_interval=0, checkpoint_interval=0, log_interval=1)
+    raw["model"].update(hidden_dropout=0.1, attention_dropout=0.1)
+    run(parse_spec(raw), tmp_path / "none")
+    ref = [r["loss"] for r in read_jsonl(tmp_path / "none" / "metrics.jsonl")]
+    for mode, every in (("full", 2), ("selective", 1)):
+        raw["training"].update(recompute=mode, recompute_every=every)
+        run(parse_spec(raw), tmp_path / mode)
+        got = [r["loss"] for r in read_jsonl(tmp_path / mode / "metrics.jsonl")]
+        assert got == pytest.approx(ref, rel=1e-6), mode

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobMetric
+from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobEvent, JobMetric
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.shard import run_shard
@@ -26,8 +26,18 @@ def _engine_importable() -> bool:
 
 
 @pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+@pytest.mark.parametrize(
+    ("parallelism", "procs"),
+    [("auto", 1), pytest.param({"tp": 2, "dp": 2}, 4, marks=pytest.mark.distributed)],
+    ids=["single", "tp2-dp2"],
+)
 def test_real_engine_runs_under_the_runner(
-    settings: Settings, make_job: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    settings: Settings,
+    make_job: Callable[..., str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    parallelism: object,
+    procs: int,
 ) -> None:
     pytest.importorskip("torch")
     monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
@@ -35,7 +45,7 @@ def test_real_engine_runs_under_the_runner(
     text = "def add(a, b):\n    return a + b\n" * 40
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
     url = settings.resolved_database_url
-    job_id = make_job(schedule=False)
+    job_id = make_job(schedule=False, procs=procs)
     spec = {
         "name": "tiny-real",
         "model": {
@@ -49,14 +59,15 @@ def test_real_engine_runs_under_the_runner(
         "training": {
             "train_iters": 6,
             "global_batch_size": 4,
-            "micro_batch_size": 4,
+            "micro_batch_size": 2,
             "precision": "fp32",
             "log_interval": 2,
             "checkpoint_interval": 3,
             "eval_interval": 0,
             "warmup_iters": 0,
         },
-        "resources": {"gpus": 1, "max_runtime_s": 300},
+        "parallelism": parallelism,
+        "resources": {"gpus": procs, "max_runtime_s": 300},
     }
     with session_scope(url) as s:
         s.get(Job, job_id).spec = spec
@@ -75,5 +86,10 @@ def test_real_engine_runs_under_the_runner(
         assert rc == 0 and job.status == SUCCEEDED, job.status_reason
         assert sorted(steps) == [2, 4, 6] and list(ckpts) == [3, 6]
         assert job.num_params and job.num_params > 0 and job.latest_loss is not None
+        (data,) = s.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "started")
+        )
+        assert data["world_size"] == procs and data["precision"] == "fp32"
+        assert data["layout"]["tp"] == (2 if procs == 4 else 1)
     latest = settings.home / "storage" / "jobs" / job_id / "checkpoints" / "latest"
     assert latest.read_text().strip() == "6"
