@@ -1,0 +1,423 @@
+"""Analytical per-rank memory of a training step: weights, gradients, optimizer state, activations.
+
+Pure (no torch): the scheduler calls it on the control plane to check that a layout fits a GPU.
+
+Model state follows Megatron's mixed-precision layout (bytes per parameter held by a rank):
+
+    precision   params  main grads  main params  Adam m, v     total (distributed optimizer)
+    bf16/fp16     2        4            4            8         18  (6 + 12/dp)
+    fp32          4        4         (alias)         8         16  (8 + 8/dp)
+
+Gradients accumulate in an fp32 buffer of the full (unsharded) size even with the distributed
+optimizer, which shards only the main params and Adam moments over the data-parallel ranks.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): per layer and micro-batch sbh(34 + 5as/h) bytes at 16 bits, tensor-parallel parts divided
+by t, everything divided by t with sequence parallelism, selective recompute dropping the 5as/h
+(softmax) term, full recompute keeping only each layer's input. The coefficients here are those of
+OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests/engine/test_memory.py):
+
+- SDPA's flash / memory-efficient kernels (CUDA, and the CPU flash kernel torch picks for causal
+  attention without a mask) keep only the output and a log-sum-exp per row: no a·s² term at all.
+  The math path keeps the softmax probabilities (a·s per token) and contiguous q/k/v copies.
+- The fused qkv output stays alive as one storage while K and V (views into it) are saved; RoPE
+  saves rotated copies of Q and K next to it. GQA narrows K and V to kv = groups·head_dim.
+- SwiGLU keeps fc1's [gate; up] output (2f), silu(gate) (f) and their product (f): 4f vs GELU's 2f.
+- Our RMSNorm normalises in fp32, saving an fp32 copy of its input and of the normalised tensor
+  (8 bytes per element whatever the model dtype); nn.LayerNorm saves its input and two fp32 stats.
+- The loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more fp32
+  (tokens × V) gradients, which for large vocabularies is the step's memory peak.
+- Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Recompute = Literal["none", "selective", "full"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes that decide memory; built from a dict, a TransformerConfig or anything with these fields."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """Padded embedding rows."""
+    seq_length: int
+    activation: Literal["gelu", "swiglu"] = "swiglu"
+    tie_embeddings: bool = False
+    add_bias: bool = False
+    position_embedding: Literal["learned", "rope"] = "rope"
+    normalization: Literal["layernorm", "rmsnorm"] | None = None
+    """None: layernorm with GELU (GPT-2), rmsnorm with SwiGLU (Llama)."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    @classmethod
+    def of(cls, model: Any) -> ModelShape:
+        if isinstance(model, ModelShape):
+            return model
+        names = [f.name for f in fields(cls)]
+        if isinstance(model, dict):
+            values = {k: model[k] for k in names if k in model}
+        else:
+            values = {k: getattr(model, k) for k in names if hasattr(model, k)}
+        return cls(**values)
+
+    @property
+    def norm(self) -> str:
+        if self.normalization is not None:
+            return self.normalization
+        return "layernorm" if self.activation == "gelu" else "rmsnorm"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_query_groups * self.head_dim
+
+    @property
+    def fc1_width(self) -> int:
+        return 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank of the worst pipeline stage (the largest total)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    """fp32 main params (bf16/fp16 only) and the two Adam moments, sharded with the distributed optimizer."""
+    activations_bytes: int
+    """Peak of activations saved for backward plus the largest transient (loss/LM-head backward,
+    a recomputed layer)."""
+    total_bytes: int
+    """params + grads + optimizer + max(activations, optimizer-step workspace)."""
+    stage: int
+    """The pipeline stage these figures belong to."""
+    num_params: int
+    """Parameters held by this rank."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    stage_totals: tuple[int, ...] = ()
+    """total_bytes of every pipeline stage, first to last."""
+
+    def gib(self) -> dict[str, float]:
+        keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
+        return {k.removesuffix("_bytes"): round(getattr(self, k) / GiB, 3) for k in keys}
+
+
+def layer_params(m: ModelShape, tp: int) -> int:
+    """One transformer layer's parameters on a tensor-parallel rank (column/row splits of the linears)."""
+    h, kv, f, fw = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width
+    weights = (h * (h + 2 * kv) + h * h + h * fw + f * h) // tp
+    norms = 2 * h * (2 if m.norm == "layernorm" else 1)  # replicated over tp
+    biases = 0
+    if m.add_bias:
+        # Column-parallel biases (qkv, fc1) are split; row-parallel ones (proj, fc2) are replicated.
+        biases = (h + 2 * kv + fw) // tp + 2 * h
+    return weights + norms + biases
+
+
+def stage_params(m: ModelShape, tp: int, pp: int, stage: int) -> dict[str, int]:
+    """Parameters of one pipeline stage's tensor-parallel rank, by part."""
+    h, v = m.hidden_size, m.vocab_size
+    first, last = stage == 0, stage == pp - 1
+    parts = {"layers": layers_on_stage(m.num_layers, pp, stage) * layer_params(m, tp)}
+    if first:
+        parts["embedding"] = v * h // tp
+        if m.position_embedding == "learned":
+            parts["position_embedding"] = m.seq_length * h  # replicated over tp, as in Megatron
+    if last:
+        parts["final_norm"] = h * (2 if m.norm == "layernorm" else 1)
+        # A tied head shares the embedding on a single stage; with pp > 1 the last stage keeps a
+        # copy whose gradient is all-reduced with the first stage's (Megatron's word embeddings).
+        if not m.tie_embeddings or pp > 1:
+            parts["lm_head"] = v * h // tp
+    return parts
+
+
+def layers_on_stage(num_layers: int, pp: int, stage: int) -> int:
+    """Layers are split evenly; any remainder goes to the first stages."""
+    base, extra = divmod(num_layers, pp)
+    return base + (1 if stage < extra else 0)
+
+
+SP_LINEAR_SAVES_GATHERED_INPUT = True
+"""Our ColumnParallelLinear under sequence parallelism all-gathers its input and F.linear saves the
+gathered (B, T, C) tensor. Megatron saves the local shard and all-gathers it again in backward,
+which keeps these inputs at 1/t; set False once ours does the same."""
+
+
+def _linear_input_div(tp: int, sp: bool) -> int:
+    return tp if sp and not SP_LINEAR_SAVES_GATHERED_INPUT else 1
+
+
+def _norm_saved(m: ModelShape, act: int) -> float:
+    """Bytes per token a norm saves for backward (besides its output, the next linear's input)."""
+    h = m.hidden_size
+    if m.norm == "layernorm":
+        return act * h + 8  # input + fp32 mean and rstd
+    return 8 * h + 4  # fp32 copy of the input, fp32 normalised tensor, fp32 rstd
+
+
+def layer_activations(
+    m: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    act: int,
+    mask: int,
+    attention: str,
+    selective: bool,
+) -> dict[str, float]:
+    """Bytes per token (of the rank's micro-batch, before any sequence split) one layer saves for backward."""
+    h, kv, f, fw, s = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width, m.seq_length
+    heads = m.num_attention_heads
+    seq_div = tp if sp else 1  # parts outside the tensor-parallel region shard only with sp
+    rope = m.position_embedding == "rope"
+    grouped = m.num_query_groups != heads
+    terms: dict[str, float] = {}
+    # Two norms' saved tensors, and their outputs: the inputs qkv and fc1 save for their weight grads.
+    terms["norms"] = 2 * _norm_saved(m, act) / seq_div
+    terms["linear_inputs"] = 2 * act * h / _linear_input_div(tp, sp)
+    # The fused qkv output (h + 2kv wide) stays alive: SDPA saves K and V as views into it.
+    qkv = act * (h + 2 * kv)
+    # Q is a separate tensor after RoPE, or after regrouping GQA heads (a reshape that copies).
+    if rope or grouped:
+        qkv += act * h
+    if rope:
+        qkv += act * kv  # rotated K
+    terms["qkv"] = qkv / tp
+    if attention == "math":
+        # Contiguous q/k/v copies replace the qkv storage (K/V expanded to all heads under GQA),
+        # plus the softmax probabilities (heads·s per token) unless selective recompute drops them.
+        core = act * (h + 2 * h) + act * h  # q, k, v copies + the output's contiguous copy for proj
+        if not selective:
+            core += act * heads * s
+        if m.attention_dropout > 0 and not selective:
+            core += mask * heads * s
+        terms["qkv"] = 0.0
+        terms["attention"] = core / tp
+    else:
+        # Output (laid out (B, T, H, hd), so proj reads it without a copy) + fp32 log-sum-exp.
+        terms["attention"] = (act * h + 4 * heads) / tp
+    if m.activation == "swiglu":
+        terms["mlp"] = act * (fw + 2 * f) / tp  # fc1 out [gate; up], silu(gate), silu(gate)·up
+    else:
+        terms["mlp"] = act * 2 * f / tp  # fc1 out, gelu out
+    if m.hidden_dropout > 0:
+        terms["dropout_masks"] = 2 * mask * h / seq_div
+    return terms
+
+
+def _act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def estimate_memory(
+    model: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    micro_batch_size: int = 1,
+    num_microbatches_in_flight: int | None = None,
+    precision: Precision = "bf16",
+    distributed_optimizer: bool = False,
+    recompute: Recompute = "none",
+    recompute_every: int = 1,
+    attention: Literal["flash", "math"] = "flash",
+    fused_optimizer: bool = True,
+    device: Literal["cuda", "cpu"] = "cuda",
+) -> MemoryEstimate:
+    """Per-rank bytes of one training step on the worst pipeline stage.
+
+    num_microbatches_in_flight: activations the first stage holds at once; 1F1B keeps up to pp
+    (the default), stage i one fewer per step down the pipeline. recompute="full" checkpoints
+    layers 0, k, 2k, … of each stage (k = recompute_every) and keeps only their inputs.
+    attention: "flash" for SDPA's flash/memory-efficient/cuDNN kernels, "math" for the fallback.
+    fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
+    device: only the dropout masks differ (bool on CUDA, the model dtype on CPU).
+    """
+    m = ModelShape.of(model)
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r} must be fp32, bf16 or fp16")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} must be none, selective or full")
+    if min(tp, pp, dp, cp, micro_batch_size, recompute_every) < 1:
+        raise ValueError("parallel degrees, micro_batch_size and recompute_every must be >= 1")
+    sp = sequence_parallel and tp > 1
+    in_flight_first = pp if num_microbatches_in_flight is None else num_microbatches_in_flight
+    act = _act_bytes(precision)
+    mask = 1 if device == "cuda" else act
+    tokens = micro_batch_size * m.seq_length / cp  # per rank, before the sequence-parallel split
+    h, v = m.hidden_size, m.vocab_size
+    seq_div = tp if sp else 1
+
+    per_layer = layer_activations(
+        m, tp=tp, sp=sp, act=act, mask=mask, attention=attention, selective=recompute == "selective"
+    )
+    layer_bytes = tokens * sum(per_layer.values())
+    # Checkpointed layers keep their input (the residual stream, sharded with sp).
+    checkpointed_bytes = tokens * act * h / seq_div
+
+    # Model state bytes per parameter.
+    shard = dp * cp if distributed_optimizer else 1
+    if precision == "fp32":
+        param_b, grad_b, optim_b = 4.0, 4.0, 8.0 / shard  # main params alias the params
+    else:
+        param_b, grad_b, optim_b = 2.0, 4.0, 12.0 / shard  # fp32 main params + Adam moments
+
+    stages: list[MemoryEstimate] = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        parts = stage_params(m, tp, pp, stage)
+        n_params = sum(parts.values())
+        in_flight = max(1, in_flight_first - stage)
+        n_layers = layers_on_stage(m.num_layers, pp, stage)
+        n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
+
+        stored: dict[str, float] = {}
+        stored["layers"] = in_flight * (n_ckpt * checkpointed_bytes + (n_layers - n_ckpt) * layer_bytes)
+        if first and m.hidden_dropout > 0:
+            stored["embedding_dropout_mask"] = in_flight * tokens * mask * h / seq_div
+        transients: dict[str, float] = {}
+        if last:
+            # Final norm, its output (the LM head's input) and the loss's fp32 (tokens, V/t) tensor:
+            # log-probs for F.cross_entropy, the softmax for the vocab-parallel loss (tp > 1).
+            stored["final_norm_and_head_input"] = tokens * (
+                _norm_saved(m, act) / seq_div + act * h / _linear_input_div(tp, sp)
+            )
+            stored["log_probs"] = tokens * 4 * v / tp
+            head_grad_temp = act * v * h / tp  # LM-head weight grad before it is accumulated
+            if tp == 1:
+                # F.cross_entropy's backward: fp32 grads of the log-probs and of the logits next to
+                # the log-probs; then the logits' grad next to the head's weight-grad temporary.
+                transients["loss_backward"] = max(
+                    tokens * 8 * v, tokens * 4 * v - stored["log_probs"] + head_grad_temp
+                )
+            else:
+                # The vocab-parallel loss turns its softmax into the logits' grad in place; only a
+                # 16-bit model adds a cast of it (and the softmax is then freed before the head's grad).
+                cast = tokens * act * v / tp if act != 4 else 0.0
+                freed = stored["log_probs"] if act != 4 else 0.0
+                transients["loss_backward"] = max(cast, cast + head_grad_temp - freed)
+        if n_layers:
+            # A layer's backward peaks in the MLP, at one of three moments: fc2's backward (its
+            # input grad and weight-grad temporary, before that is added to the accumulated
+            # gradient); the activation's backward (about three f-wide grads: for SwiGLU fc2's
+            # input grad, silu(gate)'s and up's); fc1's backward (its output grad, the input grad
+            # and its weight-grad temporary, the MLP's saved tensors freed by then). A recomputed
+            # layer first rebuilds its own activations. The loss's tensors are freed by then.
+            fw, f = m.fc1_width, m.ffn_hidden_size
+            rebuilt = layer_bytes if n_ckpt else 0.0
+            mlp_saved = tokens * per_layer["mlp"] if n_ckpt else 0.0
+            # (Grads of the full-width hidden states are whole on every tensor-parallel rank.)
+            fc2_backward = tokens * act * (f / tp + h) + act * f * h / tp + rebuilt
+            act_backward = tokens * act * (fw + f) / tp + rebuilt
+            fc1_backward = tokens * act * (fw / tp + h) + act * h * fw / tp + rebuilt - mlp_saved
+            head_freed = stored.get("final_norm_and_head_input", 0) + stored.get("log_probs", 0)
+            peak = max(fc2_backward, act_backward, fc1_backward)
+            if m.tie_embeddings and first and last:
+                # A tied weight's two gradients are summed before accumulation: the LM head's waits
+                # in autograd's input buffer until the embedding's arrives at the end of backward.
+                peak += act * v * h / tp
+            transients["layer_backward"] = max(0.0, peak - head_freed)
+        stored_total = sum(stored.values())
+        transient = max(transients.values(), default=0.0)
+        activations = int(stored_total + transient)
+
+        params_bytes = int(n_params * param_b)
+        grads_bytes = int(n_params * grad_b)
+        optimizer_bytes = int(n_params * optim_b)
+        optimizer_workspace = 0 if fused_optimizer else int(4 * n_params / shard)
+        total = params_bytes + grads_bytes + optimizer_bytes + max(activations, optimizer_workspace)
+        breakdown = {f"params_{k}": int(n * param_b) for k, n in parts.items()}
+        breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
+        breakdown.update({f"transient_{k}": int(b) for k, b in transients.items()})
+        breakdown.update({f"per_layer_{k}": int(tokens * b) for k, b in per_layer.items()})
+        breakdown["optimizer_workspace"] = optimizer_workspace
+        breakdown["microbatches_in_flight"] = in_flight
+        stages.append(
+            MemoryEstimate(
+                params_bytes=params_bytes,
+                grads_bytes=grads_bytes,
+                optimizer_bytes=optimizer_bytes,
+                activations_bytes=activations,
+                total_bytes=total,
+                stage=stage,
+                num_params=n_params,
+                breakdown=breakdown,
+            )
+        )
+    worst = max(stages, key=lambda e: e.total_bytes)
+    return MemoryEstimate(
+        **{f.name: getattr(worst, f.name) for f in fields(MemoryEstimate) if f.name != "stage_totals"},
+        stage_totals=tuple(e.total_bytes for e in stages),
+    )
+
+
+def from_spec(spec: Any, layout: Any, *, tokenizer_vocab: int | None = None, **kwargs: Any) -> MemoryEstimate:
+    """estimate_memory for a JobSpec on a planned Layout (megatrain.scheduler.planner.Layout).
+
+    The vocabulary is the spec's model.vocab_size, else the tokenizer's (given, or 257 for the byte
+    tokenizer) padded as the engine pads it; keyword arguments override the derived settings.
+    """
+    from megatrain.engine.config import transformer_config
+    from megatrain.spec import ParallelismSpec
+
+    if tokenizer_vocab is None:
+        if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
+            raise ValueError("model.vocab_size is unset: pass tokenizer_vocab for a Hugging Face tokenizer")
+        tokenizer_vocab = spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
+    model = transformer_config(spec, tokenizer_vocab)
+    tr = spec.training
+    par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
+    accum = tr.global_batch_size // (tr.micro_batch_size * layout.dp)
+    settings: dict[str, Any] = {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "cp": layout.cp,
+        "sequence_parallel": layout.sequence_parallel,
+        "micro_batch_size": tr.micro_batch_size,
+        "num_microbatches_in_flight": max(1, min(layout.pp, accum)),
+        "precision": tr.precision,
+        "distributed_optimizer": par.distributed_optimizer and layout.dp * layout.cp > 1,
+        "recompute": tr.recompute,
+        "recompute_every": tr.recompute_every,
+    }
+    settings.update(kwargs)
+    return estimate_memory(model, **settings)
+
+
+def fits(estimate: MemoryEstimate, device_bytes: int, headroom: float = 0.9) -> bool:
+    """Whether the estimate leaves (1 - headroom) of the device free for the allocator and kernels."""
+    return estimate.total_bytes <= headroom * device_bytes
+
+
+__all__ = [
+    "MemoryEstimate",
+    "ModelShape",
+    "estimate_memory",
+    "fits",
+    "from_spec",
+    "layer_params",
+    "stage_params",
+    "layers_on_stage",
+    "layer_activations",
+]
