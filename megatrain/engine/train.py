@@ -560,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
         return EXIT_SIGTERM
     if ctx.group is not None:
+        # gloo aborts a rank whose peer tears its connections down first: leave together.
+        dist.barrier(group=ctx.group)
         dist.destroy_process_group()
     return 0
 

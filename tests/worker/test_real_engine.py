@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobEvent, JobMetric
+from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.shard import run_shard
@@ -83,7 +83,8 @@ def test_real_engine_runs_under_the_runner(
         ckpts = s.scalars(
             select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)
         )
-        assert rc == 0 and job.status == SUCCEEDED, job.status_reason
+        log = "\n".join(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+        assert rc == 0 and job.status == SUCCEEDED, f"{job.status_reason}\n--- job log ---\n{log}"
         assert sorted(steps) == [2, 4, 6] and list(ckpts) == [3, 6]
         assert job.num_params and job.num_params > 0 and job.latest_loss is not None
         (data,) = s.scalars(

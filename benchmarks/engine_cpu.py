@@ -1,0 +1,241 @@
+"""Engine training throughput on CPU against Hugging Face transformers, one process, fp32.
+
+For each flavour (GPT-2, Llama) our GPTModel and the matching Hugging Face model
+(GPT2LMHeadModel / LlamaForCausalLM, attn_implementation="sdpa") get identical shapes and
+identical weights (the first losses are checked equal), the same loss (megatrain's lm_loss on the
+logits), the same AdamW (grouping, hyper-parameters and implementation) and the same thread count.
+One timed step is forward + loss + backward + optimizer step + zero_grad. Variants run
+interleaved (A B A B …, the order rotating per round), warm-up steps excluded, median of the rounds.
+
+    python benchmarks/engine_cpu.py                    # eager, both flavours (~1-2 min on 2 cores)
+    python benchmarks/engine_cpu.py --compile          # + torch.compile'd model+loss, ours and HF's
+    python benchmarks/engine_cpu.py --profile          # + top ops per variant (torch.profiler)
+    python benchmarks/engine_cpu.py --tiny --json out.json   # seconds; the smoke test's setting
+
+It also prints the analytical memory estimate (megatrain.engine.memory) next to the bytes measured
+for our model's step (live tensor bytes, megatrain.engine.memtrack) at the benchmark's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _engine_common import Shape, adamw, build_pair, hf_logits, interleaved_medians  # noqa: E402
+
+from megatrain.engine.memory import estimate_memory  # noqa: E402
+from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
+from megatrain.engine.models.gpt import lm_loss  # noqa: E402
+
+MiB = 1 << 20
+
+
+def default_shape(flavour: str, args: argparse.Namespace) -> Shape:
+    if args.tiny:
+        return Shape(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256, seq=32, batch=2)
+    ffn = args.ffn or (4 * args.hidden if flavour == "gpt2" else ((8 * args.hidden // 3) + 63) // 64 * 64)
+    return Shape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        groups=args.groups,
+        ffn=ffn,
+        vocab=args.vocab,
+        seq=args.seq,
+        batch=args.batch,
+    )
+
+
+def make_step(
+    forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> Callable[[], float]:
+    def step() -> float:
+        loss = forward_loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def measure_memory(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> dict[str, int]:
+    """Live bytes of one eager step of `model`, split as the estimate is (gradients zeroed in place)."""
+    lm_loss(logits_fn(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    with LiveTensorBytes(tensors_of(model, opt, x, y)) as live:
+        lm_loss(logits_fn(x), y).backward()
+        activations = live.peak
+        live.reset_peak()
+        opt.step()
+        workspace = live.peak - live.current
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    out = {
+        "params": sum(storages.values()),
+        "grads": sum(p.grad.untyped_storage().nbytes() for p in model.parameters()),
+        "optimizer": sum(v.nbytes for s in opt.state.values() for v in s.values() if v.ndim),
+        "activations": activations,
+        "optimizer_workspace": workspace,
+    }
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def profile_table(step: Callable[[], Any], steps: int = 3, rows: int = 12) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    lines = [f"    {'op':56s} {'ms/step':>8s} {'share':>6s} {'calls':>6s}"]
+    for e in events[:rows]:
+        ms = e.self_cpu_time_total / steps / 1e3
+        lines.append(f"    {e.key[:56]:56s} {ms:8.1f} {ms / total:6.1%} {e.count // steps:6d}")
+    lines.append(f"    {'total (self CPU)':56s} {total:8.1f}")
+    return "\n".join(lines)
+
+
+def run_flavour(flavour: str, args: argparse.Namespace) -> dict[str, Any]:
+    shape = default_shape(flavour, args)
+    ours, hf = build_pair(flavour, shape, seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
+    y = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
+
+    with torch.no_grad():  # identical function: the first losses must agree
+        loss_ours, loss_hf = float(lm_loss(ours(x), y)), float(lm_loss(hf_logits(hf)(x), y))
+    if abs(loss_ours - loss_hf) > 1e-4 * max(1.0, abs(loss_ours)):
+        raise RuntimeError(f"{flavour}: first losses differ (ours {loss_ours}, HF {loss_hf})")
+
+    variants: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "ours": lambda a, b: lm_loss(ours(a), b),
+        "hf": lambda a, b: lm_loss(hf_logits(hf)(a), b),
+    }
+    if args.compile:
+        # Model and loss in one graph; dynamic=False: the shapes never change here.
+        variants["ours+compile"] = torch.compile(variants["ours"], dynamic=False)
+        variants["hf+compile"] = torch.compile(variants["hf"], dynamic=False)
+    models = {"ours": ours, "hf": hf}
+    opts = {name: adamw(models[name.split("+")[0]], args.optimizer) for name in variants}
+    steps = {name: make_step(fn, opts[name], x, y) for name, fn in variants.items()}
+    timing = interleaved_medians(steps, rounds=args.rounds, warmup=args.warmup)
+    tokens = shape.batch * shape.seq
+    result: dict[str, Any] = {
+        "flavour": flavour,
+        "shape": shape.as_dict(),
+        "num_params": ours.num_parameters(),
+        "first_loss": {"ours": loss_ours, "hf": loss_hf},
+        "variants": {n: {**t, "tokens_per_s": tokens / t["median_s"]} for n, t in timing.items()},
+    }
+    if args.profile:
+        result["profile"] = {name: profile_table(step) for name, step in steps.items()}
+
+    # Memory: the estimate for this shape against our model's measured step (fresh optimizer).
+    est = estimate_memory(
+        ours.config,
+        micro_batch_size=shape.batch,
+        precision="fp32",
+        fused_optimizer=args.optimizer == "fused",
+        device="cpu",
+    )
+    measured = measure_memory(ours, ours, adamw(ours, args.optimizer), x, y)
+    measured_hf = measure_memory(hf_logits(hf), hf, adamw(hf, args.optimizer), x, y)
+    result["memory"] = {
+        "estimate": {
+            "params": est.params_bytes,
+            "grads": est.grads_bytes,
+            "optimizer": est.optimizer_bytes,
+            "activations": est.activations_bytes,
+            "optimizer_workspace": est.breakdown["optimizer_workspace"],
+        },
+        "measured": measured,
+        "measured_hf": measured_hf,
+    }
+    return result
+
+
+def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"\nCPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, fp32, AdamW {args.optimizer}, "
+        f"median of {args.rounds} interleaved rounds after {args.warmup} warm-up steps"
+    )
+    print(f"\n{'flavour':8s} {'params':>8s} {'variant':14s} {'ms/step':>8s} {'tokens/s':>9s} {'vs hf':>6s}")
+    for r in results:
+        base = r["variants"]["hf"]["median_s"]
+        for name, v in r["variants"].items():
+            print(
+                f"{r['flavour']:8s} {r['num_params'] / 1e6:7.2f}M {name:14s} {v['median_s'] * 1e3:8.1f} "
+                f"{v['tokens_per_s']:9.0f} {base / v['median_s']:5.2f}x"
+            )
+    print(f"\n{'flavour':8s} {'memory (MiB)':19s} {'estimate':>9s} {'ours':>9s} {'est/ours':>9s} {'hf':>9s}")
+    for r in results:
+        mem = r["memory"]
+        for key in ("params", "grads", "optimizer", "activations", "optimizer_workspace"):
+            e, m, h = mem["estimate"][key], mem["measured"][key], mem["measured_hf"][key]
+            ratio = f"{e / m:9.3f}" if m else f"{'-':>9s}"
+            print(f"{r['flavour']:8s} {key:19s} {e / MiB:9.2f} {m / MiB:9.2f} {ratio} {h / MiB:9.2f}")
+    for r in results:
+        for name, table in r.get("profile", {}).items():
+            print(f"\nprofile {r['flavour']} {name}:\n{table}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavours", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--groups", type=int, default=2, help="Llama key/value groups (GPT-2 uses one per head)")
+    p.add_argument("--ffn", type=int, default=None, help="default 4h (GPT-2), 8h/3 rounded to 64 (Llama)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd model+loss (both)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops per variant")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run on a tiny shape (smoke test)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.rounds, args.warmup = min(args.rounds, 2), 1
+    torch.set_num_threads(args.threads)  # the same for every variant
+    results = [run_flavour(f, args) for f in args.flavours]
+    print_report(results, args)
+    if args.json:
+        meta = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "args": vars(args) | {"json": None},
+        }
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
