@@ -65,7 +65,13 @@ def page_errors() -> list[str]:
 def open_page(context: Any, errors: list[str]) -> Any:
     page = context.new_page()
     page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
-    page.on("console", lambda msg: errors.append(f"console: {msg.text}") if msg.type == "error" else None)
+
+    def console(msg: Any) -> None:
+        # HTTP errors the tests provoke on purpose (401, 404, 422) are logged by Chromium itself.
+        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
+            errors.append(f"console: {msg.text}")
+
+    page.on("console", console)
     return page
 
 

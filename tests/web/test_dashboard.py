@@ -21,11 +21,17 @@ from live_stack import LiveApi
 from megatrain.api.auth import create_api_key
 from megatrain.db.session import session_scope
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
+]
 
 
 def submit(live: LiveApi, spec: dict[str, Any], key: str | None = None) -> str:
-    resp = httpx.post(f"{live.url}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {key or live.key}"})
+    resp = httpx.post(
+        f"{live.url}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {key or live.key}"}
+    )
     assert resp.status_code == 201, resp.text
     return str(resp.json()["id"])
 
@@ -64,7 +70,12 @@ def test_dashboard_end_to_end(
     page.click("nav >> text=Submit")
     page.wait_for_selector("#spec-editor")
     spec = live.spec(
-        "dash-train", train_iters=300, log_interval=2, checkpoint_interval=100, eval_interval=100, eval_iters=2
+        "dash-train",
+        train_iters=300,
+        log_interval=2,
+        checkpoint_interval=100,
+        eval_interval=100,
+        eval_iters=2,
     )
     bad = json.loads(json.dumps(spec))
     bad["model"]["hidden_size"] = 30  # not divisible by 4 heads
@@ -88,7 +99,9 @@ def test_dashboard_end_to_end(
 
     # Live: the loss chart gains points while the job trains, without a reload.
     loss = page.locator("#chart-loss")
-    page.wait_for_function("Number(document.querySelector('#chart-loss')?.dataset.points) >= 1", timeout=90_000)
+    page.wait_for_function(
+        "Number(document.querySelector('#chart-loss')?.dataset.points) >= 1", timeout=90_000
+    )
     first = int(loss.get_attribute("data-points"))
     page.wait_for_function(
         f"Number(document.querySelector('#chart-loss').dataset.points) >= {first + 5}", timeout=60_000

@@ -33,6 +33,8 @@ export class LineChart {
       cursor: { drag: { x: true, y: false }, focus: { prox: 16 } },
       scales: { x: { time: false }, y: this.yLog ? { distr: 3 } : { auto: true } },
       legend: { live: true },
+      // The visible x range, for tests and for anyone inspecting the page.
+      hooks: { setScale: [(u, key) => { if (key === "x") Object.assign(this.container.dataset, { xMin: u.scales.x.min, xMax: u.scales.x.max }); }] },
       axes: [
         { ...axis, label: "step", labelSize: 18, size: 36 },
         { ...axis, size: 78, values: (_, ticks) => ticks.map(fmt) },

@@ -282,8 +282,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
         document.getElementById(`chart-${def.id}-latest`).textContent = last ? `latest ${def.format(def.values(last.t, last.v)[0])}` : "no data yet";
       }
       const shown = xs.length;
-      el.chartNote.textContent = totalRows > shown
-        ? `Showing ${shown.toLocaleString()} of ${totalRows.toLocaleString()} steps: each bucket keeps its lowest and highest loss, so spikes stay visible. Drag across a chart to zoom; double-click to reset.`
+      const held = entries.reduce((n, e) => n + (e.t ? 1 : 0) + (e.v ? 1 : 0), 0);
+      el.chartNote.textContent = totalRows > held
+        ? `Showing ${held.toLocaleString()} of ${totalRows.toLocaleString()} metric rows: each step bucket keeps its lowest and highest loss, so spikes stay visible. Drag across a chart to zoom; double-click to reset.`
         : "Drag across a chart to zoom; double-click to reset.";
       window.megatrainPerf.points = shown;
       if (window.megatrainPerf.chartsReadyMs === null && shown > 0) {
