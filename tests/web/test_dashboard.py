@@ -87,6 +87,8 @@ def test_dashboard_end_to_end(
     assert "not divisible by" in error.inner_text()
     assert page.get_attribute("#f-model-hidden_size", "aria-invalid") == "true"
     assert page.evaluate("document.activeElement.id") == "f-model-hidden_size"  # focus moves to it
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-submit-error.png"))
 
     # The form edits the editor's spec; a good spec submits and opens the job page.
     page.fill("#spec-editor", json.dumps(spec, indent=2))
@@ -126,7 +128,6 @@ def test_dashboard_end_to_end(
         names = tar.getnames()
     assert "iter_0000100/manifest.json" in names
 
-    ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard-job.png"
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shot), full_page=True)
@@ -153,6 +154,8 @@ def test_dashboard_end_to_end(
     row_text = page.inner_text(f"#jobs-table tr[data-job-id='{job_id}']")
     assert "tp1 · pp1 · dp1" in row_text and "300 / 300" in row_text
     page.click(".chip[data-state='']")
+    page.wait_for_function("document.querySelectorAll('#jobs-table tbody tr').length === 2")
+    page.screenshot(path=str(ARTIFACTS / "dashboard-jobs.png"))
     assert "their-secret-job" not in page.content() and theirs not in page.content()
 
     # Another tenant's job id in the address bar is "not found", not their job.
@@ -164,6 +167,7 @@ def test_dashboard_end_to_end(
     page.click("nav >> text=Cluster")
     page.wait_for_selector("#pools [data-pool='default']")
     assert "CPU slots" in page.inner_text("#pools")
+    page.screenshot(path=str(ARTIFACTS / "dashboard-cluster.png"))
     assert theirs not in page.content() and "their-secret-job" not in page.content()
 
     # Keyboard: the nav links and filter chips are reachable with Tab and show a focus ring.
