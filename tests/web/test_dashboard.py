@@ -109,6 +109,8 @@ def test_dashboard_end_to_end(
         f"Number(document.querySelector('#chart-loss').dataset.points) >= {first + 5}", timeout=60_000
     )
     assert job_status(live, job_id) in ("running", "succeeded")
+    # The log pane follows the job's lines (tail, then the stream).
+    page.wait_for_function("document.querySelector('#logs').textContent.includes('step ')")
     page.wait_for_selector("#job-status .badge.succeeded", timeout=120_000)
     final_points = int(loss.get_attribute("data-points"))
     assert final_points == 150  # 300 steps logged every 2
