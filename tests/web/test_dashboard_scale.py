@@ -13,6 +13,7 @@ import pytest
 from conftest import open_page
 from live_stack import LiveApi
 
+from megatrain.api.auth import create_api_key
 from megatrain.db.jobs import record_event
 from megatrain.db.models import JobMetric
 from megatrain.db.session import session_scope
@@ -139,4 +140,21 @@ def test_job_page_with_100k_points(
     assert ready_ms < 10_000
     assert zoom_ms < 1_000
     assert theme_ms < 2_000
+    # The cluster view explains the queue (no scheduler runs here, so both jobs stay queued): the
+    # other tenant's higher-priority job takes both slots first and is never named.
+    with session_scope(db_url) as s:
+        other_key = create_api_key(s, "globex", "other tenant")
+    theirs = live.spec("their-job", global_batch_size=4)
+    theirs["resources"] = {"gpus": 2, "priority": 5}
+    their_id = httpx.post(
+        f"{live.url}/v1/jobs", json=theirs, headers={"Authorization": f"Bearer {other_key}"}
+    ).json()["id"]
+    page.click("nav >> text=Cluster")
+    page.wait_for_selector("#queue-table")
+    rows = page.locator("#queue-table tbody tr")
+    assert rows.count() == 2
+    assert "another tenant's job" in rows.nth(0).inner_text()
+    mine = rows.nth(1).inner_text()
+    assert "big-run" in mine and "needs 1 free slot in pool 'default'; the freest node has 0" in mine
+    assert their_id not in page.content() and "their-job" not in page.content()
     assert page_errors == []
