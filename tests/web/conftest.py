@@ -6,7 +6,6 @@ tests are skipped, with the reason, where Playwright or Chromium is missing; CI 
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -17,20 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 from live_stack import LiveApi, start_live_api  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO_ROOT / "test-artifacts"
-CHROMIUM = os.environ.get("MEGATRAIN_TEST_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from web_helpers import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 
 @pytest.fixture
@@ -60,19 +46,6 @@ def browser_context(tmp_path: Path) -> Iterator[Any]:
 def page_errors() -> list[str]:
     """Uncaught exceptions and console errors of the pages a test opened (should stay empty)."""
     return []
-
-
-def open_page(context: Any, errors: list[str]) -> Any:
-    page = context.new_page()
-    page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
-
-    def console(msg: Any) -> None:
-        # HTTP errors the tests provoke on purpose (401, 404, 422) are logged by Chromium itself.
-        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
-            errors.append(f"console: {msg.text}")
-
-    page.on("console", console)
-    return page
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ARTIFACTS, open_page
 from live_stack import LiveApi
+from web_helpers import ARTIFACTS, open_page
 
 from megatrain.api.auth import create_api_key
 from megatrain.db.session import session_scope

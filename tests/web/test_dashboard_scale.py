@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import open_page
 from live_stack import LiveApi
+from web_helpers import open_page
 
 from megatrain.api.auth import create_api_key
 from megatrain.db.jobs import record_event
