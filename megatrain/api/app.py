@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from megatrain import REPO_ROOT, __version__
 from megatrain.api.checkpoints.router import router as checkpoints_router
+from megatrain.api.cluster.router import router as cluster_router
 from megatrain.api.errors import install_error_handlers
 from megatrain.api.health.router import router as health_router
 from megatrain.api.jobs.router import router as jobs_router
@@ -96,7 +97,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
 
     install_error_handlers(app)
     app.add_exception_handler(RequestTooLarge, _too_large)
-    for router in (health_router, spec_router, jobs_router, checkpoints_router, keys_router):
+    for router in (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
 

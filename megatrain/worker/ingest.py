@@ -138,6 +138,7 @@ EVENT_DATA_KEYS = (
     "precision",
     "distributed_optimizer",
     "recompute",
+    "memory_estimate",
     "resumed_from",
     "uri",
     "size_bytes",

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.jobs import service
+from megatrain.api.jobs.downsample import MIN_POINTS
 from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLinePublic
 from megatrain.api.sse import BATCH, event_stream_response, follow_job, wants_event_stream
 from megatrain.db.models import Job, JobMetric
@@ -59,7 +60,7 @@ async def create_job(
     settings: SettingsDep,
     tenant: CurrentTenant,
     idempotency_key: IdempotencyKey = None,
-) -> Job:
+) -> JobPublic:
     """Submit a JobSpec (JSON, or YAML with Content-Type application/yaml); 201 with the queued job.
 
     The spec, its layout, its fit on the pool and its data paths are all checked first: any broken
@@ -74,7 +75,7 @@ async def create_job(
     if not created:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return job
+    return await run_in_threadpool(service.public_job, session, tenant, job)
 
 
 @router.get("", response_model=JobPage)
@@ -87,19 +88,19 @@ def list_jobs(
 ) -> dict[str, Any]:
     """The tenant's jobs, newest first; follow `next_cursor` for older pages."""
     jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor)
-    return {"items": jobs, "next_cursor": next_cursor}
+    return {"items": [service.public_job(session, tenant, j) for j in jobs], "next_cursor": next_cursor}
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job: OwnedJob) -> Job:
-    return job
+def get_job(job: OwnedJob, session: SessionDep, tenant: CurrentTenant) -> JobPublic:
+    return service.public_job(session, tenant, job)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> Job:
+def cancel_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> JobPublic:
     """Queued jobs are cancelled at once; scheduled/running ones get `cancel_requested` and stop when
     their runner sees it. Cancelling a finished job is a 409."""
-    return service.cancel_job(session, tenant, job_id)
+    return service.public_job(session, tenant, service.cancel_job(session, tenant, job_id))
 
 
 @router.get("/{job_id}/events", response_model=list[JobEventPublic])
@@ -129,9 +130,15 @@ def list_metrics(
     since_step: Annotated[int | None, Query(ge=-1, le=2**62)] = None,
     kind: Literal["train", "val"] | None = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
+    max_points: Annotated[int | None, Query(ge=MIN_POINTS, le=100_000)] = None,
     last_event_id: LastEventId = None,
+    response: Response = None,  # type: ignore[assignment]
 ) -> Any:
     """Metric rows with step > since_step: the engine's row plus `step` and `kind`, in step order.
+
+    With `max_points=N` (JSON only): at most N rows per kind for a chart, keeping each step
+    bucket's lowest and highest loss (spikes survive) and always the first and last row;
+    `X-Total-Rows` says how many rows matched before downsampling.
 
     With `Accept: text/event-stream`: Server-Sent Events, the existing rows then new ones as they
     arrive, each with `id:` = its step (so `Last-Event-ID` resumes), then `event: end` once the job
@@ -139,7 +146,11 @@ def list_metrics(
     """
     since = _resume_from(since_step, last_event_id)
     if not wants_event_stream(request.headers.get("accept")):
-        return service.list_metrics(session, job.id, since, kind, limit)
+        if max_points is None:
+            return service.list_metrics(session, job.id, since, kind, limit)
+        rows, total = service.list_metrics_downsampled(session, job.id, since, kind, max_points)
+        response.headers["X-Total-Rows"] = str(total)
+        return rows
 
     def fetch(s: Session, last_id: int) -> tuple[list[tuple[int, dict[str, Any]]], int]:
         # Follow by row id (insertion order), so a val row stored after its train row is not lost.
@@ -169,13 +180,17 @@ def list_logs(
     session: SessionDep,
     after_seq: Annotated[int, Query(ge=0, le=2**62)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    tail: Annotated[int | None, Query(ge=1, le=10_000)] = None,
     follow: bool = False,
     last_event_id: LastEventId = None,
 ) -> Any:
-    """Log lines with seq > after_seq, oldest first. With `Accept: text/event-stream` (or
-    ?follow=true): SSE with `id:` = seq, following new lines until the job ends (`event: end`)."""
+    """Log lines with seq > after_seq, oldest first; `?tail=N` gives the last N lines instead.
+    With `Accept: text/event-stream` (or ?follow=true): SSE with `id:` = seq, following new lines
+    until the job ends (`event: end`)."""
     after = _resume_from(after_seq, last_event_id) or 0
     if not (follow or wants_event_stream(request.headers.get("accept"))):
+        if tail is not None:
+            return service.list_log_tail(session, job.id, tail)
         return service.list_logs(session, job.id, after, limit)
 
     def fetch(s: Session, seq: int) -> tuple[list[tuple[int, dict[str, Any]]], int]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from megatrain.api.jobs.params import estimate_params
 
 
 class JobPublic(BaseModel):
@@ -38,6 +40,12 @@ class JobPublic(BaseModel):
     scheduled_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def params_estimate(self) -> int | None:
+        """Parameters computed from the spec (num_params is the engine's exact count once started)."""
+        return estimate_params(self.spec)
 
 
 class JobPage(BaseModel):

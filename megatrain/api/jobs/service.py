@@ -19,6 +19,8 @@ from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.data_access import check_data_access
+from megatrain.api.jobs.downsample import minmax_indices
+from megatrain.api.jobs.schemas import JobPublic
 from megatrain.db.jobs import record_event, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
@@ -288,6 +290,61 @@ def list_metrics(
         q = q.where(JobMetric.kind == kind)
     rows = session.scalars(q.order_by(JobMetric.step, JobMetric.kind).limit(limit)).all()
     return [metric_row(r) for r in rows]
+
+
+ID_CHUNK = 1000
+
+
+def list_metrics_downsampled(
+    session: Session, job_id: str, since_step: int | None, kind: str | None, max_points: int
+) -> tuple[list[dict[str, Any]], int]:
+    """(rows, total): at most `max_points` rows per kind, chosen by min/max loss per step bucket
+    (first and last always kept), in step order; `total` is how many rows matched.
+
+    Only (id, kind, step, loss) of every row is read; the engine's JSON rows are loaded for the
+    chosen ids alone, so 100,000 stored rows cost one narrow scan.
+    """
+    q = select(JobMetric.id, JobMetric.kind, JobMetric.step, JobMetric.loss).where(JobMetric.job_id == job_id)
+    if since_step is not None:
+        q = q.where(JobMetric.step > since_step)
+    if kind is not None:
+        q = q.where(JobMetric.kind == kind)
+    narrow = session.execute(q.order_by(JobMetric.kind, JobMetric.step)).all()
+    chosen: list[int] = []
+    for k in ("train", "val"):
+        series = [r for r in narrow if r.kind == k]
+        chosen += [series[i].id for i in minmax_indices([r.loss for r in series], max_points)]
+    rows: list[JobMetric] = []
+    for start in range(0, len(chosen), ID_CHUNK):
+        ids = chosen[start : start + ID_CHUNK]
+        rows += session.scalars(select(JobMetric).where(JobMetric.id.in_(ids))).all()
+    rows.sort(key=lambda r: (r.step, r.kind))
+    return [metric_row(r) for r in rows], len(narrow)
+
+
+def list_log_tail(session: Session, job_id: str, tail: int) -> list[JobLog]:
+    """The job's last `tail` lines, oldest first."""
+    q = select(JobLog).where(JobLog.job_id == job_id).order_by(JobLog.seq.desc()).limit(tail)
+    return list(reversed(session.scalars(q).all()))
+
+
+FOREIGN_JOB_ID = re.compile(r"\b(?:job )?(job-[0-9a-f]{16})\b")
+
+
+def redact_reason(session: Session, tenant: Tenant, reason: str) -> str:
+    """A status reason with the ids of other tenants' jobs replaced (the scheduler writes "behind
+    job ID" without knowing who reads it)."""
+    ids = set(FOREIGN_JOB_ID.findall(reason))
+    if not ids:
+        return reason
+    own = set(session.scalars(select(Job.id).where(Job.id.in_(ids), Job.tenant_id == tenant.id)).all())
+    return FOREIGN_JOB_ID.sub(lambda m: m.group(0) if m.group(1) in own else "another tenant's job", reason)
+
+
+def public_job(session: Session, tenant: Tenant, job: Job) -> JobPublic:
+    out = JobPublic.model_validate(job)
+    reason = redact_reason(session, tenant, out.status_reason)
+    return out if reason == out.status_reason else out.model_copy(update={"status_reason": reason})
 
 
 def list_logs(session: Session, job_id: str, after_seq: int, limit: int) -> list[JobLog]:

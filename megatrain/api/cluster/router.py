@@ -1,0 +1,21 @@
+"""/v1/cluster: pools, nodes, slots busy and free, and the queue with why each job waits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from megatrain.api.cluster.service import cluster_view
+from megatrain.api.deps import CurrentTenant, SessionDep
+
+router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
+
+
+@router.get("")
+def get_cluster(session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
+    """`{"pools": [{name, accelerator, slot_kind, slots_total/used/free, nodes: [{hostname, status,
+    slots_*, last_seen_at, jobs}]}], "queue": [{position, own, pool, slots, priority, queued_at,
+    reason, id?, name?}]}`, the queue in scheduling order (priority, then FIFO). Other tenants' jobs
+    are counted but never named."""
+    return cluster_view(session, tenant)

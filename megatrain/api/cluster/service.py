@@ -1,0 +1,92 @@
+"""The cluster as a tenant may see it: pools, nodes and their slots, and the queue in order.
+
+Slot counts are aggregate (no tenant data); running and queued jobs of other tenants appear only as
+anonymous entries (slots, priority, place in the queue), never with an id, name or spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.api.cluster.queue import NodeRoom, QueuedJob, explain_queue
+from megatrain.db.models import ACTIVE_STATES, QUEUED, Job, Node, NodePool, Tenant
+
+
+def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
+    pools = session.scalars(select(NodePool).order_by(NodePool.name)).all()
+    nodes = session.scalars(select(Node).order_by(Node.hostname)).all()
+    active = session.execute(
+        select(Job.id, Job.name, Job.status, Job.node_id, Job.num_procs, Job.tenant_id).where(
+            Job.status.in_(ACTIVE_STATES)
+        )
+    ).all()
+    on_node: dict[str, list[dict[str, Any]]] = {}
+    for j in active:
+        own = j.tenant_id == tenant.id
+        entry: dict[str, Any] = {"own": own, "status": j.status, "slots": j.num_procs}
+        if own:
+            entry |= {"id": j.id, "name": j.name}
+        on_node.setdefault(j.node_id or "", []).append(entry)
+
+    pool_rows: list[dict[str, Any]] = []
+    rooms: dict[str, list[NodeRoom]] = {}
+    for pool in pools:
+        members = [n for n in nodes if n.pool_id == pool.id]
+        node_rows = []
+        for n in members:
+            free = max(n.slots_total - n.slots_used, 0)
+            node_rows.append(
+                {
+                    "hostname": n.hostname,
+                    "status": n.status,
+                    "slots_total": n.slots_total,
+                    "slots_used": n.slots_used,
+                    "slots_free": free,
+                    "last_seen_at": n.last_seen_at,
+                    "jobs": on_node.get(n.id, []),
+                }
+            )
+            if n.status == "ready":
+                rooms.setdefault(pool.name, []).append(NodeRoom(n.hostname, n.slots_total, free))
+        pool_rows.append(
+            {
+                "name": pool.name,
+                "accelerator": pool.accelerator,
+                "slot_kind": "CPU slots" if pool.accelerator == "cpu" else "GPUs",
+                "slots_total": sum(r["slots_total"] for r in node_rows),
+                "slots_used": sum(r["slots_used"] for r in node_rows),
+                "slots_free": sum(r["slots_free"] for r in node_rows),
+                "nodes": node_rows,
+            }
+        )
+
+    queued = session.execute(
+        select(
+            Job.id, Job.name, Job.pool, Job.num_procs, Job.priority, Job.created_at, Job.tenant_id,
+            Job.cancel_requested,
+        )
+        .where(Job.status == QUEUED)
+        .order_by(Job.priority.desc(), Job.created_at, Job.id)
+    ).all()  # fmt: skip
+    order = [
+        QueuedJob(q.id, q.pool, q.num_procs, q.tenant_id == tenant.id, q.cancel_requested) for q in queued
+    ]
+    reasons = explain_queue(order, rooms)
+    queue = []
+    for position, (q, reason) in enumerate(zip(queued, reasons, strict=True), start=1):
+        entry = {
+            "position": position,
+            "own": q.tenant_id == tenant.id,
+            "pool": q.pool,
+            "slots": q.num_procs,
+            "priority": q.priority,
+            "queued_at": q.created_at,
+            "reason": reason,
+        }
+        if entry["own"]:
+            entry |= {"id": q.id, "name": q.name}
+        queue.append(entry)
+    return {"pools": pool_rows, "queue": queue}

@@ -1,0 +1,181 @@
+"""What the dashboard asks of the API: downsampled metrics, log tails, the cluster view, parameter
+estimates, and no other tenant's job ids in anything a tenant reads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import Api
+
+from megatrain.api.cluster.queue import NodeRoom, QueuedJob, explain_queue
+from megatrain.api.jobs.downsample import minmax_indices
+from megatrain.api.jobs.params import estimate_params
+from megatrain.db.jobs import reserve_and_schedule
+from megatrain.db.models import Job, JobLog, JobMetric, Node
+from megatrain.db.session import session_scope
+
+
+def test_minmax_indices_keeps_spikes_and_ends() -> None:
+    values = [math.sin(i / 50) for i in range(10_000)]
+    values[4321] = 99.0  # a spike
+    values[7777] = -99.0  # a dip
+    kept = minmax_indices(values, 200)
+    assert len(kept) <= 200
+    assert kept == sorted(set(kept))
+    assert {0, 9_999, 4321, 7777} <= set(kept)
+    assert minmax_indices(values[:50], 200) == list(range(50))
+    none_bucket = [None] * 1000
+    assert minmax_indices(none_bucket, 100)[:2] == [0, 1]
+    with pytest.raises(ValueError, match="max_points"):
+        minmax_indices(values, 5)
+
+
+def _add_rows(api: Api, job_id: str, n: int, spike_at: int) -> None:
+    with session_scope(api.db_url) as s:
+        rows = []
+        for step in range(1, n + 1):
+            loss = 50.0 if step == spike_at else 5.0 - step / n
+            rows.append({"job_id": job_id, "kind": "train", "step": step, "loss": loss,
+                         "data": {"step": step, "loss": loss, "lr": 1e-3}})  # fmt: skip
+        for step in range(100, n + 1, 100):
+            rows.append({"job_id": job_id, "kind": "val", "step": step, "loss": 4.0,
+                         "data": {"step": step, "val_loss": 4.0}})  # fmt: skip
+        s.execute(JobMetric.__table__.insert(), rows)
+
+
+def test_metrics_max_points(api: Api) -> None:
+    job_id = api.submit()["id"]
+    _add_rows(api, job_id, 5000, spike_at=2345)
+    resp = api.client.get(f"/v1/jobs/{job_id}/metrics?max_points=100", headers=api.headers)
+    assert resp.status_code == 200
+    assert resp.headers["X-Total-Rows"] == str(5000 + 50)
+    rows = resp.json()
+    train = [r for r in rows if r["kind"] == "train"]
+    val = [r for r in rows if r["kind"] == "val"]
+    assert 50 <= len(train) <= 100 and len(val) == 50
+    steps = [r["step"] for r in train]
+    assert steps == sorted(steps) and steps[0] == 1 and steps[-1] == 5000
+    assert 2345 in steps and max(r["loss"] for r in train) == 50.0
+    assert train[0] == {"step": 1, "loss": 5.0 - 1 / 5000, "lr": 1e-3, "kind": "train"}
+    # Combined with since_step and kind; nothing to thin: all rows.
+    tail = api.client.get(
+        f"/v1/jobs/{job_id}/metrics?max_points=100&since_step=4950&kind=train", headers=api.headers
+    ).json()
+    assert [r["step"] for r in tail] == list(range(4951, 5001))
+    bad = api.client.get(f"/v1/jobs/{job_id}/metrics?max_points=3", headers=api.headers)
+    assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "max_points"
+    other = api.client.get(f"/v1/jobs/{job_id}/metrics?max_points=100", headers=api.other_headers)
+    assert other.status_code == 404
+
+
+def test_log_tail(api: Api) -> None:
+    job_id = api.submit()["id"]
+    with session_scope(api.db_url) as s:
+        s.add_all(JobLog(job_id=job_id, seq=i, line=f"line {i}") for i in range(1, 31))
+    tail = api.client.get(f"/v1/jobs/{job_id}/logs?tail=5", headers=api.headers).json()
+    assert [r["seq"] for r in tail] == [26, 27, 28, 29, 30]
+    assert tail[-1]["line"] == "line 30"
+
+
+def test_params_estimate_in_job(api: Api) -> None:
+    job = api.submit()
+    # 2 layers, hidden 64, 4 heads, llama (SwiGLU ffn 192), byte vocab padded to 384, untied head.
+    h, ffn, vocab = 64, 192, 384
+    expected = 2 * (4 * h * h + 3 * h * ffn + 2 * h) + 2 * vocab * h + h
+    assert job["params_estimate"] == expected
+    assert estimate_params({"model": {"arch": "llama"}, "data": {"tokenizer": {"type": "hf"}}}) is None
+    assert estimate_params({"model": {"hidden_size": -1}}) is None
+
+
+def test_params_estimate_matches_the_engine() -> None:
+    pytest.importorskip("torch")
+    from megatrain.engine.config import transformer_config
+    from megatrain.engine.models.gpt import GPTModel
+    from megatrain.spec import parse_spec
+
+    for model in (
+        {"arch": "llama", "num_query_groups": 2},
+        {"arch": "gpt2"},
+        {"arch": "llama", "tie_embeddings": True, "vocab_size": 1000},
+    ):
+        spec = parse_spec({"name": "x", "data": {"train": [{"path": "file:///d.jsonl"}]},
+                           "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                     "seq_length": 32, **model}})  # fmt: skip
+        exact = sum(p.numel() for p in GPTModel(transformer_config(spec, 257)).parameters())
+        assert estimate_params(spec.model_dump(mode="json")) == exact, model
+
+
+def test_explain_queue_follows_the_scheduler_rule() -> None:
+    pools = {"default": [NodeRoom("a", 4, 1), NodeRoom("b", 4, 3)], "empty": []}
+    queue = [
+        QueuedJob("job-fits", "default", 2, own=True),  # best fit: b (3 free) -> 1 left
+        QueuedJob("job-big", "default", 2, own=False),  # no node has 2 free now: blocks the pool
+        QueuedJob("job-small", "default", 1, own=True),  # would fit, but no backfill
+        QueuedJob("job-huge", "default", 8, own=True),  # larger than any node: waits, blocks nobody
+        QueuedJob("job-nopool", "gpu", 1, own=True),
+        QueuedJob("job-gone", "default", 1, own=True, cancel_requested=True),
+    ]
+    reasons = explain_queue(queue, pools)
+    assert reasons[0].startswith("fits now on b")
+    assert reasons[1] == "needs 2 free slots in pool 'default'; the freest node has 1"
+    assert reasons[2] == (
+        "behind another tenant's job (#2 in the queue), first in line for pool 'default' (no backfill)"
+    )
+    assert "job-big" not in " ".join(reasons)
+    assert reasons[3] == "needs 8 slots but the largest node in pool 'default' offers 4"
+    assert reasons[4] == "pool 'gpu' has no ready nodes"
+    assert reasons[5].startswith("cancel requested")
+    assert pools["default"][1].free == 3  # the caller's snapshot is not changed
+
+
+def test_cluster_view(api: Api) -> None:
+    mine_running = api.submit(api.spec("mine-running", resources={"gpus": 2}))["id"]
+    theirs_running = api.client.post(
+        "/v1/jobs", json=api.spec("theirs-running", resources={"gpus": 2}), headers=api.other_headers
+    ).json()["id"]
+    with session_scope(api.db_url) as s:
+        node_id = s.query(Node.id).scalar()
+        assert reserve_and_schedule(s, mine_running, node_id)
+        assert reserve_and_schedule(s, theirs_running, node_id)
+    theirs_queued = api.client.post(
+        "/v1/jobs", json=api.spec("theirs-q", resources={"gpus": 2, "priority": 5}), headers=api.other_headers
+    ).json()["id"]
+    mine_queued = api.submit(api.spec("mine-q", resources={"gpus": 1}))["id"]
+
+    resp = api.client.get("/v1/cluster", headers=api.headers)
+    assert resp.status_code == 200
+    body = resp.json()
+    (pool,) = body["pools"]
+    assert (pool["slots_total"], pool["slots_used"], pool["slots_free"]) == (4, 4, 0)
+    assert pool["slot_kind"] == "CPU slots"
+    jobs_on_node = pool["nodes"][0]["jobs"]
+    assert {"own": True, "status": "scheduled", "slots": 2, "id": mine_running, "name": "mine-running"} in (
+        jobs_on_node
+    )
+    assert {"own": False, "status": "scheduled", "slots": 2} in jobs_on_node
+    first, second = body["queue"]
+    assert first == {k: first[k] for k in first} and first["own"] is False and "id" not in first
+    assert first["priority"] == 5 and first["reason"].startswith("needs 2 free slots")
+    assert second["id"] == mine_queued and second["position"] == 2
+    assert second["reason"].startswith("behind another tenant's job (#1 in the queue)")
+    text = resp.text
+    assert theirs_queued not in text and theirs_running not in text and "theirs" not in text
+    assert api.client.get("/v1/cluster").status_code == 401
+
+
+def test_status_reason_hides_other_tenants_job_ids(api: Api) -> None:
+    theirs = api.client.post("/v1/jobs", json=api.spec("theirs"), headers=api.other_headers).json()["id"]
+    mine_first = api.submit(api.spec("first"))["id"]
+    mine = api.submit()["id"]
+    with session_scope(api.db_url) as s:
+        s.get(Job, mine).status_reason = f"waiting: behind job {theirs}, first in line"
+        s.get(Job, mine_first).status_reason = f"waiting: behind job {mine_first} and job {mine}"
+    got = api.client.get(f"/v1/jobs/{mine}", headers=api.headers).json()
+    assert got["status_reason"] == "waiting: behind another tenant's job, first in line"
+    listed = api.client.get("/v1/jobs", headers=api.headers).json()["items"]
+    assert theirs not in str(listed)
+    own = next(j for j in listed if j["id"] == mine_first)
+    assert own["status_reason"] == f"waiting: behind job {mine_first} and job {mine}"
+    with session_scope(api.db_url) as s:
+        assert theirs in s.get(Job, mine).status_reason  # only the answer is redacted, not the row

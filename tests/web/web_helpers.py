@@ -1,0 +1,35 @@
+"""Constants and helpers of the browser tests (a module of its own: test modules of several folders
+importing `conftest` would get whichever conftest was imported first)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO_ROOT / "test-artifacts"
+CHROMIUM = os.environ.get("MEGATRAIN_TEST_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def open_page(context: Any, errors: list[str]) -> Any:
+    page = context.new_page()
+    page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+
+    def console(msg: Any) -> None:
+        # HTTP errors the tests provoke on purpose (401, 404, 422) are logged by Chromium itself.
+        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
+            errors.append(f"console: {msg.text}")
+
+    page.on("console", console)
+    return page

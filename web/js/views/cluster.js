@@ -1,0 +1,73 @@
+// Cluster: pools and nodes with their slots busy and free, and the queue in scheduling order with
+// why each job waits. Other tenants' jobs are counted but never named (the API leaves them out).
+
+import { api } from "../api.js";
+import { h, replace } from "../dom.js";
+import { fmtAge } from "../format.js";
+
+const REFRESH_MS = 3000;
+
+function slots(node) {
+  const cells = [];
+  for (const j of node.jobs) for (let i = 0; i < j.slots; i++) cells.push(h("span", { class: `slot busy ${j.own ? "" : "other"}`, title: j.own ? `${j.name} (${j.status})` : "another tenant's job" }));
+  // Slots held by jobs this snapshot does not list (a race) still count as busy.
+  while (cells.length < node.slots_used) cells.push(h("span", { class: "slot busy other" }));
+  while (cells.length < node.slots_total) cells.push(h("span", { class: "slot", title: "free" }));
+  return h("div", { class: "slots", role: "img", "aria-label": `${node.slots_used} of ${node.slots_total} busy` }, cells);
+}
+
+function poolCard(pool) {
+  return h("section", { class: "card", dataset: { pool: pool.name } },
+    h("div", { class: "page-head", style: { marginBottom: "0.25rem" } },
+      h("h2", { style: { margin: 0 } }, pool.name),
+      h("span", { class: "muted" }, pool.accelerator)),
+    h("p", { class: "num", style: { margin: "0 0 0.5rem" } },
+      h("strong", {}, `${pool.slots_used} busy`), ` · ${pool.slots_free} free · ${pool.slots_total} ${pool.slot_kind}`),
+    pool.nodes.length ? pool.nodes.map((n) => h("div", { style: { marginTop: "0.6rem" } },
+      h("div", { class: "row" }, h("span", { class: "mono" }, n.hostname),
+        h("span", { class: `badge ${n.status === "ready" ? "succeeded" : "cancelled"}` }, n.status),
+        h("span", { class: "muted num" }, `${n.slots_used}/${n.slots_total} busy · seen ${fmtAge(n.last_seen_at)}`)),
+      slots(n),
+      n.jobs.filter((j) => j.own).map((j) => h("div", { class: "hint" }, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.name), ` · ${j.status} · ${j.slots} slot${j.slots === 1 ? "" : "s"}`))))
+      : h("p", { class: "muted" }, "No nodes registered."));
+}
+
+function queueTable(queue) {
+  if (!queue.length) return h("div", { class: "empty" }, h("strong", {}, "The queue is empty"), "Every submitted job has been placed.");
+  return h("div", { class: "table-wrap" }, h("table", { id: "queue-table", class: "cards" },
+    h("thead", {}, h("tr", {}, ["#", "Job", "Pool", "Slots", "Priority", "Waiting", "Why it waits"].map((t) => h("th", { scope: "col", class: ["#", "Slots", "Priority"].includes(t) ? "num" : "" }, t)))),
+    h("tbody", {}, queue.map((q) => h("tr", { dataset: { own: String(q.own) } },
+      h("td", { class: "num", "data-label": "Position" }, String(q.position)),
+      h("td", { class: "primary" }, q.own ? [h("a", { class: "name", href: `#/jobs/${encodeURIComponent(q.id)}` }, q.name), h("span", { class: "id" }, q.id)] : h("span", { class: "muted" }, "another tenant's job")),
+      h("td", { "data-label": "Pool" }, q.pool),
+      h("td", { class: "num", "data-label": "Slots" }, String(q.slots)),
+      h("td", { class: "num", "data-label": "Priority" }, String(q.priority)),
+      h("td", { "data-label": "Waiting" }, fmtAge(q.queued_at).replace(" ago", "")),
+      h("td", { "data-label": "Why" }, q.reason))))));
+}
+
+export function renderCluster(main, _params, { showBanner, hideBanner }) {
+  const controller = new AbortController();
+  let timer = null;
+  const pools = h("div", { class: "pools", id: "pools" }, h("div", { class: "loading" }, "Loading…"));
+  const queue = h("div", { id: "queue" });
+  replace(main,
+    h("div", { class: "page-head" }, h("div", {}, h("h1", {}, "Cluster"),
+      h("div", { class: "sub" }, "Pools, nodes and the queue in scheduling order: priority first, then first come, first served; no backfill."))),
+    h("div", { class: "stack" }, pools, h("section", { class: "card", "aria-labelledby": "queue-h" }, h("h2", { id: "queue-h" }, "Queue"), queue)));
+
+  async function refresh() {
+    try {
+      const view = await api("/v1/cluster", { signal: controller.signal });
+      hideBanner();
+      replace(pools, view.pools.length ? view.pools.map(poolCard) : h("div", { class: "card empty" }, h("strong", {}, "No pools"), "Start a scheduler or worker to register nodes."));
+      replace(queue, queueTable(view.queue));
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      showBanner(`Could not load the cluster: ${err.message}`);
+    }
+    timer = setTimeout(refresh, REFRESH_MS);
+  }
+  refresh();
+  return () => { clearTimeout(timer); controller.abort(); };
+}

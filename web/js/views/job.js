@@ -1,0 +1,376 @@
+// One job: live charts (metrics over SSE), event timeline, layout and memory plan, logs, checkpoints,
+// cancel. The job row, events and checkpoints are polled while the job is active.
+
+import { api, ApiError, follow } from "../api.js";
+import { LineChart } from "../charts.js";
+import { h, replace } from "../dom.js";
+import { ACTIVE, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
+import { badge, progress } from "./jobs.js";
+
+const POLL_MS = 2000;
+const MAX_POINTS = 2000;    // asked of the server per kind; it keeps min/max loss per bucket
+const REFETCH_AT = 4000;    // live points beyond this: fetch a fresh downsampled series
+const LOG_TAIL = 200;
+const MAX_LOG_LINES = 2000;
+
+const gpuUtil = (r) => r.gpu_util ?? r.gpu_utilization ?? null;
+const CHARTS = [
+  { id: "loss", title: "Loss", series: [{ label: "train", color: "--chart-1" }, { label: "validation", color: "--chart-2", points: true }],
+    values: (t, v) => [t?.loss ?? null, v?.val_loss ?? null], format: (x) => fmtNum(x, 4) },
+  { id: "lr", title: "Learning rate", series: [{ label: "lr" }], values: (t) => [t?.lr ?? null], format: (x) => fmtNum(x, 6) },
+  { id: "grad_norm", title: "Grad norm", series: [{ label: "grad norm" }], values: (t) => [t?.grad_norm ?? null], format: (x) => fmtNum(x, 3) },
+  { id: "tokens_per_s", title: "Tokens/s", series: [{ label: "tokens/s" }], values: (t) => [t?.tokens_per_s ?? null], format: fmtCount },
+  { id: "mfu", title: "MFU", series: [{ label: "MFU" }], values: (t) => [t?.mfu ?? null], format: fmtPct },
+  { id: "memory", title: "Peak memory per GPU", series: [{ label: "peak memory" }], values: (t) => [t?.peak_memory_bytes ?? null], format: fmtBytes },
+  { id: "gpu_util", title: "GPU utilization", series: [{ label: "utilization" }], optional: true,
+    values: (t) => [t ? gpuUtil(t) : null], format: (x) => (x <= 1 ? fmtPct(x) : `${fmtNum(x, 1)}%`) },
+];
+
+const EVENT_LABELS = {
+  queued: "Queued", scheduled: "Scheduled", running: "Running", started: "Engine started", resumed: "Resumed",
+  checkpoint_saved: "Checkpoint saved", cancel_requested: "Cancel requested", succeeded: "Succeeded",
+  failed: "Failed", cancelled: "Cancelled", info: "Info", preempted: "Preempted",
+};
+
+function eventLabel(ev) {
+  if (ev.kind === "queued" && ev.from_status && ev.from_status !== "queued") {
+    return /preempt/i.test(ev.reason) ? "Preempted" : "Retried";
+  }
+  return EVENT_LABELS[ev.kind] || ev.kind.replace(/_/g, " ");
+}
+
+function tile(label, value, id) {
+  return h("div", { class: "tile" }, h("div", { class: "tile-label" }, label), h("div", { class: "tile-value", id }, value));
+}
+
+const MEMORY_PARTS = [["params", "Parameters", "--chart-1"], ["grads", "Gradients", "--s-succeeded"], ["optimizer", "Optimizer", "--chart-2"], ["activations", "Activations", "--s-scheduled"]];
+
+function memoryPlan(estimate) {
+  const value = (k) => estimate[`${k}_bytes`] ?? estimate[k] ?? 0;
+  const total = estimate.total_bytes ?? MEMORY_PARTS.reduce((s, [k]) => s + value(k), 0);
+  if (!total) return null;
+  return h("div", { id: "memory-plan" },
+    h("h3", {}, `Planner's memory per GPU: ${fmtBytes(total)}`),
+    h("div", { class: "membar", role: "img", "aria-label": MEMORY_PARTS.map(([k, l]) => `${l} ${fmtBytes(value(k))}`).join(", ") },
+      MEMORY_PARTS.map(([k, , c]) => h("span", { style: { width: `${(100 * value(k)) / total}%`, background: `var(${c})` } }))),
+    h("div", { class: "legend" }, MEMORY_PARTS.map(([k, l, c]) => h("span", {}, h("i", { style: { background: `var(${c})` } }), `${l} ${fmtBytes(value(k))}`))));
+}
+
+export function renderJob(main, [jobId], { showBanner, hideBanner }) {
+  const controller = new AbortController();
+  const signal = controller.signal;
+  const t0 = performance.now();
+  const enc = encodeURIComponent(jobId);
+  let job = null;
+  let timer = null;
+  let stopped = false;
+  let charts = {};
+  let store = { steps: [], byStep: new Map() };   // step -> {t: train row, v: val row}
+  let lastStep = -1;
+  let totalRows = 0;
+  let metricsFollowing = false;
+  let flushPending = false;
+  let logsFollowing = null;
+  let lastSeq = 0;
+  window.megatrainPerf = { jobId, chartsReadyMs: null, points: 0 };
+
+  replace(main, h("div", { class: "loading" }, "Loading job…"));
+
+  // -- skeleton (built once the job is known) --------------------------------------------------
+  const el = {};
+  function skeleton() {
+    el.badge = h("span", { id: "job-status" });
+    el.reason = h("div", { class: "sub", id: "job-reason" });
+    el.cancel = h("button", { type: "button", class: "btn btn-danger", id: "cancel-job", onclick: cancel }, "Cancel job");
+    el.tiles = h("div", { class: "tiles", id: "job-tiles" });
+    el.charts = h("div", { class: "charts", id: "charts" });
+    el.chartNote = h("p", { class: "hint", id: "chart-note" });
+    el.timeline = h("ol", { class: "timeline", id: "timeline", "aria-label": "Event timeline" });
+    el.layout = h("div", { id: "layout" });
+    el.logs = h("pre", { class: "logs", id: "logs", tabindex: "0", "aria-label": "Job logs" });
+    el.follow = h("input", { type: "checkbox", id: "follow-logs" });
+    el.checkpoints = h("div", { id: "checkpoints" });
+    el.spec = h("pre", { class: "mono", style: { overflow: "auto", maxHeight: "360px" } });
+    replace(main,
+      h("nav", { "aria-label": "Breadcrumb", class: "sub", style: { marginBottom: "0.5rem" } }, h("a", { href: "#/jobs" }, "← Jobs")),
+      h("div", { class: "page-head" },
+        h("div", { style: { minWidth: 0 } },
+          h("div", { class: "row" }, h("h1", { id: "job-name" }, job.name), el.badge),
+          h("div", { class: "sub mono" }, job.id), el.reason),
+        h("div", { class: "row" }, el.cancel)),
+      h("div", { class: "stack" },
+        el.tiles,
+        h("section", { "aria-labelledby": "charts-h" }, h("h2", { id: "charts-h", class: "visually-hidden" }, "Charts"), el.charts, el.chartNote),
+        h("div", { class: "two-col" },
+          h("section", { class: "card", "aria-labelledby": "timeline-h" }, h("h2", { id: "timeline-h" }, "Timeline"), el.timeline),
+          h("section", { class: "card", "aria-labelledby": "layout-h" }, h("h2", { id: "layout-h" }, "Layout"), el.layout)),
+        h("section", { class: "card", "aria-labelledby": "logs-h" },
+          h("div", { class: "page-head", style: { marginBottom: "0.5rem" } }, h("h2", { id: "logs-h", style: { margin: 0 } }, "Logs"),
+            h("label", { class: "switch", for: "follow-logs" }, el.follow, "Follow")),
+          el.logs),
+        h("section", { class: "card", "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h" }, "Checkpoints"), el.checkpoints),
+        h("details", { class: "card" }, h("summary", {}, "Spec"), el.spec)));
+    for (const def of CHARTS) {
+      const box = h("div", { class: "chart" });
+      const card = h("section", { class: "card chart-card", id: `chart-${def.id}`, dataset: { points: "0" }, hidden: def.optional },
+        h("h3", {}, def.title, h("span", { class: "muted", id: `chart-${def.id}-latest` })), box);
+      el.charts.append(card);
+      charts[def.id] = { def, card, chart: new LineChart(box, { series: def.series, format: def.format }) };
+    }
+    el.follow.addEventListener("change", () => (el.follow.checked ? followLogs() : stopLogs()));
+    el.spec.textContent = JSON.stringify(job.spec, null, 2);
+  }
+
+  // -- job, events, checkpoints ----------------------------------------------------------------
+  function drawJob() {
+    replace(el.badge, badge(job.status));
+    el.reason.textContent = job.status_reason;
+    const active = ACTIVE.has(job.status);
+    el.cancel.hidden = !active;
+    el.cancel.disabled = job.cancel_requested;
+    el.cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel job";
+    const end = job.finished_at ? Date.parse(job.finished_at) : Date.now();
+    const runtime = job.started_at ? fmtDuration((end - Date.parse(job.started_at)) / 1000) : "—";
+    replace(el.tiles,
+      h("div", { class: "tile" }, h("div", { class: "tile-label" }, "Progress"), h("div", { class: "tile-value" }, progress(job))),
+      tile("Latest loss", fmtNum(job.latest_loss, 4), "tile-loss"),
+      tile("Tokens/s", fmtRate(job.latest_tokens_per_s)),
+      tile("MFU", fmtPct(job.latest_mfu)),
+      tile("Parameters", paramsText(job)),
+      tile("Layout", layoutText(job.layout)),
+      tile("GPUs", String(job.num_procs)),
+      tile("Attempt", `${job.attempt} of ${job.max_retries + 1}`),
+      tile("Runtime", runtime),
+      tile("Submitted", h("span", { title: fmtTime(job.created_at) }, fmtAge(job.created_at))));
+  }
+
+  function drawEvents(events) {
+    if (!events.length) { replace(el.timeline, h("li", { class: "muted" }, "No events yet.")); return; }
+    replace(el.timeline, events.map((ev) => h("li", { dataset: { kind: ev.kind } },
+      h("span", { class: `dot ${ev.kind}`, "aria-hidden": "true" }),
+      h("div", {},
+        h("span", { class: "what" }, eventLabel(ev)),
+        h("time", { class: "when", datetime: ev.created_at, title: fmtTime(ev.created_at) }, fmtAge(ev.created_at)),
+        ev.reason && h("div", { class: "why" }, ev.reason)))));
+    const started = [...events].reverse().find((e) => e.kind === "started");
+    drawLayout(started?.data || {});
+  }
+
+  function drawLayout(startedData) {
+    const L = job.layout || {};
+    const rows = [["Tensor parallel (tp)", L.tp], ["Pipeline parallel (pp)", L.pp], ["Data parallel (dp)", L.dp],
+      ["Context parallel (cp)", L.cp], ["Expert parallel (ep)", L.ep], ["Virtual stages", L.virtual_stages],
+      ["Sequence parallel", L.sequence_parallel ? "on" : "off"], ["Processes", job.num_procs], ["Pool", job.pool]];
+    if (startedData.device) rows.push(["Device", startedData.device]);
+    if (startedData.precision) rows.push(["Precision", startedData.precision]);
+    const estimate = startedData.memory_estimate;
+    replace(el.layout,
+      h("dl", { class: "kv" }, rows.filter(([, v]) => v !== undefined && v !== null).map(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))])),
+      estimate ? memoryPlan(estimate) : h("p", { class: "hint" }, "The planner's memory breakdown appears here once the engine reports it at start."));
+  }
+
+  async function download(step, button) {
+    button.disabled = true;
+    const label = button.textContent;
+    button.textContent = "Preparing…";
+    try {
+      const resp = await api(`/v1/jobs/${enc}/checkpoints/${step}/download`, { raw: true, signal });
+      if ((resp.headers.get("content-type") || "").includes("application/json")) {
+        // Object storage: one presigned link per file, straight from the bucket.
+        const listing = await resp.json();
+        const links = h("ul", { class: "hint" }, listing.files.map((f) => h("li", {}, h("a", { href: f.url, download: f.path.split("/").pop() }, f.path), ` (${fmtBytes(f.size)})`)));
+        button.after(links);
+      } else {
+        const name = /filename="([^"]+)"/.exec(resp.headers.get("content-disposition") || "")?.[1] || `${jobId}-step${step}.tar`;
+        const url = URL.createObjectURL(await resp.blob());
+        const a = h("a", { href: url, download: name, hidden: true });
+        document.body.append(a);
+        a.click();
+        a.remove();
+        setTimeout(() => URL.revokeObjectURL(url), 60_000);
+      }
+    } catch (err) {
+      if (err.name !== "AbortError") showBanner(`Download failed: ${err.message}`);
+    } finally {
+      button.disabled = false;
+      button.textContent = label;
+    }
+  }
+
+  function drawCheckpoints(list) {
+    if (!list.length) {
+      replace(el.checkpoints, h("p", { class: "muted" }, ACTIVE.has(job.status) ? "No checkpoint saved yet." : "This job saved no checkpoints."));
+      return;
+    }
+    replace(el.checkpoints, h("div", { class: "table-wrap" }, h("table", { id: "checkpoint-table" },
+      h("thead", {}, h("tr", {}, h("th", { scope: "col", class: "num" }, "Step"), h("th", { scope: "col", class: "num" }, "Size"), h("th", { scope: "col" }, "Saved"), h("th", { scope: "col" }, h("span", { class: "visually-hidden" }, "Actions")))),
+      h("tbody", {}, list.map((c) => h("tr", { dataset: { step: String(c.step) } },
+        h("td", { class: "num" }, c.step.toLocaleString()),
+        h("td", { class: "num" }, fmtBytes(c.size_bytes)),
+        h("td", {}, h("span", { title: fmtTime(c.created_at) }, fmtAge(c.created_at))),
+        h("td", {}, h("button", { type: "button", class: "btn btn-small", "aria-label": `Download checkpoint at step ${c.step}`,
+          onclick: (ev) => download(c.step, ev.currentTarget) }, "Download"))))))));
+  }
+
+  async function cancel() {
+    if (!confirm(`Cancel job ${job.name}?`)) return;
+    el.cancel.disabled = true;
+    try {
+      job = await api(`/v1/jobs/${enc}/cancel`, { method: "POST", signal });
+      drawJob();
+      poll();
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      showBanner(`Could not cancel: ${err.message}`);
+      el.cancel.disabled = false;
+    }
+  }
+
+  async function poll() {
+    clearTimeout(timer);
+    try {
+      const [j, events, ckpts] = await Promise.all([
+        api(`/v1/jobs/${enc}`, { signal }), api(`/v1/jobs/${enc}/events`, { signal }), api(`/v1/jobs/${enc}/checkpoints`, { signal })]);
+      const first = job === null;
+      job = j;
+      if (first) { skeleton(); startMetrics(); startLogs(); }
+      hideBanner();
+      drawJob();
+      drawEvents(events);
+      drawCheckpoints(ckpts);
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      if (err instanceof ApiError && err.status === 404) {
+        stopped = true;
+        replace(main, h("div", { class: "empty", id: "not-found" }, h("strong", {}, "Job not found"),
+          "No job with this id belongs to your tenant. ", h("a", { href: "#/jobs" }, "Back to jobs")));
+        return;
+      }
+      showBanner(`Could not refresh the job: ${err.message}`);
+    }
+    if (!stopped && (job === null || ACTIVE.has(job.status))) timer = setTimeout(poll, POLL_MS);
+  }
+
+  // -- metrics -----------------------------------------------------------------------------------
+  function put(row) {
+    let entry = store.byStep.get(row.step);
+    if (!entry) {
+      entry = { t: null, v: null };
+      store.byStep.set(row.step, entry);
+      if (row.step > lastStep || !store.steps.length) store.steps.push(row.step);
+      else { store.steps.push(row.step); store.steps.sort((a, b) => a - b); }
+      lastStep = Math.max(lastStep, row.step);
+    }
+    if (row.kind === "val") entry.v = row; else entry.t = row;
+  }
+
+  function flush() {
+    if (flushPending) return;
+    flushPending = true;
+    requestAnimationFrame(() => {
+      flushPending = false;
+      const xs = store.steps;
+      const entries = xs.map((s) => store.byStep.get(s));
+      for (const { def, card, chart } of Object.values(charts)) {
+        const cols = def.series.map(() => new Array(xs.length));
+        let count = 0;
+        entries.forEach((e, i) => def.values(e.t, e.v).forEach((v, k) => { cols[k][i] = v; if (v !== null && k === 0) count++; }));
+        chart.setData(xs.slice(), cols);
+        card.dataset.points = String(count);
+        if (def.optional) card.hidden = count === 0;
+        const last = [...entries].reverse().find((e) => def.values(e.t, e.v)[0] !== null);
+        document.getElementById(`chart-${def.id}-latest`).textContent = last ? `latest ${def.format(def.values(last.t, last.v)[0])}` : "no data yet";
+      }
+      const shown = xs.length;
+      const held = entries.reduce((n, e) => n + (e.t ? 1 : 0) + (e.v ? 1 : 0), 0);
+      el.chartNote.textContent = totalRows > held
+        ? `Showing ${held.toLocaleString()} of ${totalRows.toLocaleString()} metric rows: each step bucket keeps its lowest and highest loss, so spikes stay visible. Drag across a chart to zoom; double-click to reset.`
+        : "Drag across a chart to zoom; double-click to reset.";
+      window.megatrainPerf.points = shown;
+      if (window.megatrainPerf.chartsReadyMs === null && shown > 0) {
+        requestAnimationFrame(() => { window.megatrainPerf.chartsReadyMs = performance.now() - t0; });
+      }
+    });
+  }
+
+  async function loadMetrics() {
+    const resp = await api(`/v1/jobs/${enc}/metrics?max_points=${MAX_POINTS}`, { raw: true, signal });
+    const rows = await resp.json();
+    totalRows = Number(resp.headers.get("X-Total-Rows") || rows.length);
+    store = { steps: [], byStep: new Map() };
+    lastStep = -1;
+    rows.forEach(put);
+    flush();
+  }
+
+  async function startMetrics() {
+    try {
+      await loadMetrics();
+    } catch (err) {
+      if (err.name !== "AbortError") showBanner(`Could not load metrics: ${err.message}`);
+      return;
+    }
+    if (!ACTIVE.has(job.status) || metricsFollowing) return;
+    metricsFollowing = true;
+    follow(`/v1/jobs/${enc}/metrics?since_step=${lastStep}`, {
+      signal,
+      onEvent: (row) => {
+        put(row);
+        totalRows += 1;
+        if (store.steps.length > REFETCH_AT) loadMetrics().catch(() => {});
+        else flush();
+      },
+      onEnd: () => { metricsFollowing = false; poll(); },
+    });
+  }
+
+  // -- logs --------------------------------------------------------------------------------------
+  function addLines(lines) {
+    const atBottom = el.logs.scrollTop + el.logs.clientHeight >= el.logs.scrollHeight - 8;
+    el.logs.append(lines.map((l) => `${l.line}\n`).join(""));
+    // Keep the DOM small: drop the oldest text beyond MAX_LOG_LINES.
+    const text = el.logs.textContent;
+    const count = (text.match(/\n/g) || []).length;
+    if (count > MAX_LOG_LINES) {
+      let cut = 0;
+      for (let i = 0; i < count - MAX_LOG_LINES; i++) cut = text.indexOf("\n", cut) + 1;
+      el.logs.textContent = text.slice(cut);
+    }
+    if (atBottom) el.logs.scrollTop = el.logs.scrollHeight;
+  }
+
+  async function startLogs() {
+    try {
+      const lines = await api(`/v1/jobs/${enc}/logs?tail=${LOG_TAIL}`, { signal });
+      if (lines.length) { lastSeq = lines[lines.length - 1].seq; addLines(lines); }
+      else el.logs.textContent = "";
+      el.logs.dataset.empty = String(!lines.length);
+    } catch (err) {
+      if (err.name !== "AbortError") showBanner(`Could not load logs: ${err.message}`);
+      return;
+    }
+    el.follow.checked = ACTIVE.has(job.status);
+    if (el.follow.checked) followLogs();
+  }
+
+  function followLogs() {
+    if (logsFollowing) return;
+    logsFollowing = new AbortController();
+    signal.addEventListener("abort", () => logsFollowing?.abort());
+    follow(`/v1/jobs/${enc}/logs?after_seq=${lastSeq}`, {
+      signal: logsFollowing.signal,
+      onEvent: (line) => { lastSeq = Math.max(lastSeq, line.seq); addLines([line]); },
+      onEnd: () => { logsFollowing = null; el.follow.checked = false; },
+    });
+  }
+
+  function stopLogs() { if (logsFollowing) { logsFollowing.abort(); logsFollowing = null; } }
+
+  poll();
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+    controller.abort();
+    Object.values(charts).forEach(({ chart }) => chart.destroy());
+  };
+}
