@@ -2,8 +2,9 @@
 
 For each flavour (GPT-2, Llama) our GPTModel and the matching Hugging Face model
 (GPT2LMHeadModel / LlamaForCausalLM, attn_implementation="sdpa") get identical shapes and
-identical weights (the first losses are checked equal), the same loss (megatrain's lm_loss on the
-logits), the same AdamW (grouping, hyper-parameters and implementation) and the same thread count.
+identical weights (the first losses are checked equal), the same mean cross-entropy (Hugging Face's
+logits through megatrain's lm_loss; ours through GPTModel.loss, the head fused with the loss as the
+engine trains at tp=1), the same AdamW (grouping, hyper-parameters, implementation) and threads.
 One timed step is forward + loss + backward + optimizer step + zero_grad. Variants run
 interleaved (A B A B …, the order rotating per round), warm-up steps excluded, median of the rounds.
 
@@ -72,18 +73,18 @@ def make_step(
 
 
 def measure_memory(
-    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
 ) -> dict[str, int]:
     """Live bytes of one eager step of `model`, split as the estimate is (gradients zeroed in place)."""
-    lm_loss(logits_fn(x), y).backward()
+    loss_fn(x, y).backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
     with LiveTensorBytes(tensors_of(model, opt, x, y)) as live:
-        lm_loss(logits_fn(x), y).backward()
+        loss_fn(x, y).backward()
         activations = live.peak
         live.reset_peak()
         opt.step()
@@ -124,12 +125,13 @@ def run_flavour(flavour: str, args: argparse.Namespace) -> dict[str, Any]:
     y = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
 
     with torch.no_grad():  # identical function: the first losses must agree
-        loss_ours, loss_hf = float(lm_loss(ours(x), y)), float(lm_loss(hf_logits(hf)(x), y))
+        loss_ours, loss_hf = float(ours.loss(x, y)), float(lm_loss(hf_logits(hf)(x), y))
     if abs(loss_ours - loss_hf) > 1e-4 * max(1.0, abs(loss_ours)):
         raise RuntimeError(f"{flavour}: first losses differ (ours {loss_ours}, HF {loss_hf})")
 
     variants: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-        "ours": lambda a, b: lm_loss(ours(a), b),
+        # Ours as the engine trains it (tp=1): GPTModel.loss, the head fused with the cross-entropy.
+        "ours": ours.loss,
         "hf": lambda a, b: lm_loss(hf_logits(hf)(a), b),
     }
     if args.compile:
@@ -158,9 +160,10 @@ def run_flavour(flavour: str, args: argparse.Namespace) -> dict[str, Any]:
         precision="fp32",
         fused_optimizer=args.optimizer == "fused",
         device="cpu",
+        fused_loss=True,
     )
-    measured = measure_memory(ours, ours, adamw(ours, args.optimizer), x, y)
-    measured_hf = measure_memory(hf_logits(hf), hf, adamw(hf, args.optimizer), x, y)
+    measured = measure_memory(ours.loss, ours, adamw(ours, args.optimizer), x, y)
+    measured_hf = measure_memory(variants["hf"], hf, adamw(hf, args.optimizer), x, y)
     result["memory"] = {
         "estimate": {
             "params": est.params_bytes,

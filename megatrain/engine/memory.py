@@ -222,6 +222,14 @@ def layer_activations(
     return terms
 
 
+def fused_loss_chunk_rows(num_tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
+    """Token rows per chunk of megatrain.engine.fused_ce: a chunk's fp32 logits near 8 MiB, between 64
+    and 1024 rows (fewer rows than that make the head's GEMMs inefficient)."""
+    if chunk_tokens is not None:
+        return max(1, min(chunk_tokens, num_tokens))
+    return max(1, min(num_tokens, 1024, max(64, (2 << 20) // max(vocab, 1))))
+
+
 def _act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
@@ -243,6 +251,7 @@ def estimate_memory(
     attention: Literal["flash", "math"] = "flash",
     fused_optimizer: bool = True,
     device: Literal["cuda", "cpu"] = "cuda",
+    fused_loss: bool = False,
 ) -> MemoryEstimate:
     """Per-rank bytes of one training step on the worst pipeline stage.
 
@@ -252,6 +261,7 @@ def estimate_memory(
     attention: "flash" for SDPA's flash/memory-efficient/cuDNN kernels, "math" for the fallback.
     fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
     device: only the dropout masks differ (bool on CUDA, the model dtype on CPU).
+    fused_loss: the LM head and cross-entropy fused over token chunks (GPTModel.loss; tp = 1 only).
     """
     m = ModelShape.of(model)
     if precision not in ("fp32", "bf16", "fp16"):
@@ -261,6 +271,9 @@ def estimate_memory(
     if min(tp, pp, dp, cp, micro_batch_size, recompute_every) < 1:
         raise ValueError("parallel degrees, micro_batch_size and recompute_every must be >= 1")
     sp = sequence_parallel and tp > 1
+    if fused_loss and tp > 1:
+        raise ValueError("fused_loss needs tp=1: a tensor-parallel head uses the vocab-parallel loss")
+    fused = fused_loss
     in_flight_first = pp if num_microbatches_in_flight is None else num_microbatches_in_flight
     act = _act_bytes(precision)
     mask = 1 if device == "cuda" else act
@@ -296,7 +309,18 @@ def estimate_memory(
         if first and m.hidden_dropout > 0:
             stored["embedding_dropout_mask"] = in_flight * tokens * mask * h / seq_div
         transients: dict[str, float] = {}
-        if last:
+        if last and fused:
+            # megatrain.engine.fused_ce: the head's input is not kept; the loss's forward leaves the
+            # hidden states' gradient and an fp32 weight gradient for backward, and at its peak holds
+            # one chunk of fp32 logits (plus, for a 16-bit model, their cast and the chunk's
+            # weight-gradient GEMM output before it is accumulated in fp32).
+            stored["final_norm"] = tokens * _norm_saved(m, act) / seq_div
+            stored["fused_loss_grads"] = tokens * act * h + 4 * v * h
+            rows = fused_loss_chunk_rows(int(tokens), v)
+            transients["loss_forward"] = rows * v * 4 + (rows * v * act + act * v * h if act != 4 else 0)
+            # Backward scales both in place; a 16-bit weight gradient is cast once.
+            transients["loss_backward"] = act * v * h if act != 4 else 0.0
+        elif last:
             # Final norm, its output (the LM head's input) and the loss's fp32 (tokens, V/t) tensor:
             # log-probs for F.cross_entropy, the softmax for the vocab-parallel loss (tp > 1).
             stored["final_norm_and_head_input"] = tokens * (
@@ -330,7 +354,8 @@ def estimate_memory(
             fc2_backward = tokens * act * (f / tp + h) + act * f * h / tp + rebuilt
             act_backward = tokens * act * (fw + f) / tp + rebuilt
             fc1_backward = tokens * act * (fw / tp + h) + act * h * fw / tp + rebuilt - mlp_saved
-            head_freed = stored.get("final_norm_and_head_input", 0) + stored.get("log_probs", 0)
+            head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
+                                                        "log_probs", "fused_loss_grads"))  # fmt: skip
             peak = max(fc2_backward, act_backward, fc1_backward)
             if m.tie_embeddings and first and last:
                 # A tied weight's two gradients are summed before accumulation: the LM head's waits

@@ -58,6 +58,7 @@ def measure_step(
     recompute: str,
     dtype: torch.dtype = torch.float32,
     attention: str = "flash",
+    fused_loss: bool = False,
 ) -> dict[str, int]:
     """Bytes of model state, and saved/peak activation bytes of one forward+backward+AdamW step.
 
@@ -79,7 +80,7 @@ def measure_step(
     def step(tracker: LiveTensorBytes | None = None) -> None:
         # Backward inside the context too: selective recompute reruns SDPA there.
         with sdpa_kernel(backends):
-            loss = lm_loss(model(x), y)
+            loss = model.loss(x, y) if fused_loss else lm_loss(model(x), y)
             if tracker is not None:
                 saved["stored"] = tracker.current
             loss.backward()
@@ -130,6 +131,22 @@ def test_estimate_matches_measured_cpu_step(flavour: str, recompute: str, micro_
     assert est.breakdown["optimizer_workspace"] == pytest.approx(measured["workspace"], rel=0.05)
     assert stored_activations(est) == pytest.approx(measured["stored"], rel=0.05)
     assert est.activations_bytes == pytest.approx(measured["peak"], rel=0.15)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_estimate_matches_measured_step_with_fused_loss(flavour: str, recompute: str) -> None:
+    cfg = replace(FLAVOURS[flavour], vocab_size=2048)  # a vocabulary large enough to matter
+    measured = measure_step(cfg, 4, recompute, fused_loss=True)
+    est = estimate_memory(cfg, micro_batch_size=4, precision="fp32", recompute=recompute,
+                          fused_optimizer=False, device="cpu", fused_loss=True)  # fmt: skip
+    unfused = estimate_memory(cfg, micro_batch_size=4, precision="fp32", recompute=recompute,
+                              fused_optimizer=False, device="cpu")  # fmt: skip
+    assert stored_activations(est) == pytest.approx(measured["stored"], rel=0.05)
+    assert est.activations_bytes == pytest.approx(measured["peak"], rel=0.15)
+    assert est.activations_bytes < unfused.activations_bytes  # what the fusion is for
+    with pytest.raises(ValueError, match="fused_loss needs tp=1"):
+        estimate_memory(cfg, tp=2, fused_loss=True)
 
 
 @pytest.mark.parametrize(

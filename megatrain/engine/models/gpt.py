@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from megatrain.engine.config import TransformerConfig
+from megatrain.engine.fused_ce import linear_cross_entropy
 
 # enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -224,6 +225,19 @@ class GPTModel(nn.Module):
             layer.attn.recompute_core = mode == "selective"
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens))  # (B, T, V)
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss, equal to lm_loss(self(tokens), labels). With a plain (single-device)
+        head, the head and the cross-entropy run fused over token chunks (megatrain.engine.fused_ce),
+        never holding the fp32 (tokens × vocab) logits. A tensor-parallel head (after
+        parallelize_model) needs parallelize.parallel_lm_loss on the logits instead."""
+        if type(self.lm_head) is not nn.Linear:
+            raise TypeError("a tensor-parallel LM head needs parallel_lm_loss(model(tokens), labels, state)")
+        return linear_cross_entropy(self.hidden_states(tokens), self.lm_head.weight, labels)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> the final norm's output (B, T, C), the LM head's input."""
         b, t = tokens.shape
         if t > self.config.seq_length:
             raise ValueError(f"sequence of {t} tokens exceeds seq_length={self.config.seq_length}")
@@ -239,7 +253,7 @@ class GPTModel(nn.Module):
                 x = checkpoint(layer, x, rope, use_reentrant=False, context_fn=self.recompute_context_fn)
             else:
                 x = layer(x, rope)
-        return self.lm_head(self.final_norm(x))  # (B, T, V)
+        return self.final_norm(x)
 
     def num_parameters(self) -> int:
         """Unique parameters (a tied LM head counts once)."""

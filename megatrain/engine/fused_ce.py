@@ -1,0 +1,87 @@
+"""LM head and cross-entropy in one pass over token chunks, never holding the full logits.
+
+`linear_cross_entropy(hidden, weight, labels)` equals `F.cross_entropy((hidden @ weight.T).float(),
+labels)` (mean over tokens) but, chunk by chunk of tokens, computes the logits, their log-sum-exp
+and, when gradients are wanted, the logits' gradient softmax - onehot in place of the logits, which
+it folds straight into the hidden states' and the weight's gradients. The unfused path keeps fp32
+(tokens × vocab) log-probabilities for backward and allocates two more such tensors in it, the
+step's memory peak for large vocabularies; here the peak is one (chunk × vocab) fp32 block, and
+the elementwise passes over the logits drop from about six to three.
+
+Gradients are computed in the forward pass (the loss is the graph's end, so its incoming gradient
+is a scalar that backward applies by scaling). Under torch.no_grad (evaluation) only the loss is
+computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.engine.memory import fused_loss_chunk_rows
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_tokens: int | None,
+    ) -> torch.Tensor:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        rows = fused_loss_chunk_rows(n, vocab, chunk_tokens)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        inv_n = 1.0 / n
+        for start in range(0, n, rows):
+            h = hidden[start : start + rows]
+            y = labels[start : start + rows]
+            logits = (h @ weight.t()).float()  # (rows, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, y.unsqueeze(1)).squeeze(1)
+            loss_sum += (lse - target).sum()
+            if not want_grad:
+                continue
+            # d(mean CE)/d logits = (softmax - onehot) / n, built in the logits' storage.
+            logits.sub_(lse.unsqueeze(1)).exp_()
+            logits.scatter_add_(1, y.unsqueeze(1), torch.full_like(target, -1.0).unsqueeze(1))
+            logits.mul_(inv_n)
+            g = logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                torch.mm(g, weight, out=grad_hidden[start : start + rows])
+            if grad_weight is not None:
+                if g.dtype == torch.float32:
+                    grad_weight.addmm_(g.t(), h)
+                else:  # 16-bit GEMM, accumulated over chunks in fp32
+                    grad_weight.add_(g.t() @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss_sum * inv_n
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        # Scaled in place: the gradients were made for this one backward (no retain_graph reuse).
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """Mean cross-entropy of (hidden @ weight.T) against labels; hidden (..., h), labels (...)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
+    return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens)

@@ -1,0 +1,86 @@
+"""The fused LM-head + cross-entropy against F.cross_entropy on materialised logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatrain.engine.fused_ce import linear_cross_entropy
+
+
+def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    return F.cross_entropy(logits.float(), labels.reshape(-1))
+
+
+def _grads(fn, hidden, weight, labels, scale=1.0):  # noqa: ANN001, ANN202
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss = fn(h, w, labels)
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 64, 1000])
+def test_matches_cross_entropy_fp32(chunk: int | None) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 37, 24, generator=g)  # 74 tokens: chunks do not divide it
+    weight = torch.randn(101, 24, generator=g) * 0.3
+    labels = torch.randint(0, 101, (2, 37), generator=g)
+    ref = _grads(_reference, hidden, weight, labels, scale=3.0)
+    got = _grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk), hidden, weight, labels, scale=3.0)
+    assert got[0] == pytest.approx(ref[0].item(), rel=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-7)  # upstream scale 3 applied
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_close_to_fp32_reference() -> None:
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(64, 32, generator=g)
+    weight = torch.randn(200, 32, generator=g) * 0.2
+    labels = torch.randint(0, 200, (64,), generator=g)
+    ref = _grads(_reference, hidden, weight, labels)
+    loss, gh, gw = _grads(lambda h, w, y: linear_cross_entropy(h, w, y, 16), hidden.bfloat16(),
+                          weight.bfloat16(), labels)  # fmt: skip
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    assert loss.item() == pytest.approx(ref[0].item(), rel=1e-2)
+    torch.testing.assert_close(gh.float(), ref[1], rtol=5e-2, atol=2e-3)
+    torch.testing.assert_close(gw.float(), ref[2], rtol=5e-2, atol=2e-3)
+
+
+def test_no_grad_computes_only_the_loss() -> None:
+    hidden, weight = torch.randn(10, 8), torch.randn(30, 8)
+    labels = torch.randint(0, 30, (10,))
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, 3)
+    assert not loss.requires_grad
+    assert loss.item() == pytest.approx(_reference(hidden, weight, labels).item(), rel=1e-6)
+
+
+def test_shape_mismatch_is_named() -> None:
+    with pytest.raises(ValueError, match="10 hidden rows but 9 labels"):
+        linear_cross_entropy(torch.randn(10, 4), torch.randn(5, 4), torch.zeros(9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_model_loss_equals_lm_loss_on_logits(arch: str) -> None:
+    from megatrain.engine.config import TransformerConfig
+    from megatrain.engine.models.gpt import GPTModel, lm_loss
+
+    extra = dict(position_embedding="learned", normalization="layernorm", activation="gelu", add_bias=True,
+                 tie_embeddings=True) if arch == "gpt2" else {}  # fmt: skip
+    groups = 2 if arch == "llama" else 4
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
+                            ffn_hidden_size=64, seq_length=16, vocab_size=96, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    a = GPTModel(cfg)
+    b = GPTModel(cfg)
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 96, (3, 16))
+    y = torch.randint(0, 96, (3, 16))
+    la, lb = lm_loss(a(x), y), b.loss(x, y)
+    la.backward()
+    lb.backward()
+    assert lb.item() == pytest.approx(la.item(), rel=1e-6)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-7, msg=name)
