@@ -42,15 +42,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + rows]
             y = labels[start : start + rows]
             logits = (h @ weight.t()).float()  # (rows, V)
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, y.unsqueeze(1)).squeeze(1)
-            loss_sum += (lse - target).sum()
+            target = logits.gather(1, y.unsqueeze(1))
+            # The log-sum-exp by hand, in the logits' own storage (torch.logsumexp would allocate
+            # a second (rows, V) block): logits become exp(logits - max), then the softmax.
+            top = logits.amax(dim=1, keepdim=True)
+            logits.sub_(top).exp_()
+            total = logits.sum(dim=1, keepdim=True)
+            loss_sum += (total.log() + top - target).sum()
             if not want_grad:
                 continue
-            # d(mean CE)/d logits = (softmax - onehot) / n, built in the logits' storage.
-            logits.sub_(lse.unsqueeze(1)).exp_()
-            logits.scatter_add_(1, y.unsqueeze(1), torch.full_like(target, -1.0).unsqueeze(1))
-            logits.mul_(inv_n)
+            # d(mean CE)/d logits = (softmax - onehot) / n.
+            logits.mul_(total.reciprocal_().mul_(inv_n))
+            logits.scatter_add_(1, y.unsqueeze(1), torch.full_like(target, -inv_n))
             g = logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[start : start + rows])
