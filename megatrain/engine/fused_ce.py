@@ -50,6 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total = logits.sum(dim=1, keepdim=True)
             loss_sum += (total.log() + top - target).sum()
             if not want_grad:
+                del logits
                 continue
             # d(mean CE)/d logits = (softmax - onehot) / n.
             logits.mul_(total.reciprocal_().mul_(inv_n))
@@ -62,6 +63,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(g.t(), h)
                 else:  # 16-bit GEMM, accumulated over chunks in fp32
                     grad_weight.add_(g.t() @ h)
+            del logits, g  # before the next chunk's logits are allocated: one block alive, not two
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss_sum * inv_n
