@@ -317,7 +317,9 @@ class DataParallel(nn.Module):
             return
         bucket = self._bucket_of[id(param)]
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-        _all_gather_flat(self.grad_buffer[bucket.start : bucket.end], self.grad_buffer[lo:hi], group=self.dp_group)
+        _all_gather_flat(
+            self.grad_buffer[bucket.start : bucket.end], self.grad_buffer[lo:hi], group=self.dp_group
+        )
 
     def gather_params(self) -> None:
         """After the distributed optimizer updated this rank's shards: all-gather them into every param."""

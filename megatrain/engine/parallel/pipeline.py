@@ -54,10 +54,13 @@ def partition_layers(
         layers = [num_layers // n_chunks] * n_chunks
     if len(layers) != n_chunks:
         raise LayoutError(
-            f"pipeline_layers has {len(layers)} entries but pp×virtual_stages={pp}×{virtual_stages}={n_chunks}"
+            f"pipeline_layers has {len(layers)} entries but "
+            f"pp×virtual_stages={pp}×{virtual_stages}={n_chunks}"
         )
     if any(n < 0 for n in layers) or sum(layers) != num_layers:
-        raise LayoutError(f"pipeline_layers={list(layers)} must be non-negative and sum to num_layers={num_layers}")
+        raise LayoutError(
+            f"pipeline_layers={list(layers)} must be non-negative and sum to num_layers={num_layers}"
+        )
     out, start = [], 0
     for n in layers:
         out.append((start, start + n))
@@ -208,7 +211,9 @@ def gather_to_rank0(obj: Any, state: ParallelState) -> list[Any] | None:
     return out if state.rank == 0 else None
 
 
-def pipeline_full_state_dict(chunks: Sequence[StageModule], state: ParallelState) -> dict[str, torch.Tensor] | None:
+def pipeline_full_state_dict(
+    chunks: Sequence[StageModule], state: ParallelState
+) -> dict[str, torch.Tensor] | None:
     """The single-device state dict of the whole pipelined model, on global rank 0 (None elsewhere).
 
     Collective over the world: each stage gathers its chunks over tp, then tp rank 0 of dp rank 0
@@ -228,7 +233,9 @@ def pipeline_full_state_dict(chunks: Sequence[StageModule], state: ParallelState
 
 
 @torch.no_grad()
-def load_pipeline_state_dict(chunks: Sequence[StageModule], full: dict[str, torch.Tensor], state: ParallelState) -> None:
+def load_pipeline_state_dict(
+    chunks: Sequence[StageModule], full: dict[str, torch.Tensor], state: ParallelState
+) -> None:
     """Copy this stage's slice of a single-device state dict into its chunks (tp-sharded)."""
     for chunk in chunks:
         keys = set(chunk.state_dict(keep_vars=True))

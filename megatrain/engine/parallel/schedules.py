@@ -301,8 +301,14 @@ class PipelineSchedule:
             self.times.backward_s += dt
         return out
 
-    def _forward(self, a: Action, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot: _Slot,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], grad: bool) -> None:
+    def _forward(
+        self,
+        a: Action,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        slot: _Slot,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        grad: bool,
+    ) -> None:
         c = self._global(a.chunk)
         tokens, labels = batches[a.microbatch]
         if c == 0:
@@ -374,7 +380,9 @@ class PipelineSchedule:
     ) -> torch.Tensor:
         """Forwards only (evaluation), in the forward order of the schedule; loss sum on the last stage."""
         total = torch.zeros((), device=self.state.device)
-        for a in schedule_actions("all_forward_all_backward", self.pp, self.state.pp_rank, len(batches), self.v):
+        for a in schedule_actions(
+            "all_forward_all_backward", self.pp, self.state.pp_rank, len(batches), self.v
+        ):
             if a.kind == "F":
                 slot = _Slot()
                 self._forward(a, batches, slot, loss_fn, grad=False)

@@ -98,7 +98,11 @@ def reference_run(opts: dict[str, Any]) -> dict[str, Any]:
             group["lr"] = lr_at(opts, step)
         adam.step()
         losses.append(loss.item())
-    state = {n: t.detach().clone() for n, t in model.state_dict().items() if n != "lm_head.weight" or not model.config.tie_embeddings}
+    state = {
+        n: t.detach().clone()
+        for n, t in model.state_dict().items()
+        if n != "lm_head.weight" or not model.config.tie_embeddings
+    }
     return {"losses": losses, "norms": norms, "params": state}
 
 
@@ -145,7 +149,9 @@ def pp_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     for step in range(opts["steps"]):
         x, y = make_batch(opts, step)
         lo = state.dp_rank * per_rank
-        batches = [(x[lo + i * mb : lo + (i + 1) * mb], y[lo + i * mb : lo + (i + 1) * mb]) for i in range(n_micro)]
+        batches = [
+            (x[lo + i * mb : lo + (i + 1) * mb], y[lo + i * mb : lo + (i + 1) * mb]) for i in range(n_micro)
+        ]
         opt.zero_grad()
         total = sched.forward_backward(
             batches,

@@ -43,7 +43,9 @@ def test_one_f_one_b_orders() -> None:
     assert [a.kind for a in s3] == list("FB" * 6)
     for stage in range(4):
         acts = schedule_actions("1f1b", 4, stage, 6)
-        assert sorted(acts) == sorted([Action("F", 0, m) for m in range(6)] + [Action("B", 0, m) for m in range(6)])
+        assert sorted(acts) == sorted(
+            [Action("F", 0, m) for m in range(6)] + [Action("B", 0, m) for m in range(6)]
+        )
         # Micro-batches go forward and backward in order.
         assert [a.microbatch for a in acts if a.kind == "F"] == list(range(6))
         assert [a.microbatch for a in acts if a.kind == "B"] == list(range(6))
