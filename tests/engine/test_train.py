@@ -42,11 +42,11 @@ def test_unsupported_layout_exits_with_a_clear_message(
     tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     raw = tiny_spec(corpus)
-    raw["parallelism"] = {"pp": 2}
+    raw["parallelism"] = {"pp": 2, "virtual_stages": 2}  # 2 layers cannot make 4 chunks
     raw["resources"] = {"gpus": 2}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE
-    assert "pipeline" in capsys.readouterr().err
+    assert "pipeline_layers for an uneven split" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
