@@ -139,6 +139,7 @@ EVENT_DATA_KEYS = (
     "distributed_optimizer",
     "recompute",
     "resumed_from",
+    "memory_estimate",
     "uri",
     "size_bytes",
 )
