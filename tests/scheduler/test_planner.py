@@ -80,7 +80,7 @@ def test_layout_as_dict() -> None:
         ("auto", 8, 16, 4, "training.global_batch_size", "training.global_batch_size=16 is not divisible"),
         ({"tp": 2, "dp": 3}, None, 10, 2, "training.global_batch_size", "micro_batch_size×dp=2×3"),
         # 24 / (4×1) = 6 micro-batches cannot enter a 4-stage interleaved pipeline in groups of 4.
-        ({"pp": 4, "virtual_stages": 2, "dp": 1}, None, 24, 4, "parallelism.virtual_stages", "= 6, divisible"),
+        ({"pp": 4, "virtual_stages": 2, "dp": 1}, None, 24, 4, "parallelism.virtual_stages", "= 6, divisib"),
     ],
 )
 def test_plan_layout_errors_name_the_field(
