@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatrain.engine.config import TransformerConfig
-from megatrain.engine.memory import layers_on_stage
+from megatrain.engine.memory import chunks_in_flight, estimate_memory, layers_on_stage
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.parallel.dims import LayoutError, ParallelDims
 from megatrain.engine.parallel.pipeline import build_stage_modules, partition_layers, stage_parameter_names
@@ -118,3 +118,22 @@ def test_stages_compose_to_the_full_model() -> None:
     assert chunks[0][0].embed.weight is not chunks[1][1].lm_head.weight  # untied copy on the last stage
     assert getattr(chunks[1][1].lm_head.weight, "shared", False)
     assert sorted(set(names)) == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "all_forward_all_backward"])
+@pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 1), (4, 2, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2), (4, 8, 2)])
+def test_memory_model_in_flight_matches_the_schedules(schedule: str, pp: int, m: int, v: int) -> None:
+    """memory.py's closed form for activations held per stage is what the schedules really do."""
+    sim = simulate(schedule, pp, m, v)
+    assert tuple(chunks_in_flight(schedule, pp, s, m, v) for s in range(pp)) == sim.peak_in_flight
+
+
+def test_memory_estimate_follows_the_pipeline_split_and_schedule() -> None:
+    cfg = TransformerConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                            ffn_hidden_size=128, seq_length=32, vocab_size=256)  # fmt: skip
+    one_f_one_b = estimate_memory(cfg, pp=4, num_microbatches=8, precision="fp32")
+    gpipe = estimate_memory(cfg, pp=4, num_microbatches=8, precision="fp32",
+                            pipeline_schedule="all_forward_all_backward")  # fmt: skip
+    assert gpipe.activations_bytes > 1.5 * one_f_one_b.activations_bytes
+    uneven = estimate_memory(cfg, pp=4, num_microbatches=8, precision="fp32", pipeline_layers=[1, 2, 2, 3])
+    assert uneven.num_params > one_f_one_b.num_params or uneven.stage_totals != one_f_one_b.stage_totals
