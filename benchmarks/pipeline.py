@@ -60,8 +60,16 @@ def _batches(cfg: TransformerConfig, m: int, mb: int, seed: int) -> list[tuple[t
     return out
 
 
-def _run(chunks: list[nn.Module], state: ParallelState, cfg: TransformerConfig, schedule: str, m: int,
-         mb: int, step: int, track: bool = False) -> tuple[PipelineSchedule, int]:  # fmt: skip
+def _run(
+    chunks: list[nn.Module],
+    state: ParallelState,
+    cfg: TransformerConfig,
+    schedule: str,
+    m: int,
+    mb: int,
+    step: int,
+    track: bool = False,
+) -> tuple[PipelineSchedule, int]:
     sched = PipelineSchedule(chunks, state, (mb, cfg.seq_length, cfg.hidden_size), torch.float32, schedule)
     batches = _batches(cfg, m, mb, step)
     for c in chunks:
@@ -96,19 +104,39 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
                 wait += sched.times.wait_s
                 compute += sched.times.compute_s
             elapsed = (time.perf_counter() - t0) / args.steps
-            rows.append({"kind": "bubble", "pp": world, "v": v, "m": m, "stage": state.pp_rank,
-                         "wait": wait, "compute": compute, "step_s": elapsed})  # fmt: skip
+            rows.append(
+                {
+                    "kind": "bubble",
+                    "pp": world,
+                    "v": v,
+                    "m": m,
+                    "stage": state.pp_rank,
+                    "wait": wait,
+                    "compute": compute,
+                    "step_s": elapsed,
+                }
+            )
         if v == 1:
             m = args.memory_microbatches
             for schedule in ("1f1b", "all_forward_all_backward"):
                 _, peak = _run(chunks, state, cfg, schedule, m, args.micro_batch, 99, track=True)
-                rows.append({"kind": "memory", "pp": world, "m": m, "stage": state.pp_rank,
-                             "schedule": schedule, "peak": peak})  # fmt: skip
+                rows.append(
+                    {
+                        "kind": "memory",
+                        "pp": world,
+                        "m": m,
+                        "stage": state.pp_rank,
+                        "schedule": schedule,
+                        "peak": peak,
+                    }
+                )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--memory-microbatches", type=int, default=8)
@@ -125,8 +153,10 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     print(f"# pipeline bubble and activation memory (gloo CPU ranks, 1 thread each, {cores} cores)")
-    print(f"# model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}; "
-          f"{args.steps} timed steps after one warm-up")  # fmt: skip
+    print(
+        f"# model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+        f"micro-batch {args.micro_batch}; {args.steps} timed steps after one warm-up"
+    )
     bubble_rows, memory_rows = [], []
     for pp in args.pp:
         for rank_rows in run_distributed(worker, pp, args, timeout=1800):
@@ -137,23 +167,31 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---|---:|")
     keys = sorted({(r["pp"], r["v"], r["m"]) for r in bubble_rows})
     for pp, v, m in keys:
-        rs = sorted((r for r in bubble_rows if (r["pp"], r["v"], r["m"]) == (pp, v, m)), key=lambda r: r["stage"])
+        rs = sorted(
+            (r for r in bubble_rows if (r["pp"], r["v"], r["m"]) == (pp, v, m)), key=lambda r: r["stage"]
+        )
         wait, compute = sum(r["wait"] for r in rs), sum(r["compute"] for r in rs)
         per_stage = " ".join(f"{r['wait'] / (r['wait'] + r['compute']):.2f}" for r in rs)
         name = "1F1B" if v == 1 else f"interleaved V={v}"
-        print(f"| {pp} | {name} | {m} | {wait / (wait + compute):.3f} | {theoretical_bubble(pp, m, v):.3f} | "
-              f"{per_stage} | {max(r['step_s'] for r in rs):.3f} |")  # fmt: skip
+        print(
+            f"| {pp} | {name} | {m} | {wait / (wait + compute):.3f} | {theoretical_bubble(pp, m, v):.3f} | "
+            f"{per_stage} | {max(r['step_s'] for r in rs):.3f} |"
+        )
 
-    print(f"\n| pp | stage | peak activations 1F1B (MiB) | all-forward-all-backward (MiB) | ratio | "
-          f"micro-batches held 1F1B / AFAB (M={args.memory_microbatches}) |")  # fmt: skip
+    print(
+        f"\n| pp | stage | peak activations 1F1B (MiB) | all-forward-all-backward (MiB) | ratio | "
+        f"micro-batches held 1F1B / AFAB (M={args.memory_microbatches}) |"
+    )
     print("|---:|---:|---:|---:|---:|---|")
     for pp in args.pp:
         for stage in range(pp):
             get = {r["schedule"]: r["peak"] for r in memory_rows if r["pp"] == pp and r["stage"] == stage}
             a, b = get["1f1b"], get["all_forward_all_backward"]
             held = min(pp - stage, args.memory_microbatches)
-            print(f"| {pp} | {stage} | {a / 2**20:.1f} | {b / 2**20:.1f} | {b / a:.2f} | "
-                  f"{held} / {args.memory_microbatches} |")  # fmt: skip
+            print(
+                f"| {pp} | {stage} | {a / 2**20:.1f} | {b / 2**20:.1f} | {b / a:.2f} | "
+                f"{held} / {args.memory_microbatches} |"
+            )
 
 
 if __name__ == "__main__":
