@@ -197,7 +197,15 @@ class ParallelismSpec(_Strict):
     """Data-parallel degree; auto fills resources.gpus (or 1)."""
     cp: int = Field(1, ge=1, le=1)
     ep: int = Field(1, ge=1, le=1)
-    virtual_stages: int = Field(1, ge=1, le=1)
+    virtual_stages: int = Field(1, ge=1, le=64)
+    """Model chunks per pipeline stage (interleaved 1F1B); > 1 needs pp > 1 and micro-batches per
+    step divisible by pp."""
+    pipeline_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    """Explicit layers per model chunk (pp × virtual_stages entries, chunk v·pp + stage), summing to
+    model.num_layers; default an even split, which needs num_layers divisible by pp × virtual_stages."""
+    pipeline_schedule: Literal["1f1b", "all_forward_all_backward"] = "1f1b"
+    """1f1b (interleaved when virtual_stages > 1) keeps at most pp micro-batches in flight;
+    all_forward_all_backward (GPipe) keeps all of them."""
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
     """Shard fp32 main weights and Adam states over dp (ZeRO-1); gradients are reduce-scattered."""
@@ -265,12 +273,37 @@ class JobSpec(_Strict):
                 raise ValueError(
                     f"parallelism.pp={self.parallelism.pp} exceeds model.num_layers={self.model.num_layers}"
                 )
+            self._check_pipeline(self.parallelism)
             if self.parallelism.sequence_parallel and self.model.seq_length % tp:
                 raise ValueError(
                     f"model.seq_length={self.model.seq_length} is not divisible by parallelism.tp={tp} "
                     "(needed for sequence parallelism)"
                 )
         return self
+
+
+    def _check_pipeline(self, par: ParallelismSpec) -> None:
+        pp, v, n = par.pp, par.virtual_stages, self.model.num_layers
+        if v > 1 and pp == 1:
+            raise ValueError(
+                f"parallelism.virtual_stages={v} needs parallelism.pp > 1 (it splits each stage's layers)"
+            )
+        if par.pipeline_layers is not None:
+            if len(par.pipeline_layers) != pp * v:
+                raise ValueError(
+                    f"parallelism.pipeline_layers must have parallelism.pp×virtual_stages={pp}×{v}={pp * v} "
+                    f"entries, not {len(par.pipeline_layers)}"
+                )
+            if sum(par.pipeline_layers) != n:
+                raise ValueError(
+                    f"parallelism.pipeline_layers={par.pipeline_layers} sums to "
+                    f"{sum(par.pipeline_layers)}, not model.num_layers={n}"
+                )
+        elif pp > 1 and n % (pp * v):
+            raise ValueError(
+                f"model.num_layers={n} is not divisible by parallelism.pp×virtual_stages={pp}×{v}; "
+                "give parallelism.pipeline_layers for an uneven split"
+            )
 
 
 _NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:=| is | must | exceeds)")

@@ -32,6 +32,7 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -130,11 +131,13 @@ def layer_params(m: ModelShape, tp: int) -> int:
     return weights + norms + biases
 
 
-def stage_params(m: ModelShape, tp: int, pp: int, stage: int) -> dict[str, int]:
+def stage_params(
+    m: ModelShape, tp: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
+) -> dict[str, int]:
     """Parameters of one pipeline stage's tensor-parallel rank, by part."""
     h, v = m.hidden_size, m.vocab_size
     first, last = stage == 0, stage == pp - 1
-    parts = {"layers": layers_on_stage(m.num_layers, pp, stage) * layer_params(m, tp)}
+    parts = {"layers": layers_on_stage(m.num_layers, pp, stage, pipeline_layers) * layer_params(m, tp)}
     if first:
         parts["embedding"] = v * h // tp
         if m.position_embedding == "learned":
@@ -148,10 +151,35 @@ def stage_params(m: ModelShape, tp: int, pp: int, stage: int) -> dict[str, int]:
     return parts
 
 
-def layers_on_stage(num_layers: int, pp: int, stage: int) -> int:
-    """Layers are split evenly; any remainder goes to the first stages."""
+def layers_on_stage(
+    num_layers: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
+) -> int:
+    """Layers are split evenly (the engine needs num_layers divisible by pp × virtual stages then;
+    any remainder would go to the first stages), or as `pipeline_layers` says: one count per model
+    chunk, chunk c on stage c % pp (parallel.pipeline.partition_layers)."""
+    if pipeline_layers is not None:
+        return sum(pipeline_layers[stage::pp])
     base, extra = divmod(num_layers, pp)
     return base + (1 if stage < extra else 0)
+
+
+def chunks_in_flight(
+    schedule: str, pp: int, stage: int, num_microbatches: int, virtual_stages: int = 1
+) -> int:
+    """Most (micro-batch, model chunk) activations a stage holds at once under a schedule.
+
+    all_forward_all_backward: all of them. 1F1B: the warm-up forwards plus one, min(pp - stage, M).
+    Interleaved: (pp - stage - 1)·2 + (V - 1)·pp + 1, or all of them when M == pp. Equal to the
+    peaks parallel.schedules.simulate finds (tested there).
+    """
+    total = num_microbatches * virtual_stages
+    if schedule == "all_forward_all_backward":
+        return total
+    if virtual_stages == 1:
+        return min(pp - stage, num_microbatches)
+    if num_microbatches == pp:
+        return total
+    return min((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, total)
 
 
 SP_LINEAR_SAVES_GATHERED_INPUT = True
@@ -244,6 +272,10 @@ def estimate_memory(
     sequence_parallel: bool = False,
     micro_batch_size: int = 1,
     num_microbatches_in_flight: int | None = None,
+    num_microbatches: int | None = None,
+    pipeline_schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    pipeline_layers: Sequence[int] | None = None,
     precision: Precision = "bf16",
     distributed_optimizer: bool = False,
     recompute: Recompute = "none",
@@ -256,7 +288,10 @@ def estimate_memory(
     """Per-rank bytes of one training step on the worst pipeline stage.
 
     num_microbatches_in_flight: activations the first stage holds at once; 1F1B keeps up to pp
-    (the default), stage i one fewer per step down the pipeline. recompute="full" checkpoints
+    (the default), stage i one fewer per step down the pipeline. Given num_microbatches (per step
+    and dp rank) instead, each stage's count follows pipeline_schedule and virtual_stages
+    (chunks_in_flight; an interleaved chunk holds 1/virtual_stages of the stage's layers).
+    pipeline_layers: explicit layers per model chunk (see layers_on_stage). recompute="full" checkpoints
     layers 0, k, 2k, … of each stage (k = recompute_every) and keeps only their inputs.
     attention: "flash" for SDPA's flash/memory-efficient/cuDNN kernels, "math" for the fallback.
     fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
@@ -298,10 +333,13 @@ def estimate_memory(
     stages: list[MemoryEstimate] = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
-        parts = stage_params(m, tp, pp, stage)
+        parts = stage_params(m, tp, pp, stage, pipeline_layers)
         n_params = sum(parts.values())
-        in_flight = max(1, in_flight_first - stage)
-        n_layers = layers_on_stage(m.num_layers, pp, stage)
+        in_flight: float = max(1, in_flight_first - stage)
+        if num_microbatches is not None:
+            chunks = chunks_in_flight(pipeline_schedule, pp, stage, num_microbatches, virtual_stages)
+            in_flight = chunks / virtual_stages  # in whole-stage micro-batches
+        n_layers = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
         n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
 
         stored: dict[str, float] = {}
@@ -420,7 +458,10 @@ def from_spec(spec: Any, layout: Any, *, tokenizer_vocab: int | None = None, **k
         "cp": layout.cp,
         "sequence_parallel": layout.sequence_parallel,
         "micro_batch_size": tr.micro_batch_size,
-        "num_microbatches_in_flight": max(1, min(layout.pp, accum)),
+        "num_microbatches": accum,
+        "pipeline_schedule": getattr(layout, "pipeline_schedule", "1f1b"),
+        "virtual_stages": layout.virtual_stages,
+        "pipeline_layers": getattr(layout, "pipeline_layers", None),
         "precision": tr.precision,
         "distributed_optimizer": par.distributed_optimizer and layout.dp * layout.cp > 1,
         "recompute": tr.recompute,
@@ -444,5 +485,6 @@ __all__ = [
     "layer_params",
     "stage_params",
     "layers_on_stage",
+    "chunks_in_flight",
     "layer_activations",
 ]

@@ -1,9 +1,10 @@
 """`python -m megatrain.engine.train --spec SPEC --out DIR [--checkpoint-url URL]`: the torchrun entry point.
 
 Runs as one process, or as N ranks under `torchrun --nproc-per-node N` (gloo on CPU, nccl on CUDA)
-with the spec's layout: tensor parallelism (+ sequence parallelism) and data parallelism with
-bucketed, overlapped gradient reduction and optionally the distributed optimizer (ZeRO-1), in fp32,
-bf16 or fp16 (dynamic loss scaling), with optional activation recompute. Global rank 0 writes
+with the spec's layout: tensor parallelism (+ sequence parallelism), pipeline parallelism (1F1B,
+interleaved with virtual stages, or all-forward-all-backward) and data parallelism with bucketed,
+overlapped gradient reduction and optionally the distributed optimizer (ZeRO-1), in fp32, bf16 or
+fp16 (dynamic loss scaling), with optional activation recompute. Global rank 0 writes
 DIR/metrics.jsonl and DIR/events.jsonl (one flushed JSON object per line) and checkpoints; every
 rank resumes from the latest complete checkpoint when one exists, whatever layout wrote it.
 """
@@ -39,6 +40,7 @@ from megatrain.engine.checkpoint import (
 from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
 from megatrain.engine.data import build_datasets, build_tokenizer, microbatch_sample_ids
 from megatrain.engine.data.dataset import BlendedDataset
+from megatrain.engine.memory import from_spec as memory_from_spec
 from megatrain.engine.metrics import flops_per_iteration, peak_memory_bytes, peak_tflops, throughput
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
@@ -50,7 +52,17 @@ from megatrain.engine.parallel.parallelize import (
     parallel_lm_loss,
     parallelize_model,
 )
+from megatrain.engine.parallel.pipeline import (
+    StageModule,
+    allreduce_tied_embedding_grads,
+    build_stage_modules,
+    gather_to_rank0,
+    load_pipeline_state_dict,
+    pipeline_full_state_dict,
+    stage_parameter_names,
+)
 from megatrain.engine.parallel.random import RNGStatesTracker
+from megatrain.engine.parallel.schedules import PipelineSchedule, ScheduleError, check_schedule, pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.parallel.tensor import (
     allreduce_sequence_parallel_grads,
@@ -124,11 +136,10 @@ def effective_precision(precision: str, device: str) -> str:
 
 
 def check_layout(layout: Layout) -> None:
-    if layout.pp > 1 or layout.cp > 1 or layout.ep > 1:
+    if layout.cp > 1 or layout.ep > 1:
         raise UnsupportedLayout(
-            f"layout pp={layout.pp} cp={layout.cp} ep={layout.ep} needs pipeline/context/expert "
-            "parallelism, which this engine does not run yet; it runs tensor (+sequence) and data "
-            "parallelism (pp=cp=ep=1)"
+            f"layout cp={layout.cp} ep={layout.ep} needs context/expert parallelism, which this engine "
+            "does not run yet; it runs tensor (+sequence), pipeline and data parallelism (cp=ep=1)"
         )
 
 
@@ -175,7 +186,9 @@ class JsonlLog:
 
 
 def _reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
-    """Mean over data-parallel ranks (tensor-parallel ranks already hold the same loss)."""
+    """Mean over data-parallel ranks of the last pipeline stage's value (tensor-parallel ranks already
+    hold the same loss; other stages hold zero and receive it)."""
+    value = pipeline_loss(value, state)
     if state.dp_group is not None:
         value = value.clone()
         dist.all_reduce(value, group=state.dp_group)
@@ -190,7 +203,12 @@ def _batch(dataset: BlendedDataset, ids: list[int], device: str) -> tuple[torch.
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, dataset: BlendedDataset, cfg: TrainConfig, state: ParallelState, device: str
+    model: nn.Module,
+    dataset: BlendedDataset,
+    cfg: TrainConfig,
+    state: ParallelState,
+    device: str,
+    pipeline: PipelineSchedule | None = None,
 ) -> float:
     """Mean loss over the first eval_iters global batches of the split (the same ones every time)."""
     model.eval()
@@ -198,9 +216,15 @@ def evaluate(
     count = 0
     for it in range(cfg.eval_iters):
         start = it * cfg.global_batch_size
-        for ids in microbatch_sample_ids(
+        micro_ids = microbatch_sample_ids(
             start, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size
-        ):
+        )
+        if pipeline is not None:
+            batches = [_batch(dataset, ids, device) for ids in micro_ids]
+            total += pipeline.forward_only(batches, lambda out, y: parallel_lm_loss(out, y, state))
+            count += len(batches)
+            continue
+        for ids in micro_ids:
             x, y = _batch(dataset, ids, device)
             total += parallel_lm_loss(model(x), y, state)
             count += 1
@@ -238,6 +262,15 @@ def gather_optimizer_state(
         name: {k: _tp_gather(t, by_name[name], state).cpu() for k, t in entry.items()}
         for name, entry in sd["params"].items()
     }
+    if state.pp_size == 1:
+        return sd
+    # Each stage holds its own layers: tp rank 0 of dp rank 0 of every stage sends its part to rank 0.
+    sender = state.tp_rank == 0 and state.dp_rank == 0
+    parts = gather_to_rank0(sd["params"] if sender else None, state)
+    merged: dict[str, Any] = {}
+    for part in reversed(parts or []):  # stage 0's embedding wins over the last stage's tied copy
+        merged.update(part or {})
+    sd["params"] = merged
     return sd
 
 
@@ -304,6 +337,11 @@ def run(
         validate_layout(dims, ctx.world_size, mcfg)
     except LayoutError as exc:
         raise UnsupportedLayout(str(exc)) from None
+    if dims.pp > 1:
+        try:
+            check_schedule(layout.pipeline_schedule, dims.pp, cfg.grad_accum_steps, dims.virtual_stages)
+        except ScheduleError as exc:
+            raise UnsupportedLayout(str(exc)) from None
     state = ParallelState.build(dims, device)
     datasets = build_datasets(spec.data, tokenizer, mcfg.seq_length, cfg.seed)
     train_ds, valid_ds = datasets["train"], datasets["valid"]
@@ -317,15 +355,28 @@ def run(
     num_params = model.num_parameters()
     tracker = RNGStatesTracker.for_tensor_parallel(cfg.seed, state) if dims.tp > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
+    # With pp > 1 this rank keeps only its stage's chunks; `model` is what DataParallel wraps.
+    chunks: list[StageModule] = []
+    if dims.pp > 1:
+        chunks = build_stage_modules(model, state, layout.pipeline_layers)
+        model = nn.ModuleList(chunks)  # type: ignore[assignment]
+
+    def load_weights(full: dict[str, torch.Tensor]) -> None:
+        if chunks:
+            load_pipeline_state_dict(chunks, full, state)
+        else:
+            load_full_state_dict(model, full, state)
+
     resumed_from, init_step = None, None
     latest = find_latest(ckpt_url)
     if latest is None and spec.model.init_from:
         src = resolve_init_from(spec.model.init_from, get_settings().resolved_storage_url)
         weights, init_step = read_weights(src)
-        load_full_state_dict(model, weights, state)
+        load_weights(weights)
         log(f"initialised from {src} (step {init_step})", flush=True)
     model = model.to(dtype=PARAM_DTYPES[precision])
-    model.set_recompute(cfg.recompute, every=cfg.recompute_every)
+    for part in chunks or [model]:
+        part.set_recompute(cfg.recompute, every=cfg.recompute_every)
     ddp = DataParallel(
         model,
         state,
@@ -334,7 +385,17 @@ def run(
         use_distributed_optimizer=par.distributed_optimizer and dims.dp > 1,
     )
     optimizer = build_optimizer(ddp, cfg)
-    names = parameter_names(model)
+    names = stage_parameter_names(chunks) if chunks else parameter_names(model)
+    pipeline: PipelineSchedule | None = None
+    if chunks:
+        seq = mcfg.seq_length // (dims.tp if dims.sequence_parallel else 1)
+        pipeline = PipelineSchedule(
+            chunks,
+            state,
+            (cfg.micro_batch_size, seq, mcfg.hidden_size),
+            PARAM_DTYPES[precision],
+            layout.pipeline_schedule,
+        )
 
     step, consumed = 0, 0
     if latest is not None:
@@ -342,7 +403,7 @@ def run(
         if "params" in extra.get("optimizer", {}):
             scatter_optimizer_state(optimizer, extra["optimizer"], names, state)
         else:  # a checkpoint from before the parallel engine: weights only, fresh optimizer moments
-            load_full_state_dict(model, model_state, state)
+            load_weights(model_state)
         rngs = extra.get("rng_per_rank")
         if rngs is not None and len(rngs) == dims.world_size:
             set_rng_state(rngs[state.rank]["default"])
@@ -354,6 +415,19 @@ def run(
     metrics = JsonlLog(out_dir / "metrics.jsonl", ctx.is_main)
     events = JsonlLog(out_dir / "events.jsonl", ctx.is_main)
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    try:
+        estimate = memory_from_spec(spec, layout, tokenizer_vocab=tokenizer.vocab_size)
+        memory_estimate: dict[str, Any] | None = {
+            "params_bytes": estimate.params_bytes,
+            "grads_bytes": estimate.grads_bytes,
+            "optimizer_bytes": estimate.optimizer_bytes,
+            "activations_bytes": estimate.activations_bytes,
+            "total_bytes": estimate.total_bytes,
+            "stage_total_bytes": list(estimate.stage_totals),
+        }
+    except (ValueError, KeyError) as exc:  # an estimate must never stop a run
+        memory_estimate = None
+        log(f"no memory estimate: {exc}", flush=True)
     events.write(
         {
             "event": "started",
@@ -366,6 +440,7 @@ def run(
             "distributed_optimizer": ddp.use_distributed_optimizer,
             "recompute": cfg.recompute,
             "resumed_from": resumed_from,
+            "memory_estimate": memory_estimate,
         }
     )
     log(
@@ -374,6 +449,14 @@ def run(
         f"dp rank per step | distributed optimizer {'on' if ddp.use_distributed_optimizer else 'off'}",
         flush=True,
     )
+    if chunks:
+        ranges = [c.layer_range for c in chunks]
+        log(
+            f"pipeline: {layout.pipeline_schedule} schedule"
+            f"{f', interleaved over {dims.virtual_stages} virtual stages' if dims.virtual_stages > 1 else ''}"
+            f" | stage 0 layers {ranges}",
+            flush=True,
+        )
 
     iter_flops = flops_per_iteration(mcfg, cfg.global_batch_size)
     peak = peak_tflops(device_name, precision, get_settings().cpu_peak_tflops)
@@ -387,7 +470,7 @@ def run(
 
     def save(at: int) -> None:
         # Collective: every rank helps gather the full weights and optimizer state; rank 0 writes.
-        weights = full_state_dict(model, state)
+        weights = pipeline_full_state_dict(chunks, state) if chunks else full_state_dict(model, state)
         optim = gather_optimizer_state(optimizer, names, state)
         rngs = _all_rng_states(tracker, state)
         if ctx.is_main:
@@ -419,21 +502,37 @@ def run(
         micro_ids = microbatch_sample_ids(
             consumed, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size
         )
-        for m, ids in enumerate(micro_ids):
-            x, y = _batch(train_ds, ids, device)
-            # Gradient buckets are reduced only during the last micro-batch's backward.
-            last = m == len(micro_ids) - 1
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                t0 = time.perf_counter()
-                loss = parallel_lm_loss(ddp(x), y, state) / len(micro_ids)
-                t1 = time.perf_counter()
-                optimizer.scale_loss(loss).backward()
-                t2 = time.perf_counter()
-            phase["forward"] += t1 - t0
-            phase["backward"] += t2 - t1
-            loss_sum += loss.detach()
+        if pipeline is not None:
+            batches = [_batch(train_ds, ids, device) for ids in micro_ids]
+            n_micro = len(batches)
+            fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
+            loss_sum += pipeline.forward_backward(
+                batches,
+                lambda out, y, n=n_micro: parallel_lm_loss(out, y, state) / n,
+                scale_loss=optimizer.scale_loss,
+                # Gradient buckets are reduced only during this stage's last backward.
+                before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
+            )
+            phase["forward"] += pipeline.times.forward_s - fwd0
+            phase["backward"] += pipeline.times.backward_s - bwd0
+        else:
+            for m, ids in enumerate(micro_ids):
+                x, y = _batch(train_ds, ids, device)
+                # Gradient buckets are reduced only during the last micro-batch's backward.
+                last = m == len(micro_ids) - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    t0 = time.perf_counter()
+                    loss = parallel_lm_loss(ddp(x), y, state) / len(micro_ids)
+                    t1 = time.perf_counter()
+                    optimizer.scale_loss(loss).backward()
+                    t2 = time.perf_counter()
+                phase["forward"] += t1 - t0
+                phase["backward"] += t2 - t1
+                loss_sum += loss.detach()
         t0 = time.perf_counter()
         ddp.finish_grad_sync()
+        if chunks:
+            allreduce_tied_embedding_grads(chunks, ddp, state)
         allreduce_sequence_parallel_grads(model, state)
         t1 = time.perf_counter()
         optimizer.set_lr(lr)
@@ -468,6 +567,11 @@ def run(
             }
             if loss_scale is not None:
                 row["loss_scale"] = loss_scale
+            bubble = ""
+            if pipeline is not None:
+                row.update(_pipeline_metrics(pipeline, state, interval_steps))
+                bubble = f" | bubble {row['pipeline_bubble_fraction']:.1%}"
+                pipeline.times.reset()
             metrics.write(row)
             mfu = f"{rates['mfu']:.1%}" if rates["mfu"] is not None else "n/a"
             skipped = f" | skipped {skipped_steps} (loss scale {loss_scale:g})" if skipped_steps else ""
@@ -475,7 +579,7 @@ def run(
                 f"step {step}/{cfg.train_iters} | loss {loss_mean:.4f} | lr {lr:.3e} | grad_norm "
                 f"{grad_norm:.3f} | {rates['tokens_per_s']:.0f} tok/s | "
                 f"{rates['tflops_per_device']:.3f} TFLOP/s/device | mfu {mfu} | {iter_time * 1e3:.0f} ms/it"
-                f"{skipped}",
+                f"{bubble}{skipped}",
                 flush=True,
             )
             loss_sum.zero_()
@@ -486,7 +590,9 @@ def run(
         paused = time.perf_counter()
         final = step == cfg.train_iters
         if valid_ds is not None and cfg.eval_interval and (step % cfg.eval_interval == 0 or final):
-            last_eval = evaluate(ddp, valid_ds, cfg, state, device)
+            last_eval = evaluate(ddp, valid_ds, cfg, state, device, pipeline)
+            if pipeline is not None:
+                pipeline.times.reset()  # the bubble figure is the training schedule's
             metrics.write({"step": step, "val_loss": last_eval})
             log(f"step {step} | validation loss {last_eval:.4f}", flush=True)
         if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final:
@@ -498,6 +604,30 @@ def run(
     metrics.close()
     events.close()
     return {"step": step, "consumed_samples": consumed, "val_loss": last_eval}
+
+
+def _pipeline_metrics(pipeline: PipelineSchedule, state: ParallelState, steps: int) -> dict[str, Any]:
+    """Per-step compute and wait seconds averaged over the stages, and the bubble: wait / (wait + compute).
+
+    Collective over the pipeline group; every stage's schedule ends on a common barrier, so each
+    stage's wait + compute is the same makespan and the fraction compares with (p-1)/(m+p-1).
+    """
+    t = pipeline.times
+    sums = torch.tensor([t.wait_s, t.compute_s, t.wait_s], dtype=torch.float64)
+    if state.pp_group is not None:
+        sums = sums.to(state.device)
+        dist.all_reduce(sums[:2], group=state.pp_group)
+        top = sums[2:].clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.pp_group)
+        sums[2] = top[0]
+    wait, compute, worst = (float(v) for v in sums.cpu())
+    pp = state.pp_size
+    return {
+        "pipeline_bubble_fraction": wait / (wait + compute) if wait + compute > 0 else 0.0,
+        "pipeline_wait_time_s": wait / pp / max(1, steps),
+        "pipeline_compute_time_s": compute / pp / max(1, steps),
+        "pipeline_max_stage_wait_time_s": worst / max(1, steps),
+    }
 
 
 def _set_threads(local_world_size: int) -> None:

@@ -20,6 +20,8 @@ class Layout:
     ep: int = 1
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"
+    pipeline_layers: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -59,6 +61,14 @@ def plan_layout(spec: JobSpec) -> Layout:
             f"training.global_batch_size={tr.global_batch_size} is not divisible by "
             f"micro_batch_size×dp={tr.micro_batch_size}×{dp}",
         )
+    micro_batches = tr.global_batch_size // (tr.micro_batch_size * dp)
+    if par.virtual_stages > 1 and micro_batches % par.pp:
+        raise _error(
+            "parallelism.virtual_stages",
+            f"parallelism.virtual_stages={par.virtual_stages} (interleaved 1F1B) needs the micro-batches "
+            f"per step, global_batch_size/(micro_batch_size×dp) = {micro_batches}, divisible by "
+            f"parallelism.pp={par.pp}",
+        )
     return Layout(
         tp=par.tp,
         pp=par.pp,
@@ -67,6 +77,8 @@ def plan_layout(spec: JobSpec) -> Layout:
         ep=par.ep,
         virtual_stages=par.virtual_stages,
         sequence_parallel=par.sequence_parallel,
+        pipeline_schedule=par.pipeline_schedule,
+        pipeline_layers=tuple(par.pipeline_layers) if par.pipeline_layers is not None else None,
     )
 
 

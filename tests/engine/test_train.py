@@ -21,6 +21,8 @@ from .helpers import read_jsonl, tiny_spec
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
                "peak_memory_bytes", "iter_time_s", "consumed_samples", "time", "skipped_iters",
                "forward_time_s", "backward_time_s", "grad_sync_time_s", "optimizer_time_s"}  # fmt: skip
+PIPELINE_KEYS = {"pipeline_bubble_fraction", "pipeline_wait_time_s", "pipeline_compute_time_s",
+                 "pipeline_max_stage_wait_time_s"}  # fmt: skip
 
 
 def _cfg(corpus: Path, **kw):
@@ -42,11 +44,11 @@ def test_unsupported_layout_exits_with_a_clear_message(
     tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     raw = tiny_spec(corpus)
-    raw["parallelism"] = {"pp": 2}
+    raw["parallelism"] = {"pp": 2, "virtual_stages": 2}  # 2 layers cannot make 4 chunks
     raw["resources"] = {"gpus": 2}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE
-    assert "pipeline" in capsys.readouterr().err
+    assert "pipeline_layers for an uneven split" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -88,6 +90,7 @@ LAYOUTS = {
     "dp2-no-distopt": ({"dp": 2, "distributed_optimizer": False, "grad_bucket_elements": 2000}, 2),
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, 2),
     "tp2-dp2": ({"tp": 2, "dp": 2, "grad_bucket_elements": 3000}, 4),
+    "pp2-tp2-sp": ({"pp": 2, "tp": 2, "dp": 1, "sequence_parallel": True}, 4),
 }
 
 
@@ -117,7 +120,10 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     got = read_jsonl(tmp_path / "par" / "metrics.jsonl")
     train_rows = [r for r in got if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
-    assert all(set(r) == METRIC_KEYS for r in train_rows), set(train_rows[0]) ^ METRIC_KEYS
+    keys = METRIC_KEYS | (PIPELINE_KEYS if parallelism.get("pp", 1) > 1 else set())
+    assert all(set(r) == keys for r in train_rows), set(train_rows[0]) ^ keys
+    if parallelism.get("pp", 1) > 1:
+        assert all(0 < r["pipeline_bubble_fraction"] < 1 for r in train_rows)
     for a, b in zip([r for r in ref if "loss" in r], train_rows, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
@@ -166,6 +172,38 @@ def test_resume_in_another_layout(tmp_path: Path, corpus: Path) -> None:
     for s in got:
         assert got[s] == pytest.approx(ref[s], rel=1e-4)
     assert read_jsonl(tmp_path / "par" / "events.jsonl")[0]["resumed_from"] == 3
+
+
+@pytest.mark.distributed
+def test_pipeline_resumes_a_single_process_checkpoint_and_back(tmp_path: Path, corpus: Path) -> None:
+    """pp=2 × dp=2 (GPT-2, tied embeddings, distributed optimizer) resumes a one-process checkpoint at
+    step 3; one process resumes the pipeline's step-5 checkpoint; both continue the reference run."""
+    raw = tiny_spec(corpus, train_iters=6, checkpoint_interval=3, eval_interval=0, log_interval=1)
+    raw["model"].update(arch="gpt2", num_query_groups=None)
+    run(parse_spec(raw), tmp_path / "single")
+    ref = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if "loss" in r}
+    par = tmp_path / "par" / "checkpoints"
+    shutil.copytree(tmp_path / "single" / "checkpoints" / "iter_0000003", par / "iter_0000003")
+    (par / "latest").write_text("3\n")
+    raw["training"]["checkpoint_interval"] = 1
+    raw["parallelism"] = {"pp": 2, "dp": 2, "distributed_optimizer": True}
+    raw["resources"] = {"gpus": 4}
+    (tmp_path / "spec.json").write_text(json.dumps(raw))
+    proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "par" / "metrics.jsonl") if "loss" in r}
+    assert sorted(got) == [4, 5, 6]
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=1e-4)
+
+    back = tmp_path / "back" / "checkpoints"
+    shutil.copytree(par / "iter_0000005", back / "iter_0000005")
+    (back / "latest").write_text("5\n")
+    raw["parallelism"], raw["resources"] = "auto", {"gpus": 1}
+    run(parse_spec(raw), tmp_path / "back")
+    again = [r for r in read_jsonl(tmp_path / "back" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in again] == [6]
+    assert again[0]["loss"] == pytest.approx(ref[6], rel=1e-4)
 
 
 def test_sigterm_exits_promptly(tmp_path: Path, corpus: Path) -> None:

@@ -57,6 +57,8 @@ def test_layout_as_dict() -> None:
         "ep": 1,
         "virtual_stages": 1,
         "sequence_parallel": False,
+        "pipeline_schedule": "1f1b",
+        "pipeline_layers": None,
     }
 
 
@@ -77,6 +79,8 @@ def test_layout_as_dict() -> None:
         ("auto", 3, 16, 4, "training.global_batch_size", "micro_batch_size×dp=4×3"),
         ("auto", 8, 16, 4, "training.global_batch_size", "training.global_batch_size=16 is not divisible"),
         ({"tp": 2, "dp": 3}, None, 10, 2, "training.global_batch_size", "micro_batch_size×dp=2×3"),
+        # 24 / (4×1) = 6 micro-batches cannot enter a 4-stage interleaved pipeline in groups of 4.
+        ({"pp": 4, "virtual_stages": 2, "dp": 1}, None, 24, 4, "parallelism.virtual_stages", "= 6, divisib"),
     ],
 )
 def test_plan_layout_errors_name_the_field(

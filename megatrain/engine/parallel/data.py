@@ -306,6 +306,21 @@ class DataParallel(nn.Module):
         for h in handles:
             h.wait()
 
+    @torch.no_grad()
+    def gather_grad_shards(self, param: nn.Parameter) -> None:
+        """With the distributed optimizer: make `param.main_grad` whole again (every rank's reduced shard).
+
+        After the reduce-scatter a rank holds only its shard of each bucket; a gradient that must be
+        combined with another stage's (a tied embedding) needs all of it. A no-op without sharding.
+        """
+        if not self.use_distributed_optimizer or self.dp_size == 1:
+            return
+        bucket = self._bucket_of[id(param)]
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        _all_gather_flat(
+            self.grad_buffer[bucket.start : bucket.end], self.grad_buffer[lo:hi], group=self.dp_group
+        )
+
     def gather_params(self) -> None:
         """After the distributed optimizer updated this rank's shards: all-gather them into every param."""
         if self.param_buffer is not None:

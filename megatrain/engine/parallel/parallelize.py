@@ -128,7 +128,8 @@ def parallel_lm_loss(logits: torch.Tensor, labels: torch.Tensor, state: Parallel
 def _canonical_keys(model: GPTModel) -> list[str]:
     """GPTModel's state-dict keys as checkpoints hold them: a tied head is stored once, as embed."""
     keys = list(model.state_dict(keep_vars=True))
-    if model.config.tie_embeddings:
+    # A pipeline chunk may hold only one end (or neither) of the tied pair.
+    if model.config.tie_embeddings and "lm_head.weight" in keys:
         keys.remove("lm_head.weight")
     return keys
 

@@ -22,7 +22,9 @@ class ParallelState:
     rank: int
     device: torch.device
     groups: dict[str, Group] = field(default_factory=dict)
-    """tp, cp, dp, pp, and mp (tp×pp: the model-parallel group); None where the size is 1."""
+    """tp, cp, dp, pp, and mp (tp×pp: the model-parallel group); None where the size is 1. With pp > 1
+    also pp_bwd (the pp ranks again: pipeline gradients travel apart from activations) and embd (the
+    first and last stage of each pipeline: the tied embedding's two copies)."""
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -51,6 +53,13 @@ class ParallelState:
                 if rank in ranks:
                     mine = group
             groups[name] = mine
+        groups["pp_bwd"] = groups["embd"] = None
+        if dims.pp > 1:
+            for ranks in dims.group_ranks("pp"):
+                bwd = dist.new_group(ranks)
+                embd = dist.new_group([ranks[0], ranks[-1]])
+                if rank in ranks:
+                    groups["pp_bwd"], groups["embd"] = bwd, embd
         return cls(dims, rank, torch.device(device), groups)
 
     @property

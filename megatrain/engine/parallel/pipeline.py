@@ -1,0 +1,249 @@
+"""Pipeline stages: the layer stack cut into model chunks, one or more (virtual stages) per pp rank.
+
+    model = parallelize_model(GPTModel(cfg), state, ...)      # built in full on every rank, same seed
+    chunks = build_stage_modules(model, state, layer_split)  # this rank's chunks; the rest is dropped
+    ... schedules.PipelineSchedule(chunks, state, ...).forward_backward(batches) ...
+    allreduce_tied_embedding_grads(chunks, ddp, state)      # after ddp.finish_grad_sync()
+
+Chunk numbering (Megatron's interleaving): with pp stages and V virtual stages there are pp·V chunks
+of consecutive layers; chunk c lives on stage c % pp as its local chunk c // pp. So stage s holds
+chunks s, s+pp, s+2pp, …; activations flow s -> s+1 and from the last stage back to stage 0 for the
+next chunk. Chunk 0 holds the embedding, chunk pp·V-1 the final norm and LM head.
+
+A StageModule keeps GPTModel's attribute names, and its layers sit in a ModuleDict keyed by their
+global index, so `named_parameters()` yields the single-device names (`layers.5.attn.qkv.weight`):
+checkpoints stay layout-free. With tied embeddings (GPT-2) and pp > 1 the last stage holds its own
+copy of the (vocab-sharded) embedding as the LM head, flagged `shared` so the gradient norm counts it
+once; allreduce_tied_embedding_grads sums the two gradients so both copies take identical steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatrain.engine.models.gpt import GPTModel
+from megatrain.engine.parallel.dims import LayoutError
+from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
+from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.parallel.tensor import is_tensor_parallel, shard_tensor
+
+TP_ATTRS = ("tensor_parallel", "partition_dim", "partition_stride", "sequence_parallel")
+
+
+def partition_layers(
+    num_layers: int, pp: int, virtual_stages: int = 1, layers: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """[start, end) layer ranges of the pp·virtual_stages chunks, in chunk order.
+
+    `layers` gives explicit counts per chunk (chunk c = v·pp + stage); without it the stack is split
+    evenly, which needs num_layers divisible by pp·virtual_stages (Megatron's rule).
+    """
+    n_chunks = pp * virtual_stages
+    if layers is None:
+        if num_layers % n_chunks:
+            raise LayoutError(
+                f"num_layers={num_layers} is not divisible by pp×virtual_stages={pp}×{virtual_stages}; "
+                "give parallelism.pipeline_layers for an uneven split"
+            )
+        layers = [num_layers // n_chunks] * n_chunks
+    if len(layers) != n_chunks:
+        raise LayoutError(
+            f"pipeline_layers has {len(layers)} entries but "
+            f"pp×virtual_stages={pp}×{virtual_stages}={n_chunks}"
+        )
+    if any(n < 0 for n in layers) or sum(layers) != num_layers:
+        raise LayoutError(
+            f"pipeline_layers={list(layers)} must be non-negative and sum to num_layers={num_layers}"
+        )
+    out, start = [], 0
+    for n in layers:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def stage_chunk_ids(stage: int, pp: int, virtual_stages: int) -> list[int]:
+    """Global chunk ids held by `stage`, by local chunk index."""
+    return [v * pp + stage for v in range(virtual_stages)]
+
+
+class StageModule(nn.Module):
+    """One model chunk: optionally the embedding, a run of blocks, optionally the final norm and head.
+
+    forward: tokens (B, T) on the first chunk, else the residual stream (B, T, C) — (B, T/tp, C) under
+    sequence parallelism; returns the residual stream, or the logits (B, T, V/tp) on the last chunk.
+    """
+
+    def __init__(self, model: GPTModel, chunk: int, num_chunks: int, start: int, end: int):
+        super().__init__()
+        self.config = model.config
+        self.chunk, self.is_first, self.is_last = chunk, chunk == 0, chunk == num_chunks - 1
+        self.recompute_context_fn = model.recompute_context_fn
+        if self.is_first:
+            self.embed = model.embed
+            self.pos_embed = model.pos_embed
+            self.dropout = model.dropout
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        if self.is_last:
+            self.final_norm = model.final_norm
+            self.lm_head = model.lm_head
+        self.use_rope = model.config.position_embedding == "rope"
+        if self.use_rope:
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        ids = [int(k) for k in self.layers]
+        return (ids[0], ids[-1] + 1) if ids else (0, 0)
+
+    def set_recompute(self, mode: str, every: int = 1) -> None:
+        """As GPTModel.set_recompute, on global layer indices (the same blocks as one process)."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute mode {mode!r} is not one of none, selective, full")
+        if every < 1:
+            raise ValueError(f"recompute every={every} must be >= 1")
+        for key, layer in self.layers.items():
+            layer.recompute = mode == "full" and int(key) % every == 0
+            layer.attn.recompute_core = mode == "selective"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            t = x.shape[1]
+            if t > self.config.seq_length:
+                raise ValueError(f"sequence of {t} tokens exceeds seq_length={self.config.seq_length}")
+            tokens = x
+            x = self.embed(tokens)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(torch.arange(t, device=tokens.device))
+            x = self.dropout(x)
+        rope = (self.rope_cos, self.rope_sin) if self.use_rope else None
+        for layer in self.layers.values():
+            if layer.recompute and self.training:
+                x = checkpoint(layer, x, rope, use_reentrant=False, context_fn=self.recompute_context_fn)
+            else:
+                x = layer(x, rope)
+        if self.is_last:
+            return self.lm_head(self.final_norm(x))  # (B, T, V/tp)
+        return x
+
+
+def _untie(param: nn.Parameter) -> nn.Parameter:
+    """A separate copy of `param` with its tensor-parallel attributes, flagged shared (Megatron's name)."""
+    copy = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+    for attr in TP_ATTRS:
+        if hasattr(param, attr):
+            setattr(copy, attr, getattr(param, attr))
+    copy.shared = True  # type: ignore[attr-defined]
+    return copy
+
+
+def build_stage_modules(
+    model: GPTModel, state: ParallelState, layer_split: Sequence[int] | None = None
+) -> list[StageModule]:
+    """This rank's chunks of a (tensor-parallelized) GPTModel, by local chunk index.
+
+    Every rank builds the whole model from the same seed first, so each stage starts from exactly the
+    weights a single process would; the blocks of other stages are dropped with `model`.
+    """
+    pp, v = state.pp_size, state.dims.virtual_stages
+    ranges = partition_layers(model.config.num_layers, pp, v, layer_split)
+    chunks = []
+    for cid in stage_chunk_ids(state.pp_rank, pp, v):
+        chunks.append(StageModule(model, cid, pp * v, *ranges[cid]))
+    last = chunks[-1]
+    if model.config.tie_embeddings and last.is_last and not chunks[0].is_first:
+        last.lm_head.weight = _untie(last.lm_head.weight)
+    return chunks
+
+
+def tied_embedding_param(chunks: Sequence[StageModule]) -> nn.Parameter | None:
+    """The parameter of this stage that takes part in the tied-embedding gradient sum, if any."""
+    if not chunks[0].config.tie_embeddings:
+        return None
+    first, last = chunks[0], chunks[-1]
+    if first.is_first and last.is_last:
+        return None  # both uses on one stage: one Parameter, autograd sums the two gradients
+    if first.is_first:
+        return first.embed.weight
+    if last.is_last:
+        return last.lm_head.weight
+    return None
+
+
+@torch.no_grad()
+def allreduce_tied_embedding_grads(chunks: Sequence[StageModule], ddp: Any, state: ParallelState) -> None:
+    """Sum the embedding's and the last stage's LM-head copy's gradients (after the dp reduction).
+
+    Collective over the embedding group (first and last stage of each (tp, dp) column). With the
+    distributed optimizer a rank holds only its dp shard of the reduced gradient, and the two stages
+    lay out their buffers differently, so the buckets holding the weight are all-gathered first.
+    """
+    group = state.groups.get("embd")
+    param = tied_embedding_param(chunks)
+    if group is None or param is None:
+        return
+    ddp.gather_grad_shards(param)
+    dist.all_reduce(param.main_grad, group=group)
+
+
+def stage_parameter_names(chunks: Sequence[StageModule]) -> dict[nn.Parameter, str]:
+    """Single-device names of this stage's parameters; the last stage's tied head copy is embed.weight."""
+    names: dict[nn.Parameter, str] = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            names[p] = "embed.weight" if getattr(p, "shared", False) else name
+    return names
+
+
+def gather_to_rank0(obj: Any, state: ParallelState) -> list[Any] | None:
+    """Every rank's `obj` on global rank 0 (None elsewhere); plain return without a process group."""
+    if state.dims.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * state.dims.world_size if state.rank == 0 else []
+    dist.gather_object(obj, out if state.rank == 0 else None, dst=0)
+    return out if state.rank == 0 else None
+
+
+def pipeline_full_state_dict(
+    chunks: Sequence[StageModule], state: ParallelState
+) -> dict[str, torch.Tensor] | None:
+    """The single-device state dict of the whole pipelined model, on global rank 0 (None elsewhere).
+
+    Collective over the world: each stage gathers its chunks over tp, then tp rank 0 of dp rank 0
+    of every stage sends its part to rank 0. A tied head copy is left out, as in one process.
+    """
+    part: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        part.update(full_state_dict(chunk, state))
+    sender = state.tp_rank == 0 and state.dp_rank == 0 and state.coords.cp == 0
+    parts = gather_to_rank0(part if sender else None, state)
+    if parts is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for p in parts:
+        merged.update(p or {})
+    return merged
+
+
+@torch.no_grad()
+def load_pipeline_state_dict(
+    chunks: Sequence[StageModule], full: dict[str, torch.Tensor], state: ParallelState
+) -> None:
+    """Copy this stage's slice of a single-device state dict into its chunks (tp-sharded)."""
+    for chunk in chunks:
+        keys = set(chunk.state_dict(keep_vars=True))
+        part = {k: v for k, v in full.items() if k in keys}
+        load_full_state_dict(chunk, part, state)
+        head = getattr(chunk, "lm_head", None)
+        if head is not None and getattr(head.weight, "shared", False):
+            src = full["embed.weight"]
+            if is_tensor_parallel(head.weight):
+                src = shard_tensor(src, head.weight.partition_dim, state.tp_rank, state.tp_size)
+            head.weight.copy_(src)
