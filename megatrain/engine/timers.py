@@ -78,6 +78,11 @@ class StepTimers:
         elapsed = time.perf_counter() - self._open.pop(phase)
         self._sums[phase] = self._sums.get(phase, 0.0) + elapsed
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Seconds measured elsewhere (the pipeline schedule's own clocks) for a phase of this step."""
+        if self._timing:
+            self._sums[phase] = self._sums.get(phase, 0.0) + seconds
+
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         """`with timers("forward"): ...`; a phase run several times in a step (micro-batches) adds up."""

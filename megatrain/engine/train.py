@@ -70,6 +70,7 @@ from megatrain.engine.parallel.tensor import (
     is_tensor_parallel,
     shard_tensor,
 )
+from megatrain.engine.timers import StepTimers
 from megatrain.scheduler.planner import Layout, plan_layout
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
@@ -226,10 +227,19 @@ def evaluate(
             continue
         for ids in micro_ids:
             x, y = _batch(dataset, ids, device)
-            total += parallel_lm_loss(model(x), y, state)
+            total += _loss(model, x, y, state)
             count += 1
     model.train()
     return _reduce_mean(total / count, state)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The LM loss: the head fused with the cross-entropy on one tensor-parallel rank
+    (GPTModel.loss), the vocab-parallel loss on the logits' shards otherwise."""
+    if state.tp_size == 1:
+        # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
+        return (model.module if isinstance(model, DataParallel) else model).loss(x, y)
+    return parallel_lm_loss(model(x), y, state)
 
 
 # -- checkpoint state across tensor and data parallelism ------------------------------------------
@@ -493,17 +503,20 @@ def run(
     model.train()
     loss_sum = torch.zeros((), device=device)
     interval_steps, interval_start, excluded = 0, time.perf_counter(), 0.0
-    phase = {"forward": 0.0, "backward": 0.0, "grad_sync": 0.0, "optimizer": 0.0}
+    # Per-phase times; on a GPU only the log steps synchronise (and are the ones averaged).
+    timers = StepTimers(device)
     skipped_steps = 0
     grad_norm, loss_scale = 0.0, None
     while step < cfg.train_iters:
         lr = lr_at(step + 1, cfg)
+        timers.begin_step(sync=(step + 1) % cfg.log_interval == 0 or step + 1 == cfg.train_iters)
         optimizer.zero_grad()
         micro_ids = microbatch_sample_ids(
             consumed, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size
         )
         if pipeline is not None:
-            batches = [_batch(train_ds, ids, device) for ids in micro_ids]
+            with timers("data"):
+                batches = [_batch(train_ds, ids, device) for ids in micro_ids]
             n_micro = len(batches)
             fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
             loss_sum += pipeline.forward_backward(
@@ -513,32 +526,29 @@ def run(
                 # Gradient buckets are reduced only during this stage's last backward.
                 before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
             )
-            phase["forward"] += pipeline.times.forward_s - fwd0
-            phase["backward"] += pipeline.times.backward_s - bwd0
+            timers.add("forward", pipeline.times.forward_s - fwd0)
+            timers.add("backward", pipeline.times.backward_s - bwd0)
         else:
             for m, ids in enumerate(micro_ids):
-                x, y = _batch(train_ds, ids, device)
+                with timers("data"):
+                    x, y = _batch(train_ds, ids, device)
                 # Gradient buckets are reduced only during the last micro-batch's backward.
                 last = m == len(micro_ids) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
-                    t0 = time.perf_counter()
-                    loss = parallel_lm_loss(ddp(x), y, state) / len(micro_ids)
-                    t1 = time.perf_counter()
-                    optimizer.scale_loss(loss).backward()
-                    t2 = time.perf_counter()
-                phase["forward"] += t1 - t0
-                phase["backward"] += t2 - t1
+                    with timers("forward"):
+                        loss = _loss(ddp, x, y, state) / len(micro_ids)
+                    with timers("backward"):
+                        optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-        t0 = time.perf_counter()
-        ddp.finish_grad_sync()
-        if chunks:
-            allreduce_tied_embedding_grads(chunks, ddp, state)
-        allreduce_sequence_parallel_grads(model, state)
-        t1 = time.perf_counter()
-        optimizer.set_lr(lr)
-        result = optimizer.step()
-        phase["grad_sync"] += t1 - t0
-        phase["optimizer"] += time.perf_counter() - t1
+        with timers("grad_sync"):
+            ddp.finish_grad_sync()
+            if chunks:
+                allreduce_tied_embedding_grads(chunks, ddp, state)
+            allreduce_sequence_parallel_grads(model, state)
+        with timers("optimizer"):
+            optimizer.set_lr(lr)
+            result = optimizer.step()
+        timers.end_step()
         if result.skipped:
             skipped_steps += 1
         else:
@@ -561,7 +571,7 @@ def run(
                 **rates,
                 "peak_memory_bytes": peak_memory_bytes(device),
                 "iter_time_s": iter_time,
-                **{f"{k}_time_s": v / interval_steps for k, v in phase.items()},
+                **{f"{k}_time_s": v for k, v in timers.means().items()},
                 "consumed_samples": consumed,
                 "skipped_iters": skipped_steps,
             }
@@ -584,7 +594,7 @@ def run(
             )
             loss_sum.zero_()
             interval_steps, interval_start, excluded = 0, time.perf_counter(), 0.0
-            phase = dict.fromkeys(phase, 0.0)
+            timers.reset()
             skipped_steps = 0
 
         paused = time.perf_counter()
