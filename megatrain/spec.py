@@ -152,6 +152,9 @@ class TrainingSpec(_Strict):
     """Activation recompute: selective (the attention core) or full (whole transformer layers)."""
     recompute_every: int = Field(1, ge=1, le=100_000)
     """With recompute=full, recompute every k-th layer (1 = every layer)."""
+    compile: bool = False
+    """torch.compile each transformer layer (fuses norms, RoPE, activations and residual adds);
+    the first steps pay the compilation."""
     initial_loss_scale: float = Field(65536.0, ge=1.0, le=2.0**32)
     """fp16 only: the dynamic loss scaler's starting scale."""
     min_loss_scale: float = Field(1.0, ge=1e-8, le=2.0**32)

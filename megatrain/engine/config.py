@@ -130,6 +130,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"]
     recompute: Literal["none", "selective", "full"]
     recompute_every: int
+    compile: bool
     initial_loss_scale: float
     min_loss_scale: float
     loss_scale_window: int
@@ -174,6 +175,7 @@ def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
         precision=t.precision,
         recompute=t.recompute,
         recompute_every=t.recompute_every,
+        compile=t.compile,
         initial_loss_scale=t.initial_loss_scale,
         min_loss_scale=t.min_loss_scale,
         loss_scale_window=t.loss_scale_window,

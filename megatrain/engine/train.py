@@ -42,7 +42,7 @@ from megatrain.engine.data import build_datasets, build_tokenizer, microbatch_sa
 from megatrain.engine.data.dataset import BlendedDataset
 from megatrain.engine.memory import from_spec as memory_from_spec
 from megatrain.engine.metrics import flops_per_iteration, peak_memory_bytes, peak_tflops, throughput
-from megatrain.engine.models.gpt import GPTModel
+from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.dims import LayoutError, ParallelDims, validate_dims
@@ -387,6 +387,8 @@ def run(
     model = model.to(dtype=PARAM_DTYPES[precision])
     for part in chunks or [model]:
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)
+        if cfg.compile:
+            compile_layers(part)
     ddp = DataParallel(
         model,
         state,
@@ -449,6 +451,7 @@ def run(
             "precision": precision,
             "distributed_optimizer": ddp.use_distributed_optimizer,
             "recompute": cfg.recompute,
+            "compile": cfg.compile,
             "resumed_from": resumed_from,
             "memory_estimate": memory_estimate,
         }

@@ -138,6 +138,7 @@ EVENT_DATA_KEYS = (
     "precision",
     "distributed_optimizer",
     "recompute",
+    "compile",
     "memory_estimate",
     "resumed_from",
     "uri",

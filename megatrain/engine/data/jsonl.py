@@ -14,7 +14,8 @@ def read_jsonl_texts(url: str, text_key: str = "text") -> list[str]:
     texts: list[str] = []
     with read_url(url) as raw:
         stream = gzip.GzipFile(fileobj=raw) if url.endswith(".gz") else raw
-        for lineno, line in enumerate(io.TextIOWrapper(stream, encoding="utf-8"), start=1):
+        lines = io.TextIOWrapper(stream, encoding="utf-8")
+        for lineno, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
@@ -25,4 +26,5 @@ def read_jsonl_texts(url: str, text_key: str = "text") -> list[str]:
             if not isinstance(text, str):
                 raise ValueError(f"{url}:{lineno}: no string field {text_key!r}")
             texts.append(text)
+        lines.close()  # closes the stream (and raw) too; unclosed, the wrapper warns when collected
     return texts

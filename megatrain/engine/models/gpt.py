@@ -260,6 +260,16 @@ class GPTModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def compile_layers(module: nn.Module) -> int:
+    """torch.compile every TransformerBlock inside `module` in place (per block, as torchtitan does:
+    identical blocks share one compiled graph, and recompute, pipeline stages and parallel wrappers
+    around them stay eager). Returns how many blocks were compiled."""
+    blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
+    for block in blocks:
+        block.compile(dynamic=False)
+    return len(blocks)
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32. logits (B, T, V), labels (B, T)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
