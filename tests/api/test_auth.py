@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import Api
+from api_handle import Api
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 

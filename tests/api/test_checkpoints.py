@@ -10,7 +10,7 @@ import tarfile
 import uuid
 
 import httpx
-from conftest import Api
+from api_handle import Api
 from fastapi.testclient import TestClient
 
 from megatrain.api.app import create_app

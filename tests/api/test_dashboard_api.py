@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import Api
+from api_handle import Api
 
 from megatrain.api.cluster.queue import NodeRoom, QueuedJob, explain_queue
 from megatrain.api.jobs.downsample import minmax_indices

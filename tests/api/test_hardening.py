@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conftest import Api
+from api_handle import Api
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 

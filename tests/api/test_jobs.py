@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Api
+from api_handle import Api
 from sqlalchemy import func, select
 
 from megatrain.db.jobs import reserve_and_schedule, transition

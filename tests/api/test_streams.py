@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from conftest import Api
+from api_handle import Api
 
 from megatrain.db.jobs import transition
 from megatrain.db.models import CANCELLED, QUEUED, JobLog, JobMetric
