@@ -18,7 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
-from megatrain import REPO_ROOT, __version__
+from megatrain import __version__, resource_dir
 from megatrain.api.checkpoints.router import router as checkpoints_router
 from megatrain.api.cluster.router import router as cluster_router
 from megatrain.api.errors import install_error_handlers
@@ -33,7 +33,7 @@ from megatrain.settings import Settings, get_settings
 from megatrain.spec import JobSpec
 
 log = logging.getLogger("megatrain.api")
-WEB_DIR = REPO_ROOT / "web"
+WEB_DIR = resource_dir("web")
 
 
 def prepare_backends(settings: Settings) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from megatrain import REPO_ROOT
+from megatrain import resource_dir
 
 
 def make_engine(url: str) -> Engine:
@@ -63,6 +63,6 @@ def upgrade_database(url: str) -> None:
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    cfg.set_main_option("script_location", str(resource_dir("migrations")))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     command.upgrade(cfg, "head")
