@@ -466,8 +466,8 @@ def from_spec(spec: Any, layout: Any, *, tokenizer_vocab: int | None = None, **k
         "distributed_optimizer": par.distributed_optimizer and layout.dp * layout.cp > 1,
         "recompute": tr.recompute,
         "recompute_every": tr.recompute_every,
-        # The engine fuses the head with the loss on one tensor-parallel rank without a pipeline.
-        "fused_loss": layout.tp == 1 and layout.pp == 1,
+        # The engine fuses the LM head with the loss whenever the head is not tensor-parallel.
+        "fused_loss": layout.tp == 1,
     }
     settings.update(kwargs)
     return estimate_memory(model, **settings)

@@ -20,6 +20,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from megatrain.engine.checkpoint import (
 from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
 from megatrain.engine.data import build_datasets, build_tokenizer, microbatch_sample_ids
 from megatrain.engine.data.dataset import BlendedDataset
+from megatrain.engine.fused_ce import linear_cross_entropy
 from megatrain.engine.memory import from_spec as memory_from_spec
 from megatrain.engine.metrics import flops_per_iteration, peak_memory_bytes, peak_tflops, throughput
 from megatrain.engine.models.gpt import GPTModel, compile_layers
@@ -210,6 +212,7 @@ def evaluate(
     state: ParallelState,
     device: str,
     pipeline: PipelineSchedule | None = None,
+    pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Mean loss over the first eval_iters global batches of the split (the same ones every time)."""
     model.eval()
@@ -222,7 +225,8 @@ def evaluate(
         )
         if pipeline is not None:
             batches = [_batch(dataset, ids, device) for ids in micro_ids]
-            total += pipeline.forward_only(batches, lambda out, y: parallel_lm_loss(out, y, state))
+            assert pipeline_loss is not None
+            total += pipeline.forward_only(batches, pipeline_loss)
             count += len(batches)
             continue
         for ids in micro_ids:
@@ -240,6 +244,18 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, state: ParallelSta
         # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
         return (model.module if isinstance(model, DataParallel) else model).loss(x, y)
     return parallel_lm_loss(model(x), y, state)
+
+
+def _pipeline_loss_fn(
+    chunks: list[StageModule], state: ParallelState
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss a pipeline's last chunk feeds: fused with the LM head at tp = 1, as without a
+    pipeline; the vocab-parallel loss on the logits' shards otherwise. Other ranks never call it."""
+    last = chunks[-1] if chunks and chunks[-1].is_last else None
+    if last is not None and state.tp_size == 1:
+        last.return_hidden = True
+        return lambda hidden, y: linear_cross_entropy(hidden, last.lm_head.weight, y)
+    return lambda logits, y: parallel_lm_loss(logits, y, state)
 
 
 # -- checkpoint state across tensor and data parallelism ------------------------------------------
@@ -408,6 +424,7 @@ def run(
             PARAM_DTYPES[precision],
             layout.pipeline_schedule,
         )
+    pipeline_loss = _pipeline_loss_fn(chunks, state)
 
     step, consumed = 0, 0
     if latest is not None:
@@ -524,7 +541,7 @@ def run(
             fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
             loss_sum += pipeline.forward_backward(
                 batches,
-                lambda out, y, n=n_micro: parallel_lm_loss(out, y, state) / n,
+                lambda out, y, n=n_micro: pipeline_loss(out, y) / n,
                 scale_loss=optimizer.scale_loss,
                 # Gradient buckets are reduced only during this stage's last backward.
                 before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
@@ -603,7 +620,7 @@ def run(
         paused = time.perf_counter()
         final = step == cfg.train_iters
         if valid_ds is not None and cfg.eval_interval and (step % cfg.eval_interval == 0 or final):
-            last_eval = evaluate(ddp, valid_ds, cfg, state, device, pipeline)
+            last_eval = evaluate(ddp, valid_ds, cfg, state, device, pipeline, pipeline_loss)
             if pipeline is not None:
                 pipeline.times.reset()  # the bubble figure is the training schedule's
             metrics.write({"step": step, "val_loss": last_eval})

@@ -93,6 +93,9 @@ class StageModule(nn.Module):
         if self.is_last:
             self.final_norm = model.final_norm
             self.lm_head = model.lm_head
+        # Set by the engine when the loss fuses the LM head (tp = 1): the last chunk then returns the
+        # final norm's output and the loss applies lm_head.weight itself (megatrain.engine.fused_ce).
+        self.return_hidden = False
         self.use_rope = model.config.position_embedding == "rope"
         if self.use_rope:
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
@@ -130,6 +133,8 @@ class StageModule(nn.Module):
             else:
                 x = layer(x, rope)
         if self.is_last:
+            if self.return_hidden:
+                return self.final_norm(x)  # (B, T, C)
             return self.lm_head(self.final_norm(x))  # (B, T, V/tp)
         return x
 
