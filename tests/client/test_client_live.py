@@ -103,6 +103,14 @@ def test_tiny_job_end_to_end(live_stack: LiveApi, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def _wait_succeeded(c: Client, job_id: str) -> tuple[str, dict]:
+    """Wait for a parallel job to succeed (its log in the failure message); its log and started event."""
+    final = c.wait(job_id, timeout_s=180, poll_interval_s=0.5)
+    log_text = "\n".join(ln.line for ln in c.logs(job_id))
+    assert final.status == "succeeded", f"{final.status_reason}\n{log_text[-3000:]}"
+    return log_text, next(e for e in c.events(job_id) if e["kind"] == "started")
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_tensor_and_data_parallel_job_through_the_api(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -116,10 +124,7 @@ def test_tensor_and_data_parallel_job_through_the_api(
         with Client() as c:
             job = c.submit(spec)
             assert job.num_procs == 4 and job.layout is not None and job.layout["dp"] == 2
-            final = c.wait(job.id, timeout_s=180, poll_interval_s=0.5)
-            log_text = "\n".join(ln.line for ln in c.logs(job.id))
-            assert final.status == "succeeded", f"{final.status_reason}\n{log_text[-3000:]}"
-            started = next(e for e in c.events(job.id) if e["kind"] == "started")
+            log_text, started = _wait_succeeded(c, job.id)
             assert started["data"]["world_size"] == 4 and started["data"]["layout"]["tp"] == 2
             losses = [m["loss"] for m in c.metrics(job.id) if m.get("kind", "train") == "train"]
             assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
@@ -145,10 +150,7 @@ def test_tensor_and_pipeline_parallel_job_through_the_api(
         with Client() as c:
             job = c.submit(spec)
             assert job.num_procs == 4 and job.layout is not None and job.layout["pp"] == 2
-            final = c.wait(job.id, timeout_s=180, poll_interval_s=0.5)
-            log_text = "\n".join(ln.line for ln in c.logs(job.id))
-            assert final.status == "succeeded", f"{final.status_reason}\n{log_text[-3000:]}"
-            started = next(e for e in c.events(job.id) if e["kind"] == "started")
+            log_text, started = _wait_succeeded(c, job.id)
             assert started["data"]["layout"]["pp"] == 2 and started["data"]["layout"]["tp"] == 2
             assert len(started["data"]["memory_estimate"]["stage_total_bytes"]) == 2
             rows = [m for m in c.metrics(job.id) if m.get("kind", "train") == "train"]
