@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megatrain.engine.grad_accumulation import add_to_main_grad, fusable
 from megatrain.engine.memory import fused_loss_chunk_rows
 
 
@@ -36,12 +37,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        # fp32: every chunk's logits land in one block (fewer fresh pages than a block per chunk).
+        block = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
         inv_n = 1.0 / n
         for start in range(0, n, rows):
             h = hidden[start : start + rows]
             y = labels[start : start + rows]
-            logits = (h @ weight.t()).float()  # (rows, V)
+            if weight.dtype == torch.float32:
+                logits = torch.mm(h, weight.t(), out=block[: h.shape[0]])  # (rows, V)
+            else:
+                logits = (h @ weight.t()).float()
             target = logits.gather(1, y.unsqueeze(1))
             # The log-sum-exp by hand, in the logits' own storage (torch.logsumexp would allocate
             # a second (rows, V) block): logits become exp(logits - max), then the softmax.
@@ -59,13 +65,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[start : start + rows])
             if grad_weight is not None:
-                if g.dtype == torch.float32:
+                if g.dtype != torch.float32:  # 16-bit GEMM, accumulated over chunks in fp32
+                    part = g.t() @ h
+                    if start == 0:
+                        grad_weight.copy_(part)
+                    else:
+                        grad_weight.add_(part)
+                elif start == 0:  # the first chunk writes: no zero-fill of the (V, h) gradient
+                    torch.mm(g.t(), h, out=grad_weight)
+                else:
                     grad_weight.addmm_(g.t(), h)
-                else:  # 16-bit GEMM, accumulated over chunks in fp32
-                    grad_weight.add_(g.t() @ h)
-            del logits, g  # before the next chunk's logits are allocated: one block alive, not two
+            del logits, g  # before the next chunk's logits: one 16-bit block alive, not two
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
+        # Under DataParallel the weight gradient is added straight into main_grad in backward.
+        ctx.weight = weight if grad_weight is not None and fusable(weight) else None
         return loss_sum * inv_n
 
     @staticmethod
@@ -77,7 +91,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+            if ctx.weight is not None:
+                grad_weight = add_to_main_grad(ctx.weight, grad_weight, grad_loss)
+            else:
+                grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
 
 

@@ -23,8 +23,8 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
 - The fused qkv output stays alive as one storage while K and V (views into it) are saved; RoPE
   saves rotated copies of Q and K next to it. GQA narrows K and V to kv = groups·head_dim.
 - SwiGLU keeps fc1's [gate; up] output (2f), silu(gate) (f) and their product (f): 4f vs GELU's 2f.
-- Our RMSNorm normalises in fp32, saving an fp32 copy of its input and of the normalised tensor
-  (8 bytes per element whatever the model dtype); nn.LayerNorm saves its input and two fp32 stats.
+- Our RMSNorm (megatrain.engine.models.ops) saves its input and an fp32 1/rms per row, recomputing
+  the normalised tensor in backward; nn.LayerNorm saves its input and two fp32 stats.
 - The loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more fp32
   (tokens × V) gradients, which for large vocabularies is the step's memory peak.
 - Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
@@ -197,7 +197,7 @@ def _norm_saved(m: ModelShape, act: int) -> float:
     h = m.hidden_size
     if m.norm == "layernorm":
         return act * h + 8  # input + fp32 mean and rstd
-    return 8 * h + 4  # fp32 copy of the input, fp32 normalised tensor, fp32 rstd
+    return act * h + 4  # input + fp32 rstd
 
 
 def layer_activations(

@@ -4,7 +4,9 @@ GPT-2: learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
 Llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, untied LM head.
 
 Plain single-device nn.Module: no process groups, no globals. Every Linear is its own named
-submodule (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, lm_head) so tensor-parallel layers can replace them.
+submodule (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, lm_head) so tensor-parallel layers can replace them;
+Linear and Embedding are torch's, with gradient-accumulation fusion under DataParallel
+(megatrain.engine.grad_accumulation).
 
 Parameter names (per layer i), for mapping Hugging Face checkpoints:
   embed.weight                     wte / embed_tokens
@@ -32,6 +34,8 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.fused_ce import linear_cross_entropy
+from megatrain.engine.grad_accumulation import Embedding, Linear
+from megatrain.engine.models.ops import apply_rope, rms_norm
 
 # enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -44,10 +48,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the autocast dtype; the reduction is the sensitive part.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).type_as(x)
+        # Normalised in fp32 whatever the model dtype; the reduction is the sensitive part.
+        return rms_norm(x, self.weight, self.eps)
 
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:
@@ -62,13 +64,6 @@ def rope_tables(seq_length: int, head_dim: int, theta: float) -> tuple[torch.Ten
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, hd); cos/sin: (T, hd)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -92,17 +87,19 @@ class Attention(nn.Module):
         self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
         out = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.add_bias)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias)
+        self.qkv = Linear(cfg.hidden_size, out, bias=cfg.add_bias)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, (H+2G)·hd) -> q (B, H, T, hd), k and v (B, G, T, hd)."""
         b, t, _ = qkv.shape
         per_group = self.num_heads // self.num_groups
         qkv = qkv.view(b, t, self.num_groups, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(b, t, self.num_heads, self.head_dim)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # One split (its backward is one cat) rather than three slices, whose backward would fill
+        # three zeroed qkv-sized tensors and add them up.
+        q, k, v = qkv.split([per_group, 1, 1], dim=3)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        return q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
@@ -138,8 +135,8 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         width = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
-        self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.add_bias)
-        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
+        self.fc1 = Linear(cfg.hidden_size, width, bias=cfg.add_bias)
+        self.fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -176,14 +173,14 @@ class GPTModel(nn.Module):
         # torch.utils.checkpoint context_fn for block recompute; tensor parallelism installs one that
         # restores its RNG-tracker streams so recomputed dropout masks equal the first pass.
         self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = (
-            nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
+            Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
         )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.position_embedding == "rope":
             cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta)
             # Not persistent: derived from the config, so checkpoints carry weights only.
@@ -232,7 +229,7 @@ class GPTModel(nn.Module):
         head, the head and the cross-entropy run fused over token chunks (megatrain.engine.fused_ce),
         never holding the fp32 (tokens × vocab) logits. A tensor-parallel head (after
         parallelize_model) needs parallelize.parallel_lm_loss on the logits instead."""
-        if type(self.lm_head) is not nn.Linear:
+        if not isinstance(self.lm_head, nn.Linear):
             raise TypeError("a tensor-parallel LM head needs parallel_lm_loss(model(tokens), labels, state)")
         return linear_cross_entropy(self.hidden_states(tokens), self.lm_head.weight, labels)
 

@@ -7,7 +7,9 @@ Megatron's design (DistributedDataParallel over a ParamAndGradBuffer), written f
   full precision and a whole bucket is reduced with one collective.
 - The buffer is laid out in reverse parameter order, the order backward produces gradients, and cut
   into buckets of about `bucket_elements`. A parameter is never split across buckets.
-- A post-accumulate-grad hook adds `param.grad` into `main_grad` and frees `param.grad`. On the last
+- The model's Linear/Embedding layers and the fused loss add their weight gradients straight into
+  `main_grad` (gradient-accumulation fusion, megatrain.engine.grad_accumulation); for any other
+  parameter a post-accumulate-grad hook adds `param.grad` into `main_grad` and frees it. On the last
   micro-batch, once every parameter of a bucket has its gradient, the bucket's collective starts
   asynchronously (all-reduce; reduce-scatter with the distributed optimizer), overlapping the rest of
   backward. Buckets always start in index order, so every rank issues the same sequence.
@@ -91,6 +93,9 @@ class DataParallel(nn.Module):
     `finish_grad_sync()`; after it `param.main_grad` holds the dp-averaged gradient (with the
     distributed optimizer: only this rank's shard of each bucket is reduced). `zero_grad()` before
     the next step. The caller averages the loss over micro-batches.
+
+    gradient_accumulation_fusion: the model's weight gradients are added into main_grad inside
+    backward (megatrain.engine.grad_accumulation) instead of through a fresh `.grad` and the hook.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class DataParallel(nn.Module):
         overlap_grad_reduce: bool = True,
         use_distributed_optimizer: bool = False,
         grad_dtype: torch.dtype = torch.float32,
+        gradient_accumulation_fusion: bool = True,
     ):
         super().__init__()
         if bucket_elements < 1:
@@ -175,6 +181,7 @@ class DataParallel(nn.Module):
                     self.param_buffer[lo:hi].copy_(p.detach().reshape(-1))
                 p.data = self.param_buffer[lo:hi].view_as(p)
             p.main_grad = self.grad_buffer[lo:hi].view(p.shape)  # type: ignore[attr-defined]
+            p.grad_accumulation_fusion = gradient_accumulation_fusion  # type: ignore[attr-defined]
             p.grad = None
 
         self._sync = True
@@ -216,9 +223,13 @@ class DataParallel(nn.Module):
                 "a parameter's gradient arrived twice in one synchronised backward; call "
                 "finish_grad_sync() between steps and use no_sync() for all but the last micro-batch"
             )
-        if param.grad is not None:
+        if getattr(param, "grad_added_to_main_grad", False):
+            # Gradient-accumulation fusion already added it (megatrain.engine.grad_accumulation);
+            # param.grad is an unread placeholder.
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        elif param.grad is not None:
             param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # upcasts into the fp32 buffer
-            param.grad = None
+        param.grad = None
         if not track:
             return
         bucket.ready.add(id(param))
@@ -327,6 +338,11 @@ class DataParallel(nn.Module):
             self.gather_shards(self.param_buffer)
 
     def remove_hooks(self) -> None:
+        """Detach from the module: its parameters go back to plain `.grad` (no main_grad, no fusion)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.params:
+            for attr in ("main_grad", "grad_accumulation_fusion", "grad_added_to_main_grad"):
+                if hasattr(p, attr):
+                    delattr(p, attr)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatrain.engine.grad_accumulation import embedding, linear
 from megatrain.engine.parallel.state import Group, ParallelState
 
 SEQUENCE_DIM = 1
@@ -336,7 +337,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, self.tp_group, self.tp_size)  # (B, T, C)
         else:
             x = copy_to_tp(x, self.tp_group, self.tp_size)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        y = linear(x, self.weight, self.bias)  # (B, T, out/tp)
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group, self.tp_size)
         return y
@@ -419,7 +420,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, self.tp_size)
-        y = F.linear(x, self.weight)  # (B, T, out) partial sums
+        y = linear(x, self.weight)  # (B, T, out) partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp_group, self.tp_size)  # (B, T/tp, out)
         else:
@@ -481,10 +482,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(tokens, self.weight)
+            return embedding(tokens, self.weight)
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C)
+        out = embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.tp_group, self.tp_size)  # (B, T/tp, C)
         return reduce_from_tp(out, self.tp_group, self.tp_size)
@@ -512,7 +513,7 @@ class SequenceParallelPositionEmbedding(nn.Module):
         if positions.shape[0] % self.tp_size:
             raise ValueError(f"{positions.shape[0]} positions are not divisible by tp={self.tp_size}")
         local = positions.chunk(self.tp_size, 0)[self.tp_rank]
-        return F.embedding(local, self.weight)  # (T/tp, C)
+        return embedding(local, self.weight)  # (T/tp, C)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, slice {self.tp_rank}/{self.tp_size}"

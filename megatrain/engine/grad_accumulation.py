@@ -1,0 +1,127 @@
+"""Gradient-accumulation fusion: weight gradients added straight into `param.main_grad`.
+
+Megatron's `--gradient-accumulation-fusion`, on by default in DataParallel (which sets
+`param.grad_accumulation_fusion`). Under DataParallel every parameter has `main_grad`, a view of the
+persistent (fp32) gradient buffer. Without fusion, backward allocates a fresh `.grad`
+for every weight each micro-batch (on a CPU, fresh pages: the kernel faults and zeroes each one),
+fills it (the embedding's dense gradient is a zeroed (V, h) block), and DataParallel's hook then
+adds it into `main_grad` and frees it: one allocation and two extra passes per weight. Here the
+linear's weight-gradient GEMM accumulates in place (`main_grad.addmm_(dyᵀ, x)`), the embedding adds
+its rows with `index_add_`, and the fused LM-head loss adds its chunked gradient with one scaled
+pass.
+
+The autograd contract, as in Megatron: a fused backward sets `param.grad_added_to_main_grad` and
+returns an uninitialised tensor of the parameter's shape (never read; no page is touched), so that
+AccumulateGrad and DataParallel's post-accumulate hook still run and mark the bucket ready; the hook
+sees the flag, skips its own add and drops the placeholder. Every use of such a parameter must go
+through these functions (the model's Linear/Embedding modules, the parallel layers and the fused
+loss all do), or a real gradient would be summed with a placeholder.
+
+Outside DataParallel (a bare model), without gradients (evaluation) or under torch.compile, the
+plain F.linear / F.embedding run: fusion changes where gradients land, never their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def fusable(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s gradient goes straight into its main_grad (DataParallel asked for it)."""
+    return getattr(weight, "grad_accumulation_fusion", False) and not torch.compiler.is_compiling()
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """What a fused backward returns for `weight`: marks the gradient as already in main_grad."""
+    weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+    return torch.empty_like(weight)
+
+
+def add_to_main_grad(
+    weight: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """main_grad += grad (· scale, a 0-dim tensor: no host sync); returns the placeholder gradient."""
+    main = weight.main_grad  # type: ignore[attr-defined]
+    if scale is None:
+        main.add_(grad)
+    else:
+        main.addcmul_(grad, scale.to(main.dtype))
+    return _placeholder(weight)
+
+
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        # The Parameter itself, for main_grad: under activation checkpointing saved_tensors gives
+        # back what the recompute saved, not necessarily this object.
+        ctx.param = weight
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        main = ctx.param.main_grad
+        if main.dtype == dy.dtype:
+            main.addmm_(dy.t(), x2)  # the weight-gradient GEMM accumulates in place
+        else:  # 16-bit GEMM, accumulated in the fp32 buffer
+            main.add_(dy.t().mm(x2))
+        grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, _placeholder(ctx.param), grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose weight gradient accumulates into weight.main_grad when there is one."""
+    if not (torch.is_grad_enabled() and weight.requires_grad and fusable(weight)):
+        return F.linear(x, weight, bias)
+    return _LinearWithGradAccumulation.apply(x, weight, bias)
+
+
+class _EmbeddingWithGradAccumulation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(tokens)
+        ctx.param = weight  # for main_grad (see _LinearWithGradAccumulation)
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        (tokens,) = ctx.saved_tensors
+        weight = ctx.param
+        main = weight.main_grad
+        # Only the looked-up rows: no dense zeroed (V, h) gradient.
+        main.index_add_(0, tokens.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]).to(main.dtype))
+        return None, _placeholder(weight)
+
+
+def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding whose weight gradient accumulates into weight.main_grad when there is one."""
+    if not (torch.is_grad_enabled() and weight.requires_grad and fusable(weight)):
+        return F.embedding(tokens, weight)
+    return _EmbeddingWithGradAccumulation.apply(tokens, weight)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) with gradient-accumulation fusion."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding (no padding_idx, max_norm or sparse gradients) with gradient-accumulation fusion."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(tokens, self.weight)

@@ -1,0 +1,179 @@
+"""Gradient-accumulation fusion and the hand-written RMSNorm / RoPE backward passes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatrain.engine.config import TransformerConfig
+from megatrain.engine.models.gpt import GPTModel, rope_tables
+from megatrain.engine.models.ops import apply_rope, rms_norm
+from megatrain.engine.parallel.data import DataParallel
+from megatrain.engine.parallel.state import ParallelState
+
+
+def _model(flavour: str, dtype: torch.dtype = torch.float32) -> GPTModel:
+    torch.manual_seed(0)
+    common = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=32, vocab_size=96
+    )
+    if flavour == "gpt2":
+        cfg = TransformerConfig(
+            **common,
+            num_query_groups=4,
+            position_embedding="learned",
+            normalization="layernorm",
+            activation="gelu",
+            add_bias=True,
+            tie_embeddings=True,
+        )
+    else:
+        cfg = TransformerConfig(**common, num_query_groups=2)
+    return GPTModel(cfg).to(dtype).train()
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 96, (2, 32), generator=g), torch.randint(0, 96, (2, 32), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _accumulate(model: GPTModel, fusion: bool, logits: bool = False) -> dict[str, torch.Tensor]:
+    """main_grad after three micro-batches (two under no_sync) through DataParallel."""
+    ddp = DataParallel(model, ParallelState.single(), gradient_accumulation_fusion=fusion)
+    batches = _batches(3)
+    for i, (x, y) in enumerate(batches):
+        with ddp.no_sync() if i < len(batches) - 1 else torch.enable_grad():
+            if logits:  # the unfused head: lm_head's Linear, then the loss on the logits
+                loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            else:
+                loss = model.loss(x, y)
+            (loss * 0.5).backward()
+    ddp.finish_grad_sync()
+    for p in model.parameters():
+        assert p.grad is None  # the placeholder (or the real .grad) was dropped by the hook
+        assert not getattr(p, "grad_added_to_main_grad", False)
+    return {n: p.main_grad.clone() for n, p in model.named_parameters()}
+
+
+def _reference(model: GPTModel, logits: bool = False) -> dict[str, torch.Tensor]:
+    for x, y in _batches(3):
+        if logits:
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        else:
+            loss = model.loss(x, y)
+        (loss * 0.5).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt2"])
+@pytest.mark.parametrize("logits", [False, True], ids=["fused-loss", "logits"])
+def test_fused_accumulation_equals_plain_backward(flavour: str, logits: bool) -> None:
+    """Linear, Embedding (GPT-2's tied with the head) and the fused loss add into main_grad what
+    plain autograd puts in .grad, summed over micro-batches; fp32 rounding differs only in the
+    order of the additions (~1e-7 relative)."""
+    model = _model(flavour)
+    ref = _reference(copy.deepcopy(model), logits)
+    fused = _accumulate(copy.deepcopy(model), fusion=True, logits=logits)
+    unfused = _accumulate(model, fusion=False, logits=logits)
+    for name, g in ref.items():
+        torch.testing.assert_close(fused[name], g, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(unfused[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_bf16_fused_accumulation_matches_unfused() -> None:
+    """bf16 weights: the 16-bit weight-gradient GEMM is added into the fp32 buffer either way."""
+    model = _model("llama", torch.bfloat16)
+    fused = _accumulate(copy.deepcopy(model), fusion=True)
+    unfused = _accumulate(model, fusion=False)
+    for name, g in unfused.items():
+        assert fused[name].dtype == torch.float32
+        # The embedding adds its rows in fp32 when fused (its bf16 dense gradient otherwise).
+        torch.testing.assert_close(fused[name], g, rtol=2e-2, atol=1e-4, msg=name)
+
+
+def test_remove_hooks_returns_to_plain_grads() -> None:
+    model = _model("llama")
+    ref = _reference(copy.deepcopy(model))
+    ddp = DataParallel(model, ParallelState.single())
+    ddp.remove_hooks()
+    assert not any(
+        hasattr(p, "main_grad") or hasattr(p, "grad_accumulation_fusion") for p in model.parameters()
+    )
+    got = _reference(model)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=0, atol=0, msg=name)
+
+
+def test_evaluation_and_frozen_weights_take_the_plain_path() -> None:
+    model = _model("llama")
+    DataParallel(model, ParallelState.single())
+    x, y = _batches(1)[0]
+    with torch.no_grad():
+        assert model.loss(x, y).grad_fn is None
+    model.embed.weight.requires_grad_(False)  # frozen after wrapping: no gradient, no error
+    model.loss(x, y).backward()
+    assert model.embed.weight.main_grad.abs().sum() == 0
+
+
+# --- RMSNorm and RoPE -----------------------------------------------------------------------------
+
+
+def _rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(xf.dtype)).to(x.dtype)
+
+
+def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def test_rms_norm_gradcheck_and_reference() -> None:
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5), (x, w))
+    dy = torch.randn(3, 5, 8, dtype=torch.float64)
+    got = torch.autograd.grad(rms_norm(x, w, 1e-5), (x, w), dy)
+    want = torch.autograd.grad(_rms_norm_reference(x, w, 1e-5), (x, w), dy)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_bf16_computes_in_fp32() -> None:
+    x = torch.randn(4, 16, 64) * 30
+    w = torch.randn(64)
+    got = rms_norm(x.bfloat16(), w.bfloat16(), 1e-5)
+    assert got.dtype == torch.bfloat16
+    want = _rms_norm_reference(x.bfloat16().float(), w.bfloat16().float(), 1e-5)
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)  # one bf16 rounding
+
+
+def test_rope_gradcheck_and_reference() -> None:
+    cos, sin = rope_tables(6, 8, 10000.0)
+    cos, sin = cos.double(), sin.double()
+    # A strided view, as q/k are (slices of the fused qkv, transposed).
+    base = torch.randn(2, 6, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda b: apply_rope(b.transpose(1, 2), cos, sin), (base,))
+    dy = torch.randn(2, 3, 6, 8, dtype=torch.float64)
+    got = torch.autograd.grad(apply_rope(base.transpose(1, 2), cos, sin), base, dy)[0]
+    want = torch.autograd.grad(_rope_reference(base.transpose(1, 2), cos, sin), base, dy)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    fwd = apply_rope(base.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(fwd, _rope_reference(base.transpose(1, 2), cos, sin), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_fused_accumulation_under_recompute(mode: str) -> None:
+    """Checkpointed blocks hand backward the recomputed tensors: main_grad must still be found."""
+    model = _model("llama")
+    ref = _reference(copy.deepcopy(model))
+    model.set_recompute(mode)
+    got = _accumulate(model, fusion=True)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
