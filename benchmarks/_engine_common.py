@@ -177,25 +177,56 @@ def adamw(model: nn.Module, impl: str, **kw: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **{impl: True}, **kw)
 
 
+def _minor_faults() -> int:
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def interleaved_medians(
-    steps: dict[str, Callable[[], Any]], rounds: int, warmup: int, sync: Callable[[], None] = lambda: None
+    steps: dict[str, Callable[[], Any]],
+    rounds: int,
+    warmup: int,
+    sync: Callable[[], None] = lambda: None,
+    settle: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """Run every step function `warmup` times, then `rounds` rounds of one call each (A B A B …,
-    the order rotating each round so no variant always follows another); seconds per call."""
+    """Run every step function `warmup` times, then `rounds` rounds of one timed call each (A B A B …,
+    the order rotating each round so no variant always follows another); seconds per call, and the
+    process's minor page faults per call (fresh memory the kernel maps and zeroes: on a CPU the
+    cost of allocating large temporaries every step).
+
+    settle: untimed calls of the same variant before each timed one. On a CPU the heap a step finds
+    (what the previous step freed, what malloc gave back to the kernel) decides how many pages it
+    faults in; settling times each variant in its own steady state, as in a process training only
+    it, rather than in whatever state the variant before it left."""
     names = list(steps)
     for _ in range(warmup):
         for name in names:
             steps[name]()
     sync()
     times: dict[str, list[float]] = {n: [] for n in names}
+    faults = dict.fromkeys(names, 0)
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
+            for _ in range(settle):
+                steps[name]()
+            sync()
+            f0 = _minor_faults()
             t0 = time.perf_counter()
             steps[name]()
             sync()
             times[name].append(time.perf_counter() - t0)
+            faults[name] += _minor_faults() - f0
     return {
-        n: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "rounds": len(v)}
+        n: {
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "rounds": len(v),
+            "page_faults_per_step": faults[n] / len(v),
+        }
         for n, v in times.items()
     }

@@ -2,15 +2,27 @@
 
 For each flavour (GPT-2, Llama) our GPTModel and the matching Hugging Face model
 (GPT2LMHeadModel / LlamaForCausalLM, attn_implementation="sdpa") get identical shapes and
-identical weights (the first losses are checked equal), the same mean cross-entropy (Hugging Face's
-logits through megatrain's lm_loss; ours through GPTModel.loss, the head fused with the loss as the
-engine trains at tp=1), the same AdamW (grouping, hyper-parameters, implementation) and threads.
-One timed step is forward + loss + backward + optimizer step + zero_grad. Variants run
-interleaved (A B A B …, the order rotating per round), warm-up steps excluded, median of the rounds.
+identical weights (the first losses are checked equal), the same mean cross-entropy, the same AdamW
+(grouping, hyper-parameters, fused implementation), gradient clipping at 1.0, and threads. Each
+trains the way its own stack does by default:
+
+- ours: the engine's step at one process (train.py): GPTModel.loss (the LM head fused with the
+  cross-entropy), gradients accumulated into DataParallel's buffer (with gradient-accumulation
+  fusion), MixedPrecisionOptimizer (global norm, clipping, fused AdamW on the buffer's views);
+- hf: Hugging Face's logits through megatrain's lm_loss, clip_grad_norm_ and fused AdamW, as its
+  Trainer does (max_grad_norm=1.0, adamw_torch_fused).
+
+One timed step is zero_grad + forward + loss + backward + clipping + optimizer step. Variants run
+interleaved (A B A B …, the order rotating per round), each timed step after one untimed step of the
+same variant (--settle: so each is timed in its own heap steady state, not the one the variant
+before it left), warm-up steps excluded, median of the rounds.
+The table also gives each variant's minor page faults per step: fresh memory the kernel maps and
+zeroes, which on a CPU is a large part of what large per-step temporaries cost.
 
     python benchmarks/engine_cpu.py                    # eager, both flavours (~1-2 min on 2 cores)
     python benchmarks/engine_cpu.py --compile          # + torch.compile'd model+loss, ours and HF's
     python benchmarks/engine_cpu.py --profile          # + top ops per variant (torch.profiler)
+    python benchmarks/engine_cpu.py --ablate           # + ours without gradient-accumulation fusion
     python benchmarks/engine_cpu.py --tiny --json out.json   # seconds; the smoke test's setting
 
 It also prints the analytical memory estimate (megatrain.engine.memory) next to the bytes measured
@@ -20,6 +32,7 @@ for our model's step (live tensor bytes, megatrain.engine.memtrack) at the bench
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -35,7 +48,10 @@ from _engine_common import Shape, adamw, build_pair, hf_logits, interleaved_medi
 
 from megatrain.engine.memory import estimate_memory  # noqa: E402
 from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
-from megatrain.engine.models.gpt import lm_loss  # noqa: E402
+from megatrain.engine.models.gpt import GPTModel, lm_loss  # noqa: E402
+from megatrain.engine.optimizer import MixedPrecisionOptimizer  # noqa: E402
+from megatrain.engine.parallel.data import DataParallel  # noqa: E402
+from megatrain.engine.parallel.state import ParallelState  # noqa: E402
 
 MiB = 1 << 20
 
@@ -56,15 +72,43 @@ def default_shape(flavour: str, args: argparse.Namespace) -> Shape:
     )
 
 
-def make_step(
+def engine_step(
+    model: GPTModel,
     forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    opt: torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
+    fusion: bool = True,
 ) -> Callable[[], float]:
+    """The engine's training step at one process, as train.py runs it."""
+    ddp = DataParallel(model, ParallelState.single(), gradient_accumulation_fusion=fusion)
+    opt = MixedPrecisionOptimizer(ddp, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), clip_grad=1.0)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = forward_loss(x, y)
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        return float(loss.detach())
+
+    return step
+
+
+def hf_step(
+    model: torch.nn.Module,
+    forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    impl: str,
+) -> Callable[[], float]:
+    """Hugging Face Trainer's step: backward, clip_grad_norm_(1.0), AdamW, zero_grad."""
+    opt = adamw(model, impl)
+    params = [p for p in model.parameters() if p.requires_grad]
+
     def step() -> float:
         loss = forward_loss(x, y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -129,19 +173,23 @@ def run_flavour(flavour: str, args: argparse.Namespace) -> dict[str, Any]:
     if abs(loss_ours - loss_hf) > 1e-4 * max(1.0, abs(loss_ours)):
         raise RuntimeError(f"{flavour}: first losses differ (ours {loss_ours}, HF {loss_hf})")
 
-    variants: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-        # Ours as the engine trains it (tp=1): GPTModel.loss, the head fused with the cross-entropy.
-        "ours": ours.loss,
-        "hf": lambda a, b: lm_loss(hf_logits(hf)(a), b),
-    }
-    if args.compile:
-        # Model and loss in one graph; dynamic=False: the shapes never change here.
-        variants["ours+compile"] = torch.compile(variants["ours"], dynamic=False)
-        variants["hf+compile"] = torch.compile(variants["hf"], dynamic=False)
-    models = {"ours": ours, "hf": hf}
-    opts = {name: adamw(models[name.split("+")[0]], args.optimizer) for name in variants}
-    steps = {name: make_step(fn, opts[name], x, y) for name, fn in variants.items()}
-    timing = interleaved_medians(steps, rounds=args.rounds, warmup=args.warmup)
+    def hf_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda a, b: lm_loss(hf_logits(model)(a), b)
+
+    # Every variant trains its own copy (DataParallel takes over its model's gradients), all made
+    # before any is wrapped.
+    names = ["ours", "hf"] + (["ours-nofusion"] if args.ablate else [])
+    names += ["ours+compile", "hf+compile"] if args.compile else []
+    models = {n: copy.deepcopy(ours if n.startswith("ours") else hf) for n in names}
+    steps: dict[str, Callable[[], float]] = {}
+    for name, model in models.items():
+        # Compiled: model and loss in one graph; dynamic=False: the shapes never change here.
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if name.endswith("+compile") else (lambda f: f)
+        if name.startswith("ours"):
+            steps[name] = engine_step(model, wrap(model.loss), x, y, fusion=name != "ours-nofusion")
+        else:
+            steps[name] = hf_step(model, wrap(hf_loss(model)), x, y, args.optimizer)
+    timing = interleaved_medians(steps, rounds=args.rounds, warmup=args.warmup, settle=args.settle)
     tokens = shape.batch * shape.seq
     result: dict[str, Any] = {
         "flavour": flavour,
@@ -162,8 +210,9 @@ def run_flavour(flavour: str, args: argparse.Namespace) -> dict[str, Any]:
         device="cpu",
         fused_loss=True,
     )
+    # The unwrapped originals (plain .grad, as the estimate counts them).
     measured = measure_memory(ours.loss, ours, adamw(ours, args.optimizer), x, y)
-    measured_hf = measure_memory(variants["hf"], hf, adamw(hf, args.optimizer), x, y)
+    measured_hf = measure_memory(hf_loss(hf), hf, adamw(hf, args.optimizer), x, y)
     result["memory"] = {
         "estimate": {
             "params": est.params_bytes,
@@ -181,16 +230,19 @@ def run_flavour(flavour: str, args: argparse.Namespace) -> dict[str, Any]:
 def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"\nCPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, fp32, AdamW {args.optimizer}, "
-        f"median of {args.rounds} interleaved rounds after {args.warmup} warm-up steps"
+        f"{torch.get_num_threads()} threads, fp32, AdamW {args.optimizer}, median of {args.rounds} "
+        f"interleaved rounds ({args.settle} untimed step before each) after {args.warmup} warm-up steps"
     )
-    print(f"\n{'flavour':8s} {'params':>8s} {'variant':14s} {'ms/step':>8s} {'tokens/s':>9s} {'vs hf':>6s}")
+    print(
+        f"\n{'flavour':8s} {'params':>8s} {'variant':14s} {'ms/step':>8s} {'tokens/s':>9s} {'vs hf':>6s} "
+        f"{'faults/step':>11s}"
+    )
     for r in results:
         base = r["variants"]["hf"]["median_s"]
         for name, v in r["variants"].items():
             print(
                 f"{r['flavour']:8s} {r['num_params'] / 1e6:7.2f}M {name:14s} {v['median_s'] * 1e3:8.1f} "
-                f"{v['tokens_per_s']:9.0f} {base / v['median_s']:5.2f}x"
+                f"{v['tokens_per_s']:9.0f} {base / v['median_s']:5.2f}x {v['page_faults_per_step']:11.0f}"
             )
     print(f"\n{'flavour':8s} {'memory (MiB)':19s} {'estimate':>9s} {'ours':>9s} {'est/ours':>9s} {'hf':>9s}")
     for r in results:
@@ -218,17 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--settle", type=int, default=1, help="untimed steps of a variant before each timed one")
     # fused: what the engine's MixedPrecisionOptimizer and Hugging Face's Trainer (adamw_torch_fused
-    # with torch >= 2.8) both use.
+    # with torch >= 2.8) both use; foreach applies to Hugging Face's step only.
     p.add_argument("--optimizer", choices=["foreach", "fused"], default="fused")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd model+loss (both)")
+    p.add_argument(
+        "--ablate", action="store_true", help="also time ours without gradient-accumulation fusion"
+    )
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops per variant")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run on a tiny shape (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.tiny:
-        args.rounds, args.warmup = min(args.rounds, 2), 1
+        args.rounds, args.warmup, args.settle = min(args.rounds, 2), 1, 0
     torch.set_num_threads(args.threads)  # the same for every variant
     results = [run_flavour(f, args) for f in args.flavours]
     print_report(results, args)

@@ -1,7 +1,9 @@
 """Engine MFU on one GPU: a ~1.1B-parameter Llama in bf16, ours against Hugging Face's LlamaForCausalLM.
 
-Both models get identical shapes and weights (first losses checked equal), the same loss
-(megatrain's lm_loss on the logits) and the engine's own training machinery around them:
+Both models get identical shapes and weights (first losses checked equal), the same mean
+cross-entropy (ours through GPTModel.loss, the LM head fused with the loss as the engine trains at
+tp=1; Hugging Face's logits through megatrain's lm_loss) and the engine's own training machinery
+around them:
 
 - --precision bf16 (default, what the engine runs): bf16 parameters, gradients accumulated into the
   engine's fp32 DataParallel buffer (`param.main_grad`), MixedPrecisionOptimizer's fused AdamW on
@@ -50,7 +52,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         precision: str,
         device: torch.device,
         x: torch.Tensor,
@@ -63,7 +65,6 @@ class Trainer:
             self.opt: Any = MixedPrecisionOptimizer(
                 self.ddp, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), clip_grad=1.0
             )
-            wrapped: torch.nn.Module = self.ddp
         else:
             self.model = model.to(device)
             self.ddp = None
@@ -72,7 +73,6 @@ class Trainer:
             groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
             impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
             self.opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), **impl)
-            wrapped = self.model
 
         def forward_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             ctx = (
@@ -80,8 +80,8 @@ class Trainer:
                 if precision == "autocast"
                 else contextlib.nullcontext()
             )
-            with ctx:
-                return lm_loss(logits(wrapped, a), b)
+            with ctx:  # DataParallel's forward is a pass-through: call the model itself
+                return loss_fn(self.model, a, b)
 
         self.forward_loss = forward_loss
 
@@ -167,20 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g).to(device)
     y = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g).to(device)
 
-    def ours_logits(m: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
-        return m(t)
+    def ours_loss(m: torch.nn.Module, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return m.loss(t, labels)
 
-    def hf_logits(m: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
-        return m(input_ids=t, use_cache=False).logits
+    def hf_loss(m: torch.nn.Module, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return lm_loss(m(input_ids=t, use_cache=False).logits, labels)
 
-    models: dict[str, tuple[torch.nn.Module, Callable]] = {"ours": (ours, ours_logits)}
+    models: dict[str, tuple[torch.nn.Module, Callable]] = {"ours": (ours, ours_loss)}
     if not args.no_hf:
-        models["hf"] = (hf, hf_logits)
+        models["hf"] = (hf, hf_loss)
     else:
         del hf
     trainers: dict[str, Trainer] = {}
-    for name, (model, logits) in models.items():
-        trainers[name] = Trainer(model, logits, args.precision, device, x, y)
+    for name, (model, loss_fn) in models.items():
+        trainers[name] = Trainer(model, loss_fn, args.precision, device, x, y)
     with torch.no_grad():  # same weights, same function: the first losses must agree (bf16 rounding)
         first = {n: float(t.forward_loss(x, y)) for n, t in trainers.items()}
     if "hf" in first and abs(first["ours"] - first["hf"]) > 2e-2 * max(1.0, abs(first["ours"])):
@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_tflops(device_name, "bf16", get_settings().cpu_peak_tflops)
     iter_flops = flops_per_iteration(cfg, shape.batch)
     tokens = shape.batch * shape.seq
-    est = estimate_memory(cfg, micro_batch_size=shape.batch, precision="bf16", device=device.type)
+    est = estimate_memory(
+        cfg, micro_batch_size=shape.batch, precision="bf16", device=device.type, fused_loss=True
+    )
     rows: dict[str, dict[str, Any]] = {}
     for name, t in timing.items():
         tflops = iter_flops / t["median_s"] / 1e12

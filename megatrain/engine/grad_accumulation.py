@@ -11,9 +11,9 @@ its rows with `index_add_`, and the fused LM-head loss adds its chunked gradient
 pass.
 
 The autograd contract, as in Megatron: a fused backward sets `param.grad_added_to_main_grad` and
-returns an uninitialised tensor of the parameter's shape (never read; no page is touched), so that
-AccumulateGrad and DataParallel's post-accumulate hook still run and mark the bucket ready; the hook
-sees the flag, skips its own add and drops the placeholder. Every use of such a parameter must go
+returns a placeholder of the parameter's shape (never read: see _placeholder), so that AccumulateGrad
+and DataParallel's post-accumulate hook still run and mark the bucket ready; the hook sees the flag,
+skips its own add and drops the placeholder. Every use of such a parameter must go
 through these functions (the model's Linear/Embedding modules, the parallel layers and the fused
 loss all do), or a real gradient would be summed with a placeholder.
 
@@ -36,8 +36,17 @@ def fusable(weight: torch.Tensor) -> bool:
 
 
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
-    """What a fused backward returns for `weight`: marks the gradient as already in main_grad."""
+    """What a fused backward returns for `weight`: marks the gradient as already in main_grad.
+
+    Never read. Where main_grad has the parameter's dtype (fp32 training) it is a fresh view of
+    main_grad: no allocation at all (a fresh never-touched block, freed again, would leave untouched
+    pages in the heap for the next activations to fault in). Otherwise an uninitialised tensor of
+    the parameter's dtype (the CUDA caching allocator hands those out for free).
+    """
     weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+    main = weight.main_grad  # type: ignore[attr-defined]
+    if main.dtype == weight.dtype:
+        return main.view(weight.shape)
     return torch.empty_like(weight)
 
 
