@@ -22,7 +22,8 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
   The math path keeps the softmax probabilities (a·s per token) and contiguous q/k/v copies.
 - The fused qkv output stays alive as one storage while K and V (views into it) are saved; RoPE
   saves rotated copies of Q and K next to it. GQA narrows K and V to kv = groups·head_dim.
-- SwiGLU keeps fc1's [gate; up] output (2f), silu(gate) (f) and their product (f): 4f vs GELU's 2f.
+- SwiGLU keeps fc1's [gate; up] output (2f) and the product (f), recomputing silu(gate) in
+  backward: 3f vs GELU's 2f.
 - Our RMSNorm (megatrain.engine.models.ops) saves its input and an fp32 1/rms per row, recomputing
   the normalised tensor in backward; nn.LayerNorm saves its input and two fp32 stats.
 - The loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more fp32
@@ -242,7 +243,7 @@ def layer_activations(
         # Output (laid out (B, T, H, hd), so proj reads it without a copy) + fp32 log-sum-exp.
         terms["attention"] = (act * h + 4 * heads) / tp
     if m.activation == "swiglu":
-        terms["mlp"] = act * (fw + 2 * f) / tp  # fc1 out [gate; up], silu(gate), silu(gate)·up
+        terms["mlp"] = act * (fw + f) / tp  # fc1 out [gate; up], silu(gate)·up (silu recomputed)
     else:
         terms["mlp"] = act * 2 * f / tp  # fc1 out, gelu out
     if m.hidden_dropout > 0:

@@ -7,39 +7,27 @@ import copy
 import pytest
 import torch
 
-from megatrain.engine.config import TransformerConfig
 from megatrain.engine.models.gpt import GPTModel, rope_tables
 from megatrain.engine.models.ops import apply_rope, rms_norm
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.state import ParallelState
 
+from .parallel._dp_common import GPT2_TINY, LLAMA_TINY, make_model
+
+assert (GPT2_TINY.vocab_size, GPT2_TINY.seq_length) == (LLAMA_TINY.vocab_size, LLAMA_TINY.seq_length)
+
 
 def _model(flavour: str, dtype: torch.dtype = torch.float32) -> GPTModel:
-    torch.manual_seed(0)
-    common = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=32, vocab_size=96
-    )
-    if flavour == "gpt2":
-        cfg = TransformerConfig(
-            **common,
-            num_query_groups=4,
-            position_embedding="learned",
-            normalization="layernorm",
-            activation="gelu",
-            add_bias=True,
-            tie_embeddings=True,
-        )
-    else:
-        cfg = TransformerConfig(**common, num_query_groups=2)
-    return GPTModel(cfg).to(dtype).train()
+    """The data-parallel tests' tiny GPT-2 (tied embedding, biases) or Llama (GQA, no biases)."""
+    model = make_model(flavour, 0, dtype)
+    assert isinstance(model, GPTModel)
+    return model.train()
 
 
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(n: int) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randint(0, 96, (2, 32), generator=g), torch.randint(0, 96, (2, 32), generator=g))
-        for _ in range(n)
-    ]
+    vocab, seq = LLAMA_TINY.vocab_size, LLAMA_TINY.seq_length
+    return [tuple(torch.randint(0, vocab, (2, seq), generator=g) for _ in range(2)) for _ in range(n)]
 
 
 def _accumulate(model: GPTModel, fusion: bool, logits: bool = False) -> dict[str, torch.Tensor]:
@@ -177,3 +165,18 @@ def test_fused_accumulation_under_recompute(mode: str) -> None:
     got = _accumulate(model, fusion=True)
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_swiglu_gradcheck_and_reference() -> None:
+    from megatrain.engine.models.ops import swiglu
+
+    h = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(swiglu, (h,))
+    gate, up = h.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = swiglu(h)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dy = torch.randn_like(got)
+    torch.testing.assert_close(
+        torch.autograd.grad(got, h, dy)[0], torch.autograd.grad(want, h, dy)[0], rtol=1e-12, atol=1e-12
+    )

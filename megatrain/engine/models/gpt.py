@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.fused_ce import linear_cross_entropy
 from megatrain.engine.grad_accumulation import Embedding, Linear
-from megatrain.engine.models.ops import apply_rope, rms_norm
+from megatrain.engine.models.ops import apply_rope, rms_norm, swiglu
 
 # enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -141,8 +141,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         else:
             h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
         return self.fc2(h)
