@@ -52,3 +52,11 @@ def test_engine_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
     assert data["first_loss"]["ours"] == pytest.approx(data["first_loss"]["hf"], rel=2e-2)  # bf16
     assert set(data["variants"]) == {"ours", "hf"}
     assert data["estimate"]["total_bytes"] > 0
+
+
+def test_grad_fusion_benchmark_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "grad_fusion.py"), "--tiny"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "paired" in proc.stdout and "no fusion" in proc.stdout
