@@ -38,13 +38,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        # fp32: every chunk's logits land in one block (fewer fresh pages than a block per chunk).
-        block = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
+        # fp32: every chunk's logits land in one block (fewer fresh pages than a block per chunk);
+        # 16-bit: each chunk's fp32 cast is its own block, freed before the next.
+        block = None
+        if weight.dtype == torch.float32:
+            block = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
         inv_n = 1.0 / n
         for start in range(0, n, rows):
             h = hidden[start : start + rows]
             y = labels[start : start + rows]
-            if weight.dtype == torch.float32:
+            if block is not None:
                 logits = torch.mm(h, weight.t(), out=block[: h.shape[0]])  # (rows, V)
             else:
                 logits = (h @ weight.t()).float()
@@ -71,6 +74,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_weight.copy_(part)
                     else:
                         grad_weight.add_(part)
+                    del part
                 elif start == 0:  # the first chunk writes: no zero-fill of the (V, h) gradient
                     torch.mm(g.t(), h, out=grad_weight)
                 else:

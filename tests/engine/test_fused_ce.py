@@ -84,3 +84,22 @@ def test_model_loss_equals_lm_loss_on_logits(arch: str) -> None:
     assert lb.item() == pytest.approx(la.item(), rel=1e-6)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_fp32_logits_block_alive(dtype: torch.dtype) -> None:
+    """The peak of the fused loss's forward holds one (chunk × V) fp32 block of logits, whatever the
+    model dtype, besides the gradients it returns (hidden's in the model dtype, the weight's in fp32)
+    and, at 16 bits, the chunk's 16-bit logits gradient and weight-gradient GEMM result."""
+    from megatrain.engine.memtrack import LiveTensorBytes
+
+    n, h, v, chunk = 64, 16, 512, 16
+    hidden = torch.randn(n, h, dtype=dtype, requires_grad=True)
+    weight = torch.randn(v, h, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    with LiveTensorBytes([hidden, weight, labels]) as live:
+        linear_cross_entropy(hidden, weight, labels, chunk)
+    grads = n * h * hidden.element_size() + v * h * 4
+    block = chunk * v * 4
+    sixteen_bit = (chunk * v + v * h) * 2 if dtype != torch.float32 else 0
+    assert grads + block <= live.peak < grads + block + sixteen_bit + 4096
