@@ -441,13 +441,27 @@ def keys_create(
 
 
 def _ensure_api(settings: Settings, timeout_s: float = 120.0) -> subprocess.Popen[bytes] | None:
-    """Start a detached `megatrain up` if nothing answers at settings.api_url; None if one already did."""
+    """Start a detached `megatrain up` if nothing answers at settings.api_url; None if one already did
+    (and takes this home's key: a server started from another MEGATRAIN_HOME is named as such)."""
     try:
         with Client(api_key="") as probe:
             probe.health()
-        return None
     except ApiUnreachable:
         pass
+    else:
+        try:
+            with Client() as client:
+                next(client.list_jobs(limit=1), None)
+        except ApiError as exc:
+            if exc.status != 401:
+                raise
+            raise MegatrainError(
+                f"a megatrain API already answers at {settings.api_url} but does not take this home's API "
+                f"key ({settings.credentials_path}): it was started from another MEGATRAIN_HOME. Stop it, "
+                "or set MEGATRAIN_API_URL to a free port (e.g. http://127.0.0.1:8001) to start this home's "
+                "own, or set MEGATRAIN_API_KEY to a key of that server"
+            ) from None
+        return None
     parsed = urlparse(settings.api_url)
     if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise ApiUnreachable(settings.api_url, "and it is not on this machine, so the demo cannot start it")

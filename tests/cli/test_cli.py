@@ -182,7 +182,7 @@ def test_demo_starts_a_detached_stack_when_none_answers(
     pytest.importorskip("megatrain.api.app", reason="the API (megatrain.api.app) has not landed yet")
     pytest.importorskip("megatrain.scheduler.loop", reason="the scheduler loop has not landed yet")
     from megatrain.cli import _ensure_api
-    from megatrain.client import Client
+    from megatrain.client import Client, MegatrainError
     from megatrain.settings import get_settings
 
     with socket.socket() as s:
@@ -198,6 +198,11 @@ def test_demo_starts_a_detached_stack_when_none_answers(
         with Client() as c:  # the key the detached stack wrote works against it
             assert list(c.list_jobs()) == []
         assert _ensure_api(get_settings()) is None  # a second call finds it running
+        # Another home (no key of that server's) finding it: a message that says so, not a bare 401.
+        monkeypatch.setenv("MEGATRAIN_HOME", str(megatrain_home.parent / "other-home"))
+        reset_settings_cache()
+        with pytest.raises(MegatrainError, match="started from another MEGATRAIN_HOME"):
+            _ensure_api(get_settings())
     finally:
         proc.terminate()
         proc.wait(timeout=30)  # uvicorn re-raises SIGTERM after a clean shutdown, so the code is -15
