@@ -256,7 +256,7 @@ def print_report(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
             print(f"\nprofile {r['flavour']} {name}:\n{table}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavours", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     p.add_argument("--layers", type=int, default=4)
@@ -282,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a seconds-long run on a tiny shape (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.tiny:
         args.rounds, args.warmup, args.settle = min(args.rounds, 2), 1, 0
     torch.set_num_threads(args.threads)  # the same for every variant

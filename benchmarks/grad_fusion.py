@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _engine_common import Shape, build_pair  # noqa: E402
-from engine_cpu import engine_step  # noqa: E402
+from _engine_common import build_pair  # noqa: E402
+from engine_cpu import build_parser, default_shape, engine_step  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a seconds-long run on a tiny shape")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # engine_cpu.py's shapes, default or tiny.
+    shape = default_shape(args.flavour, build_parser().parse_args(["--tiny"] if args.tiny else []))
     if args.tiny:
-        shape = Shape(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256, seq=32, batch=2)
         args.pairs, args.warmup = min(args.pairs, 3), 1
-    else:
-        ffn = 1536 if args.flavour == "gpt2" else 1024
-        shape = Shape(layers=4, hidden=384, heads=6, groups=2, ffn=ffn, vocab=8192, seq=256, batch=4)
     ours, _ = build_pair(args.flavour, shape)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
