@@ -25,7 +25,7 @@ zeroes, which on a CPU is a large part of what large per-step temporaries cost.
     python benchmarks/engine_cpu.py --ablate           # + ours without gradient-accumulation fusion
     python benchmarks/engine_cpu.py --tiny --json out.json   # seconds; the smoke test's setting
 
-It also prints the analytical memory estimate (megatrain.engine.memory) next to the bytes measured
+It also prints the analytical memory estimate (megatrain.plan.memory) next to the bytes measured
 for our model's step (live tensor bytes, megatrain.engine.memtrack) at the benchmark's shape.
 """
 
@@ -46,12 +46,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engine_common import Shape, adamw, build_pair, hf_logits, interleaved_medians  # noqa: E402
 
-from megatrain.engine.memory import estimate_memory  # noqa: E402
 from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
 from megatrain.engine.models.gpt import GPTModel, lm_loss  # noqa: E402
 from megatrain.engine.optimizer import MixedPrecisionOptimizer  # noqa: E402
 from megatrain.engine.parallel.data import DataParallel  # noqa: E402
 from megatrain.engine.parallel.state import ParallelState  # noqa: E402
+from megatrain.plan.memory import estimate_memory  # noqa: E402
 
 MiB = 1 << 20
 

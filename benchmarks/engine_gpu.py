@@ -13,7 +13,7 @@ around them:
 Steps run interleaved (A B A B …, order rotating per round), warm-up excluded, median of the rounds.
 Throughput uses megatrain.engine.metrics for both models (Narayanan et al.'s FLOPs, no recompute
 counted, the device's bf16 datasheet peak), so the MFU columns compare like with like. Peak memory
-is torch.cuda.max_memory_allocated over one step, set against megatrain.engine.memory's estimate.
+is torch.cuda.max_memory_allocated over one step, set against megatrain.plan.memory's estimate.
 
     python benchmarks/engine_gpu.py --json gpu.json            # on an H100: the table, ~3-5 min
     python benchmarks/engine_gpu.py --compile --json gpu.json  # + torch.compile'd model+loss, both
@@ -35,13 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engine_common import Shape, build_pair, interleaved_medians  # noqa: E402
 
-from megatrain.engine.memory import estimate_memory  # noqa: E402
 from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops  # noqa: E402
 from megatrain.engine.models.gpt import lm_loss  # noqa: E402
 from megatrain.engine.optimizer import MixedPrecisionOptimizer  # noqa: E402
 from megatrain.engine.parallel.data import DataParallel  # noqa: E402
 from megatrain.engine.parallel.state import ParallelState  # noqa: E402
+from megatrain.plan.memory import estimate_memory  # noqa: E402
 
 GiB = 1 << 30
 
@@ -195,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timing = interleaved_medians({n: t.step for n, t in trainers.items()}, args.rounds, args.warmup, sync)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    from megatrain.settings import get_settings
-
-    peak = peak_tflops(device_name, "bf16", get_settings().cpu_peak_tflops)
+    peak = peak_tflops(device_name, "bf16")
     iter_flops = flops_per_iteration(cfg, shape.batch)
     tokens = shape.batch * shape.seq
     est = estimate_memory(

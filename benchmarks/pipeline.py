@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatrain.engine.config import TransformerConfig  # noqa: E402
 from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
 from megatrain.engine.models.gpt import GPTModel, lm_loss  # noqa: E402
-from megatrain.engine.parallel.dims import ParallelDims  # noqa: E402
 from megatrain.engine.parallel.pipeline import build_stage_modules  # noqa: E402
 from megatrain.engine.parallel.schedules import PipelineSchedule, theoretical_bubble  # noqa: E402
 from megatrain.engine.parallel.state import ParallelState  # noqa: E402
+from megatrain.plan.layout import Layout  # noqa: E402
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -86,7 +86,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
     cfg = model_config(args)
     rows = []
     for v in (1, 2):
-        dims = ParallelDims(pp=world, virtual_stages=v)
+        dims = Layout(pp=world, virtual_stages=v)
         state = ParallelState.build(dims)
         torch.manual_seed(0)
         chunks = build_stage_modules(GPTModel(cfg), state)

@@ -53,8 +53,9 @@ class Settings(BaseSettings):
     cpu_slots: int = Field(default=8, ge=1, le=1024)
     """Processes the local pool offers when the machine has no GPU (gloo ranks on CPU)."""
 
-    cpu_peak_tflops: float = Field(default=1.0, gt=0)
-    """Peak TFLOP/s per CPU process, for MFU on CPU runs (GPUs use a table of datasheet peaks)."""
+    cache_dir: Path | None = None
+    """Per-host measurements kept between runs (the CPU matmul peak behind MFU on a CPU);
+    None means $XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain."""
 
     cpu_low_precision: bool = False
     """Run bf16/fp16 jobs in that precision on CPUs without native bf16 (AVX512-BF16/AMX), where it
@@ -71,6 +72,11 @@ class Settings(BaseSettings):
     @classmethod
     def _expand_home(cls, v: object) -> object:
         return Path(os.path.expanduser(str(v))).resolve() if v else v
+
+    @field_validator("cache_dir", mode="before")
+    @classmethod
+    def _expand_cache_dir(cls, v: object) -> object:
+        return Path(os.path.expanduser(str(v))).resolve() if v else None  # empty: the default
 
     @model_validator(mode="after")
     def _refuse_unsafe_production_defaults(self) -> Settings:

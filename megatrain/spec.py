@@ -1,7 +1,9 @@
 """JobSpec: the one contract shared by the API, the scheduler, the worker and the engine.
 
-Every rule a spec can break is checked here, before anything runs, with a message that names the
-field and the rule. Engine-internal configs are derived from this tree, never kept by hand beside it.
+Every rule of a spec's own fields is checked here, and the rules between a spec and its parallel
+layout in megatrain.plan.layout (`resolve_layout`), before anything runs, each with a message that
+names the field and the rule. Engine-internal configs are derived from this tree, never kept by hand
+beside it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
 MAX_DIM = 1 << 17
+VOCAB_PAD_MULTIPLE = 128
+"""The tokenizer's vocabulary is padded to this multiple: a friendly LM-head shape, divisible by tp."""
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
@@ -84,6 +88,23 @@ class ModelSpec(_Strict):
     @property
     def tied(self) -> bool:
         return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    def padded_vocab(self, tokenizer_vocab: int) -> int:
+        """The embedding rows: vocab_size if given (at least the tokenizer's), else the tokenizer's
+        vocabulary rounded up to a multiple of VOCAB_PAD_MULTIPLE."""
+        if self.vocab_size is not None:
+            if self.vocab_size < tokenizer_vocab:
+                raise SpecError(
+                    [
+                        {
+                            "field": "model.vocab_size",
+                            "message": f"model.vocab_size={self.vocab_size} is smaller than the "
+                            f"tokenizer's vocabulary ({tokenizer_vocab})",
+                        }
+                    ]
+                )
+            return self.vocab_size
+        return -(-tokenizer_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
 
 class TokenizerSpec(_Strict):
@@ -256,57 +277,7 @@ class JobSpec(_Strict):
     def _cross_field(self) -> JobSpec:
         if self.kind == "finetune" and not self.model.init_from:
             raise ValueError("model.init_from is required when kind is 'finetune'")
-        if isinstance(self.parallelism, ParallelismSpec):
-            tp = self.parallelism.tp
-            if self.model.num_attention_heads % tp:
-                raise ValueError(
-                    f"model.num_attention_heads={self.model.num_attention_heads} is not divisible by "
-                    f"parallelism.tp={tp}"
-                )
-            if self.model.query_groups % tp:
-                raise ValueError(
-                    f"model.num_query_groups={self.model.query_groups} is not divisible by "
-                    f"parallelism.tp={tp}"
-                )
-            if self.model.ffn_size % tp:
-                raise ValueError(
-                    f"model.ffn_hidden_size={self.model.ffn_size} is not divisible by parallelism.tp={tp}"
-                )
-            if self.parallelism.pp > self.model.num_layers:
-                raise ValueError(
-                    f"parallelism.pp={self.parallelism.pp} exceeds model.num_layers={self.model.num_layers}"
-                )
-            self._check_pipeline(self.parallelism)
-            if self.parallelism.sequence_parallel and self.model.seq_length % tp:
-                raise ValueError(
-                    f"model.seq_length={self.model.seq_length} is not divisible by parallelism.tp={tp} "
-                    "(needed for sequence parallelism)"
-                )
         return self
-
-
-    def _check_pipeline(self, par: ParallelismSpec) -> None:
-        pp, v, n = par.pp, par.virtual_stages, self.model.num_layers
-        if v > 1 and pp == 1:
-            raise ValueError(
-                f"parallelism.virtual_stages={v} needs parallelism.pp > 1 (it splits each stage's layers)"
-            )
-        if par.pipeline_layers is not None:
-            if len(par.pipeline_layers) != pp * v:
-                raise ValueError(
-                    f"parallelism.pipeline_layers must have parallelism.pp×virtual_stages={pp}×{v}={pp * v} "
-                    f"entries, not {len(par.pipeline_layers)}"
-                )
-            if sum(par.pipeline_layers) != n:
-                raise ValueError(
-                    f"parallelism.pipeline_layers={par.pipeline_layers} sums to "
-                    f"{sum(par.pipeline_layers)}, not model.num_layers={n}"
-                )
-        elif pp > 1 and n % (pp * v):
-            raise ValueError(
-                f"model.num_layers={n} is not divisible by parallelism.pp×virtual_stages={pp}×{v}; "
-                "give parallelism.pipeline_layers for an uneven split"
-            )
 
 
 _NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:=| is | must | exceeds)")

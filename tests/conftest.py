@@ -1,7 +1,8 @@
 """Shared fixtures: an isolated MEGATRAIN_HOME, and databases on SQLite and PostgreSQL.
 
 PostgreSQL tests each get a fresh schema in the `test` database (MEGATRAIN_TEST_POSTGRES_URL), so
-they never see each other's rows; they are skipped only when that server is unreachable.
+they never see each other's rows; they are skipped only when that server is unreachable. Seeded
+clusters (`add_node`, `add_job`) and live stacks (`live_api`, `live_stack`) come from tests/fixtures/.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatrain.settings import reset_settings_cache
+
+pytest_plugins = ["fixtures.cluster", "fixtures.live"]
 
 POSTGRES_URL = os.environ.get(
     "MEGATRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -39,6 +42,19 @@ def _redis_reachable() -> bool:
         return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping())
     except Exception:
         return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Per-host caches (the CPU matmul calibration) go to the session's own folder, not ~/.cache:
+    measured once per test session, shared by its engine subprocesses."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
 
 
 @pytest.fixture(scope="session")

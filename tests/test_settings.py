@@ -58,6 +58,18 @@ def test_env_overrides(megatrain_home: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert s.api_key == "mt_secret"
 
 
+def test_cache_dir(megatrain_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().cache_dir is None  # the XDG default, chosen where it is used
+    monkeypatch.setenv("MEGATRAIN_CACHE_DIR", "")
+    assert Settings().cache_dir is None
+    monkeypatch.setenv("HOME", str(megatrain_home.parent))
+    monkeypatch.setenv("MEGATRAIN_CACHE_DIR", "~/c")
+    assert Settings().cache_dir == (megatrain_home.parent / "c").resolve()
+    # The CPU peak is measured now, never configured: the old variable sets nothing.
+    monkeypatch.setenv("MEGATRAIN_CPU_PEAK_TFLOPS", "2.5")
+    assert not hasattr(Settings(), "cpu_peak_tflops")
+
+
 @pytest.mark.parametrize(
     ("var", "value"),
     [

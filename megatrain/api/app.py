@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from megatrain import __version__, resource_dir
@@ -27,8 +26,7 @@ from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
 from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
 from megatrain.api.spec.router import router as spec_router
-from megatrain.db.session import session_scope, upgrade_database
-from megatrain.scheduler.pools import ensure_local_pool
+from megatrain.db.session import upgrade_database
 from megatrain.settings import Settings, get_settings
 from megatrain.spec import JobSpec
 
@@ -38,21 +36,11 @@ WEB_DIR = resource_dir("web")
 
 def prepare_backends(settings: Settings) -> None:
     """Startup work: migrate the embedded SQLite database (server databases are migrated by their
-    own deploy step), and register this machine's pool when jobs run here."""
+    own deploy step). Nodes are registered by the worker side (the local executor's scheduler, a
+    Celery worker), never by the API."""
     url = settings.resolved_database_url
-    embedded = url.startswith("sqlite")
-    if embedded:
+    if url.startswith("sqlite"):
         upgrade_database(url)
-    if settings.executor == "local":
-        try:
-            with session_scope(url) as session:
-                ensure_local_pool(session, settings)
-        except OperationalError:
-            if embedded:
-                raise
-            # A server database that is down now may be up later: start anyway, so that /healthz
-            # can say so; the scheduler registers the pool again on each of its ticks.
-            log.warning("database unreachable at startup; the local pool is not registered yet")
 
 
 def _too_large(_: Request, exc: Exception) -> JSONResponse:

@@ -7,7 +7,7 @@ or PostgreSQL, without holding locks across calls.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -22,6 +22,19 @@ from megatrain.db.models import (
     Node,
     utcnow,
 )
+
+
+class _Attempts(Protocol):
+    attempt: int
+    max_retries: int
+
+
+def retry_allowed(job: _Attempts) -> bool:
+    """Whether a failed attempt goes back to the queue (True) or ends the job (False).
+
+    `attempt` counts starts, so a job with max_retries=2 runs at most three times.
+    """
+    return job.attempt <= job.max_retries
 
 
 def record_event(
@@ -63,19 +76,26 @@ def transition(
 ) -> bool:
     """Move a job to `to_status` if it is in one of `from_statuses`; False if someone else moved it.
 
-    Leaving an active state (scheduled/running) returns the job's slots to its node in the same
-    transaction. The caller commits.
+    Leaving an active state (scheduled/running) returns the job's slots and devices to its node in
+    the same transaction. Every transition clears the queued job's wait reason. The caller commits.
     """
     row = session.execute(select(Job.status, Job.node_id, Job.num_procs).where(Job.id == job_id)).first()
     if row is None or row.status not in from_statuses:
         return False
     now = utcnow()
-    values: dict[str, Any] = {"status": to_status, "status_reason": reason, "updated_at": now, **fields}
+    values: dict[str, Any] = {
+        "status": to_status,
+        "status_reason": reason,
+        "wait_reason": None,
+        "updated_at": now,
+        **fields,
+    }
     if to_status in TERMINAL_STATES:
         values.setdefault("finished_at", now)
     leaving_active = row.status in ACTIVE_STATES and to_status not in ACTIVE_STATES
     if leaving_active:
         values["node_id"] = None
+        values["devices"] = None
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status == row.status)
@@ -90,11 +110,24 @@ def transition(
     return True
 
 
-def reserve_and_schedule(session: Session, job_id: str, node_id: str, reason: str = "") -> bool:
-    """Take the job's slots on a node and mark it scheduled, atomically; False if either fails.
+def devices_in_use(session: Session, node_id: str) -> set[int]:
+    """Device indices held by the node's scheduled and running jobs."""
+    rows = session.scalars(
+        select(Job.devices).where(Job.node_id == node_id, Job.status.in_(ACTIVE_STATES))
+    ).all()
+    return {int(d) for devices in rows for d in devices or ()}
 
-    The slot UPDATE is guarded by capacity, the state UPDATE by the queued state; the caller
-    commits on True and rolls back on False.
+
+def reserve_and_schedule(
+    session: Session, job_id: str, node_id: str, reason: str = "", devices: list[int] | None = None
+) -> bool:
+    """Take the job's slots (and `devices`) on a node and mark it scheduled, atomically; False if
+    either fails.
+
+    The slot UPDATE is guarded by capacity, the state UPDATE by the queued state. The devices are
+    checked against the node's active jobs after the slot UPDATE: that UPDATE locks the node row
+    (PostgreSQL) or the database (SQLite) until commit, so two schedulers that chose the same
+    devices from stale snapshots cannot both pass. The caller commits on True and rolls back on False.
     """
     job = session.execute(select(Job.num_procs, Job.attempt).where(Job.id == job_id)).first()
     if job is None:
@@ -107,13 +140,19 @@ def reserve_and_schedule(session: Session, job_id: str, node_id: str, reason: st
     )
     if got.rowcount != 1:
         return False
+    if devices is not None and (
+        len(devices) != job.num_procs or devices_in_use(session, node_id) & set(devices)
+    ):
+        return False
     return transition(
         session,
         job_id,
         SCHEDULED,
         from_statuses=(QUEUED,),
         reason=reason,
+        data={"node_id": node_id, "devices": devices},
         node_id=node_id,
+        devices=devices,
         scheduled_at=utcnow(),
         attempt=job.attempt + 1,
         cancel_requested=False,

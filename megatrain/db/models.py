@@ -72,6 +72,9 @@ class Tenant(Base):
     __tablename__ = "tenant"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ten"))
     name: Mapped[str] = mapped_column(String(100), unique=True)
+    max_priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """The highest resources.priority this tenant's jobs may ask for; the operator sets it (default:
+    no boost above the normal 0). Negative priorities are always allowed."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
@@ -123,6 +126,9 @@ class Job(Base):
     kind: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), default=QUEUED)
     status_reason: Mapped[str] = mapped_column(Text, default="")
+    """Human-readable, for the job's owner (never names another tenant's job)."""
+    wait_reason: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """While queued: why the job waits, as data (scheduler.reasons: a code and its fields)."""
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     spec_hash: Mapped[str] = mapped_column(String(64))
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
@@ -135,6 +141,9 @@ class Job(Base):
     max_retries: Mapped[int] = mapped_column(Integer, default=2)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     node_id: Mapped[str | None] = mapped_column(ForeignKey("node.id", ondelete="SET NULL"), nullable=True)
+    devices: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    """While scheduled/running: the node's device indices the job was placed on (CUDA_VISIBLE_DEVICES
+    of its ranks on a GPU node; recorded, without effect, on a CPU node)."""
     runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

@@ -2,7 +2,8 @@
 
 A checkpoint is a folder `iter_{step:07d}/` under the checkpoint root holding
   model.safetensors    model weights (a tied LM head is stored once, as embed.weight)
-  optimizer.pt         torch.save({"optimizer": state_dict, "rng": RNG states})
+  optimizer.pt         torch.save({"optimizer": state_dict, "rng": RNG states}): tensors and
+                       plain data only, read back with weights_only=True (never unpickled code)
   trainer_state.json   step, consumed_samples, model_config, ...
   spec.json            the JobSpec that produced it
   manifest.json        written LAST: every other file's size and sha256
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 import re
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -39,6 +43,10 @@ MANIFEST_FILE = "manifest.json"
 LATEST = "latest"
 FORMAT = "megatrain-checkpoint-v1"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file holds more than tensors and plain data: loading it could run code."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# What torch.load(weights_only=True) reads besides containers; torch.Size before tuple (a subclass).
+_PLAIN_LEAVES = (torch.Tensor, torch.Size, torch.dtype, torch.device, str, bytes, bool, int, float, complex)
+
+
+def plain_data(obj: Any, where: str = "extra") -> Any:
+    """`obj` as tensors and plain data, so a resume can load it with weights_only=True.
+
+    numpy arrays become tensors and numpy scalars Python numbers (numpy's RNG state is such a tuple;
+    np.random.set_state takes it back as is). Anything else is refused here, at save time, naming
+    where it sits: a checkpoint we write must never need an unsafe load to resume.
+    """
+    if obj is None or isinstance(obj, _PLAIN_LEAVES):
+        return obj
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if type(obj) in (dict, OrderedDict):
+        out = type(obj)()
+        for k, v in obj.items():
+            if not isinstance(k, str | int | float | bool | None):
+                raise TypeError(f"checkpoint data {where} has a {type(k).__name__} key {k!r}")
+            out[k] = plain_data(v, f"{where}[{k!r}]")
+        return out
+    if type(obj) in (list, tuple, set):
+        return type(obj)(plain_data(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    raise TypeError(
+        f"checkpoint data {where} is a {type(obj).__module__}.{type(obj).__qualname__}: only tensors "
+        "and plain data are saved (a resume loads them with weights_only=True)"
+    )
+
+
 def save_checkpoint(
     root_url: str,
     step: int,
@@ -137,7 +177,7 @@ def write_checkpoint(
         save_file(tensors, tmpdir / MODEL_FILE, metadata={"format": "pt"})
         files = [MODEL_FILE]
         if extra is not None:
-            torch.save(extra, tmpdir / OPTIMIZER_FILE)
+            torch.save(plain_data(extra), tmpdir / OPTIMIZER_FILE)
             files.append(OPTIMIZER_FILE)
         (tmpdir / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
         (tmpdir / SPEC_FILE).write_text(dump_spec(spec))
@@ -225,6 +265,20 @@ def _open_folder(path_or_url: str | Path) -> _Folder:
     return _Folder(store)
 
 
+def _load_plain(path: Path, name: str) -> Any:
+    """torch.load of tensors and plain data only (weights_only): what storage holds must never run
+    code. A manifest proves a file is whole, not who wrote it, so anything else is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message goes on to suggest weights_only=False; keep only what was found.
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", str(exc))
+        raise UnsafeCheckpoint(
+            f"{name} holds objects other than tensors and plain data; refusing to unpickle it "
+            f"(that could run code){': ' + found.group(1) if found else ''}"
+        ) from None
+
+
 def read_checkpoint(
     root_url: str, step: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
@@ -232,7 +286,7 @@ def read_checkpoint(
     folder = _Folder(open_store(root_url).child(iter_dir(step)))
     try:
         model_state = load_file(folder.local(MODEL_FILE), device="cpu")
-        extra = torch.load(folder.local(OPTIMIZER_FILE), map_location="cpu", weights_only=False)
+        extra = _load_plain(folder.local(OPTIMIZER_FILE), f"{folder.store.url}/{OPTIMIZER_FILE}")
         return model_state, extra, folder.json(STATE_FILE)
     finally:
         folder.close()

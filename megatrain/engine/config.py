@@ -9,29 +9,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from megatrain.spec import JobSpec, SpecError
-
-VOCAB_PAD_MULTIPLE = 128
+from megatrain.spec import JobSpec, ModelSpec
 
 
 def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int:
-    """The embedding rows: the spec's vocab_size if given, else the tokenizer's rounded up to 128.
-
-    Padding keeps the LM-head matmul a friendly shape (and divisible by tensor-parallel degrees).
-    """
-    if requested is not None:
-        if requested < tokenizer_vocab:
-            raise SpecError(
-                [
-                    {
-                        "field": "model.vocab_size",
-                        "message": f"model.vocab_size={requested} is smaller than the tokenizer's "
-                        f"vocabulary ({tokenizer_vocab})",
-                    }
-                ]
-            )
-        return requested
-    return -(-tokenizer_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    """The embedding rows for a tokenizer (see ModelSpec.padded_vocab, which owns the rule)."""
+    return ModelSpec(vocab_size=requested).padded_vocab(tokenizer_vocab)
 
 
 @dataclass(frozen=True)
@@ -95,7 +78,7 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         num_query_groups=m.query_groups,
         ffn_hidden_size=m.ffn_size,
         seq_length=m.seq_length,
-        vocab_size=padded_vocab_size(tokenizer_vocab, m.vocab_size),
+        vocab_size=m.padded_vocab(tokenizer_vocab),
         position_embedding="learned" if gpt2 else "rope",
         normalization="layernorm" if gpt2 else "rmsnorm",
         activation="gelu" if gpt2 else "swiglu",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatrain.engine.grad_accumulation import add_to_main_grad, fusable
-from megatrain.engine.memory import fused_loss_chunk_rows
+from megatrain.plan.memory import fused_loss_chunk_rows
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

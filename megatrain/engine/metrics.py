@@ -13,28 +13,29 @@ import os
 
 from megatrain.engine.config import TransformerConfig
 
-# Dense (no sparsity) datasheet peaks in TFLOP/s per device: (bf16 tensor core, plain fp32).
-# fp32 is the non-tensor-core figure: PyTorch leaves TF32 matmuls off by default and so do we.
-# First substring match of torch.cuda.get_device_name() wins, so specific names come first.
-GPU_PEAK_TFLOPS: list[tuple[str, float | None, float]] = [
-    ("H100 PCIe", 756.5, 51.2),
-    ("H100 NVL", 835.5, 60.0),
-    ("H100", 989.4, 66.9),  # SXM
-    ("GH200", 989.4, 66.9),
-    ("H200", 989.4, 66.9),
-    ("H800", 989.4, 66.9),
-    ("B200", 2250.0, 80.0),
-    ("A100", 312.0, 19.5),
-    ("A800", 312.0, 19.5),
-    ("L40S", 362.05, 91.6),
-    ("L40", 181.0, 90.5),
-    ("L4", 121.0, 30.3),
-    ("A10G", 70.0, 31.2),
-    ("A10", 125.0, 31.2),
-    ("RTX 4090", 165.2, 82.6),
-    ("RTX 3090", 71.0, 35.6),
-    ("V100", None, 15.7),  # no bf16
-    ("T4", None, 8.1),
+# Dense (no sparsity) datasheet peaks in TFLOP/s per device: (bf16, fp16, fp32). bf16 and fp16 run
+# on the same tensor cores at the same rate; None where the GPU has no such units (no bf16 before
+# Ampere). fp32 is the non-tensor-core figure: PyTorch leaves TF32 matmuls off by default and so do
+# we. First substring match of torch.cuda.get_device_name() wins, so specific names come first.
+GPU_PEAK_TFLOPS: list[tuple[str, float | None, float, float]] = [
+    ("H100 PCIe", 756.5, 756.5, 51.2),
+    ("H100 NVL", 835.5, 835.5, 60.0),
+    ("H100", 989.4, 989.4, 66.9),  # SXM
+    ("GH200", 989.4, 989.4, 66.9),
+    ("H200", 989.4, 989.4, 66.9),
+    ("H800", 989.4, 989.4, 66.9),
+    ("B200", 2250.0, 2250.0, 80.0),
+    ("A100", 312.0, 312.0, 19.5),
+    ("A800", 312.0, 312.0, 19.5),
+    ("L40S", 362.05, 362.05, 91.6),
+    ("L40", 181.0, 181.0, 90.5),
+    ("L4", 121.0, 121.0, 30.3),
+    ("A10G", 70.0, 70.0, 31.2),
+    ("A10", 125.0, 125.0, 31.2),
+    ("RTX 4090", 165.2, 165.2, 82.6),
+    ("RTX 3090", 71.0, 71.0, 35.6),
+    ("V100", None, 125.0, 15.7),  # SXM2; Volta's tensor cores are fp16 only
+    ("T4", None, 65.0, 8.1),
 ]
 
 
@@ -58,14 +59,23 @@ def flops_per_iteration(
     return flops_per_token(cfg, s) * global_batch_size * s
 
 
-def peak_tflops(device_name: str | None, precision: str, cpu_peak_tflops: float) -> float | None:
-    """Per-device peak for MFU: the GPU table by name, or the configured CPU figure (name None)."""
-    if device_name is None:
-        return cpu_peak_tflops
-    for key, bf16, fp32 in GPU_PEAK_TFLOPS:
+def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
+    """The datasheet peak of a GPU by name for `precision`; None for a GPU or precision not listed."""
+    for key, bf16, fp16, fp32 in GPU_PEAK_TFLOPS:
         if key.lower() in device_name.lower():
-            return bf16 if precision == "bf16" else fp32
+            return {"bf16": bf16, "fp16": fp16, "fp32": fp32}.get(precision)
     return None
+
+
+def peak_tflops(device_name: str | None, precision: str) -> float | None:
+    """Per-device peak for MFU: the GPU's datasheet figure, or on a CPU (name None) this host's
+    measured matmul peak (calibrate.py: about a second the first time, then cached). None when
+    unknown, so MFU is reported as n/a rather than against an invented figure."""
+    if device_name is None:
+        from megatrain.engine.calibrate import cpu_peak_tflops
+
+        return cpu_peak_tflops(precision)
+    return gpu_peak_tflops(device_name, precision)
 
 
 def throughput(

@@ -383,3 +383,15 @@ def build_optimizer(ddp: DataParallel, cfg: TrainConfig) -> MixedPrecisionOptimi
         clip_grad=cfg.clip_grad,
         loss_scaler=scaler,
     )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for the optimizer step that produces `step` (1-based): warmup, then decay."""
+    if cfg.warmup_iters and step <= cfg.warmup_iters:
+        return cfg.lr * step / cfg.warmup_iters
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_iters) / max(1, cfg.train_iters - cfg.warmup_iters))
+    if cfg.lr_schedule == "cosine":
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr - (cfg.lr - cfg.min_lr) * progress

@@ -1,29 +1,26 @@
 """The scheduling loop: place queued jobs on nodes, hand them to the executor, recover lost runners.
 
-Placement rule (strict priority, no backfill): queued jobs are taken by priority (highest first),
-then FIFO by created_at. Within a pool, once a job that *could* fit a node (its size is at most the
-largest node's total slots) finds no node with enough free slots, no later job of that pool is
-placed in this tick: small low-priority jobs never keep a big high-priority one waiting forever.
-A job too big for every node of its pool waits without blocking the others.
+Which job goes where, and why each other one waits, is decided by `placement.place` on a snapshot
+of the queue and the ready nodes. Several schedulers may run at once (API replicas, a separate
+scheduler process): a job is placed only through `reserve_and_schedule`, whose guarded UPDATEs let
+exactly one of them win; a loser takes a fresh snapshot and decides again.
 
-Several schedulers may run at once (API replicas, a separate scheduler process): a job is placed
-only through `reserve_and_schedule`, whose guarded UPDATEs let exactly one of them win.
+The loop knows nothing of how jobs run: the executor submits them, registers its nodes and says
+whether a runner is alive (`worker.executors.Executor`).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-import time
 from collections import defaultdict
-from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from megatrain.db.jobs import reserve_and_schedule, transition
+from megatrain.db.jobs import reserve_and_schedule, retry_allowed, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
     CANCELLED,
@@ -36,23 +33,16 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
-from megatrain.scheduler.pools import ensure_local_pool
+from megatrain.scheduler.placement import NodeRoom, Placement, QueuedJob, place
+from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, WaitReason, render_wait
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.executors import Executor, get_executor
-from megatrain.worker.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
-LOCAL_NODE_REFRESH_S = 10.0
-"""How often the local executor's scheduler re-registers this machine (nvidia-smi is not free)."""
-
-
-@dataclass
-class _NodeFree:
-    id: str
-    hostname: str
-    total: int
-    free: int
+MAX_PASSES = 8
+"""Fresh snapshots one tick may take after lost reservation races before it leaves the rest to the
+next tick (several schedulers competing for the same slots)."""
 
 
 class Scheduler:
@@ -61,9 +51,7 @@ class Scheduler:
     def __init__(self, settings: Settings | None = None, executor: Executor | None = None):
         self.settings = settings or get_settings()
         self.url = self.settings.resolved_database_url
-        self.hostname = socket.gethostname()
         self._executor = executor
-        self._local_node_at = float("-inf")
 
     @property
     def executor(self) -> Executor:
@@ -73,65 +61,53 @@ class Scheduler:
 
     # -- placement -------------------------------------------------------------------------------
 
-    def _refresh_local_node(self) -> None:
-        if time.monotonic() - self._local_node_at < LOCAL_NODE_REFRESH_S:
-            return
+    def _snapshot(self) -> tuple[list[Any], dict[str, list[NodeRoom]]]:
+        """The queue in scheduling order and each pool's ready nodes with their free room."""
         with session_scope(self.url) as s:
-            ensure_local_pool(s, self.settings)
-        self._local_node_at = time.monotonic()
-
-    def _free_slots(self) -> dict[str, list[_NodeFree]]:
-        with session_scope(self.url) as s:
-            rows = s.execute(
+            queued = s.execute(
+                select(
+                    Job.id, Job.pool, Job.num_procs, Job.tenant_id, Job.cancel_requested,
+                    Job.status_reason, Job.wait_reason,
+                )
+                .where(Job.status == QUEUED)
+                .order_by(Job.priority.desc(), Job.created_at, Job.id)
+            ).all()  # fmt: skip
+            if not queued:
+                return [], {}
+            nodes = s.execute(
                 select(Node.id, Node.hostname, Node.slots_total, Node.slots_used, NodePool.name)
                 .join(NodePool, NodePool.id == Node.pool_id)
                 .where(Node.status == "ready")
                 .order_by(Node.hostname)
             ).all()
-        pools: dict[str, list[_NodeFree]] = defaultdict(list)
-        for r in rows:
-            pools[r.name].append(_NodeFree(r.id, r.hostname, r.slots_total, r.slots_total - r.slots_used))
-        return pools
+            busy: dict[str, set[int]] = defaultdict(set)
+            for node_id, devices in s.execute(
+                select(Job.node_id, Job.devices).where(
+                    Job.status.in_(ACTIVE_STATES), Job.node_id.is_not(None)
+                )
+            ):
+                busy[node_id].update(int(d) for d in devices or ())
+        pools: dict[str, list[NodeRoom]] = defaultdict(list)
+        for n in nodes:
+            free = n.slots_total - n.slots_used
+            pools[n.name].append(NodeRoom(n.id, n.hostname, n.slots_total, free, frozenset(busy[n.id])))
+        return list(queued), dict(pools)
 
-    def _try_reserve(self, job_id: str, node: _NodeFree, num_procs: int) -> bool:
+    def _try_reserve(self, job_id: str, where: Placement) -> bool:
         session = get_sessionmaker(self.url)()
         try:
-            reason = f"placed on {node.hostname} ({num_procs} slot{'s' * (num_procs != 1)})"
-            if reserve_and_schedule(session, job_id, node.id, reason):
+            n = len(where.devices)
+            reason = f"placed on {where.hostname} ({n} slot{'s' * (n != 1)})"
+            if reserve_and_schedule(session, job_id, where.node_id, reason, devices=list(where.devices)):
                 session.commit()
                 return True
             session.rollback()
         except SQLAlchemyError as exc:
             session.rollback()
-            log.warning("reserving %s on %s failed: %s", job_id, node.hostname, exc)
+            log.warning("reserving %s on %s failed: %s", job_id, where.hostname, exc)
         finally:
             session.close()
         return False
-
-    def _refresh_after_miss(self, job_id: str, node: _NodeFree) -> bool:
-        """After a lost race: update the node's free slots; True if the job is still queued."""
-        with session_scope(self.url) as s:
-            used = s.scalar(select(Node.slots_used).where(Node.id == node.id))
-            status = s.scalar(select(Job.status).where(Job.id == job_id))
-        if used is not None:
-            node.free = node.total - used
-        return status == QUEUED
-
-    def _place(self, job_id: str, num_procs: int, nodes: list[_NodeFree]) -> bool | None:
-        """True: scheduled here. False: no node has room. None: someone else took the job."""
-        while True:
-            # Best fit: the fullest node that still has room keeps big holes for big jobs.
-            fits = sorted((n for n in nodes if n.free >= num_procs), key=lambda n: (n.free, n.hostname))
-            if not fits:
-                return False
-            node = fits[0]
-            if self._try_reserve(job_id, node, num_procs):
-                node.free -= num_procs
-                return True
-            if not self._refresh_after_miss(job_id, node):
-                return None
-            if node.free >= num_procs:
-                node.free = num_procs - 1  # still refused (e.g. a DB error): skip this node this tick
 
     def _submit(self, job_id: str) -> bool:
         try:
@@ -143,89 +119,81 @@ class Scheduler:
                 job = s.get(Job, job_id)
                 if job is None:
                     return False
-                retry = job.attempt <= job.max_retries
                 transition(
                     s,
                     job_id,
-                    QUEUED if retry else FAILED,
+                    QUEUED if retry_allowed(job) else FAILED,
                     from_statuses=(SCHEDULED,),
                     reason=f"executor could not start the job: {exc}"[:2000],
                 )
             return False
 
-    def _note_waits(self, waits: dict[str, str]) -> None:
-        """Say why each job waits, in status_reason only when it changed: no event per tick."""
-        if not waits:
+    def _note_waits(self, queued: list[Any], waits: dict[str, WaitReason]) -> None:
+        """Store why each job waits (data) and its owner's text, only where it changed: no event per
+        tick. The text names a blocking job only if the waiting job's tenant owns it."""
+        tenant_of = {q.id: q.tenant_id for q in queued}
+        changes = []
+        for q in queued:
+            reason = waits.get(q.id)
+            if reason is None or reason.code == CANCEL_REQUESTED:
+                continue
+            owns = reason.code == BEHIND_JOB and tenant_of.get(reason.job_id or "") == q.tenant_id
+            text = "waiting: " + render_wait(reason, owns_blocker=owns)
+            data = reason.as_dict()
+            if q.status_reason != text or q.wait_reason != data:
+                changes.append((q.id, text, data))
+        if not changes:
             return
         with session_scope(self.url) as s:
-            for job_id, reason in waits.items():
+            for job_id, text, data in changes:
                 s.execute(
                     update(Job)
-                    .where(Job.id == job_id, Job.status == QUEUED, Job.status_reason != reason)
-                    .values(status_reason=reason)
+                    .where(Job.id == job_id, Job.status == QUEUED)
+                    .values(status_reason=text, wait_reason=data)
                     .execution_options(synchronize_session=False)
                 )
 
     def schedule_once(self) -> list[str]:
         """Place what fits now and hand it to the executor; returns the ids submitted."""
-        if self.settings.executor == "local":
-            self._refresh_local_node()
-        with session_scope(self.url) as s:
-            queued = s.execute(
-                select(Job.id, Job.pool, Job.num_procs, Job.priority)
-                .where(Job.status == QUEUED, Job.cancel_requested.is_(False))
-                .order_by(Job.priority.desc(), Job.created_at, Job.id)
-            ).all()
-        if not queued:
-            return []
-        pools = self._free_slots()
-        blocked_by: dict[str, str] = {}
-        waits: dict[str, str] = {}
+        self.executor.refresh_nodes()
         submitted: list[str] = []
-        for job in queued:
-            nodes = pools.get(job.pool, [])
-            if not nodes:
-                waits[job.id] = f"waiting: pool {job.pool!r} has no ready nodes"
-                continue
-            biggest = max(n.total for n in nodes)
-            if job.num_procs > biggest:
-                waits[job.id] = (
-                    f"waiting: needs {job.num_procs} slots but the largest node in pool {job.pool!r} "
-                    f"offers {biggest}"
-                )
-                continue
-            if job.pool in blocked_by:
-                waits[job.id] = (
-                    f"waiting: behind job {blocked_by[job.pool]}, first in line for pool {job.pool!r}"
-                )
-                continue
-            placed = self._place(job.id, job.num_procs, nodes)
-            if placed is None:
-                continue
-            if not placed:
-                blocked_by[job.pool] = job.id
-                most = max(n.free for n in nodes)
-                waits[job.id] = (
-                    f"waiting: needs {job.num_procs} free slots in pool {job.pool!r}; "
-                    f"the freest node has {most}"
-                )
-                continue
-            if self._submit(job.id):
-                submitted.append(job.id)
-        self._note_waits(waits)
+        for _ in range(MAX_PASSES):
+            queued, pools = self._snapshot()
+            if not queued:
+                return submitted
+            order = [QueuedJob(q.id, q.pool, q.num_procs, q.cancel_requested) for q in queued]
+            decisions = place(order, pools)
+            lost_race = False
+            for d in decisions:
+                if d.placement is None:
+                    continue
+                if not self._try_reserve(d.job_id, d.placement):
+                    # Another scheduler took the job or the room: the decisions after this one
+                    # assumed it, so decide again on a fresh snapshot.
+                    lost_race = True
+                    break
+                if self._submit(d.job_id):
+                    submitted.append(d.job_id)
+            if not lost_race:
+                self._note_waits(queued, {d.job_id: d.wait for d in decisions if d.wait is not None})
+                break
         return submitted
 
     # -- recovery --------------------------------------------------------------------------------
 
     def _lost_why(self, job: Job, now: datetime) -> str | None:
+        verdict = self.executor.runner_alive(job)
+        if verdict is True:
+            return None
+        if verdict is False:
+            where = f"pid {job.runner_pid} on {job.runner_host}" if job.runner_pid else "process"
+            return f"runner {where} is gone"
         timeout = timedelta(seconds=self.settings.heartbeat_timeout_s)
         if job.status == SCHEDULED:
             since = job.scheduled_at or job.updated_at
             if since is not None and now - since > timeout:
                 return f"scheduled {(now - since).total_seconds():.0f}s ago but no runner picked it up"
             return None
-        if job.runner_host == self.hostname and job.runner_pid and not pid_alive(job.runner_pid):
-            return f"runner pid {job.runner_pid} on {job.runner_host} is gone"
         last = job.heartbeat_at or job.started_at or job.updated_at
         if last is not None and now - last > timeout:
             return f"no heartbeat from {job.runner_host} for {(now - last).total_seconds():.0f}s"
@@ -259,7 +227,7 @@ class Scheduler:
                 clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
                 if job.cancel_requested:
                     to, reason = CANCELLED, f"{why}; cancel was requested"
-                elif job.attempt <= job.max_retries:
+                elif retry_allowed(job):
                     to, reason = QUEUED, f"runner lost ({why}); retrying, will resume from checkpoint"
                 else:
                     to, reason = FAILED, f"runner lost ({why}) on attempt {job.attempt}; no retries left"

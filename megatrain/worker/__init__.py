@@ -1,4 +1,6 @@
-"""Executors (local subprocesses, Celery on Redis), the shard runner and its heartbeats.
+"""Executors (local subprocesses, Celery on Redis), the shard runner, its heartbeats, and node
+registration.
 
-Only this package knows which executor runs a job; the scheduler calls `get_executor(settings)`.
+Only this package knows which executor runs a job; the scheduler calls `get_executor(settings)` and
+the `Executor` interface. It imports nothing from the scheduler or the API.
 """

@@ -2,8 +2,13 @@
 
 The task only takes an id and opens its own session; if the job is no longer `scheduled` (another
 delivery of the same message already ran it, or the reconciler requeued it) it does nothing. Tasks
-are acknowledged late, one at a time, so a worker that dies mid-job leaves the message to be
-redelivered and the reconciler requeues the job itself.
+are acknowledged late, so a worker that dies mid-job leaves the message to be redelivered and the
+reconciler requeues the job itself.
+
+Each node has its own queue (`megatrain.{pool}.{hostname}`): the scheduler places a job on a node
+and its devices, so only that node's worker may run it. A worker runs as many tasks at once as the
+slots its node advertises (each job takes at least one slot), so a job placed beside others starts
+at once instead of waiting in Redis behind them.
 
 CLI: `python -m megatrain.worker.celery_app [--concurrency N] [--queue Q]`.
 """
@@ -12,22 +17,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
+import time
 
 from celery import Celery
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
 
-from megatrain.db.models import SCHEDULED, Job
+from megatrain.db.models import SCHEDULED, Job, Node, utcnow
 from megatrain.db.session import session_scope
-from megatrain.scheduler.pools import ensure_local_pool
 from megatrain.settings import Settings, get_settings
+from megatrain.worker.nodes import ensure_local_pool, local_capacity
 
 log = logging.getLogger(__name__)
 
 TASK_NAME = "megatrain.run_shard"
 
 
-def queue_name(pool: str) -> str:
-    return f"megatrain.{pool}"
+def queue_name(pool: str, hostname: str) -> str:
+    """The queue of one node of a pool."""
+    return f"megatrain.{pool}.{hostname}"
+
+
+def task_id(job_id: str, attempt: int) -> str:
+    """One task id per attempt, so the scheduler can find a job's message in its node's queue."""
+    return f"{job_id}.{attempt}"
 
 
 def create_celery_app(settings: Settings) -> Celery:
@@ -37,7 +51,6 @@ def create_celery_app(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        task_default_queue=queue_name(settings.pool_name),
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -60,19 +73,52 @@ def create_celery_app(settings: Settings) -> Celery:
     return app
 
 
-def run_worker(settings: Settings, concurrency: int = 1, queues: list[str] | None = None) -> None:
-    """Register this machine in its pool and consume the pool's queue until stopped (blocks)."""
+def worker_slots(settings: Settings, concurrency: int | None = None) -> int:
+    """What this node advertises and runs at once: its GPUs (or CPU slots), capped by `concurrency`.
+
+    Each job takes at least one slot, so running as many tasks as slots never leaves a placed job
+    waiting in the queue behind the others.
+    """
+    _, detected = local_capacity(settings)
+    return detected if concurrency is None else max(1, min(detected, concurrency))
+
+
+def _keep_node_seen(settings: Settings, node_id: str) -> None:
+    """Refresh the node's last_seen_at every heartbeat interval while the worker lives: a task
+    waiting in this node's queue counts as waiting, not lost, only while its node is seen."""
+    while True:
+        time.sleep(settings.heartbeat_interval_s)
+        try:
+            with session_scope(settings.resolved_database_url) as s:
+                s.execute(
+                    update(Node).where(Node.id == node_id).values(last_seen_at=utcnow(), status="ready")
+                )
+        except SQLAlchemyError as exc:
+            log.warning("could not refresh node %s: %s", node_id, exc)
+
+
+def run_worker(settings: Settings, concurrency: int | None = None, queues: list[str] | None = None) -> None:
+    """Register this machine in its pool and consume its node's queue until stopped (blocks).
+
+    The node advertises its slots (GPUs, or settings.cpu_slots), capped by `concurrency` when given,
+    and the worker runs that many tasks at once: what the scheduler counts is what runs.
+    """
+    slots = worker_slots(settings, concurrency)
     with session_scope(settings.resolved_database_url) as s:
-        ensure_local_pool(s, settings)
+        node = ensure_local_pool(s, settings, slots=slots)
+        hostname, node_id = node.hostname, node.id
+    threading.Thread(target=_keep_node_seen, args=(settings, node_id), daemon=True, name="node-seen").start()
     app = create_celery_app(settings)
-    queues = queues or [queue_name(settings.pool_name)]
+    queues = queues or [queue_name(settings.pool_name, hostname)]
     app.worker_main(
         [
             "worker",
             f"--queues={','.join(queues)}",
-            f"--concurrency={concurrency}",
-            # solo runs the task in the main thread: the runner's children die with it (PDEATHSIG).
-            f"--pool={'solo' if concurrency == 1 else 'prefork'}",
+            f"--concurrency={slots}",
+            # Threads, not prefork: each task only supervises a torchrun subprocess, and a thread
+            # pool lives as long as the worker process, so the runner's children still die with it
+            # (PDEATHSIG fires when the spawning thread ends; kill -9 of the worker ends them all).
+            "--pool=threads",
             "--loglevel=INFO",
             f"--hostname=megatrain-{settings.pool_name}@%h",
             "--without-gossip",
@@ -83,7 +129,12 @@ def run_worker(settings: Settings, concurrency: int = 1, queues: list[str] | Non
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megatrain.worker.celery_app", description=__doc__)
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="jobs at once (default: the node's slots; lower caps them)",
+    )
     parser.add_argument("--queue", action="append", default=None, help="queue to consume (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,27 +1,50 @@
 """Executors hand a scheduled job to something that runs `run_shard` for it.
 
-`local` spawns a detached runner process on this machine; `celery` sends a task to the job's pool
-queue on Redis. The scheduler only ever calls `get_executor(settings).submit(job_id)`.
+`local` spawns a detached runner process on this machine; `celery` sends a task to the queue of
+the node the job was placed on. The scheduler knows only this interface: `submit` a placed job,
+`refresh_nodes` once per tick, and ask `runner_alive` before it declares a runner lost.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
-from typing import Protocol
+import time
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy import select
 
-from megatrain.db.models import Job
+from megatrain.db.models import Job, Node, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
+from megatrain.worker.nodes import ensure_local_pool
+from megatrain.worker.procs import pid_alive
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+LOCAL_NODE_REFRESH_S = 10.0
+"""How often the local executor re-registers this machine (nvidia-smi is not free)."""
 
 
 class Executor(Protocol):
     def submit(self, job_id: str) -> None:
         """Start (or enqueue) the runner of a job that is `scheduled`; raise if that is impossible."""
+        ...
+
+    def refresh_nodes(self) -> None:
+        """Register or refresh the nodes this executor runs jobs on, where it is the one that knows
+        them (called on every scheduler tick: cheap or throttled)."""
+        ...
+
+    def runner_alive(self, job: Job) -> bool | None:
+        """For a scheduled or running job: False if its runner is known to be gone (requeue it now),
+        True if the job is known to be fine without a heartbeat (e.g. waiting in its node's broker
+        queue), None if there is no evidence here (heartbeat timeouts decide)."""
         ...
 
 
@@ -37,12 +60,21 @@ def runner_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def _pid_verdict(job: Job) -> bool | None:
+    """False when the job's runner process was on this host and has exited; None otherwise (a live
+    pid may still be hung: heartbeats judge that)."""
+    if job.runner_pid and job.runner_host == socket.gethostname() and not pid_alive(job.runner_pid):
+        return False
+    return None
+
+
 class LocalExecutor:
     """One `python -m megatrain.worker.shard` process per job, in a session of its own so it outlives
     the API or scheduler that started it; output goes to {runs_dir}/{job_id}/runner.log."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self._refreshed_at = float("-inf")
 
     def submit(self, job_id: str) -> None:
         run_dir = self.settings.runs_dir / job_id
@@ -61,24 +93,80 @@ class LocalExecutor:
         # Reap it when it ends: a zombie would look alive to the reconciler's pid check.
         threading.Thread(target=proc.wait, daemon=True, name=f"reap-{job_id}").start()
 
+    def refresh_nodes(self) -> None:
+        """This machine is the one node: register it, at most every LOCAL_NODE_REFRESH_S."""
+        if time.monotonic() - self._refreshed_at < LOCAL_NODE_REFRESH_S:
+            return
+        with session_scope(self.settings.resolved_database_url) as s:
+            ensure_local_pool(s, self.settings)
+        self._refreshed_at = time.monotonic()
+
+    def runner_alive(self, job: Job) -> bool | None:
+        return _pid_verdict(job)
+
 
 class CeleryExecutor:
-    """Sends `megatrain.run_shard(job_id)` to the queue `megatrain.{pool}` of the job's pool."""
+    """Sends `megatrain.run_shard(job_id)` to the queue of the node the job was placed on; the
+    workers register their nodes themselves."""
 
     def __init__(self, settings: Settings):
         from megatrain.worker.celery_app import create_celery_app
 
         self.settings = settings
         self.app = create_celery_app(settings)
+        self._redis: Redis | None = None
 
-    def submit(self, job_id: str) -> None:
-        from megatrain.worker.celery_app import TASK_NAME, queue_name
+    def _target(self, job_id: str) -> tuple[str, str, datetime]:
+        """(queue, task id, node last seen) of a scheduled job: its node's queue, one task id per
+        attempt."""
+        from megatrain.worker.celery_app import queue_name, task_id
 
         with session_scope(self.settings.resolved_database_url) as s:
-            pool = s.scalar(select(Job.pool).where(Job.id == job_id))
-        if pool is None:
+            row = s.execute(
+                select(Job.pool, Job.attempt, Node.hostname, Node.last_seen_at)
+                .join(Node, Node.id == Job.node_id, isouter=True)
+                .where(Job.id == job_id)
+            ).first()
+        if row is None:
             raise LookupError(f"job {job_id} does not exist")
-        self.app.send_task(TASK_NAME, args=[job_id], queue=queue_name(pool))
+        if row.hostname is None:
+            raise LookupError(f"job {job_id} is not placed on a node")
+        return queue_name(row.pool, row.hostname), task_id(job_id, row.attempt), row.last_seen_at
+
+    def submit(self, job_id: str) -> None:
+        from megatrain.worker.celery_app import TASK_NAME
+
+        queue, tid, _ = self._target(job_id)
+        self.app.send_task(TASK_NAME, args=[job_id], queue=queue, task_id=tid)
+
+    def refresh_nodes(self) -> None:
+        """Nothing to do: each Celery worker registers its own node when it starts."""
+
+    def waiting_in_broker(self, job_id: str) -> bool:
+        """Whether the job's task for its current attempt is still in its node's queue, not yet
+        taken by a worker, while the node's worker is seen (it is busy: not lost). A node unseen for
+        heartbeat_timeout_s has no worker to take it: then the timeouts judge the job."""
+        import redis
+
+        try:
+            queue, tid, seen_at = self._target(job_id)
+        except LookupError:
+            return False
+        if utcnow() - seen_at > timedelta(seconds=self.settings.heartbeat_timeout_s):
+            return False
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
+        try:
+            # kombu's Redis transport keeps a queue's messages in a list named after it; each
+            # message's headers carry the task id as plain JSON.
+            return any(tid.encode() in raw for raw in self._redis.lrange(queue, 0, -1))
+        except redis.RedisError:
+            return False
+
+    def runner_alive(self, job: Job) -> bool | None:
+        if job.runner_pid is None and self.waiting_in_broker(job.id):
+            return True
+        return _pid_verdict(job)
 
 
 def get_executor(settings: Settings) -> Executor:

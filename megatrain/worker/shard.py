@@ -29,7 +29,7 @@ from typing import IO
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from megatrain.db.jobs import transition
+from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import (
     CANCELLED,
     FAILED,
@@ -38,11 +38,14 @@ from megatrain.db.models import (
     SCHEDULED,
     SUCCEEDED,
     Job,
+    Node,
+    NodePool,
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.worker.nodes import device_env
 from megatrain.worker.procs import die_with_parent, terminate_tree
 
 log = logging.getLogger(__name__)
@@ -65,13 +68,22 @@ class _Attempt:
     num_procs: int
     max_runtime_s: float
     out_dir: Path
+    devices: list[int] | None = None
+    """The node's device indices the scheduler placed this attempt on."""
+    accelerator: str = "cpu"
 
 
-def engine_command(num_procs: int, spec_path: Path, out_dir: Path, checkpoint_url: str) -> list[str]:
-    """torchrun for several processes; plain python for one (the engine's contract allows both)."""
+def engine_command(num_procs: int, out_dir: Path, checkpoint_url: str) -> list[str]:
+    """torchrun for several processes; plain python for one (the engine's contract allows both).
+
+    The engine reads the job's spec and the layout the API resolved and stored, from the attempt's
+    folder (`_claim` writes both), so it never plans a layout of its own."""
     engine = os.environ.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
     target = [engine] if engine.endswith(".py") else ["-m", engine]
-    args = ["--spec", str(spec_path), "--out", str(out_dir), "--checkpoint-url", checkpoint_url]
+    args = [
+        *("--spec", str(out_dir / "spec.json"), "--layout", str(out_dir / "layout.json")),
+        *("--out", str(out_dir), "--checkpoint-url", checkpoint_url),
+    ]
     if num_procs == 1:
         return [sys.executable, "-u", *target, *args]
     return [
@@ -98,6 +110,7 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
         out_dir = settings.runs_dir / job_id / f"attempt-{job.attempt}"
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "spec.json").write_text(json.dumps(job.spec, indent=2, sort_keys=True))
+        (out_dir / "layout.json").write_text(json.dumps(job.layout, indent=2, sort_keys=True))
         max_runtime_s = float((job.spec.get("resources") or {}).get("max_runtime_s") or 86400)
         try:
             total_steps = int(job.spec["training"]["train_iters"])
@@ -119,7 +132,19 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
         )
         if not ok:
             return None
-        return _Attempt(job_id, job.attempt, job.max_retries, job.num_procs, max_runtime_s, out_dir)
+        accelerator = s.scalar(
+            select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
+        )
+        return _Attempt(
+            job_id,
+            job.attempt,
+            job.max_retries,
+            job.num_procs,
+            max_runtime_s,
+            out_dir,
+            devices=job.devices,
+            accelerator=accelerator or "cpu",
+        )
 
 
 def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
@@ -228,7 +253,7 @@ class _Runner:
                 ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
-            elif att.attempt <= att.max_retries:
+            elif retry_allowed(att):
                 reason = (
                     f"attempt {att.attempt} failed (exit code {rc}); retrying, will resume from the "
                     f"latest checkpoint. Last output:\n{tail}"
@@ -243,6 +268,12 @@ class _Runner:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
 
 
+def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
+    """The engine's environment: this process's, plus the devices the attempt was placed on."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
+    return env | device_env(att.devices, att.accelerator, os.environ)
+
+
 def run_shard(job_id: str, settings: Settings | None = None) -> int:
     """Run one attempt of a scheduled job to its end; returns the engine's exit code (0 if skipped)."""
     settings = settings or get_settings()
@@ -250,10 +281,9 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
     if att is None:
         return 0
     _backfill_earlier_attempts(settings, att)
-    spec_path = att.out_dir / "spec.json"
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
-    cmd = engine_command(att.num_procs, spec_path, att.out_dir, checkpoint_url)
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
+    cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url)
+    env = runner_env_for(att, job_id)
     runner = _Runner(settings, att)
     log.info("job %s attempt %d: %s", job_id, att.attempt, " ".join(cmd))
     try:

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 from api_handle import Api
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from megatrain.api.app import create_app
 from megatrain.api.auth import create_api_key
+from megatrain.db.models import Tenant
 from megatrain.db.session import session_scope
-from megatrain.scheduler.pools import ensure_local_pool
 from megatrain.settings import get_settings, reset_settings_cache
+from megatrain.worker.nodes import ensure_local_pool
 
 
 @pytest.fixture
@@ -30,6 +32,8 @@ def api(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
         ensure_local_pool(session, settings)
         key = create_api_key(session, "acme", "test")
         other_key = create_api_key(session, "globex", "test")
+        for tenant in session.scalars(select(Tenant)):
+            tenant.max_priority = 10  # the tests may boost their jobs (the cap's own tests lower it)
     app = create_app(settings, sse_poll_interval_s=0.02)
     with TestClient(app) as client:
         yield Api(client, settings, db_url, key, other_key, data_root)

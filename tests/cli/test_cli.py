@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from live_stack import LiveApi, add_checkpoint
+from fixtures.live import LiveApi, add_checkpoint
 from typer.testing import CliRunner
 
 from megatrain.cli import app
@@ -137,6 +137,33 @@ def test_keys_create_rejects_a_bad_tenant_name(db_url: str) -> None:
     assert code == 1 and "tenant name" in out, out
 
 
+def test_tenants_set_max_priority_lets_a_tenant_boost_its_jobs(live_api: LiveApi, tmp_path: Path) -> None:
+    spec = live_api.spec("urgent")
+    spec["resources"] = {"gpus": 1, "priority": 5}
+    path = _write_spec(tmp_path, spec)
+    code, out = run("submit", str(path))
+    assert code != 0 and "resources.priority=5 exceeds this tenant's maximum priority 0" in out, out
+    code, out = run("tenants", "set-max-priority", "local", "5")
+    assert code == 0 and "up to 5" in out, out
+    code, out = run("submit", str(path))
+    assert code == 0, out
+
+
+def test_embedded_stack_registers_this_machine(megatrain_home: Path) -> None:
+    from sqlalchemy import select
+
+    from megatrain.cli.server import EmbeddedStack
+    from megatrain.db.models import Node, NodePool
+    from megatrain.db.session import session_scope
+    from megatrain.settings import get_settings
+
+    settings = get_settings()
+    EmbeddedStack.prepare(settings)
+    with session_scope(settings.resolved_database_url) as s:
+        assert s.scalar(select(NodePool.name)) == settings.pool_name
+        assert s.scalar(select(Node.slots_total)) >= 1
+
+
 def test_scheduler_command_runs_until_sigterm(db_url: str, tmp_path: Path) -> None:
     pytest.importorskip("megatrain.scheduler.loop", reason="the scheduler loop has not landed yet")
     import os
@@ -181,7 +208,7 @@ def test_demo_starts_a_detached_stack_when_none_answers(
     """`megatrain demo`'s first step: no API answers, so it starts `megatrain up` in the background."""
     pytest.importorskip("megatrain.api.app", reason="the API (megatrain.api.app) has not landed yet")
     pytest.importorskip("megatrain.scheduler.loop", reason="the scheduler loop has not landed yet")
-    from megatrain.cli import _ensure_api
+    from megatrain.cli.demo import _ensure_api
     from megatrain.client import Client, MegatrainError
     from megatrain.settings import get_settings
 

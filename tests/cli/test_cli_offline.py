@@ -11,7 +11,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-import megatrain.cli as cli
+import megatrain.cli.jobs as cli
 
 
 def _job(step: int, status: str, reason: str = "") -> dict[str, Any]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_stack import LiveApi, add_checkpoint, start_live_api
+from fixtures.live import LiveApi, add_checkpoint, start_live_api
 
 from megatrain.client import ApiError, Client
 

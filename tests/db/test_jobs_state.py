@@ -1,8 +1,9 @@
 """The job state machine on SQLite and PostgreSQL: guarded transitions, slot accounting."""
 
+from fixtures.cluster import seed_job, seed_node
 from sqlalchemy import select
 
-from megatrain.db.jobs import reserve_and_schedule, transition
+from megatrain.db.jobs import reserve_and_schedule, retry_allowed, transition
 from megatrain.db.models import (
     CANCELLED,
     QUEUED,
@@ -12,25 +13,13 @@ from megatrain.db.models import (
     Job,
     JobEvent,
     Node,
-    NodePool,
-    Tenant,
 )
 from megatrain.db.session import session_scope
 
 
 def _seed(url: str, slots: int = 4, procs: int = 2) -> tuple[str, str]:
-    with session_scope(url) as s:
-        t = Tenant(name="acme")
-        pool = NodePool(name="default")
-        s.add_all([t, pool])
-        s.flush()
-        node = Node(pool_id=pool.id, hostname="h1", slots_total=slots)
-        job = Job(
-            tenant_id=t.id, name="j", kind="pretrain", spec={}, spec_hash="x", layout={}, num_procs=procs
-        )
-        s.add_all([node, job])
-        s.flush()
-        return job.id, node.id
+    node_id = seed_node(url, slots, hostname="h1")
+    return seed_job(url, procs), node_id
 
 
 def test_schedule_reserves_and_terminal_releases_slots(db_url: str) -> None:
@@ -69,3 +58,23 @@ def test_cancel_of_queued_job_needs_no_slots(db_url: str) -> None:
     with session_scope(db_url) as s:
         assert s.get(Node, node_id).slots_used == 0
         assert not reserve_and_schedule(s, job_id, node_id)
+
+
+def test_retry_allowed_counts_starts() -> None:
+    # attempt counts starts: max_retries=2 allows a 2nd and a 3rd start, not a 4th
+    assert [retry_allowed(Job(attempt=a, max_retries=2)) for a in (1, 2, 3)] == [True, True, False]
+    assert not retry_allowed(Job(attempt=1, max_retries=0))
+
+
+def test_leaving_active_frees_devices_and_any_transition_clears_the_wait_reason(db_url: str) -> None:
+    job_id, node_id = _seed(db_url)
+    with session_scope(db_url) as s:
+        s.get(Job, job_id).wait_reason = {"code": "no_free_slots", "pool": "default", "needs": 2, "freest": 0}
+    with session_scope(db_url) as s:
+        assert reserve_and_schedule(s, job_id, node_id, "placed", devices=[2, 3])
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        assert job.devices == [2, 3] and job.wait_reason is None
+        assert transition(s, job_id, QUEUED, from_statuses=(SCHEDULED,), reason="retry")
+    with session_scope(db_url) as s:
+        assert s.get(Job, job_id).devices is None and s.get(Node, node_id).slots_used == 0

@@ -1,18 +1,27 @@
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from megatrain.engine.checkpoint import (
+    UnsafeCheckpoint,
     complete_steps,
     find_latest,
     load_checkpoint,
+    model_state_for_save,
+    plain_data,
+    read_checkpoint,
     restore_training_state,
     save_checkpoint,
+    write_checkpoint,
 )
 from megatrain.engine.config import train_config, transformer_config
 from megatrain.engine.models.gpt import GPTModel, lm_loss
@@ -139,3 +148,80 @@ def test_s3_round_trip(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyP
         loaded, spec = load_checkpoint(saved.uri)
         assert spec.name == "tiny"
         assert torch.equal(loaded.layers[1].mlp.fc2.weight, model.layers[1].mlp.fc2.weight)
+
+
+class _WritesAMarker:
+    """What an attacker with write access to storage could pickle: code that runs on unpickling."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return open, (str(self.marker), "w")  # merely loading it creates the marker file
+
+
+def _replace_file_and_manifest(folder: Path, name: str, payload: object) -> None:
+    """Swap one file and re-sign the manifest, as someone able to write the bucket would."""
+    torch.save(payload, folder / name)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["name"] == name:
+            data = (folder / name).read_bytes()
+            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path: Path, corpus: Path) -> None:
+    spec = parse_spec(tiny_spec(corpus, train_iters=6, checkpoint_interval=3, eval_interval=3))
+    out = tmp_path / "run"
+    run(parse_spec(tiny_spec(corpus, train_iters=3, checkpoint_interval=3, eval_interval=3)), out)
+    folder = out / "checkpoints" / "iter_0000003"
+    saved = torch.load(folder / "optimizer.pt", weights_only=True)  # what we write is plain data
+    marker = tmp_path / "pwned"
+    _replace_file_and_manifest(folder, "optimizer.pt", {**saved, "optimizer": _WritesAMarker(marker)})
+    with pytest.raises(UnsafeCheckpoint, match=r"optimizer\.pt holds .* refusing .*io\.open"):
+        run(spec, out)
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpoint):
+        read_checkpoint((out / "checkpoints").as_uri(), 3)
+    assert not marker.exists()
+
+
+def test_single_process_restore_loads_plain_data_only(tmp_path: Path, corpus: Path) -> None:
+    raw = tiny_spec(corpus)
+    model, opt = _model_and_optimizer(raw)
+    save_checkpoint(tmp_path.as_uri(), 1, model, opt, {"consumed_samples": 0}, parse_spec(raw))
+    # Python's random state (nested tuples of ints) and torch's ByteTensor states load safely.
+    extra = torch.load(tmp_path / "iter_0000001" / "optimizer.pt", weights_only=True)
+    assert extra["rng"]["torch"].dtype == torch.uint8
+    marker = tmp_path / "pwned"
+    _replace_file_and_manifest(
+        tmp_path / "iter_0000001", "optimizer.pt", {**extra, "rng": _WritesAMarker(marker)}
+    )
+    with pytest.raises(UnsafeCheckpoint):
+        restore_training_state(tmp_path.as_uri(), 1, model, opt)
+    assert not marker.exists()
+
+
+def test_saved_data_is_made_plain_or_refused(tmp_path: Path, corpus: Path) -> None:
+    np_state = np.random.get_state()  # ('MT19937', uint32 array, int, int, float)
+    extra = {"rng": {"numpy": np_state, "python": random.getstate()}, "n": np.int64(3)}
+    buf = io.BytesIO()
+    torch.save(plain_data(extra), buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert back["n"] == 3 and type(back["n"]) is int
+    expected = np.random.rand(3)
+    np.random.rand(5)
+    np.random.set_state(back["rng"]["numpy"])  # the restored tuple is accepted as is
+    assert np.array_equal(np.random.rand(3), expected)
+    random.setstate(back["rng"]["python"])
+    # An object that is not plain data is refused when saving, naming where it sits.
+    raw = tiny_spec(corpus)
+    model, _ = _model_and_optimizer(raw)
+    with pytest.raises(TypeError, match=r"extra\['optimizer'\]\['hook'\] is a .*_WritesAMarker"):
+        write_checkpoint(
+            (tmp_path / "ckpt").as_uri(), 1, model_state_for_save(model), model.config,
+            {"optimizer": {"hook": _WritesAMarker(tmp_path / "x")}}, {}, parse_spec(raw),
+        )  # fmt: skip
+    assert not (tmp_path / "ckpt").exists()  # nothing was uploaded

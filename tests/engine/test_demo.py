@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from megatrain.demo import build_stdlib_corpus, demo_spec
-from megatrain.scheduler.planner import plan_layout
+from megatrain.plan.layout import resolve_layout
 from megatrain.spec import parse_spec
 
 
@@ -28,7 +28,7 @@ def test_demo_spec_is_a_valid_single_process_llama_job(tmp_path: Path) -> None:
     spec = parse_spec(demo_spec((tmp_path / "stdlib.jsonl.gz").as_uri()))
     assert spec.model.arch == "llama" and spec.data.tokenizer.type == "byte"
     assert spec.model.query_groups < spec.model.num_attention_heads  # exercises GQA
-    assert plan_layout(spec).world_size == 1
+    assert resolve_layout(spec).world_size == 1
     t = spec.training
     assert t.checkpoint_interval and t.train_iters // t.checkpoint_interval >= 2
 

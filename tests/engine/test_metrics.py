@@ -34,13 +34,23 @@ def test_matches_narayanan_closed_form() -> None:
     assert abs(flops_per_iteration(c, b) - closed) / closed < 1e-12
 
 
+def test_fp16_uses_the_16_bit_tensor_core_peak() -> None:
+    # fp16 and bf16 run on the same tensor cores at the same dense rate on every listed GPU;
+    # dividing by the fp32 (CUDA core) peak overstated fp16 MFU ~15x on an H100.
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp16") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp16") == 312.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 66.9
+    # V100 and T4 have no bf16 but do have fp16 tensor cores.
+    assert peak_tflops("Tesla V100-SXM2-16GB", "fp16") == 125.0
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None
+
+
 def test_peaks_and_mfu() -> None:
-    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16", 1.0) == 989.4
-    assert peak_tflops("NVIDIA H100 PCIe", "bf16", 1.0) == 756.5
-    assert peak_tflops("NVIDIA H200", "bf16", 1.0) == 989.4
-    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp32", 1.0) == 19.5
-    assert peak_tflops("Some Future GPU", "bf16", 1.0) is None
-    assert peak_tflops(None, "fp32", 2.5) == 2.5  # CPU: MEGATRAIN_CPU_PEAK_TFLOPS
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.5
+    assert peak_tflops("NVIDIA H200", "bf16") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert peak_tflops("Some Future GPU", "bf16") is None
     r = throughput(flops_per_iter=4e12, tokens_per_iter=1000, iter_time_s=2.0, world_size=2, peak=2.0)
     assert r == {"tokens_per_s": 500.0, "tflops_per_device": 1.0, "mfu": 0.5}
     assert throughput(1e12, 10, 1.0, 1, None)["mfu"] is None

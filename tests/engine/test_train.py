@@ -13,14 +13,16 @@ import pytest
 import torch
 
 from megatrain.engine.config import train_config
-from megatrain.engine.train import EXIT_USAGE, UnsupportedLayout, lr_at, main, run
+from megatrain.engine.optimizer import lr_at
+from megatrain.engine.train import EXIT_USAGE, UnsupportedLayout, main, run
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
                "peak_memory_bytes", "iter_time_s", "consumed_samples", "time", "skipped_iters", "data_time_s",
-               "forward_time_s", "backward_time_s", "grad_sync_time_s", "optimizer_time_s"}  # fmt: skip
+               "forward_time_s", "backward_time_s", "grad_sync_time_s", "optimizer_time_s",
+               "cpu_util", "device_memory_used_bytes", "device_memory_total_bytes"}  # fmt: skip
 PIPELINE_KEYS = {"pipeline_bubble_fraction", "pipeline_wait_time_s", "pipeline_compute_time_s",
                  "pipeline_max_stage_wait_time_s"}  # fmt: skip
 

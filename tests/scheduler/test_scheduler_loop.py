@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +73,24 @@ def test_jobs_that_do_not_fit_wait_without_event_spam(
         assert transition(s, big, RUNNING, from_statuses=(SCHEDULED,))
         assert transition(s, big, SUCCEEDED, from_statuses=(RUNNING,))
     assert sched.schedule_once() == [waiting]
+
+
+def test_a_wait_behind_another_tenants_job_never_names_it(
+    settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    """The reason is rendered for the waiting job's tenant: another tenant's blocker is a queue
+    position in the stored text, never an id to be redacted afterwards; the data keeps the id."""
+    url = settings.resolved_database_url
+    add_node(2)
+    running = add_job(procs=2)
+    sched = Scheduler(settings, RecordingExecutor())
+    assert sched.schedule_once() == [running]
+    theirs = add_job(procs=2, tenant="globex")
+    mine = add_job(procs=1)
+    assert sched.schedule_once() == []
+    job = _job(url, mine)
+    assert theirs not in job.status_reason and "another tenant's job" in job.status_reason
+    assert job.wait_reason == {"code": "behind_job", "pool": "default", "job_id": theirs}
 
 
 def test_blocked_high_priority_job_is_not_starved_by_small_ones(
@@ -165,41 +180,35 @@ def test_reconcile_requeues_lost_runners_and_honours_limits(
     assert sched.reconcile_once() == []
 
 
-def test_reconcile_notices_a_dead_local_runner_at_once(
+def test_reconcile_asks_the_executor_before_timeouts(
     settings: Settings, add_node: Callable, add_job: Callable
 ) -> None:
     url = settings.resolved_database_url
-    add_node(2)
-    job_id = add_job()
-    sched = Scheduler(settings, RecordingExecutor())
-    sched.schedule_once()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    add_node(4)
+    dead, waiting, unknown = add_job(), add_job(), add_job()
+    ex = RecordingExecutor()
+    sched = Scheduler(settings, ex)
+    assert sched.schedule_once() == [dead, waiting, unknown] and ex.refreshes == 1
     with session_scope(url) as s:
         transition(
             s,
-            job_id,
+            dead,
             RUNNING,
             from_statuses=(SCHEDULED,),
-            runner_host=sched.hostname,
-            runner_pid=dead.pid,
+            runner_host="h",
+            runner_pid=4242,
             heartbeat_at=utcnow(),
         )
-    assert sched.reconcile_once() == [job_id]
-    assert f"runner pid {dead.pid}" in _job(url, job_id).status_reason
-    # a live runner on this host with a fresh heartbeat is left alone
-    sched.schedule_once()
-    with session_scope(url) as s:
-        transition(
-            s,
-            job_id,
-            RUNNING,
-            from_statuses=(SCHEDULED,),
-            runner_host=sched.hostname,
-            runner_pid=os.getpid(),
-            heartbeat_at=utcnow(),
-        )
-    assert sched.reconcile_once() == []
+    old = utcnow() - timedelta(seconds=60)
+    _age(url, waiting, scheduled_at=old)  # e.g. still in its node's broker queue
+    _age(url, unknown, scheduled_at=old)
+    ex.verdicts = {dead: False, waiting: True}
+    # the runner known gone is requeued at once (its heartbeat is fresh), the job known to wait is
+    # left alone past the timeout, the one without evidence is judged by the timeout
+    assert sorted(sched.reconcile_once()) == sorted([dead, unknown])
+    assert "runner pid 4242 on h is gone" in _job(url, dead).status_reason
+    assert _job(url, waiting).status == SCHEDULED
+    assert "no runner picked it up" in _job(url, unknown).status_reason
 
 
 def test_concurrent_schedulers_start_each_job_once(
@@ -294,3 +303,61 @@ def test_reserve_race_loser_does_not_submit(
         assert reserve_and_schedule(s, job_id, node)
     ex = RecordingExecutor()
     assert Scheduler(settings, ex).schedule_once() == [] and ex.submitted == []
+
+
+def test_jobs_on_one_gpu_node_get_disjoint_devices(
+    settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    url = settings.resolved_database_url
+    add_node(4, pool="gpu", accelerator="NVIDIA H100 80GB HBM3")
+    first, second, third = (add_job(procs=2, pool="gpu") for _ in range(3))
+    sched = Scheduler(settings, RecordingExecutor())
+    assert sched.schedule_once() == [first, second]
+    assert (_job(url, first).devices, _job(url, second).devices) == ([0, 1], [2, 3])
+    with session_scope(url) as s:  # the first ends: its devices, and only those, go to the third
+        assert transition(s, first, SUCCEEDED, from_statuses=(SCHEDULED,))
+    assert _job(url, first).devices is None
+    assert sched.schedule_once() == [third]
+    assert _job(url, third).devices == [0, 1]
+
+
+def test_reserve_refuses_devices_taken_by_a_racing_scheduler(
+    settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    url = settings.resolved_database_url
+    node = add_node(4)
+    a, b = add_job(procs=2), add_job(procs=2)
+    with session_scope(url) as s:
+        assert reserve_and_schedule(s, a, node, devices=[0, 1])
+    with session_scope(url) as s:  # a stale snapshot chose the same devices: refused, slots untouched
+        assert not reserve_and_schedule(s, b, node, devices=[1, 2])
+        s.rollback()
+    assert _slots_used(url, node) == 2 and _job(url, b).status == QUEUED
+    assert Scheduler(settings, RecordingExecutor()).schedule_once() == [b]
+    assert _job(url, b).devices == [2, 3]
+
+
+def test_wait_reasons_are_data_and_never_name_another_tenants_job(
+    settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    url = settings.resolved_database_url
+    add_node(2)
+    add_job(procs=2)  # takes the node
+    theirs = add_job(procs=2, tenant="globex")  # first in line
+    mine_own_blocker = add_job(procs=2, tenant="globex")
+    mine = add_job(procs=1)
+    Scheduler(settings, RecordingExecutor()).schedule_once()
+    job = _job(url, mine)
+    assert job.wait_reason == {"code": "behind_job", "pool": "default", "job_id": theirs}
+    assert job.status_reason == (
+        "waiting: behind another tenant's job, first in line for pool 'default' (no backfill)"
+    )
+    assert theirs not in job.status_reason
+    # the blocking job's own tenant reads its id
+    assert _job(url, mine_own_blocker).status_reason.startswith(f"waiting: behind job {theirs}")
+    assert _job(url, theirs).wait_reason == {
+        "code": "no_free_slots",
+        "pool": "default",
+        "needs": 2,
+        "freest": 0,
+    }

@@ -7,16 +7,12 @@ tests are skipped, with the reason, where Playwright or Chromium is missing; CI 
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
-from live_stack import LiveApi, start_live_api  # noqa: E402
-from web_helpers import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from web_helpers import CHROMIUM, CHROMIUM_ARGS
 
 
 @pytest.fixture
@@ -46,15 +42,3 @@ def browser_context(tmp_path: Path) -> Iterator[Any]:
 def page_errors() -> list[str]:
     """Uncaught exceptions and console errors of the pages a test opened (should stay empty)."""
     return []
-
-
-@pytest.fixture
-def live_stack(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveApi]:
-    """API + scheduler + local executor: jobs really train (tiny models on CPU)."""
-    yield from start_live_api(tmp_path, monkeypatch, with_scheduler=True, cpu_slots=2)
-
-
-@pytest.fixture
-def live_api(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveApi]:
-    """The API alone: submitted jobs stay queued."""
-    yield from start_live_api(tmp_path, monkeypatch, with_scheduler=False)

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from live_stack import LiveApi
+from fixtures.live import LiveApi
 from web_helpers import ARTIFACTS, open_page
 
 from megatrain.api.auth import create_api_key
@@ -115,6 +115,11 @@ def test_dashboard_end_to_end(
     final_points = int(loss.get_attribute("data-points"))
     assert final_points == 150  # 300 steps logged every 2
     assert page.locator("#chart-lr").get_attribute("data-points") == "150"
+    # A CPU run reports cpu_util (engine/device_stats.py): the utilization chart shows it, so titled.
+    assert page.locator("#chart-utilization").is_visible()
+    assert page.locator("#chart-utilization").get_attribute("data-points") == "150"
+    assert page.inner_text("#chart-utilization-title") == "CPU utilization"
+    assert page.inner_text("#chart-memory-title") == "Memory per rank (CPU)"
     for kind in ("Queued", "Scheduled", "Running", "Engine started", "Checkpoint saved", "Succeeded"):
         assert page.locator(f"#timeline .what:text-is('{kind}')").count() >= 1, kind
     assert "engine exited 0" in page.inner_text("#timeline")

@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from live_stack import LiveApi
+from fixtures.live import LiveApi
 from web_helpers import open_page
 
-from megatrain.api.auth import create_api_key
+from megatrain.api.auth import create_api_key, get_or_create_tenant
 from megatrain.db.jobs import record_event
 from megatrain.db.models import JobMetric
 from megatrain.db.session import session_scope
@@ -45,7 +45,8 @@ def _insert_metrics(db_url: str, job_id: str) -> None:
         loss = 9.0 if step == SPIKE_STEP else 2.0 + 6.0 / (1 + step / 2000)
         data = {"step": step, "loss": loss, "lr": 3e-4, "grad_norm": 1.0 + (step % 17) / 17,
                 "tokens_per_s": 50_000.0 + step % 1000, "mfu": 0.4, "peak_memory_bytes": 30 << 30,
-                "iter_time_s": 0.1}  # fmt: skip
+                "gpu_util": 90.0 + step % 7, "device_memory_used_bytes": 34 << 30,
+                "device_memory_total_bytes": 80 << 30, "iter_time_s": 0.1}  # fmt: skip
         rows.append({"job_id": job_id, "kind": "train", "step": step, "loss": loss, "data": data})
     for step in range(1000, ROWS + 1, 1000):
         rows.append(
@@ -97,6 +98,11 @@ def test_job_page_with_100k_points(
     assert 1000 <= points <= 2100  # train and val rows share the x axis
     assert "Showing" in page.inner_text("#chart-note") and "100,100" in page.inner_text("#chart-note")
 
+    # A GPU run's rows (engine/device_stats.py): its utilization chart, titled for a GPU.
+    assert page.locator("#chart-utilization").is_visible()
+    assert page.inner_text("#chart-utilization-title") == "GPU utilization"
+    assert page.inner_text("#chart-memory-title") == "Memory per GPU"
+
     plan = page.inner_text("#memory-plan")
     assert "28.0 GiB" in plan and "Optimizer 8.0 GiB" in plan and "Activations 12.0 GiB" in plan
 
@@ -144,6 +150,7 @@ def test_job_page_with_100k_points(
     # other tenant's higher-priority job takes both slots first and is never named.
     with session_scope(db_url) as s:
         other_key = create_api_key(s, "globex", "other tenant")
+        get_or_create_tenant(s, "globex").max_priority = 5  # the operator lets it boost its jobs
     theirs = live.spec("their-job", global_batch_size=4)
     theirs["resources"] = {"gpus": 2, "priority": 5}
     their_id = httpx.post(

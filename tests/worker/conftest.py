@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.cluster import seed_job, seed_node
+from sqlalchemy import select
 from worker_helpers import job_spec
 
 from megatrain.db.jobs import reserve_and_schedule
-from megatrain.db.models import Job, Node, NodePool, Tenant
+from megatrain.db.models import Node, NodePool
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings, reset_settings_cache
 
@@ -34,36 +36,20 @@ def settings(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
 
 @pytest.fixture
 def make_job(settings: Settings) -> Callable[..., str]:
-    """Create a job (and pool/node on first use) and, unless schedule=False, reserve it: → scheduled."""
+    """Create a job (and its pool's node "testnode", 8 slots, on first use) and, unless
+    schedule=False, reserve it: → scheduled."""
     url = settings.resolved_database_url
 
     def make(
         *, procs: int = 1, max_retries: int = 2, schedule: bool = True, pool: str = "default", **spec_kw: Any
     ) -> str:
         with session_scope(url) as s:
-            tenant = s.query(Tenant).filter_by(name="acme").one_or_none() or Tenant(name="acme")
-            np = s.query(NodePool).filter_by(name=pool).one_or_none() or NodePool(name=pool)
-            s.add_all([tenant, np])
-            s.flush()
-            node = s.query(Node).filter_by(pool_id=np.id).first()
-            if node is None:
-                node = Node(pool_id=np.id, hostname="testnode", slots_total=8)
-                s.add(node)
-            spec = job_spec(**spec_kw)
-            job = Job(
-                tenant_id=tenant.id,
-                name="fake",
-                kind="pretrain",
-                spec=spec,
-                spec_hash="x",
-                layout={},
-                num_procs=procs,
-                max_retries=max_retries,
-                pool=pool,
-            )
-            s.add(job)
-            s.flush()
-            job_id, node_id = job.id, node.id
+            node_id = s.scalar(select(Node.id).join(NodePool).where(NodePool.name == pool))
+        if node_id is None:
+            node_id = seed_node(url, 8, pool, "testnode")
+        job_id = seed_job(
+            url, procs, name="fake", spec=job_spec(**spec_kw), max_retries=max_retries, pool=pool
+        )
         if schedule:
             with session_scope(url) as s:
                 assert reserve_and_schedule(s, job_id, node_id, "test")

@@ -32,14 +32,22 @@ def main() -> int:
     p.add_argument("--spec", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--checkpoint-url", default=None)
+    p.add_argument("--layout", required=True)  # the stored layout the real engine runs with
     args = p.parse_args()
     if os.environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = json.loads(Path(args.layout).read_text())
+    if layout["tp"] * layout["pp"] * layout["dp"] * layout["cp"] != world:
+        print(f"error: the stored layout {layout} does not match a world of {world}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "pids" / f"rank{rank}.pid").write_text(str(os.getpid()))
+    # The devices this rank was given (the runner's CUDA_* variables), for the placement tests.
+    cuda = {k: v for k, v in os.environ.items() if k.startswith("CUDA_")}
+    (out / "pids" / f"rank{rank}.cuda.json").write_text(json.dumps(cuda))
     spec = json.loads(Path(args.spec).read_text())
     tr = spec.get("training", {})
     iters, log_every = int(tr.get("train_iters", 20)), int(tr.get("log_interval", 1))

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from worker_helpers import alive, wait_for
 
 from megatrain.db.models import (
+    FAILED,
     QUEUED,
     RUNNING,
+    SCHEDULED,
     SUCCEEDED,
     Checkpoint,
     Job,
@@ -24,11 +29,14 @@ from megatrain.db.models import (
     JobMetric,
     Node,
     NodePool,
+    utcnow,
 )
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
+from megatrain.worker.celery_app import queue_name, worker_slots
 from megatrain.worker.executors import CeleryExecutor, LocalExecutor, get_executor, runner_env
+from megatrain.worker.nodes import ensure_local_pool
 
 
 def _job(url: str, job_id: str) -> Job:
@@ -88,13 +96,74 @@ def test_local_runner_killed_is_requeued_and_resumes(
     assert (settings.runs_dir / job_id / "runner.log").stat().st_size > 0
 
 
+def test_local_executor_knows_a_dead_runner_on_this_host(settings: Settings) -> None:
+    ex = LocalExecutor(settings)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = socket.gethostname()
+    assert ex.runner_alive(Job(id="j", runner_host=here, runner_pid=dead.pid)) is False
+    # a live pid may still hang (heartbeats judge it); another host's pid means nothing here
+    assert ex.runner_alive(Job(id="j", runner_host=here, runner_pid=os.getpid())) is None
+    assert ex.runner_alive(Job(id="j", runner_host="elsewhere", runner_pid=dead.pid)) is None
+    assert ex.runner_alive(Job(id="j")) is None
+
+
+def test_a_worker_runs_as_many_jobs_as_its_node_advertises(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("megatrain.worker.nodes.detect_gpus", lambda: ["NVIDIA H100"] * 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert worker_slots(settings) == 8
+    assert worker_slots(settings, concurrency=2) == 2  # a cap lowers what the node advertises
+    assert worker_slots(settings, concurrency=64) == 8
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the operator gave this worker two GPUs
+    assert worker_slots(settings) == 2
+    monkeypatch.setattr("megatrain.worker.nodes.detect_gpus", lambda: [])
+    assert worker_slots(settings.model_copy(update={"cpu_slots": 3})) == 3
+
+
 @pytest.fixture
 def celery_settings(settings: Settings, redis_url: str) -> Iterator[Settings]:
     pool = f"celery-{uuid.uuid4().hex[:8]}"
     yield settings.model_copy(update={"executor": "celery", "redis_url": redis_url, "pool_name": pool})
     import redis
 
-    redis.Redis.from_url(redis_url).delete(f"megatrain.{pool}")
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"megatrain.{pool}*"):
+        client.delete(key)
+
+
+@contextlib.contextmanager
+def celery_worker(settings: Settings, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m megatrain.worker.celery_app` for `settings`, once its node is registered."""
+    url = settings.resolved_database_url
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "megatrain.worker.celery_app"],
+        env=runner_env(settings),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def registered() -> bool:
+        with session_scope(url) as s:
+            return (
+                s.scalar(select(Node.id).join(NodePool).where(NodePool.name == settings.pool_name))
+                is not None
+            )
+
+    try:
+        wait_for(registered, 30)
+        yield worker
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        log.close()
 
 
 @pytest.mark.redis
@@ -104,24 +173,7 @@ def test_celery_worker_runs_a_scheduled_job(
 ) -> None:
     settings = celery_settings
     url = settings.resolved_database_url
-    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "megatrain.worker.celery_app"],
-        env=runner_env(settings),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-
-        def registered() -> bool:
-            with session_scope(url) as s:
-                return (
-                    s.scalar(select(Node.id).join(NodePool).where(NodePool.name == settings.pool_name))
-                    is not None
-                )
-
-        wait_for(registered, 30)
+    with celery_worker(settings, tmp_path / "worker.log") as worker:
         job_id = make_job(schedule=False, pool=settings.pool_name, train_iters=12, checkpoint_interval=4)
         sched = Scheduler(settings)
         assert isinstance(sched.executor, CeleryExecutor)
@@ -134,18 +186,82 @@ def test_celery_worker_runs_a_scheduled_job(
             events = len(s.scalars(select(JobEvent.id).where(JobEvent.job_id == job_id)).all())
         assert sorted(steps) == list(range(1, 13))
         # a second delivery of the same task is a no-op
-        result = sched.executor.app.send_task(
-            "megatrain.run_shard", args=[job_id], queue=f"megatrain.{settings.pool_name}"
-        )
+        queue = queue_name(settings.pool_name, socket.gethostname())
+        result = sched.executor.app.send_task("megatrain.run_shard", args=[job_id], queue=queue)
         assert result.get(timeout=30) is None
         with session_scope(url) as s:
             assert len(s.scalars(select(JobEvent.id).where(JobEvent.job_id == job_id)).all()) == events
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-        log.close()
     assert _job(url, job_id).status not in (QUEUED, RUNNING)
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_celery_node_runs_as_many_jobs_at_once_as_its_slots(
+    celery_settings: Settings,
+    make_job: Callable[..., str],
+    fake_engine: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two 1-slot jobs placed together on a 2-slot node: both must start at once. A worker that ran
+    # one task at a time left the second in Redis past the heartbeat timeout: requeued, retried.
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.1")
+    settings = celery_settings.model_copy(update={"cpu_slots": 2, "heartbeat_timeout_s": 3.0})
+    url = settings.resolved_database_url
+    with celery_worker(settings, tmp_path / "worker.log"):
+        with session_scope(url) as s:
+            assert (
+                s.scalar(select(Node.slots_total).join(NodePool).where(NodePool.name == settings.pool_name))
+                == 2
+            )
+        jobs = [
+            make_job(schedule=False, pool=settings.pool_name, train_iters=50, checkpoint_interval=0)
+            for _ in range(2)
+        ]
+        sched = Scheduler(settings)
+        assert sched.schedule_once() == jobs
+
+        def done() -> bool:
+            sched.reconcile_once()
+            sched.schedule_once()
+            return all(_job(url, j).status in (SUCCEEDED, FAILED) for j in jobs)
+
+        wait_for(done, 90, interval=0.3)
+    first, second = (_job(url, j) for j in jobs)
+    assert (first.status, second.status) == (SUCCEEDED, SUCCEEDED)
+    assert (first.attempt, second.attempt) == (1, 1)  # neither was mistaken for lost
+    assert max(first.started_at, second.started_at) < min(first.finished_at, second.finished_at)
+
+
+@pytest.mark.redis
+def test_a_job_waiting_in_its_node_queue_is_not_lost(
+    celery_settings: Settings, make_job: Callable[..., str]
+) -> None:
+    # No worker consumes the node's queue (busy or restarting): the task waits in Redis, and the
+    # job stays scheduled past the heartbeat timeout instead of being requeued as lost.
+    settings = celery_settings
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        ensure_local_pool(s, settings)
+    job_id = make_job(schedule=False, pool=settings.pool_name)
+    sched = Scheduler(settings)
+    assert sched.schedule_once() == [job_id]
+    with session_scope(url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(scheduled_at=utcnow() - timedelta(hours=1)))
+    assert sched.reconcile_once() == []
+    assert _job(url, job_id).status == SCHEDULED
+    # a node whose worker is no longer seen has no one to take the task: the timeout judges again
+    with session_scope(url) as s:
+        s.execute(update(Node).values(last_seen_at=utcnow() - timedelta(hours=1)))
+    assert sched.reconcile_once() == [job_id]
+    assert _job(url, job_id).status == QUEUED
+    # and a task no longer in the queue (taken, or lost with Redis) is not waiting either
+    assert sched.schedule_once() == [job_id]
+    with session_scope(url) as s:
+        s.execute(update(Node).values(last_seen_at=utcnow()))
+        s.execute(update(Job).where(Job.id == job_id).values(scheduled_at=utcnow() - timedelta(hours=1)))
+    assert sched.reconcile_once() == []
+    import redis
+
+    redis.Redis.from_url(settings.redis_url).delete(queue_name(settings.pool_name, socket.gethostname()))
+    assert sched.reconcile_once() == [job_id]

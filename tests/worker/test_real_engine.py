@@ -12,7 +12,9 @@ from sqlalchemy import select
 
 from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
 from megatrain.db.session import session_scope
+from megatrain.plan.layout import resolve_layout
 from megatrain.settings import Settings
+from megatrain.spec import parse_spec
 from megatrain.worker.shard import run_shard
 
 pytestmark = pytest.mark.slow
@@ -70,7 +72,9 @@ def test_real_engine_runs_under_the_runner(
         "resources": {"gpus": procs, "max_runtime_s": 300},
     }
     with session_scope(url) as s:
-        s.get(Job, job_id).spec = spec
+        job = s.get(Job, job_id)
+        # What the API stores at submission: the spec and the layout resolved from it.
+        job.spec, job.layout = spec, resolve_layout(parse_spec(spec)).as_dict()
     from megatrain.db.jobs import reserve_and_schedule
     from megatrain.db.models import Node
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fixtures.cluster import seed_job, seed_node
 from sqlalchemy import func, select, update
-from worker_helpers import alive, wait_for
+from worker_helpers import alive, job_spec, wait_for
 
 from megatrain.db.jobs import reserve_and_schedule
 from megatrain.db.models import (
@@ -26,8 +28,10 @@ from megatrain.db.models import (
     Node,
 )
 from megatrain.db.session import session_scope
+from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
 from megatrain.worker import shard
+from megatrain.worker.nodes import device_env
 from megatrain.worker.shard import run_shard
 
 
@@ -211,3 +215,64 @@ def test_logs_are_capped_at_max_log_lines(
         seqs = s.scalars(select(JobLog.seq).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
     # 300 step lines + the engine's first and last line; only the newest 100 remain
     assert len(seqs) == 100 and seqs[-1] == 302 and seqs == list(range(203, 303))
+
+
+class _PlaceOnly:
+    """An executor that runs nothing: the test runs the shards itself."""
+
+    def submit(self, job_id: str) -> None: ...
+
+    def refresh_nodes(self) -> None: ...
+
+    def runner_alive(self, job: Job) -> bool | None:
+        return None
+
+
+def _cuda_env(settings: Settings, job_id: str) -> dict[str, str]:
+    return json.loads((settings.runs_dir / job_id / "attempt-1" / "pids" / "rank0.cuda.json").read_text())
+
+
+def test_jobs_sharing_a_gpu_node_see_only_their_devices(
+    settings: Settings, fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = settings.resolved_database_url
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seed_node(url, 4, "gpu", "gpunode", accelerator="NVIDIA H100 80GB HBM3")
+    seed_node(url, 4, "cpu", "cpunode")
+    spec = job_spec(train_iters=2)
+    # one process each keeps torchrun out of it (slow to start); test_placement covers wider jobs
+    a = seed_job(url, 1, pool="gpu", spec=spec)
+    b = seed_job(url, 3, pool="gpu", spec=spec)  # placed, never run here
+    c = seed_job(url, 1, pool="gpu", spec=spec)  # waits: b leaves no room on the node
+    on_cpu = seed_job(url, 1, pool="cpu", spec=spec)
+    sched = Scheduler(settings, _PlaceOnly())
+    assert sched.schedule_once() == [a, b, on_cpu]
+    assert _job(url, b).devices == [1, 2, 3]
+    assert run_shard(a, settings) == 0
+    only_device_0 = {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
+    assert _cuda_env(settings, a) == only_device_0
+    assert sched.schedule_once() == [c]  # a's device goes to c, not one of b's
+    assert run_shard(c, settings) == 0
+    assert _cuda_env(settings, c) == only_device_0
+    assert run_shard(on_cpu, settings) == 0
+    assert _cuda_env(settings, on_cpu) == {}  # recorded on the job, no effect on a CPU node
+    with session_scope(url) as s:  # where each attempt ran stays in its history
+        placed = s.scalar(
+            select(JobEvent.data).where(JobEvent.job_id == on_cpu, JobEvent.kind == "scheduled")
+        )
+    assert placed["devices"] == [0]
+
+
+def test_device_env_counts_within_the_workers_own_devices() -> None:
+    # a worker started with CUDA_VISIBLE_DEVICES=4,5,6,7 hands its jobs indices into that list
+    assert (
+        device_env([2, 3], "NVIDIA A100", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})["CUDA_VISIBLE_DEVICES"]
+        == "6,7"
+    )
+    assert device_env([0], "NVIDIA A100", {})["CUDA_VISIBLE_DEVICES"] == "0"
+    assert device_env([0], "NVIDIA A100", {})["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert device_env([0, 1], "cpu", {}) == {} and device_env(None, "NVIDIA A100", {}) == {}

@@ -1,7 +1,9 @@
 """The cluster as a tenant may see it: pools, nodes and their slots, and the queue in order.
 
 Slot counts are aggregate (no tenant data); running and queued jobs of other tenants appear only as
-anonymous entries (slots, priority, place in the queue), never with an id, name or spec.
+anonymous entries (slots, priority, place in the queue), never with an id, name or spec. Why each
+queued job waits is the scheduler's own decision (`scheduler.placement.place` on this snapshot),
+rendered for this viewer: a blocking job of another tenant is named by its place in the queue.
 """
 
 from __future__ import annotations
@@ -11,20 +13,40 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from megatrain.api.cluster.queue import NodeRoom, QueuedJob, explain_queue
 from megatrain.db.models import ACTIVE_STATES, QUEUED, Job, Node, NodePool, Tenant
+from megatrain.scheduler.placement import Decision, NodeRoom, QueuedJob, place
+from megatrain.scheduler.reasons import FITS_NEXT_TICK, WaitReason, render_wait
+
+
+def _why(decision: Decision, pool: str, positions: dict[str, tuple[int, bool]]) -> dict[str, Any]:
+    """{"reason": text, "wait": data} for one queued job, as this viewer may see it: the blocking
+    job's id only if the viewer owns it, else its place in the queue."""
+    if decision.placement is not None:
+        reason = WaitReason(FITS_NEXT_TICK, pool, hostname=decision.placement.hostname)
+    else:
+        assert decision.wait is not None
+        reason = decision.wait
+    data = reason.as_dict()
+    position, own = positions.get(reason.job_id or "", (None, False))
+    if reason.job_id is not None and not own:
+        del data["job_id"]
+        data["position"] = position
+    text = render_wait(reason, owns_blocker=own, blocker_position=position)
+    return {"reason": text, "wait": data}
 
 
 def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
     pools = session.scalars(select(NodePool).order_by(NodePool.name)).all()
     nodes = session.scalars(select(Node).order_by(Node.hostname)).all()
     active = session.execute(
-        select(Job.id, Job.name, Job.status, Job.node_id, Job.num_procs, Job.tenant_id).where(
+        select(Job.id, Job.name, Job.status, Job.node_id, Job.num_procs, Job.tenant_id, Job.devices).where(
             Job.status.in_(ACTIVE_STATES)
         )
     ).all()
     on_node: dict[str, list[dict[str, Any]]] = {}
+    busy: dict[str, set[int]] = {}
     for j in active:
+        busy.setdefault(j.node_id or "", set()).update(int(d) for d in j.devices or ())
         own = j.tenant_id == tenant.id
         entry: dict[str, Any] = {"own": own, "status": j.status, "slots": j.num_procs}
         if own:
@@ -50,7 +72,8 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
                 }
             )
             if n.status == "ready":
-                rooms.setdefault(pool.name, []).append(NodeRoom(n.hostname, n.slots_total, free))
+                room = NodeRoom(n.id, n.hostname, n.slots_total, free, frozenset(busy.get(n.id, ())))
+                rooms.setdefault(pool.name, []).append(room)
         pool_rows.append(
             {
                 "name": pool.name,
@@ -71,12 +94,10 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
         .where(Job.status == QUEUED)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
     ).all()  # fmt: skip
-    order = [
-        QueuedJob(q.id, q.pool, q.num_procs, q.tenant_id == tenant.id, q.cancel_requested) for q in queued
-    ]
-    reasons = explain_queue(order, rooms)
+    decisions = place([QueuedJob(q.id, q.pool, q.num_procs, q.cancel_requested) for q in queued], rooms)
+    positions = {q.id: (i, q.tenant_id == tenant.id) for i, q in enumerate(queued, start=1)}
     queue = []
-    for position, (q, reason) in enumerate(zip(queued, reasons, strict=True), start=1):
+    for position, (q, decision) in enumerate(zip(queued, decisions, strict=True), start=1):
         entry = {
             "position": position,
             "own": q.tenant_id == tenant.id,
@@ -84,7 +105,7 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
             "slots": q.num_procs,
             "priority": q.priority,
             "queued_at": q.created_at,
-            "reason": reason,
+            **_why(decision, q.pool, positions),
         }
         if entry["own"]:
             entry |= {"id": q.id, "name": q.name}

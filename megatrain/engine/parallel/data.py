@@ -120,12 +120,12 @@ class DataParallel(nn.Module):
         self.dp_group: Group = state.dp_group
         self.dp_size = state.dp_size
         self.dp_rank = state.dp_rank
-        if state.dims.cp > 1:
+        if state.layout.cp > 1:
             # Megatron reduces over the joint dp×cp group; ParallelState has no such group yet.
             self.dp_group = state.groups.get("dp_cp")
             self.dp_size, self.dp_rank = (
-                state.dims.dp * state.dims.cp,
-                state.coords.cp + state.dims.cp * state.dp_rank,
+                state.layout.dp * state.layout.cp,
+                state.coords.cp + state.layout.cp * state.dp_rank,
             )
             if self.dp_group is None:
                 raise ValueError("context parallelism needs a joint dp×cp group ('dp_cp') in ParallelState")

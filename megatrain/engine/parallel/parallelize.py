@@ -15,9 +15,10 @@ vocabulary, output left sharded (the loss is vocab-parallel), sharing the embedd
 
 With sequence parallelism the residual stream between blocks is a sequence shard (B, T/tp, C): the
 embedding reduce-scatters along T, learned positions are looked up for the local slice, qkv/fc1/
-lm_head all-gather along T, proj/fc2 reduce-scatter; norms, RowParallel biases and positions are
-flagged `sequence_parallel` (allreduce_sequence_parallel_grads sums their gradients over tp) and
-hidden dropout draws per-rank masks from the tracker, since ranks hold different tokens.
+lm_head all-gather along T (keeping only their shard for backward), proj/fc2 reduce-scatter; norms,
+RowParallel biases and positions are flagged `sequence_parallel` (allreduce_sequence_parallel_grads
+sums their gradients over tp) and hidden dropout draws per-rank masks from the tracker, since ranks
+hold different tokens.
 
 Checkpoints stay in the single-device format: full_state_dict gathers the shards back into
 GPTModel's names and layout, load_full_state_dict slices canonical tensors into this rank's shards.
@@ -31,20 +32,22 @@ import torch
 from torch import nn
 
 from megatrain.engine.models.gpt import GPTModel, lm_loss
-from megatrain.engine.parallel.dims import validate_dims
-from megatrain.engine.parallel.random import MODEL_PARALLEL, RNGStatesTracker, TrackedDropout
-from megatrain.engine.parallel.state import ParallelState
-from megatrain.engine.parallel.tensor import (
+from megatrain.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatrain.engine.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelPositionEmbedding,
     VocabParallelEmbedding,
+)
+from megatrain.engine.parallel.mappings import (
     gather_shards,
     is_tensor_parallel,
     mark_sequence_parallel,
     shard_tensor,
-    vocab_parallel_cross_entropy,
 )
+from megatrain.engine.parallel.random import MODEL_PARALLEL, RNGStatesTracker, TrackedDropout
+from megatrain.engine.parallel.state import ParallelState
+from megatrain.plan.layout import LayoutError, model_problems
 
 
 def parallelize_model(
@@ -60,15 +63,16 @@ def parallelize_model(
         return model
     cfg = model.config
     tp, sp = state.tp_size, state.sequence_parallel
-    validate_dims(
-        state.dims,
-        state.dims.world_size,
+    problems = model_problems(
+        state.layout,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
         vocab_size=cfg.vocab_size,
         seq_length=cfg.seq_length,
     )
+    if problems:
+        raise LayoutError("invalid parallel layout: " + "; ".join(p["message"] for p in problems))
     has_dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
     if rng_tracker is None and has_dropout:
         raise ValueError("tensor parallelism with dropout needs an rng_tracker (see parallel.random)")

@@ -1,7 +1,7 @@
 """Pipeline stages: the layer stack cut into model chunks, one or more (virtual stages) per pp rank.
 
     model = parallelize_model(GPTModel(cfg), state, ...)      # built in full on every rank, same seed
-    chunks = build_stage_modules(model, state, layer_split)  # this rank's chunks; the rest is dropped
+    chunks = build_stage_modules(model, state)  # this rank's chunks; the rest is dropped
     ... schedules.PipelineSchedule(chunks, state, ...).forward_backward(batches) ...
     allreduce_tied_embedding_grads(chunks, ddp, state)      # after ddp.finish_grad_sync()
 
@@ -28,44 +28,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatrain.engine.models.gpt import GPTModel
-from megatrain.engine.parallel.dims import LayoutError
+from megatrain.engine.parallel.mappings import is_tensor_parallel, shard_tensor
 from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.engine.parallel.tensor import is_tensor_parallel, shard_tensor
+from megatrain.plan.layout import LayoutError, model_problems
 
 TP_ATTRS = ("tensor_parallel", "partition_dim", "partition_stride", "sequence_parallel")
-
-
-def partition_layers(
-    num_layers: int, pp: int, virtual_stages: int = 1, layers: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """[start, end) layer ranges of the pp·virtual_stages chunks, in chunk order.
-
-    `layers` gives explicit counts per chunk (chunk c = v·pp + stage); without it the stack is split
-    evenly, which needs num_layers divisible by pp·virtual_stages (Megatron's rule).
-    """
-    n_chunks = pp * virtual_stages
-    if layers is None:
-        if num_layers % n_chunks:
-            raise LayoutError(
-                f"num_layers={num_layers} is not divisible by pp×virtual_stages={pp}×{virtual_stages}; "
-                "give parallelism.pipeline_layers for an uneven split"
-            )
-        layers = [num_layers // n_chunks] * n_chunks
-    if len(layers) != n_chunks:
-        raise LayoutError(
-            f"pipeline_layers has {len(layers)} entries but "
-            f"pp×virtual_stages={pp}×{virtual_stages}={n_chunks}"
-        )
-    if any(n < 0 for n in layers) or sum(layers) != num_layers:
-        raise LayoutError(
-            f"pipeline_layers={list(layers)} must be non-negative and sum to num_layers={num_layers}"
-        )
-    out, start = [], 0
-    for n in layers:
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 def stage_chunk_ids(stage: int, pp: int, virtual_stages: int) -> list[int]:
@@ -149,16 +117,17 @@ def _untie(param: nn.Parameter) -> nn.Parameter:
     return copy
 
 
-def build_stage_modules(
-    model: GPTModel, state: ParallelState, layer_split: Sequence[int] | None = None
-) -> list[StageModule]:
+def build_stage_modules(model: GPTModel, state: ParallelState) -> list[StageModule]:
     """This rank's chunks of a (tensor-parallelized) GPTModel, by local chunk index.
 
     Every rank builds the whole model from the same seed first, so each stage starts from exactly the
     weights a single process would; the blocks of other stages are dropped with `model`.
     """
-    pp, v = state.pp_size, state.dims.virtual_stages
-    ranges = partition_layers(model.config.num_layers, pp, v, layer_split)
+    pp, v = state.pp_size, state.layout.virtual_stages
+    problems = model_problems(state.layout, num_layers=model.config.num_layers)
+    if problems:
+        raise LayoutError("; ".join(p["message"] for p in problems))
+    ranges = state.layout.chunk_layers(model.config.num_layers)
     chunks = []
     for cid in stage_chunk_ids(state.pp_rank, pp, v):
         chunks.append(StageModule(model, cid, pp * v, *ranges[cid]))
@@ -209,9 +178,9 @@ def stage_parameter_names(chunks: Sequence[StageModule]) -> dict[nn.Parameter, s
 
 def gather_to_rank0(obj: Any, state: ParallelState) -> list[Any] | None:
     """Every rank's `obj` on global rank 0 (None elsewhere); plain return without a process group."""
-    if state.dims.world_size == 1:
+    if state.layout.world_size == 1:
         return [obj]
-    out: list[Any] = [None] * state.dims.world_size if state.rank == 0 else []
+    out: list[Any] = [None] * state.layout.world_size if state.rank == 0 else []
     dist.gather_object(obj, out if state.rank == 0 else None, dst=0)
     return out if state.rank == 0 else None
 

@@ -210,8 +210,8 @@ class P2P:
         self.shape, self.dtype, self.device = shape, dtype, state.device
         self.times = times
         c, pp = state.coords, state.pp_size
-        self.next_rank = state.dims.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp + 1) % pp)
-        self.prev_rank = state.dims.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp - 1) % pp)
+        self.next_rank = state.layout.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp + 1) % pp)
+        self.prev_rank = state.layout.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp - 1) % pp)
         self.fwd_group = state.pp_group
         self.bwd_group = state.groups.get("pp_bwd")
         self._pending: list[Any] = []

@@ -1,4 +1,5 @@
-"""Process groups for a ParallelDims, passed explicitly to whatever needs them (no module globals).
+"""Process groups for a Layout (megatrain.plan.layout), passed explicitly to whatever needs them (no
+module globals).
 
 `ParallelState.single()` is the one-process state: every group is None and every size 1, so the
 parallel layers and collectives reduce to their single-device behaviour without a process group.
@@ -11,14 +12,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatrain.engine.parallel.dims import DIMS, Coords, LayoutError, ParallelDims
+from megatrain.plan.layout import AXES, Coords, Layout, LayoutError
 
 Group = dist.ProcessGroup | None
 
 
 @dataclass
 class ParallelState:
-    dims: ParallelDims
+    layout: Layout
     rank: int
     device: torch.device
     groups: dict[str, Group] = field(default_factory=dict)
@@ -28,56 +29,56 @@ class ParallelState:
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
-        return cls(ParallelDims(), 0, torch.device(device), {d: None for d in (*DIMS, "mp")})
+        return cls(Layout(), 0, torch.device(device), {a: None for a in (*AXES, "mp")})
 
     @classmethod
-    def build(cls, dims: ParallelDims, device: torch.device | str = "cpu") -> ParallelState:
-        """Create every group (collective: all ranks must call this with the same dims)."""
+    def build(cls, layout: Layout, device: torch.device | str = "cpu") -> ParallelState:
+        """Create every group (collective: all ranks must call this with the same layout)."""
         if not dist.is_initialized():
-            if dims.world_size == 1:
-                return cls(dims, 0, torch.device(device), {d: None for d in (*DIMS, "mp")})
-            raise LayoutError(f"{dims.describe()} needs {dims.world_size} processes; none is initialised")
+            if layout.world_size == 1:
+                return cls(layout, 0, torch.device(device), {a: None for a in (*AXES, "mp")})
+            raise LayoutError(f"{layout.describe()} needs {layout.world_size} processes; none is initialised")
         world = dist.get_world_size()
-        if world != dims.world_size:
+        if world != layout.world_size:
             raise LayoutError(
-                f"tp×cp×dp×pp = {dims.tp}×{dims.cp}×{dims.dp}×{dims.pp} = {dims.world_size} "
+                f"tp×cp×dp×pp = {layout.tp}×{layout.cp}×{layout.dp}×{layout.pp} = {layout.world_size} "
                 f"but the world has {world} processes"
             )
         rank = dist.get_rank()
         groups: dict[str, Group] = {}
-        for name, along in [*((d, (d,)) for d in DIMS), ("mp", ("tp", "pp"))]:
+        for name, along in [*((d, (d,)) for d in AXES), ("mp", ("tp", "pp"))]:
             mine: Group = None
-            for ranks in dims.group_ranks(*along):
+            for ranks in layout.group_ranks(*along):
                 # new_group is collective over the world: every rank creates every group.
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     mine = group
             groups[name] = mine
         groups["pp_bwd"] = groups["embd"] = None
-        if dims.pp > 1:
-            for ranks in dims.group_ranks("pp"):
+        if layout.pp > 1:
+            for ranks in layout.group_ranks("pp"):
                 bwd = dist.new_group(ranks)
                 embd = dist.new_group([ranks[0], ranks[-1]])
                 if rank in ranks:
                     groups["pp_bwd"], groups["embd"] = bwd, embd
-        return cls(dims, rank, torch.device(device), groups)
+        return cls(layout, rank, torch.device(device), groups)
 
     @property
     def coords(self) -> Coords:
-        return self.dims.coords(self.rank)
+        return self.layout.coords(self.rank)
 
     def group(self, dim: str) -> Group:
         return self.groups[dim]
 
     def size(self, dim: str) -> int:
         if dim == "mp":
-            return self.dims.tp * self.dims.pp
-        return self.dims.size(dim)
+            return self.layout.tp * self.layout.pp
+        return self.layout.size(dim)
 
     def local_rank_in(self, dim: str) -> int:
         c = self.coords
         if dim == "mp":
-            return c.tp + self.dims.tp * c.pp
+            return c.tp + self.layout.tp * c.pp
         return getattr(c, dim)
 
     # Shorthands the layers use most.
@@ -87,7 +88,7 @@ class ParallelState:
 
     @property
     def tp_size(self) -> int:
-        return self.dims.tp
+        return self.layout.tp
 
     @property
     def tp_rank(self) -> int:
@@ -99,7 +100,7 @@ class ParallelState:
 
     @property
     def dp_size(self) -> int:
-        return self.dims.dp
+        return self.layout.dp
 
     @property
     def dp_rank(self) -> int:
@@ -111,7 +112,7 @@ class ParallelState:
 
     @property
     def pp_size(self) -> int:
-        return self.dims.pp
+        return self.layout.pp
 
     @property
     def pp_rank(self) -> int:
@@ -119,4 +120,4 @@ class ParallelState:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.dims.sequence_parallel
+        return self.layout.sequence_parallel

@@ -18,8 +18,8 @@ from megatrain.engine.config import TransformerConfig
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.engine.optimizer import DynamicLossScaler, MixedPrecisionOptimizer
 from megatrain.engine.parallel.data import DataParallel
-from megatrain.engine.parallel.dims import ParallelDims
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.plan.layout import Layout
 
 # GPT-2 flavour: learned positions, LayerNorm with biases (1-D params without weight decay) and a
 # tied embedding (one Parameter used by the embedding and the LM head). ~21.8k parameters.
@@ -210,7 +210,7 @@ def train_steps(
 
 def dp_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """One rank of a pure data-parallel run; returns losses, step results, final params, hook events."""
-    state = ParallelState.build(ParallelDims(dp=world_size))
+    state = ParallelState.build(Layout(dp=world_size))
     model, ddp, opt = build(opts, state)
     events: list[tuple[str, int, int]] = []
     if opts.get("record"):

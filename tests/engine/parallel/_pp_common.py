@@ -17,7 +17,7 @@ from torch import nn
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.engine.optimizer import DynamicLossScaler, MixedPrecisionOptimizer
 from megatrain.engine.parallel.data import DataParallel
-from megatrain.engine.parallel.dims import ParallelDims
+from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.parallelize import parallel_lm_loss, parallelize_model
 from megatrain.engine.parallel.pipeline import (
     allreduce_tied_embedding_grads,
@@ -27,7 +27,7 @@ from megatrain.engine.parallel.pipeline import (
 from megatrain.engine.parallel.random import RNGStatesTracker
 from megatrain.engine.parallel.schedules import PipelineSchedule, pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.engine.parallel.tensor import allreduce_sequence_parallel_grads
+from megatrain.plan.layout import Layout
 
 from ._dp_common import GPT2_TINY, LLAMA_TINY
 
@@ -108,12 +108,13 @@ def reference_run(opts: dict[str, Any]) -> dict[str, Any]:
 
 def pp_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """One rank of a pipelined run; rank 0 returns losses, grad norms and the gathered weights."""
-    dims = ParallelDims(
+    dims = Layout(
         tp=opts["tp"],
         dp=opts["dp"],
         pp=opts["pp"],
         sequence_parallel=opts["sequence_parallel"],
         virtual_stages=opts["virtual_stages"],
+        pipeline_layers=opts["layer_split"],
     )
     state = ParallelState.build(dims)
     cfg = MODELS[opts["model"]]
@@ -121,7 +122,7 @@ def pp_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     model = GPTModel(cfg)
     tracker = RNGStatesTracker.for_tensor_parallel(opts["seed"], state) if dims.tp > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
-    chunks = build_stage_modules(model, state, opts["layer_split"])
+    chunks = build_stage_modules(model, state)
     del model
     wrapper = nn.ModuleList(chunks)
     ddp = DataParallel(

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from megatrain.engine.parallel.data import DataParallel
-from megatrain.engine.parallel.dims import ParallelDims
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.plan.layout import Layout
 
 from ._dp_common import build, dp_worker, make_model, named_params, options, reference_run, train_steps
 from ._launch import run_distributed
@@ -24,7 +24,7 @@ PARAM_TOL = {"rtol": 1e-4, "atol": 5e-5}
 
 def fake_state(dp: int, dp_rank: int) -> ParallelState:
     """A ParallelState with dp > 1 but no process group: enough for layout queries, never for collectives."""
-    dims = ParallelDims(dp=dp)
+    dims = Layout(dp=dp)
     return ParallelState(
         dims, dims.rank_of(dp=dp_rank), torch.device("cpu"), {d: None for d in ("tp", "cp", "dp", "pp", "mp")}
     )

@@ -19,8 +19,8 @@ from megatrain.engine.optimizer import (
     global_grad_norm,
 )
 from megatrain.engine.parallel.data import DataParallel
-from megatrain.engine.parallel.dims import ParallelDims
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.plan.layout import Layout
 from megatrain.spec import parse_spec
 
 from ..helpers import tiny_spec
@@ -104,7 +104,7 @@ INJECT = frozenset({2, 3, 7})
 
 def fp16_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """fp16 params; rank 1 alone puts an inf into one gradient element at the steps in INJECT."""
-    state = ParallelState.build(ParallelDims(dp=world_size))
+    state = ParallelState.build(Layout(dp=world_size))
     model, ddp, opt = build(opts, state)
     last_bias = model[3].bias  # offset 0 of the buffer: owned by dp rank 0 with the distributed optimizer
     inject = {"on": False}
@@ -138,7 +138,7 @@ def tp_dp_norm_worker(rank: int, world_size: int) -> dict[str, Any]:
     """tp=2 × dp=2 with hand-made shards: a tensor-parallel weight (rows split over tp) and a
     replicated bias. Full gradients come from one seed; dp rank d holds (d + 1)·G, so the
     dp average is 1.5·G."""
-    state = ParallelState.build(ParallelDims(tp=2, dp=2))
+    state = ParallelState.build(Layout(tp=2, dp=2))
     g = torch.Generator().manual_seed(3)
     full_w, full_b = torch.randn(8, 7, generator=g), torch.randn(5, generator=g)
     rows = slice(4 * state.tp_rank, 4 * state.tp_rank + 4)
@@ -165,7 +165,7 @@ def tp_dp_norm_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 def resume_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train save_at steps, take the full state (and check it round-trips exactly), train on."""
-    state = ParallelState.build(ParallelDims(dp=world_size))
+    state = ParallelState.build(Layout(dp=world_size))
     model, ddp, opt = build(opts, state)
     names = {p: n for n, p in model.named_parameters()}
     first = train_steps(opts, model, ddp, opt, range(opts["save_at"]))

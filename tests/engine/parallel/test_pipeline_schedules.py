@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from megatrain.engine.config import TransformerConfig
-from megatrain.engine.memory import chunks_in_flight, estimate_memory, layers_on_stage
 from megatrain.engine.models.gpt import GPTModel
-from megatrain.engine.parallel.dims import LayoutError, ParallelDims
-from megatrain.engine.parallel.pipeline import build_stage_modules, partition_layers, stage_parameter_names
+from megatrain.engine.parallel.pipeline import build_stage_modules, stage_parameter_names
 from megatrain.engine.parallel.schedules import (
     Action,
     ScheduleError,
@@ -19,20 +17,18 @@ from megatrain.engine.parallel.schedules import (
     theoretical_bubble,
 )
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.plan.layout import Layout, LayoutError
+from megatrain.plan.memory import chunks_in_flight, estimate_memory, layers_on_stage
 
 
-def test_partition_even_explicit_and_errors() -> None:
-    assert partition_layers(8, 2) == [(0, 4), (4, 8)]
-    assert partition_layers(8, 2, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert partition_layers(5, 2, layers=[1, 4]) == [(0, 1), (1, 5)]
+def test_chunk_layers_agree_with_the_estimate_and_stages_check_the_rules() -> None:
+    assert Layout(pp=2).chunk_layers(8) == [(0, 4), (4, 8)]
+    assert Layout(pp=2, pipeline_layers=(1, 4)).chunk_layers(5) == [(0, 1), (1, 5)]
     # The even split agrees with the memory estimate's model of the stages.
-    assert [b - a for a, b in partition_layers(12, 4)] == [layers_on_stage(12, 4, s) for s in range(4)]
-    with pytest.raises(LayoutError, match="num_layers=6 is not divisible by pp×virtual_stages=2×2"):
-        partition_layers(6, 2, 2)
-    with pytest.raises(LayoutError, match="3 entries but pp×virtual_stages=2×1=2"):
-        partition_layers(6, 2, layers=[2, 2, 2])
-    with pytest.raises(LayoutError, match="sum to num_layers=6"):
-        partition_layers(6, 2, layers=[2, 3])
+    assert [b - a for a, b in Layout(pp=4).chunk_layers(12)] == [layers_on_stage(12, 4, s) for s in range(4)]
+    model = GPTModel(_cfg(tie=False))  # 4 layers cannot make 2×3 chunks
+    with pytest.raises(LayoutError, match="num_layers=4 is not divisible by pp×virtual_stages=2×3"):
+        build_stage_modules(model, _stage_state(2, 0, v=3))
 
 
 def test_one_f_one_b_orders() -> None:
@@ -93,7 +89,7 @@ def _cfg(tie: bool) -> TransformerConfig:
 
 
 def _stage_state(pp: int, stage: int, v: int = 1) -> ParallelState:
-    dims = ParallelDims(pp=pp, virtual_stages=v)
+    dims = Layout(pp=pp, virtual_stages=v)
     return ParallelState(dims, dims.rank_of(pp=stage), torch.device("cpu"),
                          {d: None for d in ("tp", "cp", "dp", "pp", "mp")})  # fmt: skip
 
@@ -109,7 +105,7 @@ def test_stages_compose_to_the_full_model() -> None:
     chunks = {}
     for stage in range(2):
         torch.manual_seed(0)
-        chunks[stage] = build_stage_modules(GPTModel(_cfg(tie=True)), _stage_state(2, stage, 2), None)
+        chunks[stage] = build_stage_modules(GPTModel(_cfg(tie=True)), _stage_state(2, stage, 2))
     for c in range(4):  # chunk c on stage c % pp, local index c // pp
         x = chunks[c % 2][c // 2](x)
     torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)

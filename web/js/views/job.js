@@ -13,7 +13,11 @@ const REFETCH_AT = 4000;    // live points beyond this: fetch a fresh downsample
 const LOG_TAIL = 200;
 const MAX_LOG_LINES = 2000;
 
-const gpuUtil = (r) => r.gpu_util ?? r.gpu_utilization ?? null;
+// The engine reports gpu_util on a GPU (NVML, percent of time a kernel ran) and cpu_util on a CPU
+// (the rank's CPU time over its cores, percent); one chart shows whichever a run reports, titled to
+// match. Both report the device's memory in use beside the peak the run allocated.
+const utilization = (r) => r.gpu_util ?? r.cpu_util ?? null;
+const onCpu = (r) => r.gpu_util == null && r.cpu_util != null;
 const CHARTS = [
   { id: "loss", title: "Loss", series: [{ label: "train", color: "--chart-1" }, { label: "validation", color: "--chart-2", points: true }],
     values: (t, v) => [t?.loss ?? null, v?.val_loss ?? null], format: (x) => fmtNum(x, 4) },
@@ -21,9 +25,12 @@ const CHARTS = [
   { id: "grad_norm", title: "Grad norm", series: [{ label: "grad norm" }], values: (t) => [t?.grad_norm ?? null], format: (x) => fmtNum(x, 3) },
   { id: "tokens_per_s", title: "Tokens/s", series: [{ label: "tokens/s" }], values: (t) => [t?.tokens_per_s ?? null], format: fmtCount },
   { id: "mfu", title: "MFU", series: [{ label: "MFU" }], values: (t) => [t?.mfu ?? null], format: fmtPct },
-  { id: "memory", title: "Peak memory per GPU", series: [{ label: "peak memory" }], values: (t) => [t?.peak_memory_bytes ?? null], format: fmtBytes },
-  { id: "gpu_util", title: "GPU utilization", series: [{ label: "utilization" }], optional: true,
-    values: (t) => [t ? gpuUtil(t) : null], format: (x) => (x <= 1 ? fmtPct(x) : `${fmtNum(x, 1)}%`) },
+  { id: "memory", title: "Memory per GPU", titleOf: (t) => (onCpu(t) ? "Memory per rank (CPU)" : "Memory per GPU"),
+    series: [{ label: "peak allocated" }, { label: "device in use", color: "--chart-2" }],
+    values: (t) => [t?.peak_memory_bytes ?? null, t?.device_memory_used_bytes ?? null], format: fmtBytes },
+  { id: "utilization", title: "GPU utilization", titleOf: (t) => (onCpu(t) ? "CPU utilization" : "GPU utilization"),
+    series: [{ label: "utilization" }], optional: true,
+    values: (t) => [t ? utilization(t) : null], format: (x) => fmtPct(x / 100) },
 ];
 
 const EVENT_LABELS = {
@@ -113,7 +120,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     for (const def of CHARTS) {
       const box = h("div", { class: "chart" });
       const card = h("section", { class: "card chart-card", id: `chart-${def.id}`, dataset: { points: "0" }, hidden: def.optional },
-        h("h3", {}, def.title, h("span", { class: "muted", id: `chart-${def.id}-latest` })), box);
+        h("h3", {}, h("span", { id: `chart-${def.id}-title` }, def.title), h("span", { class: "muted", id: `chart-${def.id}-latest` })), box);
       el.charts.append(card);
       charts[def.id] = { def, card, chart: new LineChart(box, { series: def.series, format: def.format }) };
     }
@@ -280,6 +287,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
         if (def.optional) card.hidden = count === 0;
         const last = [...entries].reverse().find((e) => def.values(e.t, e.v)[0] !== null);
         document.getElementById(`chart-${def.id}-latest`).textContent = last ? `latest ${def.format(def.values(last.t, last.v)[0])}` : "no data yet";
+        if (def.titleOf && last?.t) document.getElementById(`chart-${def.id}-title`).textContent = def.titleOf(last.t);
       }
       const shown = xs.length;
       const held = entries.reduce((n, e) => n + (e.t ? 1 : 0) + (e.v ? 1 : 0), 0);

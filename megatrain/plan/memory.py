@@ -35,63 +35,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from megatrain.plan.shapes import ModelShape, layer_params, layers_on_stage, shape_of_spec, stage_params
+from megatrain.spec import ParallelismSpec
+
+if TYPE_CHECKING:
+    from megatrain.plan.layout import Layout
+    from megatrain.spec import JobSpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shapes that decide memory; built from a dict, a TransformerConfig or anything with these fields."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-    """Padded embedding rows."""
-    seq_length: int
-    activation: Literal["gelu", "swiglu"] = "swiglu"
-    tie_embeddings: bool = False
-    add_bias: bool = False
-    position_embedding: Literal["learned", "rope"] = "rope"
-    normalization: Literal["layernorm", "rmsnorm"] | None = None
-    """None: layernorm with GELU (GPT-2), rmsnorm with SwiGLU (Llama)."""
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-
-    @classmethod
-    def of(cls, model: Any) -> ModelShape:
-        if isinstance(model, ModelShape):
-            return model
-        names = [f.name for f in fields(cls)]
-        if isinstance(model, dict):
-            values = {k: model[k] for k in names if k in model}
-        else:
-            values = {k: getattr(model, k) for k in names if hasattr(model, k)}
-        return cls(**values)
-
-    @property
-    def norm(self) -> str:
-        if self.normalization is not None:
-            return self.normalization
-        return "layernorm" if self.activation == "gelu" else "rmsnorm"
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_query_groups * self.head_dim
-
-    @property
-    def fc1_width(self) -> int:
-        return 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
 
 
 @dataclass(frozen=True)
@@ -120,50 +76,6 @@ class MemoryEstimate:
         return {k.removesuffix("_bytes"): round(getattr(self, k) / GiB, 3) for k in keys}
 
 
-def layer_params(m: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on a tensor-parallel rank (column/row splits of the linears)."""
-    h, kv, f, fw = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width
-    weights = (h * (h + 2 * kv) + h * h + h * fw + f * h) // tp
-    norms = 2 * h * (2 if m.norm == "layernorm" else 1)  # replicated over tp
-    biases = 0
-    if m.add_bias:
-        # Column-parallel biases (qkv, fc1) are split; row-parallel ones (proj, fc2) are replicated.
-        biases = (h + 2 * kv + fw) // tp + 2 * h
-    return weights + norms + biases
-
-
-def stage_params(
-    m: ModelShape, tp: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
-) -> dict[str, int]:
-    """Parameters of one pipeline stage's tensor-parallel rank, by part."""
-    h, v = m.hidden_size, m.vocab_size
-    first, last = stage == 0, stage == pp - 1
-    parts = {"layers": layers_on_stage(m.num_layers, pp, stage, pipeline_layers) * layer_params(m, tp)}
-    if first:
-        parts["embedding"] = v * h // tp
-        if m.position_embedding == "learned":
-            parts["position_embedding"] = m.seq_length * h  # replicated over tp, as in Megatron
-    if last:
-        parts["final_norm"] = h * (2 if m.norm == "layernorm" else 1)
-        # A tied head shares the embedding on a single stage; with pp > 1 the last stage keeps a
-        # copy whose gradient is all-reduced with the first stage's (Megatron's word embeddings).
-        if not m.tie_embeddings or pp > 1:
-            parts["lm_head"] = v * h // tp
-    return parts
-
-
-def layers_on_stage(
-    num_layers: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
-) -> int:
-    """Layers are split evenly (the engine needs num_layers divisible by pp × virtual stages then;
-    any remainder would go to the first stages), or as `pipeline_layers` says: one count per model
-    chunk, chunk c on stage c % pp (parallel.pipeline.partition_layers)."""
-    if pipeline_layers is not None:
-        return sum(pipeline_layers[stage::pp])
-    base, extra = divmod(num_layers, pp)
-    return base + (1 if stage < extra else 0)
-
-
 def chunks_in_flight(
     schedule: str, pp: int, stage: int, num_microbatches: int, virtual_stages: int = 1
 ) -> int:
@@ -181,16 +93,6 @@ def chunks_in_flight(
     if num_microbatches == pp:
         return total
     return min((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, total)
-
-
-SP_LINEAR_SAVES_GATHERED_INPUT = True
-"""Our ColumnParallelLinear under sequence parallelism all-gathers its input and F.linear saves the
-gathered (B, T, C) tensor. Megatron saves the local shard and all-gathers it again in backward,
-which keeps these inputs at 1/t; set False once ours does the same."""
-
-
-def _linear_input_div(tp: int, sp: bool) -> int:
-    return tp if sp and not SP_LINEAR_SAVES_GATHERED_INPUT else 1
 
 
 def _norm_saved(m: ModelShape, act: int) -> float:
@@ -219,8 +121,10 @@ def layer_activations(
     grouped = m.num_query_groups != heads
     terms: dict[str, float] = {}
     # Two norms' saved tensors, and their outputs: the inputs qkv and fc1 save for their weight grads.
+    # With sp these are sequence shards: the column-parallel linears keep the shard and all-gather
+    # it again in backward (megatrain.engine.parallel.layers, as Megatron does).
     terms["norms"] = 2 * _norm_saved(m, act) / seq_div
-    terms["linear_inputs"] = 2 * act * h / _linear_input_div(tp, sp)
+    terms["linear_inputs"] = 2 * act * h / seq_div
     # The fused qkv output (h + 2kv wide) stays alive: SDPA saves K and V as views into it.
     qkv = act * (h + 2 * kv)
     # Q is a separate tensor after RoPE, or after regrouping GQA heads (a reshape that copies).
@@ -317,6 +221,14 @@ def estimate_memory(
     h, v = m.hidden_size, m.vocab_size
     seq_div = tp if sp else 1
 
+    def regathered(out: int) -> float:
+        """What a column-parallel linear's backward adds under sp: its input all-gathered again
+        and, for more than one sequence per micro-batch, a reorder copy of the narrower of its
+        output gradient (out/t wide) and its input (megatrain.engine.parallel.layers)."""
+        if not sp:
+            return 0.0
+        return tokens * act * (h + (min(out / tp, h) if micro_batch_size > 1 else 0))
+
     per_layer = layer_activations(
         m, tp=tp, sp=sp, act=act, mask=mask, attention=attention, selective=recompute == "selective"
     )
@@ -362,9 +274,7 @@ def estimate_memory(
         elif last:
             # Final norm, its output (the LM head's input) and the loss's fp32 (tokens, V/t) tensor:
             # log-probs for F.cross_entropy, the softmax for the vocab-parallel loss (tp > 1).
-            stored["final_norm_and_head_input"] = tokens * (
-                _norm_saved(m, act) / seq_div + act * h / _linear_input_div(tp, sp)
-            )
+            stored["final_norm_and_head_input"] = tokens * (_norm_saved(m, act) + act * h) / seq_div
             stored["log_probs"] = tokens * 4 * v / tp
             head_grad_temp = act * v * h / tp  # LM-head weight grad before it is accumulated
             if tp == 1:
@@ -378,7 +288,7 @@ def estimate_memory(
                 # 16-bit model adds a cast of it (and the softmax is then freed before the head's grad).
                 cast = tokens * act * v / tp if act != 4 else 0.0
                 freed = stored["log_probs"] if act != 4 else 0.0
-                transients["loss_backward"] = max(cast, cast + head_grad_temp - freed)
+                transients["loss_backward"] = max(cast, cast + head_grad_temp - freed) + regathered(v)
         if n_layers:
             # A layer's backward peaks in the MLP, at one of three moments: fc2's backward (its
             # input grad and weight-grad temporary, before that is added to the accumulated
@@ -392,7 +302,9 @@ def estimate_memory(
             # (Grads of the full-width hidden states are whole on every tensor-parallel rank.)
             fc2_backward = tokens * act * (f / tp + h) + act * f * h / tp + rebuilt
             act_backward = tokens * act * (fw + f) / tp + rebuilt
-            fc1_backward = tokens * act * (fw / tp + h) + act * h * fw / tp + rebuilt - mlp_saved
+            fc1_backward = (
+                tokens * act * (fw / tp + h) + act * h * fw / tp + regathered(fw) + rebuilt - mlp_saved
+            )
             head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
                                                         "log_probs", "fused_loss_grads"))  # fmt: skip
             peak = max(fc2_backward, act_backward, fc1_backward)
@@ -435,20 +347,19 @@ def estimate_memory(
     )
 
 
-def from_spec(spec: Any, layout: Any, *, tokenizer_vocab: int | None = None, **kwargs: Any) -> MemoryEstimate:
-    """estimate_memory for a JobSpec on a planned Layout (megatrain.scheduler.planner.Layout).
+def from_spec(
+    spec: JobSpec, layout: Layout, *, tokenizer_vocab: int | None = None, **kwargs: Any
+) -> MemoryEstimate:
+    """estimate_memory for a JobSpec on its resolved Layout (megatrain.plan.layout).
 
     The vocabulary is the spec's model.vocab_size, else the tokenizer's (given, or 257 for the byte
     tokenizer) padded as the engine pads it; keyword arguments override the derived settings.
     """
-    from megatrain.engine.config import transformer_config
-    from megatrain.spec import ParallelismSpec
-
     if tokenizer_vocab is None:
         if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
             raise ValueError("model.vocab_size is unset: pass tokenizer_vocab for a Hugging Face tokenizer")
         tokenizer_vocab = spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
-    model = transformer_config(spec, tokenizer_vocab)
+    model = shape_of_spec(spec, tokenizer_vocab)
     tr = spec.training
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
     accum = tr.global_batch_size // (tr.micro_batch_size * layout.dp)
@@ -460,9 +371,9 @@ def from_spec(spec: Any, layout: Any, *, tokenizer_vocab: int | None = None, **k
         "sequence_parallel": layout.sequence_parallel,
         "micro_batch_size": tr.micro_batch_size,
         "num_microbatches": accum,
-        "pipeline_schedule": getattr(layout, "pipeline_schedule", "1f1b"),
+        "pipeline_schedule": layout.pipeline_schedule,
         "virtual_stages": layout.virtual_stages,
-        "pipeline_layers": getattr(layout, "pipeline_layers", None),
+        "pipeline_layers": layout.pipeline_layers,
         "precision": tr.precision,
         "distributed_optimizer": par.distributed_optimizer and layout.dp * layout.cp > 1,
         "recompute": tr.recompute,

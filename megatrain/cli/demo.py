@@ -1,0 +1,161 @@
+"""`megatrain demo`: start the embedded stack if none answers, train a small Llama on the Python
+standard library end to end, and load the downloaded checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import urlparse
+
+import typer
+from rich.markup import escape
+
+from megatrain.cli.common import _fail, _out, _user_errors, app
+from megatrain.cli.jobs import follow_job
+from megatrain.client import ApiError, ApiUnreachable, Client, MegatrainError
+from megatrain.settings import Settings, get_settings
+
+# -- demo ---------------------------------------------------------------------------------------
+
+
+def _ensure_api(settings: Settings, timeout_s: float = 120.0) -> subprocess.Popen[bytes] | None:
+    """Start a detached `megatrain up` if nothing answers at settings.api_url; None if one already did
+    (and takes this home's key: a server started from another MEGATRAIN_HOME is named as such)."""
+    try:
+        with Client(api_key="") as probe:
+            probe.health()
+    except ApiUnreachable:
+        pass
+    else:
+        try:
+            with Client() as client:
+                next(client.list_jobs(limit=1), None)
+        except ApiError as exc:
+            if exc.status != 401:
+                raise
+            raise MegatrainError(
+                f"a megatrain API already answers at {settings.api_url} but does not take this home's API "
+                f"key ({settings.credentials_path}): it was started from another MEGATRAIN_HOME. Stop it, "
+                "or set MEGATRAIN_API_URL to a free port (e.g. http://127.0.0.1:8001) to start this home's "
+                "own, or set MEGATRAIN_API_KEY to a key of that server"
+            ) from None
+        return None
+    parsed = urlparse(settings.api_url)
+    if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise ApiUnreachable(settings.api_url, "and it is not on this machine, so the demo cannot start it")
+    port = parsed.port or 80
+    log_path = settings.home / "megatrain-up.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    _out().print(f"starting the embedded stack on {settings.api_url} (log: {log_path})")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatrain.cli", "up", "--host", parsed.hostname, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # detached: it outlives the demo, like `megatrain up &`
+            env=os.environ.copy(),
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            raise ApiUnreachable(settings.api_url, "`megatrain up` exited:\n" + "\n".join(tail))
+        try:
+            with Client(api_key="") as probe:
+                probe.health()
+            return proc
+        except ApiUnreachable:
+            time.sleep(0.5)
+    raise ApiUnreachable(
+        settings.api_url, f"`megatrain up` did not answer within {timeout_s:.0f} s; see {log_path}"
+    )
+
+
+def _demo_corpus(settings: Settings) -> str:
+    """Build the stdlib corpus into {storage}/datasets/python-stdlib/ and return its URL."""
+    from megatrain.demo import build_stdlib_corpus
+    from megatrain.storage import FileStore, open_store
+
+    store = open_store(settings.resolved_storage_url)
+    if isinstance(store, FileStore):
+        path = build_stdlib_corpus(store.local_path("datasets/python-stdlib"))
+        return Path(path).resolve().as_uri()
+    # Object storage: build locally, then upload beside the other datasets.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(build_stdlib_corpus(Path(tmp)))
+        key = f"datasets/python-stdlib/{path.name}"
+        store.put_file(key, path)
+    return f"{store.url}/{key}"
+
+
+@app.command()
+@_user_errors
+def demo(
+    to: Annotated[Path, typer.Option("--to", help="Where to put the final checkpoint.")] = Path(
+        "megatrain-demo-checkpoint"
+    ),
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree (a divisor of 4 heads).")] = 1,
+    dp: Annotated[int, typer.Option(min=1, help="Data-parallel degree (a divisor of 16).")] = 1,
+    sequence_parallel: Annotated[bool, typer.Option(help="Sequence parallelism (with tp > 1).")] = False,
+    write_spec: Annotated[
+        Path | None,
+        typer.Option(help="Only build the corpus and write the demo's spec here (for torchrun)."),
+    ] = None,
+) -> None:
+    """Train a small Llama on the Python standard library's sources, end to end, and load the result."""
+    from megatrain.demo import demo_spec
+
+    settings = get_settings()
+    out = _out()
+    if write_spec is not None:
+        spec = demo_spec(_demo_corpus(settings), tp=tp, dp=dp, sequence_parallel=sequence_parallel)
+        write_spec.write_text(json.dumps(spec, indent=1) + "\n")
+        n = tp * dp
+        out.print(
+            f"wrote {escape(str(write_spec))}; run it with: torchrun --standalone --nproc-per-node {n} "
+            f"-m megatrain.engine.train --spec {escape(str(write_spec))} --out demo-run"
+        )
+        return
+    proc = _ensure_api(settings)
+    if proc is not None:
+        out.print(
+            f"the stack keeps running in the background (pid {proc.pid}, "
+            f"log {settings.home / 'megatrain-up.log'}); stop it with `kill {proc.pid}`"
+        )
+    corpus_url = _demo_corpus(settings)
+    out.print(f"corpus: {corpus_url}")
+    with Client() as client:
+        job = client.submit(demo_spec(corpus_url, tp=tp, dp=dp, sequence_parallel=sequence_parallel))
+        out.print(f"submitted demo job [bold]{job.id}[/bold]; watch it at {client.api_url}/")
+        final = follow_job(client, job.id)
+        if final.status != "succeeded":
+            for line in client.logs(job.id)[-20:]:
+                typer.echo(line.line, err=True)
+            raise _fail(f"the demo job {final.status}: {final.status_reason or 'see the logs above'}")
+        path = client.download(job.id, dest=to)
+        train = [
+            m
+            for m in client.metrics(job.id)
+            if m.get("kind", "train") == "train" and m.get("loss") is not None
+        ]
+    from megatrain.engine.checkpoint import load_checkpoint
+
+    model, _spec = load_checkpoint(str(path))
+    num_params = sum(p.numel() for p in model.parameters())
+    out.print(
+        f"checkpoint downloaded to [bold]{escape(str(path))}[/bold]; it loads: {num_params:,} parameters"
+    )
+    if train:
+        out.print(
+            f"loss: first {train[0]['loss']:.4f} (step {train[0]['step']}) -> "
+            f"final {train[-1]['loss']:.4f} (step {train[-1]['step']})"
+        )
+    out.print(f"dashboard: [bold]{client.api_url}/[/bold]")

@@ -1,0 +1,184 @@
+"""Job commands: submit, list, status, logs, cancel, download. They only call the SDK
+(`megatrain.client`), so they stay quick and torch-free."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from megatrain.cli.common import _fail, _fmt, _out, _status, _user_errors, app
+from megatrain.client import Client, Job, LogLine
+
+# -- following a job ----------------------------------------------------------------------------
+
+
+def follow_job(client: Client, job_id: str, poll_interval_s: float = 1.0) -> Job:
+    """A live progress bar (step/total, loss, tokens/s, MFU) until the job ends; returns it."""
+    console = _out()
+    columns = (
+        TextColumn("{task.fields[status]}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("step {task.fields[steps]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TextColumn("MFU {task.fields[mfu]}"),
+        TimeElapsedColumn(),
+    )
+    last_seen: tuple[str, int] | None = None
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(job_id, total=None, status="", steps="-", loss="-", tps="-", mfu="-")
+        while True:
+            job = client.get_job(job_id)
+            fields = {
+                "status": _status(job.status),
+                "steps": f"{job.current_step}/{job.total_steps or '?'}",
+                "loss": _fmt(job.latest_loss, ".4f"),
+                "tps": _fmt(job.latest_tokens_per_s, ",.0f"),
+                "mfu": _fmt(None if job.latest_mfu is None else 100 * job.latest_mfu, ".2f") + "%",
+            }
+            progress.update(task, total=job.total_steps or None, completed=job.current_step, **fields)
+            if not console.is_terminal and (job.status, job.current_step) != last_seen and not job.done:
+                # Piped to a file or CI log: no live bar there, so leave one line per change instead.
+                console.print("{status} step {steps} loss {loss} {tps} tok/s MFU {mfu}".format(**fields))
+            last_seen = (job.status, job.current_step)
+            if job.done:
+                break
+            time.sleep(poll_interval_s)
+    reason = f": {job.status_reason}" if job.status_reason else ""
+    console.print(f"job {job.id} {_status(job.status)}{escape(reason)}")
+    return job
+
+
+# -- job commands (SDK only) ---------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def submit(
+    spec: Annotated[Path, typer.Argument(help="Job spec file (YAML or JSON).")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Show progress until the job ends.")] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Submitting again with the same key returns the same job.")
+    ] = None,
+) -> None:
+    """Submit a training job."""
+    with Client() as client:
+        job = client.submit(spec, idempotency_key=idempotency_key)
+        _out().print(f"submitted job [bold]{job.id}[/bold] ({escape(job.name)}): {_status(job.status)}")
+        if follow:
+            final = follow_job(client, job.id)
+            if final.status != "succeeded":
+                raise typer.Exit(1)
+
+
+@app.command("list")
+@_user_errors
+def list_jobs(
+    status: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many jobs, newest first.")] = 50,
+) -> None:
+    """List jobs, newest first."""
+    with Client() as client:
+        jobs = list(client.list_jobs(status=status, limit=limit))
+    if not jobs:
+        _out().print("no jobs" + (f" with status {status}" if status else ""))
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "NAME", "STATUS", "STEP", "LOSS", "TOK/S", "MFU", "CREATED"):
+        table.add_column(col, no_wrap=col in ("ID", "STATUS"))
+    for job in jobs:
+        table.add_row(
+            job.id,
+            escape(job.name),
+            _status(job.status),
+            f"{job.current_step}/{job.total_steps}",
+            _fmt(job.latest_loss, ".4f"),
+            _fmt(job.latest_tokens_per_s, ",.0f"),
+            "-" if job.latest_mfu is None else f"{100 * job.latest_mfu:.2f}%",
+            (job.created_at or "")[:19].replace("T", " "),
+        )
+    _out().print(table)
+
+
+@app.command()
+@_user_errors
+def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """Show one job: state, progress, layout and its latest events."""
+    with Client() as client:
+        job = client.get_job(job_id)
+        events = client.events(job_id)
+    out = _out()
+    out.print(f"[bold]{job.id}[/bold]  {escape(job.name)}  ({job.kind})")
+    out.print(
+        f"status     {_status(job.status)}" + (f"  {escape(job.status_reason)}" if job.status_reason else "")
+    )
+    out.print(f"progress   step {job.current_step}/{job.total_steps}  attempt {job.attempt}")
+    out.print(
+        f"latest     loss {_fmt(job.latest_loss, '.4f')}  "
+        f"{_fmt(job.latest_tokens_per_s, ',.0f')} tok/s  "
+        f"MFU {'-' if job.latest_mfu is None else f'{100 * job.latest_mfu:.2f}%'}"
+    )
+    if job.layout:
+        layout = ", ".join(f"{k}={v}" for k, v in job.layout.items() if not isinstance(v, dict | list))
+        out.print(f"layout     {escape(layout)}  ({job.num_procs} processes)")
+    out.print(f"created    {job.created_at}")
+    for ev in events[-10:]:
+        when = str(ev.get("created_at", ""))[:19].replace("T", " ")
+        reason = ev.get("reason") or ""
+        out.print(f"  {when}  {escape(str(ev.get('kind', '')))}  {escape(str(reason))}")
+
+
+@app.command()
+@_user_errors
+def logs(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    after_seq: Annotated[int, typer.Option(help="Only lines after this sequence number.")] = 0,
+) -> None:
+    """Print a job's log lines."""
+    with Client() as client:
+        lines = client.follow_logs(job_id, after_seq) if follow else _all_logs(client, job_id, after_seq)
+        for line in lines:
+            typer.echo(line.line)
+
+
+def _all_logs(client: Client, job_id: str, after_seq: int) -> Iterator[LogLine]:
+    """Every stored line after after_seq, page by page (the API caps one answer at 1000 lines)."""
+    while batch := client.logs(job_id, after_seq=after_seq):
+        yield from batch
+        after_seq = batch[-1].seq
+
+
+@app.command()
+@_user_errors
+def cancel(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """Cancel a job (at once if queued; a running job stops within a few seconds)."""
+    with Client() as client:
+        job = client.cancel(job_id)
+    _out().print(f"cancel requested for job [bold]{job.id}[/bold]: {_status(job.status)}")
+
+
+@app.command()
+@_user_errors
+def download(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    step: Annotated[int | None, typer.Option(help="Checkpoint step; the latest if omitted.")] = None,
+    to: Annotated[Path | None, typer.Option("--to", help="Destination folder.")] = None,
+) -> None:
+    """Download a checkpoint into a folder."""
+    with Client() as client:
+        if step is None:
+            cps = client.checkpoints(job_id)
+            if not cps:
+                raise _fail(f"job {job_id} has no checkpoints yet")
+            step = cps[-1].step
+        path = client.download(job_id, step=step, dest=to or Path(f"{job_id}-iter_{step:07d}"))
+    _out().print(f"downloaded step {step} of job {job_id} to [bold]{escape(str(path))}[/bold]")

@@ -1,0 +1,175 @@
+"""Server commands: this process runs the control plane (up, scheduler, worker) or talks to its
+database directly (keys, tenants). Heavy modules are imported inside the commands."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from megatrain.cli.common import _configure_logging, _err, _out, _server_errors, app, keys_app, tenants_app
+from megatrain.settings import Settings, get_settings
+
+# -- server commands (this process runs the control plane) ---------------------------------------
+
+
+class EmbeddedStack:
+    """The embedded default in one process: the API under uvicorn plus the scheduler loop."""
+
+    def __init__(self, settings: Settings, host: str, port: int, log_level: str = "info"):
+        import uvicorn
+
+        from megatrain.api.app import create_app
+
+        self.settings = settings
+        self.host, self.port = host, port
+        self.stop_event = threading.Event()
+        config = uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level)
+        self.server = uvicorn.Server(config)
+        self._threads: list[threading.Thread] = []
+
+    @staticmethod
+    def prepare(settings: Settings) -> str:
+        """Migrate the database, register the executor's nodes (this machine, for the local
+        executor) and make sure the local key exists; returns that key."""
+        from megatrain.api.auth import ensure_local_credentials
+        from megatrain.db.session import upgrade_database
+        from megatrain.worker.executors import get_executor
+
+        upgrade_database(settings.resolved_database_url)
+        get_executor(settings).refresh_nodes()
+        return ensure_local_credentials(settings)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start_scheduler(self) -> None:
+        from megatrain.scheduler.loop import Scheduler
+
+        scheduler = Scheduler(self.settings)
+        thread = threading.Thread(
+            target=scheduler.run, args=(self.stop_event,), name="scheduler", daemon=True
+        )
+        thread.start()
+        self._threads.append(thread)
+
+    def start_in_background(self, scheduler: bool = True, timeout_s: float = 30.0) -> None:
+        """Serve from a thread (tests, embedding) and return once the port accepts requests."""
+        if scheduler:
+            self.start_scheduler()
+        thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start on {self.url}")
+            time.sleep(0.05)
+
+    def serve_forever(self) -> None:
+        """Serve in this (main) thread; uvicorn turns Ctrl-C/SIGTERM into a clean shutdown."""
+        self.start_scheduler()
+        try:
+            self.server.run()
+        finally:
+            self.stop()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.stop_event.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout_s)
+
+
+@app.command()
+@_server_errors
+def up(
+    host: Annotated[str | None, typer.Option(help="Address to listen on (MEGATRAIN_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on (MEGATRAIN_PORT).")] = None,
+) -> None:
+    """Run the whole embedded stack (API, dashboard, scheduler, local executor) in this process."""
+    _configure_logging()
+    settings = get_settings()
+    host = host or settings.host
+    port = port or settings.port
+    EmbeddedStack.prepare(settings)
+    stack = EmbeddedStack(settings, host, port)
+    out = _out()
+    out.print(f"megatrain dashboard: [bold]http://{host}:{port}/[/bold]")
+    out.print(f"API key (tenant 'local') stored in {settings.credentials_path}")
+    out.print(f"database {settings.resolved_database_url}, storage {settings.resolved_storage_url}")
+    if f"http://{host}:{port}" != settings.api_url.rstrip("/"):
+        out.print(f"for the CLI elsewhere: export MEGATRAIN_API_URL=http://{host}:{port}")
+    out.print("press Ctrl-C to stop")
+    stack.serve_forever()
+    out.print("stopped")
+
+
+@app.command()
+@_server_errors
+def scheduler() -> None:
+    """Run the scheduler loop alone (production: beside API replicas and Celery workers)."""
+    from megatrain.scheduler.loop import Scheduler
+
+    _configure_logging()
+    settings = get_settings()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    _out().print(f"scheduler running against {settings.resolved_database_url}; Ctrl-C stops it")
+    Scheduler(settings).run(stop)
+
+
+@app.command()
+@_server_errors
+def worker(
+    concurrency: Annotated[
+        int | None,
+        typer.Option(min=1, help="Jobs at once (default: the node's slots; lower caps the slots)."),
+    ] = None,
+) -> None:
+    """Run a Celery worker that executes job shards on this node."""
+    from megatrain.worker.celery_app import run_worker
+
+    run_worker(get_settings(), concurrency=concurrency)
+
+
+@keys_app.command("create")
+@_server_errors
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant name; created if new.")],
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+) -> None:
+    """Create an API key for a tenant and print it (it is shown only this once)."""
+    from megatrain.api.auth import create_api_key
+    from megatrain.db.session import session_scope, upgrade_database
+
+    settings = get_settings()
+    upgrade_database(settings.resolved_database_url)
+    with session_scope(settings.resolved_database_url) as session:
+        key = create_api_key(session, tenant, name)
+    _err().print(f"API key for tenant '{escape(tenant)}' (store it now; it is not shown again):")
+    typer.echo(key)
+
+
+@tenants_app.command("set-max-priority")
+@_server_errors
+def tenants_set_max_priority(
+    tenant: Annotated[str, typer.Argument(help="Tenant name; created if new.")],
+    priority: Annotated[int, typer.Argument(min=-1000, max=1000, help="Highest resources.priority allowed.")],
+) -> None:
+    """Cap the priority a tenant's jobs may ask for (default 0: no boost above the others)."""
+    from megatrain.api.auth import get_or_create_tenant
+    from megatrain.db.session import session_scope, upgrade_database
+
+    settings = get_settings()
+    upgrade_database(settings.resolved_database_url)
+    with session_scope(settings.resolved_database_url) as session:
+        get_or_create_tenant(session, tenant).max_priority = priority
+    _out().print(f"tenant '{escape(tenant)}' may now submit jobs with priority up to {priority}")

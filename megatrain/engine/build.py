@@ -1,0 +1,143 @@
+"""From configs to a trainable model on this rank: build, parallelise, split into pipeline stages,
+cast, wrap for recompute / compile, attach data parallelism and the optimizer (in that order,
+torchtitan's), and pick the loss each rank computes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatrain.engine.config import TrainConfig, TransformerConfig
+from megatrain.engine.fused_ce import linear_cross_entropy
+from megatrain.engine.models.gpt import GPTModel, compile_layers
+from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megatrain.engine.parallel.data import DataParallel
+from megatrain.engine.parallel.parallelize import load_full_state_dict, parallel_lm_loss, parallelize_model
+from megatrain.engine.parallel.pipeline import (
+    StageModule,
+    build_stage_modules,
+    load_pipeline_state_dict,
+    stage_parameter_names,
+)
+from megatrain.engine.parallel.random import RNGStatesTracker
+from megatrain.engine.parallel.schedules import PipelineSchedule
+from megatrain.engine.parallel.state import ParallelState
+from megatrain.spec import ParallelismSpec
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RankModel:
+    """This rank's share of the model: the whole (tensor-parallel) GPTModel, or its pipeline chunks."""
+
+    module: nn.Module
+    """What DataParallel wraps: the GPTModel, or an nn.ModuleList of this stage's chunks."""
+    chunks: list[StageModule]
+    """This stage's model chunks by local index (empty without pipeline parallelism)."""
+    tracker: RNGStatesTracker | None
+    num_params: int
+    """Parameters of the whole single-device model."""
+    state: ParallelState
+
+    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy single-device weights (a checkpoint's) into this rank's shards."""
+        if self.chunks:
+            load_pipeline_state_dict(self.chunks, full, self.state)
+        else:
+            load_full_state_dict(self.module, full, self.state)
+
+    def parameter_names(self) -> dict[nn.Parameter, str]:
+        """Canonical (single-device) name of every unique parameter; a tied head is `embed.weight`."""
+        if self.chunks:
+            return stage_parameter_names(self.chunks)
+        return {p: name for name, p in self.module.named_parameters()}
+
+
+def build_model(mcfg: TransformerConfig, state: ParallelState, seed: int, device: str) -> RankModel:
+    """Every rank builds the full model from the same seed, then keeps its shards and stages, so any
+    layout starts from the very weights a single process would."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    model = GPTModel(mcfg).to(device)
+    num_params = model.num_parameters()
+    tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
+    model = parallelize_model(model, state, rng_tracker=tracker)
+    if state.pp_size == 1:
+        return RankModel(model, [], tracker, num_params, state)
+    chunks = build_stage_modules(model, state)
+    return RankModel(nn.ModuleList(chunks), chunks, tracker, num_params, state)
+
+
+@dataclass
+class Trainable:
+    """A RankModel made ready to train: cast, wrapped, data-parallel, with its optimizer and loss."""
+
+    model: RankModel
+    ddp: DataParallel
+    optimizer: MixedPrecisionOptimizer
+    names: dict[nn.Parameter, str]
+    pipeline: PipelineSchedule | None
+    loss: LossFn | None
+    """The pipeline's last-stage loss on (output, labels); None without a pipeline (see `lm_loss`)."""
+
+
+def make_trainable(
+    model: RankModel,
+    cfg: TrainConfig,
+    par: ParallelismSpec,
+    precision: str,
+    mcfg: TransformerConfig,
+) -> Trainable:
+    state = model.state
+    dtype = PARAM_DTYPES[precision]
+    model.module.to(dtype=dtype)
+    for part in model.chunks or [model.module]:
+        part.set_recompute(cfg.recompute, every=cfg.recompute_every)
+        if cfg.compile:
+            compile_layers(part)
+    ddp = DataParallel(
+        model.module,
+        state,
+        bucket_elements=par.grad_bucket_elements,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        use_distributed_optimizer=par.distributed_optimizer and state.dp_size > 1,
+    )
+    optimizer = build_optimizer(ddp, cfg)
+    pipeline, loss = None, None
+    if model.chunks:
+        seq = mcfg.seq_length // (state.tp_size if state.sequence_parallel else 1)
+        pipeline = PipelineSchedule(
+            model.chunks,
+            state,
+            (cfg.micro_batch_size, seq, mcfg.hidden_size),
+            dtype,
+            state.layout.pipeline_schedule,
+        )
+        loss = _pipeline_loss(model.chunks, state)
+    return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The LM loss without a pipeline: the head fused with the cross-entropy on one tensor-parallel
+    rank (GPTModel.loss), the vocab-parallel loss on the logits' shards otherwise."""
+    if state.tp_size == 1:
+        # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
+        return (model.module if isinstance(model, DataParallel) else model).loss(x, y)
+    return parallel_lm_loss(model(x), y, state)
+
+
+def _pipeline_loss(chunks: list[StageModule], state: ParallelState) -> LossFn:
+    """The loss a pipeline's last chunk feeds: fused with the LM head at tp = 1, as without a
+    pipeline; the vocab-parallel loss on the logits' shards otherwise. Other ranks never call it."""
+    last = chunks[-1] if chunks and chunks[-1].is_last else None
+    if last is not None and state.tp_size == 1:
+        last.return_hidden = True
+        return lambda hidden, y: linear_cross_entropy(hidden, last.lm_head.weight, y)
+    return lambda logits, y: parallel_lm_loss(logits, y, state)

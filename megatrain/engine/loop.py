@@ -1,0 +1,265 @@
+"""The training loop: steps over micro-batches (or through the pipeline schedule), gradient sync, the
+optimizer, interval metrics, validation and checkpoints at their intervals."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatrain.engine.build import Trainable, lm_loss
+from megatrain.engine.checkpoint_state import Progress
+from megatrain.engine.config import TrainConfig
+from megatrain.engine.data import microbatch_sample_ids
+from megatrain.engine.data.dataset import BlendedDataset
+from megatrain.engine.device_stats import device_monitor
+from megatrain.engine.metrics import peak_memory_bytes, throughput
+from megatrain.engine.optimizer import lr_at
+from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
+from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
+from megatrain.engine.parallel.schedules import PipelineSchedule, pipeline_loss
+from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.sink import RunLog
+from megatrain.engine.timers import StepTimers
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What turns an iteration time into throughput figures."""
+
+    flops_per_iteration: float
+    tokens_per_iteration: int
+    peak_tflops: float | None
+    """Per device, for MFU; None where the device's peak is unknown."""
+
+
+def reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
+    """Mean over data-parallel ranks of the last pipeline stage's value (tensor-parallel ranks already
+    hold the same loss; other stages hold zero and receive it)."""
+    value = pipeline_loss(value, state)
+    if state.dp_group is not None:
+        value = value.clone()
+        dist.all_reduce(value, group=state.dp_group)
+        value /= state.dp_size
+    return float(value.item())
+
+
+def batch_of(dataset: BlendedDataset, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.from_numpy(dataset.batch(ids)).to(device, non_blocking=True)  # (B, T+1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class TrainLoop:
+    """Runs `train` from a Progress to cfg.train_iters; `save(progress)` writes a checkpoint."""
+
+    def __init__(
+        self,
+        train: Trainable,
+        cfg: TrainConfig,
+        data: tuple[BlendedDataset, BlendedDataset | None],
+        log: RunLog,
+        rates: Rates,
+        save: Callable[[Progress], None],
+    ):
+        self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
+        self.train_ds, self.valid_ds = data
+        self.state = train.model.state
+        self.device = str(self.state.device)
+        # Per-phase times; on a GPU only the log steps synchronise (and are the ones averaged).
+        self.timers = StepTimers(self.device)
+        self.monitor = device_monitor(self.device)  # gpu_util (NVML) or cpu_util, and device memory
+
+    def _micro_ids(self, start: int) -> list[list[int]]:
+        c, s = self.cfg, self.state
+        return microbatch_sample_ids(start, c.global_batch_size, c.micro_batch_size, s.dp_rank, s.dp_size)
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+
+    def step(self, consumed: int) -> tuple[torch.Tensor, Any]:
+        """One optimizer step on the global batch starting at sample `consumed`: (loss, StepResult)."""
+        train, timers, pipeline = self.train, self.timers, self.train.pipeline
+        ddp, optimizer = train.ddp, train.optimizer
+        optimizer.zero_grad()
+        micro_ids = self._micro_ids(consumed)
+        loss_sum = torch.zeros((), device=self.device)
+        if pipeline is not None:
+            with timers("data"):
+                batches = [batch_of(self.train_ds, ids, self.device) for ids in micro_ids]
+            n, loss_fn = len(batches), train.loss
+            assert loss_fn is not None
+            fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
+            loss_sum += pipeline.forward_backward(
+                batches,
+                lambda out, y: loss_fn(out, y) / n,
+                scale_loss=optimizer.scale_loss,
+                # Gradient buckets are reduced only during this stage's last backward.
+                before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
+            )
+            timers.add("forward", pipeline.times.forward_s - fwd0)
+            timers.add("backward", pipeline.times.backward_s - bwd0)
+        else:
+            for m, ids in enumerate(micro_ids):
+                with timers("data"):
+                    x, y = batch_of(self.train_ds, ids, self.device)
+                # Gradient buckets are reduced only during the last micro-batch's backward.
+                last = m == len(micro_ids) - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    with timers("forward"):
+                        loss = lm_loss(ddp, x, y, self.state) / len(micro_ids)
+                    with timers("backward"):
+                        optimizer.scale_loss(loss).backward()
+                loss_sum += loss.detach()
+        with timers("grad_sync"):
+            ddp.finish_grad_sync()
+            if train.model.chunks:
+                allreduce_tied_embedding_grads(train.model.chunks, ddp, self.state)
+            allreduce_sequence_parallel_grads(train.model.module, self.state)
+        with timers("optimizer"):
+            result = optimizer.step()
+        return loss_sum, result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_iters global batches of the split (the same ones every time)."""
+        assert self.valid_ds is not None
+        ddp, pipeline = self.train.ddp, self.train.pipeline
+        ddp.eval()
+        total = torch.zeros((), device=self.device)
+        count = 0
+        for it in range(self.cfg.eval_iters):
+            ids = self._micro_ids(it * self.cfg.global_batch_size)
+            batches = [batch_of(self.valid_ds, i, self.device) for i in ids]
+            if pipeline is not None:
+                assert self.train.loss is not None
+                total += pipeline.forward_only(batches, self.train.loss)
+            else:
+                for x, y in batches:
+                    total += lm_loss(ddp, x, y, self.state)
+            count += len(batches)
+        ddp.train()
+        if pipeline is not None:
+            pipeline.times.reset()  # the bubble figure is the training schedule's
+        return reduce_mean(total / count, self.state)
+
+    def run(self, start: Progress) -> dict[str, Any]:
+        cfg, timers, log = self.cfg, self.timers, self.log
+        step, consumed = start.step, start.consumed_samples
+        last_eval: float | None = None
+        self.train.ddp.train()
+        window = _Window(None)
+        while step < cfg.train_iters:
+            lr = lr_at(step + 1, cfg)
+            timers.begin_step(sync=(step + 1) % cfg.log_interval == 0 or step + 1 == cfg.train_iters)
+            self.train.optimizer.set_lr(lr)
+            loss, result = self.step(consumed)
+            timers.end_step()
+            step, consumed = step + 1, consumed + cfg.global_batch_size
+            window.add(loss, result)
+            final = step == cfg.train_iters
+            if step % cfg.log_interval == 0 or final:
+                self._sync()
+                self._log_interval(window, step, lr, consumed)
+                window = _Window(window)
+            paused = time.perf_counter()
+            if self.valid_ds is not None and cfg.eval_interval and (step % cfg.eval_interval == 0 or final):
+                last_eval = self.evaluate()
+                log.metrics.write({"step": step, "val_loss": last_eval})
+                log.say(f"step {step} | validation loss {last_eval:.4f}")
+            if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final:
+                self.save(Progress(step, consumed))
+            self._sync()
+            window.excluded += time.perf_counter() - paused
+        return {"step": step, "consumed_samples": consumed, "val_loss": last_eval}
+
+    def _log_interval(self, w: _Window, step: int, lr: float, consumed: int) -> None:
+        iter_time = (time.perf_counter() - w.start - w.excluded) / w.steps
+        loss_mean = reduce_mean(w.loss_sum, self.state) / w.steps
+        world = self.state.layout.world_size
+        r = self.rates
+        rates = throughput(r.flops_per_iteration, r.tokens_per_iteration, iter_time, world, r.peak_tflops)
+        row = {
+            "step": step,
+            "loss": loss_mean,
+            "lr": lr,
+            "grad_norm": w.grad_norm,
+            **rates,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            **self.monitor.sample(),
+            "iter_time_s": iter_time,
+            **{f"{k}_time_s": v for k, v in self.timers.means().items()},
+            "consumed_samples": consumed,
+            "skipped_iters": w.skipped,
+        }
+        if w.loss_scale is not None:
+            row["loss_scale"] = w.loss_scale
+        bubble = ""
+        pipeline = self.train.pipeline
+        if pipeline is not None:
+            row.update(pipeline_metrics(pipeline, self.state, w.steps))
+            bubble = f" | bubble {row['pipeline_bubble_fraction']:.1%}"
+            pipeline.times.reset()
+        self.log.metrics.write(row)
+        self.timers.reset()
+        mfu = f"{rates['mfu']:.1%}" if rates["mfu"] is not None else "n/a"
+        skipped = f" | skipped {w.skipped} (loss scale {w.loss_scale:g})" if w.skipped else ""
+        self.log.say(
+            f"step {step}/{self.cfg.train_iters} | loss {loss_mean:.4f} | lr {lr:.3e} | grad_norm "
+            f"{w.grad_norm:.3f} | {rates['tokens_per_s']:.0f} tok/s | "
+            f"{rates['tflops_per_device']:.3f} TFLOP/s/device | mfu {mfu} | {iter_time * 1e3:.0f} ms/it"
+            f"{bubble}{skipped}"
+        )
+
+
+class _Window:
+    """What a log interval accumulates: losses, the last grad norm and loss scale, skipped steps, time."""
+
+    def __init__(self, previous: _Window | None) -> None:
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.steps = 0
+        self.skipped = 0
+        # An interval of skipped (fp16 overflow) steps still shows the last real norm.
+        self.grad_norm = previous.grad_norm if previous else 0.0
+        self.loss_scale: float | None = previous.loss_scale if previous else None
+        self.start = time.perf_counter()
+        self.excluded = 0.0
+        """Seconds spent validating and checkpointing, kept out of the iteration time."""
+
+    def add(self, loss: torch.Tensor, result: Any) -> None:
+        self.loss_sum = loss if isinstance(self.loss_sum, float) else self.loss_sum + loss
+        self.steps += 1
+        if result.skipped:
+            self.skipped += 1
+        else:
+            self.grad_norm = result.grad_norm
+        self.loss_scale = result.loss_scale
+
+
+def pipeline_metrics(pipeline: PipelineSchedule, state: ParallelState, steps: int) -> dict[str, Any]:
+    """Per-step compute and wait seconds averaged over the stages, and the bubble: wait / (wait + compute).
+
+    Collective over the pipeline group; every stage's schedule ends on a common barrier, so each
+    stage's wait + compute is the same makespan and the fraction compares with (p-1)/(m+p-1).
+    """
+    t = pipeline.times
+    sums = torch.tensor([t.wait_s, t.compute_s, t.wait_s], dtype=torch.float64)
+    if state.pp_group is not None:
+        sums = sums.to(state.device)
+        dist.all_reduce(sums[:2], group=state.pp_group)
+        top = sums[2:].clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.pp_group)
+        sums[2] = top[0]
+    wait, compute, worst = (float(v) for v in sums.cpu())
+    pp = state.pp_size
+    return {
+        "pipeline_bubble_fraction": wait / (wait + compute) if wait + compute > 0 else 0.0,
+        "pipeline_wait_time_s": wait / pp / max(1, steps),
+        "pipeline_compute_time_s": compute / pp / max(1, steps),
+        "pipeline_max_stage_wait_time_s": worst / max(1, steps),
+    }

@@ -1,0 +1,84 @@
+"""The vocab-parallel cross-entropy: the LM loss from each rank's vocabulary shard of the logits.
+
+The logits are never gathered: each rank holds (N, V/tp) and the ranks exchange two numbers per row
+(the global max, then the target logit and the sum of exponentials), as Megatron's
+vocab_parallel_cross_entropy does. The backward is local to the shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatrain.engine.parallel.mappings import check_group
+from megatrain.engine.parallel.state import Group, ParallelState
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        group: Group,
+        rank: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        # logits (N, V/tp) this rank's vocab slice, labels (N,) global ids. fp32 throughout.
+        x = logits.float()
+        local_v = x.shape[-1]
+        start = rank * local_v
+        # Subtract the global max for a stable exp (a constant per row: no gradient through it).
+        row_max = x.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x = x - row_max.unsqueeze(-1)
+        outside = (labels < start) | (labels >= start + local_v)
+        local_labels = (labels - start).masked_fill(outside, 0)
+        target = x.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = x.exp_()  # reuse the buffer: (N, V/tp)
+        # One all-reduce for both sums: the target logit (held by one rank) and Σ exp.
+        sums = torch.stack([target, exp.sum(dim=-1)])
+        dist.all_reduce(sums, group=group)
+        target, sum_exp = sums[0], sums[1]
+        valid = labels != ignore_index
+        count = valid.sum()
+        per_token = (sum_exp.log() - target).masked_fill(~valid, 0.0)
+        loss = per_token.sum() / count  # nan when every label is ignored, like F.cross_entropy
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, outside, valid, count)
+        ctx.logits_dtype, ctx.consumed = logits.dtype, False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # d loss / d logits = (softmax - onehot) / count on every valid row: local to the shard.
+        if ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy supports one backward: it reuses its softmax")
+        ctx.consumed = True
+        softmax, local_labels, outside, valid, count = ctx.saved_tensors
+        g = softmax  # modified in place: no second (N, V/tp) fp32 buffer, as Megatron does
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_labels] -= (~outside).to(g.dtype)
+        g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(-1))
+        return g.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, state: ParallelState, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean next-token cross-entropy from this rank's vocab shard of the logits, never gathering them.
+
+    logits (B, T, V/tp) — rank r holds vocabulary ids [r·V/tp, (r+1)·V/tp); labels (B, T). Equals
+    F.cross_entropy on the full logits (fp32, mean over tokens whose label is not ignore_index).
+    """
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if state.tp_size == 1:
+        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index)
+    check_group(state.tp_group, state.tp_size)
+    return _VocabParallelCrossEntropy.apply(
+        flat_logits, flat_labels, state.tp_group, state.tp_rank, ignore_index
+    )

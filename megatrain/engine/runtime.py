@@ -1,0 +1,86 @@
+"""This process's place in a run: torchrun's environment, the process group, the device, threads and
+the precision the hardware really runs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatrain.settings import get_settings
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job; `group` is None for a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def effective_precision(precision: str, device: str) -> str:
+    """The precision a run uses: the spec's, except bf16/fp16 on a CPU that only emulates them.
+
+    Emulated bf16 measured ~25× slower than fp32 on this project's 2-core AVX2 machine, so there
+    such jobs run in fp32 unless MEGATRAIN_CPU_LOW_PRECISION=1 asks for the real thing.
+    """
+    if precision == "fp32" or device.startswith("cuda"):
+        return precision
+    if cpu_has_native_bf16() or get_settings().cpu_low_precision:
+        return precision
+    return "fp32"
+
+
+def _set_threads(local_world_size: int) -> None:
+    """Share this machine's cores among the local ranks instead of each grabbing them all."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_world_size))
+
+
+def init_distributed() -> Dist:
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU), or a single process's Dist."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if not torch.cuda.is_available():
+        _set_threads(local_world)
+    if world_size <= 1:
+        return Dist()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    return Dist(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        group=dist.group.WORLD,
+    )

@@ -1,0 +1,112 @@
+"""Node registration: this machine's GPUs, or CPU slots when it has none, as a node of its pool.
+
+The worker side registers what it can run: the local executor's scheduler on each tick (through
+`LocalExecutor.refresh_nodes`), a Celery worker when it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from megatrain.db.models import Node, NodePool, utcnow
+from megatrain.settings import Settings
+
+
+def detect_gpus() -> list[str]:
+    """Names of this machine's NVIDIA GPUs via nvidia-smi (the control plane never imports torch)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def _visible(env: Mapping[str, str]) -> list[str] | None:
+    """The CUDA_VISIBLE_DEVICES an operator gave this worker, as a list; None when unset."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def local_capacity(settings: Settings) -> tuple[str, int]:
+    """(accelerator, slots): GPUs when there are any (only those CUDA_VISIBLE_DEVICES leaves to this
+    worker, if set), else the configured CPU slots."""
+    gpus = detect_gpus()
+    visible = _visible(os.environ)
+    if gpus and visible is not None:
+        gpus = gpus[: len(visible)]
+    if gpus:
+        return gpus[0], len(gpus)
+    return "cpu", settings.cpu_slots
+
+
+def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that give a job's ranks exactly the devices it was placed on.
+
+    `devices` index the node's GPUs in nvidia-smi (PCI bus) order, hence CUDA_DEVICE_ORDER; where
+    the worker itself was given CUDA_VISIBLE_DEVICES, the indices count within that list. On a CPU
+    node (or for a job placed before devices were recorded) nothing changes.
+    """
+    if not devices or accelerator == "cpu":
+        return {}
+    visible = _visible(env)
+    names = [str(d) for d in devices]
+    if visible is not None and all(d < len(visible) for d in devices):
+        names = [visible[d] for d in devices]
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(names),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        # One hardware work queue per device: kernels start in the order they are launched, so a
+        # sequence-parallel all-gather launched before the GEMM it overlaps does run beside it
+        # (Megatron-LM requires the same for its communication overlap).
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
+
+
+def ensure_local_pool(session: Session, settings: Settings, slots: int | None = None) -> Node:
+    """Register (or refresh) this machine as a node of pool `settings.pool_name`; the caller commits.
+
+    `slots` overrides the detected capacity (a worker advertises only what it can run at once).
+    Safe to call from several processes at once: a lost insert race is retried as a lookup.
+    """
+    accelerator, detected = local_capacity(settings)
+    slots = detected if slots is None else slots
+    hostname = socket.gethostname()
+    for _ in range(3):
+        pool = session.scalar(select(NodePool).where(NodePool.name == settings.pool_name))
+        if pool is None:
+            try:
+                with session.begin_nested():
+                    pool = NodePool(name=settings.pool_name, accelerator=accelerator)
+                    session.add(pool)
+            except IntegrityError:
+                continue
+        node = session.scalar(select(Node).where(Node.pool_id == pool.id, Node.hostname == hostname))
+        if node is None:
+            try:
+                with session.begin_nested():
+                    node = Node(pool_id=pool.id, hostname=hostname, slots_total=slots)
+                    session.add(node)
+            except IntegrityError:
+                continue
+        node.slots_total = slots
+        node.last_seen_at = utcnow()
+        node.status = "ready"
+        pool.accelerator = accelerator
+        session.flush()
+        return node
+    raise RuntimeError(f"could not register node {hostname} in pool {settings.pool_name}")

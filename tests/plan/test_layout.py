@@ -1,0 +1,274 @@
+"""The one layout type: Megatron's rank order, every rule a layout must meet, "auto" resolved once."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from megatrain.engine.parallel.state import ParallelState
+from megatrain.plan.layout import Layout, LayoutError, check_layout, model_problems, resolve_layout
+from megatrain.spec import SpecError, parse_spec
+
+BASE: dict[str, Any] = {"name": "tiny", "data": {"train": [{"path": "file:///data/corpus.jsonl"}]}}
+
+
+def test_rank_order_is_tp_fastest_then_cp_dp_pp() -> None:
+    d = Layout(tp=2, cp=1, dp=2, pp=2)
+    assert d.world_size == 8
+    assert [tuple(vars(d.coords(r)).values()) for r in range(4)] == [
+        (0, 0, 0, 0), (1, 0, 0, 0), (0, 0, 1, 0), (1, 0, 1, 0)
+    ]  # fmt: skip
+    assert d.coords(5).pp == 1 and d.coords(5).tp == 1 and d.coords(5).dp == 0
+    for r in range(8):
+        c = d.coords(r)
+        assert d.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp) == r
+
+
+def test_groups_partition_the_world() -> None:
+    d = Layout(tp=2, cp=2, dp=2, pp=2)
+    assert d.group_ranks("tp")[0] == [0, 1]
+    assert d.group_ranks("cp")[0] == [0, 2]
+    assert d.group_ranks("dp")[0] == [0, 4]
+    assert d.group_ranks("pp")[0] == [0, 8]
+    assert d.group_ranks("tp", "pp")[0] == [0, 1, 8, 9]
+    for axes in (("tp",), ("cp",), ("dp",), ("pp",), ("tp", "pp")):
+        groups = d.group_ranks(*axes)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(16)), axes
+        size = 1
+        for name in axes:
+            size *= d.size(name)
+        assert {len(g) for g in groups} == {size}
+    with pytest.raises(LayoutError, match="unknown axes"):
+        d.group_ranks("ep")
+
+
+def test_model_rules_name_every_broken_one() -> None:
+    problems = model_problems(Layout(tp=4, dp=2), num_attention_heads=6, num_query_groups=2, vocab_size=258)
+    messages = [p["message"] for p in problems]
+    assert messages == [
+        "num_attention_heads=6 is not divisible by tp=4",
+        "num_query_groups=2 is not divisible by tp=4",
+        "vocab_size=258 is not divisible by tp=4",
+    ]
+    [sp] = model_problems(Layout(tp=4, sequence_parallel=True), seq_length=30)
+    assert "seq_length=30 is not divisible by tp=4" in sp["message"]
+    [pp] = model_problems(Layout(pp=4), num_layers=6)
+    assert "num_layers=6 is not divisible by pp×virtual_stages=4×1" in pp["message"]
+    assert model_problems(Layout(tp=2, dp=2), num_attention_heads=4, num_query_groups=2, vocab_size=256) == []
+
+
+def test_bad_degrees_and_single_process_state() -> None:
+    with pytest.raises(LayoutError, match="tp=0"):
+        Layout(tp=0)
+    with pytest.raises(LayoutError, match="pipeline_schedule='zb'"):
+        Layout(pipeline_schedule="zb")
+    assert Layout(tp=1, sequence_parallel=True).sequence_parallel is False
+    s = ParallelState.single()
+    assert s.tp_size == s.dp_size == s.pp_size == 1 and s.tp_group is None and s.group("mp") is None
+    assert ParallelState.build(Layout()).rank == 0
+    with pytest.raises(LayoutError, match="needs 2 processes"):
+        ParallelState.build(Layout(dp=2))
+
+
+def test_round_trip_through_plain_data() -> None:
+    layout = Layout(tp=2, pp=2, dp=3, virtual_stages=2, pipeline_layers=(1, 2, 2, 1))
+    data = layout.as_dict()
+    assert data["pipeline_layers"] == [1, 2, 2, 1]
+    assert Layout.from_dict(data) == layout
+    with pytest.raises(LayoutError, match="unknown layout fields"):
+        Layout.from_dict({**data, "zz": 1})
+    assert layout.chunk_layers(6) == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    assert Layout(pp=2, virtual_stages=2).chunk_layers(8) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_layout_module_imports_without_torch() -> None:
+    code = "import sys, megatrain.plan.layout; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# -- resolution of a spec ---------------------------------------------------------------------
+
+
+def spec_with(
+    parallelism: Any = "auto", gpus: int | None = None, gbs: int = 16, mbs: int = 4, **model: Any
+) -> Any:
+    return parse_spec(
+        {
+            "name": "p",
+            "data": {"train": [{"path": "file:///d.jsonl"}]},
+            "model": {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, **model},
+            "training": {"global_batch_size": gbs, "micro_batch_size": mbs},
+            "parallelism": parallelism,
+            "resources": {"gpus": gpus},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "gpus", "gbs", "mbs", "expected"),
+    [
+        ("auto", None, 16, 4, Layout()),
+        ("auto", 4, 16, 4, Layout(dp=4)),
+        ("auto", 2, 16, 8, Layout(dp=2)),
+        ({"tp": 2}, None, 16, 4, Layout(tp=2)),
+        ({"tp": 2}, 8, 16, 4, Layout(tp=2, dp=4)),
+        ({"tp": 2, "pp": 2, "dp": "auto"}, 8, 16, 4, Layout(tp=2, pp=2, dp=2)),
+        ({"tp": 2, "pp": 2, "dp": 2}, 8, 16, 4, Layout(tp=2, pp=2, dp=2)),
+        ({"tp": 2, "pp": 2, "dp": 2}, None, 16, 4, Layout(tp=2, pp=2, dp=2)),
+        ({"tp": 4, "sequence_parallel": True}, 4, 4, 4, Layout(tp=4, sequence_parallel=True)),
+        ({"pp": 8, "dp": 1}, 8, 8, 1, Layout(pp=8)),
+    ],
+)
+def test_resolve_layout(parallelism: Any, gpus: int | None, gbs: int, mbs: int, expected: Layout) -> None:
+    layout = resolve_layout(spec_with(parallelism, gpus, gbs, mbs))
+    assert layout == expected
+    assert layout.world_size == expected.tp * expected.pp * expected.dp
+    if gpus is not None:
+        assert layout.world_size == gpus
+
+
+def test_dp_auto_fills_the_world_when_the_engine_runs_on_its_own() -> None:
+    assert resolve_layout(spec_with({"tp": 2}), world_size=4) == Layout(tp=2, dp=2)
+    # resources.gpus, when given, is what the job asked for; the world must then match it.
+    assert resolve_layout(spec_with({"tp": 2}, gpus=2), world_size=4) == Layout(tp=2)
+    with pytest.raises(SpecError, match="but the world has 4 processes"):
+        check_layout(spec_with({"tp": 2}, gpus=2), Layout(tp=2), world_size=4)
+    check_layout(spec_with({"tp": 2}, gpus=2), Layout(tp=2), world_size=2)
+
+
+def test_layout_as_dict() -> None:
+    assert Layout(tp=2, dp=3).as_dict() == {
+        "tp": 2,
+        "pp": 1,
+        "dp": 3,
+        "cp": 1,
+        "ep": 1,
+        "virtual_stages": 1,
+        "sequence_parallel": False,
+        "pipeline_schedule": "1f1b",
+        "pipeline_layers": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "gpus", "gbs", "mbs", "field", "text"),
+    [
+        (
+            {"tp": 2, "pp": 2},
+            6,
+            16,
+            4,
+            "resources.gpus",
+            "resources.gpus=6 is not divisible by tp×pp×cp=2×2×1",
+        ),
+        ({"tp": 4}, 2, 16, 4, "resources.gpus", "not divisible"),
+        ({"tp": 2, "dp": 2}, 8, 16, 4, "resources.gpus", "resources.gpus=8 does not equal tp×pp×cp×dp"),
+        ({"dp": 4}, 2, 16, 4, "resources.gpus", "does not equal"),
+        ("auto", 3, 16, 4, "training.global_batch_size", "micro_batch_size×dp=4×3"),
+        ("auto", 8, 16, 4, "training.global_batch_size", "training.global_batch_size=16 is not divisible"),
+        ({"tp": 2, "dp": 3}, None, 10, 2, "training.global_batch_size", "micro_batch_size×dp=2×3"),
+        # 24 / (4×1) = 6 micro-batches cannot enter a 4-stage interleaved pipeline in groups of 4.
+        ({"pp": 4, "virtual_stages": 2, "dp": 1}, None, 24, 4, "parallelism.virtual_stages", "= 6, divisib"),
+    ],
+)
+def test_resolve_layout_errors_name_the_field(
+    parallelism: Any, gpus: int | None, gbs: int, mbs: int, field: str, text: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        resolve_layout(spec_with(parallelism, gpus, gbs, mbs))
+    assert [e["field"] for e in info.value.errors] == [field]
+    assert text in info.value.errors[0]["message"]
+
+
+def with_(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """BASE with the dotted `path` set to `value`."""
+    spec = copy.deepcopy(base or BASE)
+    cur: Any = spec
+    keys = path.split(".")
+    for k in keys[:-1]:
+        cur = cur.setdefault(k, {})
+    cur[keys[-1]] = value
+    return spec
+
+
+def layout_errors_of(data: dict[str, Any]) -> list[dict[str, str]]:
+    spec = parse_spec(data)  # a valid spec on its own: the layout is what breaks a rule
+    with pytest.raises(SpecError) as info:
+        resolve_layout(spec)
+    return info.value.errors
+
+
+# (spec changes, field the error must name, text the message must contain)
+RULES: list[tuple[dict[str, Any], str, str]] = [
+    (with_("parallelism", {"tp": 3}), "model.num_attention_heads", "not divisible by parallelism.tp=3"),
+    (with_("parallelism", {"pp": 8}), "parallelism.pp", "exceeds model.num_layers=4"),
+    (with_("parallelism", {"virtual_stages": 2}), "parallelism.virtual_stages", "needs parallelism.pp > 1"),
+    (
+        with_("parallelism", {"pp": 2, "virtual_stages": 4}),
+        "model.num_layers",
+        "pipeline_layers for an uneven",
+    ),
+    (with_("parallelism", {"pp": 2, "pipeline_layers": [1, 2]}), "parallelism.pipeline_layers", "sums to 3"),
+    (
+        with_("parallelism", {"pp": 2, "pipeline_layers": [4]}),
+        "parallelism.pipeline_layers",
+        "entries, not 1",
+    ),
+    (
+        {**BASE, "model": {"num_attention_heads": 8, "num_query_groups": 2}, "parallelism": {"tp": 4}},
+        "model.num_query_groups",
+        "model.num_query_groups=2 is not divisible by parallelism.tp=4",
+    ),
+    (
+        {**BASE, "model": {"ffn_hidden_size": 1001}, "parallelism": {"tp": 2}},
+        "model.ffn_hidden_size",
+        "model.ffn_hidden_size=1001 is not divisible by parallelism.tp=2",
+    ),
+    (
+        {**BASE, "model": {"seq_length": 250}, "parallelism": {"tp": 4, "sequence_parallel": True}},
+        "model.seq_length",
+        "sequence parallelism",
+    ),
+    (
+        {**BASE, "model": {"vocab_size": 1001}, "parallelism": {"tp": 2}},
+        "model.vocab_size",
+        "model.vocab_size=1001 is not divisible by parallelism.tp=2",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "field", "text"), RULES, ids=[r[1] + ":" + r[2][:30] for r in RULES])
+def test_each_layout_rule_names_its_field(data: dict[str, Any], field: str, text: str) -> None:
+    errors = layout_errors_of(data)
+    # The first problem is the rule under test; tp=3 also breaks the other tp rules, all reported.
+    assert errors[0]["field"] == field, errors
+    assert text in errors[0]["message"]
+
+
+def test_every_broken_rule_is_reported_at_once() -> None:
+    data = {
+        **BASE,
+        "model": {"num_attention_heads": 6, "hidden_size": 192, "seq_length": 250},
+        "parallelism": {"tp": 4, "sequence_parallel": True},
+        "training": {"global_batch_size": 9, "micro_batch_size": 3},
+        "resources": {"gpus": 8},
+    }
+    fields = [e["field"] for e in layout_errors_of(data)]
+    assert fields == ["model.num_attention_heads", "model.num_query_groups", "model.seq_length",
+                      "training.global_batch_size"]  # fmt: skip
+
+
+def test_the_same_values_pass_when_the_rule_is_met() -> None:
+    ok = parse_spec(
+        {
+            **BASE,
+            "model": {"num_query_groups": 4, "seq_length": 248},
+            "parallelism": {"tp": 4, "pp": 2, "dp": 2, "sequence_parallel": True},
+        }
+    )
+    assert resolve_layout(ok) == Layout(tp=4, pp=2, dp=2, sequence_parallel=True)
