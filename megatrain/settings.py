@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     max_log_lines: int = Field(default=100_000, ge=100)
     """Log lines kept per job; older ones are dropped first."""
+    max_streams_per_tenant: int = Field(default=256, ge=1)
+    """Live streams (SSE) one tenant may hold open on one API process; past it, a 429."""
 
     @field_validator("home", mode="before")
     @classmethod

@@ -26,6 +26,7 @@ from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
 from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
 from megatrain.api.spec.router import router as spec_router
+from megatrain.api.streams import StreamHub, TooManyStreams
 from megatrain.db.session import upgrade_database
 from megatrain.settings import Settings, get_settings
 from megatrain.spec import JobSpec
@@ -48,6 +49,12 @@ def _too_large(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": f"request body exceeds the limit of {exc.limit} bytes"}, status_code=413)
 
 
+def _too_many_streams(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, TooManyStreams)
+    detail = f"{exc} (max_streams_per_tenant={exc.limit})"
+    return JSONResponse({"detail": detail}, status_code=429, headers={"Retry-After": "5"})
+
+
 def _openapi_with_spec(app: FastAPI) -> dict[str, Any]:
     """OpenAPI plus the JobSpec schema, which submissions reference (their bodies are parsed by hand
     so that YAML is accepted too)."""
@@ -64,14 +71,18 @@ def _openapi_with_spec(app: FastAPI) -> dict[str, Any]:
 def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float = 0.5) -> FastAPI:
     """The megatrain API for `settings` (default: get_settings()).
 
-    `sse_poll_interval_s` is how often event streams look for new rows in the database.
+    `sse_poll_interval_s` is how often live streams look for new rows in the database.
     """
     settings = settings or get_settings()
+    streams = StreamHub(settings.resolved_database_url, sse_poll_interval_s, settings.max_streams_per_tenant)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(prepare_backends, settings)
-        yield
+        try:
+            yield
+        finally:
+            await streams.close()
 
     app = FastAPI(
         title="megatrain",
@@ -80,11 +91,12 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.sse_poll_interval_s = sse_poll_interval_s
+    app.state.streams = streams
     app.state.metrics = ApiMetrics(settings.resolved_database_url)
 
     install_error_handlers(app)
     app.add_exception_handler(RequestTooLarge, _too_large)
+    app.add_exception_handler(TooManyStreams, _too_many_streams)
     for router in (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]

@@ -13,12 +13,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from megatrain import resource_dir
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, pool_size: int = 10, max_overflow: int = 20) -> Engine:
+    """An engine for `url` whose pool holds `pool_size` connections plus `max_overflow` at peaks."""
     if url.startswith("sqlite"):
         path = url.split("sqlite:///", 1)[-1]
-        if path and path != ":memory:":
+        on_disk = bool(path) and path != ":memory:"
+        if on_disk:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # An in-memory database lives in one connection: its pool takes no sizes.
+        sizes = {"pool_size": pool_size, "max_overflow": max_overflow} if on_disk else {}
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **sizes)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
@@ -30,7 +34,7 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow)
 
 
 @lru_cache(maxsize=8)

@@ -4,6 +4,7 @@ clash with the other test folders' when several are collected together)."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,19 @@ class Api:
         resp = self.client.post("/v1/jobs", json=spec or self.spec(), headers=self.headers, **kwargs)
         assert resp.status_code == 201, resp.text
         return resp.json()
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    """[{"event", "id", "data"}] per event; comments (keep-alives) and retry lines are skipped."""
+    events = []
+    for block in text.split("\n\n"):
+        fields: dict[str, Any] = {"event": "message", "id": None, "data": None}
+        for line in block.splitlines():
+            name, _, value = line.partition(": ")
+            if name == "data":
+                fields["data"] = json.loads(value)
+            elif name in ("event", "id"):
+                fields[name] = value
+        if fields["data"] is not None:
+            events.append(fields)
+    return events

@@ -3,32 +3,15 @@ the job ends."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
 
-from api_handle import Api
+from api_handle import Api, parse_sse
 
 from megatrain.db.jobs import transition
 from megatrain.db.models import CANCELLED, QUEUED, JobLog, JobMetric
 from megatrain.db.session import session_scope
-
-
-def parse_sse(text: str) -> list[dict[str, Any]]:
-    """[{"event", "id", "data"}] per event; comments (keep-alives) and retry lines are skipped."""
-    events = []
-    for block in text.split("\n\n"):
-        fields: dict[str, Any] = {"event": "message", "id": None, "data": None}
-        for line in block.splitlines():
-            name, _, value = line.partition(": ")
-            if name == "data":
-                fields["data"] = json.loads(value)
-            elif name in ("event", "id"):
-                fields[name] = value
-        if fields["data"] is not None:
-            events.append(fields)
-    return events
 
 
 def _train_row(step: int) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -16,8 +15,8 @@ from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.jobs import service
 from megatrain.api.jobs.downsample import MIN_POINTS
 from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLinePublic
-from megatrain.api.sse import BATCH, event_stream_response, follow_job, wants_event_stream
-from megatrain.db.models import Job, JobMetric
+from megatrain.api.streams import LOGS, METRICS, Channel, EventStreamResponse, StreamHub, wants_event_stream
+from megatrain.db.models import Job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -68,7 +67,7 @@ async def create_job(
     spec answers 200 with the first job; a different spec under the same key is a 409.
     """
     raw = await request.body()
-    data = service.parse_body(raw, request.headers.get("content-type", ""))
+    data = await run_in_threadpool(service.parse_body, raw, request.headers.get("content-type", ""))
     job, created = await run_in_threadpool(
         service.submit_job, session, settings, tenant, data, idempotency_key
     )
@@ -118,15 +117,33 @@ def _resume_from(query_value: int | None, last_event_id: int | None) -> int | No
 LastEventId = Annotated[int | None, Header(ge=0, le=2**62, description="SSE resume point")]
 
 
+def _follow(
+    request: Request,
+    session: Session,
+    tenant_id: str,
+    job_id: str,
+    channel: Channel,
+    cursor: int,
+    since: int | None = None,
+    kind: str | None = None,
+) -> EventStreamResponse:
+    """A live stream of the job's `channel`; the request's session (authentication, ownership) is
+    closed first, so an open stream holds no database connection."""
+    session.close()
+    hub: StreamHub = request.app.state.streams
+    return EventStreamResponse(hub, hub.subscribe(tenant_id, job_id, channel, since, kind), cursor)
+
+
 @router.get(
     "/{job_id}/metrics",
     response_model=list[dict[str, Any]],
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses={200: {"content": {"text/event-stream": {}}}, 429: {"description": "Too many live streams"}},
 )
-def list_metrics(
+async def list_metrics(
     request: Request,
     job: OwnedJob,
     session: SessionDep,
+    tenant: CurrentTenant,
     since_step: Annotated[int | None, Query(ge=-1, le=2**62)] = None,
     kind: Literal["train", "val"] | None = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
@@ -142,42 +159,30 @@ def list_metrics(
 
     With `Accept: text/event-stream`: Server-Sent Events, the existing rows then new ones as they
     arrive, each with `id:` = its step (so `Last-Event-ID` resumes), then `event: end` once the job
-    has finished.
+    has finished. A tenant may hold `max_streams_per_tenant` streams open at once (429 past it).
     """
     since = _resume_from(since_step, last_event_id)
-    if not wants_event_stream(request.headers.get("accept")):
-        if max_points is None:
-            return service.list_metrics(session, job.id, since, kind, limit)
-        rows, total = service.list_metrics_downsampled(session, job.id, since, kind, max_points)
-        response.headers["X-Total-Rows"] = str(total)
-        return rows
-
-    def fetch(s: Session, last_id: int) -> tuple[list[tuple[int, dict[str, Any]]], int]:
-        # Follow by row id (insertion order), so a val row stored after its train row is not lost.
-        q = select(JobMetric).where(JobMetric.job_id == job.id, JobMetric.id > last_id)
-        if since is not None:
-            q = q.where(JobMetric.step > since)
-        if kind is not None:
-            q = q.where(JobMetric.kind == kind)
-        rows = s.scalars(q.order_by(JobMetric.id).limit(BATCH)).all()
-        return [(r.step, service.metric_row(r)) for r in rows], (rows[-1].id if rows else last_id)
-
-    settings = request.app.state.settings
-    stream = follow_job(
-        settings.resolved_database_url, job.id, fetch, 0, request.app.state.sse_poll_interval_s
+    if wants_event_stream(request.headers.get("accept")):
+        return _follow(request, session, tenant.id, job.id, METRICS, 0, since, kind)
+    if max_points is None:
+        return await run_in_threadpool(service.list_metrics, session, job.id, since, kind, limit)
+    rows, total = await run_in_threadpool(
+        service.list_metrics_downsampled, session, job.id, since, kind, max_points
     )
-    return event_stream_response(stream)
+    response.headers["X-Total-Rows"] = str(total)
+    return rows
 
 
 @router.get(
     "/{job_id}/logs",
     response_model=list[LogLinePublic],
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses={200: {"content": {"text/event-stream": {}}}, 429: {"description": "Too many live streams"}},
 )
-def list_logs(
+async def list_logs(
     request: Request,
     job: OwnedJob,
     session: SessionDep,
+    tenant: CurrentTenant,
     after_seq: Annotated[int, Query(ge=0, le=2**62)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     tail: Annotated[int | None, Query(ge=1, le=10_000)] = None,
@@ -188,18 +193,8 @@ def list_logs(
     With `Accept: text/event-stream` (or ?follow=true): SSE with `id:` = seq, following new lines
     until the job ends (`event: end`)."""
     after = _resume_from(after_seq, last_event_id) or 0
-    if not (follow or wants_event_stream(request.headers.get("accept"))):
-        if tail is not None:
-            return service.list_log_tail(session, job.id, tail)
-        return service.list_logs(session, job.id, after, limit)
-
-    def fetch(s: Session, seq: int) -> tuple[list[tuple[int, dict[str, Any]]], int]:
-        rows = service.list_logs(s, job.id, seq, BATCH)
-        events = [(r.seq, LogLinePublic.model_validate(r).model_dump(mode="json")) for r in rows]
-        return events, (rows[-1].seq if rows else seq)
-
-    settings = request.app.state.settings
-    stream = follow_job(
-        settings.resolved_database_url, job.id, fetch, after, request.app.state.sse_poll_interval_s
-    )
-    return event_stream_response(stream)
+    if follow or wants_event_stream(request.headers.get("accept")):
+        return _follow(request, session, tenant.id, job.id, LOGS, after)
+    if tail is not None:
+        return await run_in_threadpool(service.list_log_tail, session, job.id, tail)
+    return await run_in_threadpool(service.list_logs, session, job.id, after, limit)

@@ -55,15 +55,61 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def _no_yaml_aliases(text: str) -> None:
-    # Aliases let a small document expand into a huge one ("billion laughs"); specs never need them.
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+MAX_BODY_DEPTH = 32
+"""Nesting a job spec never needs (its deepest field is a few levels down)."""
+MAX_BODY_NODES = 20_000
+"""Values (scalars, lists, mappings) in one body: far above any real spec, far below a bomb."""
+
+
+def _check_yaml_events(text: str) -> None:
+    """Refuse aliases (a small document expanding into a huge one: "billion laughs"), nesting past
+    MAX_BODY_DEPTH and more than MAX_BODY_NODES values from libyaml's event stream, stopping at the
+    first broken bound: no Python object is built for a hostile body."""
+    depth = count = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
         if isinstance(event, yaml.AliasEvent):
-            raise yaml.YAMLError("YAML aliases (*name) are not accepted in a job spec")
+            raise FieldError("body", "YAML aliases (*name) are not accepted in a job spec")
+        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            count += 1
+            if count > MAX_BODY_NODES:
+                raise FieldError("body", f"the body holds more than {MAX_BODY_NODES} values")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_BODY_DEPTH:
+                raise FieldError("body", f"the body is nested deeper than {MAX_BODY_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _load_yaml(text: str) -> Any:
+    """YAML through libyaml's C parser (PyYAML's pure-Python one takes seconds on hostile input),
+    its events checked first, then built with the safe constructor."""
+    _check_yaml_events(text)
+    return yaml.load(text, Loader=yaml.CSafeLoader)
+
+
+def _check_json_tree(data: Any) -> None:
+    """The same depth and size bounds as YAML's, on parsed JSON (json's C parser is fast already)."""
+    count = 0
+    todo: list[tuple[Any, int]] = [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        count += 1
+        if depth > MAX_BODY_DEPTH:
+            raise FieldError("body", f"the body is nested deeper than {MAX_BODY_DEPTH} levels")
+        if count > MAX_BODY_NODES:
+            raise FieldError("body", f"the body holds more than {MAX_BODY_NODES} values")
+        if isinstance(value, dict):
+            todo += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(v, depth + 1) for v in value]
 
 
 def parse_body(raw: bytes, content_type: str) -> Any:
-    """A request body as JSON (default) or YAML; unreadable bodies are 422s naming `body`."""
+    """A request body as JSON (default) or YAML; unreadable bodies are 422s naming `body`.
+
+    It takes milliseconds on any body the size limit lets through, but it is CPU work: the async
+    handlers call it in a worker thread so the event loop keeps answering other requests."""
     ctype = content_type.split(";", 1)[0].strip().lower()
     if ctype not in JSON_TYPES and ctype not in YAML_TYPES and not ctype.endswith("+json"):
         raise HTTPException(
@@ -77,9 +123,10 @@ def parse_body(raw: bytes, content_type: str) -> Any:
         raise FieldError("body", "the body is not valid UTF-8") from None
     try:
         if ctype in YAML_TYPES:
-            _no_yaml_aliases(text)
-            return yaml.safe_load(text)
-        return json.loads(text, parse_constant=_reject_constant)
+            return _load_yaml(text)
+        data = json.loads(text, parse_constant=_reject_constant)
+        _check_json_tree(data)
+        return data
     except RecursionError:
         raise FieldError("body", "the body is nested too deeply") from None
     except (ValueError, yaml.YAMLError) as exc:  # JSONDecodeError, over-long integers, NaN

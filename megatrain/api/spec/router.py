@@ -28,7 +28,8 @@ async def validate_spec(
 ) -> dict[str, Any]:
     """Run every check POST /v1/jobs runs (spec, layout, pool fit, data access) without creating a
     job; 200 with the normalised spec and its layout, or the same 422 a submission would get."""
-    data = service.parse_body(await request.body(), request.headers.get("content-type", ""))
+    raw = await request.body()
+    data = await run_in_threadpool(service.parse_body, raw, request.headers.get("content-type", ""))
     spec, layout = await run_in_threadpool(service.validate_submission, session, settings, tenant, data)
     return {
         "valid": True,
