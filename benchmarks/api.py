@@ -87,13 +87,17 @@ def drop_postgres_schema(schema: str) -> None:
         conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
-def prepare_database(db_url: str) -> str:
-    """Migrate the database and create a tenant's API key; returns the plaintext key."""
+def prepare_database(db_url: str, home: Path) -> str:
+    """Migrate the database, register this machine's node (as a worker would) and create a tenant's
+    API key; returns the plaintext key."""
     from megatrain.api.auth import create_api_key
     from megatrain.db.session import get_engine, session_scope, upgrade_database
+    from megatrain.settings import Settings
+    from megatrain.worker.nodes import ensure_local_pool
 
     upgrade_database(db_url)
     with session_scope(db_url) as session:
+        ensure_local_pool(session, Settings(home=home, database_url=db_url, cpu_slots=4))
         key = create_api_key(session, "bench", "api-benchmark")
     get_engine(db_url).dispose()
     return key
@@ -252,7 +256,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> list[PhaseResult]:
             db_url, schema = made
         server = None
         try:
-            key = prepare_database(db_url)
+            key = prepare_database(db_url, home)
             server = Server(home, db_url, args.workers)
             server.wait_ready()
             return asyncio.run(

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     max_log_lines: int = Field(default=100_000, ge=100)
     """Log lines kept per job; older ones are dropped first."""
+    api_threads: int = Field(default=4, ge=1, le=256)
+    """Threads one API process runs blocking work (database calls, body parsing) on."""
     max_streams_per_tenant: int = Field(default=256, ge=1)
     """Live streams (SSE) one tenant may hold open on one API process; past it, a 429."""
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -79,6 +80,9 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(prepare_backends, settings)
+        # Few threads: request work is short and holds the GIL; dozens of threads contending for it
+        # cost more CPU per request than they hide database latency (measured: BENCHMARKS.md).
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         try:
             yield
         finally:

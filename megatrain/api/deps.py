@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from functools import cache
+from typing import Annotated, Any, TypeVar
 
+import anyio
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.auth import authenticate
 from megatrain.db.models import Tenant
@@ -18,14 +21,39 @@ def get_app_settings(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
+T = TypeVar("T")
+
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 
-def get_session(settings: SettingsDep) -> Iterator[Session]:
-    """One session per request; services commit what they change, the rest is rolled back."""
+async def get_session(settings: SettingsDep) -> AsyncIterator[Session]:
+    """One session per request; services commit what they change, the rest is rolled back.
+
+    Made on the event loop (a session touches the database only when first used); closed in a
+    worker thread when it holds a connection, shielded so a client that left still gives it back."""
     session = get_sessionmaker(settings.resolved_database_url)()
     try:
         yield session
+    finally:
+        if session.in_transaction():
+            # Closing has threads of its own: a request holding a connection never waits for a
+            # thread that requests blocked on the pool hold (that wait would be a deadlock).
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(session.close, limiter=_closers())
+        else:
+            session.close()
+
+
+@cache
+def _closers() -> anyio.CapacityLimiter:
+    return anyio.CapacityLimiter(4)
+
+
+def release(session: Session, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(session, *args)`, then give the session's connection back: a dependency's work is done
+    in one thread hop and the request holds no connection while it waits for the next."""
+    try:
+        return fn(session, *args)
     finally:
         session.close()
 
@@ -35,15 +63,24 @@ SessionDep = Annotated[Session, Depends(get_session)]
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 
-def get_current_tenant(request: Request, session: SessionDep) -> Tenant:
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
+def bearer_key(request: Request) -> str:
+    """The request's API key (401 when there is none)."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise HTTPException(401, "missing API key: send 'Authorization: Bearer KEY'", headers=_UNAUTHORIZED)
-    tenant = authenticate(session, key.strip())
+    return key.strip()
+
+
+def tenant_of(session: Session, key: str) -> Tenant:
+    """The key's tenant (401 for an unknown or revoked key)."""
+    tenant = authenticate(session, key)
     if tenant is None:
         raise HTTPException(401, "invalid or revoked API key", headers=_UNAUTHORIZED)
     return tenant
+
+
+async def get_current_tenant(request: Request, session: SessionDep) -> Tenant:
+    return await run_in_threadpool(release, session, tenant_of, bearer_key(request))
 
 
 CurrentTenant = Annotated[Tenant, Depends(get_current_tenant)]

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
+from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep, bearer_key, release, tenant_of
 from megatrain.api.jobs import service
 from megatrain.api.jobs.downsample import MIN_POINTS
 from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLinePublic
@@ -21,8 +21,14 @@ from megatrain.db.models import Job
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-def get_owned_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> Job:
-    return service.get_job(session, tenant, job_id)
+def _owned_job(session: Session, key: str, job_id: str) -> Job:
+    return service.get_job(session, tenant_of(session, key), job_id)
+
+
+async def get_owned_job(request: Request, job_id: str, session: SessionDep) -> Job:
+    """The job, if the request's key owns it: authentication and the lookup in one thread hop and
+    one connection checkout (the hottest path: dashboards poll it)."""
+    return await run_in_threadpool(release, session, _owned_job, bearer_key(request), job_id)
 
 
 OwnedJob = Annotated[Job, Depends(get_owned_job)]
@@ -74,7 +80,7 @@ async def create_job(
     if not created:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return await run_in_threadpool(service.public_job, session, tenant, job)
+    return service.public_job(job)
 
 
 @router.get("", response_model=JobPage)
@@ -87,19 +93,19 @@ def list_jobs(
 ) -> dict[str, Any]:
     """The tenant's jobs, newest first; follow `next_cursor` for older pages."""
     jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor)
-    return {"items": [service.public_job(session, tenant, j) for j in jobs], "next_cursor": next_cursor}
+    return {"items": [service.public_job(j) for j in jobs], "next_cursor": next_cursor}
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job: OwnedJob, session: SessionDep, tenant: CurrentTenant) -> JobPublic:
-    return service.public_job(session, tenant, job)
+async def get_job(job: OwnedJob) -> JobPublic:
+    return service.public_job(job)  # loaded columns only: no database call
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: str, session: SessionDep, tenant: CurrentTenant) -> JobPublic:
     """Queued jobs are cancelled at once; scheduled/running ones get `cancel_requested` and stop when
     their runner sees it. Cancelling a finished job is a 409."""
-    return service.public_job(session, tenant, service.cancel_job(session, tenant, job_id))
+    return service.public_job(service.cancel_job(session, tenant, job_id))
 
 
 @router.get("/{job_id}/events", response_model=list[JobEventPublic])
@@ -143,7 +149,6 @@ async def list_metrics(
     request: Request,
     job: OwnedJob,
     session: SessionDep,
-    tenant: CurrentTenant,
     since_step: Annotated[int | None, Query(ge=-1, le=2**62)] = None,
     kind: Literal["train", "val"] | None = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
@@ -163,7 +168,7 @@ async def list_metrics(
     """
     since = _resume_from(since_step, last_event_id)
     if wants_event_stream(request.headers.get("accept")):
-        return _follow(request, session, tenant.id, job.id, METRICS, 0, since, kind)
+        return _follow(request, session, job.tenant_id, job.id, METRICS, 0, since, kind)
     if max_points is None:
         return await run_in_threadpool(service.list_metrics, session, job.id, since, kind, limit)
     rows, total = await run_in_threadpool(
@@ -182,7 +187,6 @@ async def list_logs(
     request: Request,
     job: OwnedJob,
     session: SessionDep,
-    tenant: CurrentTenant,
     after_seq: Annotated[int, Query(ge=0, le=2**62)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     tail: Annotated[int | None, Query(ge=1, le=10_000)] = None,
@@ -194,7 +198,7 @@ async def list_logs(
     until the job ends (`event: end`)."""
     after = _resume_from(after_seq, last_event_id) or 0
     if follow or wants_event_stream(request.headers.get("accept")):
-        return _follow(request, session, tenant.id, job.id, LOGS, after)
+        return _follow(request, session, job.tenant_id, job.id, LOGS, after)
     if tail is not None:
         return await run_in_threadpool(service.list_log_tail, session, job.id, tail)
     return await run_in_threadpool(service.list_logs, session, job.id, after, limit)

@@ -382,7 +382,7 @@ def list_log_tail(session: Session, job_id: str, tail: int) -> list[JobLog]:
     return list(reversed(session.scalars(q).all()))
 
 
-def public_job(session: Session, tenant: Tenant, job: Job) -> JobPublic:
+def public_job(job: Job) -> JobPublic:
     # status_reason is written for the job's own tenant (the scheduler renders wait reasons from
     # data and names another tenant's job only by its place in the queue): nothing to redact.
     return JobPublic.model_validate(job)
