@@ -22,6 +22,7 @@ from megatrain import __version__, resource_dir
 from megatrain.api.checkpoints.router import router as checkpoints_router
 from megatrain.api.cluster.router import router as cluster_router
 from megatrain.api.errors import install_error_handlers
+from megatrain.api.health.router import Probe
 from megatrain.api.health.router import router as health_router
 from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
@@ -76,6 +77,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     """
     settings = settings or get_settings()
     streams = StreamHub(settings.resolved_database_url, sse_poll_interval_s, settings.max_streams_per_tenant)
+    probe = Probe(settings.resolved_database_url)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -87,6 +89,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
             yield
         finally:
             await streams.close()
+            probe.engine.dispose()
 
     app = FastAPI(
         title="megatrain",
@@ -96,6 +99,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     )
     app.state.settings = settings
     app.state.streams = streams
+    app.state.probe = probe
     app.state.metrics = ApiMetrics(settings.resolved_database_url)
 
     install_error_handlers(app)
