@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain.engine.config import TransformerConfig
+from megatrain.engine.config import FLAVOURS, TransformerConfig
 from megatrain.engine.models.gpt import GPTModel
 
 
@@ -45,17 +45,8 @@ def our_config(flavour: str, s: Shape) -> TransformerConfig:
         seq_length=s.seq,
         vocab_size=s.vocab,
     )
-    if flavour == "gpt2":
-        return TransformerConfig(
-            **common,
-            num_query_groups=s.heads,
-            position_embedding="learned",
-            normalization="layernorm",
-            activation="gelu",
-            add_bias=True,
-            tie_embeddings=True,
-        )
-    return TransformerConfig(**common, num_query_groups=s.groups)
+    groups = s.heads if flavour == "gpt2" else s.groups
+    return TransformerConfig(**common, **FLAVOURS[flavour], num_query_groups=groups)
 
 
 def hf_model(flavour: str, s: Shape) -> nn.Module:

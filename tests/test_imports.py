@@ -5,6 +5,8 @@ never imports the scheduler or the API, and no two top-level parts import each o
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,6 +50,9 @@ def test_the_engine_and_planning_import_nothing_of_the_control_plane() -> None:
     for low in ("engine", "kernels", "plan", "spec", "settings", "storage"):
         bad = sorted((f, dst) for f, dst in edges.get(low, ()) if dst in CONTROL_PLANE)
         assert not bad, f"{low} imports the control plane: {bad}"
+    # Kernels sit below the models that call them.
+    bad = sorted((f, dst) for f, dst in edges.get("kernels", ()) if dst == "engine")
+    assert not bad, f"kernels import the engine: {bad}"
     bad = sorted((f, dst) for f, dst in edges.get("api", ()) if dst in {"engine", "worker", "kernels"})
     assert not bad, f"the API imports the engine or the worker: {bad}"
     # The worker sits below the scheduler (which imports the executors), never beside the API.
@@ -69,3 +74,12 @@ def test_no_cycles_between_top_level_parts() -> None:
     for start in sorted(graph):
         visit(start, [start])
     assert not cycles, f"import cycles between top-level parts: {sorted({' -> '.join(c) for c in cycles})}"
+
+
+def test_planning_and_the_kernel_registry_import_no_torch() -> None:
+    # The API and the scheduler plan jobs (layouts, memory) on machines without torch.
+    code = (
+        "import sys, megatrain.plan.layout, megatrain.plan.memory, megatrain.kernels; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatrain import kernels
 from megatrain.engine.config import TrainConfig, TransformerConfig
-from megatrain.engine.fused_ce import linear_cross_entropy
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.data import DataParallel
@@ -139,5 +139,7 @@ def _pipeline_loss(chunks: list[StageModule], state: ParallelState) -> LossFn:
     last = chunks[-1] if chunks and chunks[-1].is_last else None
     if last is not None and state.tp_size == 1:
         last.return_hidden = True
-        return lambda hidden, y: linear_cross_entropy(hidden, last.lm_head.weight, y)
+        return lambda hidden, y: kernels.get("linear_cross_entropy", hidden.device.type)(
+            hidden, last.lm_head.weight, y
+        )
     return lambda logits, y: parallel_lm_loss(logits, y, state)

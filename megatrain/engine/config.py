@@ -19,7 +19,8 @@ def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """Everything `GPTModel` needs; the arch flavour is spelled out as explicit choices."""
+    """Everything `GPTModel` needs; the arch flavour is spelled out as explicit choices
+    (FLAVOURS), and `preset()` names the tiny models tests and benchmarks share."""
 
     num_layers: int
     hidden_size: int
@@ -63,14 +64,41 @@ class TransformerConfig:
         return asdict(self)
 
     @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TransformerConfig:
+        """A named configuration (PRESETS) with `overrides`; a GPT-2 flavour keeps one key/value
+        group per head unless num_query_groups is given."""
+        if name not in PRESETS:
+            raise ValueError(f"no preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        fields = {**PRESETS[name], **overrides}
+        if name.endswith("gpt2") and "num_query_groups" not in overrides:
+            fields["num_query_groups"] = fields["num_attention_heads"]
+        return cls(**fields)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
         return cls(**data)
+
+
+FLAVOURS: dict[str, dict[str, Any]] = {
+    # Learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
+    "gpt2": {"position_embedding": "learned", "normalization": "layernorm", "activation": "gelu",
+             "add_bias": True, "tie_embeddings": True},
+    # RoPE, RMSNorm, SwiGLU MLP, no biases, an untied LM head (grouped-query attention by size).
+    "llama": {"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
+              "add_bias": False, "tie_embeddings": False},
+}  # fmt: skip
+_TINY = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
+         "seq_length": 16, "vocab_size": 128}  # fmt: skip
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-gpt2": {**_TINY, **FLAVOURS["gpt2"], "num_query_groups": 4},  # ~21.8k parameters
+    "tiny-llama": {**_TINY, **FLAVOURS["llama"], "num_query_groups": 2},
+}
 
 
 def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig:
     """The model slice of a spec, with the vocabulary padded for the tokenizer in use."""
     m = spec.model
-    gpt2 = m.arch == "gpt2"
+    flavour = {**FLAVOURS[m.arch], "tie_embeddings": m.tied}
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -79,11 +107,7 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         ffn_hidden_size=m.ffn_size,
         seq_length=m.seq_length,
         vocab_size=m.padded_vocab(tokenizer_vocab),
-        position_embedding="learned" if gpt2 else "rope",
-        normalization="layernorm" if gpt2 else "rmsnorm",
-        activation="gelu" if gpt2 else "swiglu",
-        add_bias=gpt2,
-        tie_embeddings=m.tied,
+        **flavour,
         norm_eps=m.norm_eps,
         rope_theta=m.rope_theta,
         init_method_std=m.init_method_std,
@@ -94,7 +118,9 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The training-loop slice of a spec, resolved against the data-parallel degree."""
+    """The training-loop slice of a spec, resolved against the data-parallel degree (the batch
+    divides into whole micro-batches: megatrain.plan.layout.batch_problems checked it at submission
+    and again when the engine loaded the layout)."""
 
     train_iters: int
     global_batch_size: int
@@ -123,10 +149,6 @@ class TrainConfig:
     eval_interval: int
     eval_iters: int
     seed: int
-
-    def __post_init__(self) -> None:
-        if self.global_batch_size % (self.micro_batch_size * self.data_parallel_size):
-            raise ValueError("global_batch_size must be divisible by micro_batch_size × data_parallel_size")
 
     @property
     def grad_accum_steps(self) -> int:

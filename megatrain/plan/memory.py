@@ -24,7 +24,7 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
   saves rotated copies of Q and K next to it. GQA narrows K and V to kv = groups·head_dim.
 - SwiGLU keeps fc1's [gate; up] output (2f) and the product (f), recomputing silu(gate) in
   backward: 3f vs GELU's 2f.
-- Our RMSNorm (megatrain.engine.models.ops) saves its input and an fp32 1/rms per row, recomputing
+- Our RMSNorm (megatrain.kernels.rms_norm) saves its input and an fp32 1/rms per row, recomputing
   the normalised tensor in backward; nn.LayerNorm saves its input and two fp32 stats.
 - The loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more fp32
   (tokens × V) gradients, which for large vocabularies is the step's memory peak.
@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
 from megatrain.plan.shapes import ModelShape, layer_params, layers_on_stage, shape_of_spec, stage_params
 from megatrain.spec import ParallelismSpec
 
@@ -155,14 +156,6 @@ def layer_activations(
     return terms
 
 
-def fused_loss_chunk_rows(num_tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
-    """Token rows per chunk of megatrain.engine.fused_ce: a chunk's fp32 logits near 8 MiB, between 64
-    and 1024 rows (fewer rows than that make the head's GEMMs inefficient)."""
-    if chunk_tokens is not None:
-        return max(1, min(chunk_tokens, num_tokens))
-    return max(1, min(num_tokens, 1024, max(64, (2 << 20) // max(vocab, 1))))
-
-
 def _act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
@@ -261,13 +254,14 @@ def estimate_memory(
             stored["embedding_dropout_mask"] = in_flight * tokens * mask * h / seq_div
         transients: dict[str, float] = {}
         if last and fused:
-            # megatrain.engine.fused_ce: the head's input is not kept; the loss's forward leaves the
-            # hidden states' gradient and an fp32 weight gradient for backward, and at its peak holds
+            # The fused head + loss (megatrain.kernels.linear_cross_entropy): the head's input is not
+            # kept; the loss's forward leaves the hidden states' gradient and an fp32 weight gradient
+            # for backward, and at its peak holds
             # one chunk of fp32 logits (plus, for a 16-bit model, their cast and the chunk's
             # weight-gradient GEMM output before it is accumulated in fp32).
             stored["final_norm"] = tokens * _norm_saved(m, act) / seq_div
             stored["fused_loss_grads"] = tokens * act * h + 4 * v * h
-            rows = fused_loss_chunk_rows(int(tokens), v)
+            rows = linear_cross_entropy_chunk_rows(int(tokens), v)
             transients["loss_forward"] = rows * v * 4 + (rows * v * act + act * v * h if act != 4 else 0)
             # Backward scales both in place; a 16-bit weight gradient is cast once.
             transients["loss_backward"] = act * v * h if act != 4 else 0.0

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from megatrain.engine.config import padded_vocab_size, train_config, transformer_config
+from megatrain.plan.layout import Layout, check_layout
 from megatrain.spec import SpecError, parse_spec
 
 from .helpers import tiny_spec
@@ -36,5 +37,6 @@ def test_train_config_accumulation(tmp_path) -> None:
     spec = parse_spec(tiny_spec(tmp_path / "c.jsonl", global_batch_size=16, micro_batch_size=2))
     assert train_config(spec, 1).grad_accum_steps == 8
     assert train_config(spec, 2).grad_accum_steps == 4
-    with pytest.raises(ValueError):
-        train_config(spec, 3)
+    # A batch that does not split over dp=3 never reaches the loop: the layout check refuses it.
+    with pytest.raises(SpecError, match="training.global_batch_size=16 is not divisible"):
+        check_layout(spec, Layout(dp=3), 3)

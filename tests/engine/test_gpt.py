@@ -10,20 +10,11 @@ from megatrain.engine.models.gpt import GPTModel, lm_loss
 
 
 def make_config(**kw) -> TransformerConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        seq_length=16,
-        vocab_size=128,
-    )
-    return TransformerConfig(**{**base, **kw})
+    flavour = "tiny-gpt2" if kw.pop("gpt2", False) else "tiny-llama"
+    return TransformerConfig.preset(flavour, **{"ffn_hidden_size": 48, **kw})
 
 
-GPT2 = dict(position_embedding="learned", normalization="layernorm", activation="gelu", add_bias=True,
-            tie_embeddings=True, num_query_groups=4)  # fmt: skip
+GPT2 = {"gpt2": True}
 LLAMA: dict = {}
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from megatrain.engine.models.gpt import GPTModel, rope_tables
-from megatrain.engine.models.ops import apply_rope, rms_norm
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.kernels.rms_norm import rms_norm
+from megatrain.kernels.rope import apply_rope
 
 from .parallel._dp_common import GPT2_TINY, LLAMA_TINY, make_model
 
@@ -168,7 +169,7 @@ def test_fused_accumulation_under_recompute(mode: str) -> None:
 
 
 def test_swiglu_gradcheck_and_reference() -> None:
-    from megatrain.engine.models.ops import swiglu
+    from megatrain.kernels.swiglu import swiglu
 
     h = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(swiglu, (h,))

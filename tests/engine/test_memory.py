@@ -26,29 +26,9 @@ from megatrain.engine.memtrack import LiveTensorBytes, tensors_of
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.plan.memory import ModelShape, estimate_memory, from_spec, layer_params, stage_params
 
-GPT2 = TransformerConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=4,
-    ffn_hidden_size=256,
-    seq_length=64,
-    vocab_size=256,
-    position_embedding="learned",
-    normalization="layernorm",
-    activation="gelu",
-    add_bias=True,
-    tie_embeddings=True,
-)
-LLAMA = TransformerConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=192,
-    seq_length=64,
-    vocab_size=256,
-)
+_SIZE = {"hidden_size": 64, "seq_length": 64, "vocab_size": 256}
+GPT2 = TransformerConfig.preset("tiny-gpt2", **_SIZE, ffn_hidden_size=256)
+LLAMA = TransformerConfig.preset("tiny-llama", **_SIZE, ffn_hidden_size=192)
 FLAVOURS = {"gpt2": GPT2, "llama": LLAMA}
 
 

@@ -5,8 +5,9 @@ Llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, untied LM 
 
 Plain single-device nn.Module: no process groups, no globals. Every Linear is its own named
 submodule (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, lm_head) so tensor-parallel layers can replace them;
-Linear and Embedding are torch's, with gradient-accumulation fusion under DataParallel
-(megatrain.engine.grad_accumulation).
+Linear and Embedding are torch's, with gradient-accumulation fusion under DataParallel; norms,
+activations, rotary embedding and the fused LM-head loss come from the kernel registry
+(megatrain.kernels), so other backends drop in without a change here.
 
 Parameter names (per layer i), for mapping Hugging Face checkpoints:
   embed.weight                     wte / embed_tokens
@@ -32,13 +33,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+from megatrain import kernels
 from megatrain.engine.config import TransformerConfig
-from megatrain.engine.fused_ce import linear_cross_entropy
-from megatrain.engine.grad_accumulation import Embedding, Linear
-from megatrain.engine.models.ops import apply_rope, rms_norm, swiglu
 
 # enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) through the `linear` kernel: under DataParallel
+    its weight gradient accumulates straight into main_grad (megatrain.kernels.grad_accumulation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.get("linear", x.device.type)(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding (no padding_idx, max_norm or sparse gradients) through the `embedding` kernel."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return kernels.get("embedding", tokens.device.type)(tokens, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +63,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32 whatever the model dtype; the reduction is the sensitive part.
-        return rms_norm(x, self.weight, self.eps)
+        return kernels.get("rms_norm", x.device.type)(x, self.weight, self.eps)
 
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:
@@ -120,7 +134,8 @@ class Attention(nn.Module):
         b, _, t, _ = q.shape
         if rope is not None:
             cos, sin = rope[0][:t], rope[1][:t]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            rope = kernels.get("apply_rope", q.device.type)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         if self.recompute_core and self.training:
             y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.recompute_context_fn)
         else:
@@ -141,7 +156,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.swiglu:
-            h = swiglu(h)
+            h = kernels.get("swiglu", h.device.type)(h)
         else:
             h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
         return self.fc2(h)
@@ -225,12 +240,14 @@ class GPTModel(nn.Module):
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss, equal to lm_loss(self(tokens), labels). With a plain (single-device)
-        head, the head and the cross-entropy run fused over token chunks (megatrain.engine.fused_ce),
-        never holding the fp32 (tokens × vocab) logits. A tensor-parallel head (after
+        head, the head and the cross-entropy run fused over token chunks (the linear_cross_entropy
+        kernel), never holding the fp32 (tokens × vocab) logits. A tensor-parallel head (after
         parallelize_model) needs parallelize.parallel_lm_loss on the logits instead."""
         if not isinstance(self.lm_head, nn.Linear):
             raise TypeError("a tensor-parallel LM head needs parallel_lm_loss(model(tokens), labels, state)")
-        return linear_cross_entropy(self.hidden_states(tokens), self.lm_head.weight, labels)
+        hidden = self.hidden_states(tokens)
+        loss = kernels.get("linear_cross_entropy", hidden.device.type)
+        return loss(hidden, self.lm_head.weight, labels)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) -> the final norm's output (B, T, C), the LM head's input."""

@@ -8,7 +8,7 @@ Megatron's design (DistributedDataParallel over a ParamAndGradBuffer), written f
 - The buffer is laid out in reverse parameter order, the order backward produces gradients, and cut
   into buckets of about `bucket_elements`. A parameter is never split across buckets.
 - The model's Linear/Embedding layers and the fused loss add their weight gradients straight into
-  `main_grad` (gradient-accumulation fusion, megatrain.engine.grad_accumulation); for any other
+  `main_grad` (gradient-accumulation fusion, megatrain.kernels.grad_accumulation); for any other
   parameter a post-accumulate-grad hook adds `param.grad` into `main_grad` and frees it. On the last
   micro-batch, once every parameter of a bucket has its gradient, the bucket's collective starts
   asynchronously (all-reduce; reduce-scatter with the distributed optimizer), overlapping the rest of
@@ -95,7 +95,7 @@ class DataParallel(nn.Module):
     the next step. The caller averages the loss over micro-batches.
 
     gradient_accumulation_fusion: the model's weight gradients are added into main_grad inside
-    backward (megatrain.engine.grad_accumulation) instead of through a fresh `.grad` and the hook.
+    backward (megatrain.kernels.grad_accumulation) instead of through a fresh `.grad` and the hook.
     """
 
     def __init__(
@@ -224,7 +224,7 @@ class DataParallel(nn.Module):
                 "finish_grad_sync() between steps and use no_sync() for all but the last micro-batch"
             )
         if getattr(param, "grad_added_to_main_grad", False):
-            # Gradient-accumulation fusion already added it (megatrain.engine.grad_accumulation);
+            # Gradient-accumulation fusion already added it (megatrain.kernels.grad_accumulation);
             # param.grad is an unread placeholder.
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         elif param.grad is not None:

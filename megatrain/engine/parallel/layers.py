@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.engine.grad_accumulation import _placeholder, embedding, fusable, linear
+from megatrain import kernels
 from megatrain.engine.parallel.mappings import (
     all_gather_dim0,
     check_group,
@@ -36,6 +36,7 @@ from megatrain.engine.parallel.mappings import (
     shard_tensor,
 )
 from megatrain.engine.parallel.state import Group, ParallelState
+from megatrain.kernels.grad_accumulation import fusable, placeholder
 
 # --------------------------------------------------------------------------------------------------
 # The column-parallel linear under sequence parallelism.
@@ -116,7 +117,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
                     main.addmm_(dy.t(), x2)  # the weight-gradient GEMM accumulates in place
                 else:  # 16-bit GEMM, accumulated in the fp32 buffer
                     main.add_(dy.t().mm(x2))
-                grad_w = _placeholder(ctx.param)
+                grad_w = placeholder(ctx.param)
             else:
                 grad_w = dy.t().mm(x2)
         grad_b = dy.sum(0) if need_b else None
@@ -141,7 +142,7 @@ def sequence_parallel_linear(
     reduce-scattered back to the shard); the weight gradient goes to weight.main_grad when fusable.
     """
     if size == 1:
-        return linear(x, weight, bias)
+        return kernels.get("linear", x.device.type)(x, weight, bias)
     check_group(group, size)
     return _SequenceParallelLinear.apply(x, weight, bias, group, size)
 
@@ -226,7 +227,7 @@ class ColumnParallelLinear(nn.Module):
             y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group, self.tp_size)
         else:
             x = copy_to_tp(x, self.tp_group, self.tp_size)
-            y = linear(x, self.weight, self.bias)  # (B, T, out/tp)
+            y = kernels.get("linear", x.device.type)(x, self.weight, self.bias)  # (B, T, out/tp)
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group, self.tp_size)
         return y
@@ -309,7 +310,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, self.tp_size)
-        y = linear(x, self.weight)  # (B, T, out) partial sums
+        y = kernels.get("linear", x.device.type)(x, self.weight)  # (B, T, out) partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp_group, self.tp_size)  # (B, T/tp, out)
         else:
@@ -371,10 +372,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return embedding(tokens, self.weight)
+            return kernels.get("embedding", tokens.device.type)(tokens, self.weight)
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        out = embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C)
+        out = kernels.get("embedding", local.device.type)(local, self.weight).masked_fill(
+            outside.unsqueeze(-1), 0.0
+        )  # (B, T, C)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.tp_group, self.tp_size)  # (B, T/tp, C)
         return reduce_from_tp(out, self.tp_group, self.tp_size)
@@ -402,7 +405,7 @@ class SequenceParallelPositionEmbedding(nn.Module):
         if positions.shape[0] % self.tp_size:
             raise ValueError(f"{positions.shape[0]} positions are not divisible by tp={self.tp_size}")
         local = positions.chunk(self.tp_size, 0)[self.tp_rank]
-        return embedding(local, self.weight)  # (T/tp, C)
+        return kernels.get("embedding", local.device.type)(local, self.weight)  # (T/tp, C)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, slice {self.tp_rank}/{self.tp_size}"

@@ -62,7 +62,8 @@ class StageModule(nn.Module):
             self.final_norm = model.final_norm
             self.lm_head = model.lm_head
         # Set by the engine when the loss fuses the LM head (tp = 1): the last chunk then returns the
-        # final norm's output and the loss applies lm_head.weight itself (megatrain.engine.fused_ce).
+        # final norm's output and the loss applies lm_head.weight itself (the linear_cross_entropy
+        # kernel).
         self.return_hidden = False
         self.use_rope = model.config.position_embedding == "rope"
         if self.use_rope:

@@ -23,31 +23,9 @@ from megatrain.plan.layout import Layout
 
 # GPT-2 flavour: learned positions, LayerNorm with biases (1-D params without weight decay) and a
 # tied embedding (one Parameter used by the embedding and the LM head). ~21.8k parameters.
-GPT2_TINY = TransformerConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=4,
-    ffn_hidden_size=64,
-    seq_length=16,
-    vocab_size=128,
-    position_embedding="learned",
-    normalization="layernorm",
-    activation="gelu",
-    add_bias=True,
-    tie_embeddings=True,
-)
-
+GPT2_TINY = TransformerConfig.preset("tiny-gpt2")
 # Llama flavour: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied head.
-LLAMA_TINY = TransformerConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=64,
-    seq_length=16,
-    vocab_size=128,
-)
+LLAMA_TINY = TransformerConfig.preset("tiny-llama")
 
 DEFAULTS: dict[str, Any] = {
     "model": "gpt2",

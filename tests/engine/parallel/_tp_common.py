@@ -24,16 +24,11 @@ RTOL, ATOL = 1e-4, 1e-5  # see test_parallelize.py
 
 def make_config(flavour: str, **overrides: object) -> TransformerConfig:
     if flavour == "gpt2":
-        cfg = TransformerConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
-            seq_length=16, vocab_size=128, position_embedding="learned", normalization="layernorm",
-            activation="gelu", add_bias=True, tie_embeddings=True,
-        )  # fmt: skip
+        cfg = TransformerConfig.preset("tiny-gpt2")
     else:
-        cfg = TransformerConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
-            seq_length=16, vocab_size=128,
-        )  # fmt: skip
+        cfg = TransformerConfig.preset(
+            "tiny-llama", hidden_size=64, num_attention_heads=8, num_query_groups=4
+        )
     return replace(cfg, **overrides)
 
 

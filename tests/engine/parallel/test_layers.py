@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatrain.engine.grad_accumulation import linear
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, sequence_parallel_linear
 from megatrain.engine.parallel.mappings import gather_from_sequence
 from megatrain.engine.parallel.parallelize import parallelize_model
+from megatrain.kernels.grad_accumulation import linear
 
 from ._launch import run_distributed
 from ._tp_common import make_config, tp_state

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.engine.fused_ce import linear_cross_entropy
+from megatrain.kernels.linear_cross_entropy import linear_cross_entropy
 
 
 def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

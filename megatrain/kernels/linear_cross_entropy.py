@@ -16,9 +16,10 @@ computed.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from megatrain.engine.grad_accumulation import add_to_main_grad, fusable
-from megatrain.plan.memory import fused_loss_chunk_rows
+from megatrain.kernels.grad_accumulation import add_to_main_grad, fusable
+from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -32,7 +33,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         n, vocab = hidden.shape[0], weight.shape[0]
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        rows = fused_loss_chunk_rows(n, vocab, chunk_tokens)
+        rows = linear_cross_entropy_chunk_rows(n, vocab, chunk_tokens)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
@@ -111,3 +112,11 @@ def linear_cross_entropy(
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
     return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens)
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """The unfused twin: full fp32 logits, then torch's cross-entropy (`chunk_tokens` is ignored)."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    return F.cross_entropy(logits.float(), labels.reshape(-1))

@@ -11,7 +11,7 @@ its rows with `index_add_`, and the fused LM-head loss adds its chunked gradient
 pass.
 
 The autograd contract, as in Megatron: a fused backward sets `param.grad_added_to_main_grad` and
-returns a placeholder of the parameter's shape (never read: see _placeholder), so that AccumulateGrad
+returns a placeholder of the parameter's shape (never read: see `placeholder`), so that AccumulateGrad
 and DataParallel's post-accumulate hook still run and mark the bucket ready; the hook sees the flag,
 skips its own add and drops the placeholder. Every use of such a parameter must go
 through these functions (the model's Linear/Embedding modules, the parallel layers and the fused
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 def fusable(weight: torch.Tensor) -> bool:
@@ -35,7 +34,7 @@ def fusable(weight: torch.Tensor) -> bool:
     return getattr(weight, "grad_accumulation_fusion", False) and not torch.compiler.is_compiling()
 
 
-def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+def placeholder(weight: torch.Tensor) -> torch.Tensor:
     """What a fused backward returns for `weight`: marks the gradient as already in main_grad.
 
     Never read. Where main_grad has the parameter's dtype (fp32 training) it is a fresh view of
@@ -59,7 +58,7 @@ def add_to_main_grad(
         main.add_(grad)
     else:
         main.addcmul_(grad, scale.to(main.dtype))
-    return _placeholder(weight)
+    return placeholder(weight)
 
 
 class _LinearWithGradAccumulation(torch.autograd.Function):
@@ -88,7 +87,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         else:  # 16-bit GEMM, accumulated in the fp32 buffer
             main.add_(dy.t().mm(x2))
         grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, _placeholder(ctx.param), grad_bias
+        return grad_x, placeholder(ctx.param), grad_bias
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +111,7 @@ class _EmbeddingWithGradAccumulation(torch.autograd.Function):
         main = weight.main_grad
         # Only the looked-up rows: no dense zeroed (V, h) gradient.
         main.index_add_(0, tokens.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]).to(main.dtype))
-        return None, _placeholder(weight)
+        return None, placeholder(weight)
 
 
 def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -122,15 +121,11 @@ def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _EmbeddingWithGradAccumulation.apply(tokens, weight)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) with gradient-accumulation fusion."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain F.linear: its gradient lands in `.grad`, which DataParallel's hook adds to main_grad."""
+    return F.linear(x, weight, bias)
 
 
-class Embedding(nn.Embedding):
-    """nn.Embedding (no padding_idx, max_norm or sparse gradients) with gradient-accumulation fusion."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(tokens, self.weight)
+def embedding_reference(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Plain F.embedding (a dense `.grad`, added to main_grad by DataParallel's hook)."""
+    return F.embedding(tokens, weight)

@@ -1,0 +1,133 @@
+"""The kernels models call, picked by name and device through one registry.
+
+Each kernel has backends: "torch" (our autograd Functions with hand-written backward passes:
+megatrain.kernels.rms_norm, .swiglu, .rope, .linear_cross_entropy, .grad_accumulation) and
+"reference" (the same maths in plain torch ops, autograd deriving the backward: the twin the tests
+compare against, and the fallback). A later backend (Triton, flash-attention, Transformer Engine)
+registers itself with the devices it runs on and a check that it is usable, and the models pick it
+up without a change:
+
+    kernels.register("rms_norm", "triton", "megatrain.kernels.triton_rms_norm:rms_norm",
+                     devices=("cuda",), available=triton_is_usable, priority=20)
+
+`get(name, device_type)` gives the usable backend of highest priority for that device type (memoised:
+models call it in forward). `MEGATRAIN_KERNELS` forces backends, for debugging a numerical
+difference: "reference" for every kernel, or "rms_norm=reference,swiglu=torch".
+
+Importing this package imports no torch (the memory planner reads megatrain.kernels.policy); a
+backend's module is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "MEGATRAIN_KERNELS"
+
+
+@dataclass(frozen=True)
+class Backend:
+    kernel: str
+    name: str
+    target: str
+    """"module:attribute" of the function."""
+    devices: tuple[str, ...] | None = None
+    """Device types it runs on (None: any)."""
+    available: Callable[[], bool] | None = None
+    priority: int = 0
+
+    def load(self) -> Callable[..., Any]:
+        module, _, attr = self.target.partition(":")
+        fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+        return fn
+
+
+_BACKENDS: dict[str, list[Backend]] = {}
+_CHOSEN: dict[tuple[str, str, str | None, str], Callable[..., Any]] = {}
+
+
+def register(
+    kernel: str,
+    backend: str,
+    target: str,
+    *,
+    devices: tuple[str, ...] | None = None,
+    available: Callable[[], bool] | None = None,
+    priority: int = 0,
+) -> None:
+    """Add (or replace) `backend` of `kernel`; higher priority wins where it runs and is available."""
+    entries = [b for b in _BACKENDS.get(kernel, []) if b.name != backend]
+    entries.append(Backend(kernel, backend, target, devices, available, priority))
+    _BACKENDS[kernel] = sorted(entries, key=lambda b: -b.priority)
+    _CHOSEN.clear()
+
+
+def names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def backends(kernel: str) -> list[str]:
+    """The backends of `kernel`, highest priority first."""
+    return [b.name for b in _entries(kernel)]
+
+
+def _entries(kernel: str) -> list[Backend]:
+    if kernel not in _BACKENDS:
+        raise KeyError(f"no kernel named {kernel!r}; known: {', '.join(names())}")
+    return _BACKENDS[kernel]
+
+
+def forced_backends(value: str | None = None) -> dict[str, str]:
+    """MEGATRAIN_KERNELS read as {kernel: backend} ("*" for every kernel)."""
+    value = os.environ.get(ENV, "") if value is None else value
+    forced: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        kernel, sep, backend = part.partition("=")
+        forced[kernel.strip() if sep else "*"] = (backend if sep else kernel).strip()
+    return forced
+
+
+def get(kernel: str, device_type: str = "cpu", backend: str | None = None) -> Callable[..., Any]:
+    """The function of `kernel` for `device_type` ("cpu", "cuda"): `backend` if given (or forced by
+    MEGATRAIN_KERNELS), else the usable backend of highest priority."""
+    key = (kernel, device_type, backend, os.environ.get(ENV, ""))
+    fn = _CHOSEN.get(key)
+    if fn is None:
+        fn = _CHOSEN[key] = _choose(kernel, device_type, backend).load()
+    return fn
+
+
+def _choose(kernel: str, device_type: str, backend: str | None) -> Backend:
+    entries = _entries(kernel)
+    forced = forced_backends()
+    wanted = backend or forced.get(kernel) or forced.get("*")
+    if wanted is not None:
+        for b in entries:
+            if b.name == wanted:
+                return b
+        raise KeyError(f"kernel {kernel!r} has no backend {wanted!r}; it has: {', '.join(backends(kernel))}")
+    for b in entries:
+        if (b.devices is None or device_type in b.devices) and (b.available is None or b.available()):
+            return b
+    raise KeyError(f"no backend of kernel {kernel!r} runs on {device_type!r}")
+
+
+def _builtin() -> None:
+    pkg = "megatrain.kernels"
+    for kernel, module, fn in (
+        ("rms_norm", "rms_norm", "rms_norm"),
+        ("swiglu", "swiglu", "swiglu"),
+        ("apply_rope", "rope", "apply_rope"),
+        ("linear_cross_entropy", "linear_cross_entropy", "linear_cross_entropy"),
+        ("linear", "grad_accumulation", "linear"),
+        ("embedding", "grad_accumulation", "embedding"),
+    ):
+        register(kernel, "torch", f"{pkg}.{module}:{fn}", priority=10)
+        register(kernel, "reference", f"{pkg}.{module}:{fn}_reference")
+
+
+_builtin()
