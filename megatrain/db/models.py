@@ -109,6 +109,9 @@ class Node(Base):
     slots_total: Mapped[int] = mapped_column(Integer)
     slots_used: Mapped[int] = mapped_column(Integer, default=0)
     """Changed only by guarded UPDATEs (see db.jobs) so concurrent schedulers never oversubscribe."""
+    device_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """Memory of one of its devices (the smallest GPU; a CPU node's memory over its slots); None for
+    a node registered before it was recorded, which then refuses nothing at submission."""
     status: Mapped[str] = mapped_column(String(16), default="ready")
     last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

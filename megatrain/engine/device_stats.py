@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from megatrain.plan.memory import host_memory_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -55,22 +57,12 @@ def _resident_bytes() -> int:
         return int(rss * 1024 if os.uname().sysname == "Linux" else rss)
 
 
-def _memory_limit_bytes() -> int:
-    """Physical memory, or the container's cgroup v2 limit where that is lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    except OSError:
-        return total
-    return min(total, int(limit)) if limit.isdigit() else total  # "max" means no limit
-
-
 class CpuMonitor:
     """This process's CPU utilization over `cores` cores between samples, and its memory."""
 
     def __init__(self, cores: int):
         self.cores = max(1, cores)
-        self._total = _memory_limit_bytes()
+        self._total = host_memory_bytes()
         self._wall, self._cpu = time.perf_counter(), time.process_time()
 
     def sample(self) -> dict[str, float | int]:

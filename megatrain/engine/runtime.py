@@ -3,6 +3,7 @@ the precision the hardware really runs."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,3 +85,24 @@ def init_distributed() -> Dist:
         local_world_size=local_world,
         group=dist.group.WORLD,
     )
+
+
+# Phrases of an allocation failure: the CPU allocator's c10 error ("DefaultCPUAllocator: can't
+# allocate memory", "not enough memory") is a plain RuntimeError, as is an NCCL/cuBLAS "out of memory".
+_OOM_PHRASES = ("can't allocate memory", "not enough memory", "out of memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a failed allocation (CUDA's OutOfMemoryError, the CPU allocator's error,
+    Python's MemoryError): the same attempt would fail again, so it must not be retried."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _OOM_PHRASES)
+
+
+def record_failure(out: Path, rank: int, kind: str, message: str) -> None:
+    """OUT/failure.rank{R}.json, which the worker reads to tell a failure that would only repeat
+    (out of memory) from a transient one: torchrun reports every rank's failure as exit code 1."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"kind": kind, "rank": rank, "message": message[:2000]}
+    (out / f"failure.rank{rank}.json").write_text(json.dumps(record))

@@ -33,7 +33,13 @@ from megatrain.engine.data import build_datasets, build_tokenizer
 from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.engine.runtime import Dist, effective_precision, init_distributed
+from megatrain.engine.runtime import (
+    Dist,
+    effective_precision,
+    init_distributed,
+    is_out_of_memory,
+    record_failure,
+)
 from megatrain.engine.sink import RunLog
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout
 from megatrain.plan.memory import from_spec as memory_from_spec
@@ -42,6 +48,7 @@ from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
+EXIT_OUT_OF_MEMORY = 3
 
 
 class Terminated(Exception):
@@ -246,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
         return EXIT_SIGTERM
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        record_failure(Path(args.out), ctx.rank, "out_of_memory", f"{type(exc).__name__}: {exc}")
+        print(f"rank {ctx.rank}: out of memory: {exc}", file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY
     if ctx.group is not None:
         # gloo aborts a rank whose peer tears its connections down first: leave together.
         dist.barrier(group=ctx.group)

@@ -33,8 +33,10 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
@@ -396,3 +398,14 @@ __all__ = [
     "chunks_in_flight",
     "layer_activations",
 ]
+
+
+def host_memory_bytes() -> int:
+    """The memory this machine's processes may use: physical memory, or the container's cgroup v2
+    limit where that is lower (what a CPU rank can allocate; a CPU node's "device" memory)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total  # "max" means no limit

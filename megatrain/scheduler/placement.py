@@ -139,3 +139,19 @@ def fit_problem(layout: _Sized, node_slots: list[int], pool: str) -> str | None:
             f"pool {pool!r} offers {biggest}"
         )
     return None
+
+
+def memory_problem(
+    per_device_bytes: int, layout_text: str, device_memory: list[int], pool: str
+) -> str | None:
+    """Why a job needing `per_device_bytes` on each device can never fit a node of a pool whose
+    nodes' devices hold `device_memory` bytes (unknown sizes left out), or None."""
+    if not device_memory or per_device_bytes <= max(device_memory):
+        return None
+    gib = 1 << 30
+    return (
+        f"the job needs about {per_device_bytes / gib:,.1f} GiB per device with layout {layout_text} "
+        f"(the engine's memory estimate) but the largest device in pool {pool!r} has "
+        f"{max(device_memory) / gib:,.1f} GiB: raise parallelism (tp, pp, dp with the distributed "
+        f"optimizer), turn on recompute, or lower micro_batch_size"
+    )

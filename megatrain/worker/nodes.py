@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from megatrain.db.models import Node, NodePool, utcnow
+from megatrain.plan.memory import host_memory_bytes
 from megatrain.settings import Settings
 
 
@@ -32,6 +33,30 @@ def detect_gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def detect_gpu_memory() -> list[int]:
+    """Total memory (bytes) of each of this machine's NVIDIA GPUs via nvidia-smi, in its order."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    query = ["--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run([exe, *query], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [int(line.strip()) << 20 for line in out.stdout.splitlines() if line.strip().isdigit()]  # MiB
+
+
+def device_memory(accelerator: str, slots: int) -> int | None:
+    """Memory of one device of this node: the smallest GPU this worker may use, or on a CPU node
+    the memory its processes may use shared among its slots (None when unknown)."""
+    if accelerator == "cpu":
+        return host_memory_bytes() // max(1, slots)
+    sizes = detect_gpu_memory()[: slots or None]
+    return min(sizes) if sizes else None
 
 
 def _visible(env: Mapping[str, str]) -> list[str] | None:
@@ -104,6 +129,7 @@ def ensure_local_pool(session: Session, settings: Settings, slots: int | None = 
             except IntegrityError:
                 continue
         node.slots_total = slots
+        node.device_memory_bytes = device_memory(accelerator, slots)
         node.last_seen_at = utcnow()
         node.status = "ready"
         pool.accelerator = accelerator

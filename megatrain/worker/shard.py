@@ -253,6 +253,9 @@ class _Runner:
                 ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
+            elif oom := out_of_memory(att.out_dir):
+                reason = f"{oom}; not retried (every attempt would fail the same way). Last output:\n{tail}"
+                ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason[:MAX_REASON_CHARS])
             elif retry_allowed(att):
                 reason = (
                     f"attempt {att.attempt} failed (exit code {rc}); retrying, will resume from the "
@@ -266,6 +269,20 @@ class _Runner:
                 ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason[:MAX_REASON_CHARS])
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
+
+
+def out_of_memory(out_dir: Path) -> str | None:
+    """ "out of memory on rank R: ..." when a rank of the attempt recorded a failed allocation
+    (megatrain.engine.runtime.record_failure), else None. A rank the kernel's OOM killer ended
+    (SIGKILL) records nothing and is retried: a kill is not told apart from other ones."""
+    for path in sorted(out_dir.glob("failure.rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("kind") == "out_of_memory":
+            return f"out of memory on rank {record.get('rank')}: {str(record.get('message', ''))[:500]}"
+    return None
 
 
 def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:

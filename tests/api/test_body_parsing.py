@@ -49,16 +49,22 @@ def test_healthz_answers_while_the_slowest_body_is_parsed(live_api: LiveApi) -> 
                 answers.append(client.post("/v1/jobs", content=body).status_code)
         done.set()
 
-    thread = threading.Thread(target=flood, daemon=True)
-    thread.start()
+    def probe(client: httpx.Client) -> float:
+        start = time.perf_counter()
+        assert client.get("/healthz").status_code == 200
+        return time.perf_counter() - start
+
     latencies = []
     with httpx.Client(base_url=live_api.url, timeout=30) as client:
+        # The same probe with nothing else to do: on a busy shared machine both figures grow alike.
+        idle = statistics.median(probe(client) for _ in range(20))
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
         while not done.is_set():
-            start = time.perf_counter()
-            assert client.get("/healthz").status_code == 200
-            latencies.append(time.perf_counter() - start)
+            latencies.append(probe(client))
             time.sleep(0.01)
     thread.join()
     assert answers == [422] * 6  # parsed, then refused by the spec's rules (unknown fields)
     assert len(latencies) >= 5
-    assert statistics.median(latencies) < 0.1, latencies
+    # Parsed on the event loop, each body held every probe for its ~0.9 s (median ~0.4 s).
+    assert statistics.median(latencies) < max(0.1, 3 * idle), (idle, latencies)

@@ -122,6 +122,30 @@ def test_a_worker_runs_as_many_jobs_as_its_node_advertises(
     assert worker_slots(settings.model_copy(update={"cpu_slots": 3})) == 3
 
 
+def test_a_node_registers_the_memory_of_one_device(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatrain.plan.memory import host_memory_bytes
+
+    url = settings.resolved_database_url
+    monkeypatch.setattr("megatrain.worker.nodes.detect_gpus", lambda: [])
+    with session_scope(url) as s:
+        node = ensure_local_pool(s, settings)
+        assert node.device_memory_bytes == host_memory_bytes() // 4  # CPU ranks share the host
+    gpus = ["NVIDIA H100 80GB HBM3"] * 4
+    monkeypatch.setattr("megatrain.worker.nodes.detect_gpus", lambda: gpus)
+    monkeypatch.setattr(
+        "megatrain.worker.nodes.detect_gpu_memory",
+        lambda: [81559 << 20, 40960 << 20, 81559 << 20, 81559 << 20],
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with session_scope(url) as s:
+        assert ensure_local_pool(s, settings).device_memory_bytes == 40960 << 20  # the smallest GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # this worker may use the first one only
+    with session_scope(url) as s:
+        assert ensure_local_pool(s, settings).device_memory_bytes == 81559 << 20
+
+
 @pytest.fixture
 def celery_settings(settings: Settings, redis_url: str) -> Iterator[Settings]:
     pool = f"celery-{uuid.uuid4().hex[:8]}"

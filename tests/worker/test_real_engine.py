@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from megatrain.db.models import SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
+from megatrain.db.models import FAILED, SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
 from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
 from megatrain.settings import Settings
@@ -27,27 +27,21 @@ def _engine_importable() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
-@pytest.mark.parametrize(
-    ("parallelism", "procs"),
-    [("auto", 1), pytest.param({"tp": 2, "dp": 2}, 4, marks=pytest.mark.distributed)],
-    ids=["single", "tp2-dp2"],
-)
-def test_real_engine_runs_under_the_runner(
+def _schedule_real_job(
     settings: Settings,
     make_job: Callable[..., str],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    parallelism: object,
     procs: int,
-) -> None:
-    pytest.importorskip("torch")
-    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    max_retries: int = 2,
+    model: dict[str, object] | None = None,
+    parallelism: object = "auto",
+) -> str:
+    """A tiny real-engine job as the API stores it (spec and resolved layout), scheduled on testnode."""
     corpus = tmp_path / "corpus.jsonl"
     text = "def add(a, b):\n    return a + b\n" * 40
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
     url = settings.resolved_database_url
-    job_id = make_job(schedule=False, procs=procs)
+    job_id = make_job(schedule=False, procs=procs, max_retries=max_retries)
     spec = {
         "name": "tiny-real",
         "model": {
@@ -56,6 +50,7 @@ def test_real_engine_runs_under_the_runner(
             "hidden_size": 32,
             "num_attention_heads": 2,
             "seq_length": 32,
+            **(model or {}),
         },
         "data": {"tokenizer": {"type": "byte"}, "train": [{"path": corpus.as_uri()}], "split": "90,10,0"},
         "training": {
@@ -80,6 +75,27 @@ def test_real_engine_runs_under_the_runner(
 
     with session_scope(url) as s:
         assert reserve_and_schedule(s, job_id, s.scalar(select(Node.id).where(Node.hostname == "testnode")))
+    return job_id
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+@pytest.mark.parametrize(
+    ("parallelism", "procs"),
+    [("auto", 1), pytest.param({"tp": 2, "dp": 2}, 4, marks=pytest.mark.distributed)],
+    ids=["single", "tp2-dp2"],
+)
+def test_real_engine_runs_under_the_runner(
+    settings: Settings,
+    make_job: Callable[..., str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    parallelism: object,
+    procs: int,
+) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    url = settings.resolved_database_url
+    job_id = _schedule_real_job(settings, make_job, tmp_path, procs, parallelism=parallelism)
     rc = run_shard(job_id, settings)
     with session_scope(url) as s:
         job = s.get(Job, job_id)
@@ -98,3 +114,22 @@ def test_real_engine_runs_under_the_runner(
         assert data["layout"]["tp"] == (2 if procs == 4 else 1)
     latest = settings.home / "storage" / "jobs" / job_id / "checkpoints" / "latest"
     assert latest.read_text().strip() == "6"
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+def test_an_out_of_memory_attempt_fails_the_job_at_once(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job on a node that never reported its memory (so nothing refused it at the door): its
+    # 4M × 16k embedding (256 GiB) is a real allocation failure of the CPU allocator, at once.
+    pytest.importorskip("torch")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    model = {"hidden_size": 16384, "num_attention_heads": 128, "vocab_size": 1 << 22}
+    job_id = _schedule_real_job(settings, make_job, tmp_path, 1, max_retries=2, model=model)
+    rc = run_shard(job_id, settings)
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        assert rc != 0 and job.status == FAILED, job.status_reason
+        assert job.attempt == 1  # two retries were left: none was spent on an attempt bound to fail
+        assert job.status_reason.startswith("out of memory on rank 0: RuntimeError:")
+        assert "not retried" in job.status_reason

@@ -39,7 +39,8 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.plan.layout import Layout, resolve_layout
-from megatrain.scheduler.placement import fit_problem
+from megatrain.plan.memory import from_spec
+from megatrain.scheduler.placement import fit_problem, memory_problem
 from megatrain.settings import Settings
 from megatrain.spec import JobSpec, dump_spec, parse_spec
 
@@ -154,6 +155,19 @@ def _check_init_from(session: Session, spec: JobSpec, tenant: Tenant) -> None:
         raise FieldError("model.init_from", f"model.init_from names job {job_id!r}, which does not exist")
 
 
+def _check_memory_fit(spec: JobSpec, layout: Layout, device_memory: list[int], pool: str) -> None:
+    """Refuse a job whose per-device memory (the engine's analytical estimate, worst pipeline stage)
+    exceeds every device of its pool: it would fail allocating on every attempt."""
+    try:
+        estimate = from_spec(spec, layout)
+    except ValueError:  # a Hugging Face tokenizer without model.vocab_size: sized only by the engine
+        return
+    text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
+    problem = memory_problem(estimate.total_bytes, text, device_memory, pool)
+    if problem:
+        raise FieldError("model", problem)
+
+
 def validate_submission(
     session: Session, settings: Settings, tenant: Tenant, data: Any
 ) -> tuple[JobSpec, Layout]:
@@ -168,10 +182,14 @@ def validate_submission(
             "resources.pool",
             f"resources.pool={pool!r} is not a known pool (known: {', '.join(known) or 'none'})",
         )
-    slots = list(session.scalars(select(Node.slots_total).where(Node.pool_id == pool_id)).all())
+    nodes = session.execute(
+        select(Node.slots_total, Node.device_memory_bytes).where(Node.pool_id == pool_id)
+    ).all()
+    slots = [n.slots_total for n in nodes]
     problem = fit_problem(layout, slots, pool)
     if problem:
         raise FieldError("resources.pool" if not slots else "resources.gpus", problem)
+    _check_memory_fit(spec, layout, [n.device_memory_bytes for n in nodes if n.device_memory_bytes], pool)
     check_data_access(spec, settings, tenant.name)
     _check_init_from(session, spec, tenant)
     if spec.resources.priority > tenant.max_priority:

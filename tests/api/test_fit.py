@@ -1,0 +1,50 @@
+"""Specs that fit no device of their pool are refused at submission (422 naming the estimate, the
+layout and the largest device), by the same check the dry run makes; a node that never reported
+its memory refuses nothing."""
+
+from __future__ import annotations
+
+from api_handle import Api
+from sqlalchemy import update
+
+from megatrain.db.models import Node
+from megatrain.db.session import session_scope
+
+# ~200T parameters at the spec's bounds: it can never be allocated on any machine.
+HUGE = {"num_layers": 1024, "hidden_size": 131072, "num_attention_heads": 1024, "seq_length": 4096}
+
+
+def _node_memory(api: Api, value: int | None) -> None:
+    with session_scope(api.db_url) as s:
+        s.execute(update(Node).values(device_memory_bytes=value))
+
+
+def test_a_spec_that_fits_no_device_is_a_422_naming_estimate_layout_and_device(api: Api) -> None:
+    _node_memory(api, 6 << 30)
+    spec = api.spec("huge", model={**api.spec()["model"], **HUGE})
+    for path in ("/v1/jobs", "/v1/spec/validate"):
+        resp = api.client.post(path, json=spec, headers=api.headers)
+        assert resp.status_code == 422, resp.text
+        [problem] = resp.json()["detail"]
+        assert problem["field"] == "model"
+        message = problem["message"]
+        assert "GiB per device with layout tp=1 pp=1 dp=2 cp=1" in message
+        assert "the largest device in pool 'default' has 6.0 GiB" in message
+        needed = float(message.split("about ")[1].split(" GiB")[0].replace(",", ""))
+        assert needed > 1e5  # hundreds of TiB: the estimate, not a made-up threshold
+    assert api.client.get("/v1/jobs", headers=api.headers).json()["items"] == []  # nothing stored
+
+
+def test_what_fits_is_accepted_and_unknown_device_memory_refuses_nothing(api: Api) -> None:
+    _node_memory(api, 6 << 30)
+    assert api.client.post("/v1/jobs", json=api.spec(), headers=api.headers).status_code == 201
+    # A model that needs ~1.2 GiB per device: refused on 1 GiB devices, fine on 6 GiB ones.
+    mid = api.spec(
+        "mid", model={**api.spec()["model"], "num_layers": 8, "hidden_size": 1024, "num_attention_heads": 8}
+    )
+    assert api.client.post("/v1/jobs", json=mid, headers=api.headers).status_code == 201
+    _node_memory(api, 1 << 30)
+    assert api.client.post("/v1/jobs", json=mid, headers=api.headers).status_code == 422
+    _node_memory(api, None)  # registered before nodes reported their memory
+    huge = api.spec("huge", model={**api.spec()["model"], **HUGE})
+    assert api.client.post("/v1/jobs", json=huge, headers=api.headers).status_code == 201
