@@ -67,35 +67,54 @@ class PhaseResult:
 # --- /healthz prober ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Probe:
+    sent_at: float
+    """time.monotonic(), which is one clock for every process of the machine."""
+    latency_s: float | None
+    """None: no answer (transport error)."""
+    error: str = ""
+
+
 def _probe(url: str, interval_s: float, stop: Any, ready: Any, out: Connection) -> None:
-    latencies: list[float] = []  # every answered probe's, 503s included
-    probes, errors, first_error = 0, 0, ""
+    probes: list[Probe] = []
     with httpx.Client(timeout=10) as client:
-        next_at = time.perf_counter()
+        next_at = time.monotonic()
         while True:
-            start = time.perf_counter()
-            probes += 1
+            start = time.monotonic()
             try:
                 resp = client.get(url)
-                latencies.append(time.perf_counter() - start)
-                if resp.status_code != 200:
-                    errors += 1
-                    first_error = first_error or f"HTTP {resp.status_code}: {resp.text[:200]}"
+                error = "" if resp.status_code == 200 else f"HTTP {resp.status_code}: {resp.text[:200]}"
+                probes.append(Probe(start, time.monotonic() - start, error))
             except httpx.HTTPError as exc:
-                errors += 1
-                first_error = first_error or f"{type(exc).__name__}: {exc}"
+                probes.append(Probe(start, None, f"{type(exc).__name__}: {exc}"))
             ready.set()
             if stop.is_set():
                 break
             # Fixed rate without bursts: a slow probe delays the next one, never doubles it up.
-            next_at = max(next_at + interval_s, time.perf_counter())
-            stop.wait(max(0.0, next_at - time.perf_counter()))
-    out.send((latencies, probes, errors, first_error))
+            next_at = max(next_at + interval_s, time.monotonic())
+            stop.wait(max(0.0, next_at - time.monotonic()))
+    out.send(probes)
+
+
+def healthz_stats(probes: list[Probe], since: float = -math.inf, until: float = math.inf) -> HealthzStats:
+    """The probes sent in [since, until): latency of those answered (503s included), and errors."""
+    window = [p for p in probes if since <= p.sent_at < until]
+    latencies = [p.latency_s for p in window if p.latency_s is not None]
+    errors = [p.error for p in window if p.error]
+    return HealthzStats(
+        probes=len(window),
+        errors=len(errors),
+        p50_ms=percentile_ms(latencies, 0.50),
+        p99_ms=percentile_ms(latencies, 0.99),
+        max_ms=1000 * max(latencies) if latencies else math.nan,
+        first_error=errors[0] if errors else "",
+    )
 
 
 class HealthzProber:
     """GET /healthz every `interval_s` from a process of its own, so that a load client's busy event
-    loop does not inflate the server's figure; `stop()` gives the stats."""
+    loop does not inflate the server's figure; `stop()` gives the probes."""
 
     def __init__(self, url: str, interval_s: float = 0.05):
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads and sockets
@@ -103,25 +122,24 @@ class HealthzProber:
         self._recv, send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_probe, args=(f"{url}/healthz", interval_s, self._stop, ready, send))
         self._proc.start()
-        if not ready.wait(60):
-            self._proc.kill()
-            raise RuntimeError("the /healthz prober made no probe within 60 s")
+        deadline = time.monotonic() + 60
+        while not ready.wait(0.2):
+            if not self._proc.is_alive():
+                raise RuntimeError(
+                    f"the /healthz prober exited with {self._proc.exitcode} before its first probe"
+                )
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError("the /healthz prober made no probe within 60 s")
 
-    def stop(self) -> HealthzStats:
+    def stop(self) -> list[Probe]:
         self._stop.set()
         if not self._recv.poll(30):
             self._proc.kill()
             raise RuntimeError("the /healthz prober did not report within 30 s of being stopped")
-        latencies, probes, errors, first_error = self._recv.recv()
+        probes: list[Probe] = self._recv.recv()
         self._proc.join(10)
-        return HealthzStats(
-            probes=probes,
-            errors=errors,
-            p50_ms=percentile_ms(latencies, 0.50),
-            p99_ms=percentile_ms(latencies, 0.99),
-            max_ms=1000 * max(latencies) if latencies else math.nan,
-            first_error=first_error,
-        )
+        return probes
 
 
 # --- wrk ---------------------------------------------------------------------------------------

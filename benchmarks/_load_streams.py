@@ -14,9 +14,9 @@ import json
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from _load import HealthzProber, PhaseResult, percentile_ms
+from _load import HealthzProber, PhaseResult, healthz_stats, percentile_ms
 
 END_STATUS = "succeeded"
 
@@ -101,7 +101,7 @@ async def follow(host: str, port: int, path: str, key: str, stream: Stream) -> N
             "Accept: text/event-stream\r\n\r\n".encode()
         )
         head = await reader.readuntil(b"\r\n\r\n")
-        stream.status, stream.opened_at = int(head.split(b" ", 2)[1]), time.perf_counter()
+        stream.status, stream.opened_at = int(head.split(b" ", 2)[1]), time.monotonic()
         stream.opened.set()
         if stream.status != 200:
             body = await asyncio.wait_for(reader.read(2000), 5)
@@ -120,7 +120,7 @@ async def follow(host: str, port: int, path: str, key: str, stream: Stream) -> N
                 data = (await reader.readexactly(size + 2))[:-2]
             elif not (data := await reader.read(65536)):
                 break
-            now = time.perf_counter()
+            now = time.monotonic()
             for event in parser.feed(data):
                 row = json.loads(event.data)
                 if event.event == "end":
@@ -158,7 +158,7 @@ class MetricWriter(threading.Thread):
         from megatrain.db.session import session_scope
 
         jitter = random.Random(0)
-        next_at = time.perf_counter()
+        next_at = time.monotonic()
         try:
             while not self._stop_event.is_set():
                 step = len(self.committed_at) + 1
@@ -166,11 +166,11 @@ class MetricWriter(threading.Thread):
                 row = {"loss": loss, "lr": 3e-4, "grad_norm": 1.0, "tokens_per_s": 12000.0, "mfu": 0.41}
                 with session_scope(self.db_url) as s:
                     s.add(JobMetric(job_id=self.job_id, kind="train", step=step, loss=loss, data=row))
-                self.committed_at[step] = time.perf_counter()
+                self.committed_at[step] = time.monotonic()
                 # Jittered around the mean interval, so that the rows do not phase-lock with the
                 # server's polls (a steady 0.5 s writer against a 0.5 s poller would see one delay only).
-                next_at = max(next_at + self.interval_s * jitter.uniform(0.5, 1.5), time.perf_counter())
-                self._stop_event.wait(max(0.0, next_at - time.perf_counter()))
+                next_at = max(next_at + self.interval_s * jitter.uniform(0.5, 1.5), time.monotonic())
+                self._stop_event.wait(max(0.0, next_at - time.monotonic()))
         except BaseException as exc:  # reported by finish(); the phase then fails loudly
             self.error = exc
 
@@ -218,16 +218,17 @@ async def run_streams(
     writer.start()
     streams = [Stream() for _ in range(n)]
     tasks: list[asyncio.Task[None]] = []
-    start = time.perf_counter()
+    start = time.monotonic()
     try:
         # A batch at a time, each answered before the next: the listen backlog is not what is measured.
         for first in range(0, n, open_batch):
             batch = streams[first : first + open_batch]
             tasks += [asyncio.create_task(follow(host, int(port), path, key, s)) for s in batch]
             await asyncio.wait_for(asyncio.gather(*(s.opened.wait() for s in batch)), 60)
-        open_s = time.perf_counter() - start
+        all_open = time.monotonic()
         await asyncio.sleep(hold_s)
         rows_written = await asyncio.to_thread(writer.finish)
+        finished = time.monotonic()
         await asyncio.to_thread(set_job_status, db_url, job_id, END_STATUS, RUNNING)
         _, late = await asyncio.wait(tasks, timeout=end_timeout_s)
         for task, stream in zip(tasks, streams, strict=False):
@@ -238,8 +239,9 @@ async def run_streams(
             task.cancel()  # a no-op for those that ended
         if writer.is_alive():
             await asyncio.to_thread(writer.finish)
-        result.healthz = await asyncio.to_thread(prober.stop)
-    result.wall_s = time.perf_counter() - start
+        probes = await asyncio.to_thread(prober.stop)
+    result.wall_s = time.monotonic() - start
+    result.healthz = healthz_stats(probes)
 
     lags, problems = [], []
     for stream in streams:
@@ -263,7 +265,11 @@ async def run_streams(
         "not_200": sum(s.status is not None and s.status != 200 for s in streams),
         "disconnects": sum(s.disconnected for s in streams),
         "rows_written": rows_written,
-        "open_s": round(open_s, 2),
+        "open_s": round(all_open - start, 2),
         "hold_s": hold_s,
+        # /healthz while the streams open, while they are held, and while they end.
+        "healthz_open": asdict(healthz_stats(probes, until=all_open)),
+        "healthz_hold": asdict(healthz_stats(probes, all_open, finished)),
+        "healthz_end": asdict(healthz_stats(probes, since=finished)),
     }
     return result

@@ -35,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-from _load import HealthzProber, PhaseResult, run_httpx, run_wrk, wrk_script
+from _load import HealthzProber, PhaseResult, healthz_stats, run_httpx, run_wrk, wrk_script
 from _load_streams import run_streams
 
 POSTGRES_URL = os.environ.get(
@@ -205,7 +205,7 @@ async def request_phase(
             }
             await run_httpx(result, client, requests[phase], args.duration, args.max_requests)
     finally:
-        result.healthz = await asyncio.to_thread(prober.stop)
+        result.healthz = healthz_stats(await asyncio.to_thread(prober.stop))
     return result
 
 
@@ -322,6 +322,12 @@ def print_table(results: list[PhaseResult]) -> None:
                 f"{s['disconnects']} disconnects, {s['not_200']} not 200; {s['rows_written']} rows written; "
                 "count = row events received, p50/p99 = a row's delay from commit to reader"
             )
+            for part in ("open", "hold", "end"):
+                h = s[f"healthz_{part}"]
+                print(
+                    f"  healthz while streams {part + ':':<6} {h['probes']:>5} probes, {h['errors']} errors, "
+                    f"p50 {h['p50_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms, max {h['max_ms']:.1f} ms"
+                )
     for r in results:
         if r.first_error:
             print(f"first error ({r.backend}, {r.phase}): {r.first_error}", file=sys.stderr)

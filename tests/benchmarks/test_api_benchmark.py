@@ -67,6 +67,21 @@ def test_percentiles_are_nearest_rank() -> None:
     assert _load.percentile_ms([], 0.99) != _load.percentile_ms([], 0.99)  # nan
 
 
+def test_healthz_stats_count_a_window_s_probes_and_errors() -> None:
+    probes = [
+        _load.Probe(1.0, 0.002),
+        _load.Probe(2.0, 0.300, "HTTP 503: database down"),
+        _load.Probe(3.0, None, "ReadTimeout: timed out"),
+        _load.Probe(4.0, 0.004),
+    ]
+    window = _load.healthz_stats(probes, since=2.0, until=4.0)
+    assert (window.probes, window.errors) == (2, 2)
+    assert window.max_ms == pytest.approx(300.0)  # answered with a 503: its latency counts
+    assert window.first_error == "HTTP 503: database down"
+    whole = _load.healthz_stats(probes)
+    assert (whole.probes, whole.p50_ms) == (4, pytest.approx(4.0))
+
+
 def test_sse_parser_joins_events_split_across_chunks() -> None:
     parser = _load_streams.SseParser()
     events = parser.feed(b'retry: 2000\n\nid: 1\ndata: {"st')
@@ -149,6 +164,7 @@ def _assert_clean_run(data: dict, backend: str, client: str) -> None:
     assert [r["client"] for r in phases[:3]] == [client] * 3
     streams = phases[3]["streams"]
     assert streams["opened"] == streams["complete"] == 10, streams
+    assert streams["healthz_hold"]["probes"] > 0 and streams["disconnects"] == 0
     assert streams["rows_written"] >= 5
     assert phases[3]["count"] == 10 * streams["rows_written"]  # every stream got every row
 
