@@ -241,7 +241,7 @@ async def run_streams(
             await asyncio.to_thread(writer.finish)
         probes = await asyncio.to_thread(prober.stop)
     result.wall_s = time.monotonic() - start
-    result.healthz = healthz_stats(probes)
+    result.healthz = healthz_stats(probes, since=start)
 
     lags, problems = [], []
     for stream in streams:
@@ -268,7 +268,7 @@ async def run_streams(
         "open_s": round(all_open - start, 2),
         "hold_s": hold_s,
         # /healthz while the streams open, while they are held, and while they end.
-        "healthz_open": asdict(healthz_stats(probes, until=all_open)),
+        "healthz_open": asdict(healthz_stats(probes, start, all_open)),
         "healthz_hold": asdict(healthz_stats(probes, all_open, finished)),
         "healthz_end": asdict(healthz_stats(probes, since=finished)),
     }

@@ -183,6 +183,7 @@ async def request_phase(
     result = PhaseResult(backend, PHASES[phase], args.client, args.clients)
     names = itertools.count()
     prober = await asyncio.to_thread(HealthzProber, server.url)
+    started = time.monotonic()
     try:
         if args.client == "wrk":
             if phase == "post":
@@ -205,7 +206,8 @@ async def request_phase(
             }
             await run_httpx(result, client, requests[phase], args.duration, args.max_requests)
     finally:
-        result.healthz = healthz_stats(await asyncio.to_thread(prober.stop))
+        ended = time.monotonic()
+        result.healthz = healthz_stats(await asyncio.to_thread(prober.stop), started, ended)
     return result
 
 
