@@ -351,7 +351,9 @@ def print_targets(results: list[PhaseResult]) -> None:
             checks.append((f"p99 < 300 ms ({where} clients): {r.p99_ms:.1f} ms", r.p99_ms < 300))
         if r.streams:
             hz = r.healthz.p99_ms
-            checks.append((f"healthz p99 < 100 ms throughout ({where} streams): {hz:.1f} ms", hz < 100))
+            parts = "/".join(f"{r.streams[f'healthz_{p}']['p99_ms']:.0f}" for p in ("open", "hold", "end"))
+            text = f"healthz p99 < 100 ms throughout ({where} streams): {hz:.1f} ms (open/hold/end {parts})"
+            checks.append((text, hz < 100))
             complete = r.streams["complete"]
             goal = DEFAULT_STREAMS[r.backend]
             text = f"{goal} streams complete, no 5xx ({where}): {complete} complete, {r.server_errors} 5xx"
