@@ -37,4 +37,6 @@ VOLUME ["/var/lib/megatrain"]
 
 EXPOSE 8000
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["uvicorn", "megatrain.api.app:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000"]
+# The API in MEGATRAIN_API_WORKERS processes (default 2) with bounded requests (megatrain.api.server):
+# header size/count and read timeouts, body read timeouts, keep-alive and concurrency limits.
+CMD ["megatrain", "api", "--host", "0.0.0.0", "--port", "8000"]

@@ -67,6 +67,16 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     max_log_lines: int = Field(default=100_000, ge=100)
     """Log lines kept per job; older ones are dropped first."""
+    # HTTP server limits (megatrain.api.server): a request's head and body must arrive in time and
+    # within bounds; past max concurrent connections + requests, a 503.
+    http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1 << 20)
+    http_max_headers: int = Field(default=100, ge=8, le=10_000)
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    http_keepalive_timeout_s: float = Field(default=5.0, gt=0)
+    http_max_concurrency: int = Field(default=2048, ge=1)
+    api_workers: int = Field(default=2, ge=1, le=256)
+    """API processes `megatrain api` runs (the production entry point; `megatrain up` runs one)."""
     api_threads: int = Field(default=4, ge=1, le=256)
     """Threads one API process runs blocking work (database calls, body parsing) on."""
     max_streams_per_tenant: int = Field(default=256, ge=1)

@@ -27,6 +27,7 @@ from megatrain.api.health.router import router as health_router
 from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
 from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
+from megatrain.api.server import BodyTimeoutMiddleware
 from megatrain.api.spec.router import router as spec_router
 from megatrain.api.streams import StreamHub, TooManyStreams
 from megatrain.db.session import upgrade_database
@@ -111,6 +112,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
 
     # Added last = outermost: metrics see every answer, including 413s and 500s.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.http_body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
 
     # The dashboard's static files, served at / (index.html for "/"); mounted after every API route.

@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from megatrain.spec import SpecError
 
@@ -30,8 +31,25 @@ class FieldError(Exception):
         super().__init__(f"{field}: {message}")
 
 
+MAX_ERRORS = 50
+MAX_MESSAGE_CHARS = 500
+MAX_FIELD_CHARS = 200
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def field_errors(status: int, errors: list[dict[str, str]]) -> JSONResponse:
-    return JSONResponse({"detail": errors}, status_code=status)
+    """The errors, at most MAX_ERRORS of them (then one saying how many more) with fields and
+    messages clipped: a hostile body cannot make the answer larger than the request."""
+    shown = [
+        {"field": _clip(e["field"], MAX_FIELD_CHARS), "message": _clip(e["message"], MAX_MESSAGE_CHARS)}
+        for e in errors[:MAX_ERRORS]
+    ]
+    if len(errors) > MAX_ERRORS:
+        shown.append({"field": "request", "message": f"and {len(errors) - MAX_ERRORS} more errors"})
+    return JSONResponse({"detail": shown}, status_code=status)
 
 
 def _request_validation(_: Request, exc: Exception) -> JSONResponse:
@@ -67,6 +85,12 @@ def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "the database is unavailable; try again shortly"}, status_code=503)
 
 
+def _client_left(request: Request, exc: Exception) -> Response:
+    # Nobody is left to answer: a line for the operator, no traceback, no 500.
+    log.info("client left during %s %s (%s)", request.method, request.url.path, type(exc).__name__)
+    return Response(status_code=400)
+
+
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Logged in full here, answered without internals (no traceback, no SQL, no paths).
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -79,4 +103,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(FieldError, _field_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(OperationalError, _database_unavailable)
+    app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _unexpected)

@@ -24,11 +24,12 @@ class EmbeddedStack:
         import uvicorn
 
         from megatrain.api.app import create_app
+        from megatrain.api.server import api_config
 
         self.settings = settings
         self.host, self.port = host, port
         self.stop_event = threading.Event()
-        config = uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level)
+        config = api_config(create_app(settings), settings, host, port, log_level=log_level)
         self.server = uvicorn.Server(config)
         self._threads: list[threading.Thread] = []
 
@@ -109,6 +110,45 @@ def up(
     out.print("press Ctrl-C to stop")
     stack.serve_forever()
     out.print("stopped")
+
+
+@app.command("api")
+@_server_errors
+def api_server(
+    host: Annotated[str | None, typer.Option(help="Address to listen on (MEGATRAIN_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on (MEGATRAIN_PORT).")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=256, help="API processes (MEGATRAIN_API_WORKERS, default 2).")
+    ] = None,
+) -> None:
+    """Run the API alone, in several processes (production: beside the scheduler and workers).
+
+    Each process is single-threaded Python: parsing, validation and serialisation hold its GIL, so a
+    second process on another core serves requests the first cannot; the database is the only state
+    they share. Every process serves with the request limits of megatrain.api.server.
+    """
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from megatrain.api.app import prepare_backends
+    from megatrain.api.server import api_config
+
+    _configure_logging()
+    settings = get_settings()
+    prepare_backends(settings)  # once, before the processes start (they would race on SQLite)
+    n = workers or settings.api_workers
+    config = api_config(
+        "megatrain.api.app:create_app",
+        settings,
+        host or settings.host,
+        port or settings.port,
+        factory=True,
+        workers=n,
+    )
+    if n == 1:
+        uvicorn.Server(config).run()
+    else:
+        Multiprocess(config, sockets=[config.bind_socket()]).run()
 
 
 @app.command()

@@ -1,0 +1,224 @@
+"""The API's HTTP server: uvicorn with the bounds a service facing untrusted clients needs.
+
+uvicorn alone answers a request of 64 MB of headers (httptools has no size limit), waits forever for
+headers or a body that trickle in, and has no header-count limit. Here:
+  - `BoundedHttpToolsProtocol` refuses a request head over `max_header_bytes` (431) or with more than
+    `max_headers` fields (431), and one whose head has not fully arrived `header_timeout_s` after its
+    first byte (or after the connection opened) with 408, closing the connection;
+  - `BodyTimeoutMiddleware` answers 408 when a request body chunk does not arrive within
+    `body_timeout_s` (responses are not timed: a live stream may run for hours);
+  - uvicorn's own `limit_concurrency` answers 503 past `max_concurrency` connections + tasks, and
+    `timeout_keep_alive` closes idle keep-alive connections.
+`megatrain api` (the production entry point, several worker processes) and `megatrain up` (the
+embedded stack) both serve through `api_config`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+import httptools
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from megatrain.settings import Settings
+
+log = logging.getLogger("megatrain.api.server")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_header_bytes: int = 16 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 5.0
+    max_concurrency: int = 2048
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HttpLimits:
+        return cls(
+            max_header_bytes=settings.http_max_header_bytes,
+            max_headers=settings.http_max_headers,
+            header_timeout_s=settings.http_header_timeout_s,
+            body_timeout_s=settings.http_body_timeout_s,
+            keepalive_timeout_s=settings.http_keepalive_timeout_s,
+            max_concurrency=settings.http_max_concurrency,
+        )
+
+
+class ApiServerConfig(uvicorn.Config):
+    """uvicorn's Config carrying the limits to the protocol (picklable, for worker processes)."""
+
+    def __init__(self, app: Any, limits: HttpLimits, **kwargs: Any):
+        super().__init__(
+            app,
+            http=BoundedHttpToolsProtocol,
+            limit_concurrency=limits.max_concurrency,
+            timeout_keep_alive=max(1, round(limits.keepalive_timeout_s)),
+            h11_max_incomplete_event_size=limits.max_header_bytes,
+            **kwargs,
+        )
+        self.http_limits = limits
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bounded request head: size, field count and time."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any):
+        super().__init__(config, *args, **kwargs)
+        self.limits: HttpLimits = getattr(config, "http_limits", HttpLimits())
+        self._in_head = False
+        self._head_bytes = 0  # raw bytes received while the head is incomplete
+        self._field_bytes = 0  # the parsed head: URL plus header names and values
+        self._fields = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._begin_head()  # a connection that sends nothing is a slow head too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end_head()
+        super().connection_lost(exc)
+
+    def _begin_head(self) -> None:
+        self._end_head()
+        self._in_head, self._head_bytes, self._field_bytes, self._fields = True, 0, 0, 0
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_too_slow)
+
+    def _end_head(self) -> None:
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self._refuse(408, f"request headers not received within {self.limits.header_timeout_s:g} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._end_head()
+        log.info("refused %s: %s", self.client, message)
+        body = message.encode()
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's, with the head's size counted and our refusals told apart from parse errors.
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _Refused):  # raised by on_header below
+                self._refuse(exc.__context__.status, exc.__context__.message)
+            else:
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        except httptools.HttpParserError:
+            self.send_400_response("Invalid HTTP request received.")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        # Still inside the head after all of `data`: all of it was head (a chunk that completed the
+        # head may carry the body too, and the parsed fields are counted in on_header instead).
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._refuse(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
+
+    def on_message_begin(self) -> None:
+        # A keep-alive connection's next request: its head gets the full time again.
+        if not self._in_head:
+            self._begin_head()
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._field_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        self._field_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._fields > self.limits.max_headers:
+            raise _Refused(431, f"more than {self.limits.max_headers} request header fields")
+        if self._field_bytes > self.limits.max_header_bytes:
+            raise _Refused(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._end_head()
+        super().on_headers_complete()
+
+
+class BodyTimeoutMiddleware:
+    """408 when the next chunk of a request body does not arrive within `timeout_s`; once the body
+    is complete, receive() (a streaming response waiting for the client to leave) is not timed."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float):
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body_done = False
+        started = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            with anyio.fail_after(self.timeout_s):
+                message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, tracking_send)
+        except TimeoutError:
+            log.info(
+                "request body of %s %s stalled for %g s",
+                scope.get("method"),
+                scope.get("path"),
+                self.timeout_s,
+            )
+            if not started:
+                body = f"request body not received within {self.timeout_s:g} s".encode()
+                headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+                await send({"type": "http.response.start", "status": 408, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+
+
+def api_config(app: Any, settings: Settings, host: str, port: int, **kwargs: Any) -> ApiServerConfig:
+    """The uvicorn config of the API: `app` (an ASGI app, or "module:factory" with factory=True for
+    several workers) with the limits of `settings`."""
+    return ApiServerConfig(app, HttpLimits.from_settings(settings), host=host, port=port, **kwargs)

@@ -1,0 +1,227 @@
+"""The HTTP server's bounds, against a real server over raw sockets: oversized and over-many headers,
+slow heads and bodies are refused without delaying anyone else; long responses (live streams) are
+not cut; past the concurrency limit, a 503. Plus capped validation errors and quiet disconnects."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from api_handle import Api
+from fixtures.live import LiveApi, start_live_api
+
+from megatrain.api.errors import MAX_ERRORS
+
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def server(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveApi]:
+    monkeypatch.setenv("MEGATRAIN_HTTP_HEADER_TIMEOUT_S", str(TIMEOUT_S))
+    monkeypatch.setenv("MEGATRAIN_HTTP_BODY_TIMEOUT_S", str(TIMEOUT_S))
+    yield from start_live_api(tmp_path, monkeypatch, with_scheduler=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _connect(live: LiveApi) -> socket.socket:
+    host, port = live.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return data
+
+
+def _healthz_during(live: LiveApi, busy: threading.Event) -> list[float]:
+    latencies: list[float] = []
+    with httpx.Client(base_url=live.url, timeout=10) as client:
+        while busy.is_set() or len(latencies) < 10:
+            start = time.perf_counter()
+            assert client.get("/healthz").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+    return latencies
+
+
+def test_a_64_mb_header_is_refused_with_431_without_delaying_others(server: LiveApi) -> None:
+    sock = _connect(server)
+    sent = 0
+    busy = threading.Event()
+    busy.set()
+    probes: list[float] = []
+    prober = threading.Thread(target=lambda: probes.extend(_healthz_during(server, busy)))
+    prober.start()
+    try:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        chunk = b"a" * 65536
+        for _ in range(1024):  # 64 MiB, unless the server shuts the door first
+            sock.sendall(chunk)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    answer = _answer(sock)
+    busy.clear()
+    prober.join()
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"request headers exceed 16384 bytes" in answer
+    assert sent < 8 << 20  # the connection was closed long before 64 MiB went in
+    assert probes and statistics.median(probes) < 0.1, probes
+
+
+def test_too_many_header_fields_are_a_431(server: LiveApi) -> None:
+    sock = _connect(server)
+    fields = b"".join(b"X-H%d: v\r\n" % i for i in range(150))
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
+    answer = _answer(sock)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"more than 100 request header fields" in answer
+
+
+def test_slow_heads_and_silent_connections_are_closed_with_408(server: LiveApi) -> None:
+    slow, silent = _connect(server), _connect(server)
+    start = time.monotonic()
+    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+    answers = [_answer(slow), _answer(silent)]
+    waited = time.monotonic() - start
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within 1 s" in answer
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 3
+    # Prompt requests on the same server are untouched, keep-alive included.
+    with httpx.Client(base_url=server.url) as client:
+        assert [client.get("/healthz").status_code for _ in range(3)] == [200] * 3
+
+
+def test_a_stalled_body_is_a_408(server: LiveApi) -> None:
+    sock = _connect(server)
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    sock.sendall(head.encode() + b'{"name": "slo')  # 13 of 1000 bytes, then nothing
+    start = time.monotonic()
+    answer = _answer(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"request body not received within 1 s" in answer
+    assert time.monotonic() - start < TIMEOUT_S + 3
+
+
+def test_a_live_stream_outlives_every_timeout(server: LiveApi) -> None:
+    headers = {"Authorization": f"Bearer {server.key}"}
+    job_id = httpx.post(f"{server.url}/v1/jobs", json=server.spec(), headers=headers).json()["id"]
+    with (
+        httpx.Client(base_url=server.url, headers=headers, timeout=30) as client,
+        client.stream("GET", f"/v1/jobs/{job_id}/logs?follow=true") as stream,
+    ):
+        assert stream.status_code == 200
+        time.sleep(3 * TIMEOUT_S)  # longer than the head, body and keep-alive timeouts
+        assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+        text = stream.read().decode()
+    assert text.rstrip().endswith('data: {"status":"cancelled"}'), text
+
+
+def test_past_the_concurrency_limit_a_503(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEGATRAIN_HTTP_MAX_CONCURRENCY", "3")
+    live_gen = start_live_api(tmp_path, monkeypatch, with_scheduler=False)
+    live = next(live_gen)
+    try:
+        held = [_connect(live) for _ in range(3)]  # three open connections (each waiting to send)
+        with httpx.Client(base_url=live.url, timeout=10) as client:
+            assert client.get("/healthz").status_code == 503
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while True:
+            with httpx.Client(base_url=live.url, timeout=10) as client:
+                if client.get("/healthz").status_code == 200:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        next(live_gen, None)
+
+
+def test_validation_errors_are_capped_in_count_and_size(api: Api) -> None:
+    spec = api.spec()
+    spec["training"].update({f"unknown_{i}": "x" * 250 for i in range(200)})
+    resp = api.client.post("/v1/jobs", json=spec, headers=api.headers)
+    assert resp.status_code == 422
+    detail = resp.json()["detail"]
+    assert len(detail) == MAX_ERRORS + 1
+    assert detail[-1] == {"field": "request", "message": f"and {200 - MAX_ERRORS} more errors"}
+    assert len(resp.content) < 20 * 1024  # not an echo of the 52 KB body
+    assert all(len(e["message"]) <= 500 for e in detail)
+
+
+def test_a_client_that_leaves_mid_body_is_an_info_line(
+    server: LiveApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    sock = _connect(server)
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with caplog.at_level(logging.INFO):
+        sock.sendall(head.encode() + b'{"name": ')
+        time.sleep(0.2)
+        sock.close()
+        time.sleep(0.5)
+    assert any("client left during POST /v1/jobs" in r.getMessage() for r in caplog.records), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_megatrain_api_serves_from_several_processes_with_the_limits(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
+    env["MEGATRAIN_HOME"] = str(tmp_path / "home")
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatrain.cli",
+        "api",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "2",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()
+                time.sleep(0.2)
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n")
+        assert _answer(sock).startswith(b"HTTP/1.1 431 ")
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert out.count("Started server process") == 2, out  # two API processes behind one socket
