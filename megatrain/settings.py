@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     http_body_timeout_s: float = Field(default=30.0, gt=0)
     http_keepalive_timeout_s: float = Field(default=5.0, gt=0)
     http_max_concurrency: int = Field(default=2048, ge=1)
+    http_shutdown_timeout_s: float = Field(default=10.0, gt=0)
     api_workers: int = Field(default=2, ge=1, le=256)
     """API processes `megatrain api` runs (the production entry point; `megatrain up` runs one)."""
     api_threads: int = Field(default=4, ge=1, le=256)

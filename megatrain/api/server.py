@@ -7,8 +7,9 @@ headers or a body that trickle in, and has no header-count limit. Here:
     first byte (or after the connection opened) with 408, closing the connection;
   - `BodyTimeoutMiddleware` answers 408 when a request body chunk does not arrive within
     `body_timeout_s` (responses are not timed: a live stream may run for hours);
-  - uvicorn's own `limit_concurrency` answers 503 past `max_concurrency` connections + tasks, and
-    `timeout_keep_alive` closes idle keep-alive connections.
+  - uvicorn's own `limit_concurrency` answers 503 past `max_concurrency` connections + tasks,
+    `timeout_keep_alive` closes idle keep-alive connections, and a stopping server cancels what is
+    still running (live streams) after `shutdown_timeout_s`.
 `megatrain api` (the production entry point, several worker processes) and `megatrain up` (the
 embedded stack) both serve through `api_config`.
 """
@@ -40,6 +41,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 5.0
     max_concurrency: int = 2048
+    shutdown_timeout_s: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HttpLimits:
@@ -50,6 +52,7 @@ class HttpLimits:
             body_timeout_s=settings.http_body_timeout_s,
             keepalive_timeout_s=settings.http_keepalive_timeout_s,
             max_concurrency=settings.http_max_concurrency,
+            shutdown_timeout_s=settings.http_shutdown_timeout_s,
         )
 
 
@@ -63,6 +66,9 @@ class ApiServerConfig(uvicorn.Config):
             limit_concurrency=limits.max_concurrency,
             timeout_keep_alive=max(1, round(limits.keepalive_timeout_s)),
             h11_max_incomplete_event_size=limits.max_header_bytes,
+            # Live streams would hold a stopping server open for as long as their jobs run; past
+            # this their tasks are cancelled and clients reconnect (SSE retry, Last-Event-ID).
+            timeout_graceful_shutdown=max(1, round(limits.shutdown_timeout_s)),
             **kwargs,
         )
         self.http_limits = limits

@@ -225,3 +225,46 @@ def test_megatrain_api_serves_from_several_processes_with_the_limits(tmp_path: P
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert out.count("Started server process") == 2, out  # two API processes behind one socket
+
+
+def test_a_stopping_server_does_not_wait_for_live_streams(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatrain.cli.server import EmbeddedStack
+    from megatrain.settings import get_settings, reset_settings_cache
+
+    monkeypatch.setenv("MEGATRAIN_HTTP_SHUTDOWN_TIMEOUT_S", "1")
+    monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "2")
+    monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", tmp_path.as_uri())
+    reset_settings_cache()
+    settings = get_settings()
+    key = EmbeddedStack.prepare(settings)
+    stack = EmbeddedStack(settings, "127.0.0.1", _free_port(), log_level="warning")
+    stack.start_in_background(scheduler=False)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "x"}\n')
+    spec = {"name": "s", "data": {"train": [{"path": corpus.as_uri()}]}, "resources": {"gpus": 1}}
+    headers = {"Authorization": f"Bearer {key}"}
+    job_id = httpx.post(f"{stack.url}/v1/jobs", json=spec, headers=headers, timeout=30).json()["id"]
+    streamed = threading.Event()
+
+    ended: list[str] = []
+
+    def follow() -> None:
+        url = f"{stack.url}/v1/jobs/{job_id}/logs?follow=true"
+        try:
+            with httpx.stream("GET", url, headers=headers, timeout=60) as r:
+                for _ in r.iter_bytes():
+                    streamed.set()
+        except httpx.HTTPError as exc:  # the server cut the stream: a client reconnects elsewhere
+            ended.append(type(exc).__name__)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    assert streamed.wait(10)
+    start = time.monotonic()
+    stack.stop(timeout_s=30)
+    assert not stack._threads[-1].is_alive(), "the server still waits for the stream"
+    assert time.monotonic() - start < 5
+    reader.join(5)
+    assert not reader.is_alive() and ended == ["RemoteProtocolError"]  # the client saw it end
