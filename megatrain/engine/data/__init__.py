@@ -1,8 +1,9 @@
 """Data for the engine: tokenizers, JSONL documents, train/valid/test splits, blending, sampling.
 
 Needs numpy (and `tokenizers` for HF tokenizers), never torch: batches are numpy arrays that the
-trainer turns into tensors. Megatron indexed datasets (.bin/.idx) arrive later; this skeleton keeps
-the tokenized corpus in memory.
+trainer turns into tensors. Megatron-LM's indexed datasets (.bin/.idx) are read and written by
+`indexed` (memory-mapped, byte-compatible); training still keeps a JSONL corpus's tokens in memory
+until the indexed path reaches the loaders.
 """
 
 from megatrain.engine.data.dataset import (
@@ -12,6 +13,7 @@ from megatrain.engine.data.dataset import (
     document_split_bounds,
     microbatch_sample_ids,
 )
+from megatrain.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from megatrain.engine.data.jsonl import read_jsonl_texts
 from megatrain.engine.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
@@ -19,6 +21,8 @@ __all__ = [
     "BlendedDataset",
     "ByteTokenizer",
     "HFTokenizer",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
     "SourceDataset",
     "Tokenizer",
     "build_datasets",
@@ -26,4 +30,5 @@ __all__ = [
     "document_split_bounds",
     "microbatch_sample_ids",
     "read_jsonl_texts",
+    "token_dtype",
 ]
