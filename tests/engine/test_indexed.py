@@ -113,38 +113,42 @@ def test_broken_files_are_refused_naming_the_problem(tmp_path: Path) -> None:
         IndexedDataset(tmp_path / "x")
 
 
-# Megatron's side, in its own process: importing megatron.core sets up the whole package (fusion and
-# JIT flags included), which must not leak into the other tests.
+# Megatron's side, in one process for every case (its package import sets global torch state and
+# takes seconds).
 _MEGATRON_SIDE = """
 import json, sys
 import numpy as np
 from megatron.core.datasets import indexed_dataset as indexed
-ours, meg, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])
-theirs = indexed.IndexedDataset(ours)
-read = [theirs[i].tolist() for i in range(len(theirs))]
-builder = indexed.IndexedDatasetBuilder(meg + ".bin", dtype=indexed.DType.optimal_dtype(vocab))
-for doc in json.loads(sys.stdin.read()):
-    builder.add_document(np.array(doc, dtype=np.int64), [len(doc)] if doc else [])
-builder.finalize(meg + ".idx")
-print(json.dumps({"read": read, "documents": theirs.document_indices.tolist()}))
+results = []
+for ours, meg, vocab, docs in json.loads(sys.stdin.read()):
+    theirs = indexed.IndexedDataset(ours)
+    read = [theirs[i].tolist() for i in range(len(theirs))]
+    builder = indexed.IndexedDatasetBuilder(meg + ".bin", dtype=indexed.DType.optimal_dtype(vocab))
+    for doc in docs:
+        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)] if doc else [])
+    builder.finalize(meg + ".idx")
+    results.append({"read": read, "documents": theirs.document_indices.tolist()})
+print(json.dumps(results))
 """
 
 
-@pytest.mark.parametrize("vocab", [50257, 128256])
-def test_against_megatron_s_own_reader_and_builder(tmp_path: Path, vocab: int) -> None:
+def test_against_megatron_s_own_reader_and_builder(tmp_path: Path) -> None:
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed (the test extra brings it on Python 3.11)")
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 50000, size=n).tolist() for n in (3, 0, 9, 1, 257)]
-    with IndexedDatasetWriter(tmp_path / "ours", token_dtype(vocab)) as w:
-        for doc in docs:
-            w.add_document(doc)
-    args = [sys.executable, "-c", _MEGATRON_SIDE, str(tmp_path / "ours"), str(tmp_path / "meg"), str(vocab)]
+    cases = []
+    for vocab in (50257, 128256):  # uint16 and int32 tokens
+        with IndexedDatasetWriter(tmp_path / f"ours{vocab}", token_dtype(vocab)) as w:
+            for doc in docs:
+                w.add_document(doc)
+        cases.append([str(tmp_path / f"ours{vocab}"), str(tmp_path / f"meg{vocab}"), vocab, docs])
+    args = [sys.executable, "-c", _MEGATRON_SIDE]
     out = subprocess.run(
-        args, input=json.dumps(docs), capture_output=True, text=True, timeout=120, check=True
+        args, input=json.dumps(cases), capture_output=True, text=True, timeout=300, check=True
     )
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])
-    assert theirs["read"] == [d for d in docs if d]  # their reader on our files
-    assert theirs["documents"] == [0, 1, 1, 2, 3, 4]
-    assert (tmp_path / "meg.idx").read_bytes() == (tmp_path / "ours.idx").read_bytes()  # their writer = ours
-    assert (tmp_path / "meg.bin").read_bytes() == (tmp_path / "ours.bin").read_bytes()
+    for (ours, meg, _, _), theirs in zip(cases, json.loads(out.stdout.strip().splitlines()[-1]), strict=True):
+        assert theirs["read"] == [d for d in docs if d]  # their reader on our files
+        assert theirs["documents"] == [0, 1, 1, 2, 3, 4]
+        assert Path(meg + ".idx").read_bytes() == Path(ours + ".idx").read_bytes()  # their writer = ours
+        assert Path(meg + ".bin").read_bytes() == Path(ours + ".bin").read_bytes()
