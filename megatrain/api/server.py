@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -31,6 +32,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from megatrain.settings import Settings
 
 log = logging.getLogger("megatrain.api.server")
+
+LINGER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._field_bytes = 0  # the parsed head: URL plus header names and values
         self._fields = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,6 +102,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_head()
+        self._cancel_body_deadline()
         super().connection_lost(exc)
 
     def _begin_head(self) -> None:
@@ -116,7 +122,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(408, f"request headers not received within {self.limits.header_timeout_s:g} s")
 
     def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` and close; input still arriving is read and dropped for LINGER_S first (a
+        close with unread input resets the connection, and the client would never see the answer)."""
         self._end_head()
+        self._cancel_body_deadline()
         log.info("refused %s: %s", self.client, message)
         body = message.encode()
         head = (
@@ -124,12 +133,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         )
         self.transport.write(head.encode() + body)
-        self.transport.close()
+        self._refused = True
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's, with the head's size counted and our refusals told apart from parse errors.
-        if self.transport.is_closing():
-            return
+        if self.transport.is_closing() or self._refused:
+            return  # a refused connection's input is dropped until it closes
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -177,6 +187,38 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._end_head()
         super().on_headers_complete()
+        # A body must arrive whole within body_timeout_s of the head: also after the app answered
+        # without reading it (a 401, a 413), when each trickled byte would otherwise keep the
+        # connection from its keep-alive timeout forever.
+        if self.parser.get_method() not in (b"GET", b"HEAD") and self._expects_body():
+            self._body_deadline = self.loop.call_later(self.limits.body_timeout_s, self._body_too_slow)
+
+    def _expects_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"content-length":
+                return value.strip() not in (b"0", b"")
+            if name == b"transfer-encoding":
+                return True
+        return False
+
+    def on_message_complete(self) -> None:
+        self._cancel_body_deadline()
+        super().on_message_complete()
+
+    def _cancel_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_too_slow(self) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and self.cycle.response_started:
+            log.info("closed %s: request body still arriving after the answer", self.client)
+            self.transport.close()
+        else:
+            self._refuse(408, f"request body not received within {self.limits.body_timeout_s:g} s")
 
 
 class BodyTimeoutMiddleware:
@@ -228,3 +270,17 @@ def api_config(app: Any, settings: Settings, host: str, port: int, **kwargs: Any
     """The uvicorn config of the API: `app` (an ASGI app, or "module:factory" with factory=True for
     several workers) with the limits of `settings`."""
     return ApiServerConfig(app, HttpLimits.from_settings(settings), host=host, port=port, **kwargs)
+
+
+def raise_open_file_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit (each live stream holds a
+    socket; a 1,024 soft limit caps a process well below the streams it can serve); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            log.warning("could not raise the open-file limit from %d", soft)
+    return soft

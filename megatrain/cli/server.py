@@ -100,6 +100,9 @@ def up(
     host = host or settings.host
     port = port or settings.port
     EmbeddedStack.prepare(settings)
+    from megatrain.api.server import raise_open_file_limit
+
+    raise_open_file_limit()
     stack = EmbeddedStack(settings, host, port)
     out = _out()
     out.print(f"megatrain dashboard: [bold]http://{host}:{port}/[/bold]")
@@ -131,11 +134,12 @@ def api_server(
     from uvicorn.supervisors import Multiprocess
 
     from megatrain.api.app import prepare_backends
-    from megatrain.api.server import api_config
+    from megatrain.api.server import api_config, raise_open_file_limit
 
     _configure_logging()
     settings = get_settings()
     prepare_backends(settings)  # once, before the processes start (they would race on SQLite)
+    raise_open_file_limit()  # inherited by the worker processes
     n = workers or settings.api_workers
     config = api_config(
         "megatrain.api.app:create_app",
