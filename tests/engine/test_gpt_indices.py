@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatrain.engine.data.gpt_indices import (
+    GPTIndices,
     build_gpt_indices,
+    cached_gpt_indices,
     num_epochs,
     sample_index,
     separate_final_epoch,
@@ -138,3 +143,67 @@ def test_equal_to_megatron_s_own_builders(megatron_results: list[dict[str, objec
     assert [str(ours.sample_index.dtype), str(ours.shuffle_index.dtype)] == theirs["dtypes"]
     if requested == 40:
         assert _payload(requested, extra)["separate"]  # the final epoch shuffled apart is compared too
+
+
+def _description(**overrides: object) -> dict[str, object]:
+    base = {"dataset": "/data/corpus", "split": [0, 25], "seq_length": 8, "num_samples": 40, "seed": 5,
+            "add_extra_token": True}  # fmt: skip
+    return {**base, **overrides}
+
+
+def _build(d: dict[str, object]) -> GPTIndices:
+    sizes = np.random.default_rng(3).integers(0, 30, size=25)
+    return build_gpt_indices(
+        sizes, np.arange(25, dtype=np.int32), int(d["seq_length"]), int(d["num_samples"]), int(d["seed"]),
+        add_extra_token=bool(d["add_extra_token"]),
+    )  # fmt: skip
+
+
+def test_cached_indices_are_built_once_and_mapped(tmp_path: Path) -> None:
+    built = []
+
+    def build(d: dict[str, object]) -> GPTIndices:
+        built.append(d)
+        return _build(d)
+
+    d = _description()
+    first = cached_gpt_indices(tmp_path, d, lambda: build(d))
+    again = cached_gpt_indices(tmp_path, d, lambda: build(d))
+    assert len(built) == 1
+    assert isinstance(again.sample_index, np.memmap) and again.sample_index.dtype == np.int32
+    fresh = _build(d)
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        assert np.array_equal(getattr(again, name), getattr(fresh, name))
+        assert np.array_equal(getattr(first, name), getattr(fresh, name))
+    # Every field counts: the extra label token (which Megatron's hash leaves out) is a new cache.
+    other = _description(add_extra_token=False)
+    cached_gpt_indices(tmp_path, other, lambda: build(other))
+    assert len(built) == 2
+    assert len(list(tmp_path.glob("*-GPTDataset-description.txt"))) == 2
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def _ask(cache: str, out: str) -> None:
+    d = _description()
+
+    def build() -> GPTIndices:
+        with open(out, "a") as f:
+            f.write("built\n")
+        time.sleep(0.5)  # long enough for the others to arrive while it builds
+        return _build(d)
+
+    ix = cached_gpt_indices(Path(cache), d, build)
+    assert len(ix) >= 40
+
+
+def test_processes_on_a_node_build_once_and_the_others_wait(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_ask, args=(str(tmp_path / "cache"), str(tmp_path / "log"))) for _ in range(3)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert (tmp_path / "log").read_text() == "built\n"

@@ -18,7 +18,14 @@ C++ walk, with the same answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -125,3 +132,35 @@ def build_gpt_indices(
     else:
         order = shuffle_index(total, total, rng)
     return GPTIndices(docs, samples, order)
+
+
+def cached_gpt_indices(
+    cache_dir: Path, description: dict[str, Any], build: Callable[[], GPTIndices]
+) -> GPTIndices:
+    """The indices `description` names, from `cache_dir` when built before, else built once and kept.
+
+    Files are named as Megatron names them (`{md5}-GPTDataset-{array}.npy` beside a
+    `description.txt`), but the hash covers every field of `description` (Megatron leaves
+    add_extra_token_to_sequence out, and reuses a stale cache when it changes). Every process that
+    asks takes one file lock, so on a node the first builds and the others wait, then map the files
+    (`mmap_mode="r"`: no copy per rank). Files appear under their final names only when complete.
+    """
+    text = json.dumps(description, sort_keys=True, indent=4, default=str)
+    key = hashlib.md5(text.encode()).hexdigest()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    names = [f.name for f in fields(GPTIndices)]
+    files = {name: cache_dir / f"{key}-GPTDataset-{name}.npy" for name in names}
+    marker = cache_dir / f"{key}-GPTDataset-description.txt"
+    with open(cache_dir / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marker.exists():
+            built = build()
+            for name, path in files.items():
+                tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+                with open(tmp, "wb") as f:
+                    np.save(f, getattr(built, name))
+                os.replace(tmp, path)
+            tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
+            tmp.write_text(text)
+            os.replace(tmp, marker)  # last: its presence means every array is complete
+    return GPTIndices(**{name: np.load(path, mmap_mode="r") for name, path in files.items()})
