@@ -50,8 +50,10 @@ def reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
 
 
 def batch_of(dataset: BlendedDataset, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.from_numpy(dataset.batch(ids)).to(device, non_blocking=True)  # (B, T+1)
-    return tokens[:, :-1], tokens[:, 1:]
+    batch = dataset.batch(ids)
+    x = torch.from_numpy(batch.tokens).to(device, non_blocking=True)  # (B, T)
+    y = torch.from_numpy(batch.labels).to(device, non_blocking=True)  # (B, T)
+    return x, y
 
 
 class TrainLoop:

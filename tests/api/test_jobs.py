@@ -122,7 +122,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("lr zero", {"training": {"lr": 0}}, "training.lr"),
     ("lr negative", {"training": {"lr": -1e-4}}, "training.lr"),
     ("unknown arch", {"model": {"arch": "mamba"}}, "model.arch"),
-    ("unknown tokenizer", {"data": {"tokenizer": {"type": "sentencepiece"}}}, "data.tokenizer.type"),
+    ("unknown tokenizer", {"data": {"tokenizer": {"type": "wordpiece"}}}, "data.tokenizer.type"),
     ("huge layer count", {"model": {"num_layers": 10**30}}, "model.num_layers"),
     ("huge batch", {"training": {"global_batch_size": 2**62}}, "training.global_batch_size"),
     ("string for an int", {"model": {"num_layers": "four"}}, "model.num_layers"),

@@ -91,7 +91,7 @@ def _under(url: str, roots: list[str]) -> bool:
 
 def check_data_access(spec: JobSpec, settings: Settings, tenant_name: str) -> None:
     """Raise SpecError naming each data path (`data.train.0.path`, …) the tenant may not read."""
-    paths = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train)]
+    paths = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train) if src.path]
     if spec.data.tokenizer.path:
         paths.append(("data.tokenizer.path", spec.data.tokenizer.path))
     roots = allowed_roots(settings, tenant_name)

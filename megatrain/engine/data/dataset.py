@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megatrain.engine.data.batch import Batch
 from megatrain.engine.data.jsonl import read_jsonl_texts
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.spec import DataSpec
@@ -111,9 +112,9 @@ class BlendedDataset:
         self._extend(index + 1)
         return self.sources[int(self._source[index])][int(self._index[index])]
 
-    def batch(self, sample_ids: Sequence[int]) -> np.ndarray:
-        """(len(sample_ids), seq_length+1) int64."""
-        return np.stack([self[i] for i in sample_ids])
+    def batch(self, sample_ids: Sequence[int]) -> Batch:
+        """The samples' windows as one micro-batch."""
+        return Batch.from_windows(np.stack([self[i] for i in sample_ids]))
 
 
 def microbatch_sample_ids(

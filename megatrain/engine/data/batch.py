@@ -1,0 +1,39 @@
+"""A micro-batch as the data side hands it to the trainer: numpy arrays, all (B, T).
+
+The contract between the loaders (which build it) and the model and losses (which read it):
+- tokens / labels: the inputs and the next tokens (int64);
+- loss_mask: 1.0 where a label counts (response tokens of a fine-tune, not padding), else 0.0;
+  None means every label counts;
+- position_ids: each token's position (restarting at 0 for each packed document); None: 0..T-1;
+- segment_ids: tokens attend only to earlier tokens of the same segment (a packed document);
+  None: each row is one segment (plain causal attention).
+The loss of a step is the sum of its loss tokens' losses over the number of loss tokens in the whole
+global batch, so packing, masking and micro-batching do not change what a document contributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Batch:
+    tokens: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray | None = None
+    position_ids: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
+
+    @classmethod
+    def from_windows(cls, windows: np.ndarray) -> Batch:
+        """(B, T+1) token windows: inputs are the first T, labels the last T."""
+        windows = np.asarray(windows, dtype=np.int64)
+        return cls(tokens=windows[:, :-1], labels=windows[:, 1:])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        if self.loss_mask is None:
+            return int(self.labels.size)
+        return int(np.count_nonzero(self.loss_mask))
