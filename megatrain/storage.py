@@ -6,7 +6,6 @@ Keys are '/'-separated and relative to the store's root URL. The same code serve
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import tempfile
@@ -284,7 +283,8 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
-    """Open a single object by URL for reading (data files)."""
+    """Open a single object by URL for reading (data files), as a stream: an s3:// object is read
+    as it arrives, never held whole in memory."""
     if url.startswith("/") or url.startswith("file://"):
         path = url if url.startswith("/") else unquote(urlparse(url).path)
         try:
@@ -292,5 +292,4 @@ def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
         except (FileNotFoundError, IsADirectoryError):
             raise StorageError(f"{url} does not exist") from None
     parent, key = split_url(url)
-    data = open_store(parent, endpoint_url).get_bytes(key)
-    return io.BytesIO(data)
+    return open_store(parent, endpoint_url).open_read(key)
