@@ -102,8 +102,8 @@ def test_compressed_input_reads_like_plain(tmp_path: Path, suffix: str) -> None:
 BAD = [
     ('{"text": "ok one"}', None),
     ('{"text": "broken', "not valid JSON"),
-    ('{"body": "no text key"}', "no key 'text'"),
-    ('{"text": 7}', "'text' is a JSON number, not a string"),
+    ('{"body": "no text key"}', "no string field 'text' (the keys: 'body')"),
+    ('{"text": 7}', "no string field 'text': it is a JSON number"),
     ('{"text": ""}', "empty document (no tokens)"),
     ("[1, 2]", "a JSON list, not an object"),
     ("   ", None),  # blank lines are ignored, but counted in line numbers
@@ -248,3 +248,22 @@ def test_chunks_are_whole_lines_numbered_from_one(tmp_path: Path) -> None:
     assert b"".join(c.data for c in chunks) == src.read_bytes()
     numbered = [pair for c in chunks for pair in corpus.split_lines(c)]
     assert numbered == [(i, line.encode()) for i, line in enumerate(lines, start=1)]
+
+
+@pytest.mark.parametrize("kind", ["tiktoken", "sentencepiece"])
+def test_every_tokenizer_kind(tmp_path: Path, kind: str) -> None:
+    from .test_tokenizers import _ranks_file, _train_sentencepiece
+
+    if kind == "tiktoken":  # cl100k's special ids reach past 65,500: int32 tokens
+        spec = TokenizerSpec(
+            type="tiktoken", name="cl100k_base", path=str(_ranks_file(tmp_path / "r.tiktoken"))
+        )
+        dtype = np.int32
+    else:
+        spec = TokenizerSpec(type="sentencepiece", path=str(_train_sentencepiece(tmp_path / "sp.model")))
+        dtype = np.uint16
+    texts = [t for t in _texts(60) if t.strip()]
+    stats = preprocess(str(_corpus(tmp_path / "c.jsonl", texts)), tmp_path / "out", spec, workers=0)
+    tok = build_tokenizer(spec)
+    assert _documents(tmp_path / "out") == [tok.encode(t) + [tok.eod] for t in texts]
+    assert IndexedDataset(tmp_path / "out").dtype == dtype and stats.dtype == np.dtype(dtype).name

@@ -158,10 +158,11 @@ def document_text(line: bytes, key: str) -> str:
     if not isinstance(obj, dict):
         raise ValueError(f"a JSON {type(obj).__name__}, not an object")
     if key not in obj:
-        raise ValueError(f"no key {key!r}")
+        keys = ", ".join(repr(k) for k in list(obj)[:5]) or "none"
+        raise ValueError(f"no string field {key!r} (the keys: {keys})")
     text = obj[key]
     if not isinstance(text, str):
-        raise ValueError(f"{key!r} is a JSON {_json_type(text)}, not a string")
+        raise ValueError(f"no string field {key!r}: it is a JSON {_json_type(text)}")
     return text
 
 
