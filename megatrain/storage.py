@@ -302,7 +302,8 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
-    """Open a single object by URL for reading (data files)."""
+    """Open a single object by URL for reading (data files), as a stream: an s3:// object is read
+    as it arrives, never held whole in memory."""
     if url.startswith("/") or url.startswith("file://"):
         path = url if url.startswith("/") else unquote(urlparse(url).path)
         try:
@@ -319,6 +320,9 @@ class _RawStream(io.RawIOBase):
 
     def __init__(self, body: BinaryIO):
         self._body = body
+        length = getattr(body, "_content_length", None)
+        self.content_length: int | None = int(length) if length is not None else None
+        """The object's size, as S3 sent it (progress bars over a stream)."""
 
     def readable(self) -> bool:
         return True
