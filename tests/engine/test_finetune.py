@@ -285,3 +285,71 @@ def test_a_finetune_loss_ignores_prompt_tokens(tmp_path: Path) -> None:
     response = changed.copy()
     response[~prompt] = (response[~prompt] + 1) % cfg.vocab_size
     assert not torch.equal(loss_and_grads(response)[0], loss)
+
+
+# -- the train step: per-token loss over the global batch, across layouts -------------------------------
+
+
+def _step_rank(rank: int, world: int, workdir: str, parallelism: dict) -> dict:
+    """One TrainLoop step and one validation on a packed fine-tuning dataset under `parallelism`."""
+    from megatrain.engine.build import build_model, make_trainable
+    from megatrain.engine.config import train_config, transformer_config
+    from megatrain.engine.loop import Rates, TrainLoop
+    from megatrain.engine.parallel.state import ParallelState
+    from megatrain.engine.sink import RunLog
+    from megatrain.plan.layout import resolve_layout
+    from megatrain.spec import ParallelismSpec, parse_spec
+
+    from .helpers import tiny_spec
+
+    root = Path(workdir)
+    raw = tiny_spec(root / "chat.jsonl", global_batch_size=8, micro_batch_size=2, precision="fp32")
+    raw["model"].update(num_layers=4, seq_length=64)
+    raw["data"].update(split="1,0,0", chat_template="chatml", prompt_key="question", response_key="answer")
+    raw["parallelism"] = {**parallelism, "distributed_optimizer": False}
+    raw["resources"] = {"gpus": world}
+    spec = parse_spec(raw)
+    layout = resolve_layout(spec, world)
+    cfg = train_config(spec, layout.dp)
+    tokenizer = ByteTokenizer()
+    mcfg = transformer_config(spec, tokenizer.vocab_size)
+    ds = build_finetune_datasets(spec.data, tokenizer, mcfg.seq_length, cfg.seed, root / f"cache{rank}", True)
+    state = ParallelState.build(layout)
+    par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
+    train = make_trainable(build_model(mcfg, state, cfg.seed, "cpu"), cfg, par, "fp32", mcfg)
+    out = root / f"out{world}-{rank}"
+    out.mkdir(exist_ok=True)
+    loop = TrainLoop(
+        train, cfg, (ds["train"], ds["train"]), RunLog(out, rank == 0), Rates(1.0, 1, None), print
+    )
+    extra = {}
+    if world == 1:  # the whole global batch at once, and each micro-batch's loss-token count
+        from megatrain.engine.models.gpt import lm_loss
+
+        whole = MicroBatch.from_batch(ds["train"].batch(list(range(8))), "cpu")
+        with torch.no_grad():
+            logits = train.model.module(whole.tokens, **whole.model_inputs)
+            extra["by_hand"] = lm_loss(logits, whole.labels, whole.loss_mask).item()
+        extra["counts"] = [
+            MicroBatch.from_batch(ds["train"].batch(ids), "cpu").num_loss_tokens for ids in loop._micro_ids(0)
+        ]
+    loss, result = loop.step(0)
+    from megatrain.engine.loop import reduce_mean
+
+    return {"loss": reduce_mean(loss, state), "grad_norm": result.grad_norm, "val": loop.evaluate(), **extra}
+
+
+@pytest.mark.distributed
+def test_the_step_loss_is_per_token_over_the_global_batch_in_every_layout(tmp_path: Path) -> None:
+    from .parallel._launch import run_distributed
+
+    write_records(tmp_path / "chat.jsonl", n=60)
+    ref = run_distributed(_step_rank, 1, str(tmp_path), {})[0]
+    # Micro-batches with different loss-token counts: a mean of per-micro-batch means would differ.
+    assert len(set(ref["counts"])) > 1
+    assert abs(ref["loss"] - ref["by_hand"]) < 1e-5  # Σ masked token losses / loss tokens, in one go
+    for layout in ({"dp": 2}, {"pp": 2, "dp": 1}, {"tp": 2, "dp": 1, "sequence_parallel": True}):
+        got = run_distributed(_step_rank, 2, str(tmp_path), layout)[0]
+        assert abs(got["loss"] - ref["loss"]) < 1e-5, layout
+        assert abs(got["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], layout
+        assert abs(got["val"] - ref["val"]) < 1e-5, layout
