@@ -35,7 +35,7 @@ class Segments:
             raise ValueError(f"segment_ids must be (batch, tokens), got shape {tuple(ids.shape)}")
         self.ids = ids
         self._mask: torch.Tensor | None = None
-        self._varlen: tuple[torch.Tensor, int] | None = None
+        self._varlen: tuple[torch.Tensor, int, bool] | None = None
 
     @property
     def mask(self) -> torch.Tensor:
@@ -50,7 +50,17 @@ class Segments:
     @property
     def varlen(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens int32 (N+1,), max_seqlen) over the flattened (B·T) tokens: a sequence starts
-        at every row start and wherever the id changes. One host sync (for max_seqlen) per forward."""
+        at every row start and wherever the id changes. One host sync per forward."""
+        cu, longest, _ = self._runs()
+        return cu, longest
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each segment is one run of tokens (as packing lays them out): only then do the
+        varlen sequences equal the mask's blocks."""
+        return self._runs()[2]
+
+    def _runs(self) -> tuple[torch.Tensor, int, bool]:
         if self._varlen is None:
             b, t = self.ids.shape
             starts = torch.ones_like(self.ids, dtype=torch.bool)
@@ -58,7 +68,11 @@ class Segments:
             first = torch.nonzero(starts.reshape(-1)).squeeze(1)
             end = torch.tensor([b * t], device=first.device, dtype=first.dtype)
             cu = torch.cat([first, end]).to(torch.int32)
-            self._varlen = (cu, int((cu[1:] - cu[:-1]).max().item()))
+            # Distinct (row, id) pairs: as many as runs exactly when no id comes back after a gap.
+            rows = torch.arange(b, device=self.ids.device).unsqueeze(1).expand(b, t)
+            distinct = torch.unique(torch.stack([rows.reshape(-1), self.ids.reshape(-1)]), dim=1).shape[1]
+            stats = torch.stack([(cu[1:] - cu[:-1]).max(), torch.tensor(distinct, device=cu.device)]).tolist()
+            self._varlen = (cu, int(stats[0]), int(stats[1]) == len(first))
         return self._varlen
 
 
@@ -122,7 +136,7 @@ def attention_flash_varlen(
 ) -> torch.Tensor:
     """flash-attn's varlen kernel over the packed documents (fp16/bf16 on CUDA); SDPA otherwise,
     and for plain causal attention, where SDPA already runs a flash kernel."""
-    if segments is None or q.dtype not in (torch.float16, torch.bfloat16):
+    if segments is None or q.dtype not in (torch.float16, torch.bfloat16) or not segments.contiguous:
         return attention(q, k, v, segments, dropout_p)
     from flash_attn import flash_attn_varlen_func
 
