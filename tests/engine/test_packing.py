@@ -200,14 +200,14 @@ def test_tensor_parallel_packed_equals_one_process(flavour: str, sp: bool) -> No
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def _pp_rank(rank: int, world: int, fused: bool) -> dict:
+def _pp_rank(rank: int, world: int, fused: bool, virtual_stages: int) -> dict:
     from megatrain.engine import build
     from megatrain.engine.parallel.pipeline import build_stage_modules
     from megatrain.engine.parallel.schedules import PipelineSchedule
     from megatrain.engine.parallel.state import ParallelState
     from megatrain.plan.layout import Layout
 
-    state = ParallelState.build(Layout(pp=2))
+    state = ParallelState.build(Layout(pp=2, virtual_stages=virtual_stages))
     cfg = replace(make_config("llama"), num_layers=4)
     torch.manual_seed(1234)
     chunks = build_stage_modules(GPTModel(cfg), state)
@@ -227,15 +227,15 @@ def _pp_rank(rank: int, world: int, fused: bool) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fused", [True, False])
-def test_pipeline_packed_equals_one_process(fused: bool) -> None:
+@pytest.mark.parametrize(("fused", "virtual_stages"), [(True, 1), (False, 1), (True, 2)])
+def test_pipeline_packed_equals_one_process(fused: bool, virtual_stages: int) -> None:
     cfg = replace(make_config("llama"), num_layers=4)
     torch.manual_seed(1234)
     model = GPTModel(cfg)
     mb = packed_batch(cfg, documents(cfg))
     ref = lm_loss(model(mb.tokens, **mb.model_inputs), mb.labels, mb.loss_mask)
     ref_grads = grads(model, ref)
-    first, last = run_distributed(_pp_rank, 2, fused)
+    first, last = run_distributed(_pp_rank, 2, fused, virtual_stages)
     assert len(set(last["counts"])) > 1
     assert abs(last["loss"] - float(ref)) < 1e-5
     got = {**first["grads"], **last["grads"]}
