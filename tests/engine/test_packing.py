@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatrain.engine.config import TransformerConfig
-from megatrain.engine.data.packing import batch_from_samples, pack, packed_sample
+from megatrain.engine.data.batch import Batch
+from megatrain.engine.data.packing import batch_from_samples, pack, packed_sample, reset_at_eod
 from megatrain.engine.microbatch import MicroBatch, token_share
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 
@@ -64,6 +65,30 @@ def test_a_packed_sample_restarts_positions_and_masks_across_boundaries() -> Non
     assert unpacked.loss_mask.tolist() == [[1, 1, 0, 0, 0, 0, 0]]
     with pytest.raises(ValueError, match="overflow a sample of 4"):
         packed_sample(docs, targets, 4, 9)
+
+
+def test_reset_at_eod_is_megatrons_reset_position_ids_and_attention_mask() -> None:
+    eod = 0
+    windows = np.array([[5, 6, 0, 7, 8, 9, 0, 0, 4, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]])
+    batch = reset_at_eod(Batch.from_windows(windows), eod, mask_eod_loss=True)
+    tokens = batch.tokens
+    # Megatron's loop, written out: after an EOD at i, positions restart and nothing at or before i
+    # is visible; loss is masked where the input is an EOD.
+    b, t = tokens.shape
+    position = np.tile(np.arange(t), (b, 1))
+    visible = np.tile(np.tril(np.ones((t, t), bool)), (b, 1, 1))
+    for row in range(b):
+        prev = 0
+        for i in np.flatnonzero(tokens[row] == eod):
+            visible[row, i + 1 :, : i + 1] = False
+            position[row, i + 1 :] -= i + 1 - prev
+            prev = i + 1
+    np.testing.assert_array_equal(batch.position_ids, position)
+    seg = batch.segment_ids
+    same = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))
+    np.testing.assert_array_equal(same, visible)
+    np.testing.assert_array_equal(batch.loss_mask, (tokens != eod).astype(np.float32))
+    assert reset_at_eod(Batch.from_windows(windows), eod).loss_mask is None
 
 
 # -- the model on packed batches -----------------------------------------------------------------------

@@ -93,3 +93,21 @@ def batch_from_samples(
         position_ids=position[:, :-1] if packed else None,
         segment_ids=segment[:, :-1] if packed else None,
     )
+
+
+def reset_at_eod(batch: Batch, eod: int, mask_eod_loss: bool = False) -> Batch:
+    """Pretraining windows that run across documents, split at their end-of-document tokens: Megatron's
+    reset_position_ids + reset_attention_mask (+ eod_mask_loss). An EOD token ends its document (it
+    still attends to it); the next token starts a new segment at position 0. With mask_eod_loss the
+    label after each EOD input (the next document's first token) carries no loss."""
+    is_eod = batch.tokens == eod  # (B, T)
+    segment = np.cumsum(is_eod, axis=1) - is_eod  # EODs strictly before t
+    t = np.arange(batch.tokens.shape[1])
+    # Each token's segment start: the last index just after an EOD at or before it (0 for the first).
+    starts = np.where(np.concatenate([np.ones_like(is_eod[:, :1]), is_eod[:, :-1]], axis=1), t, 0)
+    position = t - np.maximum.accumulate(starts, axis=1)
+    loss_mask = batch.loss_mask
+    if mask_eod_loss:
+        keep = (~is_eod).astype(np.float32)
+        loss_mask = keep if loss_mask is None else loss_mask * keep
+    return Batch(batch.tokens, batch.labels, loss_mask, position.astype(np.int64), segment.astype(np.int64))
