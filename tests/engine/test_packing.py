@@ -267,3 +267,33 @@ def test_pipeline_packed_equals_one_process(fused: bool, virtual_stages: int) ->
     assert got.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         torch.testing.assert_close(got[name], g, **TOL, msg=name)
+
+
+def test_without_masks_the_token_share_is_exactly_the_mean_over_micro_batches() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for m in (1, 2, 3, 5, 7):
+        means = torch.rand(m, generator=gen) * 10
+        tokens = 4 * 16  # every micro-batch: B·T loss tokens
+        for mean in means:
+            assert torch.equal(token_share(mean, tokens, float(m * tokens)), mean / m)
+    # No loss token: zero, with a graph (backward still runs on every rank).
+    x = torch.tensor(2.0, requires_grad=True)
+    zero = token_share(x * 3, 0, 10.0)
+    zero.backward()
+    assert zero.item() == 0.0 and x.grad is not None and x.grad.item() == 0.0
+
+
+def test_a_micro_batch_from_a_numpy_batch() -> None:
+    windows = np.arange(2 * 9).reshape(2, 9)
+    plain = MicroBatch.from_batch(Batch.from_windows(windows), "cpu")
+    assert plain.loss_mask is None and plain.segment_ids is None and plain.num_loss_tokens == 16
+    assert plain.tokens.dtype == torch.int64 and plain.model_inputs == {
+        "position_ids": None,
+        "segment_ids": None,
+    }
+    masked = Batch.from_windows(windows)
+    masked.loss_mask = np.array([[1, 0, 1, 0, 0, 0, 0, 1], [0] * 8], np.float32)
+    mb = MicroBatch.from_batch(masked, "cpu")
+    assert mb.num_loss_tokens == 3 and mb.loss_mask.dtype == torch.float32
+    halves = mb.split(1)
+    assert [h.num_loss_tokens for h in halves] == [3, 0] and halves[1].segment_ids is None
