@@ -79,6 +79,8 @@ def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
     """This rank's share of the global batch's loss-token count: the count over data-parallel ranks
     (one all-reduce of one number per step) divided by dp, since DataParallel averages gradients."""
     local = sum(b.num_loss_tokens for b in batches)
+    # Always reduced, masks or not: a rank cannot know whether the others' batches carry masks, and
+    # skipping the collective on some ranks only would hang the rest.
     if state.dp_group is None or state.dp_size == 1:
         return float(local)
     count = torch.tensor([float(local)], dtype=torch.float64, device=state.device)
