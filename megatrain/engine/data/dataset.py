@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.engine.data.gpt_dataset import (
+    SPLITS,
     BlendedDataset,
     GPTDataset,
     SampleDataset,
@@ -29,10 +30,9 @@ from megatrain.engine.data.indexed import IndexedDataset
 from megatrain.engine.data.remote import cached_prefix, is_remote, local_path
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.settings import get_settings
-from megatrain.spec import DataSource, JobSpec, TokenizerSpec
+from megatrain.spec import DataSource, DataSpec, JobSpec, TokenizerSpec
 from megatrain.storage import open_store, split_url
 
-SPLITS = ("train", "valid", "test")
 PARALLEL_PREPROCESS_BYTES = 64 << 20
 """JSONL files from this size on are tokenized by several processes."""
 
@@ -65,7 +65,7 @@ def build_datasets(
     """train/valid/test datasets (None for an empty split) for `spec`'s data and kind."""
     cache_root = cache_root or default_cache_root()
     seed = spec.training.seed
-    if spec.kind == "finetune":
+    if spec.kind == "finetune" and _holds_records(spec.data):
         from megatrain.engine.data.finetune import build_finetune_datasets
 
         return build_finetune_datasets(
@@ -110,6 +110,37 @@ def build_datasets(
     if out["train"] is None:
         raise ValueError("the train split has no documents (check data.split and data.train)")
     return out
+
+
+def _holds_records(data: DataSpec) -> bool:
+    """Whether a fine-tune's sources are prompt/response or chat records (loss on responses only);
+    plain text (JSONL documents, indexed datasets) fine-tunes on every token, as pretraining does."""
+    kinds = {n: _first_record_kind(s, data) for n, s in enumerate(data.train)}
+    if len(set(kinds.values())) > 1:
+        records = [n for n, k in kinds.items() if k]
+        raise ValueError(
+            f"data.train: sources {records} hold prompt/response or chat records and the others plain "
+            "text; a fine-tune reads one kind"
+        )
+    return any(kinds.values())
+
+
+def _first_record_kind(source: DataSource, data: DataSpec) -> bool:
+    if source.path is None or not source.is_jsonl:
+        return False
+    from megatrain.engine.data.corpus import open_corpus, split_lines
+
+    with open_corpus(source.path) as reader:
+        for chunk in reader.chunks(1 << 16):
+            for _, line in split_lines(chunk):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        return False  # preprocessing names the line
+                    keys = (data.messages_key, data.prompt_key)
+                    return isinstance(record, dict) and any(k in record for k in keys)
+    return False
 
 
 def local_prefix(

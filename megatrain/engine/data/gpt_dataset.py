@@ -29,6 +29,7 @@ from megatrain.engine.data.batch import Batch
 from megatrain.engine.data.gpt_indices import GPTIndices, build_gpt_indices, cached_gpt_indices
 from megatrain.engine.data.indexed import IndexedDataset
 
+SPLITS = ("train", "valid", "test")
 BLEND_OVERSAMPLE = 1.005
 """Each blended dataset is sized for weight · N · 1.005 samples, as in Megatron, so the greedy
 blend's lead of a sample or two never runs past a dataset's end."""
