@@ -320,7 +320,12 @@ def _step_rank(rank: int, world: int, workdir: str, parallelism: dict) -> dict:
     out = root / f"out{world}-{rank}"
     out.mkdir(exist_ok=True)
     loop = TrainLoop(
-        train, cfg, (ds["train"], ds["train"]), RunLog(out, rank == 0), Rates(1.0, 1, None), print
+        train,
+        cfg,
+        {"train": ds["train"], "valid": ds["train"]},
+        RunLog(out, rank == 0),
+        Rates(1.0, 1, None),
+        print,
     )
     extra = {}
     if world == 1:  # the whole global batch at once, and each micro-batch's loss-token count
