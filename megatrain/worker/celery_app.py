@@ -32,6 +32,9 @@ from megatrain.worker.nodes import ensure_local_pool, local_capacity
 log = logging.getLogger(__name__)
 
 TASK_NAME = "megatrain.run_shard"
+PREPROCESS_TASK_NAME = "megatrain.preprocess_dataset"
+DATASETS_QUEUE = "megatrain.datasets"
+"""Dataset preprocessing runs on any worker: every worker consumes this queue beside its node's."""
 
 
 def queue_name(pool: str, hostname: str) -> str:
@@ -69,6 +72,13 @@ def create_celery_app(settings: Settings) -> Celery:
         from megatrain.worker.shard import run_shard
 
         return run_shard(job_id, settings)
+
+    @app.task(name=PREPROCESS_TASK_NAME, acks_late=True)
+    def preprocess_dataset_task(dataset_id: str) -> str | None:
+        # Idempotent: a delivery that finds the dataset no longer pending does nothing.
+        from megatrain.worker.datasets import preprocess_dataset
+
+        return preprocess_dataset(dataset_id, settings)
 
     return app
 
@@ -109,12 +119,14 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
         hostname, node_id = node.hostname, node.id
     threading.Thread(target=_keep_node_seen, args=(settings, node_id), daemon=True, name="node-seen").start()
     app = create_celery_app(settings)
-    queues = queues or [queue_name(settings.pool_name, hostname)]
+    queues = queues or [queue_name(settings.pool_name, hostname), DATASETS_QUEUE]
+    # One thread beyond the slots, for a dataset's preprocessing beside the node's jobs.
+    threads = slots + (DATASETS_QUEUE in queues)
     app.worker_main(
         [
             "worker",
             f"--queues={','.join(queues)}",
-            f"--concurrency={slots}",
+            f"--concurrency={threads}",
             # Threads, not prefork: each task only supervises a torchrun subprocess, and a thread
             # pool lives as long as the worker process, so the runner's children still die with it
             # (PDEATHSIG fires when the spawning thread ends; kill -9 of the worker ends them all).
