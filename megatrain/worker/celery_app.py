@@ -33,13 +33,17 @@ log = logging.getLogger(__name__)
 
 TASK_NAME = "megatrain.run_shard"
 PREPROCESS_TASK_NAME = "megatrain.preprocess_dataset"
-DATASETS_QUEUE = "megatrain.datasets"
-"""Dataset preprocessing runs on any worker: every worker consumes this queue beside its node's."""
 
 
 def queue_name(pool: str, hostname: str) -> str:
     """The queue of one node of a pool."""
     return f"megatrain.{pool}.{hostname}"
+
+
+def datasets_queue(pool: str) -> str:
+    """The queue of dataset preprocessing in a pool: every worker of the pool consumes it beside
+    its node's own, so whichever is free takes the next dataset."""
+    return f"megatrain.{pool}.datasets"
 
 
 def task_id(job_id: str, attempt: int) -> str:
@@ -119,9 +123,10 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
         hostname, node_id = node.hostname, node.id
     threading.Thread(target=_keep_node_seen, args=(settings, node_id), daemon=True, name="node-seen").start()
     app = create_celery_app(settings)
-    queues = queues or [queue_name(settings.pool_name, hostname), DATASETS_QUEUE]
+    shared = datasets_queue(settings.pool_name)
+    queues = queues or [queue_name(settings.pool_name, hostname), shared]
     # One thread beyond the slots, for a dataset's preprocessing beside the node's jobs.
-    threads = slots + (DATASETS_QUEUE in queues)
+    threads = slots + (shared in queues)
     app.worker_main(
         [
             "worker",

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
@@ -93,8 +94,10 @@ def _heartbeat(settings: Settings, dataset_id: str, attempt: int, stop: threadin
 
 
 def _local_source(url: str, settings: Settings, workdir: Path) -> str:
-    """A path or URL the preprocessing reads: file:// as is, s3:// downloaded into `workdir` once
-    (streamed to disk by boto3, never held in memory)."""
+    """The local path the preprocessing reads: a file:// URL's own path; an s3:// object
+    downloaded into `workdir` (streamed to disk by boto3, never held in memory)."""
+    if url.startswith("file://"):
+        return unquote(urlparse(url).path)
     if not url.startswith("s3://"):
         return url
     parent, key = split_url(url)

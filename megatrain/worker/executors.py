@@ -162,10 +162,13 @@ class CeleryExecutor:
         self.app.send_task(TASK_NAME, args=[job_id], queue=queue, task_id=tid)
 
     def submit_dataset(self, dataset_id: str) -> None:
-        """`megatrain.preprocess_dataset(dataset_id)` on the queue every worker also consumes."""
-        from megatrain.worker.celery_app import DATASETS_QUEUE, PREPROCESS_TASK_NAME
+        """`megatrain.preprocess_dataset(dataset_id)` on the pool's dataset queue, which every worker
+        of the pool consumes beside its node's own."""
+        from megatrain.worker.celery_app import PREPROCESS_TASK_NAME, datasets_queue
 
-        self.app.send_task(PREPROCESS_TASK_NAME, args=[dataset_id], queue=DATASETS_QUEUE)
+        self.app.send_task(
+            PREPROCESS_TASK_NAME, args=[dataset_id], queue=datasets_queue(self.settings.pool_name)
+        )
 
     def refresh_nodes(self) -> None:
         """Nothing to do: each Celery worker registers its own node when it starts."""
