@@ -22,6 +22,8 @@ from urllib.parse import unquote, urlparse
 class ObjectInfo:
     key: str
     size: int
+    etag: str | None = None
+    """S3's ETag (the MD5 of a single-part upload); None on file://."""
 
 
 class StorageError(Exception):
@@ -52,6 +54,7 @@ class Store(Protocol):
     def get_file(self, key: str, path: str | Path) -> None: ...
     def open_read(self, key: str) -> BinaryIO: ...
     def exists(self, key: str) -> bool: ...
+    def stat(self, key: str) -> ObjectInfo: ...
     def list(self, prefix: str = "") -> list[ObjectInfo]: ...
     def delete_prefix(self, prefix: str) -> None: ...
     def child(self, prefix: str) -> Store: ...
@@ -118,6 +121,12 @@ class FileStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def stat(self, key: str) -> ObjectInfo:
+        try:
+            return ObjectInfo(key, self._path(key).stat().st_size)
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{key} does not exist") from None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         base = self._path(prefix) if prefix.strip("/") else self.root
@@ -226,6 +235,15 @@ class S3Store:
         except ClientError:
             return False
 
+    def stat(self, key: str) -> ObjectInfo:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            raise self._err(key, exc) from None
+        return ObjectInfo(key, int(head["ContentLength"]), head.get("ETag", "").strip('"') or None)
+
     def _iter(self, prefix: str) -> Iterator[dict]:
         # Path semantics, as on file://: the object named `prefix` itself or anything below
         # 'prefix/', never a sibling such as 'prefix2/…'.
@@ -292,5 +310,24 @@ def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
         except (FileNotFoundError, IsADirectoryError):
             raise StorageError(f"{url} does not exist") from None
     parent, key = split_url(url)
-    data = open_store(parent, endpoint_url).get_bytes(key)
-    return io.BytesIO(data)
+    # Streamed: a corpus larger than memory is read in buffered chunks, never whole.
+    return io.BufferedReader(_RawStream(open_store(parent, endpoint_url).open_read(key)), 1 << 20)
+
+
+class _RawStream(io.RawIOBase):
+    """An S3 body (read(n) only) as a raw stream, so gzip/zstd/TextIOWrapper can read it buffered."""
+
+    def __init__(self, body: BinaryIO):
+        self._body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        chunk = self._body.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def close(self) -> None:
+        self._body.close()
+        super().close()

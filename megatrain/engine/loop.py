@@ -15,8 +15,7 @@ import torch.distributed as dist
 from megatrain.engine.build import Trainable, lm_loss
 from megatrain.engine.checkpoint_state import Progress
 from megatrain.engine.config import TrainConfig
-from megatrain.engine.data import microbatch_sample_ids
-from megatrain.engine.data.dataset import BlendedDataset
+from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
 from megatrain.engine.metrics import peak_memory_bytes, throughput
 from megatrain.engine.optimizer import lr_at
@@ -49,7 +48,9 @@ def reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
     return float(value.item())
 
 
-def batch_of(dataset: BlendedDataset, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_of(
+    dataset: SampleDataset | Loader, ids: list[int], device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     batch = dataset.batch(ids)
     x = torch.from_numpy(batch.tokens).to(device, non_blocking=True)  # (B, T)
     y = torch.from_numpy(batch.labels).to(device, non_blocking=True)  # (B, T)
@@ -63,13 +64,15 @@ class TrainLoop:
         self,
         train: Trainable,
         cfg: TrainConfig,
-        data: tuple[BlendedDataset, BlendedDataset | None],
+        data: dict[str, Loader | None],
         log: RunLog,
         rates: Rates,
         save: Callable[[Progress], None],
     ):
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
-        self.train_ds, self.valid_ds = data
+        train_ds = data["train"]
+        assert train_ds is not None
+        self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
         self.state = train.model.state
         self.device = str(self.state.device)
         # Per-phase times; on a GPU only the log steps synchronise (and are the ones averaged).
@@ -128,16 +131,18 @@ class TrainLoop:
         return loss_sum, result
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the first eval_iters global batches of the split (the same ones every time)."""
-        assert self.valid_ds is not None
+    def evaluate(self, dataset: Loader | None = None) -> float:
+        """Mean loss over the first eval_iters global batches of the split (the same ones every time):
+        validation unless `dataset` names another split."""
+        dataset = dataset or self.valid_ds
+        assert dataset is not None
         ddp, pipeline = self.train.ddp, self.train.pipeline
         ddp.eval()
         total = torch.zeros((), device=self.device)
         count = 0
         for it in range(self.cfg.eval_iters):
             ids = self._micro_ids(it * self.cfg.global_batch_size)
-            batches = [batch_of(self.valid_ds, i, self.device) for i in ids]
+            batches = [batch_of(dataset, i, self.device) for i in ids]
             if pipeline is not None:
                 assert self.train.loss is not None
                 total += pipeline.forward_only(batches, self.train.loss)
@@ -160,6 +165,10 @@ class TrainLoop:
             lr = lr_at(step + 1, cfg)
             timers.begin_step(sync=(step + 1) % cfg.log_interval == 0 or step + 1 == cfg.train_iters)
             self.train.optimizer.set_lr(lr)
+            if step == start.step:
+                self.train_ds.prefetch(consumed)
+            if step + 1 < cfg.train_iters:
+                self.train_ds.prefetch(consumed + cfg.global_batch_size)  # read while this step runs
             loss, result = self.step(consumed)
             timers.end_step()
             step, consumed = step + 1, consumed + cfg.global_batch_size
@@ -178,7 +187,12 @@ class TrainLoop:
                 self.save(Progress(step, consumed))
             self._sync()
             window.excluded += time.perf_counter() - paused
-        return {"step": step, "consumed_samples": consumed, "val_loss": last_eval}
+        test_loss = None
+        if self.test_ds is not None and step == cfg.train_iters:
+            test_loss = self.evaluate(self.test_ds)
+            log.metrics.write({"step": step, "test_loss": test_loss})
+            log.say(f"step {step} | test loss {test_loss:.4f}")
+        return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "test_loss": test_loss}
 
     def _log_interval(self, w: _Window, step: int, lr: float, consumed: int) -> None:
         iter_time = (time.perf_counter() - w.start - w.excluded) / w.steps
