@@ -1,4 +1,5 @@
-"""Dataset commands: `megatrain datasets upload|list|show|delete`. They only call the SDK."""
+"""Dataset commands: `megatrain datasets upload|list|show|delete` only call the SDK; the operator's
+`megatrain datasets share` registers a shared dataset in the database directly."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from megatrain.cli.common import _fail, _out, _user_errors, app
+from megatrain.cli.common import _fail, _out, _server_errors, _user_errors, app
 from megatrain.client import ApiError, Client, Dataset
+from megatrain.settings import get_settings
 
 datasets_app = typer.Typer(
     help="Datasets: upload JSONL corpora, preprocessed on the workers for jobs to name."
@@ -147,3 +149,46 @@ def delete(name: Annotated[str, typer.Argument(help="The dataset's name.")]) -> 
     with Client() as client:
         client.delete_dataset(name)
     _out().print(f"deleted dataset [bold]{escape(name)}[/bold]")
+
+
+# -- operator command (talks to the database directly, like `megatrain keys create`) -------------
+
+
+@datasets_app.command("share")
+@_server_errors
+def share(
+    source: Annotated[str, typer.Argument(help="A JSONL file in storage (file:///… or s3://…).")],
+    name: Annotated[str, typer.Option("--name", "-n", help="The shared dataset's name.")],
+    tokenizer: Annotated[str, typer.Option(help="byte, hf:URL, tiktoken:NAME or sentencepiece:URL")] = "byte",
+    json_key: Annotated[str, typer.Option(help="The JSONL field holding each document's text.")] = "text",
+    append_eod: Annotated[
+        bool, typer.Option(help="End each document with the end-of-document token.")
+    ] = True,
+) -> None:
+    """Operator: register a dataset every tenant sees (read-only); the workers preprocess it."""
+    from fastapi import HTTPException
+    from pydantic import ValidationError
+
+    from megatrain.api.datasets.schemas import DatasetCreate
+    from megatrain.api.datasets.service import register_shared
+    from megatrain.api.errors import FieldError
+    from megatrain.db.session import get_sessionmaker, upgrade_database
+
+    settings = get_settings()
+    try:
+        body = DatasetCreate(
+            name=name, source_url=source, tokenizer=tokenizer, json_key=json_key, append_eod=append_eod
+        )
+    except ValidationError as exc:
+        raise _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+    upgrade_database(settings.resolved_database_url)
+    with get_sessionmaker(settings.resolved_database_url)() as session:
+        try:
+            ds = register_shared(session, settings, body)
+        except FieldError as exc:
+            raise _fail(str(exc)) from None
+        except HTTPException as exc:
+            raise _fail(str(exc.detail)) from None
+    _out().print(
+        f"shared dataset [bold]{escape(ds.name)}[/bold] registered: {ds.state} (at {escape(ds.prefix_url)})"
+    )

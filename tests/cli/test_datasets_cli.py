@@ -68,3 +68,23 @@ def test_errors_are_one_line(live_api: LiveApi, tmp_path: Path) -> None:
     assert code == 1 and "already exists" in out, out
     code, out = run("datasets", "list")
     assert code == 0 and "dup" in out and "bad" not in out, out
+
+
+def test_operator_shares_a_dataset_every_tenant_sees(live_api: LiveApi, tmp_path: Path) -> None:
+    source = live_api.data_path.as_uri()
+    code, out = run("datasets", "share", source, "--name", "common", "--json-key", "text")
+    assert code == 0 and "shared dataset common registered: pending" in out and "/datasets/common/" in out, (
+        out
+    )
+    assert "/tenants/" not in out
+    code, out = run("datasets", "list")
+    assert code == 0 and "common" in out and "yes" in out, out
+    code, out = run("datasets", "share", source, "--name", "common")
+    assert code == 1 and "already exists" in out, out
+    code, out = run("datasets", "share", (tmp_path / "none.jsonl").as_uri(), "--name", "other")
+    assert code == 1 and "source_url" in out and "does not exist" in out, out
+    code, out = run("datasets", "share", source, "--name", "bad/name")
+    assert code == 1 and "name" in out, out
+    # Tenants may not delete it.
+    code, out = run("datasets", "delete", "common")
+    assert code == 1 and "shared by the operator" in out, out

@@ -105,7 +105,7 @@ def check_options(session: Session, settings: Settings, tenant: Tenant, options:
 def _insert(
     session: Session,
     settings: Settings,
-    tenant: Tenant,
+    tenant: Tenant | None,
     options: DatasetOptions,
     dataset_id: str,
     source_url: str,
@@ -113,10 +113,10 @@ def _insert(
     input_bytes: int | None,
 ) -> Dataset:
     storage = settings.resolved_storage_url
-    folder = folder_key(tenant.name, options.name, dataset_id)
+    folder = folder_key(tenant.name if tenant else None, options.name, dataset_id)
     ds = Dataset(
         id=dataset_id,
-        tenant_id=tenant.id,
+        tenant_id=tenant.id if tenant else None,
         name=options.name,
         state=PENDING,
         state_reason="waiting for a worker to preprocess it",
@@ -138,21 +138,35 @@ def _insert(
     return ds
 
 
+def _check_source(settings: Settings, source_url: str) -> None:
+    if not source_url.endswith(JSONL_SUFFIXES):
+        raise FieldError("source_url", f"source_url must name a JSONL file ({', '.join(JSONL_SUFFIXES)})")
+    parent, key = split_url(source_url)
+    try:
+        exists = open_store(parent, settings.s3_endpoint_url).exists(key)
+    except StorageError as exc:
+        raise FieldError("source_url", f"source_url cannot be read: {exc}") from None
+    if not exists:
+        raise FieldError("source_url", f"source_url={source_url!r} does not exist")
+
+
+def register_shared(session: Session, settings: Settings, body: DatasetCreate) -> Dataset:
+    """An operator's dataset every tenant sees (read-only), stored under {storage}/datasets/.
+    Operators may name any source they can reach; the rule for tenants does not apply."""
+    taken = session.scalar(select(Dataset.id).where(Dataset.tenant_id.is_(None), Dataset.name == body.name))
+    if taken is not None:
+        raise HTTPException(409, f"shared dataset {body.name!r} already exists")
+    _check_source(settings, body.source_url)
+    return _insert(session, settings, None, body, new_id("ds"), body.source_url, False, None)
+
+
 def register_url(session: Session, settings: Settings, tenant: Tenant, body: DatasetCreate) -> Dataset:
     """A JSONL file already in storage, which the tenant may read, registered as pending."""
     check_options(session, settings, tenant, body)
     problem = data_url_problem("source_url", body.source_url, settings, tenant.name)
     if problem:
         raise FieldError("source_url", problem)
-    if not body.source_url.endswith(JSONL_SUFFIXES):
-        raise FieldError("source_url", f"source_url must name a JSONL file ({', '.join(JSONL_SUFFIXES)})")
-    parent, key = split_url(body.source_url)
-    try:
-        exists = open_store(parent, settings.s3_endpoint_url).exists(key)
-    except StorageError as exc:
-        raise FieldError("source_url", f"source_url cannot be read: {exc}") from None
-    if not exists:
-        raise FieldError("source_url", f"source_url={body.source_url!r} does not exist")
+    _check_source(settings, body.source_url)
     return _insert(session, settings, tenant, body, new_id("ds"), body.source_url, False, None)
 
 
