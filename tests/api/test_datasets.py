@@ -309,6 +309,17 @@ def test_a_job_cannot_name_an_unknown_or_another_tenants_dataset(api: Api) -> No
     assert other.status_code == 201, other.text
 
 
+def test_a_job_must_use_the_datasets_tokenizer(api: Api) -> None:
+    assert upload(api, "bytes", _jsonl(DOCS)).status_code == 201
+    _mark_ready(api, "bytes")
+    spec = _spec_with(api, "bytes")
+    spec["data"]["tokenizer"] = {"type": "tiktoken", "name": "gpt2"}
+    field, message = _error(api.client.post("/v1/spec/validate", json=spec, headers=api.headers))
+    assert (
+        field == "data.train.0.dataset" and "tokenized with {'type': 'byte'}" in message and "gpt2" in message
+    )
+
+
 def test_a_failed_dataset_is_refused_with_its_reason(api: Api) -> None:
     assert upload(api, "broken", _jsonl(DOCS)).status_code == 201
     with session_scope(api.db_url) as s:

@@ -235,7 +235,8 @@ def delete_dataset(session: Session, settings: Settings, tenant: Tenant, name: s
 
 def resolve_datasets(session: Session, spec: JobSpec, tenant: Tenant) -> None:
     """Fill `path` of every `data.train` source that names a dataset with its indexed prefix;
-    SpecError naming `data.train.N.dataset` for one that is unknown, not visible or not ready."""
+    SpecError naming `data.train.N.dataset` for one that is unknown, not visible, not ready, or
+    tokenized with another tokenizer than the spec's."""
     errors = []
     for i, src in enumerate(spec.data.train):
         if src.dataset is None:
@@ -248,6 +249,15 @@ def resolve_datasets(session: Session, spec: JobSpec, tenant: Tenant) -> None:
             why = f" ({ds.state_reason})" if ds.state_reason else ""
             errors.append(
                 {"field": field, "message": f"{field}={src.dataset!r} is {ds.state}, not ready{why}"}
+            )
+        elif ds.tokenizer != spec.data.tokenizer.model_dump(mode="json", exclude_none=True):
+            # Token ids mean nothing under another tokenizer: the model would train on noise.
+            errors.append(
+                {
+                    "field": field,
+                    "message": f"{field}={src.dataset!r} was tokenized with {ds.tokenizer}, but "
+                    f"data.tokenizer is {spec.data.tokenizer.model_dump(mode='json', exclude_none=True)}",
+                }
             )
         else:
             src.path = ds.prefix_url
