@@ -4,6 +4,7 @@ file, register by URL, list/get/delete, wait for ready or failed, errors naming 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -88,3 +89,27 @@ def test_tokenizer_shorthand() -> None:
     assert tokenizer_arg("byte") == tokenizer_arg({"type": "byte"}) == "byte"
     assert tokenizer_arg({"type": "hf", "path": "file:///t.json"}) == "hf:file:///t.json"
     assert tokenizer_arg({"type": "tiktoken", "name": "gpt2"}) == "tiktoken:gpt2"
+
+
+@pytest.mark.slow
+def test_a_job_trains_from_an_uploaded_dataset(live_stack: LiveApi, tmp_path: Path) -> None:
+    """The whole path: upload through the SDK, preprocessing on a worker the scheduler started,
+    a job naming the dataset, trained by the engine from the indexed prefix the API filled in."""
+    pytest.importorskip("megatrain.engine.data.preprocess")
+    path = tmp_path / "code.jsonl"
+    path.write_text(
+        "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(300))
+    )
+    with Client() as c:
+        c.upload_dataset(path, "code")
+        ds = c.wait_dataset("code", timeout_s=120, poll_interval_s=0.2)
+        assert ds.documents == 300 and ds.vocab_size is not None and ds.output_bytes
+        assert ds.tokens == sum(len(f"def f{i}(x):\n    return x * {i}\n".encode()) + 1 for i in range(300))
+        spec = live_stack.spec("from-dataset")
+        spec["data"]["train"] = [{"dataset": "code"}]
+        job = c.submit(spec)
+        assert job.spec is not None and job.spec["data"]["train"][0]["path"] == ds.path
+        final = c.wait(job.id, timeout_s=240, poll_interval_s=0.5)
+        assert final.status == "succeeded", final.status_reason
+        losses = [m["loss"] for m in c.metrics(job.id) if m.get("kind") == "train"]
+        assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
