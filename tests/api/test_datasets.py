@@ -109,7 +109,7 @@ def test_upload_streams_a_chunked_body_and_adds_a_missing_final_newline(api: Api
         (_jsonl([{"text": ""}]), "file", ["line 1", "'text' is empty"]),
         (_jsonl([{"text": 7}]), "file", ["line 1", "must be a string"]),
         (_jsonl([["text"]]), "file", ["line 1", "JSON object"]),
-        (_jsonl(DOCS[:1]) + b"\n" + _jsonl(DOCS[:1]), "file", ["line 2", "empty line"]),
+        (_jsonl(DOCS[:1]) + b"\n" + b"[]\n", "file", ["line 3", "JSON object"]),  # blank line 2 counted
         (b'{"text": "caf\xe9"}\n', "file", ["line 1", "UTF-8"]),
         (b"", "file", ["empty"]),
     ],

@@ -1,8 +1,8 @@
 """Checking an uploaded JSONL corpus while it streams in, spooled to a temporary file on disk.
 
 What is cheap is checked here, line by line, so a bad upload is refused before anything is stored
-or registered: every line a JSON object with a non-empty string under the key, valid UTF-8, no
-line longer than the cap, at least one document. Tokenizing is the workers' job.
+or registered: every line (blank ones aside) a JSON object with a non-empty string under the key,
+valid UTF-8, no line longer than the cap, at least one document. Tokenizing is the workers' job.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class JsonlSpool:
         self.lines += 1
         n = self.lines
         if not raw.strip():
-            raise _problem(n, "empty line (every line must be one JSON object)")
+            return  # blank lines are skipped, as the workers' preprocessing skips them
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
