@@ -6,6 +6,11 @@ recovery of lost workers; the local executor end to end."""
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -210,3 +215,50 @@ def test_a_bad_source_fails_with_its_line(settings: Settings, register: Callable
     ds = _row(settings, dataset_id)
     assert ds is not None and ":5" in ds.state_reason, ds.state_reason
     assert _folder_keys(settings, dataset_id) == []
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_celery_worker_preprocesses_from_its_pools_queue(
+    settings: Settings, redis_url: str, register: Callable[..., str], tmp_path: Path
+) -> None:
+    """Production's path: the scheduler sends the task to the pool's dataset queue, which the
+    pool's worker consumes beside its node's own; a repeated delivery is a no-op."""
+    pytest.importorskip("megatrain.engine.data.preprocess")
+    import redis
+
+    from megatrain.worker.celery_app import PREPROCESS_TASK_NAME, datasets_queue
+    from megatrain.worker.executors import CeleryExecutor, runner_env
+
+    pool = f"celery-ds-{uuid.uuid4().hex[:8]}"
+    cfg = settings.model_copy(update={"executor": "celery", "redis_url": redis_url, "pool_name": pool})
+    dataset_id = register()
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "megatrain.worker.celery_app"],
+        env=runner_env(cfg), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        sched = Scheduler(cfg)
+        assert isinstance(sched.executor, CeleryExecutor)
+        assert sched.datasets_once() == [dataset_id]
+        wait_for(lambda: _row(cfg, dataset_id).state in (READY, FAILED), 120, interval=0.2)  # type: ignore[union-attr]
+        ds = _row(cfg, dataset_id)
+        assert ds is not None and ds.state == READY, ds.state_reason if ds else None
+        assert ds.runner_host == socket.gethostname() and ds.documents == len(TEXTS)
+        again = sched.executor.app.send_task(
+            PREPROCESS_TASK_NAME, args=[dataset_id], queue=datasets_queue(pool)
+        )
+        assert again.get(timeout=30) is None
+        assert _row(cfg, dataset_id).attempt == 1  # type: ignore[union-attr]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        log.close()
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(f"megatrain.{pool}*"):
+            client.delete(key)
