@@ -132,6 +132,38 @@ def test_bad_uploads_are_refused_naming_the_line_and_leave_nothing(
     assert _rows(api) == 0 and _objects(api) == [] and list(spool_dir.iterdir()) == []
 
 
+def test_an_upload_that_fails_half_way_leaves_nothing(
+    api: Api, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatrain.api.datasets import service
+    from megatrain.storage import FileStore
+
+    real_put = FileStore.put_file
+
+    def put_then_fail(self: FileStore, key: str, path: str | Path) -> None:
+        real_put(self, key, path)  # the object is written, then the store "fails"
+        raise OSError("disk full")
+
+    # Answered as the server would (a 500), not raised into the test.
+    client = TestClient(api.client.app, raise_server_exceptions=False)
+
+    def post() -> Any:
+        body, headers = _jsonl(DOCS), {**api.headers, **NDJSON}
+        return client.post("/v1/datasets", params={"name": "half"}, content=body, headers=headers)
+
+    monkeypatch.setattr(FileStore, "put_file", put_then_fail)
+    assert post().status_code == 500
+    assert _rows(api) == 0 and _objects(api) == [] and list(spool_dir.iterdir()) == []
+    monkeypatch.setattr(FileStore, "put_file", real_put)
+
+    def insert_fails(*args: Any) -> None:
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(service, "_insert", insert_fails)
+    assert post().status_code == 500
+    assert _rows(api) == 0 and _objects(api) == [] and list(spool_dir.iterdir()) == []
+
+
 def test_the_upload_cap_is_a_413_naming_it_with_or_without_content_length(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spool_dir: Path
 ) -> None:
