@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -160,8 +161,10 @@ class IndexedDatasetWriter:
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + suffix)
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + suffix)
         self._bin: BinaryIO | None = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finalize/abort
-        self._lengths: list[int] = []
-        self._documents: list[int] = [0]
+        # Compact arrays (4 and 8 bytes an entry, as in the .idx), not lists of Python ints: the
+        # index of a corpus with a billion documents must still fit in memory.
+        self._lengths = array("i")
+        self._documents = array("q", [0])
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
         """One sequence of the current document."""
@@ -188,6 +191,21 @@ class IndexedDatasetWriter:
             self.add_item(array[start : start + n])
             start += n
         self.end_document()
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Many documents of one sequence each at once: `tokens` holds them concatenated,
+        `lengths[i]` is document i's token count (0: an empty document, no sequence)."""
+        assert self._bin is not None, "the writer is finalized"
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.sum() != tokens.size or (lengths < 0).any():
+            raise ValueError(f"{lengths.size} document lengths do not add up to the {tokens.size} tokens")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(self.dtype).max):
+            raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype}")
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        first = len(self._lengths)
+        nonempty = lengths > 0
+        self._lengths.frombytes(lengths[nonempty].astype(np.int32).tobytes())
+        self._documents.frombytes((first + np.cumsum(nonempty)).astype(np.int64).tobytes())
 
     def finalize(self) -> None:
         """Write the index and move both files into place (`.idx` last)."""

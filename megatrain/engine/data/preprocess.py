@@ -1,0 +1,296 @@
+"""JSONL corpus -> Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`), in parallel, streaming.
+
+The parent process reads the corpus in chunks of whole lines (`corpus.py`), hands each chunk to one
+of `workers` processes (JSON parsing, key checks, tokenization, EOD) and writes their results in
+chunk order through `IndexedDatasetWriter`. At most `2 * workers + 1` chunks are in flight, so
+memory is flat in the input's size, and the chunking depends only on the input, so the output is
+byte-identical for any number of workers. `workers=0` does the same in this process.
+
+Semantics follow Megatron-LM's tools/preprocess_data.py with one key and no sentence splitting: one
+document (one sequence) per line, in input order, the EOD id appended to each when `append_eod`.
+Unlike Megatron, a line that is not a JSON object, lacks a string under the key or yields no tokens
+is an error (with its line number) instead of an empty document; blank lines are ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from megatrain.engine.data.corpus import Chunk, CorpusError, document_text, open_corpus, split_lines
+from megatrain.engine.data.indexed import IndexedDatasetWriter, token_dtype
+from megatrain.engine.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, describe
+from megatrain.spec import TokenizerSpec
+
+MAX_SKIPPED_LISTED = 1000
+"""`PreprocessStats.skipped` lists at most this many bad lines; `skipped_count` counts them all."""
+PROGRESS_INTERVAL_S = 0.5
+
+
+@dataclass
+class BadLine:
+    line: int
+    reason: str
+
+
+@dataclass
+class ProgressInfo:
+    documents: int
+    tokens: int
+    bytes_read: int
+    """Bytes of JSONL text read so far (decompressed)."""
+    seconds: float
+    """Elapsed since the start."""
+    raw_bytes_read: int = 0
+    """Bytes of the file as stored (compressed) read so far: the position for a progress bar."""
+    raw_bytes_total: int | None = None
+    """The file's stored size, when known."""
+
+
+@dataclass
+class PreprocessStats:
+    documents: int
+    tokens: int
+    input_bytes: int
+    """Bytes of JSONL text read (decompressed)."""
+    output_bytes: int
+    """Size of PREFIX.bin plus PREFIX.idx."""
+    skipped: list[BadLine]
+    """The first MAX_SKIPPED_LISTED lines skipped (on_error="skip"), in file order."""
+    seconds: float
+    tokenizer: str
+    vocab_size: int
+    skipped_count: int = 0
+    """Every line skipped, also beyond the listed ones."""
+    dtype: str = field(default="")
+    """The token dtype of PREFIX.bin (numpy's name)."""
+
+
+class PreprocessError(ValueError):
+    """Bad input: the message reads "FILE:LINE: problem" when one line is to blame."""
+
+
+@dataclass
+class _ChunkResult:
+    tokens: np.ndarray  # (tokens,) in the output dtype, documents concatenated
+    lengths: np.ndarray  # (documents,) int64, EOD included
+    bad: list[tuple[int, str]]  # the first MAX_SKIPPED_LISTED bad lines of the chunk
+    bad_count: int
+
+
+class _Encoder:
+    """Turns a chunk of lines into tokens; one lives in each worker process."""
+
+    def __init__(self, spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool):
+        self.tokenizer = build_tokenizer(spec)
+        self.dtype = token_dtype(self.tokenizer.vocab_size)
+        self.json_key = json_key
+        self.append_eod = append_eod
+        self.fail_fast = fail_fast
+
+    def __call__(self, chunk: Chunk) -> _ChunkResult:
+        texts: list[str] = []
+        lines: list[int] = []
+        bad: list[tuple[int, str]] = []
+        bad_count = 0
+        for number, line in split_lines(chunk):
+            if not line.strip():
+                continue
+            try:
+                texts.append(document_text(line, self.json_key))
+                lines.append(number)
+            except ValueError as exc:
+                bad_count += 1
+                if len(bad) < MAX_SKIPPED_LISTED:
+                    bad.append((number, str(exc)))
+                if self.fail_fast:
+                    break  # the parent raises on it; the rest of the chunk is never needed
+        tokens, lengths = self._encode(texts)
+        empty = lengths == 0
+        if empty.any():
+            for number in np.asarray(lines)[empty].tolist():
+                bad_count += 1
+                if len(bad) < MAX_SKIPPED_LISTED:
+                    bad.append((number, "empty document (no tokens)"))
+            bad.sort()
+            lengths = lengths[~empty]
+        if self.append_eod and lengths.size:
+            # Insert EOD after each document: at the running end offsets of the documents.
+            ends = np.cumsum(lengths)
+            tokens = np.insert(tokens, ends, self.tokenizer.eod)
+            lengths = lengths + 1
+        return _ChunkResult(tokens.astype(self.dtype, copy=False), lengths, bad, bad_count)
+
+    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            # No per-token Python objects: the UTF-8 bytes are the ids.
+            encoded = [t.encode("utf-8") for t in texts]
+            tokens = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(self.dtype)
+            return tokens, np.fromiter(map(len, encoded), np.int64, len(encoded))
+        ids = self.tokenizer.encode_batch(texts) if texts else []
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths.sum()))
+        return tokens, lengths
+
+
+# -- worker processes ---------------------------------------------------------------------------
+
+_ENCODER: _Encoder | None = None
+
+
+def _init_worker(spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool) -> None:
+    global _ENCODER
+    # The parent handles Ctrl-C (it stops the pool); a worker's own traceback would only be noise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Processes are the parallelism here; the HF batch encoder's own threads would oversubscribe.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _ENCODER = _Encoder(spec, json_key, append_eod, fail_fast)
+
+
+def _encode_in_worker(chunk: Chunk) -> _ChunkResult:
+    assert _ENCODER is not None
+    return _ENCODER(chunk)
+
+
+class _Ready:
+    """A result computed in this process, answering `result()` as a Future does."""
+
+    def __init__(self, result: _ChunkResult):
+        self._result = result
+
+    def result(self) -> _ChunkResult:
+        return self._result
+
+
+@contextmanager
+def _executor(
+    workers: int, spec: TokenizerSpec, args: tuple[Any, ...], encoder: _Encoder
+) -> Iterator[Callable[[Chunk], Any]]:
+    """`submit(chunk)` -> something whose `result()` is the chunk's result."""
+    if workers == 0:
+        yield lambda chunk: _Ready(encoder(chunk))
+        return
+    # A ProcessPoolExecutor, not a multiprocessing.Pool: a worker that dies (killed for memory)
+    # breaks the pool with an error instead of leaving its chunk's result to wait forever.
+    # spawn, not fork: a forked child inherits the parent's tokenizer threads' locks mid-state.
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(spec, *args),
+    )
+    try:
+        yield lambda chunk: pool.submit(_encode_in_worker, chunk)
+    except BaseException:
+        # An error or Ctrl-C: stop the workers now rather than let them finish queued chunks.
+        # (Python 3.14 has pool.terminate_workers(); before it, only the private process table.)
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def preprocess(
+    input_url: str,
+    output_prefix: str | Path,
+    tokenizer: TokenizerSpec,
+    *,
+    json_key: str = "text",
+    workers: int = 1,
+    append_eod: bool = True,
+    on_error: Literal["skip", "fail"] = "fail",
+    progress: Callable[[ProgressInfo], None] | None = None,
+) -> PreprocessStats:
+    """Tokenize a JSONL corpus into `output_prefix`.bin/.idx (nothing appears there on failure).
+
+    Raises PreprocessError for bad input (with "FILE:LINE: problem" at the first bad line when
+    on_error="fail", or when no document is left) and ValueError for a tokenizer that cannot load.
+    """
+    if on_error not in ("skip", "fail"):
+        raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
+    if workers < 0:
+        raise ValueError(f"workers must be 0 (in this process) or more, not {workers}")
+    start = time.perf_counter()
+    fail_fast = on_error == "fail"
+    encoder = _Encoder(tokenizer, json_key, append_eod, fail_fast)  # also checks the tokenizer loads
+    tok: Tokenizer = encoder.tokenizer
+    skipped: list[BadLine] = []
+    counts = {"documents": 0, "tokens": 0, "skipped": 0}
+    in_flight = 2 * workers + 1
+    last_report = start
+
+    def write(result: _ChunkResult) -> None:
+        if result.bad_count and fail_fast:
+            line, reason = result.bad[0]
+            raise PreprocessError(f"{input_url}:{line}: {reason}")
+        counts["skipped"] += result.bad_count
+        skipped.extend(BadLine(n, r) for n, r in result.bad[: MAX_SKIPPED_LISTED - len(skipped)])
+        writer.add_documents(result.tokens, result.lengths)
+        counts["documents"] += result.lengths.size
+        counts["tokens"] += result.tokens.size
+
+    def report(reader: Any, final: bool = False) -> None:
+        nonlocal last_report
+        now = time.perf_counter()
+        if progress is None or (not final and now - last_report < PROGRESS_INTERVAL_S):
+            return
+        last_report = now
+        progress(
+            ProgressInfo(
+                counts["documents"],
+                counts["tokens"],
+                reader.text_bytes,
+                now - start,
+                reader.raw_bytes,
+                reader.size,
+            )
+        )
+
+    try:
+        with (
+            open_corpus(input_url) as reader,
+            IndexedDatasetWriter(output_prefix, encoder.dtype) as writer,
+            _executor(workers, tokenizer, (json_key, append_eod, fail_fast), encoder) as submit,
+        ):
+            pending: deque[Any] = deque()
+            for chunk in reader.chunks():
+                pending.append(submit(chunk))
+                if len(pending) >= in_flight:
+                    write(pending.popleft().result())
+                    report(reader)
+            while pending:
+                write(pending.popleft().result())
+                report(reader)
+            if counts["documents"] == 0:
+                what = f"all {counts['skipped']} lines were skipped" if counts["skipped"] else "it is empty"
+                raise PreprocessError(f"{input_url}: no documents to write: {what}")
+            report(reader, final=True)
+            input_bytes = reader.text_bytes
+    except CorpusError as exc:
+        raise PreprocessError(str(exc)) from None
+    bin_path, idx_path = writer.bin_path, writer.idx_path
+    return PreprocessStats(
+        documents=counts["documents"],
+        tokens=counts["tokens"],
+        input_bytes=input_bytes,
+        output_bytes=bin_path.stat().st_size + idx_path.stat().st_size,
+        skipped=skipped,
+        seconds=time.perf_counter() - start,
+        tokenizer=describe(tokenizer),
+        vocab_size=tok.vocab_size,
+        skipped_count=counts["skipped"],
+        dtype=encoder.dtype.name,
+    )
