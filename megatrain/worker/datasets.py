@@ -2,7 +2,8 @@
 
 `preprocess_dataset(dataset_id, settings)` is thin and idempotent: it claims a `pending` dataset
 (→ processing; a delivery that finds it in any other state does nothing), tokenizes its source
-with the engine's preprocessing into a local temporary folder, uploads PREFIX.bin then PREFIX.idx
+(streamed from file:// or s3://) with the engine's preprocessing into a local temporary folder
+(progress in `state_reason`, written with each heartbeat), uploads PREFIX.bin then PREFIX.idx
 (the index last: a reader that finds it finds the data), and marks it `ready` with its statistics,
 or `failed` with the reason after removing what it wrote. A heartbeat keeps `heartbeat_at` fresh so
 the scheduler can tell a lost worker (its dataset goes back to pending) from a slow one.
@@ -22,7 +23,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
@@ -79,40 +79,46 @@ def _finish(settings: Settings, dataset_id: str, attempt: int, **values: Any) ->
         return done.rowcount == 1
 
 
-def _heartbeat(settings: Settings, dataset_id: str, attempt: int, stop: threading.Event) -> None:
+def _heartbeat(
+    settings: Settings, dataset_id: str, attempt: int, stop: threading.Event, progress: _Progress
+) -> None:
+    host = socket.gethostname()
     while not stop.wait(settings.heartbeat_interval_s):
+        values: dict[str, Any] = {"heartbeat_at": utcnow()}
+        if progress.text:
+            values["state_reason"] = f"preprocessing on {host}: {progress.text}"
         try:
             with session_scope(settings.resolved_database_url) as s:
                 s.execute(
                     update(Dataset)
                     .where(*_mine(dataset_id, attempt))
-                    .values(heartbeat_at=utcnow())
+                    .values(**values)
                     .execution_options(synchronize_session=False)
                 )
         except SQLAlchemyError as exc:
             log.warning("dataset %s: heartbeat failed: %s", dataset_id, exc)
 
 
-def _local_source(url: str, settings: Settings, workdir: Path) -> str:
-    """The local path the preprocessing reads: a file:// URL's own path; an s3:// object
-    downloaded into `workdir` (streamed to disk by boto3, never held in memory)."""
-    if url.startswith("file://"):
-        return unquote(urlparse(url).path)
-    if not url.startswith("s3://"):
-        return url
-    parent, key = split_url(url)
-    local = workdir / key
-    open_store(parent, settings.s3_endpoint_url).get_file(key, local)
-    return str(local)
+PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
+"""Tokenizer processes per dataset: half the cores, at most 4 (a worker node also trains)."""
 
 
 def _run_preprocess(
-    source: str, prefix: Path, tokenizer: TokenizerSpec, json_key: str, append_eod: bool
+    source: str,
+    prefix: Path,
+    tokenizer: TokenizerSpec,
+    json_key: str,
+    append_eod: bool,
+    progress: Callable[[Any], None],
 ) -> dict[str, Any]:
-    """The engine's preprocessing (imported here: only a worker needs torch-side code)."""
+    """The engine's preprocessing, streaming `source` (file:// or s3://) into `prefix`.bin/.idx
+    (imported here: only a worker needs the engine)."""
     from megatrain.engine.data.preprocess import preprocess
 
-    stats = preprocess(source, prefix, tokenizer, json_key=json_key, append_eod=append_eod, on_error="fail")
+    stats = preprocess(
+        source, prefix, tokenizer, json_key=json_key, append_eod=append_eod, workers=PREPROCESS_WORKERS,
+        on_error="fail", progress=progress,
+    )  # fmt: skip
     return {
         "documents": stats.documents,
         "tokens": stats.tokens,
@@ -121,7 +127,21 @@ def _run_preprocess(
     }
 
 
-PreprocessFn = Callable[[str, Path, TokenizerSpec, str, bool], dict[str, Any]]
+PreprocessFn = Callable[[str, Path, TokenizerSpec, str, bool, Callable[[Any], None]], dict[str, Any]]
+
+
+class _Progress:
+    """The latest progress report of the preprocessing, as the heartbeat writes it (text)."""
+
+    def __init__(self) -> None:
+        self.text: str | None = None
+
+    def __call__(self, info: Any) -> None:
+        mib = info.bytes_read / (1 << 20)
+        rate = mib / info.seconds if info.seconds > 0 else 0.0
+        self.text = (
+            f"{info.documents:,} documents, {info.tokens:,} tokens, {mib:,.0f} MiB read ({rate:,.1f} MiB/s)"
+        )
 
 
 def preprocess_dataset(
@@ -142,15 +162,17 @@ def preprocess_dataset(
         json_key, append_eod = ds.json_key, ds.append_eod
     folder_url = split_url(prefix_url)[0]  # {storage}/…/datasets/{name}/{id}: this dataset's alone
     store = open_store(folder_url, settings.s3_endpoint_url)
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(settings, dataset_id, attempt, stop), daemon=True)
+    stop, progress = threading.Event(), _Progress()
+    beat = threading.Thread(
+        target=_heartbeat, args=(settings, dataset_id, attempt, stop, progress), daemon=True
+    )
     beat.start()
     started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix=f"megatrain-{dataset_id}-") as tmp:
             work = Path(tmp)
-            local = _local_source(source, settings, work)
-            stats = (preprocess_fn or _run_preprocess)(local, work / "data", tokenizer, json_key, append_eod)
+            run = preprocess_fn or _run_preprocess
+            stats = run(source, work / "data", tokenizer, json_key, append_eod, progress)
             output_bytes = 0
             for name in OUTPUT_NAMES:
                 path = work / name

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -74,7 +75,7 @@ def _fake_preprocess(calls: list[str], fail: Exception | None = None) -> Callabl
     """Writes a real (tiny) indexed dataset with the engine's writer, or raises `fail`."""
 
     def run(
-        source: str, prefix: Path, tokenizer: TokenizerSpec, json_key: str, append_eod: bool
+        source: str, prefix: Path, tokenizer: TokenizerSpec, json_key: str, append_eod: bool, progress: Any
     ) -> dict[str, Any]:
         from megatrain.engine.data.indexed import IndexedDatasetWriter
 
@@ -83,7 +84,8 @@ def _fake_preprocess(calls: list[str], fail: Exception | None = None) -> Callabl
             raise fail
         with IndexedDatasetWriter(prefix) as w:
             w.add_document([1, 2, 3])
-        return {"documents": 1, "tokens": 3, "vocab_size": 257, "input_bytes": Path(source).stat().st_size}
+        size = Path(source.removeprefix("file://")).stat().st_size
+        return {"documents": 1, "tokens": 3, "vocab_size": 257, "input_bytes": size}
 
     return run
 
@@ -104,6 +106,24 @@ def test_a_pending_dataset_becomes_ready_once(settings: Settings, register: Call
     # Another delivery of the same task does nothing.
     assert preprocess_dataset(dataset_id, settings, _fake_preprocess(calls)) is None
     assert len(calls) == 1 and _row(settings, dataset_id).attempt == 1  # type: ignore[union-attr]
+
+
+def test_progress_is_written_with_the_heartbeat(settings: Settings, register: Callable[..., str]) -> None:
+    dataset_id = register()
+    inner = _fake_preprocess([])
+    seen: list[str] = []
+
+    def slow(*args: Any) -> dict[str, Any]:
+        progress = args[-1]
+        progress(SimpleNamespace(documents=1200, tokens=34000, bytes_read=3 << 20, seconds=2.0))
+        # The heartbeat (every 0.2 s here) writes it while the work goes on.
+        wait_for(lambda: "1,200 documents" in (_row(settings, dataset_id).state_reason or ""), 10)  # type: ignore[union-attr]
+        seen.append(_row(settings, dataset_id).state_reason)  # type: ignore[union-attr]
+        return inner(*args)
+
+    assert preprocess_dataset(dataset_id, settings, slow) == READY
+    assert seen[0].endswith("1,200 documents, 34,000 tokens, 3 MiB read (1.5 MiB/s)")
+    assert seen[0].startswith(f"preprocessing on {socket.gethostname()}")
 
 
 def test_a_failure_is_the_datasets_reason_and_removes_its_objects(
@@ -213,7 +233,7 @@ def test_a_bad_source_fails_with_its_line(settings: Settings, register: Callable
     dataset_id = register(body=_jsonl(TEXTS[:4]) + b'{"other": "x"}\n')
     assert preprocess_dataset(dataset_id, settings) == FAILED
     ds = _row(settings, dataset_id)
-    assert ds is not None and ":5" in ds.state_reason, ds.state_reason
+    assert ds is not None and ds.state_reason.startswith(f"{ds.source_url}:5: "), ds.state_reason
     assert _folder_keys(settings, dataset_id) == []
 
 
