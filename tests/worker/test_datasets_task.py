@@ -43,8 +43,8 @@ def _jsonl(texts: list[str], key: str = "text") -> bytes:
 def register(settings: Settings) -> Callable[..., str]:
     """A dataset as POST /v1/datasets leaves it: source.jsonl stored in its folder, row pending."""
 
-    def make(name: str = "corpus", body: bytes | None = None, **row: Any) -> str:
-        storage = settings.resolved_storage_url
+    def make(name: str = "corpus", body: bytes | None = None, storage: str | None = None, **row: Any) -> str:
+        storage = storage or settings.resolved_storage_url
         dataset_id = new_id("ds")
         folder = f"tenants/acme/datasets/{name}/{dataset_id}"
         open_store(storage).put_bytes(f"{folder}/source.jsonl", _jsonl(TEXTS) if body is None else body)
@@ -235,6 +235,29 @@ def test_a_bad_source_fails_with_its_line(settings: Settings, register: Callable
     ds = _row(settings, dataset_id)
     assert ds is not None and ds.state_reason.startswith(f"{ds.source_url}:5: "), ds.state_reason
     assert _folder_keys(settings, dataset_id) == []
+
+
+def test_sources_and_outputs_on_s3(
+    settings: Settings, register: Callable[..., str], s3_bucket_url: str, moto_s3_endpoint: str
+) -> None:
+    """Production's storage: the source streams from S3, the indexed dataset lands beside it."""
+    pytest.importorskip("megatrain.engine.data.preprocess")
+    store = f"{s3_bucket_url}/prefix"
+    cfg = settings.model_copy(update={"storage_url": store, "s3_endpoint_url": moto_s3_endpoint})
+    good = register(storage=store)
+    assert preprocess_dataset(good, cfg) == READY
+    ds = _row(cfg, good)
+    assert ds is not None and ds.documents == len(TEXTS) and ds.input_bytes == len(_jsonl(TEXTS))
+    keys = sorted(o.key for o in open_store(store).list() if good in o.key)
+    assert [k.rsplit("/", 1)[1] for k in keys] == ["data.bin", "data.idx", "source.jsonl"]
+    assert ds.output_bytes == sum(o.size for o in open_store(store).list() if "/data." in o.key)
+    bad = register("bad", body=b'{"text": "fine"}\n{"text": ""}\n', storage=store)
+    assert preprocess_dataset(bad, cfg) == FAILED
+    failed = _row(cfg, bad)
+    assert failed is not None and failed.state_reason.startswith(f"{failed.source_url}:2: "), (
+        failed.state_reason
+    )
+    assert not any(bad in o.key for o in open_store(store).list())
 
 
 @pytest.mark.redis
