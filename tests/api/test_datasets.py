@@ -217,7 +217,7 @@ def test_a_name_is_unique_per_tenant(api: Api) -> None:
     assert _rows(api) == 2 and len(_objects(api)) == 2
 
 
-def test_register_a_storage_url_the_tenant_may_read(api: Api) -> None:
+def test_register_a_storage_url_the_tenant_may_read(api: Api, tmp_path: Path) -> None:
     corpus = api.data_root / "corpus.jsonl"
     corpus.write_bytes(_jsonl(DOCS))
     body = {
@@ -230,6 +230,18 @@ def test_register_a_storage_url_the_tenant_may_read(api: Api) -> None:
     assert resp.status_code == 201, resp.text
     ds = resp.json()
     assert ds["uploaded"] is False and ds["source_url"] == corpus.as_uri() and ds["state"] == PENDING
+    # A link inside the allowed root is registered as its target, which the rule checked.
+    link = api.data_root / "link.jsonl"
+    link.symlink_to(corpus)
+    linked = api.client.post(
+        "/v1/datasets", json={**body, "name": "linked", "source_url": link.as_uri()}, headers=api.headers
+    )
+    assert linked.status_code == 201 and linked.json()["source_url"] == corpus.resolve().as_uri()
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes(_jsonl(DOCS))
+    (api.data_root / "escape.jsonl").symlink_to(outside)
+    escape = {**body, "name": "escape", "source_url": (api.data_root / "escape.jsonl").as_uri()}
+    assert "outside the data" in _error(api.client.post("/v1/datasets", json=escape, headers=api.headers))[1]
     assert ds["path"].startswith(f"{api.settings.resolved_storage_url}/tenants/acme/datasets/from-url/")
     bad = [
         ({"source_url": "file:///etc/passwd.jsonl"}, "source_url", "outside the data this tenant may read"),
@@ -247,7 +259,7 @@ def test_register_a_storage_url_the_tenant_may_read(api: Api) -> None:
         "/v1/datasets", content=b"{", headers={**api.headers, "Content-Type": "application/json"}
     )
     assert _error(not_json)[0] == "body"
-    assert _rows(api) == 1
+    assert _rows(api) == 2
 
 
 def test_tenants_see_only_their_own_datasets_and_shared_ones(api: Api) -> None:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.api.datasets.schemas import DatasetCreate, DatasetOptions, DatasetPublic
 from megatrain.api.errors import FieldError
-from megatrain.api.jobs.data_access import data_url_problem
+from megatrain.api.jobs.data_access import data_url_problem, normalise_data_url
 from megatrain.db.models import ACTIVE_STATES, PENDING, QUEUED, READY, Dataset, Job, Tenant, new_id
 from megatrain.settings import Settings
 from megatrain.spec import JSONL_SUFFIXES, JobSpec, SpecError
@@ -166,8 +166,11 @@ def register_url(session: Session, settings: Settings, tenant: Tenant, body: Dat
     problem = data_url_problem("source_url", body.source_url, settings, tenant.name)
     if problem:
         raise FieldError("source_url", problem)
-    _check_source(settings, body.source_url)
-    return _insert(session, settings, tenant, body, new_id("ds"), body.source_url, False, None)
+    # The URL as checked (symlinks resolved): the worker reads what the rule allowed, even if a
+    # link is changed later.
+    source = normalise_data_url(body.source_url)
+    _check_source(settings, source)
+    return _insert(session, settings, tenant, body, new_id("ds"), source, False, None)
 
 
 def store_upload(
