@@ -80,6 +80,7 @@ def upload(
         bool, typer.Option(help="End each document with the end-of-document token.")
     ] = True,
     wait: Annotated[bool, typer.Option("--wait", "-w", help="Wait until the workers made it ready.")] = False,
+    timeout: Annotated[float | None, typer.Option(min=0, help="With --wait: give up after SECONDS.")] = None,
 ) -> None:
     """Upload a JSONL corpus (or register one in storage) for the workers to preprocess."""
     with Client() as client:
@@ -91,8 +92,14 @@ def upload(
             f"dataset [bold]{escape(ds.name)}[/bold] {_state(ds)} ({_size(ds.input_bytes)} uploaded)"
         )
         if wait:
-            ds = client.wait_dataset(ds.name)
-            _out().print(
+            console = _out()
+            with console.status(f"{ds.name}: {ds.state}") as status:
+
+                def show(now: Dataset) -> None:
+                    status.update(f"{escape(now.name)}: {_state(now)} {escape(now.state_reason)}")
+
+                ds = client.wait_dataset(ds.name, timeout, on_update=show)
+            console.print(
                 f"dataset [bold]{escape(ds.name)}[/bold] {_state(ds)}: {_count(ds.documents)} documents, "
                 f"{_count(ds.tokens)} tokens"
             )

@@ -4,6 +4,7 @@ list, read, delete, and wait until the workers have preprocessed one."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,12 +103,19 @@ class DatasetsMixin:
         self._request("DELETE", f"/v1/datasets/{name}")
 
     def wait_dataset(
-        self, name: str, timeout_s: float | None = None, poll_interval_s: float = 1.0
+        self,
+        name: str,
+        timeout_s: float | None = None,
+        poll_interval_s: float = 1.0,
+        on_update: Callable[[Dataset], None] | None = None,
     ) -> Dataset:
-        """Block until the dataset is ready (returned) or failed (DatasetFailed)."""
+        """Block until the dataset is ready (returned) or failed (DatasetFailed); `on_update` sees
+        each state read meanwhile (its state_reason carries the workers' progress)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             ds = self.get_dataset(name)
+            if on_update is not None:
+                on_update(ds)
             if ds.state == "ready":
                 return ds
             if ds.state == "failed":

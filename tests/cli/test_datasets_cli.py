@@ -4,6 +4,8 @@ tables for people, one red line (never a traceback) for every refused request.""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 from fixtures.live import LiveApi
@@ -52,6 +54,36 @@ def test_upload_list_show_delete(live_api: LiveApi, tmp_path: Path) -> None:
     assert code == 0 and "deleted" in out, out
     code, out = run("datasets", "show", "mine")
     assert code == 1 and "not found" in out, out
+
+
+def _worker_sets(live_api: LiveApi, name: str, **values: object) -> threading.Thread:
+    """What a worker does, once the upload is registered, while the command waits."""
+
+    def run() -> None:
+        url = live_api.settings.resolved_database_url
+        for _ in range(200):
+            with session_scope(url) as s:
+                if s.execute(update(Dataset).where(Dataset.name == name).values(**values)).rowcount:
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_upload_and_wait_until_ready(live_api: LiveApi, tmp_path: Path) -> None:
+    path = _corpus(tmp_path / "c.jsonl", [json.dumps({"text": f"doc {i}"}) for i in range(40)])
+    t = _worker_sets(live_api, "waited", state="ready", documents=40, tokens=321)
+    code, out = run("datasets", "upload", str(path), "--name", "waited", "--wait", "--timeout", "30")
+    t.join()
+    assert code == 0 and "waited ready: 40 documents, 321 tokens" in out, out
+    t = _worker_sets(live_api, "broken", state="failed", state_reason="c.jsonl:3: boom")
+    code, out = run("datasets", "upload", str(path), "--name", "broken", "--wait", "--timeout", "30")
+    t.join()
+    assert code == 1 and "dataset 'broken' failed: c.jsonl:3: boom" in out, out
+    code, out = run("datasets", "upload", str(path), "--name", "slow", "--wait", "--timeout", "0.3")
+    assert code == 1 and "still pending" in out, out
 
 
 def test_errors_are_one_line(live_api: LiveApi, tmp_path: Path) -> None:
