@@ -62,12 +62,19 @@ def test_datasets_view_upload_pick_delete(
     page.wait_for_selector("#datasets-table tr[data-dataset='web-corpus'][data-state='pending']")
     assert "their-secret-set" not in page.content()
 
-    # The workers' result (here written as a worker would) shows without a reload.
+    # The workers' progress, then their result (here written as a worker would), show without a reload.
+    with session_scope(db_url) as s:
+        busy = {"state": "processing", "state_reason": "preprocessing on node1: 50 documents"}
+        s.execute(update(Dataset).where(Dataset.name == "web-corpus").values(**busy))
+    page.wait_for_selector(
+        "#datasets-table tr[data-dataset='web-corpus'][data-state='processing']", timeout=20_000
+    )
+    assert "50 documents" in page.inner_text("#datasets-table tr[data-dataset='web-corpus']")
     with session_scope(db_url) as s:
         s.execute(
             update(Dataset)
             .where(Dataset.name == "web-corpus")
-            .values(state="ready", documents=100, tokens=1_234_567, output_bytes=5 << 20)
+            .values(state="ready", documents=100, tokens=1_234_567, output_bytes=5 << 20, state_reason="done")
         )
     page.wait_for_selector(
         "#datasets-table tr[data-dataset='web-corpus'][data-state='ready']", timeout=20_000

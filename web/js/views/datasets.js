@@ -23,7 +23,9 @@ function row(ds, onDelete) {
   const td = (label, content, cls = "") => h("td", { "data-label": label, class: cls }, content);
   return h("tr", { dataset: { dataset: ds.name, state: ds.state } },
     td("Dataset", [h("span", { class: "name" }, ds.name), ds.shared && h("span", { class: "id" }, "shared")], "primary"),
-    td("State", [datasetBadge(ds.state), ds.state === "failed" && h("div", { class: "field-error" }, ds.state_reason)]),
+    td("State", [datasetBadge(ds.state),
+      ds.state === "failed" && h("div", { class: "field-error" }, ds.state_reason),
+      ds.state === "processing" && h("div", { class: "hint" }, ds.state_reason)]),  // the workers' progress
     td("Documents", count(ds.documents), "num"),
     td("Tokens", count(ds.tokens), "num"),
     td("Size", fmtBytes(ds.output_bytes ?? ds.input_bytes), "num"),
