@@ -302,8 +302,7 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
-    """Open a single object by URL for reading (data files), as a stream: an s3:// object is read
-    as it arrives, never held whole in memory."""
+    """Open a single object by URL for reading (data files)."""
     if url.startswith("/") or url.startswith("file://"):
         path = url if url.startswith("/") else unquote(urlparse(url).path)
         try:
@@ -312,7 +311,15 @@ def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
             raise StorageError(f"{url} does not exist") from None
     parent, key = split_url(url)
     # Streamed: a corpus larger than memory is read in buffered chunks, never whole.
-    return io.BufferedReader(_RawStream(open_store(parent, endpoint_url).open_read(key)), 1 << 20)
+    body = open_store(parent, endpoint_url).open_read(key)
+    reader = _BufferedObject(_RawStream(body), 1 << 20)
+    # The object's size, as readers that report progress look for it on an S3 body.
+    reader._content_length = getattr(body, "_content_length", None)
+    return reader
+
+
+class _BufferedObject(io.BufferedReader):
+    _content_length: int | str | None
 
 
 class _RawStream(io.RawIOBase):
