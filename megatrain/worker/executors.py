@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy import select
@@ -81,11 +82,20 @@ class LocalExecutor:
         self._refreshed_at = float("-inf")
 
     def submit(self, job_id: str) -> None:
-        run_dir = self.settings.runs_dir / job_id
+        self._spawn(self.settings.runs_dir / job_id, "megatrain.worker.shard", "--job-id", job_id)
+
+    def submit_dataset(self, dataset_id: str) -> None:
+        """One detached `python -m megatrain.worker.datasets` process per dataset; its output goes
+        to {runs_dir}/datasets/{dataset_id}/runner.log."""
+        run_dir = self.settings.runs_dir / "datasets" / dataset_id
+        self._spawn(run_dir, "megatrain.worker.datasets", "--dataset-id", dataset_id)
+
+    def _spawn(self, run_dir: Path, module: str, flag: str, ident: str) -> None:
+        """`python -m module flag ident`, detached, its output in run_dir/runner.log."""
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "runner.log", "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "megatrain.worker.shard", "--job-id", job_id],
+                [sys.executable, "-m", module, flag, ident],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -95,25 +105,7 @@ class LocalExecutor:
                 close_fds=True,
             )
         # Reap it when it ends: a zombie would look alive to the reconciler's pid check.
-        threading.Thread(target=proc.wait, daemon=True, name=f"reap-{job_id}").start()
-
-    def submit_dataset(self, dataset_id: str) -> None:
-        """One detached `python -m megatrain.worker.datasets` process per dataset; its output goes
-        to {runs_dir}/datasets/{dataset_id}/runner.log."""
-        run_dir = self.settings.runs_dir / "datasets" / dataset_id
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "runner.log", "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "megatrain.worker.datasets", "--dataset-id", dataset_id],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=runner_env(self.settings),
-                cwd=run_dir,
-                start_new_session=True,
-                close_fds=True,
-            )
-        threading.Thread(target=proc.wait, daemon=True, name=f"reap-{dataset_id}").start()
+        threading.Thread(target=proc.wait, daemon=True, name=f"reap-{ident}").start()
 
     def refresh_nodes(self) -> None:
         """This machine is the one node: register it, at most every LOCAL_NODE_REFRESH_S."""
