@@ -140,20 +140,23 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
         stats = preprocess(args["corpus"], args["prefix"], spec, workers=args["workers"], append_eod=True)
         docs, tokens = stats.documents, stats.tokens
     seconds = time.perf_counter() - start
+    # Peaks read before hashing the output (whose reads would count otherwise). ru_maxrss is in KiB
+    # on Linux; RUSAGE_CHILDREN is the largest of the finished (joined) worker processes.
+    rss_parent = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     digest = hashlib.sha256()
     for suffix in (".bin", ".idx"):
         with open(args["prefix"] + suffix, "rb") as f:
-            while block := f.read(1 << 24):
+            while block := f.read(1 << 20):
                 digest.update(block)
         os.unlink(args["prefix"] + suffix)  # keep the temporary folder small
-    # ru_maxrss is in KiB on Linux. RUSAGE_CHILDREN: the largest of the (finished) worker processes.
     return {
         "documents": docs,
         "tokens": tokens,
         "seconds": seconds,
         "sha256": digest.hexdigest(),
-        "rss_parent_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "rss_parent_mb": rss_parent,
+        "rss_worker_mb": rss_worker,
     }
 
 

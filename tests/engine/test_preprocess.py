@@ -5,8 +5,11 @@ on failure or Ctrl-C."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -267,3 +270,34 @@ def test_every_tokenizer_kind(tmp_path: Path, kind: str) -> None:
     tok = build_tokenizer(spec)
     assert _documents(tmp_path / "out") == [tok.encode(t) + [tok.eod] for t in texts]
     assert IndexedDataset(tmp_path / "out").dtype == dtype and stats.dtype == np.dtype(dtype).name
+
+
+# Megatron-LM's tools/preprocess_data.py with --append-eod, reduced to what reaches the files: per
+# line, the ids plus EOD as one sentence, through Megatron's own IndexedDatasetBuilder.
+_MEGATRON_BUILD = """
+import json, sys
+import numpy as np
+from megatron.core.datasets import indexed_dataset as indexed
+prefix, vocab, docs = json.loads(sys.stdin.read())
+builder = indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=indexed.DType.optimal_dtype(vocab))
+for ids in docs:
+    builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
+builder.finalize(prefix + ".idx")
+"""
+
+
+def test_files_equal_megatron_s_builder_fed_the_same_documents(tmp_path: Path) -> None:
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed (the test extra brings it on Python 3.11)")
+    spec = TokenizerSpec(type="hf", path=str(_train_hf(tmp_path / "tok.json")))
+    texts = [t for t in _texts(120) if t]
+    preprocess(str(_corpus(tmp_path / "c.jsonl", texts)), tmp_path / "ours", spec, workers=0)
+    tok = build_tokenizer(spec)
+    docs = [tok.encode(t) + [tok.eod] for t in texts]
+    subprocess.run(
+        [sys.executable, "-c", _MEGATRON_BUILD],
+        input=json.dumps([str(tmp_path / "meg"), tok.vocab_size, docs]),
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"meg{suffix}").read_bytes(), suffix
