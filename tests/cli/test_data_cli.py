@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,26 @@ def test_worker_processes_from_the_real_command(tmp_path: Path) -> None:
     ds = IndexedDataset(tmp_path / "o")
     assert ds.num_documents == len(TEXTS) * 50
     assert ds.document(ds.num_documents - 1).tolist() == list(TEXTS[-1].encode()) + [256]
+
+
+def test_sigterm_mid_run_leaves_nothing_behind(tmp_path: Path) -> None:
+    src = tmp_path / "c.jsonl"
+    src.write_text(('{"text": "' + "word " * 400 + '"}\n') * 20000)  # 40 MB: seconds of work
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatrain.cli", "data", "preprocess", "--input", str(src),
+         "--output-prefix", str(tmp_path / "o"), "--workers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        # Until the workers' first tokens reach the temporary .bin: the pool is up and working.
+        while not any(p.name.startswith("o.bin.tmp-") and p.stat().st_size for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert out.strip() == "error: interrupted; nothing was written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]

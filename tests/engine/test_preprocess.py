@@ -8,9 +8,13 @@ import gzip
 import importlib.util
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +23,7 @@ from megatrain.engine.data import corpus
 from megatrain.engine.data import preprocess as pp
 from megatrain.engine.data.corpus import Chunk, open_corpus
 from megatrain.engine.data.indexed import IndexedDataset
+from megatrain.engine.data.ordered_pool import OrderedPool, WorkerDied, WorkerFailed
 from megatrain.engine.data.preprocess import PreprocessError, ProgressInfo, preprocess
 from megatrain.engine.data.tokenizers import build_tokenizer
 from megatrain.spec import TokenizerSpec
@@ -301,3 +306,66 @@ def test_files_equal_megatron_s_builder_fed_the_same_documents(tmp_path: Path) -
     )  # fmt: skip
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"meg{suffix}").read_bytes(), suffix
+
+
+# -- the ordered pool under the workers ---------------------------------------------------------
+
+
+def _square_slowly(seed: int) -> Any:
+    # The factory runs once per worker; the function it returns sleeps a little at random, so
+    # workers finish out of order and the pool must restore it.
+    import random
+    import time
+
+    rng = random.Random(seed)
+
+    def square(x: int) -> int:
+        time.sleep(rng.random() * 0.01)
+        if x == -1:
+            raise ArithmeticError("minus one is not allowed")
+        if x == -9:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x * x
+
+    return square
+
+
+def _refuse() -> Any:
+    raise ValueError("no tokenizer here")
+
+
+def test_pool_keeps_order_and_bounds_what_is_in_flight() -> None:
+    pulled = 0
+
+    def items() -> Iterator[int]:
+        nonlocal pulled
+        for i in range(60):
+            pulled += 1
+            yield i
+
+    got = []
+    with OrderedPool(3, _square_slowly, (0,)) as pool:
+        for i, value in enumerate(pool.map(items(), in_flight=4)):
+            assert pulled <= i + 4  # never more than in_flight items handed out and not yet yielded
+            got.append(value)
+    assert got == [i * i for i in range(60)]
+
+
+def test_pool_reports_errors_and_deaths_without_hanging() -> None:
+    cases = [
+        (_square_slowly, (1,), [1, 2, -1, 4], WorkerFailed, "ArithmeticError: minus one is not allowed"),
+        (_square_slowly, (1,), [1, 2, 3, -9, 5, 6], WorkerDied, r"died \(killed by signal 9\)"),
+        (_refuse, (), [1], WorkerFailed, "ValueError: no tokenizer here"),
+    ]
+    for factory, args, items, error, message in cases:
+        with pytest.raises(error, match=message), OrderedPool(2, factory, args) as pool:
+            list(pool.map(items, in_flight=4))
+
+
+def test_pool_stops_its_workers_on_interrupt() -> None:
+    with pytest.raises(KeyboardInterrupt), OrderedPool(2, _square_slowly, (2,)) as pool:
+        processes = list(pool._processes)
+        for value in pool.map(range(100), in_flight=4):
+            if value > 10:
+                raise KeyboardInterrupt
+    assert processes and not any(p.is_alive() for p in processes)
