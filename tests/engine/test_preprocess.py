@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -240,8 +241,8 @@ def test_s3_input_is_streamed(tmp_path: Path, s3_bucket_url: str) -> None:
     data = _corpus(tmp_path / "c.jsonl.gz", texts).read_bytes()
     open_store(s3_bucket_url).put_bytes("corpora/c.jsonl.gz", data)
     url = f"{s3_bucket_url}/corpora/c.jsonl.gz"
-    with open_corpus(url) as reader:
-        assert not isinstance(reader._raw.raw, bytes) and reader.size == len(data)
+    with open_corpus(url) as reader:  # a stream from S3, not the object read into memory first
+        assert not isinstance(reader._raw.raw, io.BytesIO) and reader.size == len(data)
     stats = preprocess(url, tmp_path / "out", BYTE, workers=1)
     assert stats.documents == len(texts)
     assert _documents(tmp_path / "out")[-1] == list(texts[-1].encode()) + [256]
