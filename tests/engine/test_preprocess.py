@@ -370,3 +370,14 @@ def test_pool_stops_its_workers_on_interrupt() -> None:
             if value > 10:
                 raise KeyboardInterrupt
     assert processes and not any(p.is_alive() for p in processes)
+
+
+def test_crlf_bom_non_utf8_and_a_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "c.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"text": "one"}\r\n{"text": "tw\xff"}\r\n{"text": "two"}\r\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PreprocessError, match=r"c\.jsonl:2: not UTF-8 text"):
+        preprocess("c.jsonl", "out", BYTE, workers=0)
+    stats = preprocess("c.jsonl", "out", BYTE, workers=0, on_error="skip", append_eod=False)
+    assert stats.skipped_count == 1 and _documents(tmp_path / "out") == [list(b"one"), list(b"two")]
