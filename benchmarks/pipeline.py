@@ -75,10 +75,10 @@ def _run(
     for c in chunks:
         c.zero_grad(set_to_none=False)
     if not track:
-        sched.forward_backward(batches, lambda out, y: lm_loss(out, y) / m)
+        sched.forward_backward(batches, lambda out, mb: lm_loss(out, mb.labels) / m)
         return sched, 0
     with LiveTensorBytes(ignore=tensors_of(*chunks)) as mem:
-        sched.forward_backward(batches, lambda out, y: lm_loss(out, y) / m)
+        sched.forward_backward(batches, lambda out, mb: lm_loss(out, mb.labels) / m)
     return sched, mem.peak
 
 

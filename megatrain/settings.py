@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     is emulated and many times slower; by default such jobs run in fp32 there and say so."""
 
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    max_dataset_upload_bytes: int = Field(default=10 << 30, ge=1024)
+    """The largest JSONL file POST /v1/datasets takes as an upload (streamed to storage, never held
+    in memory); larger corpora are registered by storage URL instead."""
     scheduler_interval_s: float = Field(default=1.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)

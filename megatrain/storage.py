@@ -6,6 +6,7 @@ Keys are '/'-separated and relative to the store's root URL. The same code serve
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -21,6 +22,8 @@ from urllib.parse import unquote, urlparse
 class ObjectInfo:
     key: str
     size: int
+    etag: str | None = None
+    """S3's ETag (the MD5 of a single-part upload); None on file://."""
 
 
 class StorageError(Exception):
@@ -51,6 +54,7 @@ class Store(Protocol):
     def get_file(self, key: str, path: str | Path) -> None: ...
     def open_read(self, key: str) -> BinaryIO: ...
     def exists(self, key: str) -> bool: ...
+    def stat(self, key: str) -> ObjectInfo: ...
     def list(self, prefix: str = "") -> list[ObjectInfo]: ...
     def delete_prefix(self, prefix: str) -> None: ...
     def child(self, prefix: str) -> Store: ...
@@ -117,6 +121,12 @@ class FileStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def stat(self, key: str) -> ObjectInfo:
+        try:
+            return ObjectInfo(key, self._path(key).stat().st_size)
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{key} does not exist") from None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         base = self._path(prefix) if prefix.strip("/") else self.root
@@ -225,6 +235,15 @@ class S3Store:
         except ClientError:
             return False
 
+    def stat(self, key: str) -> ObjectInfo:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            raise self._err(key, exc) from None
+        return ObjectInfo(key, int(head["ContentLength"]), head.get("ETag", "").strip('"') or None)
+
     def _iter(self, prefix: str) -> Iterator[dict]:
         # Path semantics, as on file://: the object named `prefix` itself or anything below
         # 'prefix/', never a sibling such as 'prefix2/…'.
@@ -283,8 +302,7 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
-    """Open a single object by URL for reading (data files), as a stream: an s3:// object is read
-    as it arrives, never held whole in memory."""
+    """Open a single object by URL for reading (data files)."""
     if url.startswith("/") or url.startswith("file://"):
         path = url if url.startswith("/") else unquote(urlparse(url).path)
         try:
@@ -292,4 +310,35 @@ def read_url(url: str, endpoint_url: str | None = None) -> BinaryIO:
         except (FileNotFoundError, IsADirectoryError):
             raise StorageError(f"{url} does not exist") from None
     parent, key = split_url(url)
-    return open_store(parent, endpoint_url).open_read(key)
+    # Streamed: a corpus larger than memory is read in buffered chunks, never whole.
+    body = open_store(parent, endpoint_url).open_read(key)
+    reader = _BufferedObject(_RawStream(body), 1 << 20)
+    # The object's size, as readers that report progress look for it on an S3 body.
+    reader._content_length = getattr(body, "_content_length", None)
+    return reader
+
+
+class _BufferedObject(io.BufferedReader):
+    _content_length: int | str | None
+
+
+class _RawStream(io.RawIOBase):
+    """An S3 body (read(n) only) as a raw stream, so gzip/zstd/TextIOWrapper can read it buffered."""
+
+    def __init__(self, body: BinaryIO):
+        self._body = body
+        length = getattr(body, "_content_length", None)
+        self.content_length: int | None = int(length) if length is not None else None
+        """The object's size, as S3 sent it (progress bars over a stream)."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        chunk = self._body.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def close(self) -> None:
+        self._body.close()
+        super().close()

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from megatrain import __version__, resource_dir
 from megatrain.api.checkpoints.router import router as checkpoints_router
 from megatrain.api.cluster.router import router as cluster_router
+from megatrain.api.datasets.router import router as datasets_router
 from megatrain.api.errors import install_error_handlers
 from megatrain.api.health.router import Probe
 from megatrain.api.health.router import router as health_router
@@ -106,12 +107,15 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     install_error_handlers(app)
     app.add_exception_handler(RequestTooLarge, _too_large)
     app.add_exception_handler(TooManyStreams, _too_many_streams)
-    for router in (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router):
+    routers = (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router)
+    for router in (*routers, datasets_router):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
 
     # Added last = outermost: metrics see every answer, including 413s and 500s.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    # Dataset uploads stream to storage under a cap of their own (JSON bodies there keep the usual one).
+    uploads = {datasets_router.prefix: settings.max_dataset_upload_bytes}
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, overrides=uploads)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.http_body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
 

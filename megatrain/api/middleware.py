@@ -34,17 +34,19 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
 
 class BodyLimitMiddleware:
     """Refuse bodies over `max_bytes`: up front by Content-Length, and while reading for chunked
-    bodies or a Content-Length that lies."""
+    bodies or a Content-Length that lies. `overrides` maps a path to its own limit (uploads)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, overrides: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.overrides = overrides or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = {"detail": f"request body exceeds the limit of {self.max_bytes} bytes"}
+        limit = self.overrides.get(scope.get("path", "").rstrip("/"), self.max_bytes)
+        too_large = {"detail": f"request body exceeds the limit of {limit} bytes"}
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -52,7 +54,7 @@ class BodyLimitMiddleware:
                 except ValueError:
                     await _send_json(send, 400, {"detail": "invalid Content-Length header"})
                     return
-                if length > self.max_bytes:
+                if length > limit:
                     await _send_json(send, 413, too_large)
                     return
         received = 0
@@ -63,8 +65,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise RequestTooLarge(self.max_bytes)
+                if received > limit:
+                    raise RequestTooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:

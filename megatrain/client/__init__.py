@@ -4,9 +4,10 @@ Usage: `with Client() as mt: job = mt.submit("spec.yaml"); print(mt.wait(job.id)
 """
 
 from megatrain.client.client import Client, load_spec_file, read_credentials
+from megatrain.client.datasets import DatasetFailed
 from megatrain.client.download import DownloadError
 from megatrain.client.errors import ApiError, ApiUnreachable, MegatrainError, SpecFileError
-from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Job, LogLine
+from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Dataset, Job, LogLine
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -14,6 +15,8 @@ __all__ = [
     "ApiUnreachable",
     "Checkpoint",
     "Client",
+    "Dataset",
+    "DatasetFailed",
     "DownloadError",
     "Job",
     "LogLine",

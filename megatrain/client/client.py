@@ -17,6 +17,7 @@ from urllib.parse import urljoin
 import httpx
 import yaml
 
+from megatrain.client.datasets import DatasetsMixin
 from megatrain.client.download import extract_checkpoint_files, extract_checkpoint_tar
 from megatrain.client.errors import ApiError, ApiUnreachable, SpecFileError
 from megatrain.client.models import Checkpoint, Job, LogLine
@@ -89,7 +90,7 @@ def _items(data: Any) -> list[Any]:
     raise ApiError(200, f"unexpected response shape: {str(data)[:200]}")
 
 
-class Client:
+class Client(DatasetsMixin):
     """A client of the megatrain API.
 
     Arguments default to the settings (MEGATRAIN_API_URL, MEGATRAIN_API_KEY), and the key to the

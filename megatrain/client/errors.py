@@ -46,7 +46,7 @@ class ApiError(MegatrainError):
     def _describe(self) -> str:
         if self.status == 422 and isinstance(self.detail, list):
             parts = "; ".join(f"{e['field']}: {e['message']}" for e in self.field_errors)
-            return f"invalid job spec (HTTP 422): {parts}"
+            return f"invalid request (HTTP 422): {parts}"
         if self.status == 401:
             return f"not authenticated (HTTP 401): {self.detail or 'missing or invalid API key'}"
         return f"HTTP {self.status}: {self.detail}"

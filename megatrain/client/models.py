@@ -83,3 +83,38 @@ class LogLine:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LogLine:
         return cls(**_pick(cls, data), raw=dict(data))
+
+
+@dataclass
+class Dataset:
+    """A registered dataset: `state` pending → processing → ready | failed; statistics once ready."""
+
+    name: str
+    id: str = ""
+    state: str = ""
+    state_reason: str = ""
+    shared: bool = False
+    path: str = ""
+    source_url: str = ""
+    uploaded: bool = False
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    json_key: str = "text"
+    append_eod: bool = True
+    documents: int | None = None
+    tokens: int | None = None
+    vocab_size: int | None = None
+    input_bytes: int | None = None
+    output_bytes: int | None = None
+    attempt: int = 0
+    created_at: str | None = None
+    updated_at: str | None = None
+    finished_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Dataset:
+        return cls(**_pick(cls, data), raw=dict(data))
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("ready", "failed")

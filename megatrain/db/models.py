@@ -211,3 +211,50 @@ class Checkpoint(Base):
     """Storage URL of the iter_{step:07d} folder."""
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+# Dataset states: registered and waiting for a worker, being preprocessed, usable, or failed.
+PENDING, PROCESSING, READY = "pending", "processing", "ready"
+DATASET_STATES = (PENDING, PROCESSING, READY, FAILED)
+
+
+class Dataset(Base):
+    """A corpus registered through POST /v1/datasets and preprocessed on the workers into an
+    indexed dataset (.bin/.idx) under `prefix_url`."""
+
+    __tablename__ = "dataset"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name"),
+        Index("ix_dataset_state", "state", "submitted_at"),
+    )
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ds"))
+    tenant_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tenant.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    """The owner; None for a shared dataset an operator registered (every tenant sees it)."""
+    name: Mapped[str] = mapped_column(String(100))
+    state: Mapped[str] = mapped_column(String(16), default=PENDING)
+    state_reason: Mapped[str] = mapped_column(Text, default="")
+    source_url: Mapped[str] = mapped_column(Text)
+    """The JSONL it is made from: the stored upload, or the storage URL the tenant named."""
+    uploaded: Mapped[bool] = mapped_column(Boolean, default=False)
+    prefix_url: Mapped[str] = mapped_column(Text)
+    """Where the indexed dataset lives: PREFIX.bin + PREFIX.idx (what a JobSpec's path becomes)."""
+    tokenizer: Mapped[dict[str, Any]] = mapped_column(JSON)
+    json_key: Mapped[str] = mapped_column(String(128), default="text")
+    append_eod: Mapped[bool] = mapped_column(Boolean, default=True)
+    documents: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    vocab_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    input_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    output_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    """Times a worker started preprocessing it; a lost worker's dataset is retried a few times."""
+    runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    submitted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """When the scheduler handed it to the executor (None: not yet, or handed back after a loss)."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

@@ -13,6 +13,7 @@ from torch import nn
 
 from megatrain import kernels
 from megatrain.engine.config import TrainConfig, TransformerConfig
+from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.data import DataParallel
@@ -30,7 +31,8 @@ from megatrain.spec import ParallelismSpec
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+"""(last stage's output, micro-batch) -> the mean loss over the micro-batch's loss tokens."""
 
 
 @dataclass
@@ -85,7 +87,7 @@ class Trainable:
     names: dict[nn.Parameter, str]
     pipeline: PipelineSchedule | None
     loss: LossFn | None
-    """The pipeline's last-stage loss on (output, labels); None without a pipeline (see `lm_loss`)."""
+    """The pipeline's last-stage loss on (output, micro-batch); None without a pipeline (see `lm_loss`)."""
 
 
 def make_trainable(
@@ -124,13 +126,16 @@ def make_trainable(
     return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss)
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """The LM loss without a pipeline: the head fused with the cross-entropy on one tensor-parallel
-    rank (GPTModel.loss), the vocab-parallel loss on the logits' shards otherwise."""
+def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.Tensor:
+    """The LM loss without a pipeline, the mean over the micro-batch's loss tokens: the head fused
+    with the cross-entropy on one tensor-parallel rank (GPTModel.loss), the vocab-parallel loss on
+    the logits' shards otherwise."""
     if state.tp_size == 1:
         # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
-        return (model.module if isinstance(model, DataParallel) else model).loss(x, y)
-    return parallel_lm_loss(model(x), y, state)
+        plain = model.module if isinstance(model, DataParallel) else model
+        return plain.loss(batch.tokens, batch.labels, batch.loss_mask, **batch.model_inputs)
+    logits = model(batch.tokens, **batch.model_inputs)
+    return parallel_lm_loss(logits, batch.labels, state, batch.loss_mask)
 
 
 def _pipeline_loss(chunks: list[StageModule], state: ParallelState) -> LossFn:
@@ -139,7 +144,7 @@ def _pipeline_loss(chunks: list[StageModule], state: ParallelState) -> LossFn:
     last = chunks[-1] if chunks and chunks[-1].is_last else None
     if last is not None and state.tp_size == 1:
         last.return_hidden = True
-        return lambda hidden, y: kernels.get("linear_cross_entropy", hidden.device.type)(
-            hidden, last.lm_head.weight, y
+        return lambda hidden, mb: kernels.get("linear_cross_entropy", hidden.device.type)(
+            hidden, last.lm_head.weight, mb.labels, loss_mask=mb.loss_mask
         )
-    return lambda logits, y: parallel_lm_loss(logits, y, state)
+    return lambda logits, mb: parallel_lm_loss(logits, mb.labels, state, mb.loss_mask)

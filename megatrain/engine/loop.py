@@ -15,10 +15,10 @@ import torch.distributed as dist
 from megatrain.engine.build import Trainable, lm_loss
 from megatrain.engine.checkpoint_state import Progress
 from megatrain.engine.config import TrainConfig
-from megatrain.engine.data import microbatch_sample_ids
-from megatrain.engine.data.dataset import BlendedDataset
+from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
 from megatrain.engine.metrics import peak_memory_bytes, throughput
+from megatrain.engine.microbatch import MicroBatch, loss_denominator, token_share
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
@@ -49,11 +49,9 @@ def reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
     return float(value.item())
 
 
-def batch_of(dataset: BlendedDataset, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = dataset.batch(ids)
-    x = torch.from_numpy(batch.tokens).to(device, non_blocking=True)  # (B, T)
-    y = torch.from_numpy(batch.labels).to(device, non_blocking=True)  # (B, T)
-    return x, y
+def batch_of(dataset: SampleDataset | Loader, ids: list[int], device: str) -> MicroBatch:
+    """The micro-batch of samples `ids` on `device`."""
+    return MicroBatch.from_batch(dataset.batch(ids), device)  # (B, T) tensors
 
 
 class TrainLoop:
@@ -63,13 +61,15 @@ class TrainLoop:
         self,
         train: Trainable,
         cfg: TrainConfig,
-        data: tuple[BlendedDataset, BlendedDataset | None],
+        data: dict[str, Loader | None],
         log: RunLog,
         rates: Rates,
         save: Callable[[Progress], None],
     ):
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
-        self.train_ds, self.valid_ds = data
+        train_ds = data["train"]
+        assert train_ds is not None
+        self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
         self.state = train.model.state
         self.device = str(self.state.device)
         # Per-phase times; on a GPU only the log steps synchronise (and are the ones averaged).
@@ -85,21 +85,25 @@ class TrainLoop:
             torch.cuda.synchronize(self.device)
 
     def step(self, consumed: int) -> tuple[torch.Tensor, Any]:
-        """One optimizer step on the global batch starting at sample `consumed`: (loss, StepResult)."""
+        """One optimizer step on the global batch starting at sample `consumed`: (loss, StepResult).
+
+        The loss is the global batch's per-token loss: every micro-batch's loss-token sum over the
+        loss tokens of all micro-batches on all data-parallel ranks (microbatch.token_share)."""
         train, timers, pipeline = self.train, self.timers, self.train.pipeline
         ddp, optimizer = train.ddp, train.optimizer
         optimizer.zero_grad()
         micro_ids = self._micro_ids(consumed)
         loss_sum = torch.zeros((), device=self.device)
+        with timers("data"):
+            batches = [batch_of(self.train_ds, ids, self.device) for ids in micro_ids]
+            denominator = loss_denominator(batches, self.state)
         if pipeline is not None:
-            with timers("data"):
-                batches = [batch_of(self.train_ds, ids, self.device) for ids in micro_ids]
-            n, loss_fn = len(batches), train.loss
+            loss_fn = train.loss
             assert loss_fn is not None
             fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
             loss_sum += pipeline.forward_backward(
                 batches,
-                lambda out, y: loss_fn(out, y) / n,
+                lambda out, mb: token_share(loss_fn(out, mb), mb.num_loss_tokens, denominator),
                 scale_loss=optimizer.scale_loss,
                 # Gradient buckets are reduced only during this stage's last backward.
                 before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
@@ -107,14 +111,12 @@ class TrainLoop:
             timers.add("forward", pipeline.times.forward_s - fwd0)
             timers.add("backward", pipeline.times.backward_s - bwd0)
         else:
-            for m, ids in enumerate(micro_ids):
-                with timers("data"):
-                    x, y = batch_of(self.train_ds, ids, self.device)
+            for m, mb in enumerate(batches):
                 # Gradient buckets are reduced only during the last micro-batch's backward.
-                last = m == len(micro_ids) - 1
+                last = m == len(batches) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     with timers("forward"):
-                        loss = lm_loss(ddp, x, y, self.state) / len(micro_ids)
+                        loss = token_share(lm_loss(ddp, mb, self.state), mb.num_loss_tokens, denominator)
                     with timers("backward"):
                         optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
@@ -128,27 +130,41 @@ class TrainLoop:
         return loss_sum, result
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the first eval_iters global batches of the split (the same ones every time)."""
-        assert self.valid_ds is not None
+    def evaluate(self, dataset: Loader | None = None) -> float:
+        """Per-token loss over the first eval_iters global batches of the split (the same ones every
+        time): the loss tokens' summed loss over their number, across micro-batches and dp ranks.
+        The split is validation unless `dataset` names another."""
+        dataset = dataset or self.valid_ds
+        assert dataset is not None
         ddp, pipeline = self.train.ddp, self.train.pipeline
         ddp.eval()
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)  # Σ loss over loss tokens (last stage)
         count = 0
         for it in range(self.cfg.eval_iters):
             ids = self._micro_ids(it * self.cfg.global_batch_size)
-            batches = [batch_of(self.valid_ds, i, self.device) for i in ids]
+            batches = [batch_of(dataset, i, self.device) for i in ids]
             if pipeline is not None:
-                assert self.train.loss is not None
-                total += pipeline.forward_only(batches, self.train.loss)
+                total += pipeline.forward_only(batches, self._summed_loss)
             else:
-                for x, y in batches:
-                    total += lm_loss(ddp, x, y, self.state)
-            count += len(batches)
+                for mb in batches:
+                    total += lm_loss(ddp, mb, self.state) * mb.num_loss_tokens
+            count += sum(mb.num_loss_tokens for mb in batches)
         ddp.train()
         if pipeline is not None:
             pipeline.times.reset()  # the bubble figure is the training schedule's
-        return reduce_mean(total / count, self.state)
+        # Means over dp of the sum and of the count (every stage holds the count): their ratio is the
+        # global per-token loss.
+        count_mean = float(count)
+        if self.state.dp_group is not None:
+            c = torch.tensor(float(count), dtype=torch.float64, device=self.device)
+            dist.all_reduce(c, group=self.state.dp_group)
+            count_mean = float(c.item()) / self.state.dp_size
+        return reduce_mean(total, self.state) / count_mean if count_mean else float("nan")
+
+    def _summed_loss(self, out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The pipeline loss as the micro-batch's loss-token sum (validation adds sums up)."""
+        assert self.train.loss is not None
+        return self.train.loss(out, mb) * mb.num_loss_tokens
 
     def run(self, start: Progress) -> dict[str, Any]:
         cfg, timers, log = self.cfg, self.timers, self.log
@@ -160,6 +176,10 @@ class TrainLoop:
             lr = lr_at(step + 1, cfg)
             timers.begin_step(sync=(step + 1) % cfg.log_interval == 0 or step + 1 == cfg.train_iters)
             self.train.optimizer.set_lr(lr)
+            if step == start.step:
+                self.train_ds.prefetch(consumed)
+            if step + 1 < cfg.train_iters:
+                self.train_ds.prefetch(consumed + cfg.global_batch_size)  # read while this step runs
             loss, result = self.step(consumed)
             timers.end_step()
             step, consumed = step + 1, consumed + cfg.global_batch_size
@@ -178,7 +198,12 @@ class TrainLoop:
                 self.save(Progress(step, consumed))
             self._sync()
             window.excluded += time.perf_counter() - paused
-        return {"step": step, "consumed_samples": consumed, "val_loss": last_eval}
+        test_loss = None
+        if self.test_ds is not None and step == cfg.train_iters:
+            test_loss = self.evaluate(self.test_ds)
+            log.metrics.write({"step": step, "test_loss": test_loss})
+            log.say(f"step {step} | test loss {test_loss:.4f}")
+        return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "test_loss": test_loss}
 
     def _log_interval(self, w: _Window, step: int, lr: float, consumed: int) -> None:
         iter_time = (time.perf_counter() - w.start - w.excluded) / w.steps

@@ -29,7 +29,7 @@ from megatrain.engine.build import RankModel, Trainable, build_model, make_train
 from megatrain.engine.checkpoint import find_latest, read_weights, resolve_init_from
 from megatrain.engine.checkpoint_state import Progress, resume_training_state, save_training_state
 from megatrain.engine.config import TrainConfig, train_config, transformer_config
-from megatrain.engine.data import build_datasets, build_tokenizer
+from megatrain.engine.data import Loader, build_datasets, build_tokenizer
 from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
@@ -97,8 +97,13 @@ def run(
     tokenizer = build_tokenizer(spec.data.tokenizer)
     mcfg = transformer_config(spec, tokenizer.vocab_size)
     state = ParallelState.build(layout, ctx.device)
-    datasets = build_datasets(spec.data, tokenizer, mcfg.seq_length, cfg.seed)
-    assert datasets["train"] is not None
+    datasets = build_datasets(spec, tokenizer, mcfg.seq_length)
+    loaders = {
+        name: Loader(ds, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size)
+        if ds is not None
+        else None
+        for name, ds in datasets.items()
+    }
 
     model = build_model(mcfg, state, cfg.seed, ctx.device)
     latest = find_latest(ckpt_url)
@@ -136,7 +141,12 @@ def run(
         if ctx.group is not None:
             dist.barrier(group=ctx.group)
 
-    summary = TrainLoop(train, cfg, (datasets["train"], datasets["valid"]), log, rates, save).run(start)
+    try:
+        summary = TrainLoop(train, cfg, loaders, log, rates, save).run(start)
+    finally:
+        for loader in loaders.values():
+            if loader is not None:
+                loader.close()
     log.events.write({"event": "finished", "step": summary["step"]})
     log.close()
     return summary

@@ -128,6 +128,23 @@ def _builtin() -> None:
     ):
         register(kernel, "torch", f"{pkg}.{module}:{fn}", priority=10)
         register(kernel, "reference", f"{pkg}.{module}:{fn}_reference")
+    # Attention: SDPA everywhere, flash-attn's varlen kernel for packed documents on CUDA where installed.
+    register("attention", "torch", f"{pkg}.attention:attention", priority=10)
+    register("attention", "reference", f"{pkg}.attention:attention_reference")
+    register(
+        "attention",
+        "flash_varlen",
+        f"{pkg}.attention:attention_flash_varlen",
+        devices=("cuda",),
+        available=_flash_attn_available,
+        priority=20,
+    )
+
+
+def _flash_attn_available() -> bool:
+    from megatrain.kernels.attention import flash_attn_available
+
+    return flash_attn_available()
 
 
 _builtin()

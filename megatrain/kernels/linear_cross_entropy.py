@@ -1,12 +1,13 @@
 """LM head and cross-entropy in one pass over token chunks, never holding the full logits.
 
 `linear_cross_entropy(hidden, weight, labels)` equals `F.cross_entropy((hidden @ weight.T).float(),
-labels)` (mean over tokens) but, chunk by chunk of tokens, computes the logits, their log-sum-exp
-and, when gradients are wanted, the logits' gradient softmax - onehot in place of the logits, which
-it folds straight into the hidden states' and the weight's gradients. The unfused path keeps fp32
-(tokens × vocab) log-probabilities for backward and allocates two more such tensors in it, the
-step's memory peak for large vocabularies; here the peak is one (chunk × vocab) fp32 block, and
-the elementwise passes over the logits drop from about six to three.
+labels)` (the mean over tokens, or over the tokens a 0/1 `loss_mask` keeps) but, chunk by chunk of
+tokens, computes the logits, their log-sum-exp and, when gradients are wanted, the logits' gradient
+softmax - onehot in place of the logits, which it folds straight into the hidden states' and the
+weight's gradients. The unfused path keeps fp32 (tokens × vocab) log-probabilities for backward and
+allocates two more such tensors in it, the step's memory peak for large vocabularies; here the peak
+is one (chunk × vocab) fp32 block, and the elementwise passes over the logits drop from about six
+to three.
 
 Gradients are computed in the forward pass (the loss is the graph's end, so its incoming gradient
 is a scalar that backward applies by scaling). Under torch.no_grad (evaluation) only the loss is
@@ -30,6 +31,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         labels: torch.Tensor,
         chunk_tokens: int | None,
+        loss_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         n, vocab = hidden.shape[0], weight.shape[0]
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -45,9 +47,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if weight.dtype == torch.float32:
             block = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
         inv_n = 1.0 / n
+        # With a mask, row i's loss and gradient are weighted by mask_i / Σ mask (a tensor: no host
+        # sync); 0 throughout when no token counts.
+        weights = None
+        if loss_mask is not None:
+            mask = loss_mask.float()
+            weights = (mask / mask.sum().clamp_min(1.0)).unsqueeze(1)  # (n, 1)
         for start in range(0, n, rows):
             h = hidden[start : start + rows]
             y = labels[start : start + rows]
+            w = weights[start : start + rows] if weights is not None else None
             if block is not None:
                 logits = torch.mm(h, weight.t(), out=block[: h.shape[0]])  # (rows, V)
             else:
@@ -58,13 +67,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             top = logits.amax(dim=1, keepdim=True)
             logits.sub_(top).exp_()
             total = logits.sum(dim=1, keepdim=True)
-            loss_sum += (total.log() + top - target).sum()
+            if w is None:
+                loss_sum += (total.log() + top - target).sum()
+            else:
+                loss_sum += ((total.log() + top - target) * w).sum()
             if not want_grad:
                 del logits
                 continue
-            # d(mean CE)/d logits = (softmax - onehot) / n.
-            logits.mul_(total.reciprocal_().mul_(inv_n))
-            logits.scatter_add_(1, y.unsqueeze(1), torch.full_like(target, -inv_n))
+            # d(mean CE)/d logits = (softmax - onehot) / n, or · mask_i / Σ mask per row.
+            if w is None:
+                logits.mul_(total.reciprocal_().mul_(inv_n))
+                logits.scatter_add_(1, y.unsqueeze(1), torch.full_like(target, -inv_n))
+            else:
+                logits.mul_(total.reciprocal_().mul_(w))
+                logits.scatter_add_(1, y.unsqueeze(1), -w)
             g = logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[start : start + rows])
@@ -85,12 +101,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         # Under DataParallel the weight gradient is added straight into main_grad in backward.
         ctx.weight = weight if grad_weight is not None and fusable(weight) else None
-        return loss_sum * inv_n
+        return loss_sum * inv_n if weights is None else loss_sum
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         # Scaled in place: the gradients were made for this one backward (no retain_graph reuse).
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
@@ -100,23 +116,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = add_to_main_grad(ctx.weight, grad_weight, grad_loss)
             else:
                 grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _flat_mask(loss_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if loss_mask is None:
+        return None
+    mask = loss_mask.reshape(-1)
+    if mask.shape[0] != n:
+        raise ValueError(f"{n} labels but a loss mask of {mask.shape[0]}")
+    return mask
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of (hidden @ weight.T) against labels; hidden (..., h), labels (...)."""
+    """Mean cross-entropy of (hidden @ weight.T) against labels over the tokens loss_mask (0/1)
+    keeps (all without one; 0 when none is kept); hidden (..., h), labels and loss_mask (...)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
-    return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens)
+    return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens, _flat_mask(loss_mask, y.shape[0]))
 
 
 def linear_cross_entropy_reference(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused twin: full fp32 logits, then torch's cross-entropy (`chunk_tokens` is ignored)."""
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
-    return F.cross_entropy(logits.float(), labels.reshape(-1))
+    mask = _flat_mask(loss_mask, logits.shape[0])
+    if mask is None:
+        return F.cross_entropy(logits.float(), labels.reshape(-1))
+    per_token = F.cross_entropy(logits.float(), labels.reshape(-1), reduction="none")
+    return (per_token * mask.float()).sum() / mask.float().sum().clamp_min(1.0)

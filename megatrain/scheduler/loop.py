@@ -33,6 +33,7 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
+from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
 from megatrain.scheduler.placement import NodeRoom, Placement, QueuedJob, place
 from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, WaitReason, render_wait
 from megatrain.settings import Settings, get_settings
@@ -236,13 +237,19 @@ class Scheduler:
                     changed.append(job_id)
         return changed
 
+    # -- datasets --------------------------------------------------------------------------------
+
+    def datasets_once(self) -> list[str]:
+        """Recover datasets whose worker is lost, then hand pending ones to the executor."""
+        return reconcile_datasets(self.settings) + dispatch_datasets(self.settings, self.executor)
+
     # -- loop ------------------------------------------------------------------------------------
 
     def run(self, stop_event: threading.Event) -> None:
         """schedule_once + reconcile_once every scheduler_interval_s until stop_event is set."""
         log.info("scheduler started (executor=%s)", self.settings.executor)
         while not stop_event.is_set():
-            for step in (self.reconcile_once, self.schedule_once):
+            for step in (self.reconcile_once, self.schedule_once, self.datasets_once):
                 try:
                     step()
                 except SQLAlchemyError:

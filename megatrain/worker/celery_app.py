@@ -32,11 +32,18 @@ from megatrain.worker.nodes import ensure_local_pool, local_capacity
 log = logging.getLogger(__name__)
 
 TASK_NAME = "megatrain.run_shard"
+PREPROCESS_TASK_NAME = "megatrain.preprocess_dataset"
 
 
 def queue_name(pool: str, hostname: str) -> str:
     """The queue of one node of a pool."""
     return f"megatrain.{pool}.{hostname}"
+
+
+def datasets_queue(pool: str) -> str:
+    """The queue of dataset preprocessing in a pool: every worker of the pool consumes it beside
+    its node's own, so whichever is free takes the next dataset."""
+    return f"megatrain.{pool}.datasets"
 
 
 def task_id(job_id: str, attempt: int) -> str:
@@ -69,6 +76,13 @@ def create_celery_app(settings: Settings) -> Celery:
         from megatrain.worker.shard import run_shard
 
         return run_shard(job_id, settings)
+
+    @app.task(name=PREPROCESS_TASK_NAME, acks_late=True)
+    def preprocess_dataset_task(dataset_id: str) -> str | None:
+        # Idempotent: a delivery that finds the dataset no longer pending does nothing.
+        from megatrain.worker.datasets import preprocess_dataset
+
+        return preprocess_dataset(dataset_id, settings)
 
     return app
 
@@ -109,12 +123,15 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
         hostname, node_id = node.hostname, node.id
     threading.Thread(target=_keep_node_seen, args=(settings, node_id), daemon=True, name="node-seen").start()
     app = create_celery_app(settings)
-    queues = queues or [queue_name(settings.pool_name, hostname)]
+    shared = datasets_queue(settings.pool_name)
+    queues = queues or [queue_name(settings.pool_name, hostname), shared]
+    # One thread beyond the slots, for a dataset's preprocessing beside the node's jobs.
+    threads = slots + (shared in queues)
     app.worker_main(
         [
             "worker",
             f"--queues={','.join(queues)}",
-            f"--concurrency={slots}",
+            f"--concurrency={threads}",
             # Threads, not prefork: each task only supervises a torchrun subprocess, and a thread
             # pool lives as long as the worker process, so the runner's children still die with it
             # (PDEATHSIG fires when the spawning thread ends; kill -9 of the worker ends them all).

@@ -41,6 +41,10 @@ class Executor(Protocol):
         them (called on every scheduler tick: cheap or throttled)."""
         ...
 
+    def submit_dataset(self, dataset_id: str) -> None:
+        """Start (or enqueue) the preprocessing of a `pending` dataset (worker.datasets)."""
+        ...
+
     def runner_alive(self, job: Job) -> bool | None:
         """For a scheduled or running job: False if its runner is known to be gone (requeue it now),
         True if the job is known to be fine without a heartbeat (e.g. waiting in its node's broker
@@ -93,6 +97,24 @@ class LocalExecutor:
         # Reap it when it ends: a zombie would look alive to the reconciler's pid check.
         threading.Thread(target=proc.wait, daemon=True, name=f"reap-{job_id}").start()
 
+    def submit_dataset(self, dataset_id: str) -> None:
+        """One detached `python -m megatrain.worker.datasets` process per dataset; its output goes
+        to {runs_dir}/datasets/{dataset_id}/runner.log."""
+        run_dir = self.settings.runs_dir / "datasets" / dataset_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "runner.log", "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "megatrain.worker.datasets", "--dataset-id", dataset_id],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=runner_env(self.settings),
+                cwd=run_dir,
+                start_new_session=True,
+                close_fds=True,
+            )
+        threading.Thread(target=proc.wait, daemon=True, name=f"reap-{dataset_id}").start()
+
     def refresh_nodes(self) -> None:
         """This machine is the one node: register it, at most every LOCAL_NODE_REFRESH_S."""
         if time.monotonic() - self._refreshed_at < LOCAL_NODE_REFRESH_S:
@@ -138,6 +160,15 @@ class CeleryExecutor:
 
         queue, tid, _ = self._target(job_id)
         self.app.send_task(TASK_NAME, args=[job_id], queue=queue, task_id=tid)
+
+    def submit_dataset(self, dataset_id: str) -> None:
+        """`megatrain.preprocess_dataset(dataset_id)` on the pool's dataset queue, which every worker
+        of the pool consumes beside its node's own."""
+        from megatrain.worker.celery_app import PREPROCESS_TASK_NAME, datasets_queue
+
+        self.app.send_task(
+            PREPROCESS_TASK_NAME, args=[dataset_id], queue=datasets_queue(self.settings.pool_name)
+        )
 
     def refresh_nodes(self) -> None:
         """Nothing to do: each Celery worker registers its own node when it starts."""

@@ -83,6 +83,26 @@ def test_linear_cross_entropy(
     _against_reference("linear_cross_entropy", [h, w], labels, chunk, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("chunk", [8, None])
+def test_linear_cross_entropy_with_a_loss_mask(chunk: int | None, dtype: torch.dtype) -> None:
+    h = _leaf((2, 19, 16), dtype, 4)
+    w = _leaf((50, 16), dtype, 5, 0.2)
+    gen = torch.Generator().manual_seed(6)
+    labels = torch.randint(0, 50, (2, 19), generator=gen)
+    mask = (torch.rand(2, 19, generator=gen) < 0.4).float()
+    _against_reference("linear_cross_entropy", [h, w], labels, chunk, mask, dtype=dtype)
+    # The masked mean is the mean over the kept tokens alone; an all-zero mask gives 0 and no gradient.
+    keep = mask.bool()
+    fused = kernels.get("linear_cross_entropy", backend="torch")
+    alone = fused(h.detach()[keep], w.detach(), labels[keep], chunk)
+    _close(fused(h.detach(), w.detach(), labels, chunk, mask), alone, dtype)
+    hz = h.detach().clone().requires_grad_()
+    zero = fused(hz, w, labels, chunk, torch.zeros(2, 19))
+    zero.backward()
+    assert zero.item() == 0.0 and not hz.grad.any()  # type: ignore[union-attr]
+
+
 def _with_main_grad(weight: torch.Tensor) -> torch.nn.Parameter:
     """A parameter as DataParallel leaves it: fp32 main_grad, fusion on."""
     p = torch.nn.Parameter(weight.detach().clone())
@@ -176,7 +196,9 @@ def test_a_registered_backend_is_picked_where_it_runs_and_is_usable(registry: No
 
 
 def test_unknown_names_are_errors_naming_what_exists(registry: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(KeyError, match="no kernel named 'layer_norm'; known: apply_rope, embedding"):
+    with pytest.raises(
+        KeyError, match="no kernel named 'layer_norm'; known: apply_rope, attention, embedding"
+    ):
         kernels.get("layer_norm")
     with pytest.raises(KeyError, match="has no backend 'triton'; it has: torch, reference"):
         kernels.get("swiglu", backend="triton")

@@ -37,11 +37,12 @@ async function fail(resp) {
   return new ApiError(resp.status, detail);
 }
 
-/** fetch JSON from the API; `body` objects are sent as JSON, strings with `contentType`. */
+/** fetch JSON from the API; `body` objects are sent as JSON, strings and Blobs (a File, streamed by
+ * the browser) with `contentType`. */
 export async function api(path, { method = "GET", body, contentType, signal, raw = false } = {}) {
   const init = { method, signal, headers: headers() };
   if (body !== undefined) {
-    init.body = typeof body === "string" ? body : JSON.stringify(body);
+    init.body = typeof body === "string" || body instanceof Blob ? body : JSON.stringify(body);
     init.headers["Content-Type"] = contentType || "application/json";
   }
   let resp;

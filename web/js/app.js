@@ -4,6 +4,7 @@
 import { api, ApiError, clearKey, getKey, onUnauthorized, setKey } from "./api.js";
 import { h, replace } from "./dom.js";
 import { renderCluster } from "./views/cluster.js";
+import { renderDatasets } from "./views/datasets.js";
 import { renderJob } from "./views/job.js";
 import { renderJobs } from "./views/jobs.js";
 import { renderSubmit } from "./views/submit.js";
@@ -103,6 +104,7 @@ const ROUTES = [
   [/^#\/jobs\/?$/, renderJobs, "jobs"],
   [/^#\/submit$/, renderSubmit, "submit"],
   [/^#\/cluster$/, renderCluster, "cluster"],
+  [/^#\/datasets$/, renderDatasets, "datasets"],
 ];
 
 async function showTenant() {

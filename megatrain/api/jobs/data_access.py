@@ -89,31 +89,32 @@ def _under(url: str, roots: list[str]) -> bool:
     return any(url == r or url.startswith(r + "/") for r in roots)
 
 
+def data_url_problem(field: str, url: str, settings: Settings, tenant_name: str) -> str | None:
+    """Why the tenant may not read `url` (a message naming `field`), or None when it may."""
+    try:
+        normalised = normalise_data_url(url)
+    except DataUrlError as exc:
+        return f"{field}={url!r} {exc}"
+    if _under(normalised, allowed_roots(settings, tenant_name)):
+        return None
+    storage = settings.resolved_storage_url
+    extra = ", ".join(settings.data_roots) or "none"
+    return (
+        f"{field}={url!r} is outside the data this tenant may read: its own prefix "
+        f"{storage}/tenants/{tenant_name}/, the shared {storage}/datasets/, or an "
+        f"allowed data root (MEGATRAIN_ALLOWED_DATA_ROOTS: {extra})"
+    )
+
+
 def check_data_access(spec: JobSpec, settings: Settings, tenant_name: str) -> None:
     """Raise SpecError naming each data path (`data.train.0.path`, …) the tenant may not read."""
     paths = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train) if src.path]
     if spec.data.tokenizer.path:
         paths.append(("data.tokenizer.path", spec.data.tokenizer.path))
-    roots = allowed_roots(settings, tenant_name)
-    storage = settings.resolved_storage_url
-    extra = ", ".join(settings.data_roots) or "none"
     errors = []
     for field, url in paths:
-        try:
-            normalised = normalise_data_url(url)
-        except DataUrlError as exc:
-            errors.append({"field": field, "message": f"{field}={url!r} {exc}"})
-            continue
-        if not _under(normalised, roots):
-            errors.append(
-                {
-                    "field": field,
-                    "message": (
-                        f"{field}={url!r} is outside the data this tenant may read: its own prefix "
-                        f"{storage}/tenants/{tenant_name}/, the shared {storage}/datasets/, or an "
-                        f"allowed data root (MEGATRAIN_ALLOWED_DATA_ROOTS: {extra})"
-                    ),
-                }
-            )
+        problem = data_url_problem(field, url, settings, tenant_name)
+        if problem:
+            errors.append({"field": field, "message": problem})
     if errors:
         raise SpecError(errors)

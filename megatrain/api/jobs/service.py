@@ -17,6 +17,7 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from megatrain.api.datasets.service import resolve_datasets
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.data_access import check_data_access
 from megatrain.api.jobs.downsample import minmax_indices
@@ -190,6 +191,7 @@ def validate_submission(
     if problem:
         raise FieldError("resources.pool" if not slots else "resources.gpus", problem)
     _check_memory_fit(spec, layout, [n.device_memory_bytes for n in nodes if n.device_memory_bytes], pool)
+    resolve_datasets(session, spec, tenant)  # named datasets become their indexed prefixes
     check_data_access(spec, settings, tenant.name)
     _check_init_from(session, spec, tenant)
     if spec.resources.priority > tenant.max_priority:

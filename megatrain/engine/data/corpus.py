@@ -143,9 +143,8 @@ def _size(raw: BinaryIO) -> int | None:
 
         return os.fstat(raw.fileno()).st_size
     except (OSError, AttributeError, ValueError):
-        # An S3 body has no file number; its length is the Content-Length it was sent with.
-        length = getattr(raw, "_content_length", None)
-        return int(length) if length is not None else None
+        # An S3 stream has no file number; its length is the Content-Length it was sent with.
+        return getattr(getattr(raw, "raw", None), "content_length", None)
 
 
 def split_lines(chunk: Chunk) -> Iterator[tuple[int, bytes]]:

@@ -1,158 +1,212 @@
-"""Splits, token streams, deterministic windows, weighted blending and data-parallel sharding.
+"""A spec's data as train / valid / test datasets: every source an indexed dataset, split and blended.
 
-A sample is a window of seq_length+1 tokens (inputs and shifted labels) indexed by a global sample
-id: sample i is a pure function of (corpus, seed, i). Training position is therefore one integer,
-`consumed_samples`, which is all a resumed run needs to continue on exactly the same data.
+Each `data.train` source becomes a local `.bin`/`.idx` prefix: an indexed dataset on file:// is used
+in place, one on s3:// through the node's verified download cache (`remote`), and a JSONL file is
+tokenized once into the cache (`preprocess`) under a key of everything that shapes its tokens (the
+file's identity, the tokenizer, the text key), so existing JSONL specs train exactly as before but from
+a memory map. Sequences are split by `data.split` as Megatron splits them, each split served by a
+GPTDataset sized for what the run consumes, and the sources blended by weight (BlendedDataset).
+Fine-tuning jobs take their own datasets (`finetune`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fcntl
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
-
-from megatrain.engine.data.batch import Batch
-from megatrain.engine.data.jsonl import read_jsonl_texts
+from megatrain.engine.data.gpt_dataset import (
+    SPLITS,
+    BlendedDataset,
+    GPTDataset,
+    SampleDataset,
+    blended_sizes,
+    split_bounds,
+)
+from megatrain.engine.data.indexed import IndexedDataset
+from megatrain.engine.data.remote import cached_prefix, is_remote, local_path
 from megatrain.engine.data.tokenizers import Tokenizer
-from megatrain.spec import DataSpec
+from megatrain.settings import get_settings
+from megatrain.spec import DataSource, DataSpec, JobSpec, TokenizerSpec
+from megatrain.storage import open_store, split_url
 
-SPLITS = ("train", "valid", "test")
-
-
-def document_split_bounds(num_docs: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous [start, end) document ranges for train/valid/test, rounded as Megatron does."""
-    bounds = [0]
-    for f in fractions:
-        bounds.append(bounds[-1] + int(round(f * num_docs)))
-    # Rounding may over/undershoot by a document or two; move every boundary to close the gap.
-    diff = bounds[-1] - num_docs
-    bounds = [0] + [max(0, b - diff) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+PARALLEL_PREPROCESS_BYTES = 64 << 20
+"""JSONL files from this size on are tokenized by several processes."""
 
 
-def token_stream(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
-    """All documents' tokens with the end-of-document id after each one, as one 1-D array."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
-    parts = [np.asarray([*tokenizer.encode(t), tokenizer.eod], dtype=dtype) for t in texts]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+@dataclass(frozen=True)
+class SplitSizes:
+    """Samples each split must serve: train_iters global batches, and eval_iters for valid / test."""
+
+    train: int
+    valid: int
+    test: int
+
+    @classmethod
+    def for_spec(cls, spec: JobSpec) -> SplitSizes:
+        t = spec.training
+        evals = t.eval_iters * t.global_batch_size
+        return cls(t.train_iters * t.global_batch_size, evals, evals)
 
 
-class SourceDataset:
-    """Windows of seq_length+1 tokens from one token stream.
-
-    The stream is cut into non-overlapping chunks of seq_length (each window reads one more token,
-    the last label). Each epoch visits every chunk once, in an order drawn from (seed, key, epoch).
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, key: Sequence[int] = ()):
-        if len(tokens) == 0:
-            raise ValueError("empty token stream")
-        if len(tokens) < seq_length + 1:
-            # A tiny corpus still trains: repeat it until one window fits.
-            tokens = np.tile(tokens, -(-(seq_length + 1) // len(tokens)))
-        self.tokens = tokens
-        self.seq_length = seq_length
-        self.seed = seed
-        self.key = tuple(key)
-        self.num_chunks = (len(tokens) - 1) // seq_length
-        self._orders: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        """Samples in one epoch; indices beyond it wrap into later epochs."""
-        return self.num_chunks
-
-    def _order(self, epoch: int) -> np.ndarray:
-        order = self._orders.get(epoch)
-        if order is None:
-            rng = np.random.default_rng([self.seed, *self.key, epoch])
-            order = rng.permutation(self.num_chunks)
-            self._orders = {epoch: order}  # only the current epoch is ever hot
-        return order
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        epoch, pos = divmod(int(index), self.num_chunks)
-        start = int(self._order(epoch)[pos]) * self.seq_length
-        return self.tokens[start : start + self.seq_length + 1].astype(np.int64)
-
-
-class BlendedDataset:
-    """Weighted mixture of sources: sample i goes to the source furthest behind its share.
-
-    This is Megatron's deterministic greedy blending: after n samples each source has been drawn
-    within one sample of weight·n, with no randomness to replay on resume.
-    """
-
-    def __init__(self, sources: Sequence[SourceDataset], weights: Sequence[float]):
-        if len(sources) != len(weights) or not sources:
-            raise ValueError("need one weight per source")
-        total = float(sum(weights))
-        self.sources = list(sources)
-        self.weights = np.asarray([w / total for w in weights], dtype=np.float64)
-        self._source = np.zeros(0, dtype=np.int64)  # which source serves sample i
-        self._index = np.zeros(0, dtype=np.int64)  # and which of its samples
-        self._counts = np.zeros(len(sources), dtype=np.int64)
-
-    def _extend(self, upto: int) -> None:
-        n0 = len(self._source)
-        if upto <= n0:
-            return
-        upto = max(upto, 2 * n0, 1024)
-        src = np.empty(upto - n0, dtype=np.int64)
-        idx = np.empty(upto - n0, dtype=np.int64)
-        for j, i in enumerate(range(n0, upto)):
-            s = int(np.argmax(self.weights * (i + 1) - self._counts))
-            src[j], idx[j] = s, self._counts[s]
-            self._counts[s] += 1
-        self._source = np.concatenate([self._source, src])
-        self._index = np.concatenate([self._index, idx])
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        if len(self.sources) == 1:
-            return self.sources[0][index]
-        self._extend(index + 1)
-        return self.sources[int(self._source[index])][int(self._index[index])]
-
-    def batch(self, sample_ids: Sequence[int]) -> Batch:
-        """The samples' windows as one micro-batch."""
-        return Batch.from_windows(np.stack([self[i] for i in sample_ids]))
-
-
-def microbatch_sample_ids(
-    consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
-) -> list[list[int]]:
-    """The sample ids this data-parallel rank trains on in one iteration, per micro-batch.
-
-    The global batch is [consumed, consumed+global); rank r takes the r-th contiguous slice of
-    global/dp samples, cut into micro-batches, so ranks are disjoint and together cover the batch.
-    """
-    per_rank = global_batch_size // dp_size
-    first = consumed_samples + dp_rank * per_rank
-    return [
-        list(range(first + m, first + m + micro_batch_size)) for m in range(0, per_rank, micro_batch_size)
-    ]
+def default_cache_root() -> Path:
+    """This node's data cache: downloads, tokenized JSONL and indices of read-only data."""
+    configured = get_settings().cache_dir
+    base = configured or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain"
+    return Path(base) / "data"
 
 
 def build_datasets(
-    data: DataSpec, tokenizer: Tokenizer, seq_length: int, seed: int
-) -> dict[str, BlendedDataset | None]:
-    """train/valid/test datasets (None for an empty split), each source split by documents."""
+    spec: JobSpec, tokenizer: Tokenizer, seq_length: int, cache_root: Path | None = None
+) -> dict[str, SampleDataset | None]:
+    """train/valid/test datasets (None for an empty split) for `spec`'s data and kind."""
+    cache_root = cache_root or default_cache_root()
+    seed = spec.training.seed
+    if spec.kind == "finetune" and _holds_records(spec.data):
+        from megatrain.engine.data.finetune import build_finetune_datasets
+
+        return build_finetune_datasets(
+            spec.data, tokenizer, seq_length, seed, cache_root / "finetune", spec.packing
+        )
+    data, sizes = spec.data, SplitSizes.for_spec(spec)
     fractions = data.split_fractions
-    per_split: dict[str, list[tuple[SourceDataset, float]]] = {s: [] for s in SPLITS}
-    for source_idx, source in enumerate(data.train):
-        texts = read_jsonl_texts(source.path, data.text_key)
-        if not texts:
-            raise ValueError(f"{source.path}: no documents")
-        for split_idx, (name, (lo, hi)) in enumerate(
-            zip(SPLITS, document_split_bounds(len(texts), fractions), strict=True)
-        ):
-            if hi > lo:
-                stream = token_stream(texts[lo:hi], tokenizer)
-                ds = SourceDataset(stream, seq_length, seed, key=(source_idx, split_idx))
-                per_split[name].append((ds, source.weight))
-    out: dict[str, BlendedDataset | None] = {}
+    tok_id = json.dumps(data.tokenizer.model_dump(mode="json"), sort_keys=True)
+    per_split: dict[str, list[tuple[SampleDataset, float]]] = {s: [] for s in SPLITS}
+    weights = [s.weight for s in data.train]
+    for n, source in enumerate(data.train):
+        prefix = local_prefix(source, n, data.tokenizer, data.text_key, cache_root)
+        indexed = IndexedDataset(prefix)
+        if len(indexed) == 0:
+            raise ValueError(f"data.train.{n}.path={source.path!r} holds no documents")
+        for name, bounds in zip(SPLITS, split_bounds(len(indexed), fractions), strict=True):
+            if bounds[1] <= bounds[0]:
+                continue
+            planned = getattr(sizes, name)
+            if len(data.train) > 1:
+                planned = blended_sizes(weights, planned)[n]
+            ds = GPTDataset(
+                indexed,
+                bounds,
+                seq_length,
+                planned,
+                seed,
+                indices_dir(prefix, cache_root),
+                {"dataset_path": str(prefix), "index_split": name, "split": data.split, "tokenizer": tok_id},
+                eod=tokenizer.eod if spec.packing else None,
+            )
+            per_split[name].append((ds, source.weight))
+    out: dict[str, SampleDataset | None] = {}
     for name in SPLITS:
         parts = per_split[name]
-        out[name] = BlendedDataset([p[0] for p in parts], [p[1] for p in parts]) if parts else None
+        if not parts:
+            out[name] = None
+        else:
+            out[name] = BlendedDataset(
+                [p[0] for p in parts], [p[1] for p in parts], getattr(sizes, name), cache_root / "blends"
+            )
     if out["train"] is None:
         raise ValueError("the train split has no documents (check data.split and data.train)")
     return out
+
+
+def _holds_records(data: DataSpec) -> bool:
+    """Whether a fine-tune's sources are prompt/response or chat records (loss on responses only);
+    plain text (JSONL documents, indexed datasets) fine-tunes on every token, as pretraining does."""
+    kinds = {n: _first_record_kind(s, data) for n, s in enumerate(data.train)}
+    if len(set(kinds.values())) > 1:
+        records = [n for n, k in kinds.items() if k]
+        raise ValueError(
+            f"data.train: sources {records} hold prompt/response or chat records and the others plain "
+            "text; a fine-tune reads one kind"
+        )
+    return any(kinds.values())
+
+
+def _first_record_kind(source: DataSource, data: DataSpec) -> bool:
+    if source.path is None or not source.is_jsonl:
+        return False
+    from megatrain.engine.data.corpus import open_corpus, split_lines
+
+    with open_corpus(source.path) as reader:
+        for chunk in reader.chunks(1 << 16):
+            for _, line in split_lines(chunk):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        return False  # preprocessing names the line
+                    keys = (data.messages_key, data.prompt_key)
+                    return isinstance(record, dict) and any(k in record for k in keys)
+    return False
+
+
+def local_prefix(
+    source: DataSource, n: int, tokenizer: TokenizerSpec, text_key: str, cache_root: Path
+) -> Path:
+    """The local `.bin`/`.idx` prefix serving `source` (downloaded or tokenized into the cache)."""
+    if source.path is None:
+        raise ValueError(
+            f"data.train.{n} names dataset {source.dataset!r} without a path; registered datasets are "
+            "resolved by the API when the job is submitted"
+        )
+    if source.is_jsonl:
+        return tokenized_jsonl(source.path, tokenizer, text_key, cache_root)
+    prefix = cached_prefix(source.path, cache_root)
+    if not Path(str(prefix) + ".idx").is_file():
+        raise FileNotFoundError(
+            f"data.train.{n}.path={source.path!r}: no {prefix}.idx (a JSONL file must end in .jsonl, "
+            ".json, .jsonl.gz or .jsonl.zst; anything else names an indexed dataset's .bin/.idx prefix)"
+        )
+    return prefix
+
+
+def indices_dir(prefix: Path, cache_root: Path) -> Path:
+    """Where a dataset's sample indices are kept: beside the data, as Megatron keeps them, unless that
+    directory is read-only (a shared dataset), then in the node's cache."""
+    beside = prefix.parent / "cache" / "GPTDataset_indices"
+    if os.access(prefix.parent, os.W_OK):
+        return beside
+    return cache_root / "indices" / hashlib.sha256(str(prefix).encode()).hexdigest()[:16]
+
+
+def tokenized_jsonl(url: str, tokenizer: TokenizerSpec, text_key: str, cache_root: Path) -> Path:
+    """The indexed dataset of a JSONL file's `text_key` documents (EOD after each), tokenized once
+    per node and kept under a key of the file's identity, the tokenizer and the key."""
+    identity = _identity(url)
+    description = {
+        "source": url,
+        "identity": identity,
+        "tokenizer": tokenizer.model_dump(mode="json"),
+        "json_key": text_key,
+        "append_eod": True,
+    }
+    key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:32]
+    folder = cache_root / "jsonl" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = folder / "documents"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not Path(str(prefix) + ".idx").is_file():  # the writer renames .idx into place last
+            from megatrain.engine.data.preprocess import preprocess
+
+            size = identity.get("size", 0)
+            workers = 1 if size < PARALLEL_PREPROCESS_BYTES else max(1, min(8, len(os.sched_getaffinity(0))))
+            preprocess(url, prefix, tokenizer, json_key=text_key, workers=workers, append_eod=True)
+            (folder / "description.json").write_text(json.dumps(description, indent=2, sort_keys=True))
+    return prefix
+
+
+def _identity(url: str) -> dict[str, object]:
+    """What tells one version of a file from another: size and mtime, or size and ETag on S3."""
+    if is_remote(url):
+        parent, key = split_url(url)
+        info = open_store(parent).stat(key)
+        return {"size": info.size, "etag": info.etag}
+    try:
+        st = local_path(url).stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{url} does not exist") from None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}

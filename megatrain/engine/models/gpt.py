@@ -35,9 +35,11 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from megatrain import kernels
 from megatrain.engine.config import TransformerConfig
+from megatrain.kernels.attention import Segments
 
-# enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+Rope = tuple[torch.Tensor, torch.Tensor]
+"""cos, sin: the (seq_length, hd) tables (attention takes the first T rows), or (B, 1, T, hd) for
+per-token position ids."""
 
 
 class Linear(nn.Linear):
@@ -80,6 +82,30 @@ def rope_tables(seq_length: int, head_dim: int, theta: float) -> tuple[torch.Ten
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_for(cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None) -> Rope:
+    """The rotary tables a forward needs: the whole tables, or each token's row of them."""
+    if position_ids is None:
+        return cos, sin
+    return cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)  # (B, 1, T, hd)
+
+
+def positions_for(t: int, position_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Learned-position indices: 0..t-1 (T,) shared by every row, or the given (B, T) ids."""
+    return torch.arange(t, device=device) if position_ids is None else position_ids
+
+
+def check_inputs(
+    tokens: torch.Tensor, seq_length: int, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None
+) -> None:
+    """Shapes only (no values: that would synchronise with the device every step)."""
+    t = tokens.shape[1]
+    if t > seq_length:
+        raise ValueError(f"sequence of {t} tokens exceeds seq_length={seq_length}")
+    for name, ids in (("position_ids", position_ids), ("segment_ids", segment_ids)):
+        if ids is not None and ids.shape != tokens.shape:
+            raise ValueError(f"{name} of shape {tuple(ids.shape)} do not match tokens {tuple(tokens.shape)}")
+
+
 class Attention(nn.Module):
     """Causal self-attention with one fused QKV projection and grouped-query support.
 
@@ -115,31 +141,30 @@ class Attention(nn.Module):
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         return q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | None
+    ) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
         with self.core_rng_context():
-            if self.num_groups != self.num_heads:
-                if _SDPA_HAS_GQA:
-                    return F.scaled_dot_product_attention(
-                        q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True
-                    )
-                # Query head h belongs to group h // (H/G): repeat each group's K/V that many times.
-                rep = self.num_heads // self.num_groups
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            # Causal (is_causal) without segments; block-diagonal causal over packed documents.
+            return kernels.get("attention", q.device.type)(q, k, v, segments, dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope | None, segments: Segments | None = None) -> torch.Tensor:
         q, k, v = self.split_qkv(self.qkv(x))
         # Shapes from q, not x: under sequence parallelism x is a sequence shard that qkv all-gathers.
         b, _, t, _ = q.shape
         if rope is not None:
-            cos, sin = rope[0][:t], rope[1][:t]
-            rope = kernels.get("apply_rope", q.device.type)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            cos, sin = rope
+            if cos.dim() == 2:  # positions 0..T-1: the tables' first T rows
+                cos, sin = cos[:t], sin[:t]
+            rope_fn = kernels.get("apply_rope", q.device.type)
+            q, k = rope_fn(q, cos, sin), rope_fn(k, cos, sin)
         if self.recompute_core and self.training:
-            y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.recompute_context_fn)
+            y = checkpoint(
+                self._core, q, k, v, segments, use_reentrant=False, context_fn=self.recompute_context_fn
+            )
         else:
-            y = self._core(q, k, v)  # (B, H, T, hd)
+            y = self._core(q, k, v, segments)  # (B, H, T, hd)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, H·hd)
 
 
@@ -173,8 +198,8 @@ class TransformerBlock(nn.Module):
         self.recompute = False
         """Full recompute of this block in backward (set by GPTModel.set_recompute)."""
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: Rope | None, segments: Segments | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, segments))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -235,37 +260,61 @@ class GPTModel(nn.Module):
             layer.recompute = mode == "full" and i % every == 0
             layer.attn.recompute_core = mode == "selective"
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(tokens))  # (B, T, V)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); see hidden_states for the ids."""
+        return self.lm_head(self.hidden_states(tokens, position_ids, segment_ids))  # (B, T, V)
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss, equal to lm_loss(self(tokens), labels). With a plain (single-device)
-        head, the head and the cross-entropy run fused over token chunks (the linear_cross_entropy
-        kernel), never holding the fp32 (tokens × vocab) logits. A tensor-parallel head (after
-        parallelize_model) needs parallelize.parallel_lm_loss on the logits instead."""
+    def loss(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean next-token loss over the loss tokens, equal to lm_loss(self(tokens, ...), labels,
+        loss_mask). With a plain (single-device) head, the head and the cross-entropy run fused over
+        token chunks (the linear_cross_entropy kernel), never holding the fp32 (tokens × vocab)
+        logits. A tensor-parallel head (after parallelize_model) needs parallelize.parallel_lm_loss
+        on the logits instead."""
         if not isinstance(self.lm_head, nn.Linear):
             raise TypeError("a tensor-parallel LM head needs parallel_lm_loss(model(tokens), labels, state)")
-        hidden = self.hidden_states(tokens)
+        hidden = self.hidden_states(tokens, position_ids, segment_ids)
         loss = kernels.get("linear_cross_entropy", hidden.device.type)
-        return loss(hidden, self.lm_head.weight, labels)
+        return loss(hidden, self.lm_head.weight, labels, loss_mask=loss_mask)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> the final norm's output (B, T, C), the LM head's input."""
-        b, t = tokens.shape
-        if t > self.config.seq_length:
-            raise ValueError(f"sequence of {t} tokens exceeds seq_length={self.config.seq_length}")
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> the final norm's output (B, T, C), the LM head's input.
+
+        position_ids (B, T): each token's position (None: 0..T-1); segment_ids (B, T): tokens attend
+        only to earlier tokens of their segment (None: plain causal attention over each row)."""
+        check_inputs(tokens, self.config.seq_length, position_ids, segment_ids)
+        t = tokens.shape[1]
         x = self.embed(tokens)  # (B, T, C)
         rope = None
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(t, device=tokens.device))
+            x = x + self.pos_embed(positions_for(t, position_ids, tokens.device))
         else:
-            rope = (self.rope_cos, self.rope_sin)
+            rope = rope_for(self.rope_cos, self.rope_sin, position_ids)
+        segments = Segments(segment_ids) if segment_ids is not None else None
         x = self.dropout(x)
         for layer in self.layers:
             if layer.recompute and self.training:
-                x = checkpoint(layer, x, rope, use_reentrant=False, context_fn=self.recompute_context_fn)
+                x = checkpoint(
+                    layer, x, rope, segments, use_reentrant=False, context_fn=self.recompute_context_fn
+                )
             else:
-                x = layer(x, rope)
+                x = layer(x, rope, segments)
         return self.final_norm(x)
 
     def num_parameters(self) -> int:
@@ -283,6 +332,14 @@ def compile_layers(module: nn.Module) -> int:
     return len(blocks)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32. logits (B, T, V), labels (B, T)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+def lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the loss tokens, in fp32. logits (B, T, V), labels (B, T),
+    loss_mask (B, T) of 0/1 (None: every token counts); 0 when no token counts."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    if loss_mask is None:
+        return F.cross_entropy(flat, labels.reshape(-1))
+    mask = loss_mask.reshape(-1).float()
+    per_token = F.cross_entropy(flat, labels.reshape(-1), reduction="none")
+    return (per_token * mask).sum() / mask.sum().clamp_min(1.0)

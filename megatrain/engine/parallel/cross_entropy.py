@@ -26,6 +26,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group: Group,
         rank: int,
         ignore_index: int,
+        loss_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         # logits (N, V/tp) this rank's vocab slice, labels (N,) global ids. fp32 throughout.
         x = logits.float()
@@ -43,10 +44,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack([target, exp.sum(dim=-1)])
         dist.all_reduce(sums, group=group)
         target, sum_exp = sums[0], sums[1]
-        valid = labels != ignore_index
-        count = valid.sum()
-        per_token = (sum_exp.log() - target).masked_fill(~valid, 0.0)
-        loss = per_token.sum() / count  # nan when every label is ignored, like F.cross_entropy
+        # Each row's weight: 0 for an ignored label, else its loss-mask value (0/1) or 1.
+        valid = (labels != ignore_index).float()
+        if loss_mask is not None:
+            valid = valid * loss_mask.float()
+            count = valid.sum().clamp_min(1.0)  # 0, not nan, when no token counts
+        else:
+            count = valid.sum()  # nan when every label is ignored, like F.cross_entropy
+        per_token = (sum_exp.log() - target) * valid
+        loss = per_token.sum() / count
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_labels, outside, valid, count)
         ctx.logits_dtype, ctx.consumed = logits.dtype, False
@@ -62,23 +68,35 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = softmax  # modified in place: no second (N, V/tp) fp32 buffer, as Megatron does
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_labels] -= (~outside).to(g.dtype)
-        g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(-1))
-        return g.to(ctx.logits_dtype), None, None, None, None
+        g.mul_((valid * (grad / count)).unsqueeze(-1))
+        return g.to(ctx.logits_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, state: ParallelState, ignore_index: int = -100
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    state: ParallelState,
+    ignore_index: int = -100,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy from this rank's vocab shard of the logits, never gathering them.
 
-    logits (B, T, V/tp) — rank r holds vocabulary ids [r·V/tp, (r+1)·V/tp); labels (B, T). Equals
-    F.cross_entropy on the full logits (fp32, mean over tokens whose label is not ignore_index).
+    logits (B, T, V/tp) — rank r holds vocabulary ids [r·V/tp, (r+1)·V/tp); labels (B, T); loss_mask
+    (B, T) of 0/1 or None. Equals F.cross_entropy on the full logits (fp32, mean over tokens whose
+    label is not ignore_index and whose mask is 1; 0 when a mask leaves no token).
     """
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
+    flat_mask = loss_mask.reshape(-1) if loss_mask is not None else None
     if state.tp_size == 1:
-        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index)
+        if flat_mask is None:
+            return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index)
+        per_token = F.cross_entropy(
+            flat_logits.float(), flat_labels, ignore_index=ignore_index, reduction="none"
+        )
+        weights = (flat_labels != ignore_index).float() * flat_mask.float()
+        return (per_token * weights).sum() / weights.sum().clamp_min(1.0)
     check_group(state.tp_group, state.tp_size)
     return _VocabParallelCrossEntropy.apply(
-        flat_logits, flat_labels, state.tp_group, state.tp_rank, ignore_index
+        flat_logits, flat_labels, state.tp_group, state.tp_rank, ignore_index, flat_mask
     )

@@ -390,9 +390,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class SequenceParallelPositionEmbedding(nn.Module):
-    """Learned positions under sequence parallelism: looks up only this rank's slice of positions,
-    so (T,) positions give (T/tp, C), matching the sequence shard they are added to. The table is
-    replicated and its gradient comes from the local slice: flagged sequence_parallel."""
+    """Learned positions under sequence parallelism: looks up only this rank's slice of positions
+    (along T), so (T,) positions give (T/tp, C) and (B, T) ones (B, T/tp, C), matching the sequence
+    shard they are added to. The table is replicated and its gradient comes from the local slice:
+    flagged sequence_parallel."""
 
     def __init__(self, embedding: nn.Embedding, state: ParallelState):
         super().__init__()
@@ -402,10 +403,11 @@ class SequenceParallelPositionEmbedding(nn.Module):
         mark_sequence_parallel(self.weight)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if positions.shape[0] % self.tp_size:
-            raise ValueError(f"{positions.shape[0]} positions are not divisible by tp={self.tp_size}")
-        local = positions.chunk(self.tp_size, 0)[self.tp_rank]
-        return kernels.get("embedding", local.device.type)(local, self.weight)  # (T/tp, C)
+        """positions (T,) shared by the rows -> (T/tp, C); per-token positions (B, T) -> (B, T/tp, C)."""
+        if positions.shape[-1] % self.tp_size:
+            raise ValueError(f"{positions.shape[-1]} positions are not divisible by tp={self.tp_size}")
+        local = positions.chunk(self.tp_size, -1)[self.tp_rank]
+        return kernels.get("embedding", local.device.type)(local, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, slice {self.tp_rank}/{self.tp_size}"

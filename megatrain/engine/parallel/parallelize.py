@@ -122,11 +122,14 @@ def _mark_norm(norm: nn.Module) -> None:
         mark_sequence_parallel(p)
 
 
-def parallel_lm_loss(logits: torch.Tensor, labels: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """The LM loss for a parallelized model's logits: vocab-parallel CE when tp > 1, else lm_loss."""
+def parallel_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, state: ParallelState, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The LM loss for a parallelized model's logits: vocab-parallel CE when tp > 1, else lm_loss;
+    the mean over the tokens loss_mask keeps."""
     if state.tp_size == 1:
-        return lm_loss(logits, labels)
-    return vocab_parallel_cross_entropy(logits, labels, state)
+        return lm_loss(logits, labels, loss_mask)
+    return vocab_parallel_cross_entropy(logits, labels, state, loss_mask=loss_mask)
 
 
 def _canonical_keys(model: GPTModel) -> list[str]:

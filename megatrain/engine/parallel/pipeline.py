@@ -27,10 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatrain.engine.models.gpt import GPTModel
+from megatrain.engine.models.gpt import GPTModel, check_inputs, positions_for, rope_for
 from megatrain.engine.parallel.mappings import is_tensor_parallel, shard_tensor
 from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.kernels.attention import Segments
 from megatrain.plan.layout import LayoutError, model_problems
 
 TP_ATTRS = ("tensor_parallel", "partition_dim", "partition_stride", "sequence_parallel")
@@ -46,6 +47,8 @@ class StageModule(nn.Module):
 
     forward: tokens (B, T) on the first chunk, else the residual stream (B, T, C) — (B, T/tp, C) under
     sequence parallelism; returns the residual stream, or the logits (B, T, V/tp) on the last chunk.
+    Every chunk takes the micro-batch's position_ids and segment_ids (B, T): its attention layers
+    need both (RoPE, the document mask), the first chunk's learned positions the former.
     """
 
     def __init__(self, model: GPTModel, chunk: int, num_chunks: int, start: int, end: int):
@@ -85,22 +88,29 @@ class StageModule(nn.Module):
             layer.recompute = mode == "full" and int(key) % every == 0
             layer.attn.recompute_core = mode == "selective"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.is_first:
+            check_inputs(x, self.config.seq_length, position_ids, segment_ids)
             t = x.shape[1]
-            if t > self.config.seq_length:
-                raise ValueError(f"sequence of {t} tokens exceeds seq_length={self.config.seq_length}")
             tokens = x
             x = self.embed(tokens)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
             if self.pos_embed is not None:
-                x = x + self.pos_embed(torch.arange(t, device=tokens.device))
+                x = x + self.pos_embed(positions_for(t, position_ids, tokens.device))
             x = self.dropout(x)
-        rope = (self.rope_cos, self.rope_sin) if self.use_rope else None
+        rope = rope_for(self.rope_cos, self.rope_sin, position_ids) if self.use_rope else None
+        segments = Segments(segment_ids) if segment_ids is not None else None
         for layer in self.layers.values():
             if layer.recompute and self.training:
-                x = checkpoint(layer, x, rope, use_reentrant=False, context_fn=self.recompute_context_fn)
+                x = checkpoint(
+                    layer, x, rope, segments, use_reentrant=False, context_fn=self.recompute_context_fn
+                )
             else:
-                x = layer(x, rope)
+                x = layer(x, rope, segments)
         if self.is_last:
             if self.return_hidden:
                 return self.final_norm(x)  # (B, T, C)

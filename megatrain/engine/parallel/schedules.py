@@ -11,6 +11,10 @@ keep this true across the wrap from the last stage to stage 0). Activations and 
 two process groups over the same ranks, so with pp=2 (where "next" and "previous" are the same rank)
 their streams cannot cross, on gloo or on NCCL, which ignores tags.
 
+Every stage holds each micro-batch (every rank loads the step's data): its position and segment ids
+go to every chunk (attention needs them), its tokens to the first, its labels and loss mask to the
+loss on the last; only activations and their gradients travel between stages.
+
 Shapes are known ahead ((micro_batch, T, C), T/tp under sequence parallelism) and dtypes are the
 model's, so no shape handshake precedes a transfer.
 
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.parallel.state import ParallelState
 
 Schedule = Literal["1f1b", "all_forward_all_backward"]
@@ -271,7 +276,7 @@ class _Slot:
 class PipelineSchedule:
     """Runs one stage's share of a step over its model chunks.
 
-    loss_fn(logits, labels) -> the micro-batch loss (already divided by the number of micro-batches);
+    loss_fn(output, micro-batch) -> the micro-batch's loss (already scaled to its share of the step);
     scale_loss multiplies it for fp16; before_backward(is_last) is called before each backward with
     True only for this stage's last one (DataParallel starts its gradient buckets then).
     """
@@ -304,15 +309,15 @@ class PipelineSchedule:
     def _forward(
         self,
         a: Action,
-        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        batches: Sequence[MicroBatch],
         slot: _Slot,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, MicroBatch], torch.Tensor],
         grad: bool,
     ) -> None:
         c = self._global(a.chunk)
-        tokens, labels = batches[a.microbatch]
+        mb = batches[a.microbatch]
         if c == 0:
-            x = tokens
+            x = mb.tokens
         else:
             x = self.p2p.recv_forward()
             if grad:
@@ -321,11 +326,11 @@ class PipelineSchedule:
 
         def run() -> torch.Tensor:
             with torch.set_grad_enabled(grad):
-                return self.chunks[a.chunk](x)
+                return self.chunks[a.chunk](x, **mb.model_inputs)
 
         out = self._timed("F", run)
         if c == self.n_chunks - 1:
-            slot.loss = self._timed("F", lambda: loss_fn(out, labels))
+            slot.loss = self._timed("F", lambda: loss_fn(out, mb))
         else:
             self.p2p.send_forward(out)
             slot.output = out
@@ -348,13 +353,15 @@ class PipelineSchedule:
 
     def forward_backward(
         self,
-        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        batches: Sequence[MicroBatch | tuple[torch.Tensor, torch.Tensor]],
+        loss_fn: Callable[[torch.Tensor, MicroBatch], torch.Tensor],
         *,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
         before_backward: Callable[[bool], None] | None = None,
     ) -> torch.Tensor:
-        """One step over `batches` (one per micro-batch); the sum of the losses on the last stage, else 0."""
+        """One step over `batches` (one per micro-batch; a (tokens, labels) pair is a MicroBatch of
+        them); the sum of the losses on the last stage, else 0."""
+        batches = _microbatches(batches)
         actions = schedule_actions(self.schedule, self.pp, self.state.pp_rank, len(batches), self.v)
         slots: dict[tuple[int, int], _Slot] = {}
         total = torch.zeros((), device=self.state.device)
@@ -375,10 +382,11 @@ class PipelineSchedule:
     @torch.no_grad()
     def forward_only(
         self,
-        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        batches: Sequence[MicroBatch | tuple[torch.Tensor, torch.Tensor]],
+        loss_fn: Callable[[torch.Tensor, MicroBatch], torch.Tensor],
     ) -> torch.Tensor:
         """Forwards only (evaluation), in the forward order of the schedule; loss sum on the last stage."""
+        batches = _microbatches(batches)
         total = torch.zeros((), device=self.state.device)
         for a in schedule_actions(
             "all_forward_all_backward", self.pp, self.state.pp_rank, len(batches), self.v
@@ -400,6 +408,10 @@ class PipelineSchedule:
             dist.all_reduce(torch.zeros(1, device=self.state.device), group=self.state.pp_group)
         self.times.wait_s += time.perf_counter() - t0
         self.times.steps += 1
+
+
+def _microbatches(batches: Sequence[MicroBatch | tuple[torch.Tensor, torch.Tensor]]) -> list[MicroBatch]:
+    return [b if isinstance(b, MicroBatch) else MicroBatch(b[0], b[1]) for b in batches]
 
 
 def pipeline_loss(total: torch.Tensor, state: ParallelState) -> torch.Tensor:

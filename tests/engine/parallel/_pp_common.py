@@ -156,7 +156,7 @@ def pp_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         opt.zero_grad()
         total = sched.forward_backward(
             batches,
-            lambda logits, labels: parallel_lm_loss(logits, labels, state) / n_micro,
+            lambda logits, mb: parallel_lm_loss(logits, mb.labels, state) / n_micro,
             scale_loss=opt.scale_loss,
             before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
         )

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatrain.engine.parallel.state import ParallelState
 
 from ._launch import run_distributed
 from ._tp_common import tp_state
@@ -35,6 +36,25 @@ def _cross_entropy_rank(rank: int, world: int) -> None:
     loss16.backward()
     assert loss16.dtype == torch.float32 and shard16.grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss16, ref, rtol=2e-2, atol=2e-2)
+    # A loss mask: the mean over the kept tokens (ignored labels stay out too), masked rows get no
+    # gradient; an all-zero mask gives 0, not nan.
+    mask = (torch.rand(3, 5, generator=gen) < 0.5).float()
+    mask[1, 0] = 1.0
+    keep = (mask.reshape(-1) > 0) & (labels.reshape(-1) != -100)
+    ref_in = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in.reshape(-1, 8 * n)[keep], labels.reshape(-1)[keep])
+    ref.backward()
+    for st in (state, ParallelState.single()):
+        part = logits.chunk(st.tp_size, -1)[rank if st.tp_size > 1 else 0].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(part, labels, st, loss_mask=mask)
+        loss.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        want = ref_in.grad.chunk(st.tp_size, -1)[rank if st.tp_size > 1 else 0]
+        torch.testing.assert_close(part.grad, want, rtol=1e-6, atol=1e-7)
+    zero = logits.chunk(n, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(zero, labels, state, loss_mask=torch.zeros(3, 5))
+    loss.backward()
+    assert loss.item() == 0.0 and not zero.grad.any()
 
 
 @pytest.mark.distributed

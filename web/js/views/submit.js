@@ -17,6 +17,8 @@ const FIELDS = [
   ["model.num_attention_heads", "Attention heads", "number"],
   ["model.seq_length", "Sequence length", "number"],
   ["data.train.0.path", "Training data", "text", { wide: true, hint: "file:///abs/path or s3://bucket/key, under your tenant's data prefix." }],
+  ["data.train.0.dataset", "Dataset", "select", { wide: true, options: [""], labels: { "": "— none: read the path above —" },
+    hint: "Or a ready dataset you uploaded (Datasets); the API fills in its path." }],
   ["training.train_iters", "Iterations", "number"],
   ["training.global_batch_size", "Global batch", "number"],
   ["training.micro_batch_size", "Micro batch", "number"],
@@ -58,7 +60,7 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
   const formFields = FIELDS.map(([path, label, type, opt = {}]) => {
     const id = `f-${path.replace(/\./g, "-")}`;
     const input = type === "select"
-      ? h("select", { id, name: path }, opt.options.map((o) => h("option", { value: o }, o)))
+      ? h("select", { id, name: path }, opt.options.map((o) => h("option", { value: o }, (opt.labels || {})[o] ?? o)))
       : h("input", { id, name: path, type, step: opt.step, inputmode: type === "number" ? "decimal" : null, spellcheck: "false" });
     input.dataset.field = path;
     inputs[path] = input;
@@ -181,6 +183,18 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
       location.hash = `#/jobs/${encodeURIComponent(job.id)}`;
     }
   });
+
+  // Picking a dataset replaces the path; the ready datasets arrive after the form is drawn.
+  const datasetSelect = inputs["data.train.0.dataset"];
+  datasetSelect.addEventListener("change", () => {
+    if (datasetSelect.value) inputs["data.train.0.path"].value = "";
+    formToEditor();
+  });
+  api("/v1/datasets", { signal: controller.signal }).then(({ items }) => {
+    const ready = items.filter((d) => d.state === "ready");
+    datasetSelect.append(...ready.map((d) => h("option", { value: d.name }, `${d.name}${d.shared ? " (shared)" : ""}${d.tokens == null ? "" : ` · ${d.tokens.toLocaleString()} tokens`}`)));
+    editorToForm();  // a draft naming one of them shows it selected
+  }).catch((err) => { if (err.name !== "AbortError") showBanner(`Could not load datasets: ${err.message}`); });
 
   editor.value = sessionStorage.getItem(DRAFT) || JSON.stringify(TEMPLATE, null, 2);
   editorToForm();

@@ -1,0 +1,66 @@
+"""Request and response shapes of /v1/datasets."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from megatrain.spec import NAME_PATTERN, TokenizerSpec
+
+
+class DatasetOptions(BaseModel):
+    """How a corpus becomes an indexed dataset: the query of an upload, part of a URL registration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=NAME_PATTERN)
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    """A TokenizerSpec, or its shorthand: byte, hf:URL, tiktoken:NAME, sentencepiece:URL."""
+    json_key: str = Field("text", min_length=1, max_length=128)
+    """The JSONL field holding each document's text."""
+    append_eod: bool = True
+    """End every document with the tokenizer's end-of-document token (Megatron's --append-eod)."""
+
+
+class DatasetCreate(DatasetOptions):
+    """POST /v1/datasets with a JSON body: register a JSONL file already in storage."""
+
+    source_url: str = Field(..., min_length=1, max_length=2048)
+    """file:///abs/path or s3://bucket/key of a .jsonl (optionally .gz or .zst) file the tenant may
+    read: the same rule as a job's data paths."""
+
+
+class DatasetPublic(BaseModel):
+    """A dataset as every dataset endpoint returns it."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    shared: bool
+    """Registered by the operator for every tenant (read-only to tenants)."""
+    state: str
+    """pending (waiting for a worker) → processing → ready | failed."""
+    state_reason: str
+    path: str
+    """The indexed dataset's prefix (PREFIX.bin, PREFIX.idx): what a JobSpec naming it reads."""
+    source_url: str
+    uploaded: bool
+    tokenizer: dict[str, Any]
+    json_key: str
+    append_eod: bool
+    documents: int | None
+    tokens: int | None
+    vocab_size: int | None
+    input_bytes: int | None
+    output_bytes: int | None
+    attempt: int
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class DatasetList(BaseModel):
+    items: list[DatasetPublic]

@@ -1,0 +1,268 @@
+"""Datasets: register (an upload or a storage URL) as `pending`, which the scheduler hands to the
+workers for preprocessing; list, read, delete; resolve the names a JobSpec uses.
+
+A tenant sees its own datasets and the shared ones (tenant_id NULL, registered by the operator).
+Another tenant's dataset is the same 404 as one that does not exist. Each dataset's objects live
+under a folder of their own, `{storage}/tenants/{tenant}/datasets/{name}/{id}/` (shared:
+`{storage}/datasets/{name}/{id}/`): the uploaded `source.jsonl` and the indexed `data.bin`/`data.idx`,
+so a deleted dataset and a new one of the same name never share an object.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import HTTPException
+from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from megatrain.api.datasets.schemas import DatasetCreate, DatasetOptions, DatasetPublic
+from megatrain.api.errors import FieldError
+from megatrain.api.jobs.data_access import data_url_problem, normalise_data_url
+from megatrain.db.models import ACTIVE_STATES, PENDING, QUEUED, READY, Dataset, Job, Tenant, new_id
+from megatrain.settings import Settings
+from megatrain.spec import JSONL_SUFFIXES, JobSpec, SpecError
+from megatrain.storage import StorageError, open_store, split_url
+
+SOURCE_NAME = "source.jsonl"
+PREFIX_NAME = "data"
+"""The indexed dataset is {folder}/data.bin + {folder}/data.idx."""
+
+
+def folder_key(tenant_name: str | None, name: str, dataset_id: str) -> str:
+    """The dataset's folder, relative to the storage root."""
+    base = f"tenants/{tenant_name}/datasets" if tenant_name is not None else "datasets"
+    return f"{base}/{name}/{dataset_id}"
+
+
+def _visible(tenant: Tenant) -> Any:
+    return or_(Dataset.tenant_id == tenant.id, Dataset.tenant_id.is_(None))
+
+
+def public_dataset(ds: Dataset) -> DatasetPublic:
+    return DatasetPublic(
+        id=ds.id,
+        name=ds.name,
+        shared=ds.tenant_id is None,
+        state=ds.state,
+        state_reason=ds.state_reason,
+        path=ds.prefix_url,
+        source_url=ds.source_url,
+        uploaded=ds.uploaded,
+        tokenizer=ds.tokenizer,
+        json_key=ds.json_key,
+        append_eod=ds.append_eod,
+        documents=ds.documents,
+        tokens=ds.tokens,
+        vocab_size=ds.vocab_size,
+        input_bytes=ds.input_bytes,
+        output_bytes=ds.output_bytes,
+        attempt=ds.attempt,
+        created_at=ds.created_at,
+        updated_at=ds.updated_at,
+        finished_at=ds.finished_at,
+    )
+
+
+def find_dataset(session: Session, tenant: Tenant, name: str) -> Dataset | None:
+    """The tenant's own dataset called `name`, else the shared one, else None."""
+    rows = session.scalars(select(Dataset).where(_visible(tenant), Dataset.name == name)).all()
+    own = [d for d in rows if d.tenant_id == tenant.id]
+    return (own or list(rows) or [None])[0]
+
+
+def get_dataset(session: Session, tenant: Tenant, name: str) -> Dataset:
+    ds = find_dataset(session, tenant, name)
+    if ds is None:
+        raise HTTPException(404, f"dataset {name!r} not found")
+    return ds
+
+
+def list_datasets(session: Session, tenant: Tenant) -> list[Dataset]:
+    """The tenant's datasets and the shared ones, by name (own before shared for equal names)."""
+    rows = session.scalars(select(Dataset).where(_visible(tenant))).all()
+    return sorted(rows, key=lambda d: (d.name, d.tenant_id is None, d.created_at))
+
+
+def check_options(session: Session, settings: Settings, tenant: Tenant, options: DatasetOptions) -> None:
+    """What a registration can break before any byte is stored: a name in use (409), a tokenizer
+    file the tenant may not read (422)."""
+    taken = session.scalar(
+        select(Dataset.id).where(Dataset.tenant_id == tenant.id, Dataset.name == options.name)
+    )
+    if taken is not None:
+        raise HTTPException(
+            409, f"dataset {options.name!r} already exists; delete it first or choose another name"
+        )
+    if options.tokenizer.path:
+        problem = data_url_problem("tokenizer.path", options.tokenizer.path, settings, tenant.name)
+        if problem:
+            raise FieldError("tokenizer.path", problem)
+
+
+def _insert(
+    session: Session,
+    settings: Settings,
+    tenant: Tenant | None,
+    options: DatasetOptions,
+    dataset_id: str,
+    source_url: str,
+    uploaded: bool,
+    input_bytes: int | None,
+) -> Dataset:
+    storage = settings.resolved_storage_url
+    folder = folder_key(tenant.name if tenant else None, options.name, dataset_id)
+    ds = Dataset(
+        id=dataset_id,
+        tenant_id=tenant.id if tenant else None,
+        name=options.name,
+        state=PENDING,
+        state_reason="waiting for a worker to preprocess it",
+        source_url=source_url,
+        uploaded=uploaded,
+        prefix_url=f"{storage}/{folder}/{PREFIX_NAME}",
+        tokenizer=options.tokenizer.model_dump(mode="json", exclude_none=True),
+        json_key=options.json_key,
+        append_eod=options.append_eod,
+        input_bytes=input_bytes,
+    )
+    session.add(ds)
+    try:
+        session.commit()
+    except IntegrityError:
+        # Another request registered the name between our check and this insert.
+        session.rollback()
+        raise HTTPException(409, f"dataset {options.name!r} already exists") from None
+    return ds
+
+
+def _check_source(settings: Settings, source_url: str) -> None:
+    if not source_url.endswith(JSONL_SUFFIXES):
+        raise FieldError("source_url", f"source_url must name a JSONL file ({', '.join(JSONL_SUFFIXES)})")
+    parent, key = split_url(source_url)
+    try:
+        exists = open_store(parent, settings.s3_endpoint_url).exists(key)
+    except StorageError as exc:
+        raise FieldError("source_url", f"source_url cannot be read: {exc}") from None
+    if not exists:
+        raise FieldError("source_url", f"source_url={source_url!r} does not exist")
+
+
+def register_shared(session: Session, settings: Settings, body: DatasetCreate) -> Dataset:
+    """An operator's dataset every tenant sees (read-only), stored under {storage}/datasets/.
+    Operators may name any source they can reach; the rule for tenants does not apply."""
+    taken = session.scalar(select(Dataset.id).where(Dataset.tenant_id.is_(None), Dataset.name == body.name))
+    if taken is not None:
+        raise HTTPException(409, f"shared dataset {body.name!r} already exists")
+    _check_source(settings, body.source_url)
+    return _insert(session, settings, None, body, new_id("ds"), body.source_url, False, None)
+
+
+def register_url(session: Session, settings: Settings, tenant: Tenant, body: DatasetCreate) -> Dataset:
+    """A JSONL file already in storage, which the tenant may read, registered as pending."""
+    check_options(session, settings, tenant, body)
+    problem = data_url_problem("source_url", body.source_url, settings, tenant.name)
+    if problem:
+        raise FieldError("source_url", problem)
+    # The URL as checked (symlinks resolved): the worker reads what the rule allowed, even if a
+    # link is changed later.
+    source = normalise_data_url(body.source_url)
+    _check_source(settings, source)
+    return _insert(session, settings, tenant, body, new_id("ds"), source, False, None)
+
+
+def store_upload(
+    settings: Settings, tenant: Tenant, options: DatasetOptions, spooled: Path
+) -> tuple[str, str]:
+    """Put a checked upload into the dataset's folder; (dataset id, source URL)."""
+    dataset_id = new_id("ds")
+    key = f"{folder_key(tenant.name, options.name, dataset_id)}/{SOURCE_NAME}"
+    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
+    try:
+        store.put_file(key, spooled)
+    except BaseException:
+        # A half-written object (an S3 multipart upload, say) must not outlive the request.
+        delete_objects(settings, tenant.name, options.name, dataset_id)
+        raise
+    return dataset_id, f"{settings.resolved_storage_url}/{key}"
+
+
+def register_upload(
+    session: Session,
+    settings: Settings,
+    tenant: Tenant,
+    options: DatasetOptions,
+    dataset_id: str,
+    source_url: str,
+    size: int,
+) -> Dataset:
+    """Register a stored upload as pending; on any failure its objects are removed again."""
+    try:
+        return _insert(session, settings, tenant, options, dataset_id, source_url, True, size)
+    except BaseException:
+        delete_objects(settings, tenant.name, options.name, dataset_id)
+        raise
+
+
+def delete_objects(settings: Settings, tenant_name: str | None, name: str, dataset_id: str) -> None:
+    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
+    store.delete_prefix(folder_key(tenant_name, name, dataset_id))
+
+
+def _jobs_naming(session: Session, tenant: Tenant, name: str) -> list[str]:
+    """The tenant's unfinished jobs whose spec reads the dataset `name`."""
+    rows = session.execute(
+        select(Job.id, Job.spec).where(Job.tenant_id == tenant.id, Job.status.in_((QUEUED, *ACTIVE_STATES)))
+    ).all()
+    return [
+        r.id for r in rows if any(s.get("dataset") == name for s in r.spec.get("data", {}).get("train", []))
+    ]
+
+
+def delete_dataset(session: Session, settings: Settings, tenant: Tenant, name: str) -> None:
+    """Remove the tenant's dataset and its objects; 409 while an unfinished job reads it."""
+    ds = get_dataset(session, tenant, name)
+    if ds.tenant_id is None:
+        raise HTTPException(403, f"dataset {name!r} is shared by the operator; tenants cannot delete it")
+    users = _jobs_naming(session, tenant, name)
+    if users:
+        raise HTTPException(409, f"dataset {name!r} is read by unfinished jobs: {', '.join(users[:10])}")
+    dataset_id = ds.id
+    session.delete(ds)
+    session.commit()
+    # The row goes first: a worker still preprocessing it finds no row and removes what it wrote.
+    delete_objects(settings, tenant.name, name, dataset_id)
+
+
+def resolve_datasets(session: Session, spec: JobSpec, tenant: Tenant) -> None:
+    """Fill `path` of every `data.train` source that names a dataset with its indexed prefix;
+    SpecError naming `data.train.N.dataset` for one that is unknown, not visible, not ready, or
+    tokenized with another tokenizer than the spec's."""
+    errors = []
+    for i, src in enumerate(spec.data.train):
+        if src.dataset is None:
+            continue
+        field = f"data.train.{i}.dataset"
+        ds = find_dataset(session, tenant, src.dataset)
+        if ds is None:
+            errors.append({"field": field, "message": f"{field}={src.dataset!r}: no such dataset"})
+        elif ds.state != READY:
+            why = f" ({ds.state_reason})" if ds.state_reason else ""
+            errors.append(
+                {"field": field, "message": f"{field}={src.dataset!r} is {ds.state}, not ready{why}"}
+            )
+        elif ds.tokenizer != spec.data.tokenizer.model_dump(mode="json", exclude_none=True):
+            # Token ids mean nothing under another tokenizer: the model would train on noise.
+            errors.append(
+                {
+                    "field": field,
+                    "message": f"{field}={src.dataset!r} was tokenized with {ds.tokenizer}, but "
+                    f"data.tokenizer is {spec.data.tokenizer.model_dump(mode='json', exclude_none=True)}",
+                }
+            )
+        else:
+            src.path = ds.prefix_url
+    if errors:
+        raise SpecError(errors)

@@ -1,0 +1,96 @@
+"""Checking an uploaded JSONL corpus while it streams in, spooled to a temporary file on disk.
+
+What is cheap is checked here, line by line, so a bad upload is refused before anything is stored
+or registered: every line (blank ones aside) a JSON object with a non-empty string under the key,
+valid UTF-8, no line longer than the cap, at least one document. Tokenizing is the workers' job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from megatrain.api.errors import FieldError
+
+MAX_LINE_BYTES = 64 << 20
+"""The longest document line an upload may hold (its text is parsed whole)."""
+FIELD = "file"
+"""The field upload errors name: the request's body, the JSONL file."""
+
+
+def _problem(line: int, message: str) -> FieldError:
+    return FieldError(FIELD, f"line {line}: {message}")
+
+
+class JsonlSpool:
+    """`feed` chunks of the body as they arrive, `finish` at its end; each line is checked and
+    written to a temporary file, which `close` removes unless `keep` took it over."""
+
+    def __init__(self, json_key: str, directory: str | Path | None = None):
+        self.json_key = json_key
+        self.lines = 0
+        self.documents = 0
+        self.size = 0
+        self._rest = b""  # the unfinished last line of what arrived so far
+        fd, name = tempfile.mkstemp(prefix="megatrain-upload-", suffix=".jsonl", dir=directory)
+        self.path = Path(name)
+        self._file = os.fdopen(fd, "wb")
+
+    def _check(self, raw: bytes) -> None:
+        self.lines += 1
+        n = self.lines
+        if not raw.strip():
+            return  # blank lines are skipped, as the workers' preprocessing skips them
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _problem(n, f"not valid UTF-8 at byte {exc.start}") from None
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise _problem(n, f"not valid JSON: {str(exc)[:200]}") from None
+        if not isinstance(obj, dict):
+            raise _problem(n, f"expected a JSON object, got {type(obj).__name__}")
+        if self.json_key not in obj:
+            raise _problem(n, f"no field {self.json_key!r} (json_key)")
+        value = obj[self.json_key]
+        if not isinstance(value, str):
+            raise _problem(n, f"field {self.json_key!r} must be a string, got {type(value).__name__}")
+        if not value:
+            raise _problem(n, f"field {self.json_key!r} is empty")
+        self.documents += 1
+
+    def feed(self, chunk: bytes) -> None:
+        """Check the complete lines in `chunk` (with what came before) and spool them."""
+        data = self._rest + chunk
+        lines = data.split(b"\n")
+        self._rest = lines.pop()
+        if len(self._rest) > MAX_LINE_BYTES:
+            raise _problem(self.lines + 1, f"longer than {MAX_LINE_BYTES} bytes")
+        for raw in lines:
+            if len(raw) > MAX_LINE_BYTES:
+                raise _problem(self.lines + 1, f"longer than {MAX_LINE_BYTES} bytes")
+            self._check(raw)
+        written = len(data) - len(self._rest)
+        self._file.write(data[:written])
+        self.size += written
+
+    def finish(self) -> None:
+        """The body has ended: check its last line (one without a final newline) and that it held
+        a document; the file is complete afterwards."""
+        if self._rest.strip():
+            self._check(self._rest)
+            self._file.write(self._rest + b"\n")
+            self.size += len(self._rest) + 1
+        self._rest = b""
+        self._file.close()
+        if self.documents == 0:
+            raise FieldError(FIELD, "the file is empty: it holds no JSON lines")
+
+    def close(self) -> None:
+        """Remove the temporary file (idempotent)."""
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)

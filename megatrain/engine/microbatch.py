@@ -1,0 +1,96 @@
+"""The torch side of a data.batch.Batch: the micro-batch the models, losses and schedules read.
+
+The loss of a step is Megatron's per-token loss: the sum of every loss token's loss over the number
+of loss tokens in the whole global batch (all micro-batches, all data-parallel ranks). Each loss
+function returns the mean over its micro-batch's loss tokens; `token_share` rescales that mean into
+the micro-batch's share of the global figure, so packing, masking and micro-batching never reweight
+a document. Without masks every micro-batch holds the same number of tokens and the share is the
+mean divided by the number of micro-batches: exactly the plain mean of before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from megatrain.engine.data.batch import Batch
+from megatrain.engine.parallel.state import ParallelState
+
+
+@dataclass
+class MicroBatch:
+    """Tensors (B, T): tokens and labels int64, loss_mask float (None: every label counts),
+    position_ids int64 (None: 0..T-1), segment_ids int64 (None: one causal segment per row)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+    num_loss_tokens: int = -1
+    """Labels that count, known on the host (no device sync); -1: computed in __post_init__."""
+
+    def __post_init__(self) -> None:
+        if self.num_loss_tokens < 0:
+            m = self.loss_mask
+            self.num_loss_tokens = self.labels.numel() if m is None else int(torch.count_nonzero(m))
+
+    @classmethod
+    def from_batch(cls, batch: Batch, device: str | torch.device) -> MicroBatch:
+        """The numpy Batch moved to `device`; None fields stay None."""
+
+        def move(a: object, dtype: torch.dtype) -> torch.Tensor | None:
+            if a is None:
+                return None
+            return torch.as_tensor(a).to(device=device, dtype=dtype, non_blocking=True)
+
+        tokens, labels = move(batch.tokens, torch.int64), move(batch.labels, torch.int64)
+        assert tokens is not None and labels is not None
+        return cls(
+            tokens,
+            labels,
+            move(batch.loss_mask, torch.float32),
+            move(batch.position_ids, torch.int64),
+            move(batch.segment_ids, torch.int64),
+            num_loss_tokens=batch.num_loss_tokens,
+        )
+
+    @property
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments of GPTModel / StageModule forward besides the tokens."""
+        return {"position_ids": self.position_ids, "segment_ids": self.segment_ids}
+
+    def split(self, size: int) -> list[MicroBatch]:
+        """Rows cut into micro-batches of `size` (tests and benchmarks slice global batches)."""
+        parts: dict[str, list[torch.Tensor | None]] = {}
+        n = -(-self.tokens.shape[0] // size)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                parts[f.name] = list(value.split(size))
+            elif f.name != "num_loss_tokens":
+                parts[f.name] = [None] * n
+        return [MicroBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
+
+
+def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
+    """This rank's share of the global batch's loss-token count: the count over data-parallel ranks
+    (one all-reduce of one number per step) divided by dp, since DataParallel averages gradients."""
+    local = sum(b.num_loss_tokens for b in batches)
+    # Always reduced, masks or not: a rank cannot know whether the others' batches carry masks, and
+    # skipping the collective on some ranks only would hang the rest.
+    if state.dp_group is None or state.dp_size == 1:
+        return float(local)
+    count = torch.tensor([float(local)], dtype=torch.float64, device=state.device)
+    dist.all_reduce(count, group=state.dp_group)
+    return float(count.item()) / state.dp_size
+
+
+def token_share(mean: torch.Tensor, num_loss_tokens: int, denominator: float) -> torch.Tensor:
+    """A micro-batch's mean loss over its loss tokens as its share of the global per-token loss:
+    mean · count / denominator (divided by the exact ratio, so that equal micro-batches give mean / m)."""
+    if num_loss_tokens == 0 or denominator == 0:
+        return mean * 0.0  # no loss token here: no loss, zero gradients (and a graph for backward)
+    return mean / (denominator / num_loss_tokens)

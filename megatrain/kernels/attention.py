@@ -1,0 +1,154 @@
+"""Causal self-attention, optionally document-aware: the `attention` kernel and its backends.
+
+    out = kernels.get("attention", q.device.type)(q, k, v, segments, dropout_p)
+
+q (B, H, T, hd), k and v (B, G, T, hd) with G dividing H (grouped-query attention); out (B, H, T, hd).
+`segments` is None for plain causal attention (SDPA with is_causal=True: the fast path of every
+unpacked batch), or a `Segments` of packed documents: a token then attends only to earlier tokens of
+its own segment (a block-diagonal causal mask, Megatron's reset_attention_mask).
+
+Backends: "torch" (SDPA; a boolean mask when packed), "reference" (the softmax written out in fp32,
+the twin the tests compare against) and "flash_varlen" (flash-attn's varlen kernel on CUDA, when
+installed: the packed documents become one ragged batch described by cumulative sequence lengths, so
+no (T, T) mask exists and masked blocks cost nothing). A Segments object is built once per forward
+and caches what each backend derives from the ids, so every layer reuses one mask or one cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+# enable_gqa arrived in torch 2.5; SDPA is a builtin without a signature, so read its docstring.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class Segments:
+    """The packed documents of a micro-batch: segment ids (B, T), each segment a contiguous run of
+    tokens (as packing lays them out). Derived forms are computed on first use and kept."""
+
+    def __init__(self, ids: torch.Tensor):
+        if ids.dim() != 2:
+            raise ValueError(f"segment_ids must be (batch, tokens), got shape {tuple(ids.shape)}")
+        self.ids = ids
+        self._mask: torch.Tensor | None = None
+        self._varlen: tuple[torch.Tensor, int, bool] | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T) bool, True where query t may attend key s: s <= t within t's segment."""
+        if self._mask is None:
+            t = self.ids.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=self.ids.device).tril()
+            same = self.ids.unsqueeze(2) == self.ids.unsqueeze(1)  # (B, T, T)
+            self._mask = (same & causal).unsqueeze(1)
+        return self._mask
+
+    @property
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """(cu_seqlens int32 (N+1,), max_seqlen) over the flattened (B·T) tokens: a sequence starts
+        at every row start and wherever the id changes. One host sync per forward."""
+        cu, longest, _ = self._runs()
+        return cu, longest
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each segment is one run of tokens (as packing lays them out): only then do the
+        varlen sequences equal the mask's blocks."""
+        return self._runs()[2]
+
+    def _runs(self) -> tuple[torch.Tensor, int, bool]:
+        if self._varlen is None:
+            b, t = self.ids.shape
+            starts = torch.ones_like(self.ids, dtype=torch.bool)
+            starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]
+            first = torch.nonzero(starts.reshape(-1)).squeeze(1)
+            end = torch.tensor([b * t], device=first.device, dtype=first.dtype)
+            cu = torch.cat([first, end]).to(torch.int32)
+            # Distinct (row, id) pairs: as many as runs exactly when no id comes back after a gap.
+            rows = torch.arange(b, device=self.ids.device).unsqueeze(1).expand(b, t)
+            distinct = torch.unique(torch.stack([rows.reshape(-1), self.ids.reshape(-1)]), dim=1).shape[1]
+            stats = torch.stack([(cu[1:] - cu[:-1]).max(), torch.tensor(distinct, device=cu.device)]).tolist()
+            self._varlen = (cu, int(stats[0]), int(stats[1]) == len(first))
+        return self._varlen
+
+
+def _expand_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Query head h belongs to group h // (H/G): repeat each group's K/V that many times.
+    rep = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """SDPA (flash / cuDNN / memory-efficient backends on a GPU): is_causal without segments, else
+    the block-diagonal causal mask."""
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and not _SDPA_HAS_GQA:
+        k, v = _expand_groups(q, k, v)
+        gqa = False
+    kw = {"enable_gqa": True} if gqa else {}
+    if segments is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, dropout_p=dropout_p, **kw)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """softmax(q kᵀ / √hd + mask) v written out in fp32 (autograd's backward); the twin."""
+    if k.shape[1] != q.shape[1]:
+        k, v = _expand_groups(q, k, v)
+    t = q.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    if segments is None:
+        allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    else:
+        allowed = segments.mask
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ v.float()).to(q.dtype)
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """flash-attn's varlen kernel over the packed documents (fp16/bf16 on CUDA); SDPA otherwise,
+    and for plain causal attention, where SDPA already runs a flash kernel."""
+    if segments is None or q.dtype not in (torch.float16, torch.bfloat16) or not segments.contiguous:
+        return attention(q, k, v, segments, dropout_p)
+    from flash_attn import flash_attn_varlen_func
+
+    b, h, t, hd = q.shape
+    cu, max_len = segments.varlen
+
+    def tokens_first(x: torch.Tensor) -> torch.Tensor:  # (B, heads, T, hd) -> (B·T, heads, hd)
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], hd)
+
+    # flash-attn handles grouped K/V itself (heads_k dividing heads) and masks causally per sequence.
+    out = flash_attn_varlen_func(
+        tokens_first(q), tokens_first(k), tokens_first(v), cu, cu, max_len, max_len,
+        dropout_p=dropout_p, causal=True,
+    )  # fmt: skip
+    return out.reshape(b, t, h, hd).transpose(1, 2)
