@@ -17,7 +17,8 @@ fresh child process:
 and reports documents, tokens, seconds (tokenizer load and worker start included, interpreter start
 excluded), tokens/s, MB/s of JSONL read, the speed-up over `plain`, and peak RSS: the child's own
 (the parent of the workers) and its largest worker's, from getrusage. Every variant's .bin/.idx must
-be byte-identical to `plain`'s; the script exits 1 when one is not.
+be byte-identical to `plain`'s; the script exits 1 when one is not. A last section prints
+benchmarks/_loader.py's loader samples/s against what a training step consumes.
 
 Every child runs with TOKENIZERS_PARALLELISM=false and RAYON_NUM_THREADS=1, so the HF tokenizer's
 own Rust threads never add parallelism to one variant and not another: only processes do. On a
@@ -42,6 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_loader.py
 
 # Identical for every variant: processes are the only parallelism measured.
 CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
@@ -224,13 +226,14 @@ def preprocess_section(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], 
 
 
 def loader_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
-    """Loader samples/s against what a training step consumes (issue 13, the loader half).
+    """Loader samples/s against what a training step consumes (issue 13, the loader half): the table
+    of benchmarks/_loader.py, which owns the measurement, on a memory-mapped dataset in `tmp`."""
+    from _loader import loader_section as loader_table
 
-    Not measured yet: the loaders live on another branch. Add it here, reading a dataset written by
-    `preprocess()` in `tmp` (e.g. generate_corpus + preprocess on `args.size_mb`), print a table and
-    return its figures for --json; `--sections loader` runs it alone.
-    """
-    return None
+    tokens, seconds = (1_000_000, 0.3) if args.tiny else (50_000_000, 3.0)
+    table = loader_table(tmp, tokens, seconds, cpu_step_samples_per_s=None)
+    print(table, flush=True)
+    return {"tokens": tokens, "table": table}
 
 
 SECTIONS = {"preprocess": preprocess_section, "loader": loader_section}
@@ -311,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("ERROR: a variant's output differs from the plain loop's")
             results["preprocess"] = {"rows": [asdict(r) for r in rows], **info}
         if "loader" in args.sections:
-            loader = loader_section(args, Path(tmp))
-            print("loader: not measured yet" if loader is None else "")
-            results["loader"] = loader
+            results["loader"] = loader_section(args, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if ok else 1
