@@ -2,6 +2,7 @@
 
     python benchmarks/preprocess.py                          # 200 MB and 50 MB corpora, byte + BPE
     python benchmarks/preprocess.py --size-mb 400 --small-mb 100 --workers 1 2 4
+    python benchmarks/preprocess.py --rounds 3               # median of 3 runs of each, rotating order
     python benchmarks/preprocess.py --tiny --json out.json   # seconds; what tests/benchmarks runs
 
 A deterministic JSONL corpus (seeded word salad with some non-ASCII words, documents of lognormal
@@ -33,6 +34,7 @@ import hashlib
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,6 +179,7 @@ class Row:
     rss_parent_mb: float
     rss_worker_mb: float
     identical: bool
+    round_seconds: list[float]
 
 
 def measure(
@@ -209,14 +212,24 @@ def preprocess_section(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], 
         for size in ("small", "large"):
             corpus = corpora[size]
             mb = corpus.stat().st_size / 1e6
-            base: dict | None = None
-            for variant, workers in variants:
-                r = measure(tokenizers[name], name, corpus, variant, workers, tmp)
-                base = base or r
+            runs: dict[tuple[str, int], list[dict]] = {v: [] for v in variants}
+            for round_ in range(args.rounds):
+                # A rotating order, so a slow spell on a shared machine hits a different variant
+                # each round; the median over rounds is the figure.
+                k = round_ % len(variants)
+                for variant, workers in variants[k:] + variants[:k]:
+                    runs[(variant, workers)].append(
+                        measure(tokenizers[name], name, corpus, variant, workers, tmp)
+                    )
+            plain = statistics.median(r["seconds"] for r in runs[("plain", 0)])
+            digest = runs[("plain", 0)][0]["sha256"]
+            for (variant, workers), results in runs.items():
+                r, seconds = results[0], statistics.median(x["seconds"] for x in results)
                 rows.append(
-                    Row(name, mb, variant, workers, r["documents"], r["tokens"], r["seconds"],
-                        r["tokens"] / r["seconds"], mb / r["seconds"], base["seconds"] / r["seconds"],
-                        r["rss_parent_mb"], r["rss_worker_mb"], r["sha256"] == base["sha256"])
+                    Row(name, mb, variant, workers, r["documents"], r["tokens"], seconds,
+                        r["tokens"] / seconds, mb / seconds, plain / seconds,
+                        max(x["rss_parent_mb"] for x in results), max(x["rss_worker_mb"] for x in results),
+                        all(x["sha256"] == digest for x in results), [x["seconds"] for x in results])
                 )  # fmt: skip
                 print(_format_row(rows[-1]), flush=True)
     return rows, {
@@ -289,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--tokenizers", nargs="+", choices=["byte", "bpe"], default=["byte", "bpe"])
     p.add_argument("--bpe-vocab", type=int, default=8000)
+    p.add_argument("--rounds", type=int, default=1, help="runs of every variant; the median is reported")
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     p.add_argument("--tiny", action="store_true", help="2 MB and 0.5 MB corpora: a smoke run in seconds")
     p.add_argument("--json", type=Path, help="also write the figures here")
