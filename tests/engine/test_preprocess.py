@@ -5,10 +5,17 @@ on failure or Ctrl-C."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import io
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +24,7 @@ from megatrain.engine.data import corpus
 from megatrain.engine.data import preprocess as pp
 from megatrain.engine.data.corpus import Chunk, open_corpus
 from megatrain.engine.data.indexed import IndexedDataset
+from megatrain.engine.data.ordered_pool import OrderedPool, WorkerDied, WorkerFailed
 from megatrain.engine.data.preprocess import PreprocessError, ProgressInfo, preprocess
 from megatrain.engine.data.tokenizers import build_tokenizer
 from megatrain.spec import TokenizerSpec
@@ -233,7 +241,7 @@ def test_s3_input_is_streamed(tmp_path: Path, s3_bucket_url: str) -> None:
     data = _corpus(tmp_path / "c.jsonl.gz", texts).read_bytes()
     open_store(s3_bucket_url).put_bytes("corpora/c.jsonl.gz", data)
     url = f"{s3_bucket_url}/corpora/c.jsonl.gz"
-    with open_corpus(url) as reader:
+    with open_corpus(url) as reader:  # a stream from S3, not the object read into memory first
         assert not isinstance(reader._raw.raw, io.BytesIO) and reader.size == len(data)
     stats = preprocess(url, tmp_path / "out", BYTE, workers=1)
     assert stats.documents == len(texts)
@@ -268,3 +276,108 @@ def test_every_tokenizer_kind(tmp_path: Path, kind: str) -> None:
     tok = build_tokenizer(spec)
     assert _documents(tmp_path / "out") == [tok.encode(t) + [tok.eod] for t in texts]
     assert IndexedDataset(tmp_path / "out").dtype == dtype and stats.dtype == np.dtype(dtype).name
+
+
+# Megatron-LM's tools/preprocess_data.py with --append-eod, reduced to what reaches the files: per
+# line, the ids plus EOD as one sentence, through Megatron's own IndexedDatasetBuilder.
+_MEGATRON_BUILD = """
+import json, sys
+import numpy as np
+from megatron.core.datasets import indexed_dataset as indexed
+prefix, vocab, docs = json.loads(sys.stdin.read())
+builder = indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=indexed.DType.optimal_dtype(vocab))
+for ids in docs:
+    builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
+builder.finalize(prefix + ".idx")
+"""
+
+
+def test_files_equal_megatron_s_builder_fed_the_same_documents(tmp_path: Path) -> None:
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed (the test extra brings it on Python 3.11)")
+    spec = TokenizerSpec(type="hf", path=str(_train_hf(tmp_path / "tok.json")))
+    texts = [t for t in _texts(120) if t]
+    preprocess(str(_corpus(tmp_path / "c.jsonl", texts)), tmp_path / "ours", spec, workers=0)
+    tok = build_tokenizer(spec)
+    docs = [tok.encode(t) + [tok.eod] for t in texts]
+    subprocess.run(
+        [sys.executable, "-c", _MEGATRON_BUILD],
+        input=json.dumps([str(tmp_path / "meg"), tok.vocab_size, docs]),
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"meg{suffix}").read_bytes(), suffix
+
+
+# -- the ordered pool under the workers ---------------------------------------------------------
+
+
+def _square_slowly(seed: int) -> Any:
+    # The factory runs once per worker; the function it returns sleeps a little at random, so
+    # workers finish out of order and the pool must restore it.
+    import random
+    import time
+
+    rng = random.Random(seed)
+
+    def square(x: int) -> int:
+        time.sleep(rng.random() * 0.01)
+        if x == -1:
+            raise ArithmeticError("minus one is not allowed")
+        if x == -9:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x * x
+
+    return square
+
+
+def _refuse() -> Any:
+    raise ValueError("no tokenizer here")
+
+
+def test_pool_keeps_order_and_bounds_what_is_in_flight() -> None:
+    pulled = 0
+
+    def items() -> Iterator[int]:
+        nonlocal pulled
+        for i in range(60):
+            pulled += 1
+            yield i
+
+    got = []
+    with OrderedPool(3, _square_slowly, (0,)) as pool:
+        for i, value in enumerate(pool.map(items(), in_flight=4)):
+            assert pulled <= i + 4  # never more than in_flight items handed out and not yet yielded
+            got.append(value)
+    assert got == [i * i for i in range(60)]
+
+
+def test_pool_reports_errors_and_deaths_without_hanging() -> None:
+    cases = [
+        (_square_slowly, (1,), [1, 2, -1, 4], WorkerFailed, "ArithmeticError: minus one is not allowed"),
+        (_square_slowly, (1,), [1, 2, 3, -9, 5, 6], WorkerDied, r"died \(killed by signal 9\)"),
+        (_refuse, (), [1], WorkerFailed, "ValueError: no tokenizer here"),
+    ]
+    for factory, args, items, error, message in cases:
+        with pytest.raises(error, match=message), OrderedPool(2, factory, args) as pool:
+            list(pool.map(items, in_flight=4))
+
+
+def test_pool_stops_its_workers_on_interrupt() -> None:
+    with pytest.raises(KeyboardInterrupt), OrderedPool(2, _square_slowly, (2,)) as pool:
+        processes = list(pool._processes)
+        for value in pool.map(range(100), in_flight=4):
+            if value > 10:
+                raise KeyboardInterrupt
+    assert processes and not any(p.is_alive() for p in processes)
+
+
+def test_crlf_bom_non_utf8_and_a_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "c.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"text": "one"}\r\n{"text": "tw\xff"}\r\n{"text": "two"}\r\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PreprocessError, match=r"c\.jsonl:2: not UTF-8 text"):
+        preprocess("c.jsonl", "out", BYTE, workers=0)
+    stats = preprocess("c.jsonl", "out", BYTE, workers=0, on_error="skip", append_eod=False)
+    assert stats.skipped_count == 1 and _documents(tmp_path / "out") == [list(b"one"), list(b"two")]

@@ -14,11 +14,13 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from megatrain.storage import StorageError, read_url
 
 CHUNK_BYTES = 1 << 20
+UTF8_BOM = b"\xef\xbb\xbf"
 """A chunk holds about this many bytes of whole lines (more when one line is longer)."""
 
 
@@ -72,11 +74,15 @@ class CorpusReader:
         chunk_bytes = chunk_bytes or CHUNK_BYTES
         line = 1
         carry = b""  # an unfinished line from the previous read
+        first = True
         while True:
             block = self._read(chunk_bytes)
             if not block:
                 break
             self.text_bytes += len(block)
+            if first and block.startswith(UTF8_BOM):  # some Windows tools start text files with one
+                block = block[len(UTF8_BOM) :]
+            first = False
             data = carry + block
             cut = data.rfind(b"\n") + 1
             if cut == 0:  # one line longer than a block: keep reading until it ends
@@ -116,7 +122,10 @@ def _decompressor(url: str, raw: _Counting) -> BinaryIO:
 
 @contextmanager
 def open_corpus(url: str) -> Iterator[CorpusReader]:
-    """A JSONL corpus by local path, file:// or s3:// URL, opened as a stream."""
+    """A JSONL corpus by local path (relative to the working folder too), file:// or s3:// URL,
+    opened as a stream."""
+    if "://" not in url:
+        url = str(Path(url).resolve())
     try:
         raw = read_url(url)
     except StorageError as exc:

@@ -1,10 +1,11 @@
 """JSONL corpus -> Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`), in parallel, streaming.
 
 The parent process reads the corpus in chunks of whole lines (`corpus.py`), hands each chunk to one
-of `workers` processes (JSON parsing, key checks, tokenization, EOD) and writes their results in
-chunk order through `IndexedDatasetWriter`. At most `2 * workers + 1` chunks are in flight, so
-memory is flat in the input's size, and the chunking depends only on the input, so the output is
-byte-identical for any number of workers. `workers=0` does the same in this process.
+of `workers` processes (`ordered_pool.py`; they parse the JSON, check the key, tokenize, append EOD)
+and writes their results in chunk order through `IndexedDatasetWriter`. At most `2 * workers`
+chunks are in flight, so memory is flat in the input's size, and the chunking depends only on the
+input, so the output is byte-identical for any number of workers. `workers=0` does the same in this
+process.
 
 Semantics follow Megatron-LM's tools/preprocess_data.py with one key and no sentence splitting: one
 document (one sequence) per line, in input order, the EOD id appended to each when `append_eod`.
@@ -15,13 +16,9 @@ is an error (with its line number) instead of an empty document; blank lines are
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
-import signal
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +28,7 @@ import numpy as np
 
 from megatrain.engine.data.corpus import Chunk, CorpusError, document_text, open_corpus, split_lines
 from megatrain.engine.data.indexed import IndexedDatasetWriter, token_dtype
+from megatrain.engine.data.ordered_pool import OrderedPool
 from megatrain.engine.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, describe
 from megatrain.spec import TokenizerSpec
 
@@ -145,62 +143,23 @@ class _Encoder:
         return tokens, lengths
 
 
-# -- worker processes ---------------------------------------------------------------------------
+@contextmanager
+def _results(
+    chunks: Iterator[Chunk], workers: int, encoder: _Encoder, args: tuple[Any, ...]
+) -> Iterator[Iterator[_ChunkResult]]:
+    """Every chunk's result, in order: from `workers` processes, or from this one when 0."""
+    if workers == 0:
+        yield map(encoder, chunks)
+        return
+    with OrderedPool(workers, _worker_encoder, args) as pool:
+        # Two chunks per worker: one being tokenized, one waiting, so no worker idles on the parent.
+        yield pool.map(chunks, in_flight=2 * workers)
 
-_ENCODER: _Encoder | None = None
 
-
-def _init_worker(spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool) -> None:
-    global _ENCODER
-    # The parent handles Ctrl-C (it stops the pool); a worker's own traceback would only be noise.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _worker_encoder(spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool) -> _Encoder:
     # Processes are the parallelism here; the HF batch encoder's own threads would oversubscribe.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _ENCODER = _Encoder(spec, json_key, append_eod, fail_fast)
-
-
-def _encode_in_worker(chunk: Chunk) -> _ChunkResult:
-    assert _ENCODER is not None
-    return _ENCODER(chunk)
-
-
-class _Ready:
-    """A result computed in this process, answering `result()` as a Future does."""
-
-    def __init__(self, result: _ChunkResult):
-        self._result = result
-
-    def result(self) -> _ChunkResult:
-        return self._result
-
-
-@contextmanager
-def _executor(
-    workers: int, spec: TokenizerSpec, args: tuple[Any, ...], encoder: _Encoder
-) -> Iterator[Callable[[Chunk], Any]]:
-    """`submit(chunk)` -> something whose `result()` is the chunk's result."""
-    if workers == 0:
-        yield lambda chunk: _Ready(encoder(chunk))
-        return
-    # A ProcessPoolExecutor, not a multiprocessing.Pool: a worker that dies (killed for memory)
-    # breaks the pool with an error instead of leaving its chunk's result to wait forever.
-    # spawn, not fork: a forked child inherits the parent's tokenizer threads' locks mid-state.
-    pool = ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(spec, *args),
-    )
-    try:
-        yield lambda chunk: pool.submit(_encode_in_worker, chunk)
-    except BaseException:
-        # An error or Ctrl-C: stop the workers now rather than let them finish queued chunks.
-        # (Python 3.14 has pool.terminate_workers(); before it, only the private process table.)
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
+    return _Encoder(spec, json_key, append_eod, fail_fast)
 
 
 def preprocess(
@@ -229,7 +188,6 @@ def preprocess(
     tok: Tokenizer = encoder.tokenizer
     skipped: list[BadLine] = []
     counts = {"documents": 0, "tokens": 0, "skipped": 0}
-    in_flight = 2 * workers + 1
     last_report = start
 
     def write(result: _ChunkResult) -> None:
@@ -263,16 +221,12 @@ def preprocess(
         with (
             open_corpus(input_url) as reader,
             IndexedDatasetWriter(output_prefix, encoder.dtype) as writer,
-            _executor(workers, tokenizer, (json_key, append_eod, fail_fast), encoder) as submit,
+            _results(
+                reader.chunks(), workers, encoder, (tokenizer, json_key, append_eod, fail_fast)
+            ) as results,
         ):
-            pending: deque[Any] = deque()
-            for chunk in reader.chunks():
-                pending.append(submit(chunk))
-                if len(pending) >= in_flight:
-                    write(pending.popleft().result())
-                    report(reader)
-            while pending:
-                write(pending.popleft().result())
+            for result in results:
+                write(result)
                 report(reader)
             if counts["documents"] == 0:
                 what = f"all {counts['skipped']} lines were skipped" if counts["skipped"] else "it is empty"

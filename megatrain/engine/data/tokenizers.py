@@ -87,8 +87,9 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # The Rust batch encoder; the fast variant skips computing offsets nobody reads here.
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        # The Rust batch encoder; the fast variant (tokenizers >= 0.21) skips computing offsets.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
