@@ -68,7 +68,7 @@ def gpu_tokens_per_s(params: float, layers: int, hidden: int, seq_length: int) -
 
 
 def loader_section(workdir: Path, tokens: int, seconds: float, cpu_step_samples_per_s: float | None) -> str:
-    """The table printed by benchmarks/preprocess.py --loader."""
+    """The table printed by benchmarks/preprocess.py --sections loader."""
     indexed = synthetic_dataset(workdir / "loader-corpus", tokens)
     lines = [
         f"\nLoader: one rank, {indexed.num_tokens / 1e6:.0f}M tokens memory-mapped "

@@ -193,7 +193,8 @@ def tokenized_jsonl(url: str, tokenizer: TokenizerSpec, text_key: str, cache_roo
             from megatrain.engine.data.preprocess import preprocess
 
             size = identity.get("size", 0)
-            workers = 1 if size < PARALLEL_PREPROCESS_BYTES else max(1, min(8, len(os.sched_getaffinity(0))))
+            # Small files in this process: spawning workers (which re-import the trainer) costs more.
+            workers = 0 if size < PARALLEL_PREPROCESS_BYTES else max(1, min(8, len(os.sched_getaffinity(0))))
             preprocess(url, prefix, tokenizer, json_key=text_key, workers=workers, append_eod=True)
             (folder / "description.json").write_text(json.dumps(description, indent=2, sort_keys=True))
     return prefix
