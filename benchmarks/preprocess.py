@@ -241,12 +241,21 @@ def preprocess_section(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], 
 def loader_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
     """Loader samples/s against what a training step consumes (issue 13, the loader half): the table
     of benchmarks/_loader.py, which owns the measurement, on a memory-mapped dataset in `tmp`."""
+    from _loader import engine_data_share
     from _loader import loader_section as loader_table
 
-    tokens, seconds = (1_000_000, 0.3) if args.tiny else (50_000_000, 3.0)
-    table = loader_table(tmp, tokens, seconds, cpu_step_samples_per_s=None)
+    tokens, seconds, steps = (1_000_000, 0.3, 3) if args.tiny else (50_000_000, 3.0, 30)
+    engine = engine_data_share(tmp, steps)
+    print(
+        f"\nEngine (demo Llama shape, seq 256, global batch 16, fp32 CPU): {engine['iter_time_s'] * 1e3:.0f} "
+        f"ms/step, waiting for data {engine['data_time_s'] * 1e3:.2f} ms "
+        f"({engine['data_time_s'] / engine['iter_time_s']:.2%} of the step); it consumes "
+        f"{engine['samples_per_s']:.0f} samples/s ({engine['tokens_per_s']:.0f} tokens/s)",
+        flush=True,
+    )
+    table = loader_table(tmp, tokens, seconds, cpu_step_tokens_per_s=engine["tokens_per_s"])
     print(table, flush=True)
-    return {"tokens": tokens, "table": table}
+    return {"tokens": tokens, "table": table, "engine": engine}
 
 
 SECTIONS = {"preprocess": preprocess_section, "loader": loader_section}
