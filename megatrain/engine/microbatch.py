@@ -79,9 +79,10 @@ def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
     """This rank's share of the global batch's loss-token count: the count over data-parallel ranks
     (one all-reduce of one number per step) divided by dp, since DataParallel averages gradients."""
     local = sum(b.num_loss_tokens for b in batches)
-    # Always reduced, masks or not: a rank cannot know whether the others' batches carry masks, and
-    # skipping the collective on some ranks only would hang the rest.
-    if state.dp_group is None or state.dp_size == 1:
+    # Whether batches carry a loss mask is their dataset's kind (pretraining samples never do,
+    # fine-tuning samples always do), the same on every rank; unmasked, every rank counts the same
+    # B·T per micro-batch, so pretraining steps need no collective and no host sync for it.
+    if state.dp_group is None or state.dp_size == 1 or all(b.loss_mask is None for b in batches):
         return float(local)
     count = torch.tensor([float(local)], dtype=torch.float64, device=state.device)
     dist.all_reduce(count, group=state.dp_group)

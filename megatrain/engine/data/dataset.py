@@ -27,11 +27,10 @@ from megatrain.engine.data.gpt_dataset import (
     split_bounds,
 )
 from megatrain.engine.data.indexed import IndexedDataset
-from megatrain.engine.data.remote import cached_prefix, is_remote, local_path
+from megatrain.engine.data.remote import cached_prefix, source_identity
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.settings import get_settings
 from megatrain.spec import DataSource, DataSpec, JobSpec, TokenizerSpec
-from megatrain.storage import open_store, split_url
 
 PARALLEL_PREPROCESS_BYTES = 64 << 20
 """JSONL files from this size on are tokenized by several processes."""
@@ -175,7 +174,7 @@ def indices_dir(prefix: Path, cache_root: Path) -> Path:
 def tokenized_jsonl(url: str, tokenizer: TokenizerSpec, text_key: str, cache_root: Path) -> Path:
     """The indexed dataset of a JSONL file's `text_key` documents (EOD after each), tokenized once
     per node and kept under a key of the file's identity, the tokenizer and the key."""
-    identity = _identity(url)
+    identity = source_identity(url)
     description = {
         "source": url,
         "identity": identity,
@@ -198,16 +197,3 @@ def tokenized_jsonl(url: str, tokenizer: TokenizerSpec, text_key: str, cache_roo
             preprocess(url, prefix, tokenizer, json_key=text_key, workers=workers, append_eod=True)
             (folder / "description.json").write_text(json.dumps(description, indent=2, sort_keys=True))
     return prefix
-
-
-def _identity(url: str) -> dict[str, object]:
-    """What tells one version of a file from another: size and mtime, or size and ETag on S3."""
-    if is_remote(url):
-        parent, key = split_url(url)
-        info = open_store(parent).stat(key)
-        return {"size": info.size, "etag": info.etag}
-    try:
-        st = local_path(url).stat()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{url} does not exist") from None
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}

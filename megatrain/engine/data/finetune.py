@@ -37,6 +37,7 @@ from megatrain.engine.data.chat_templates import ChatTemplate, load_chat_templat
 from megatrain.engine.data.gpt_dataset import SPLITS, split_bounds
 from megatrain.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from megatrain.engine.data.packing import batch_from_samples, pack, packed_sample
+from megatrain.engine.data.remote import source_identity
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.spec import DataSpec
 from megatrain.storage import read_url
@@ -113,9 +114,7 @@ def _cache_key(data: DataSpec, tokenizer: Tokenizer, template: ChatTemplate) -> 
     sources = []
     for s in data.train:
         assert s.path is not None  # the API resolves named datasets to paths
-        local = s.path[7:] if s.path.startswith("file://") else s.path if s.path.startswith("/") else None
-        st = os.stat(local) if local is not None else None
-        sources.append([s.path, st.st_size if st else None, st.st_mtime_ns if st else None])
+        sources.append([s.path, source_identity(s.path)])  # size and mtime, or size and ETag
     shape = {
         "version": CACHE_VERSION,
         "sources": sources,

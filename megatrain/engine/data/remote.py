@@ -102,3 +102,16 @@ def _verify(path: Path, remote: dict, what: str) -> str:
     if etag and "-" not in etag and len(etag) == 32 and md5.hexdigest() != etag:
         raise OSError(f"{what}: MD5 {md5.hexdigest()} differs from the store's ETag {etag}")
     return sha.hexdigest()
+
+
+def source_identity(url: str) -> dict[str, object]:
+    """What tells one version of a file from another: size and mtime, or size and ETag on S3."""
+    if is_remote(url):
+        parent, key = split_url(url)
+        info = open_store(parent).stat(key)
+        return {"size": info.size, "etag": info.etag}
+    try:
+        st = local_path(url).stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{url} does not exist") from None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
