@@ -18,7 +18,7 @@ from megatrain.engine.config import TrainConfig
 from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
 from megatrain.engine.metrics import peak_memory_bytes, throughput
-from megatrain.engine.microbatch import MicroBatch, loss_denominator, token_share
+from megatrain.engine.microbatch import MicroBatch, loss_denominator, mean_loss_tokens, token_share
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
@@ -139,7 +139,7 @@ class TrainLoop:
         ddp, pipeline = self.train.ddp, self.train.pipeline
         ddp.eval()
         total = torch.zeros((), device=self.device)  # Σ loss over loss tokens (last stage)
-        count = 0
+        count, masked = 0, False
         for it in range(self.cfg.eval_iters):
             ids = self._micro_ids(it * self.cfg.global_batch_size)
             batches = [batch_of(dataset, i, self.device) for i in ids]
@@ -149,16 +149,13 @@ class TrainLoop:
                 for mb in batches:
                     total += lm_loss(ddp, mb, self.state) * mb.num_loss_tokens
             count += sum(mb.num_loss_tokens for mb in batches)
+            masked = masked or any(mb.loss_mask is not None for mb in batches)
         ddp.train()
         if pipeline is not None:
             pipeline.times.reset()  # the bubble figure is the training schedule's
         # Means over dp of the sum and of the count (every stage holds the count): their ratio is the
         # global per-token loss.
-        count_mean = float(count)
-        if self.state.dp_group is not None:
-            c = torch.tensor(float(count), dtype=torch.float64, device=self.device)
-            dist.all_reduce(c, group=self.state.dp_group)
-            count_mean = float(c.item()) / self.state.dp_size
+        count_mean = mean_loss_tokens(count, masked, self.state)
         return reduce_mean(total, self.state) / count_mean if count_mean else float("nan")
 
     def _summed_loss(self, out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

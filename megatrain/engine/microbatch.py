@@ -76,13 +76,19 @@ class MicroBatch:
 
 
 def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
-    """This rank's share of the global batch's loss-token count: the count over data-parallel ranks
-    (one all-reduce of one number per step) divided by dp, since DataParallel averages gradients."""
-    local = sum(b.num_loss_tokens for b in batches)
-    # Whether batches carry a loss mask is their dataset's kind (pretraining samples never do,
-    # fine-tuning samples always do), the same on every rank; unmasked, every rank counts the same
-    # B·T per micro-batch, so pretraining steps need no collective and no host sync for it.
-    if state.dp_group is None or state.dp_size == 1 or all(b.loss_mask is None for b in batches):
+    """This rank's share of the global batch's loss-token count (see `mean_loss_tokens`)."""
+    masked = any(b.loss_mask is not None for b in batches)
+    return mean_loss_tokens(sum(b.num_loss_tokens for b in batches), masked, state)
+
+
+def mean_loss_tokens(local: int, masked: bool, state: ParallelState) -> float:
+    """The mean over data-parallel ranks of their loss-token counts (the global count over dp, since
+    DataParallel averages gradients): one all-reduce of one number when the batches carry masks.
+
+    Whether batches carry a loss mask is their dataset's kind (pretraining samples never do,
+    fine-tuning samples always do), the same on every rank; unmasked, every rank counts the same
+    B·T per micro-batch, so pretraining steps need no collective and no host sync for it."""
+    if state.dp_group is None or state.dp_size == 1 or not masked:
         return float(local)
     count = torch.tensor([float(local)], dtype=torch.float64, device=state.device)
     dist.all_reduce(count, group=state.dp_group)

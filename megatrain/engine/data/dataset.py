@@ -127,18 +127,13 @@ def _holds_records(data: DataSpec) -> bool:
 def _first_record_kind(source: DataSource, data: DataSpec) -> bool:
     if source.path is None or not source.is_jsonl:
         return False
-    from megatrain.engine.data.corpus import open_corpus, split_lines
+    from megatrain.engine.data.finetune import RecordError, iter_records
 
-    with open_corpus(source.path) as reader:
-        for chunk in reader.chunks(1 << 16):
-            for _, line in split_lines(chunk):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        return False  # preprocessing names the line
-                    keys = (data.messages_key, data.prompt_key)
-                    return isinstance(record, dict) and any(k in record for k in keys)
+    try:
+        for _, record in iter_records(source.path):
+            return isinstance(record, dict) and (data.messages_key in record or data.prompt_key in record)
+    except RecordError:
+        return False  # not JSON: preprocessing names the line
     return False
 
 

@@ -21,9 +21,7 @@ order (Megatron's document split).
 from __future__ import annotations
 
 import fcntl
-import gzip
 import hashlib
-import io
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -34,13 +32,13 @@ import numpy as np
 
 from megatrain.engine.data.batch import Batch
 from megatrain.engine.data.chat_templates import ChatTemplate, load_chat_template
+from megatrain.engine.data.corpus import open_corpus, split_lines
 from megatrain.engine.data.gpt_dataset import SPLITS, split_bounds
 from megatrain.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from megatrain.engine.data.packing import batch_from_samples, pack, packed_sample
 from megatrain.engine.data.remote import source_identity
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.spec import DataSpec
-from megatrain.storage import read_url
 
 CACHE_VERSION = 1
 
@@ -50,24 +48,19 @@ class RecordError(ValueError):
 
 
 def iter_records(url: str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed JSON) of every non-blank line of a .jsonl file, plain, .gz or .zst."""
-    with read_url(url) as raw:
-        if url.endswith(".gz"):
-            stream: Any = gzip.GzipFile(fileobj=raw)
-        elif url.endswith(".zst"):
-            import zstandard
-
-            stream = zstandard.ZstdDecompressor().stream_reader(raw)
-        else:
-            stream = raw
-        with io.TextIOWrapper(stream, encoding="utf-8") as lines:
-            for lineno, line in enumerate(lines, start=1):
+    """(line number, parsed JSON) of every non-blank line of a .jsonl file, plain, .gz or .zst
+    (streamed through the preprocessing's corpus reader)."""
+    with open_corpus(url) as reader:
+        for chunk in reader.chunks():
+            for lineno, line in split_lines(chunk):
                 if not line.strip():
                     continue
                 try:
                     yield lineno, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise RecordError(f"{url}:{lineno}: not valid JSON ({exc.msg})") from None
+                except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+                    raise RecordError(
+                        f"{url}:{lineno}: not valid JSON ({getattr(exc, 'msg', exc)})"
+                    ) from None
 
 
 def record_messages(obj: Any, data: DataSpec, where: str) -> list[dict[str, str]]:
