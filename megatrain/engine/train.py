@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,12 @@ def run(
     checkpoint_url: str | None = None,
     ctx: Dist | None = None,
     layout: Layout | None = None,
+    probe: Callable[[Trainable], Any] | None = None,
 ) -> dict[str, Any]:
     """Train `spec` to training.train_iters (resuming if a checkpoint exists); returns a summary.
 
-    `layout` is the stored, checked one; without it the spec's is resolved for this world."""
+    `layout` is the stored, checked one; without it the spec's is resolved for this world. `probe`
+    (tests, tools) is called with the trained model at the end; its result is summary["probe"]."""
     ctx = ctx or Dist()
     layout = layout or resolve_layout(spec, ctx.world_size)
     check_runnable(layout, ctx.world_size)
@@ -144,6 +147,8 @@ def run(
     try:
         summary = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, checkpointer.poll).run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
+        if probe is not None:
+            summary["probe"] = probe(train)
     finally:
         for loader in loaders.values():
             if loader is not None:
