@@ -74,9 +74,32 @@ def make_norm(cfg: TransformerConfig) -> nn.Module:
     return RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
-def rope_tables(seq_length: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (T, head_dim) in the rotate-half layout Hugging Face Llama uses."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """The (hd/2,) rotary frequencies in fp64, scaled as Hugging Face's modeling_rope_utils does:
+    linear divides them all by `factor`; llama3 divides the low frequencies (wavelength beyond
+    original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones (wavelength
+    below original / high_freq_factor) and interpolates smoothly in between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    seq_length: int, head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (T, head_dim) in the rotate-half layout Hugging Face Llama uses."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
     return angles.cos().float(), angles.sin().float()
@@ -166,7 +189,7 @@ class Attention(nn.Module):
         self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
         out = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.qkv = Linear(cfg.hidden_size, out, bias=cfg.add_bias)
+        self.qkv = Linear(cfg.hidden_size, out, bias=cfg.has_qkv_bias)
         self.proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,7 +293,7 @@ class GPTModel(nn.Module):
         self.final_norm = make_norm(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.position_embedding == "rope":
-            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             # Not persistent: derived from the config, so checkpoints carry weights only.
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
