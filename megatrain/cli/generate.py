@@ -18,6 +18,7 @@ import typer
 from megatrain.cli.common import _fail, _user_errors, app
 from megatrain.client import Client
 from megatrain.settings import get_settings
+from megatrain.storage import StorageError, open_store
 
 if TYPE_CHECKING:
     from megatrain.engine.data.tokenizers import Tokenizer
@@ -82,7 +83,7 @@ def generate_text(
             ids = loaded.tokenizer.encode(prompt or "")
         tok, cfg = loaded.tokenizer, loaded.model.config
         # Only ids both the model and the tokenizer know: not the embedding's padding rows.
-        vocab_limit = getattr(cfg, "vocab_size_unpadded", None) or cfg.vocab_size
+        vocab_limit = cfg.real_vocab_size
         if tok is not None:
             vocab_limit = min(vocab_limit, tok.vocab_size)
         new = generate(
@@ -97,7 +98,7 @@ def generate_text(
             eos_id=None if tok is None else tok.eod,
             vocab_limit=vocab_limit,
         )
-    except (ValueError, OSError, ImportError) as exc:
+    except (ValueError, OSError, ImportError, StorageError) as exc:
         raise _fail(str(exc)) from None
     if loaded.tokenizer is not None:
         typer.echo(loaded.tokenizer.decode(ids + new))
@@ -144,7 +145,6 @@ def _load_hf(path: str, device: str) -> _Loaded:
     from megatrain.engine.checkpoint import to_url
     from megatrain.engine.data.tokenizers import HFTokenizer
     from megatrain.engine.interop.hf import load_hf_model
-    from megatrain.storage import open_store
 
     url = to_url(path)
     model, _ = load_hf_model(url, device)

@@ -35,8 +35,8 @@ def generate(
 ) -> list[int]:
     """The token ids that follow `prompt_ids` (the prompt itself excluded; eos_id, when it comes,
     is the last one). greedy=False samples with temperature / top_k (0: off) / top_p (1.0: off);
-    seed=None draws a fresh seed. vocab_limit defaults to the config's vocab_size_unpadded when it
-    has one, else its vocab_size."""
+    seed=None draws a fresh seed. vocab_limit (default: the config's real_vocab_size) keeps ids
+    at and beyond it, the embedding's padding rows, from ever being chosen."""
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
     if prompt.dim() != 1:
         raise ValueError(f"prompt_ids must be one sequence of ids, got shape {tuple(prompt.shape)}")
@@ -63,7 +63,7 @@ def generate_batch(
     """generate() for a batch of prompts of one length, (B, T): each row's new ids, a row ending at
     its eos_id while the others go on. The model runs in eval mode (dropout off) meanwhile."""
     cfg = model.config
-    limit = vocab_limit or getattr(cfg, "vocab_size_unpadded", None) or cfg.vocab_size
+    limit = min(vocab_limit or cfg.real_vocab_size, cfg.vocab_size)
     device = model.embed.weight.device
     prompts = torch.as_tensor(prompts, dtype=torch.long).to(device)
     _check(prompts, max_new_tokens, limit, cfg.seq_length, greedy, temperature, top_k, top_p)
@@ -83,8 +83,10 @@ def generate_batch(
         tokens = prompts
         for _ in range(steps):
             # Only the last position's logits are needed: the LM head on (B, C), not (B, T, C).
-            logits = model.lm_head(model.hidden_states(tokens, kv_cache=cache)[:, -1]).float()  # (B, V)
-            logits[:, limit:] = float("-inf")
+            hidden = model.hidden_states(tokens, kv_cache=cache)[:, -1]  # (B, C)
+            # The LM head on the last position only; the padding rows' logits are dropped, so that
+            # sampling sees the real vocabulary's distribution.
+            logits = model.lm_head(hidden)[:, :limit].float()  # (B, limit)
             if greedy:
                 next_ids = logits.argmax(dim=-1)
             else:

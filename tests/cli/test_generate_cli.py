@@ -18,6 +18,8 @@ SEQ_LENGTH = 32
 
 def run(*args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    # An exception that escaped the command (CliRunner catches it) is a traceback for a user.
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output, result.output
     return result.exit_code, result.stdout, result.stderr
 
@@ -146,3 +148,54 @@ def test_a_job_checkpoint_is_downloaded_once(live_api: LiveApi, checkpoint_root:
     assert code == 0 and ids_line(out, "new ids") == want, out + err
     code, out, err = run("generate", f"{job_id}@9", "--prompt-ids", "5,6")
     assert code == 1 and err.count("\n") == 1 and "404" in err, err
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random transformers Llama saved with save_pretrained, and a word-level tokenizer.json
+    of its 100 ids (</s>, id 2, ends a text)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, max_position_embeddings=SEQ_LENGTH, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
+    shutil.copytree(folder / "model", folder / "with_tokenizer")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 100)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(folder / "with_tokenizer" / "tokenizer.json"))
+    return folder
+
+
+def test_an_hf_model_with_and_without_its_tokenizer(hf_folder: Path) -> None:
+    from megatrain.engine.generate import generate
+    from megatrain.engine.interop.hf import load_hf_model
+
+    model, _ = load_hf_model(str(hf_folder / "model"))
+    want = generate(model, [5, 6, 7], 10, eos_id=2, vocab_limit=100)
+    code, out, _ = run(
+        "generate", f"hf:{hf_folder / 'with_tokenizer'}", "--prompt", "w5 w6 w7", "--max-new-tokens", "10"
+    )
+    assert code == 0 and out.rstrip("\n") == " ".join(
+        f"w{i}" if i > 2 else "</s>" for i in [5, 6, 7, *want]
+    ), out
+    code, out, err = run(
+        "generate", f"hf:{hf_folder / 'model'}", "--prompt-ids", "5,6,7", "--max-new-tokens", "10"
+    )
+    # Without a tokenizer: no text and no eos to stop at, the ids all the same.
+    assert code == 0 and ids_line(out, "new ids") == generate(model, [5, 6, 7], 10), out
+    assert "has no tokenizer.json" in err
+    code, out, err = run("generate", f"hf:{hf_folder / 'model'}", "--prompt", "w5")
+    assert code == 1 and err.count("\n") == 1 and "--prompt needs the model's tokenizer" in err, err
+    code, out, err = run("generate", f"hf:{hf_folder / 'model'}", "--prompt-ids", "100")
+    assert code == 1 and "prompt id 100 is outside the vocabulary [0, 100)" in err, err
+    code, out, err = run("generate", f"hf:{hf_folder / 'nothing'}", "--prompt-ids", "1")
+    assert code == 1 and err.count("\n") == 1, err
