@@ -102,7 +102,7 @@ def generate_text(
         raise _fail(str(exc)) from None
     if loaded.tokenizer is not None:
         typer.echo(loaded.tokenizer.decode(ids + new))
-    elif prompt is None:
+    else:
         typer.echo(f"(no text: {loaded.tokenizer_error})", err=True)
     if prompt_ids is not None:
         typer.echo(f"prompt ids: {','.join(map(str, ids))}")

@@ -35,7 +35,7 @@ def full_recompute(
     """Greedy decoding without a cache: the whole sequence through the model at every step."""
     seq = list(prompt)
     for _ in range(steps):
-        logits = model(torch.tensor([seq]))[0, -1]
+        logits = model(torch.tensor([seq], device=model.embed.weight.device))[0, -1]
         if vocab_limit is not None:
             logits[vocab_limit:] = float("-inf")
         seq.append(int(logits.argmax()))
@@ -114,6 +114,19 @@ def test_sampling_is_reproducible_and_top_k_one_is_greedy() -> None:
     assert generate(model, prompt, 12, greedy=False, top_k=1, temperature=3.0, seed=5) == generate(
         model, prompt, 12
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("flavour", ["gpt2", "llama-gqa"])
+def test_on_cuda(flavour: str) -> None:
+    model = make_model(flavour).cuda()
+    prompt = [5, 17, 99, 3]
+    assert generate(model, prompt, 12) == full_recompute(model, prompt, 12)
+    kw = {"greedy": False, "temperature": 1.5, "top_p": 0.9, "seed": 2}
+    assert generate(model, prompt, 12, **kw) == generate(model, prompt, 12, **kw)
+    half = make_model(flavour).to("cuda", torch.bfloat16)  # the cache in the model's dtype
+    assert len(generate(half, prompt, 12)) == 12
 
 
 def test_bad_arguments_are_value_errors() -> None:

@@ -137,6 +137,9 @@ class KVCache:
     length .. length+T-1 and then advances length: a prompt in one forward, then a token per step.
     """
 
+    # SDPA reads grouped keys and values itself from torch 2.5 (a builtin: no signature to inspect).
+    _sdpa_gqa = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
     def __init__(self, max_len: int):
         self.max_len = max_len
         self.length = 0
@@ -161,11 +164,15 @@ class KVCache:
         mask = None
         if start > 0 and t > 1:
             mask = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]
-        if g != q.shape[1]:
-            # Query head h reads group h // (H/G) (SDPA's enable_gqa needs torch >= 2.5).
+        kw: dict[str, Any] = {}
+        if g != q.shape[1] and self._sdpa_gqa:
+            kw["enable_gqa"] = True
+        elif g != q.shape[1]:  # query head h reads group h // (H/G): a copy of the cache per step
             k, v = k.repeat_interleave(q.shape[1] // g, dim=1), v.repeat_interleave(q.shape[1] // g, dim=1)
         causal = start == 0 and t > 1
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, **kw
+        )
 
 
 class Attention(nn.Module):
