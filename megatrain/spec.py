@@ -27,6 +27,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeScalingSpec(_Strict):
+    """Rotary-frequency scaling as Hugging Face defines it (transformers' modeling_rope_utils)."""
+
+    type: Literal["linear", "llama3"]
+    """linear: every frequency divided by factor. llama3: the low frequencies divided by factor, the
+    high ones kept, the ones between interpolated (Llama 3.1)."""
+    factor: float = Field(..., gt=0.0, le=1e6)
+    low_freq_factor: float | None = Field(None, gt=0.0, le=1e6)
+    """llama3 only (1.0 in Llama 3.1)."""
+    high_freq_factor: float | None = Field(None, gt=0.0, le=1e6)
+    """llama3 only (4.0 in Llama 3.1)."""
+    original_max_position_embeddings: int | None = Field(None, ge=1, le=1 << 24)
+    """llama3 only: the context length of pretraining (8192 in Llama 3.1)."""
+
+    @model_validator(mode="after")
+    def _llama3_fields(self) -> RopeScalingSpec:
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        given = [k for k in llama3 if getattr(self, k) is not None]
+        if self.type == "llama3" and len(given) < len(llama3):
+            missing = ", ".join(f"model.rope_scaling.{k}" for k in llama3 if k not in given)
+            raise ValueError(f"model.rope_scaling of type llama3 needs {missing}")
+        if self.type == "linear" and given:
+            raise ValueError(f"model.rope_scaling.{given[0]} is only for type llama3")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:  # type: ignore[operator]
+            raise ValueError("model.rope_scaling.high_freq_factor must exceed low_freq_factor")
+        return self
+
+
+HF_URL_PREFIXES = ("file:///", "s3://", "/")
+
+
+def _valid_init_from(text: str) -> bool:
+    # hf: names a folder we can read (a hub id such as hf:gpt2 would need the network).
+    kind, _, rest = text.partition(":")
+    if kind == "hf":
+        return rest.startswith(HF_URL_PREFIXES) and len(rest) > len("s3://")
+    return kind == "checkpoint" and bool(rest)
+
+
 class ModelSpec(_Strict):
     arch: Literal["gpt2", "llama"] = "llama"
     """gpt2: learned positions, LayerNorm, GELU, tied embeddings. llama: RoPE, RMSNorm, SwiGLU, GQA."""
@@ -44,13 +83,18 @@ class ModelSpec(_Strict):
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_eps: float = Field(1e-5, gt=0.0, le=1e-1)
     rope_theta: float = Field(10000.0, gt=0.0, le=1e9)
+    rope_scaling: RopeScalingSpec | None = None
+    """None: plain RoPE; else linear or llama3 scaling of the rotary frequencies."""
+    qkv_bias: bool | None = None
+    """Biases on the query/key/value projection (Qwen2); None: as the arch (gpt2 has biases everywhere)."""
     tie_embeddings: bool | None = None
     """None: tied for gpt2, untied for llama."""
     init_method_std: float = Field(0.02, gt=0.0, le=1.0)
     num_experts: int = Field(0, ge=0, le=0)
     """Mixture of experts is not supported yet; only 0 is accepted."""
     init_from: str | None = Field(None, max_length=1024)
-    """null | checkpoint:JOB_ID[@STEP] (hf:PATH arrives with the interop work)."""
+    """null | checkpoint:JOB_ID[@STEP] | hf:URL (a Hugging Face model folder: config.json and
+    safetensors, as file:///abs/path or s3://bucket/prefix)."""
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelSpec:
@@ -65,8 +109,11 @@ class ModelSpec(_Strict):
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={groups}"
             )
-        if self.init_from is not None and not self.init_from.startswith("checkpoint:"):
-            raise ValueError("model.init_from must be null or checkpoint:JOB_ID[@STEP]")
+        if self.init_from is not None and not _valid_init_from(self.init_from):
+            raise ValueError(
+                "model.init_from must be null, checkpoint:JOB_ID[@STEP] or hf:URL "
+                "(file:///abs/path or s3://bucket/prefix of a Hugging Face model folder)"
+            )
         return self
 
     @property

@@ -31,14 +31,22 @@ class TransformerConfig:
     seq_length: int
     vocab_size: int
     """Padded embedding rows (>= the tokenizer's vocabulary)."""
+    vocab_size_unpadded: int | None = None
+    """The real vocabulary (a Hugging Face config's vocab_size, or the tokenizer's); rows beyond it
+    are padding. None: vocab_size."""
     position_embedding: Literal["learned", "rope"] = "rope"
     normalization: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     activation: Literal["gelu", "swiglu"] = "swiglu"
     add_bias: bool = False
     """Biases on every Linear (GPT-2) or none (Llama)."""
+    qkv_bias: bool | None = None
+    """Biases on the qkv projection only (Qwen2); None: add_bias's value."""
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """None, {"type": "linear", "factor"} or {"type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"} (Hugging Face's rope types)."""
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -50,6 +58,22 @@ class TransformerConfig:
             raise ValueError("num_attention_heads must be divisible by num_query_groups")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError("rotary embeddings need an even head dimension")
+        if self.vocab_size_unpadded is not None and not 0 < self.vocab_size_unpadded <= self.vocab_size:
+            raise ValueError(f"vocab_size_unpadded={self.vocab_size_unpadded} must be in [1, vocab_size]")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type")
+            missing = [k for k in ROPE_SCALING_KEYS.get(kind, ()) if k not in self.rope_scaling]
+            if kind not in ROPE_SCALING_KEYS or missing:
+                raise ValueError(f"rope_scaling {self.rope_scaling} is not linear or llama3 with its keys")
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.add_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The vocabulary without padding rows."""
+        return self.vocab_size_unpadded or self.vocab_size
 
     @property
     def head_dim(self) -> int:
@@ -79,6 +103,12 @@ class TransformerConfig:
         return cls(**data)
 
 
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The keys each rope-scaling type needs (megatrain.engine.models.gpt.rope_inv_freq applies them)."""
+
 FLAVOURS: dict[str, dict[str, Any]] = {
     # Learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
     "gpt2": {"position_embedding": "learned", "normalization": "layernorm", "activation": "gelu",
@@ -107,9 +137,12 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         ffn_hidden_size=m.ffn_size,
         seq_length=m.seq_length,
         vocab_size=m.padded_vocab(tokenizer_vocab),
+        vocab_size_unpadded=m.vocab_size if m.vocab_size is not None else tokenizer_vocab,
         **flavour,
+        qkv_bias=m.qkv_bias,
         norm_eps=m.norm_eps,
         rope_theta=m.rope_theta,
+        rope_scaling=m.rope_scaling.model_dump(exclude_none=True) if m.rope_scaling is not None else None,
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,

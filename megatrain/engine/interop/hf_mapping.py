@@ -1,0 +1,165 @@
+"""Our canonical parameters <-> Hugging Face tensors, one Rule per canonical tensor.
+
+A Rule names the HF tensors a canonical tensor is made of and converts both ways, so import and
+export share one table and cannot drift apart:
+  GPT-2:  Conv1D weights are stored (in, out): transposed; c_attn's columns are [q; k; v] over all
+          heads, regrouped into our per-head [q_h; k_h; v_h] (Attention's layout with G = H).
+  Llama:  q_proj, k_proj, v_proj are regrouped group by group (H/G query heads, then the group's key
+          and value head); gate_proj and up_proj stack into fc1 ([gate; up]).
+  Both:   embedding and untied LM-head rows are zero-padded to cfg.vocab_size on import and cut to
+          the real vocabulary on export; a tied head is stored only as the embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.engine.config import TransformerConfig
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    """Canonical (GPTModel state-dict) name."""
+    hf: tuple[str, ...]
+    """The Hugging Face tensors it is made of, in from_hf's argument order."""
+    to_hf: Callable[[Tensor], tuple[Tensor, ...]]
+    from_hf: Callable[..., Tensor]
+
+
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+"""Buffers older checkpoints carry (GPT-2's causal mask, Llama's rotary frequencies): not weights."""
+
+
+def group_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, groups: int) -> Tensor:
+    """q (H·hd, ...), k and v (G·hd, ...) -> our qkv rows: per group [H/G query heads; k; v]."""
+    rest = q.shape[1:]
+    hd = q.shape[0] // heads
+    q = q.reshape(groups, heads // groups, hd, *rest)
+    k, v = k.reshape(groups, 1, hd, *rest), v.reshape(groups, 1, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: Tensor, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """group_qkv's inverse: our qkv rows -> q (H·hd, ...), k (G·hd, ...), v (G·hd, ...)."""
+    rest = qkv.shape[1:]
+    per = heads // groups
+    hd = qkv.shape[0] // (heads + 2 * groups)
+    q, k, v = qkv.reshape(groups, per + 2, hd, *rest).split([per, 1, 1], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    if t.shape[0] > rows:
+        raise ValueError(f"a vocabulary of {t.shape[0]} rows does not fit the model's {rows}")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
+
+
+def _same(name: str, hf: str) -> Rule:
+    return Rule(name, (hf,), lambda t: (t,), lambda t: t)
+
+
+def _transposed(name: str, hf: str) -> Rule:
+    """GPT-2 Conv1D: weight (in, out), ours (out, in)."""
+    return Rule(name, (hf,), lambda t: (t.t(),), lambda t: t.t())
+
+
+def _vocab(name: str, hf: str, cfg: TransformerConfig) -> Rule:
+    real = cfg.real_vocab_size
+    return Rule(name, (hf,), lambda t: (t[:real],), lambda t: _pad_rows(t, cfg.vocab_size))
+
+
+def gpt2_rules(cfg: TransformerConfig, prefix: str = "transformer.") -> list[Rule]:
+    h = cfg.num_attention_heads
+
+    def qkv_to_hf(t: Tensor) -> tuple[Tensor, ...]:
+        return (torch.cat(split_qkv(t, h, h)).t(),)  # Conv1D: (C, 3C), columns [q; k; v]
+
+    def qkv_from_hf(t: Tensor) -> Tensor:
+        return group_qkv(*t.t().chunk(3), h, h)
+
+    def qkv_bias_to_hf(t: Tensor) -> tuple[Tensor, ...]:
+        return (torch.cat(split_qkv(t, h, h)),)
+
+    def qkv_bias_from_hf(t: Tensor) -> Tensor:
+        return group_qkv(*t.chunk(3), h, h)
+
+    p = prefix
+    rules = [
+        _vocab("embed.weight", f"{p}wte.weight", cfg),
+        # Positions beyond a shorter seq_length are dropped; export writes n_positions = seq_length.
+        Rule("pos_embed.weight", (f"{p}wpe.weight",), lambda t: (t,), lambda t: t[: cfg.seq_length]),
+    ]
+    for i in range(cfg.num_layers):
+        ours, hf = f"layers.{i}.", f"{p}h.{i}."
+        rules += [
+            _same(ours + "attn_norm.weight", hf + "ln_1.weight"),
+            _same(ours + "attn_norm.bias", hf + "ln_1.bias"),
+            Rule(ours + "attn.qkv.weight", (hf + "attn.c_attn.weight",), qkv_to_hf, qkv_from_hf),
+            Rule(ours + "attn.qkv.bias", (hf + "attn.c_attn.bias",), qkv_bias_to_hf, qkv_bias_from_hf),
+            _transposed(ours + "attn.proj.weight", hf + "attn.c_proj.weight"),
+            _same(ours + "attn.proj.bias", hf + "attn.c_proj.bias"),
+            _same(ours + "mlp_norm.weight", hf + "ln_2.weight"),
+            _same(ours + "mlp_norm.bias", hf + "ln_2.bias"),
+            _transposed(ours + "mlp.fc1.weight", hf + "mlp.c_fc.weight"),
+            _same(ours + "mlp.fc1.bias", hf + "mlp.c_fc.bias"),
+            _transposed(ours + "mlp.fc2.weight", hf + "mlp.c_proj.weight"),
+            _same(ours + "mlp.fc2.bias", hf + "mlp.c_proj.bias"),
+        ]
+    rules += [_same("final_norm.weight", f"{p}ln_f.weight"), _same("final_norm.bias", f"{p}ln_f.bias")]
+    if not cfg.tie_embeddings:
+        rules.append(_vocab("lm_head.weight", "lm_head.weight", cfg))
+    return rules
+
+
+def llama_rules(cfg: TransformerConfig) -> list[Rule]:
+    """Llama, Mistral and Qwen2 (whose q/k/v carry biases) share these names."""
+    h, g = cfg.num_attention_heads, cfg.num_query_groups
+
+    def qkv_to_hf(t: Tensor) -> tuple[Tensor, ...]:
+        return split_qkv(t, h, g)
+
+    def qkv_from_hf(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return group_qkv(q, k, v, h, g)
+
+    def fc1_to_hf(t: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.chunk(2))  # [gate; up]
+
+    def fc1_from_hf(gate: Tensor, up: Tensor) -> Tensor:
+        return torch.cat([gate, up])
+
+    rules = [_vocab("embed.weight", "model.embed_tokens.weight", cfg)]
+    for i in range(cfg.num_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        proj = [f"{hf}self_attn.{x}_proj" for x in "qkv"]
+        rules += [
+            _same(ours + "attn_norm.weight", hf + "input_layernorm.weight"),
+            Rule(ours + "attn.qkv.weight", tuple(p + ".weight" for p in proj), qkv_to_hf, qkv_from_hf),
+        ]
+        if cfg.has_qkv_bias:
+            rules.append(
+                Rule(ours + "attn.qkv.bias", tuple(p + ".bias" for p in proj), qkv_to_hf, qkv_from_hf)
+            )
+        mlp = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        rules += [
+            _same(ours + "attn.proj.weight", hf + "self_attn.o_proj.weight"),
+            _same(ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight"),
+            Rule(ours + "mlp.fc1.weight", mlp, fc1_to_hf, fc1_from_hf),
+            _same(ours + "mlp.fc2.weight", hf + "mlp.down_proj.weight"),
+        ]
+    rules.append(_same("final_norm.weight", "model.norm.weight"))
+    if not cfg.tie_embeddings:
+        rules.append(_vocab("lm_head.weight", "lm_head.weight", cfg))
+    return rules
+
+
+def rules_for(cfg: TransformerConfig, model_type: str, gpt2_prefix: str = "transformer.") -> list[Rule]:
+    """The table for a config.json's model_type (gpt2 | llama | mistral | qwen2)."""
+    if model_type == "gpt2":
+        return gpt2_rules(cfg, gpt2_prefix)
+    return llama_rules(cfg)

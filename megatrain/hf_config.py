@@ -1,0 +1,278 @@
+"""Hugging Face config.json <-> our model fields, without torch (the API checks specs with it).
+
+Families: GPT-2 (model_type gpt2) and the Llama family (llama, mistral, qwen2: RoPE, RMSNorm,
+SwiGLU, grouped-query attention; Qwen2 adds biases on q/k/v). Both config.json dialects are read:
+transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling` (which wins when both
+are present, as transformers itself resolves them). Anything our model cannot compute exactly is a
+`HFConfigError` naming the config key, never a silently different model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
+ROPE_TYPES = ("linear", "llama3")
+LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+"""GPT-2's activations that equal our tanh-approximated GELU."""
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class HFConfigError(ValueError):
+    """A config.json our model cannot reproduce; `key` names the offending config key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config.json {key}: {message}")
+
+
+def model_fields_from_hf(config: Mapping[str, Any], seq_length: int | None = None) -> dict[str, Any]:
+    """ModelSpec fields (model.*) for a transformers config.json.
+
+    seq_length: the spec's choice (<= the config's maximum); None takes max_position_embeddings
+    (n_positions for GPT-2), capped at a sliding attention window, within which windowed attention
+    equals the full causal attention we compute."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFConfigError("model_type", f"{model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    fields = _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, model_type)
+    max_len, window = fields.pop("seq_length"), fields.pop("_window", None)
+    if seq_length is None:
+        seq_length = min(max_len, window) if window else max_len
+    if seq_length > max_len:
+        raise HFConfigError("max_position_embeddings", f"{max_len} is shorter than seq_length={seq_length}")
+    if window and window < seq_length:
+        raise HFConfigError("sliding_window", f"{window} is smaller than seq_length={seq_length}")
+    return {**fields, "seq_length": seq_length}
+
+
+def _require(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = config.get(key, default)
+    if value is None:
+        raise HFConfigError(key, "is missing")
+    return value
+
+
+def _refuse(config: Mapping[str, Any], key: str, ok: Any, why: str) -> None:
+    """A config value we cannot compute: `ok` is the one accepted value (or a tuple of them)."""
+    value = config.get(key)
+    accepted = ok if isinstance(ok, tuple) else (ok,)
+    if value is not None and value not in accepted:
+        raise HFConfigError(key, f"{value!r} is not supported ({why})")
+
+
+def _gpt2_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    _refuse(config, "activation_function", GPT2_GELUS, "GPT-2's tanh GELU only")
+    _refuse(config, "scale_attn_weights", True, "attention is scaled by 1/sqrt(head_dim)")
+    _refuse(config, "scale_attn_by_inverse_layer_idx", False, "no per-layer attention scale")
+    _refuse(config, "add_cross_attention", False, "decoder-only")
+    hidden = _require(config, "n_embd")
+    heads = _require(config, "n_head")
+    return {
+        "arch": "gpt2",
+        "num_layers": _require(config, "n_layer"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": heads,
+        "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
+        "vocab_size": _require(config, "vocab_size"),
+        "seq_length": _require(config, "n_positions", config.get("n_ctx")),
+        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        "tie_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
+def _llama_fields(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    _refuse(config, "hidden_act", ("silu", "swish"), "SwiGLU only")
+    _refuse(config, "mlp_bias", False, "the MLP has no biases")
+    _refuse(config, "partial_rotary_factor", 1.0, "rotary embedding over the whole head")
+    # Llama's attention_bias also puts a bias on o_proj; Qwen2's biases are on q/k/v only.
+    _refuse(config, "attention_bias", False, "a bias on o_proj; only q/k/v biases (Qwen2) are supported")
+    hidden = _require(config, "hidden_size")
+    heads = _require(config, "num_attention_heads")
+    if config.get("head_dim") not in (None, hidden // heads):
+        raise HFConfigError("head_dim", f"{config['head_dim']} is not hidden_size / num_attention_heads")
+    theta, scaling = _rope(config)
+    return {
+        "arch": "llama",
+        "num_layers": _require(config, "num_hidden_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": config.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": _require(config, "intermediate_size"),
+        "vocab_size": _require(config, "vocab_size"),
+        "seq_length": _require(config, "max_position_embeddings"),
+        "_window": _sliding_window(config, model_type),
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_embeddings": config.get("tie_word_embeddings", False),
+        "qkv_bias": model_type == "qwen2",
+    }
+
+
+def _sliding_window(config: Mapping[str, Any], model_type: str) -> int | None:
+    if model_type == "mistral":
+        return config.get("sliding_window")
+    if model_type == "qwen2":
+        layer_types = config.get("layer_types") or []
+        if config.get("use_sliding_window") or "sliding_attention" in layer_types:
+            return config.get("sliding_window")
+    return None
+
+
+def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and our rope_scaling ({"type", "factor", ...}) from either config dialect."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = dict(config.get(key) or {})
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise HFConfigError(key, "per-layer rope parameters are not supported")
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise HFConfigError(f"{key}.rope_type", f"{kind!r} is not one of default, {', '.join(ROPE_TYPES)}")
+    if "factor" not in params:
+        raise HFConfigError(f"{key}.factor", "is missing")
+    scaling: dict[str, Any] = {"type": kind, "factor": float(params["factor"])}
+    if kind == "llama3":
+        # As transformers does: the pretraining context defaults to max_position_embeddings.
+        params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+        for name in LLAMA3_KEYS:
+            if params.get(name) is None:
+                raise HFConfigError(f"{key}.{name}", "is missing")
+        scaling.update(
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    return theta, scaling
+
+
+def check_spec_against_hf(model_spec: Mapping[str, Any], fields: Mapping[str, Any]) -> list[dict[str, str]]:
+    """[{"field": "model.X", "message": ...}] for each explicit (non-null) model field of a spec that
+    disagrees with a checkpoint's fields (model_fields_from_hf); a shorter seq_length is allowed."""
+    errors = []
+    for key, value in model_spec.items():
+        if value is None or key not in fields:
+            continue
+        expected = fields[key]
+        if key == "seq_length":
+            if value > expected:
+                errors.append(
+                    _error(key, f"model.seq_length={value} exceeds the checkpoint's maximum ({expected})")
+                )
+        elif not _same(value, expected):
+            errors.append(
+                _error(key, f"model.{key}={value!r} disagrees with the checkpoint's config ({expected!r})")
+            )
+    return errors
+
+
+def spec_model_with_hf(model_spec: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A spec's model section completed from a checkpoint's fields: the spec's explicit values (which
+    check_spec_against_hf found consistent) over the checkpoint's."""
+    return {**fields, **{k: v for k, v in model_spec.items() if v is not None}}
+
+
+def _error(key: str, message: str) -> dict[str, str]:
+    return {"field": f"model.{key}", "message": message}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        a = {k: v for k, v in a.items() if v is not None}
+        b = {k: v for k, v in b.items() if v is not None}
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float | int) and isinstance(b, float | int) and not isinstance(a, bool | None):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def hf_config_from_model(
+    model: Mapping[str, Any],
+    *,
+    dtype: str = "bfloat16",
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> dict[str, Any]:
+    """A transformers config.json for a TransformerConfig (as its to_dict()): GPT-2 for learned
+    positions, Qwen2 for RoPE with q/k/v biases, else Llama. vocab_size is the real vocabulary."""
+    m = dict(model)
+    qkv_bias = m["add_bias"] if m.get("qkv_bias") is None else m["qkv_bias"]
+    if m["position_embedding"] == "learned":
+        model_type = "gpt2"
+        wanted = {"normalization": "layernorm", "activation": "gelu", "add_bias": True}
+        if m["num_query_groups"] != m["num_attention_heads"]:
+            raise HFConfigError("num_key_value_heads", "GPT-2 has no grouped-query attention")
+    else:
+        model_type = "qwen2" if qkv_bias else "llama"
+        wanted = {"normalization": "rmsnorm", "activation": "swiglu", "add_bias": False}
+    for key, value in wanted.items():
+        if m[key] != value:
+            raise HFConfigError(key, f"{model_type} needs {key}={value!r}, this model has {m[key]!r}")
+    common = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": m.get("vocab_size_unpadded") or m["vocab_size"],
+        "tie_word_embeddings": m["tie_embeddings"],
+        "initializer_range": m["init_method_std"],
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if model_type == "gpt2":
+        return {**common, **_gpt2_config(m)}
+    return {**common, **_llama_config(m, model_type)}
+
+
+def _gpt2_config(m: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "n_layer": m["num_layers"],
+        "n_embd": m["hidden_size"],
+        "n_head": m["num_attention_heads"],
+        "n_inner": m["ffn_hidden_size"],
+        "n_positions": m["seq_length"],
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": m["norm_eps"],
+        "resid_pdrop": m["hidden_dropout"],
+        "embd_pdrop": m["hidden_dropout"],
+        "attn_pdrop": m["attention_dropout"],
+        "scale_attn_weights": True,
+    }
+
+
+def _llama_config(m: dict[str, Any], model_type: str) -> dict[str, Any]:
+    rope_params: dict[str, Any] = {"rope_type": "default"}
+    if m.get("rope_scaling"):
+        scaling = dict(m["rope_scaling"])
+        rope_params = {"rope_type": scaling.pop("type"), **scaling}
+    out = {
+        "num_hidden_layers": m["num_layers"],
+        "hidden_size": m["hidden_size"],
+        "num_attention_heads": m["num_attention_heads"],
+        "num_key_value_heads": m["num_query_groups"],
+        "intermediate_size": m["ffn_hidden_size"],
+        "hidden_act": "silu",
+        "max_position_embeddings": m["seq_length"],
+        "rms_norm_eps": m["norm_eps"],
+        "attention_dropout": m["attention_dropout"],
+        # Both dialects, equal: transformers 5 reads rope_parameters, 4.x rope_theta + rope_scaling.
+        "rope_theta": m["rope_theta"],
+        "rope_scaling": rope_params if m.get("rope_scaling") else None,
+        "rope_parameters": {**rope_params, "rope_theta": m["rope_theta"]},
+    }
+    if model_type == "llama":
+        out.update(
+            head_dim=m["hidden_size"] // m["num_attention_heads"], attention_bias=False, mlp_bias=False
+        )
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m["num_layers"])
+    return out
