@@ -157,9 +157,9 @@ def _unwrap(exc: CheckpointException) -> Exception:
     """The first rank's own error (CorruptCheckpoint, CheckpointMismatch...) out of dcp's wrapper."""
     for rank in sorted(exc.failures):
         err = exc.failures[rank]
-        inner = getattr(err, "exception", err)
-        if isinstance(inner, BaseException):
-            return inner if isinstance(inner, Exception) else RuntimeError(str(inner))
+        inner = err[0] if isinstance(err, tuple) else err  # (exception, traceback) as dcp wraps it
+        if isinstance(inner, Exception):
+            return inner
     return exc
 
 
