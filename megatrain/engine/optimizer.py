@@ -299,7 +299,9 @@ class MixedPrecisionOptimizer:
         for sl, main in zip(self._slices, self._mains, strict=True):
             st = self.adam.state.get(main, {})
             moments = {
-                k: st[k].reshape(-1) if k in st else torch.zeros(main.numel(), dtype=torch.float32, device=main.device)
+                k: st[k].reshape(-1)
+                if k in st
+                else torch.zeros(main.numel(), dtype=torch.float32, device=main.device)
                 for k in ("exp_avg", "exp_avg_sq")
             }
             out.append((sl, main.reshape(-1), moments))
@@ -331,7 +333,6 @@ class MixedPrecisionOptimizer:
                 main.copy_(sl.param.detach().reshape(-1)[sl.start : sl.end].view(main.shape))
         self.adam.state.clear()
         self.steps = 0
-
 
     @torch.no_grad()
     def full_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, Any]:

@@ -52,7 +52,10 @@ def test_round_trip(tmp_path: Path, corpus: Path, arch: str) -> None:
     assert manifest["format"] == "megatrain-checkpoint-v2" and manifest["step"] == 5
     names = {e["name"] for e in manifest["files"]}
     assert names == {"metadata.json", "model_00000.bin", "spec.json", "trainer_state.json"}
-    assert saved.size_bytes == sum(e["size"] for e in manifest["files"]) + (folder / "manifest.json").stat().st_size
+    assert (
+        saved.size_bytes
+        == sum(e["size"] for e in manifest["files"]) + (folder / "manifest.json").stat().st_size
+    )
     assert (tmp_path / "ckpt" / "latest").read_text() == "5\n"
 
     loaded, spec = load_checkpoint(folder)  # a plain path
@@ -101,7 +104,10 @@ def test_latest_ignores_incomplete_and_names_corruption(tmp_path: Path, corpus: 
     flipped = bytearray(good)
     flipped[100] ^= 0xFF
     shard.write_bytes(bytes(flipped))
-    with pytest.raises(CorruptCheckpoint, match=r"model_00000\.bin \(bytes .* of model/embed\.weight\): the bytes do not match their checksum"):  # noqa: E501
+    with pytest.raises(
+        CorruptCheckpoint,
+        match=r"model_00000\.bin \(bytes .* of model/embed\.weight\): the bytes do not match their checksum",
+    ):  # noqa: E501
         load_checkpoint(root / "iter_0000003")
     with pytest.raises(CorruptCheckpoint, match="does not match its sha256"):
         open_folder(root / "iter_0000003", deep=True)
@@ -115,8 +121,12 @@ def test_latest_ignores_incomplete_and_names_corruption(tmp_path: Path, corpus: 
 def test_an_old_format_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
     folder = tmp_path / "iter_0000001"
     folder.mkdir()
-    (folder / "manifest.json").write_text(json.dumps({"format": "megatrain-checkpoint-v1", "step": 1, "files": []}))
-    with pytest.raises(UnsupportedCheckpoint, match="'megatrain-checkpoint-v1' checkpoint; this megatrain reads"):
+    (folder / "manifest.json").write_text(
+        json.dumps({"format": "megatrain-checkpoint-v1", "step": 1, "files": []})
+    )
+    with pytest.raises(
+        UnsupportedCheckpoint, match="'megatrain-checkpoint-v1' checkpoint; this megatrain reads"
+    ):
         load_checkpoint(tmp_path)
 
 
@@ -194,8 +204,17 @@ def test_retention_deletes_from_storage(tmp_path: Path, corpus: Path) -> None:
                     checkpoint_keep_last=2, checkpoint_keep_every=4)  # fmt: skip
     run(parse_spec(raw), tmp_path / "out")
     ckpts = tmp_path / "out" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["iter_0000004", "iter_0000007", "iter_0000008", "latest"]
-    deleted = [e["steps"] for e in read_jsonl(tmp_path / "out" / "events.jsonl") if e["event"] == "checkpoints_deleted"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "iter_0000004",
+        "iter_0000007",
+        "iter_0000008",
+        "latest",
+    ]
+    deleted = [
+        e["steps"]
+        for e in read_jsonl(tmp_path / "out" / "events.jsonl")
+        if e["event"] == "checkpoints_deleted"
+    ]
     assert sorted(s for batch in deleted for s in batch) == [1, 2, 3, 5, 6]
 
 

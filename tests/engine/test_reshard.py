@@ -62,7 +62,9 @@ def _rank(rank: int, world: int, raw: dict[str, Any], out: str) -> Any:
     return summary["probe"]
 
 
-def _link(raw: dict[str, Any], parallelism: dict[str, Any], world: int, out: Path, iters: int) -> torch.Tensor:
+def _link(
+    raw: dict[str, Any], parallelism: dict[str, Any], world: int, out: Path, iters: int
+) -> torch.Tensor:
     raw = copy.deepcopy(raw)
     raw["parallelism"], raw["resources"] = parallelism, {"gpus": world}
     raw["training"]["train_iters"] = iters
@@ -115,4 +117,7 @@ def test_checkpoints_reshard_across_layouts(tmp_path: Path, corpus: Path) -> Non
     with torch.no_grad():
         expected = final(PROBE)
     torch.testing.assert_close(single["probe"][..., :384], expected, rtol=1e-5, atol=1e-5)
-    assert json.loads((run_dir / "checkpoints" / "iter_0000006" / "manifest.json").read_text())["layout"]["tp"] == 4
+    assert (
+        json.loads((run_dir / "checkpoints" / "iter_0000006" / "manifest.json").read_text())["layout"]["tp"]
+        == 4
+    )

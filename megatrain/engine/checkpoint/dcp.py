@@ -14,6 +14,7 @@ rank notices a corrupted byte in exactly the part it loads; whole-file sha256 li
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import zlib
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -40,7 +42,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -89,9 +90,7 @@ class BoxSavePlanner(DefaultSavePlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def set_up_planner(
-        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
-    ) -> None:
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.entries: State = state_dict
         self.is_coordinator = is_coordinator
         self._data: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
@@ -132,7 +131,9 @@ class BoxLoadPlanner(LoadPlanner):
     def __init__(self, optional: Callable[[str], bool] = lambda fqn: False) -> None:
         self.optional = optional
 
-    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         assert metadata is not None
         self.entries: State = state_dict
         self.metadata = metadata
@@ -152,7 +153,9 @@ class BoxLoadPlanner(LoadPlanner):
             if saved != mine and not (fqn.endswith(VOCAB_PARAMS) and saved[1:] == mine[1:]):
                 problems.append(f"{fqn} is {list(saved)} in the checkpoint but {list(mine)} in the model")
                 continue
-            chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.data.shape)) for b in entry.boxes]
+            chunks = [
+                ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.data.shape)) for b in entry.boxes
+            ]
             requests += create_read_items_for_chunk_list(fqn, md, chunks)
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -203,10 +206,16 @@ def metadata_from_json(data: dict[str, Any]) -> Metadata:
     try:
         md: dict[str, Any] = {}
         for fqn, t in data["tensors"].items():
-            chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]]
-            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=_DTYPES[t["dtype"]]), torch.Size(t["size"]), chunks)
+            chunks = [
+                ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]
+            ]
+            md[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=_DTYPES[t["dtype"]]), torch.Size(t["size"]), chunks
+            )
         storage = {
-            MetadataIndex(b["fqn"], torch.Size(b["offsets"])): StoredBox(b["file"], b["at"], b["length"], b["crc32"])
+            MetadataIndex(b["fqn"], torch.Size(b["offsets"])): StoredBox(
+                b["file"], b["at"], b["length"], b["crc32"]
+            )
             for b in data["boxes"]
         }
     except (KeyError, TypeError, ValueError) as exc:
@@ -240,7 +249,7 @@ class ShardWriter(StorageWriter):
         self.rank = int(kwargs.get("rank", 0))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return dataclass_replace(plan, storage_data=self.rank)
+        return dataclasses.replace(plan, storage_data=self.rank)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
@@ -264,7 +273,9 @@ class ShardWriter(StorageWriter):
                     at += len(data)
             stored = StoredFile(name, at, file_hash.hexdigest())
             for item, offset, length, crc in pending:
-                results.append(WriteResult(item.index, length, (StoredBox(name, offset, length, crc), stored)))
+                results.append(
+                    WriteResult(item.index, length, (StoredBox(name, offset, length, crc), stored))
+                )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -301,7 +312,9 @@ class ShardReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -332,8 +345,12 @@ class ShardReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_box(self, fqn: str, stored: StoredBox, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor:
-        where = f"{self.store.url}/{stored.file} (bytes {stored.offset}-{stored.offset + stored.length} of {fqn})"
+    def _read_box(
+        self, fqn: str, stored: StoredBox, dtype: torch.dtype, sizes: tuple[int, ...]
+    ) -> torch.Tensor:
+        where = (
+            f"{self.store.url}/{stored.file} (bytes {stored.offset}-{stored.offset + stored.length} of {fqn})"
+        )
         try:
             raw = self.store.get_range(stored.file, stored.offset, stored.length)
         except StorageError as exc:
@@ -356,18 +373,16 @@ def _position(stored: StoredBox) -> tuple[str, int]:
 
 
 def _chunk_index(md: TensorStorageMetadata, index: MetadataIndex) -> int:
-    if index.index is not None and index.index < len(md.chunks) and md.chunks[index.index].offsets == index.offset:
+    if (
+        index.index is not None
+        and index.index < len(md.chunks)
+        and md.chunks[index.index].offsets == index.offset
+    ):
         return index.index
     for i, c in enumerate(md.chunks):
         if c.offsets == index.offset:
             return i
     raise CorruptCheckpoint(f"{index.fqn}: no stored box at offset {list(index.offset or ())}")
-
-
-def dataclass_replace(obj: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 def read_json(store: Store, name: str) -> dict[str, Any]:

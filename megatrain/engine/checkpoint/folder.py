@@ -126,7 +126,8 @@ def check_files(folder: Store, manifest: dict[str, Any], *, deep: bool = False) 
             raise CorruptCheckpoint(f"{folder.url}/{name} is missing")
         if have[name] != size:
             raise CorruptCheckpoint(
-                f"{folder.url}/{name} is {have[name]} bytes but the manifest says {size} (truncated or replaced)"
+                f"{folder.url}/{name} is {have[name]} bytes but the manifest says {size} "
+                "(truncated or replaced)"
             )
         if deep and _sha256_object(folder, name) != entry["sha256"]:
             raise CorruptCheckpoint(f"{folder.url}/{name} does not match its sha256 in the manifest")

@@ -20,7 +20,6 @@ from megatrain.engine.checkpoint.dcp import (
     METADATA_FILE,
     BoxLoadPlanner,
     BoxSavePlanner,
-    CorruptCheckpoint,
     ShardReader,
     ShardWriter,
     StoredFile,
@@ -85,7 +84,9 @@ def save_state(
         # Leftovers of an interrupted save of this very step (perhaps by another world size): start
         # clean. Other ranks write only after the plan exchange below, which waits for this.
         root.delete_prefix(iter_dir(step))
-    dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), process_group=group, no_dist=not distributed)
+    dcp.save(
+        state, storage_writer=writer, planner=BoxSavePlanner(), process_group=group, no_dist=not distributed
+    )
     return saved[0] if saved else None
 
 
@@ -206,7 +207,9 @@ class CheckpointReader:
 
     def names(self) -> list[str]:
         """Canonical names of the model's weights (a tied head appears only as embed.weight)."""
-        return [k.removeprefix("model/") for k in self._metadata.state_dict_metadata if k.startswith("model/")]
+        return [
+            k.removeprefix("model/") for k in self._metadata.state_dict_metadata if k.startswith("model/")
+        ]
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor `name` (e.g. "layers.0.attn.qkv.weight"), in its saved dtype unless given."""
@@ -252,4 +255,3 @@ def resolve_init_from(init_from: str, storage_url: str) -> str:
     if step is None:
         raise FileNotFoundError(f"{init_from}: no complete checkpoint under {root}")
     return f"{root}/{iter_dir(step)}"
-

@@ -53,7 +53,9 @@ class Entry:
 State = dict[str, Entry]
 
 
-def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def flat_range_boxes(
+    shape: tuple[int, ...], start: int, end: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Elements [start, end) of a row-major tensor of `shape` as contiguous boxes (offsets, sizes), in
     order: a partial leading row, whole rows, a partial trailing row (recursively in each row)."""
     if start >= end:
@@ -151,7 +153,9 @@ def rng_entries(rank: int, tracker_state: dict | None) -> State:
         for name, s in tracker_state["states"].items():
             tensors[f"tracker/{name}"] = s
             tensors[f"tracker_seed/{name}"] = torch.tensor([tracker_state["seeds"][name]], dtype=torch.int64)
-    return {f"rng/{rank}/{k}": Entry(tuple(t.shape), [Box((0,) * t.dim(), t.clone())]) for k, t in tensors.items()}
+    return {
+        f"rng/{rank}/{k}": Entry(tuple(t.shape), [Box((0,) * t.dim(), t.clone())]) for k, t in tensors.items()
+    }
 
 
 def restore_rng(tensors: dict[str, torch.Tensor]) -> dict | None:

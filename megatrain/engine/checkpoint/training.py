@@ -89,7 +89,9 @@ def optimizer_state(train: Trainable) -> tuple[State, list[dict[str, torch.Tenso
     return out, moments
 
 
-def trainer_state(train: Trainable, progress: Progress, mcfg: TransformerConfig, cfg: TrainConfig) -> dict[str, Any]:
+def trainer_state(
+    train: Trainable, progress: Progress, mcfg: TransformerConfig, cfg: TrainConfig
+) -> dict[str, Any]:
     """The plain data beside the tensors (trainer_state.json): data position, optimizer counters, the
     loss scaler, and what the model and layout were."""
     opt = train.optimizer
@@ -121,7 +123,14 @@ class Checkpointer:
         keep_last: int = 0,
         keep_every: int = 0,
     ):
-        self.root_url, self.train, self.spec, self.mcfg, self.cfg, self.log = root_url, train, spec, mcfg, cfg, log
+        self.root_url, self.train, self.spec, self.mcfg, self.cfg, self.log = (
+            root_url,
+            train,
+            spec,
+            mcfg,
+            cfg,
+            log,
+        )
         self.async_save, self.keep_last, self.keep_every = async_save, keep_last, keep_every
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # Checkpoint collectives run on their own gloo group: a background save must never
@@ -174,7 +183,9 @@ class Checkpointer:
             torch.cuda.synchronize()
         return staged
 
-    def _write(self, state: State, step: int, plain: dict[str, Any]) -> tuple[SavedCheckpoint | None, list[int], float]:
+    def _write(
+        self, state: State, step: int, plain: dict[str, Any]
+    ) -> tuple[SavedCheckpoint | None, list[int], float]:
         began = time.perf_counter()
         saved = save_state(
             self.root_url,
@@ -191,7 +202,9 @@ class Checkpointer:
             deleted = apply_retention(self.root_url, self.keep_last, self.keep_every)
         return saved, deleted, time.perf_counter() - began
 
-    def _report(self, step: int, stall: float, result: tuple[SavedCheckpoint | None, list[int], float]) -> None:
+    def _report(
+        self, step: int, stall: float, result: tuple[SavedCheckpoint | None, list[int], float]
+    ) -> None:
         saved, deleted, write_s = result
         if saved is None:
             return
@@ -270,7 +283,11 @@ def _in_background(fn: Callable[..., Any], *args: Any) -> Future[Any]:
 
 
 def load_training_state(
-    folder: Folder, train: Trainable, *, group: dist.ProcessGroup | None = None, distributed: bool | None = None
+    folder: Folder,
+    train: Trainable,
+    *,
+    group: dist.ProcessGroup | None = None,
+    distributed: bool | None = None,
 ) -> Progress:
     """Fill this rank's weights, optimizer shards, loss scaler and (for the same world size) random
     streams from `folder`; a weights-only checkpoint gives fresh optimizer moments."""

@@ -20,8 +20,9 @@ RowParallel biases and positions are flagged `sequence_parallel` (allreduce_sequ
 sums their gradients over tp) and hidden dropout draws per-rank masks from the tracker, since ranks
 hold different tokens.
 
-Checkpoints stay in the single-device format: full_state_dict gathers the shards back into
-GPTModel's names and layout, load_full_state_dict slices canonical tensors into this rank's shards.
+full_state_dict gathers the shards back into GPTModel's names and layout (inspection, tests) and
+load_full_state_dict slices canonical tensors into this rank's shards (Hugging Face imports);
+checkpoints never gather: each rank writes its own shards (megatrain.engine.checkpoint).
 """
 
 from __future__ import annotations

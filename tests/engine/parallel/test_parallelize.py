@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.engine.checkpoint import model_state_for_save
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -35,6 +34,14 @@ from ._tp_common import ATOL, RTOL, SEED, batches, build, fake_state, make_confi
 
 # --------------------------------------------------------------------------------------------------
 # Training runs: tp (+sp) equals the single-process reference, step by step.
+
+
+def model_state_for_save(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The single-device state dict as full_state_dict gives it: a tied head stored once."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
 
 
 def _train_rank(rank: int, world: int, cfg: TransformerConfig, sp: bool) -> dict:
