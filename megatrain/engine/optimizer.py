@@ -292,6 +292,11 @@ class MixedPrecisionOptimizer:
 
     # --- checkpoint state ----------------------------------------------------------------------------
 
+    @property
+    def mains_alias_model(self) -> bool:
+        """fp32 training: the main weights are the model's own parameters (no separate copy)."""
+        return all(self._aliased)
+
     def main_shards(self) -> list[tuple[OwnedSlice, torch.Tensor, dict[str, torch.Tensor]]]:
         """Per owned slice: the slice, its fp32 main weights as a flat view, and Adam's moments as flat
         views (zeros before the first step). What a sharded checkpoint writes: nothing is gathered."""

@@ -277,3 +277,25 @@ def test_s3_round_trip(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyP
         loaded, spec = load_checkpoint(saved.uri)
         assert spec.name == "tiny"
         assert torch.equal(loaded.layers[1].mlp.fc2.weight, model.layers[1].mlp.fc2.weight)
+
+
+def test_exact_resume_in_bf16_with_separate_main_weights(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 keeps fp32 main weights apart from the model's: both come back, bit for bit."""
+    from megatrain.settings import reset_settings_cache
+
+    monkeypatch.setenv("MEGATRAIN_CPU_LOW_PRECISION", "1")
+    reset_settings_cache()
+    spec = parse_spec(
+        tiny_spec(corpus, train_iters=4, checkpoint_interval=2, eval_interval=0, precision="bf16")
+    )
+    run(spec, tmp_path / "straight")
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
+    meta = json.loads((tmp_path / "straight" / "checkpoints" / "iter_0000002" / "metadata.json").read_text())
+    assert meta["tensors"]["model/embed.weight"]["dtype"] == "bfloat16"
+    assert meta["tensors"]["optim/param/embed.weight"]["dtype"] == "float32"
+    shutil.copytree(tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    (tmp_path / "resumed" / "checkpoints" / "iter_0000004" / "manifest.json").unlink()
+    run(spec, tmp_path / "resumed")
+    assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == losses[2:]

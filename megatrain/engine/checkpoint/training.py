@@ -71,17 +71,21 @@ def model_state(model: RankModel) -> State:
     return out
 
 
-def optimizer_state(train: Trainable) -> tuple[State, list[dict[str, torch.Tensor]]]:
+def optimizer_state(
+    train: Trainable, *, mains_from_model: bool = False
+) -> tuple[State, list[dict[str, torch.Tensor]]]:
     """This rank's optimizer shards as boxes of optim/{param,exp_avg,exp_avg_sq}/{name}, and the flat
-    moment tensors they view (in the optimizer's slice order)."""
+    moment tensors they view (in the optimizer's slice order). In fp32 the main weights are the model
+    weights: they are saved once, as model/*, and `mains_from_model` reads them from there."""
     out: State = {}
     moments = []
     st = train.model.state
+    keys = OPTIM_KEYS[1:] if train.optimizer.mains_alias_model and not mains_from_model else OPTIM_KEYS
     for sl, main, mom in train.optimizer.main_shards():
         name = train.names[sl.param]
         tensors = {"param": main, **mom}
-        for key in OPTIM_KEYS:
-            fqn = f"optim/{key}/{name}"
+        for key in keys:
+            fqn = f"model/{name}" if key == "param" and mains_from_model else f"optim/{key}/{name}"
             shared = bool(getattr(sl.param, "shared", False))
             entry = out.setdefault(fqn, Entry(global_shape(sl.param, st), write=not shared))
             entry.boxes += slice_boxes(sl.param, sl.start, tensors[key], st)
@@ -297,7 +301,10 @@ def load_training_state(
         load_state(folder, model_state(train.model), group=group, distributed=distributed)
         train.optimizer.reload_mains_from_model()
         return Progress(folder.step, int(folder.trainer_state.get("consumed_samples", 0)))
-    optim, moments = optimizer_state(train)
+    # fp32 checkpoints hold the main weights once, as the model weights.
+    optim, moments = optimizer_state(
+        train, mains_from_model=not any(k.startswith("optim/param/") for k in saved)
+    )
     rng = rng_entries(st.rank, train.model.tracker.state_dict() if train.model.tracker else None)
     same_world = folder.trainer_state.get("world_size") == st.layout.world_size
     load_state(
