@@ -1,0 +1,205 @@
+"""Hugging Face import and export against transformers' own models (tiny random configs, fp32, CPU).
+
+Every check compares with what transformers computes or reads: its logits on the same tokens, its
+from_pretrained of our exported folder, its rotary frequencies. Vocabularies of 1000 rows (not a
+multiple of 128) exercise the padding on import and the cut on export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from megatrain.engine.config import TransformerConfig
+from megatrain.engine.interop import export_hf, export_model_hf, load_hf_model, load_hf_state
+from megatrain.engine.models.gpt import rope_inv_freq
+from megatrain.engine.parallel.parallelize import parallelize_model
+from megatrain.hf_config import HFConfigError
+
+from .parallel._tp_common import fake_state
+
+VOCAB = 1000
+ATOL = 1e-5  # fp32 logits of the same weights; reduction orders differ by a few ulps
+_LLAMA = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+          "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": 64,
+          "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+CASES: dict[str, Any] = {
+    "gpt2": lambda: GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                               bos_token_id=0, eos_token_id=0),
+    "gpt2-untied": lambda: GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=False),
+    # transformers 5's rope_parameters dialect; head_dim 8, theta 500: the llama3 rule divides three of
+    # the four frequencies and interpolates one (wavelengths 6.3 | 30, 140, 660 against 4 and 16).
+    "llama-gqa-llama3": lambda: LlamaConfig(**_LLAMA, rope_parameters={**LLAMA3, "rope_theta": 500.0}),
+    "llama-linear-tied": lambda: LlamaConfig(**_LLAMA, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 20000.0}, tie_word_embeddings=True),
+    "mistral-mqa": lambda: MistralConfig(**{**_LLAMA, "num_key_value_heads": 1}, sliding_window=4096),
+    "qwen2-tied": lambda: Qwen2Config(**_LLAMA, tie_word_embeddings=True),
+    "qwen2-untied": lambda: Qwen2Config(**_LLAMA, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def hf_model(config: Any) -> Any:
+    """A transformers model whose every weight is random: biases off zero, norms off one."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def hf_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def our_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens)[..., :VOCAB]  # padding rows beyond the real vocabulary
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_and_export_match_transformers(case: str, tmp_path: Path) -> None:
+    ref = hf_model(CASES[case]())
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()  # sharded
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    ours, cfg = load_hf_model((tmp_path / "hf").as_uri())
+    assert (cfg.vocab_size, cfg.vocab_size_unpadded) == (1024, VOCAB)
+    assert not ours.embed.weight[VOCAB:].any() and not ours.lm_head.weight[VOCAB:].any()
+    torch.testing.assert_close(our_logits(ours, tokens), hf_logits(ref, tokens), atol=ATOL, rtol=0)
+
+    files = export_model_hf(ours, tmp_path / "out", dtype=torch.float32, max_shard_bytes=40_000)
+    assert sum(f.endswith(".safetensors") for f in files) > 1 and files[-1] == "config.json"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.vocab_size == VOCAB and back.config.tie_word_embeddings == cfg.tie_embeddings
+    torch.testing.assert_close(hf_logits(back, tokens), our_logits(ours, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "theta", "scaling"),
+    [
+        (128, 500000.0, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}),  # Llama 3.1
+        (64, 10000.0, {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 256}),
+        (64, 10000.0, {"type": "linear", "factor": 4.0}),
+    ],
+)  # fmt: skip
+def test_rope_frequencies_equal_transformers(head_dim: int, theta: float, scaling: dict[str, Any]) -> None:
+    params = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": scaling["type"]}
+    config = LlamaConfig(
+        hidden_size=head_dim * 2, num_attention_heads=2, rope_parameters={**params, "rope_theta": theta}
+    )
+    theirs, attention_scale = ROPE_INIT_FUNCTIONS[scaling["type"]](config, "cpu")
+    assert attention_scale == 1.0  # cos/sin unscaled, as our tables are
+    ours = rope_inv_freq(head_dim, theta, scaling)
+    # transformers computes in fp32, we in fp64: equal to fp32 rounding.
+    torch.testing.assert_close(ours.float(), theirs, rtol=2e-6, atol=0)
+    assert not torch.allclose(ours, rope_inv_freq(head_dim, theta))  # the scaling changed something
+
+
+def test_export_is_lazy_sharded_and_writes_tokenizer_files(tmp_path: Path) -> None:
+    """bf16 shards of at most max_shard_bytes; a tensor is asked for only once its shard is next
+    (each earlier shard already on storage), so one shard's tensors are held at a time."""
+    ref = hf_model(CASES["qwen2-untied"]())
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = load_hf_model(tmp_path / "hf")
+    state = model.state_dict()
+    out = tmp_path / "out"
+    files_before_call: dict[str, int] = {}
+
+    def get_tensor(name: str) -> torch.Tensor:
+        files_before_call.setdefault(name, len(list(out.glob("*.safetensors"))) if out.exists() else 0)
+        return state[name]
+
+    tokenizer_files = {"tokenizer.json": b'{"x": 1}', "special.txt": tmp_path / "hf" / "config.json"}
+    special = {"bos_token_id": 1, "eos_token_id": 2}
+    written = export_hf(
+        get_tensor,
+        cfg,
+        out.as_uri(),
+        max_shard_bytes=20_000,
+        tokenizer_files=tokenizer_files,
+        extra_config=special,
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard_of = {name: int(file.split("-")[1]) - 1 for name, file in index["weight_map"].items()}
+    # The first HF tensor of each canonical tensor decides the shard that needs it first.
+    first_needed = {
+        "embed.weight": shard_of["model.embed_tokens.weight"],
+        "lm_head.weight": shard_of["lm_head.weight"],
+    }
+    for name in files_before_call:
+        if name.startswith("layers.0.attn.qkv"):
+            first_needed[name] = shard_of["model.layers.0.self_attn.q_proj." + name.rsplit(".", 1)[1]]
+    for name, shard in first_needed.items():
+        assert files_before_call[name] == shard, name
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(out / file), "pt") as f:
+            tensors = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
+        assert all(t.dtype == torch.bfloat16 for t in tensors)
+        # At most the limit, unless one tensor alone exceeds it (the embedding: 1000 x 32 x 2 bytes).
+        assert sum(t.numel() * 2 for t in tensors) <= 20_000 or len(tensors) == 1
+    assert (out / "tokenizer.json").read_bytes() == b'{"x": 1}'
+    assert (out / "special.txt").read_bytes() == (tmp_path / "hf" / "config.json").read_bytes()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert (
+        written[-1] == "config.json"
+        and json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    )
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, VOCAB, (1, 16))
+    # bf16 weights: about 3 significant digits.
+    torch.testing.assert_close(hf_logits(back, tokens), our_logits(model, tokens), atol=3e-2, rtol=0)
+
+
+def test_mismatched_model_and_unsupported_configs_are_refused(tmp_path: Path) -> None:
+    hf_model(CASES["llama-gqa-llama3"]()).save_pretrained(tmp_path / "hf")
+    _, cfg = load_hf_model(tmp_path / "hf", seq_length=32)
+    wrong = TransformerConfig.from_dict({**cfg.to_dict(), "num_layers": 3, "rope_scaling": None})
+    with pytest.raises(ValueError, match="num_layers: checkpoint 2, model 3.*rope_scaling"):
+        load_hf_state(tmp_path / "hf", wrong)
+    small = TransformerConfig.from_dict({**cfg.to_dict(), "vocab_size": 512, "vocab_size_unpadded": None})
+    with pytest.raises(ValueError, match="vocab_size: checkpoint 1000, model rows 512"):
+        load_hf_state(tmp_path / "hf", small)
+    # Llama's attention_bias puts a bias on o_proj too, which our model does not have.
+    hf_model(LlamaConfig(**_LLAMA, attention_bias=True)).save_pretrained(tmp_path / "bias")
+    with pytest.raises(HFConfigError, match="attention_bias"):
+        load_hf_model(tmp_path / "bias")
+
+
+def test_tensor_parallel_shards_whole_groups_of_qkv_bias(tmp_path: Path) -> None:
+    """tp=2 over a Qwen2 import: each rank's qkv bias, split by its own attention module, is
+    transformers' q/k/v biases of that rank's heads and key/value groups."""
+    ref = hf_model(Qwen2Config(**{**_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 4}))
+    ref.save_pretrained(tmp_path / "hf")
+    attn = ref.model.layers[1].self_attn
+    hd = 4
+    for rank in range(2):
+        model, _ = load_hf_model(tmp_path / "hf")
+        parallelize_model(model, fake_state(2, rank))
+        local = model.layers[1].attn
+        q, k, v = local.split_qkv(
+            local.qkv.bias.detach().view(1, 1, -1)
+        )  # (1, H/tp, 1, hd), (1, G/tp, 1, hd)
+        torch.testing.assert_close(
+            q.flatten(), attn.q_proj.bias.detach()[rank * 16 : (rank + 1) * 16], atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            k.flatten(), attn.k_proj.bias.detach()[rank * 2 * hd : (rank + 1) * 2 * hd], atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            v.flatten(), attn.v_proj.bias.detach()[rank * 2 * hd : (rank + 1) * 2 * hd], atol=0, rtol=0
+        )
