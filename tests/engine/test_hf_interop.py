@@ -17,12 +17,17 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from megatrain.engine.checkpoint import load_checkpoint
 from megatrain.engine.config import TransformerConfig
-from megatrain.engine.interop import export_hf, export_model_hf, load_hf_model, load_hf_state
+from megatrain.engine.interop import export_hf, export_model_hf, load_hf_model, load_hf_state, read_hf_config
 from megatrain.engine.models.gpt import rope_inv_freq
 from megatrain.engine.parallel.parallelize import parallelize_model
-from megatrain.hf_config import HFConfigError
+from megatrain.engine.train import run
+from megatrain.hf_config import HFConfigError, model_fields_from_hf
+from megatrain.spec import parse_spec
+from megatrain.storage import open_store
 
+from .helpers import tiny_spec
 from .parallel._tp_common import fake_state
 
 VOCAB = 1000
@@ -203,3 +208,51 @@ def test_tensor_parallel_shards_whole_groups_of_qkv_bias(tmp_path: Path) -> None
         torch.testing.assert_close(
             v.flatten(), attn.v_proj.bias.detach()[rank * 2 * hd : (rank + 1) * 2 * hd], atol=0, rtol=0
         )
+
+
+def test_s3_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    moto = pytest.importorskip("moto")
+    import boto3
+
+    monkeypatch.delenv("MEGATRAIN_S3_ENDPOINT_URL", raising=False)
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    ref = hf_model(CASES["qwen2-tied"]())
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    tokens = torch.randint(0, VOCAB, (1, 16))
+    with moto.mock_aws():
+        boto3.client("s3").create_bucket(Bucket="models")
+        store = open_store("s3://models/qwen")
+        for path in (tmp_path / "hf").iterdir():
+            store.put_file(path.name, path)
+        model, _ = load_hf_model("s3://models/qwen")
+        export_model_hf(model, "s3://models/export", dtype=torch.float32, max_shard_bytes=40_000)
+        out = open_store("s3://models/export")
+        for obj in out.list():
+            out.get_file(obj.key, tmp_path / "back" / obj.key)
+    torch.testing.assert_close(our_logits(model, tokens), hf_logits(ref, tokens), atol=ATOL, rtol=0)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    torch.testing.assert_close(hf_logits(back, tokens), our_logits(model, tokens), atol=ATOL, rtol=0)
+
+
+def test_train_from_hf_then_export(tmp_path: Path, corpus: Path) -> None:
+    """A spec with init_from hf:URL (model fields from the folder's config.json) trains 3 steps; the
+    checkpoint, exported, gives transformers the logits our trained model gives."""
+    ref = hf_model(LlamaConfig(**{**_LLAMA, "vocab_size": 300}))  # the byte tokenizer's 257 fit
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    raw = tiny_spec(corpus, train_iters=3, lr=1e-5, warmup_iters=0, eval_interval=0, checkpoint_interval=0)
+    fields = model_fields_from_hf(read_hf_config(tmp_path / "hf"), seq_length=32)
+    raw["model"] = {**fields, "init_from": "hf:" + (tmp_path / "hf").as_uri()}
+    run(parse_spec(raw), tmp_path / "run")
+
+    trained, _ = load_checkpoint(tmp_path / "run" / "checkpoints")
+    # Started from transformers' weights: 3 Adam steps of lr 1e-5 move a weight by about 3e-5.
+    moved = (trained.layers[1].mlp.fc2.weight - ref.model.layers[1].mlp.down_proj.weight).abs().max()
+    assert 0 < moved < 1e-4
+    export_model_hf(trained, tmp_path / "out", dtype=torch.float32)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        ours = trained(tokens)[..., :300]
+    torch.testing.assert_close(hf_logits(back, tokens), ours, atol=ATOL, rtol=0)
