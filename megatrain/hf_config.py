@@ -210,6 +210,8 @@ def hf_config_from_model(
         wanted = {"normalization": "layernorm", "activation": "gelu", "add_bias": True}
         if m["num_query_groups"] != m["num_attention_heads"]:
             raise HFConfigError("num_key_value_heads", "GPT-2 has no grouped-query attention")
+        if not qkv_bias:
+            raise HFConfigError("qkv_bias", "GPT-2's c_attn always has a bias")
     else:
         model_type = "qwen2" if qkv_bias else "llama"
         wanted = {"normalization": "rmsnorm", "activation": "swiglu", "add_bias": False}

@@ -170,6 +170,8 @@ def test_export_refuses_models_transformers_cannot_express() -> None:
     gqa_gpt2 = TransformerConfig.preset("tiny-gpt2", num_query_groups=2)
     with pytest.raises(HFConfigError, match="grouped-query"):
         hf_config_from_model(gqa_gpt2.to_dict())
+    with pytest.raises(HFConfigError, match="c_attn"):
+        hf_config_from_model(TransformerConfig.preset("tiny-gpt2", qkv_bias=False).to_dict())
     biased_llama = TransformerConfig.preset("tiny-llama", add_bias=True)
     with pytest.raises(HFConfigError, match="add_bias"):
         hf_config_from_model(biased_llama.to_dict())

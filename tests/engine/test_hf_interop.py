@@ -20,8 +20,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from megatrain.engine.checkpoint import load_checkpoint
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.interop import export_hf, export_model_hf, load_hf_model, load_hf_state, read_hf_config
-from megatrain.engine.models.gpt import rope_inv_freq
-from megatrain.engine.parallel.parallelize import parallelize_model
+from megatrain.engine.models.gpt import GPTModel, rope_inv_freq
+from megatrain.engine.parallel.parallelize import load_full_state_dict, parallelize_model
 from megatrain.engine.train import run
 from megatrain.hf_config import HFConfigError, model_fields_from_hf
 from megatrain.spec import parse_spec
@@ -173,8 +173,10 @@ def test_export_is_lazy_sharded_and_writes_tokenizer_files(tmp_path: Path) -> No
 def test_mismatched_model_and_unsupported_configs_are_refused(tmp_path: Path) -> None:
     hf_model(CASES["llama-gqa-llama3"]()).save_pretrained(tmp_path / "hf")
     _, cfg = load_hf_model(tmp_path / "hf", seq_length=32)
-    wrong = TransformerConfig.from_dict({**cfg.to_dict(), "num_layers": 3, "rope_scaling": None})
-    with pytest.raises(ValueError, match="num_layers: checkpoint 2, model 3.*rope_scaling"):
+    wrong = TransformerConfig.from_dict(
+        {**cfg.to_dict(), "num_layers": 3, "rope_scaling": None, "norm_eps": 1e-5}
+    )
+    with pytest.raises(ValueError, match="num_layers: checkpoint 2, model 3.*rope_scaling.*norm_eps"):
         load_hf_state(tmp_path / "hf", wrong)
     small = TransformerConfig.from_dict({**cfg.to_dict(), "vocab_size": 512, "vocab_size_unpadded": None})
     with pytest.raises(ValueError, match="vocab_size: checkpoint 1000, model rows 512"):
@@ -186,28 +188,27 @@ def test_mismatched_model_and_unsupported_configs_are_refused(tmp_path: Path) ->
 
 
 def test_tensor_parallel_shards_whole_groups_of_qkv_bias(tmp_path: Path) -> None:
-    """tp=2 over a Qwen2 import: each rank's qkv bias, split by its own attention module, is
-    transformers' q/k/v biases of that rank's heads and key/value groups."""
+    """tp=2 over a Qwen2 import, both ways a rank gets its shards (slicing an imported model, and
+    loading the imported weights into a sliced model, as init_from does): each rank's qkv bias, split
+    by its own attention module, is transformers' q/k/v biases of that rank's heads and groups."""
     ref = hf_model(Qwen2Config(**{**_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 4}))
     ref.save_pretrained(tmp_path / "hf")
-    attn = ref.model.layers[1].self_attn
-    hd = 4
+    theirs = [getattr(ref.model.layers[1].self_attn, f"{x}_proj").bias.detach() for x in "qkv"]
+    _, cfg = load_hf_model(tmp_path / "hf")
+    full = load_hf_state(tmp_path / "hf", cfg)
     for rank in range(2):
-        model, _ = load_hf_model(tmp_path / "hf")
-        parallelize_model(model, fake_state(2, rank))
-        local = model.layers[1].attn
-        q, k, v = local.split_qkv(
-            local.qkv.bias.detach().view(1, 1, -1)
-        )  # (1, H/tp, 1, hd), (1, G/tp, 1, hd)
-        torch.testing.assert_close(
-            q.flatten(), attn.q_proj.bias.detach()[rank * 16 : (rank + 1) * 16], atol=0, rtol=0
-        )
-        torch.testing.assert_close(
-            k.flatten(), attn.k_proj.bias.detach()[rank * 2 * hd : (rank + 1) * 2 * hd], atol=0, rtol=0
-        )
-        torch.testing.assert_close(
-            v.flatten(), attn.v_proj.bias.detach()[rank * 2 * hd : (rank + 1) * 2 * hd], atol=0, rtol=0
-        )
+        sliced, _ = load_hf_model(tmp_path / "hf")
+        parallelize_model(sliced, fake_state(2, rank))
+        loaded = parallelize_model(GPTModel(cfg), fake_state(2, rank))
+        load_full_state_dict(loaded, full, fake_state(2, rank))
+        for model in (sliced, loaded):
+            local = model.layers[1].attn
+            ours = local.split_qkv(local.qkv.bias.detach().view(1, 1, -1))  # (1, heads, 1, hd) each
+            for mine, full_bias in zip(ours, theirs, strict=True):
+                half = full_bias.numel() // 2  # this rank's heads (q) or groups (k, v): a contiguous half
+                torch.testing.assert_close(
+                    mine.flatten(), full_bias[rank * half : (rank + 1) * half], atol=0, rtol=0
+                )
 
 
 def test_s3_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

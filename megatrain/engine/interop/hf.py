@@ -10,6 +10,7 @@ each canonical tensor is asked for through `get_tensor` (a sharded checkpoint re
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -109,6 +110,8 @@ def config_mismatches(fields: dict[str, Any], cfg: TransformerConfig) -> list[st
         "rope_scaling": spec.rope_scaling.model_dump(exclude_none=True) if spec.rope_scaling else None,
     }
     out = [f"{k}: checkpoint {theirs[k]!r}, model {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
+    if not math.isclose(spec.norm_eps, cfg.norm_eps, rel_tol=1e-6):
+        out.append(f"norm_eps: checkpoint {spec.norm_eps}, model {cfg.norm_eps}")
     if fields["vocab_size"] > cfg.vocab_size:
         out.append(f"vocab_size: checkpoint {fields['vocab_size']}, model rows {cfg.vocab_size}")
     return out
