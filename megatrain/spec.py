@@ -293,6 +293,12 @@ class TrainingSpec(_Strict):
     """fp16 only: overflowing steps tolerated before the scale halves."""
     checkpoint_interval: int = Field(50, ge=0, le=100_000_000)
     """Save every N iterations (and always at the end); 0 saves only at the end."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: training pauses only to copy the state to host memory."""
+    checkpoint_keep_last: int = Field(0, ge=0, le=1_000_000)
+    """Keep only the newest N checkpoints (deleting older ones from storage); 0 keeps all."""
+    checkpoint_keep_every: int = Field(0, ge=0, le=100_000_000)
+    """With checkpoint_keep_last, also keep every checkpoint whose step is a multiple of N forever."""
     log_interval: int = Field(10, ge=1, le=100_000_000)
     eval_interval: int = Field(100, ge=0, le=100_000_000)
     """Validate every N iterations; 0 disables validation."""

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -53,6 +54,8 @@ class Store(Protocol):
     def put_file(self, key: str, path: str | Path) -> None: ...
     def get_file(self, key: str, path: str | Path) -> None: ...
     def open_read(self, key: str) -> BinaryIO: ...
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+    def writer(self, key: str) -> AbstractContextManager[BinaryIO]: ...
     def exists(self, key: str) -> bool: ...
     def stat(self, key: str) -> ObjectInfo: ...
     def list(self, prefix: str = "") -> list[ObjectInfo]: ...
@@ -118,6 +121,34 @@ class FileStore:
             return open(self._path(key), "rb")
         except FileNotFoundError:
             raise StorageError(f"{self.url}/{key} does not exist") from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of an object; fewer only where the object is shorter."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{key} does not exist") from None
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[BinaryIO]:
+        """A file to write the object into; it appears, whole, only when the block ends cleanly."""
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())  # durable before any manifest can name it
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -225,6 +256,28 @@ class S3Store:
         except ClientError as exc:
             raise self._err(key, exc) from None
         return body  # type: ignore[no-any-return]
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        from botocore.exceptions import ClientError
+
+        if length <= 0:
+            return b""
+        full = self._key(key)
+        rng = f"bytes={offset}-{offset + length - 1}"
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=full, Range=rng)["Body"].read()
+        except ClientError as exc:
+            raise self._err(key, exc) from None
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[BinaryIO]:
+        """A local temporary file, uploaded when the block ends cleanly (boto3 switches to
+        parallel multipart uploads for large files), so readers only ever see whole objects."""
+        with tempfile.TemporaryDirectory(prefix="megatrain-put-") as tmp:
+            path = Path(tmp) / "object"
+            with open(path, "wb") as f:
+                yield f
+            self.put_file(key, path)
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.engine.build import Trainable, lm_loss
-from megatrain.engine.checkpoint_state import Progress
+from megatrain.engine.checkpoint.training import Progress
 from megatrain.engine.config import TrainConfig
 from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
@@ -65,8 +65,12 @@ class TrainLoop:
         log: RunLog,
         rates: Rates,
         save: Callable[[Progress], None],
+        poll: Callable[[], None] = lambda: None,
     ):
+        """`save(progress)` writes a checkpoint (perhaps in the background); `poll()` is called after
+        every step to report background saves that have finished."""
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
+        self.poll = poll
         train_ds = data["train"]
         assert train_ds is not None
         self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
@@ -193,6 +197,7 @@ class TrainLoop:
                 log.say(f"step {step} | validation loss {last_eval:.4f}")
             if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final:
                 self.save(Progress(step, consumed))
+            self.poll()
             self._sync()
             window.excluded += time.perf_counter() - paused
         test_loss = None

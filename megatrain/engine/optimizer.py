@@ -292,6 +292,47 @@ class MixedPrecisionOptimizer:
 
     # --- checkpoint state ----------------------------------------------------------------------------
 
+    def main_shards(self) -> list[tuple[OwnedSlice, torch.Tensor, dict[str, torch.Tensor]]]:
+        """Per owned slice: the slice, its fp32 main weights as a flat view, and Adam's moments as flat
+        views (zeros before the first step). What a sharded checkpoint writes: nothing is gathered."""
+        out = []
+        for sl, main in zip(self._slices, self._mains, strict=True):
+            st = self.adam.state.get(main, {})
+            moments = {
+                k: st[k].reshape(-1) if k in st else torch.zeros(main.numel(), dtype=torch.float32, device=main.device)
+                for k in ("exp_avg", "exp_avg_sq")
+            }
+            out.append((sl, main.reshape(-1), moments))
+        return out
+
+    @torch.no_grad()
+    def load_main_shards(self, moments: list[dict[str, torch.Tensor]], steps: int) -> None:
+        """After main_shards' main views were filled in place: Adam's moments (per slice, in
+        main_shards' order) and step count, then the model weights from the mains (collective over dp,
+        as after a step), so every copy of a weight agrees with the fp32 master."""
+        self.steps = int(steps)
+        adam_sd = self.adam.state_dict()
+        adam_sd["state"] = {}
+        if self.steps > 0:
+            for index, (main, m) in enumerate(zip(self._mains, moments, strict=True)):
+                adam_sd["state"][index] = {
+                    "step": torch.tensor(float(self.steps)),
+                    "exp_avg": m["exp_avg"].view(main.shape).clone(),
+                    "exp_avg_sq": m["exp_avg_sq"].view(main.shape).clone(),
+                }
+        self.adam.load_state_dict(adam_sd)  # torch places and casts each state like its parameter
+        self._copy_mains_to_model()
+
+    @torch.no_grad()
+    def reload_mains_from_model(self) -> None:
+        """Refresh the fp32 mains from the model weights (after loading weights only), fresh moments."""
+        for sl, main, aliased in zip(self._slices, self._mains, self._aliased, strict=True):
+            if not aliased:
+                main.copy_(sl.param.detach().reshape(-1)[sl.start : sl.end].view(main.shape))
+        self.adam.state.clear()
+        self.steps = 0
+
+
     @torch.no_grad()
     def full_state_dict(self, names: dict[nn.Parameter, str]) -> dict[str, Any]:
         """Full fp32 main params and Adam moments per parameter name (collective over dp).

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatrain.engine.build import RankModel, Trainable, build_model, make_trainable
-from megatrain.engine.checkpoint import find_latest, read_weights, resolve_init_from
-from megatrain.engine.checkpoint_state import Progress, resume_training_state, save_training_state
+from megatrain.engine.checkpoint import find_latest, resolve_init_from
+from megatrain.engine.checkpoint.training import Checkpointer, Progress, load_model_weights
 from megatrain.engine.config import TrainConfig, train_config, transformer_config
 from megatrain.engine.data import Loader, build_datasets, build_tokenizer
 from megatrain.engine.loop import Rates, TrainLoop
@@ -77,10 +78,12 @@ def run(
     checkpoint_url: str | None = None,
     ctx: Dist | None = None,
     layout: Layout | None = None,
+    probe: Callable[[Trainable], Any] | None = None,
 ) -> dict[str, Any]:
     """Train `spec` to training.train_iters (resuming if a checkpoint exists); returns a summary.
 
-    `layout` is the stored, checked one; without it the spec's is resolved for this world."""
+    `layout` is the stored, checked one; without it the spec's is resolved for this world. `probe`
+    (tests, tools) is called with the trained model at the end; its result is summary["probe"]."""
     ctx = ctx or Dist()
     layout = layout or resolve_layout(spec, ctx.world_size)
     check_runnable(layout, ctx.world_size)
@@ -111,10 +114,25 @@ def run(
         _init_from(model, spec.model.init_from, log)
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
     train = make_trainable(model, cfg, par, precision, mcfg)
+    t = spec.training
+    checkpointer = Checkpointer(
+        ckpt_url,
+        train,
+        spec,
+        mcfg,
+        cfg,
+        log,
+        async_save=t.async_checkpoint,
+        keep_last=t.checkpoint_keep_last,
+        keep_every=t.checkpoint_keep_every,
+    )
     start = Progress()
     if latest is not None:
-        start = resume_training_state(ckpt_url, latest, train)
-        log.say(f"resumed from {ckpt_url} step {start.step}")
+        resumed = checkpointer.resume()
+        if resumed is not None:
+            start = resumed
+            log.say(f"resumed from {ckpt_url} step {start.step}")
+        latest = resumed.step if resumed is not None else None
     log.events.write(
         _started_event(spec, layout, train, cfg, precision, ctx, start, latest, tokenizer.vocab_size, log)
     )
@@ -126,23 +144,11 @@ def run(
         peak_tflops(_device_name(ctx.device), precision) if ctx.is_main else None,
     )
 
-    def save(progress: Progress) -> None:
-        saved = save_training_state(ckpt_url, progress, train, mcfg, spec, cfg.train_iters)
-        if saved is not None:
-            log.events.write(
-                {
-                    "event": "checkpoint_saved",
-                    "step": progress.step,
-                    "uri": saved.uri,
-                    "size_bytes": saved.size_bytes,
-                }
-            )
-            log.say(f"checkpoint {progress.step} saved to {saved.uri} ({saved.size_bytes} bytes)")
-        if ctx.group is not None:
-            dist.barrier(group=ctx.group)
-
     try:
-        summary = TrainLoop(train, cfg, loaders, log, rates, save).run(start)
+        summary = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, checkpointer.poll).run(start)
+        checkpointer.close()  # the final checkpoint is stored before the run counts as finished
+        if probe is not None:
+            summary["probe"] = probe(train)
     finally:
         for loader in loaders.values():
             if loader is not None:
@@ -165,8 +171,7 @@ def _init_from(model: RankModel, init_from: str, log: RunLog) -> None:
         log.say(f"initialised from the Hugging Face model at {url}")
         return
     src = resolve_init_from(init_from, get_settings().resolved_storage_url)
-    weights, step = read_weights(src)
-    model.load_full_weights(weights)
+    step = load_model_weights(src, model)
     log.say(f"initialised from {src} (step {step})")
 
 
@@ -272,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except Terminated:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
-        return EXIT_SIGTERM
+        # Leave at once: a background save in flight is abandoned (never completed: no manifest).
+        sys.stdout.flush()
+        os._exit(EXIT_SIGTERM)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

@@ -1,103 +1,137 @@
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import random
+import os
 import shutil
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from megatrain.engine.checkpoint import (
-    UnsafeCheckpoint,
+    CheckpointReader,
+    CorruptCheckpoint,
+    UnsupportedCheckpoint,
     complete_steps,
     find_latest,
     load_checkpoint,
-    model_state_for_save,
-    plain_data,
-    read_checkpoint,
-    restore_training_state,
-    save_checkpoint,
-    write_checkpoint,
+    open_folder,
+    retained,
+    save_model,
 )
-from megatrain.engine.config import train_config, transformer_config
-from megatrain.engine.models.gpt import GPTModel, lm_loss
+from megatrain.engine.checkpoint.shards import flat_range_boxes
+from megatrain.engine.config import transformer_config
+from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.train import run
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
 
 
-def _model_and_optimizer(raw: dict) -> tuple[GPTModel, torch.optim.Optimizer]:
-    spec = parse_spec(raw)
+def _model(raw: dict) -> GPTModel:
     torch.manual_seed(0)
-    model = GPTModel(transformer_config(spec, 257))
-    opt = torch.optim.AdamW(model.parameters(), lr=train_config(spec, 1).lr)
-    tokens = torch.randint(0, 257, (2, 33))
-    lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    opt.step()
-    return model, opt
+    return GPTModel(transformer_config(parse_spec(raw), 257))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_round_trip(tmp_path: Path, corpus: Path, arch: str) -> None:
     raw = tiny_spec(corpus)
     raw["model"].update(arch=arch, num_query_groups=None if arch == "gpt2" else 2)
-    model, opt = _model_and_optimizer(raw)
+    model = _model(raw)
     root = (tmp_path / "ckpt").as_uri()
-    saved = save_checkpoint(root, 5, model, opt, {"consumed_samples": 40}, parse_spec(raw))
+    saved = save_model(root, 5, model, parse_spec(raw), {"consumed_samples": 40})
     folder = tmp_path / "ckpt" / "iter_0000005"
     assert saved.uri == folder.as_uri()
     assert sorted(p.name for p in folder.iterdir()) == [
-        "manifest.json", "model.safetensors", "optimizer.pt", "spec.json", "trainer_state.json"
+        "manifest.json", "metadata.json", "model_00000.bin", "spec.json", "trainer_state.json"
     ]  # fmt: skip
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert {e["name"] for e in manifest["files"]} == {
-        "model.safetensors", "optimizer.pt", "spec.json", "trainer_state.json"
-    }  # fmt: skip
-    assert saved.size_bytes == sum(p.stat().st_size for p in folder.iterdir())
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "5"
+    assert manifest["format"] == "megatrain-checkpoint-v2" and manifest["step"] == 5
+    names = {e["name"] for e in manifest["files"]}
+    assert names == {"metadata.json", "model_00000.bin", "spec.json", "trainer_state.json"}
+    assert saved.size_bytes == sum(e["size"] for e in manifest["files"]) + (folder / "manifest.json").stat().st_size
+    assert (tmp_path / "ckpt" / "latest").read_text() == "5\n"
 
     loaded, spec = load_checkpoint(folder)  # a plain path
-    assert spec.model.arch == arch
-    assert loaded.config == model.config
-    if arch == "gpt2":
-        assert loaded.lm_head.weight is loaded.embed.weight  # tying survives safetensors
+    assert spec.name == "tiny" and not loaded.training
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    # A checkpoint root resolves to its latest complete step; a file:// URL works too.
-    again, _ = load_checkpoint(root)
-    assert torch.equal(again.embed.weight, model.embed.weight)
-
-    model2, opt2 = _model_and_optimizer(raw)
-    with torch.no_grad():
-        for p in model2.parameters():
-            p.zero_()
-    state = restore_training_state(root, 5, model2, opt2)
-    assert state["consumed_samples"] == 40 and state["step"] == 5
-    assert torch.equal(model2.embed.weight, model.embed.weight)
-    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    reader = CheckpointReader(tmp_path / "ckpt")  # a root means its latest step
+    assert reader.step == 5 and reader.model_config == model.config
+    assert ("lm_head.weight" in reader.names()) == (arch == "llama")  # a tied head is stored once
+    assert torch.equal(reader.tensor("layers.1.mlp.fc1.weight"), model.layers[1].mlp.fc1.weight)
 
 
-def test_incomplete_and_corrupt_folders(tmp_path: Path, corpus: Path) -> None:
+def test_files_hold_raw_tensor_bytes_and_json(tmp_path: Path, corpus: Path) -> None:
+    """Nothing in a checkpoint is a pickle: a box is the tensor's bytes at the offset metadata.json
+    names, with its crc32."""
     raw = tiny_spec(corpus)
-    model, opt = _model_and_optimizer(raw)
-    root = (tmp_path / "ckpt").as_uri()
+    model = _model(raw)
+    save_model(tmp_path.as_uri(), 1, model, parse_spec(raw))
+    folder = tmp_path / "iter_0000001"
+    meta = json.loads((folder / "metadata.json").read_text())
+    box = next(b for b in meta["boxes"] if b["fqn"] == "model/final_norm.weight")
+    data = (folder / box["file"]).read_bytes()[box["at"] : box["at"] + box["length"]]
+    assert data == model.final_norm.weight.detach().numpy().tobytes()
+    assert zlib.crc32(data) == box["crc32"]
+    assert meta["tensors"]["model/embed.weight"] == {
+        "dtype": "float32", "size": [384, 32], "chunks": [{"offsets": [0, 0], "sizes": [384, 32]}]
+    }  # fmt: skip
+
+
+def test_latest_ignores_incomplete_and_names_corruption(tmp_path: Path, corpus: Path) -> None:
+    raw = tiny_spec(corpus)
+    model = _model(raw)
+    root = tmp_path / "ckpt"
     for step in (3, 6):
-        save_checkpoint(root, step, model, opt, {"consumed_samples": 0}, parse_spec(raw))
-    assert find_latest(root) == 6
-    (tmp_path / "ckpt" / "iter_0000006" / "manifest.json").unlink()  # a crash before the manifest
-    assert complete_steps(root) == [3]
-    assert find_latest(root) == 3  # `latest` still says 6, but that folder is incomplete
-    model_file = tmp_path / "ckpt" / "iter_0000003" / "model.safetensors"
-    model_file.write_bytes(model_file.read_bytes()[:-1] + b"\0")
-    with pytest.raises(ValueError, match="does not match its manifest"):
-        load_checkpoint(tmp_path / "ckpt" / "iter_0000003")
-    with pytest.raises(FileNotFoundError):
+        save_model(root.as_uri(), step, model, parse_spec(raw))
+    assert find_latest(root.as_uri()) == 6
+    (root / "iter_0000006" / "manifest.json").unlink()  # died before its manifest
+    assert complete_steps(root.as_uri()) == [3]
+    assert find_latest(root.as_uri()) == 3  # `latest` still says 6, but that folder is incomplete
+    shard = root / "iter_0000003" / "model_00000.bin"
+    good = shard.read_bytes()
+
+    shard.write_bytes(good[:-10])
+    with pytest.raises(CorruptCheckpoint, match=r"model_00000\.bin is \d+ bytes but the manifest says"):
+        load_checkpoint(root / "iter_0000003")
+    flipped = bytearray(good)
+    flipped[100] ^= 0xFF
+    shard.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptCheckpoint, match=r"model_00000\.bin \(bytes .* of model/embed\.weight\): the bytes do not match their checksum"):  # noqa: E501
+        load_checkpoint(root / "iter_0000003")
+    with pytest.raises(CorruptCheckpoint, match="does not match its sha256"):
+        open_folder(root / "iter_0000003", deep=True)
+    shard.unlink()
+    with pytest.raises(CorruptCheckpoint, match=r"model_00000\.bin is missing"):
+        load_checkpoint(root)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "nothing")
+
+
+def test_an_old_format_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "iter_0000001"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"format": "megatrain-checkpoint-v1", "step": 1, "files": []}))
+    with pytest.raises(UnsupportedCheckpoint, match="'megatrain-checkpoint-v1' checkpoint; this megatrain reads"):
+        load_checkpoint(tmp_path)
+
+
+def test_flat_range_boxes_tile_the_range() -> None:
+    shape = (3, 4, 5)
+    for start, end in [(0, 60), (7, 8), (3, 57), (20, 40), (19, 41), (0, 1), (59, 60), (4, 26)]:
+        seen = []
+        for offsets, sizes in flat_range_boxes(shape, start, end):
+            idx = torch.arange(60).view(shape)
+            for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+                idx = idx.narrow(d, o, s)
+            flat = idx.reshape(-1).tolist()
+            assert flat == list(range(flat[0], flat[0] + len(flat)))  # each box is contiguous
+            seen += flat
+        assert seen == list(range(start, end)), (start, end)
 
 
 def test_exact_resume(tmp_path: Path, corpus: Path) -> None:
@@ -126,6 +160,82 @@ def test_exact_resume(tmp_path: Path, corpus: Path) -> None:
         assert torch.equal(a, b)
 
 
+def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    spec = parse_spec(tiny_spec(corpus, train_iters=6, checkpoint_interval=2, eval_interval=0))
+    straight = tmp_path / "straight"
+    run(spec, straight)
+    losses = [r["loss"] for r in read_jsonl(straight / "metrics.jsonl") if "loss" in r]
+    out = tmp_path / "run"
+    shutil.copytree(straight / "checkpoints", out / "checkpoints")
+    (out / "checkpoints" / "iter_0000006" / "manifest.json").unlink()
+    state = out / "checkpoints" / "iter_0000004" / "state_00000.bin"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit in the optimizer state
+    state.write_bytes(bytes(data))
+    run(spec, out)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["loss"] for r in rows if "loss" in r] == losses[2:]  # resumed from step 2, exactly
+    events = read_jsonl(out / "events.jsonl")
+    corrupt = [e for e in events if e["event"] == "checkpoint_corrupt"]
+    assert [e["step"] for e in corrupt] == [4] and "do not match their checksum" in corrupt[0]["reason"]
+    assert events[1]["event"] == "started" and events[1]["resumed_from"] == 2
+
+
+def test_retention_policy() -> None:
+    steps = list(range(10, 110, 10))
+    assert retained(steps, 0, 0) == set(steps)  # keep_last=0: everything
+    assert retained(steps, 2, 0) == {90, 100}
+    assert retained(steps, 2, 40) == {40, 80, 90, 100}
+    assert retained([], 3, 5) == set()
+
+
+def test_retention_deletes_from_storage(tmp_path: Path, corpus: Path) -> None:
+    raw = tiny_spec(corpus, train_iters=8, checkpoint_interval=1, eval_interval=0,
+                    checkpoint_keep_last=2, checkpoint_keep_every=4)  # fmt: skip
+    run(parse_spec(raw), tmp_path / "out")
+    ckpts = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["iter_0000004", "iter_0000007", "iter_0000008", "latest"]
+    deleted = [e["steps"] for e in read_jsonl(tmp_path / "out" / "events.jsonl") if e["event"] == "checkpoints_deleted"]
+    assert sorted(s for batch in deleted for s in batch) == [1, 2, 3, 5, 6]
+
+
+_CRASH = """
+import os, sys
+from pathlib import Path
+from megatrain.engine.checkpoint import dcp
+from megatrain.engine.train import run
+from megatrain.spec import load_spec
+
+real = dcp.ShardWriter.write_data
+def write_then_die(self, plan, planner):
+    out = real(self, plan, planner)
+    if self.store.url.endswith("iter_0000004"):
+        os._exit(9)  # every shard is stored, the manifest is not: a crash mid-save
+    return out
+dcp.ShardWriter.write_data = write_then_die
+run(load_spec(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+def test_a_crash_during_an_async_save_leaves_no_complete_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    raw = tiny_spec(corpus, train_iters=6, checkpoint_interval=2, eval_interval=0)
+    assert parse_spec(raw).training.async_checkpoint
+    (tmp_path / "spec.json").write_text(json.dumps(raw))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path / "spec.json"), str(out)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    folder = out / "checkpoints" / "iter_0000004"
+    assert (folder / "model_00000.bin").exists() and not (folder / "manifest.json").exists()
+    assert find_latest((out / "checkpoints").as_uri()) == 2
+    run(parse_spec(raw), out)  # the retry resumes from step 2 and rewrites step 4 whole
+    started = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "started"]
+    assert started[-1]["resumed_from"] == 2
+    assert complete_steps((out / "checkpoints").as_uri()) == [2, 4, 6]
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert steps[-4:] == [3, 4, 5, 6]
+
+
 def test_s3_round_trip(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     moto = pytest.importorskip("moto")
     import boto3
@@ -138,90 +248,13 @@ def test_s3_round_trip(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyP
     }.items():
         monkeypatch.setenv(key, value)
     raw = tiny_spec(corpus)
-    model, opt = _model_and_optimizer(raw)
+    model = _model(raw)
     with moto.mock_aws():
         boto3.client("s3").create_bucket(Bucket="ckpts")
         root = "s3://ckpts/jobs/j1/checkpoints"
-        saved = save_checkpoint(root, 2, model, opt, {"consumed_samples": 16}, parse_spec(raw))
+        saved = save_model(root, 2, model, parse_spec(raw))
         assert saved.uri == f"{root}/iter_0000002"
         assert find_latest(root) == 2
         loaded, spec = load_checkpoint(saved.uri)
         assert spec.name == "tiny"
         assert torch.equal(loaded.layers[1].mlp.fc2.weight, model.layers[1].mlp.fc2.weight)
-
-
-class _WritesAMarker:
-    """What an attacker with write access to storage could pickle: code that runs on unpickling."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return open, (str(self.marker), "w")  # merely loading it creates the marker file
-
-
-def _replace_file_and_manifest(folder: Path, name: str, payload: object) -> None:
-    """Swap one file and re-sign the manifest, as someone able to write the bucket would."""
-    torch.save(payload, folder / name)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for entry in manifest["files"]:
-        if entry["name"] == name:
-            data = (folder / name).read_bytes()
-            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-
-
-def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path: Path, corpus: Path) -> None:
-    spec = parse_spec(tiny_spec(corpus, train_iters=6, checkpoint_interval=3, eval_interval=3))
-    out = tmp_path / "run"
-    run(parse_spec(tiny_spec(corpus, train_iters=3, checkpoint_interval=3, eval_interval=3)), out)
-    folder = out / "checkpoints" / "iter_0000003"
-    saved = torch.load(folder / "optimizer.pt", weights_only=True)  # what we write is plain data
-    marker = tmp_path / "pwned"
-    _replace_file_and_manifest(folder, "optimizer.pt", {**saved, "optimizer": _WritesAMarker(marker)})
-    with pytest.raises(UnsafeCheckpoint, match=r"optimizer\.pt holds .* refusing .*io\.open"):
-        run(spec, out)
-    assert not marker.exists()
-    with pytest.raises(UnsafeCheckpoint):
-        read_checkpoint((out / "checkpoints").as_uri(), 3)
-    assert not marker.exists()
-
-
-def test_single_process_restore_loads_plain_data_only(tmp_path: Path, corpus: Path) -> None:
-    raw = tiny_spec(corpus)
-    model, opt = _model_and_optimizer(raw)
-    save_checkpoint(tmp_path.as_uri(), 1, model, opt, {"consumed_samples": 0}, parse_spec(raw))
-    # Python's random state (nested tuples of ints) and torch's ByteTensor states load safely.
-    extra = torch.load(tmp_path / "iter_0000001" / "optimizer.pt", weights_only=True)
-    assert extra["rng"]["torch"].dtype == torch.uint8
-    marker = tmp_path / "pwned"
-    _replace_file_and_manifest(
-        tmp_path / "iter_0000001", "optimizer.pt", {**extra, "rng": _WritesAMarker(marker)}
-    )
-    with pytest.raises(UnsafeCheckpoint):
-        restore_training_state(tmp_path.as_uri(), 1, model, opt)
-    assert not marker.exists()
-
-
-def test_saved_data_is_made_plain_or_refused(tmp_path: Path, corpus: Path) -> None:
-    np_state = np.random.get_state()  # ('MT19937', uint32 array, int, int, float)
-    extra = {"rng": {"numpy": np_state, "python": random.getstate()}, "n": np.int64(3)}
-    buf = io.BytesIO()
-    torch.save(plain_data(extra), buf)
-    buf.seek(0)
-    back = torch.load(buf, weights_only=True)
-    assert back["n"] == 3 and type(back["n"]) is int
-    expected = np.random.rand(3)
-    np.random.rand(5)
-    np.random.set_state(back["rng"]["numpy"])  # the restored tuple is accepted as is
-    assert np.array_equal(np.random.rand(3), expected)
-    random.setstate(back["rng"]["python"])
-    # An object that is not plain data is refused when saving, naming where it sits.
-    raw = tiny_spec(corpus)
-    model, _ = _model_and_optimizer(raw)
-    with pytest.raises(TypeError, match=r"extra\['optimizer'\]\['hook'\] is a .*_WritesAMarker"):
-        write_checkpoint(
-            (tmp_path / "ckpt").as_uri(), 1, model_state_for_save(model), model.config,
-            {"optimizer": {"hook": _WritesAMarker(tmp_path / "x")}}, {}, parse_spec(raw),
-        )  # fmt: skip
-    assert not (tmp_path / "ckpt").exists()  # nothing was uploaded

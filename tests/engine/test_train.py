@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatrain.engine.checkpoint import read_weights
 from megatrain.engine.config import train_config
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.train import EXIT_USAGE, UnsupportedLayout, main, run
@@ -146,10 +147,8 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     assert "step 6/6" in proc.stdout and proc.stdout.count("step 1/6") == 1  # rank 0 logs only
 
     # The checkpoint holds full single-device weights whatever the layout: equal to the reference's.
-    from safetensors.torch import load_file
-
-    mine = load_file(ckpts / "iter_0000006" / "model.safetensors")
-    theirs = load_file(tmp_path / "single" / "checkpoints" / "iter_0000006" / "model.safetensors")
+    mine, _ = read_weights(ckpts / "iter_0000006")
+    theirs, _ = read_weights(tmp_path / "single" / "checkpoints" / "iter_0000006")
     assert mine.keys() == theirs.keys()
     for name, t in theirs.items():
         assert torch.allclose(mine[name], t, rtol=1e-3, atol=1e-5), name
@@ -283,9 +282,7 @@ def test_low_precision_runs_track_fp32(
     assert read_jsonl(tmp_path / precision / "events.jsonl")[0]["precision"] == precision
     if precision == "fp16":
         assert all(r["loss_scale"] >= 1 for r in rows) and sum(r["skipped_iters"] for r in rows) <= 2
-    from safetensors.torch import load_file
-
-    weights = load_file(tmp_path / precision / "checkpoints" / "iter_0000006" / "model.safetensors")
+    weights, _ = read_weights(tmp_path / precision / "checkpoints" / "iter_0000006")
     expected = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert {t.dtype for t in weights.values()} == {expected}
 

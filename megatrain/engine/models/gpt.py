@@ -129,6 +129,52 @@ def check_inputs(
             raise ValueError(f"{name} of shape {tuple(ids.shape)} do not match tokens {tuple(tokens.shape)}")
 
 
+class KVCache:
+    """Every attention layer's keys and values for positions [0, length), for decoding.
+
+    Each layer's buffers, (B, G, max_len, hd) in the model's dtype and device, are allocated on its
+    first write. GPTModel.hidden_states(tokens, kv_cache=cache) runs tokens (B, T) at positions
+    length .. length+T-1 and then advances length: a prompt in one forward, then a token per step.
+    """
+
+    # SDPA reads grouped keys and values itself from torch 2.5 (a builtin: no signature to inspect).
+    _sdpa_gqa = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0
+        """Positions held (the same in every layer between forwards)."""
+        self._buffers: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attend(
+        self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor:
+        """Store k, v (B, G, T, hd) at the next T positions of `layer`'s buffers; attend q (B, H, T, hd)
+        over positions [0, length+T): each new token sees every earlier position and itself."""
+        b, g, t, hd = k.shape
+        start, end = self.length, self.length + t
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} positions; {end} were asked for")
+        if layer not in self._buffers:
+            self._buffers[layer] = (k.new_zeros(b, g, self.max_len, hd), v.new_zeros(b, g, self.max_len, hd))
+        keys, values = self._buffers[layer]
+        keys[:, :, start:end], values[:, :, start:end] = k, v
+        k, v = keys[:, :, :end], values[:, :, :end]  # (B, G, end, hd)
+        # SDPA's is_causal aligns the mask top-left: right only while the cache was empty (T == end).
+        mask = None
+        if start > 0 and t > 1:
+            mask = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]
+        kw: dict[str, Any] = {}
+        if g != q.shape[1] and self._sdpa_gqa:
+            kw["enable_gqa"] = True
+        elif g != q.shape[1]:  # query head h reads group h // (H/G): a copy of the cache per step
+            k, v = k.repeat_interleave(q.shape[1] // g, dim=1), v.repeat_interleave(q.shape[1] // g, dim=1)
+        causal = start == 0 and t > 1
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, **kw
+        )
+
+
 class Attention(nn.Module):
     """Causal self-attention with one fused QKV projection and grouped-query support.
 
@@ -172,7 +218,15 @@ class Attention(nn.Module):
             # Causal (is_causal) without segments; block-diagonal causal over packed documents.
             return kernels.get("attention", q.device.type)(q, k, v, segments, dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope | None, segments: Segments | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None,
+        segments: Segments | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). With kv_cache, x holds the tokens at the cache's next positions
+        (rope already sliced to them) and attends over every cached position too."""
         q, k, v = self.split_qkv(self.qkv(x))
         # Shapes from q, not x: under sequence parallelism x is a sequence shard that qkv all-gathers.
         b, _, t, _ = q.shape
@@ -182,7 +236,9 @@ class Attention(nn.Module):
                 cos, sin = cos[:t], sin[:t]
             rope_fn = kernels.get("apply_rope", q.device.type)
             q, k = rope_fn(q, cos, sin), rope_fn(k, cos, sin)
-        if self.recompute_core and self.training:
+        if kv_cache is not None:
+            y = kv_cache.attend(self, q, k, v, self.dropout if self.training else 0.0)
+        elif self.recompute_core and self.training:
             y = checkpoint(
                 self._core, q, k, v, segments, use_reentrant=False, context_fn=self.recompute_context_fn
             )
@@ -288,9 +344,10 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V); see hidden_states for the ids."""
-        return self.lm_head(self.hidden_states(tokens, position_ids, segment_ids))  # (B, T, V)
+        """tokens (B, T) -> logits (B, T, V); see hidden_states for the ids and the cache."""
+        return self.lm_head(self.hidden_states(tokens, position_ids, segment_ids, kv_cache))  # (B, T, V)
 
     def loss(
         self,
@@ -316,28 +373,48 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> the final norm's output (B, T, C), the LM head's input.
 
         position_ids (B, T): each token's position (None: 0..T-1); segment_ids (B, T): tokens attend
-        only to earlier tokens of their segment (None: plain causal attention over each row)."""
+        only to earlier tokens of their segment (None: plain causal attention over each row).
+        kv_cache: decode; the tokens follow the cache's `length` positions (None: the ids from
+        there on) and attend over them; the cache then holds these tokens too."""
         check_inputs(tokens, self.config.seq_length, position_ids, segment_ids)
         t = tokens.shape[1]
+        start = 0
+        if kv_cache is not None:
+            if segment_ids is not None:
+                raise ValueError("a KV cache decodes one sequence per row: no segment_ids")
+            start = kv_cache.length
+            if start + t > self.config.seq_length:
+                raise ValueError(f"position {start + t - 1} is beyond seq_length={self.config.seq_length}")
         x = self.embed(tokens)  # (B, T, C)
         rope = None
         if self.pos_embed is not None:
+            if position_ids is None and start:
+                position_ids = torch.arange(start, start + t, device=tokens.device)  # (T,)
             x = x + self.pos_embed(positions_for(t, position_ids, tokens.device))
+        elif position_ids is None and start:
+            rope = self.rope_cos[start : start + t], self.rope_sin[start : start + t]  # (T, hd) each
         else:
             rope = rope_for(self.rope_cos, self.rope_sin, position_ids)
         segments = Segments(segment_ids) if segment_ids is not None else None
         x = self.dropout(x)
         for layer in self.layers:
-            if layer.recompute and self.training:
+            if kv_cache is not None:
+                # TransformerBlock.forward with the cache handed to attention.
+                x = x + layer.dropout(layer.attn(layer.attn_norm(x), rope, kv_cache=kv_cache))
+                x = x + layer.dropout(layer.mlp(layer.mlp_norm(x)))
+            elif layer.recompute and self.training:
                 x = checkpoint(
                     layer, x, rope, segments, use_reentrant=False, context_fn=self.recompute_context_fn
                 )
             else:
                 x = layer(x, rope, segments)
+        if kv_cache is not None:
+            kv_cache.length += t
         return self.final_norm(x)
 
     def num_parameters(self) -> int:
