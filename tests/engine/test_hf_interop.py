@@ -19,7 +19,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from megatrain.engine.checkpoint import load_checkpoint
 from megatrain.engine.config import TransformerConfig
-from megatrain.engine.interop import export_hf, export_model_hf, load_hf_model, load_hf_state, read_hf_config
+from megatrain.engine.interop import (
+    export_checkpoint_hf,
+    export_hf,
+    export_model_hf,
+    load_hf_model,
+    load_hf_state,
+    read_hf_config,
+)
 from megatrain.engine.models.gpt import GPTModel, rope_inv_freq
 from megatrain.engine.parallel.parallelize import load_full_state_dict, parallelize_model
 from megatrain.engine.train import run
@@ -239,7 +246,8 @@ def test_s3_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_train_from_hf_then_export(tmp_path: Path, corpus: Path) -> None:
     """A spec with init_from hf:URL (model fields from the folder's config.json) trains 3 steps; the
-    checkpoint, exported, gives transformers the logits our trained model gives."""
+    sharded checkpoint, exported tensor by tensor, gives transformers the logits our trained model
+    (load_checkpoint) gives."""
     ref = hf_model(LlamaConfig(**{**_LLAMA, "vocab_size": 300}))  # the byte tokenizer's 257 fit
     ref.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
     raw = tiny_spec(corpus, train_iters=3, lr=1e-5, warmup_iters=0, eval_interval=0, checkpoint_interval=0)
@@ -251,7 +259,7 @@ def test_train_from_hf_then_export(tmp_path: Path, corpus: Path) -> None:
     # Started from transformers' weights: 3 Adam steps of lr 1e-5 move a weight by about 3e-5.
     moved = (trained.layers[1].mlp.fc2.weight - ref.model.layers[1].mlp.down_proj.weight).abs().max()
     assert 0 < moved < 1e-4
-    export_model_hf(trained, tmp_path / "out", dtype=torch.float32)
+    export_checkpoint_hf(tmp_path / "run" / "checkpoints", tmp_path / "out", dtype=torch.float32)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = torch.randint(0, 300, (2, 32))
     with torch.no_grad():

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain.engine.checkpoint import CheckpointReader
 from megatrain.engine.config import FLAVOURS, TransformerConfig
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
 from megatrain.engine.models.gpt import GPTModel, rope_tables
@@ -303,3 +304,10 @@ def export_model_hf(model: GPTModel, dest: str | Path, **kwargs: Any) -> list[st
     """export_hf for an in-memory single-device model (keyword arguments as export_hf's)."""
     state = model.state_dict()
     return export_hf(lambda name: state[name], model.config, dest, **kwargs)
+
+
+def export_checkpoint_hf(checkpoint: str | Path, dest: str | Path, **kwargs: Any) -> list[str]:
+    """export_hf of a sharded checkpoint (a step's folder, or a root's latest), reading each tensor
+    on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's)."""
+    reader = CheckpointReader(checkpoint)
+    return export_hf(reader.tensor, reader.model_config, dest, **kwargs)
