@@ -21,7 +21,7 @@ from megatrain.hf_config import (
     model_fields_from_hf,
     spec_model_with_hf,
 )
-from megatrain.spec import ModelSpec
+from megatrain.spec import ModelSpec, SpecError, parse_spec
 
 _SHAPE = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 128,
           "num_hidden_layers": 3, "vocab_size": 1000, "max_position_embeddings": 512}  # fmt: skip
@@ -175,3 +175,29 @@ def test_export_refuses_models_transformers_cannot_express() -> None:
     biased_llama = TransformerConfig.preset("tiny-llama", add_bias=True)
     with pytest.raises(HFConfigError, match="add_bias"):
         hf_config_from_model(biased_llama.to_dict())
+
+
+SPEC_RULES = [
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "model.rope_scaling", "low_freq_factor"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
+     "model.rope_scaling.low_freq_factor", "only for type llama3"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "model.rope_scaling.type", "linear"),
+    ({"arch": "gpt2", "rope_scaling": {"type": "linear", "factor": 2.0}}, "model.rope_scaling", "arch llama"),
+    ({"init_from": "hf:gpt2"}, "model.init_from", "hf:URL"),
+    ({"init_from": "hf:"}, "model.init_from", "hf:URL"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "field", "text"), SPEC_RULES)
+def test_model_spec_rules_for_hf_fields(model: dict[str, Any], field: str, text: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "model": model, "data": {"train": [{"path": "file:///d"}]}})
+    assert [(e["field"], text in e["message"]) for e in err.value.errors] == [(field, True)]
+
+
+def test_model_spec_accepts_hf_init_and_fields() -> None:
+    for url in ("hf:file:///models/llama", "hf:s3://bucket/llama", "hf:/models/llama"):
+        spec = parse_spec(
+            {"name": "x", "model": {"init_from": url, "qkv_bias": True}, "data": {"train": [{"path": "/d"}]}}
+        )
+        assert spec.model.init_from == url and spec.model.qkv_bias
