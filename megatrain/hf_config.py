@@ -131,7 +131,11 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = dict(config.get(key) or {})
     if any(isinstance(v, Mapping) for v in params.values()):
         raise HFConfigError(key, "per-layer rope parameters are not supported")
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    # As transformers resolves it: the rope dict's own theta, else the top-level key.
+    v5_params = config.get("rope_parameters") or {}
+    theta = float(
+        params.get("rope_theta") or config.get("rope_theta") or v5_params.get("rope_theta") or 10000.0
+    )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
