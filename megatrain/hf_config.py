@@ -131,7 +131,11 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = dict(config.get(key) or {})
     if any(isinstance(v, Mapping) for v in params.values()):
         raise HFConfigError(key, "per-layer rope parameters are not supported")
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    # As transformers resolves it: the rope dict's own theta, else the top-level key.
+    v5_params = config.get("rope_parameters") or {}
+    theta = float(
+        params.get("rope_theta") or config.get("rope_theta") or v5_params.get("rope_theta") or 10000.0
+    )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -210,6 +214,8 @@ def hf_config_from_model(
         wanted = {"normalization": "layernorm", "activation": "gelu", "add_bias": True}
         if m["num_query_groups"] != m["num_attention_heads"]:
             raise HFConfigError("num_key_value_heads", "GPT-2 has no grouped-query attention")
+        if not qkv_bias:
+            raise HFConfigError("qkv_bias", "GPT-2's c_attn always has a bias")
     else:
         model_type = "qwen2" if qkv_bias else "llama"
         wanted = {"normalization": "rmsnorm", "activation": "swiglu", "add_bias": False}

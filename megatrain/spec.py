@@ -109,6 +109,8 @@ class ModelSpec(_Strict):
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={groups}"
             )
+        if self.rope_scaling is not None and self.arch == "gpt2":
+            raise ValueError("model.rope_scaling is only for arch llama (gpt2 has learned positions)")
         if self.init_from is not None and not _valid_init_from(self.init_from):
             raise ValueError(
                 "model.init_from must be null, checkpoint:JOB_ID[@STEP] or hf:URL "

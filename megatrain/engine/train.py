@@ -159,7 +159,17 @@ def run(
 
 
 def _init_from(model: RankModel, init_from: str, log: RunLog) -> None:
-    """A fine-tune's starting weights (the first attempt only: a retry resumes its own checkpoint)."""
+    """A fine-tune's starting weights (the first attempt only: a retry resumes its own checkpoint):
+    a job's checkpoint, or a Hugging Face model folder (hf:URL)."""
+    if init_from.startswith("hf:"):
+        from megatrain.engine.interop.hf import load_hf_state
+
+        url = init_from.removeprefix("hf:")
+        mcfg = (model.chunks[0] if model.chunks else model.module).config
+        # load_hf_state names every field where the folder disagrees with the spec's model.
+        model.load_full_weights(load_hf_state(url, mcfg))
+        log.say(f"initialised from the Hugging Face model at {url}")
+        return
     src = resolve_init_from(init_from, get_settings().resolved_storage_url)
     step = load_model_weights(src, model)
     log.say(f"initialised from {src} (step {step})")

@@ -1,6 +1,7 @@
 """Interoperability with other formats: Hugging Face transformers folders (safetensors)."""
 
 from megatrain.engine.interop.hf import (
+    export_checkpoint_hf,
     export_hf,
     export_model_hf,
     hf_transformer_config,
@@ -10,6 +11,7 @@ from megatrain.engine.interop.hf import (
 )
 
 __all__ = [
+    "export_checkpoint_hf",
     "export_hf",
     "export_model_hf",
     "hf_transformer_config",

@@ -10,6 +10,7 @@ each canonical tensor is asked for through `get_tensor` (a sharded checkpoint re
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain.engine.checkpoint import CheckpointReader
 from megatrain.engine.config import FLAVOURS, TransformerConfig
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
 from megatrain.engine.models.gpt import GPTModel, rope_tables
@@ -109,6 +111,8 @@ def config_mismatches(fields: dict[str, Any], cfg: TransformerConfig) -> list[st
         "rope_scaling": spec.rope_scaling.model_dump(exclude_none=True) if spec.rope_scaling else None,
     }
     out = [f"{k}: checkpoint {theirs[k]!r}, model {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
+    if not math.isclose(spec.norm_eps, cfg.norm_eps, rel_tol=1e-6):
+        out.append(f"norm_eps: checkpoint {spec.norm_eps}, model {cfg.norm_eps}")
     if fields["vocab_size"] > cfg.vocab_size:
         out.append(f"vocab_size: checkpoint {fields['vocab_size']}, model rows {cfg.vocab_size}")
     return out
@@ -300,3 +304,10 @@ def export_model_hf(model: GPTModel, dest: str | Path, **kwargs: Any) -> list[st
     """export_hf for an in-memory single-device model (keyword arguments as export_hf's)."""
     state = model.state_dict()
     return export_hf(lambda name: state[name], model.config, dest, **kwargs)
+
+
+def export_checkpoint_hf(checkpoint: str | Path, dest: str | Path, **kwargs: Any) -> list[str]:
+    """export_hf of a sharded checkpoint (a step's folder, or a root's latest), reading each tensor
+    on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's)."""
+    reader = CheckpointReader(checkpoint)
+    return export_hf(reader.tensor, reader.model_config, dest, **kwargs)
