@@ -78,7 +78,8 @@ class ModelSpec(_Strict):
     """None: 4·hidden for gpt2; for llama 8/3·hidden rounded up to a multiple of 64."""
     seq_length: int = Field(256, ge=1, le=1 << 20)
     vocab_size: int | None = Field(None, ge=1, le=1 << 22)
-    """None: the tokenizer's vocabulary, padded to a multiple of 128."""
+    """The model's vocabulary (at least the tokenizer's); None: the tokenizer's. The embedding and
+    LM head have it rounded up to a multiple of 128 rows."""
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_eps: float = Field(1e-5, gt=0.0, le=1e-1)
@@ -139,8 +140,9 @@ class ModelSpec(_Strict):
         return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
     def padded_vocab(self, tokenizer_vocab: int) -> int:
-        """The embedding rows: vocab_size if given (at least the tokenizer's), else the tokenizer's
-        vocabulary rounded up to a multiple of VOCAB_PAD_MULTIPLE."""
+        """The embedding rows: the model's vocabulary (vocab_size if given, at least the tokenizer's;
+        else the tokenizer's) rounded up to a multiple of VOCAB_PAD_MULTIPLE, so that every power-of-two
+        tp divides it (GPT-2's 50257 becomes 50304 rows). Rows past the vocabulary are padding."""
         if self.vocab_size is not None:
             if self.vocab_size < tokenizer_vocab:
                 raise SpecError(
@@ -152,7 +154,7 @@ class ModelSpec(_Strict):
                         }
                     ]
                 )
-            return self.vocab_size
+            tokenizer_vocab = self.vocab_size
         return -(-tokenizer_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
 

@@ -122,7 +122,7 @@ def make_trainable(
             dtype,
             state.layout.pipeline_schedule,
         )
-        loss = _pipeline_loss(model.chunks, state)
+        loss = _pipeline_loss(model.chunks, state, mcfg.real_vocab_size)
     return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss)
 
 
@@ -135,16 +135,19 @@ def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.
         plain = model.module if isinstance(model, DataParallel) else model
         return plain.loss(batch.tokens, batch.labels, batch.loss_mask, **batch.model_inputs)
     logits = model(batch.tokens, **batch.model_inputs)
-    return parallel_lm_loss(logits, batch.labels, state, batch.loss_mask)
+    plain = model.module if isinstance(model, DataParallel) else model
+    limit = plain.config.real_vocab_size
+    return parallel_lm_loss(logits, batch.labels, state, batch.loss_mask, vocab_limit=limit)
 
 
-def _pipeline_loss(chunks: list[StageModule], state: ParallelState) -> LossFn:
+def _pipeline_loss(chunks: list[StageModule], state: ParallelState, vocab: int) -> LossFn:
     """The loss a pipeline's last chunk feeds: fused with the LM head at tp = 1, as without a
-    pipeline; the vocab-parallel loss on the logits' shards otherwise. Other ranks never call it."""
+    pipeline; the vocab-parallel loss on the logits' shards otherwise; over the first `vocab` ids
+    (the rest is padding). Other ranks never call it."""
     last = chunks[-1] if chunks and chunks[-1].is_last else None
     if last is not None and state.tp_size == 1:
         last.return_hidden = True
         return lambda hidden, mb: kernels.get("linear_cross_entropy", hidden.device.type)(
-            hidden, last.lm_head.weight, mb.labels, loss_mask=mb.loss_mask
+            hidden, last.lm_head.weight[:vocab], mb.labels, loss_mask=mb.loss_mask
         )
-    return lambda logits, mb: parallel_lm_loss(logits, mb.labels, state, mb.loss_mask)
+    return lambda logits, mb: parallel_lm_loss(logits, mb.labels, state, mb.loss_mask, vocab_limit=vocab)

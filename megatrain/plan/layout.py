@@ -162,10 +162,13 @@ def model_problems(
         ("num_attention_heads", num_attention_heads),
         ("num_query_groups", num_query_groups),
         ("ffn_hidden_size", ffn_hidden_size),
-        ("vocab_size", vocab_size),
     ):
         if value is not None and value % layout.tp:
             out.append(_problem(f"{model}{name}", f"{model}{name}={value} is not divisible by {tp}"))
+    if vocab_size is not None and vocab_size % layout.tp:
+        out.append(
+            _problem(f"{model}vocab_size", f"the embedding's {vocab_size} rows are not divisible by {tp}")
+        )
     if seq_length is not None and layout.sequence_parallel and seq_length % layout.tp:
         out.append(
             _problem(
@@ -263,7 +266,8 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             num_attention_heads=m.num_attention_heads,
             num_query_groups=m.query_groups,
             ffn_hidden_size=m.ffn_size,
-            vocab_size=m.vocab_size,  # None (the tokenizer's, padded to a multiple of 128) always fits
+            # The rows (a multiple of 128); None (the tokenizer's, not known here) fits any power of 2.
+            vocab_size=m.padded_vocab(m.vocab_size) if m.vocab_size else None,
             seq_length=m.seq_length,
             model="model.",
             par="parallelism.",

@@ -13,7 +13,7 @@ def test_vocab_padding() -> None:
     assert padded_vocab_size(257) == 384
     assert padded_vocab_size(256) == 256
     assert padded_vocab_size(50257) == 50304
-    assert padded_vocab_size(257, 300) == 300
+    assert padded_vocab_size(257, 300) == 384  # the model's vocabulary, padded too
     with pytest.raises(SpecError) as err:
         padded_vocab_size(257, 200)
     assert err.value.errors[0]["field"] == "model.vocab_size"

@@ -53,7 +53,7 @@ def test_model_rules_name_every_broken_one() -> None:
     assert messages == [
         "num_attention_heads=6 is not divisible by tp=4",
         "num_query_groups=2 is not divisible by tp=4",
-        "vocab_size=258 is not divisible by tp=4",
+        "the embedding's 258 rows are not divisible by tp=4",
     ]
     [sp] = model_problems(Layout(tp=4, sequence_parallel=True), seq_length=30)
     assert "seq_length=30 is not divisible by tp=4" in sp["message"]
@@ -235,9 +235,18 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
         "sequence parallelism",
     ),
     (
-        {**BASE, "model": {"vocab_size": 1001}, "parallelism": {"tp": 2}},
+        {
+            **BASE,
+            "model": {
+                "hidden_size": 384,
+                "num_attention_heads": 6,
+                "ffn_hidden_size": 1536,
+                "vocab_size": 1001,
+            },
+            "parallelism": {"tp": 3},
+        },
         "model.vocab_size",
-        "model.vocab_size=1001 is not divisible by parallelism.tp=2",
+        "the embedding's 1024 rows are not divisible by parallelism.tp=3",
     ),
 ]
 

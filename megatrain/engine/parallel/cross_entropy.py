@@ -27,11 +27,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rank: int,
         ignore_index: int,
         loss_mask: torch.Tensor | None,
+        vocab_limit: int | None,
     ) -> torch.Tensor:
         # logits (N, V/tp) this rank's vocab slice, labels (N,) global ids. fp32 throughout.
         x = logits.float()
         local_v = x.shape[-1]
         start = rank * local_v
+        if vocab_limit is not None and vocab_limit < start + local_v:
+            # Padding rows past the real vocabulary: probability 0, so no loss and no gradient.
+            cols = torch.arange(start, start + local_v, device=x.device) >= vocab_limit
+            x = x.masked_fill(cols, float("-inf"))
         # Subtract the global max for a stable exp (a constant per row: no gradient through it).
         row_max = x.max(dim=-1).values
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -69,7 +74,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_labels] -= (~outside).to(g.dtype)
         g.mul_((valid * (grad / count)).unsqueeze(-1))
-        return g.to(ctx.logits_dtype), None, None, None, None, None
+        return g.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -78,13 +83,17 @@ def vocab_parallel_cross_entropy(
     state: ParallelState,
     ignore_index: int = -100,
     loss_mask: torch.Tensor | None = None,
+    vocab_limit: int | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy from this rank's vocab shard of the logits, never gathering them.
 
     logits (B, T, V/tp) — rank r holds vocabulary ids [r·V/tp, (r+1)·V/tp); labels (B, T); loss_mask
     (B, T) of 0/1 or None. Equals F.cross_entropy on the full logits (fp32, mean over tokens whose
-    label is not ignore_index and whose mask is 1; 0 when a mask leaves no token).
+    label is not ignore_index and whose mask is 1; 0 when a mask leaves no token). With vocab_limit,
+    the ids from vocab_limit on (padding) are left out of the softmax, as if the logits stopped there.
     """
+    if state.tp_size == 1 and vocab_limit is not None:
+        logits = logits[..., :vocab_limit]
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     flat_mask = loss_mask.reshape(-1) if loss_mask is not None else None
@@ -98,5 +107,5 @@ def vocab_parallel_cross_entropy(
         return (per_token * weights).sum() / weights.sum().clamp_min(1.0)
     check_group(state.tp_group, state.tp_size)
     return _VocabParallelCrossEntropy.apply(
-        flat_logits, flat_labels, state.tp_group, state.tp_rank, ignore_index, flat_mask
+        flat_logits, flat_labels, state.tp_group, state.tp_rank, ignore_index, flat_mask, vocab_limit
     )

@@ -124,13 +124,17 @@ def _mark_norm(norm: nn.Module) -> None:
 
 
 def parallel_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, state: ParallelState, loss_mask: torch.Tensor | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    state: ParallelState,
+    loss_mask: torch.Tensor | None = None,
+    vocab_limit: int | None = None,
 ) -> torch.Tensor:
     """The LM loss for a parallelized model's logits: vocab-parallel CE when tp > 1, else lm_loss;
-    the mean over the tokens loss_mask keeps."""
+    the mean over the tokens loss_mask keeps, over the first vocab_limit ids (the rest is padding)."""
     if state.tp_size == 1:
-        return lm_loss(logits, labels, loss_mask)
-    return vocab_parallel_cross_entropy(logits, labels, state, loss_mask=loss_mask)
+        return lm_loss(logits[..., :vocab_limit] if vocab_limit else logits, labels, loss_mask)
+    return vocab_parallel_cross_entropy(logits, labels, state, loss_mask=loss_mask, vocab_limit=vocab_limit)
 
 
 def _canonical_keys(model: GPTModel) -> list[str]:

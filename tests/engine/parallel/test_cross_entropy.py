@@ -51,6 +51,20 @@ def _cross_entropy_rank(rank: int, world: int) -> None:
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
         want = ref_in.grad.chunk(st.tp_size, -1)[rank if st.tp_size > 1 else 0]
         torch.testing.assert_close(part.grad, want, rtol=1e-6, atol=1e-7)
+    # A vocabulary limit (padding rows past it, here reaching into the second-to-last shard when
+    # n > 2): equal to F.cross_entropy on the logits cut at the limit, padding gets no gradient.
+    limit = 8 * n - 11
+    labels_in = labels.clamp(max=limit - 1)
+    ref_in = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in[..., :limit].reshape(-1, limit), labels_in.reshape(-1))
+    ref.backward()
+    for st in (state, ParallelState.single()):
+        part = logits.chunk(st.tp_size, -1)[rank if st.tp_size > 1 else 0].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(part, labels_in, st, vocab_limit=limit)
+        loss.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        want = ref_in.grad.chunk(st.tp_size, -1)[rank if st.tp_size > 1 else 0]
+        torch.testing.assert_close(part.grad, want, rtol=1e-6, atol=1e-7)
     zero = logits.chunk(n, -1)[rank].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(zero, labels, state, loss_mask=torch.zeros(3, 5))
     loss.backward()
