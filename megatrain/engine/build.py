@@ -148,6 +148,6 @@ def _pipeline_loss(chunks: list[StageModule], state: ParallelState, vocab: int) 
     if last is not None and state.tp_size == 1:
         last.return_hidden = True
         return lambda hidden, mb: kernels.get("linear_cross_entropy", hidden.device.type)(
-            hidden, last.lm_head.weight[:vocab], mb.labels, loss_mask=mb.loss_mask
+            hidden, last.lm_head.weight, mb.labels, loss_mask=mb.loss_mask, vocab_limit=vocab
         )
     return lambda logits, mb: parallel_lm_loss(logits, mb.labels, state, mb.loss_mask, vocab_limit=vocab)

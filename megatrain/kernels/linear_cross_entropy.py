@@ -32,15 +32,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_tokens: int | None,
         loss_mask: torch.Tensor | None,
+        vocab_limit: int | None,
     ) -> torch.Tensor:
+        param = weight  # the Parameter itself: its main_grad takes the fused weight gradient
+        # Rows from vocab_limit on are padding: out of the softmax, zero gradient (the Parameter is
+        # still what the gradient goes to, so fusion into main_grad keeps working).
+        weight = weight[:vocab_limit] if vocab_limit is not None and vocab_limit < weight.shape[0] else weight
         n, vocab = hidden.shape[0], weight.shape[0]
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         rows = linear_cross_entropy_chunk_rows(n, vocab, chunk_tokens)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = None
+        grad_weight = grad_param = None
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_param = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            grad_param[vocab:].zero_()
+            grad_weight = grad_param[:vocab]  # rows first: a contiguous view
         # fp32: every chunk's logits land in one block (fewer fresh pages than a block per chunk);
         # 16-bit: each chunk's fp32 cast is its own block, freed before the next.
         block = None
@@ -97,16 +104,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_weight.addmm_(g.t(), h)
             del logits, g  # before the next chunk's logits: one 16-bit block alive, not two
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_param)
         ctx.weight_dtype = weight.dtype
         # Under DataParallel the weight gradient is added straight into main_grad in backward.
-        ctx.weight = weight if grad_weight is not None and fusable(weight) else None
+        ctx.weight = param if grad_param is not None and fusable(param) else None
         return loss_sum * inv_n if weights is None else loss_sum
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         # Scaled in place: the gradients were made for this one backward (no retain_graph reuse).
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
@@ -116,7 +123,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = add_to_main_grad(ctx.weight, grad_weight, grad_loss)
             else:
                 grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _flat_mask(loss_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -134,14 +141,17 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
     loss_mask: torch.Tensor | None = None,
+    vocab_limit: int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T) against labels over the tokens loss_mask (0/1)
-    keeps (all without one; 0 when none is kept); hidden (..., h), labels and loss_mask (...)."""
+    keeps (all without one; 0 when none is kept); hidden (..., h), labels and loss_mask (...).
+    Only the first vocab_limit rows of weight are classes (the rest is padding: zero gradient)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
-    return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens, _flat_mask(loss_mask, y.shape[0]))
+    mask = _flat_mask(loss_mask, y.shape[0])
+    return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens, mask, vocab_limit)
 
 
 def linear_cross_entropy_reference(
@@ -150,9 +160,10 @@ def linear_cross_entropy_reference(
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
     loss_mask: torch.Tensor | None = None,
+    vocab_limit: int | None = None,
 ) -> torch.Tensor:
     """The unfused twin: full fp32 logits, then torch's cross-entropy (`chunk_tokens` is ignored)."""
-    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight[:vocab_limit].t()
     mask = _flat_mask(loss_mask, logits.shape[0])
     if mask is None:
         return F.cross_entropy(logits.float(), labels.reshape(-1))

@@ -3,8 +3,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -299,3 +301,41 @@ def test_exact_resume_in_bf16_with_separate_main_weights(
     (tmp_path / "resumed" / "checkpoints" / "iter_0000004" / "manifest.json").unlink()
     run(spec, tmp_path / "resumed")
     assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == losses[2:]
+
+
+def test_a_killed_run_resumes_exactly(tmp_path: Path, corpus: Path) -> None:
+    """SIGKILL mid-run (perhaps mid-save), run again: every step's loss equals the uninterrupted run's."""
+    raw = tiny_spec(corpus, train_iters=120, checkpoint_interval=7, eval_interval=0, log_interval=1)
+    straight = run(parse_spec(raw), tmp_path / "straight")
+    assert straight["step"] == 120
+    ref = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")}
+    (tmp_path / "spec.json").write_text(json.dumps(raw))
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatrain.engine.train",
+        "--spec",
+        str(tmp_path / "spec.json"),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 30):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    killed_at = len(metrics.read_text().splitlines())
+    assert killed_at < 120
+    assert subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+    rows = read_jsonl(metrics)
+    resumed_from = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "started"][-1][
+        "resumed_from"
+    ]
+    assert resumed_from is not None and resumed_from % 7 == 0 and resumed_from <= killed_at
+    last = {r["step"]: r["loss"] for r in rows}  # a step run twice (after the checkpoint) counts once
+    assert last == ref
+    assert [r["step"] for r in rows[killed_at:]] == list(range(resumed_from + 1, 121))

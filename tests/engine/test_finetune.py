@@ -334,7 +334,8 @@ def _step_rank(rank: int, world: int, workdir: str, parallelism: dict) -> dict:
         whole = MicroBatch.from_batch(ds["train"].batch(list(range(8))), "cpu")
         with torch.no_grad():
             logits = train.model.module(whole.tokens, **whole.model_inputs)
-            extra["by_hand"] = lm_loss(logits, whole.labels, whole.loss_mask).item()
+            real = train.model.module.config.real_vocab_size  # padding rows are not in the softmax
+            extra["by_hand"] = lm_loss(logits[..., :real], whole.labels, whole.loss_mask).item()
         extra["counts"] = [
             MicroBatch.from_batch(ds["train"].batch(ids), "cpu").num_loss_tokens for ids in loop._micro_ids(0)
         ]

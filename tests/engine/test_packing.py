@@ -209,7 +209,7 @@ def _pp_rank(rank: int, world: int, fused: bool, virtual_stages: int) -> dict:
     cfg = replace(make_config("llama"), num_layers=4)
     torch.manual_seed(1234)
     chunks = build_stage_modules(GPTModel(cfg), state)
-    loss_fn = build._pipeline_loss(chunks, state)
+    loss_fn = build._pipeline_loss(chunks, state, cfg.real_vocab_size)
     if not fused:
         chunks[-1].return_hidden = False
         loss_fn = lambda out, mb: lm_loss(out, mb.labels, mb.loss_mask)  # noqa: E731

@@ -34,6 +34,24 @@ def test_matches_cross_entropy_fp32(chunk: int | None) -> None:
     torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_vocab_limit_leaves_padding_rows_out(chunk: int | None) -> None:
+    """Rows past vocab_limit are padding: the loss is CE over the first rows only, and their
+    gradient is zero (the full weight's gradient is returned, so fusion into main_grad still works)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 11, 16, generator=g)
+    weight = torch.randn(128, 16, generator=g) * 0.3
+    labels = torch.randint(0, 100, (3, 11), generator=g)
+    ref = _grads(lambda h, w, y: _reference(h, w[:100], y), hidden, weight, labels, scale=2.0)
+    got = _grads(
+        lambda h, w, y: linear_cross_entropy(h, w, y, chunk, vocab_limit=100), hidden, weight, labels, 2.0
+    )
+    assert got[0] == pytest.approx(ref[0].item(), rel=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-7)
+    assert not got[2][100:].any() and got[2].shape == weight.shape
+
+
 def test_bf16_close_to_fp32_reference() -> None:
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(64, 32, generator=g)

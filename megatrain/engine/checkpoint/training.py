@@ -110,6 +110,34 @@ def trainer_state(
     }
 
 
+class Staging:
+    """Host copies of the boxes a rank writes, in buffers reused from save to save (pinned on GPU
+    machines, so the device-to-host copies run at full speed): the one extra copy an async save needs."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def stage(self, state: State) -> State:
+        pin = torch.cuda.is_available()
+        staged: State = {}
+        for fqn, entry in state.items():
+            if not entry.write:
+                continue
+            boxes = []
+            for box in entry.boxes:
+                key = (fqn, box.offsets)
+                buf = self._buffers.get(key)
+                if buf is None or buf.shape != box.data.shape or buf.dtype != box.data.dtype:
+                    buf = torch.empty(box.data.shape, dtype=box.data.dtype, pin_memory=pin)
+                    self._buffers[key] = buf
+                buf.copy_(box.data, non_blocking=pin)
+                boxes.append(Box(box.offsets, buf))
+            staged[fqn] = Entry(entry.shape, boxes)
+        if pin:
+            torch.cuda.synchronize()
+        return staged
+
+
 class Checkpointer:
     """Saves at the loop's request (async or not), reports saves on rank 0's event log, applies the
     retention policy, and resumes from the newest usable checkpoint."""
@@ -142,7 +170,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.rank = dist.get_rank() if self.distributed else 0
         self._pending: tuple[int, float, Future[Any]] | None = None
-        self._staging: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._staging = Staging()
 
     # --- saving --------------------------------------------------------------------------------------
 
@@ -158,34 +186,13 @@ class Checkpointer:
             result = self._write(state, progress.step, plain)
             self._report(progress.step, time.perf_counter() - began, result)
             return
-        staged = self._stage(state)
+        staged = self._staging.stage(state)
         stall = time.perf_counter() - began
         self._pending = (progress.step, stall, _in_background(self._write, staged, progress.step, plain))
 
     def _tracker_state(self) -> dict[str, Any] | None:
         tracker = self.train.model.tracker
         return tracker.state_dict() if tracker is not None else None
-
-    def _stage(self, state: State) -> State:
-        """A copy of every box this rank writes, in buffers reused from save to save."""
-        pin = torch.cuda.is_available()
-        staged: State = {}
-        for fqn, entry in state.items():
-            if not entry.write:
-                continue
-            boxes = []
-            for box in entry.boxes:
-                key = (fqn, box.offsets)
-                buf = self._staging.get(key)
-                if buf is None or buf.shape != box.data.shape or buf.dtype != box.data.dtype:
-                    buf = torch.empty(box.data.shape, dtype=box.data.dtype, pin_memory=pin)
-                    self._staging[key] = buf
-                buf.copy_(box.data, non_blocking=pin)
-                boxes.append(Box(box.offsets, buf))
-            staged[fqn] = Entry(entry.shape, boxes)
-        if pin:
-            torch.cuda.synchronize()
-        return staged
 
     def _write(
         self, state: State, step: int, plain: dict[str, Any]

@@ -366,8 +366,10 @@ class GPTModel(nn.Module):
             raise TypeError("a tensor-parallel LM head needs parallel_lm_loss(model(tokens), labels, state)")
         hidden = self.hidden_states(tokens, position_ids, segment_ids)
         loss = kernels.get("linear_cross_entropy", hidden.device.type)
-        # Rows past the real vocabulary are padding: left out of the softmax (a view, no copy).
-        return loss(hidden, self.lm_head.weight[: self.config.real_vocab_size], labels, loss_mask=loss_mask)
+        # Rows past the real vocabulary are padding: left out of the softmax.
+        return loss(
+            hidden, self.lm_head.weight, labels, loss_mask=loss_mask, vocab_limit=self.config.real_vocab_size
+        )
 
     def hidden_states(
         self,
