@@ -42,3 +42,19 @@ def test_low_precision_training_on_gpu_tracks_fp32(tmp_path: Path, corpus: Path,
     # Same data order and initialisation; 16-bit rounding drifts slowly over 40 steps.
     assert losses[0] == pytest.approx(ref[0], rel=2e-2)
     assert losses[-1] == pytest.approx(ref[-1], rel=0.15)
+
+
+@pytest.mark.parametrize("async_checkpoint", [True, False])
+def test_checkpoints_from_gpu_resume_exactly(tmp_path: Path, corpus: Path, async_checkpoint: bool) -> None:
+    """Sharded saves from device memory (staged into pinned host buffers when async, one box at a
+    time when not) resume bit for bit on the GPU."""
+    import shutil
+
+    raw = tiny_spec(corpus, train_iters=6, checkpoint_interval=3, eval_interval=0, precision="bf16",
+                    async_checkpoint=async_checkpoint)  # fmt: skip
+    run(parse_spec(raw), tmp_path / "straight")
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
+    shutil.copytree(tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    (tmp_path / "resumed" / "checkpoints" / "iter_0000006" / "manifest.json").unlink()
+    run(parse_spec(raw), tmp_path / "resumed")
+    assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == losses[3:]
