@@ -76,25 +76,12 @@ class FileStore:
         return self.root / _check_key(key)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._atomic_write(key, lambda f: f.write(data))
+        with self.writer(key) as f:
+            f.write(data)
 
     def put_file(self, key: str, path: str | Path) -> None:
-        with open(path, "rb") as src:
-            self._atomic_write(key, lambda f: shutil.copyfileobj(src, f, 1 << 20))
-
-    def _atomic_write(self, key: str, write) -> None:  # type: ignore[no-untyped-def]
-        dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
-        try:
-            # mkstemp creates 0600; objects must stay readable by the other services' users.
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with open(path, "rb") as src, self.writer(key) as f:
+            shutil.copyfileobj(src, f, 1 << 20)
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -159,11 +146,12 @@ class FileStore:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
         try:
+            # mkstemp creates 0600; objects must stay readable by the other services' users.
             os.fchmod(fd, 0o644)
             with os.fdopen(fd, "wb") as f:
                 yield f
                 f.flush()
-                os.fsync(f.fileno())  # durable before any manifest can name it
+                os.fsync(f.fileno())  # durable before anything (a manifest) can name it
             os.replace(tmp, dest)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
