@@ -20,9 +20,11 @@ from megatrain.engine.checkpoint import (
     complete_steps,
     find_latest,
     load_checkpoint,
+    model_entries,
     open_folder,
     retained,
     save_model,
+    save_state,
 )
 from megatrain.engine.checkpoint.shards import flat_range_boxes
 from megatrain.engine.config import transformer_config
@@ -48,12 +50,12 @@ def test_round_trip(tmp_path: Path, corpus: Path, arch: str) -> None:
     folder = tmp_path / "ckpt" / "iter_0000005"
     assert saved.uri == folder.as_uri()
     assert sorted(p.name for p in folder.iterdir()) == [
-        "manifest.json", "metadata.json", "model_00000.bin", "spec.json", "trainer_state.json"
+        "manifest.json", "metadata.json", "model_00000_000.bin", "spec.json", "trainer_state.json"
     ]  # fmt: skip
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["format"] == "megatrain-checkpoint-v2" and manifest["step"] == 5
     names = {e["name"] for e in manifest["files"]}
-    assert names == {"metadata.json", "model_00000.bin", "spec.json", "trainer_state.json"}
+    assert names == {"metadata.json", "model_00000_000.bin", "spec.json", "trainer_state.json"}
     assert (
         saved.size_bytes
         == sum(e["size"] for e in manifest["files"]) + (folder / "manifest.json").stat().st_size
@@ -87,6 +89,18 @@ def test_files_hold_raw_tensor_bytes_and_json(tmp_path: Path, corpus: Path) -> N
     }  # fmt: skip
 
 
+def test_a_rank_writes_parts_in_parallel(tmp_path: Path, corpus: Path) -> None:
+    raw = tiny_spec(corpus)
+    model = _model(raw)
+    save_state(tmp_path.as_uri(), 1, model_entries(model), {"model_config": model.config.to_dict()},
+               parse_spec(raw), part_bytes=20_000)  # fmt: skip
+    parts = sorted(p.name for p in (tmp_path / "iter_0000001").glob("model_*.bin"))
+    assert len(parts) > 3 and parts[0] == "model_00000_000.bin"
+    loaded, _ = load_checkpoint(tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_latest_ignores_incomplete_and_names_corruption(tmp_path: Path, corpus: Path) -> None:
     raw = tiny_spec(corpus)
     model = _model(raw)
@@ -97,24 +111,24 @@ def test_latest_ignores_incomplete_and_names_corruption(tmp_path: Path, corpus: 
     (root / "iter_0000006" / "manifest.json").unlink()  # died before its manifest
     assert complete_steps(root.as_uri()) == [3]
     assert find_latest(root.as_uri()) == 3  # `latest` still says 6, but that folder is incomplete
-    shard = root / "iter_0000003" / "model_00000.bin"
+    shard = root / "iter_0000003" / "model_00000_000.bin"
     good = shard.read_bytes()
 
     shard.write_bytes(good[:-10])
-    with pytest.raises(CorruptCheckpoint, match=r"model_00000\.bin is \d+ bytes but the manifest says"):
+    with pytest.raises(CorruptCheckpoint, match=r"model_00000_000\.bin is \d+ bytes but the manifest says"):
         load_checkpoint(root / "iter_0000003")
     flipped = bytearray(good)
     flipped[100] ^= 0xFF
     shard.write_bytes(bytes(flipped))
     with pytest.raises(
         CorruptCheckpoint,
-        match=r"model_00000\.bin \(bytes .* of model/embed\.weight\): the bytes do not match their checksum",
-    ):  # noqa: E501
+        match=r"model_00000_000\.bin \(bytes .* of model/embed\.weight\): the bytes do not match",
+    ):
         load_checkpoint(root / "iter_0000003")
     with pytest.raises(CorruptCheckpoint, match="does not match its sha256"):
         open_folder(root / "iter_0000003", deep=True)
     shard.unlink()
-    with pytest.raises(CorruptCheckpoint, match=r"model_00000\.bin is missing"):
+    with pytest.raises(CorruptCheckpoint, match=r"model_00000_000\.bin is missing"):
         load_checkpoint(root)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "nothing")
@@ -180,7 +194,7 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path, corpus: Pat
     out = tmp_path / "run"
     shutil.copytree(straight / "checkpoints", out / "checkpoints")
     (out / "checkpoints" / "iter_0000006" / "manifest.json").unlink()
-    state = out / "checkpoints" / "iter_0000004" / "state_00000.bin"
+    state = out / "checkpoints" / "iter_0000004" / "state_00000_000.bin"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit in the optimizer state
     state.write_bytes(bytes(data))
@@ -247,7 +261,7 @@ def test_a_crash_during_an_async_save_leaves_no_complete_checkpoint(tmp_path: Pa
                           capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip
     assert proc.returncode == 9, proc.stderr[-2000:]
     folder = out / "checkpoints" / "iter_0000004"
-    assert (folder / "model_00000.bin").exists() and not (folder / "manifest.json").exists()
+    assert (folder / "model_00000_000.bin").exists() and not (folder / "manifest.json").exists()
     assert find_latest((out / "checkpoints").as_uri()) == 2
     run(parse_spec(raw), out)  # the retry resumes from step 2 and rewrites step 4 whole
     started = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "started"]

@@ -2,9 +2,10 @@
 storage writer/reader for file:// and s3://.
 
 Files of one checkpoint folder, as this module writes them:
-  model_{rank:05d}.bin   raw bytes of the `model/*` boxes rank `rank` writes (weights only: exports,
-                         generation and fine-tuning starts read these and nothing else)
-  state_{rank:05d}.bin   the rest: optimizer shards and random streams
+  model_{rank:05d}_{part:03d}.bin   raw bytes of the `model/*` boxes rank `rank` writes (weights only:
+                                   exports, generation and fine-tuning starts read these alone)
+  state_{rank:05d}_{part:03d}.bin   the rest: optimizer shards and random streams
+                                   (parts of about 512 MiB, written and hashed in parallel)
   metadata.json          where every box lies (file, offset, length, dtype, crc32), written by the
                          coordinator once every rank's files are stored
 No file is a pickle: tensors are raw bytes read back with torch.frombuffer, and the metadata is JSON,
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -235,21 +238,43 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-def _digest(file_hash: Any, data: memoryview) -> int:
-    """Add a box to its file's sha256; the box's own crc32."""
-    file_hash.update(data)
-    return zlib.crc32(data)
+def _parts(items: list[WriteItem], rank: int, part_bytes: int) -> dict[str, list[WriteItem]]:
+    """The rank's boxes as files: weights apart from the rest, each kind cut into parts of about
+    part_bytes (a box is never split)."""
+    out: dict[str, list[WriteItem]] = {}
+    for kind in ("model", "state"):
+        part, size = 0, 0
+        for item in items:
+            if (kind == "model") != item.index.fqn.startswith("model/"):
+                continue
+            assert item.tensor_data is not None
+            nbytes = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+            if size and size + nbytes > part_bytes:
+                part, size = part + 1, 0
+            out.setdefault(f"{kind}_{rank:05d}_{part:03d}.bin", []).append(item)
+            size += nbytes
+    return out
 
 
 class ShardWriter(StorageWriter):
-    """Each rank streams its boxes into its own files (model_*.bin, state_*.bin) in the folder's
-    store; the coordinator's `on_finish(metadata json, files)` runs once every rank's files are
+    """Each rank streams its boxes into its own files (model_{rank}_{part}.bin for the weights,
+    state_{rank}_{part}.bin for the rest, parts of about `part_bytes`) in the folder's store; the
+    coordinator's `on_finish(metadata json, files)` runs once every rank's files are
     stored (torch.distributed.checkpoint calls finish only after all writes returned)."""
 
-    def __init__(self, store: Store, on_finish: Callable[[dict[str, Any], list[StoredFile]], None]):
+    def __init__(
+        self,
+        store: Store,
+        on_finish: Callable[[dict[str, Any], list[StoredFile]], None],
+        *,
+        part_bytes: int = 512 << 20,
+        threads: int | None = None,
+    ):
         self.store = store
         self.on_finish = on_finish
         self.rank = 0
+        self.part_bytes = part_bytes
+        self.threads = threads or min(8, os.cpu_count() or 1)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -265,33 +290,30 @@ class ShardWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        groups: dict[str, list[WriteItem]] = {}
         rank = plan.storage_data if isinstance(plan.storage_data, int) else self.rank
-        for item in plan.items:
-            kind = "model" if item.index.fqn.startswith("model/") else "state"
-            groups.setdefault(f"{kind}_{rank:05d}.bin", []).append(item)
+        parts = _parts(plan.items, rank, self.part_bytes)
+        # Files are written (and hashed) in parallel: sha256 is sequential within a file, so more
+        # files are what lets a save use more than one core, and uploads run side by side.
+        workers = max(1, min(len(parts), self.threads))
         results: list[WriteResult] = []
-        # Checksums run on a second thread while this one writes (both release the GIL), so a save
-        # costs max(write, hash) rather than their sum.
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as hasher:
-            for name, items in groups.items():
-                file_hash, at = hashlib.sha256(), 0
-                pending = []
-                with self.store.writer(name) as f:
-                    for item in items:
-                        data = _bytes_of(planner.resolve_data(item))
-                        crc = hasher.submit(_digest, file_hash, data)
-                        f.write(data)
-                        pending.append((item, at, len(data), crc))
-                        at += len(data)
-                    crcs = [c.result() for *_, c in pending]  # the file's hash is whole before it is stored
-                stored = StoredFile(name, at, file_hash.hexdigest())
-                for (item, offset, length, _), crc in zip(pending, crcs, strict=True):
-                    box = StoredBox(name, offset, length, crc)
-                    results.append(WriteResult(item.index, length, (box, stored)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-write") as pool:
+            for part in pool.map(lambda named: self._write_file(*named, planner), parts.items()):
+                results += part
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        file_hash, at, pending = hashlib.sha256(), 0, []
+        with self.store.writer(name) as f:
+            for item in items:
+                data = _bytes_of(planner.resolve_data(item))
+                f.write(data)
+                file_hash.update(data)
+                pending.append((item, StoredBox(name, at, len(data), zlib.crc32(data))))
+                at += len(data)
+        stored = StoredFile(name, at, file_hash.hexdigest())
+        return [WriteResult(item.index, box.length, (box, stored)) for item, box in pending]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, StoredFile] = {}

@@ -59,6 +59,7 @@ def save_state(
     manifest_extra: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
     distributed: bool | None = None,
+    part_bytes: int = 512 << 20,
 ) -> SavedCheckpoint | None:
     """Write iter_{step}/ under root_url from every rank's boxes: collective over `group` when
     `distributed` (default: torch.distributed is initialised), else from this process alone.
@@ -78,7 +79,7 @@ def save_state(
         }
         saved.append(finish_folder(root, step, documents, files, {"step": step, **(manifest_extra or {})}))
 
-    writer = ShardWriter(folder, on_finish)
+    writer = ShardWriter(folder, on_finish, part_bytes=part_bytes)
     coordinator = not distributed or dist.get_rank(group) == 0
     if coordinator and folder.list():
         # Leftovers of an interrupted save of this very step (perhaps by another world size): start
