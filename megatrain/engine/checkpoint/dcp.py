@@ -337,9 +337,10 @@ class ShardWriter(StorageWriter):
 class ShardReader(StorageReader):
     """Reads only the stored boxes a rank's plan needs (byte ranges), checking each one's crc32."""
 
-    def __init__(self, store: Store, metadata: Metadata):
+    def __init__(self, store: Store, metadata: Metadata, threads: int | None = None):
         self.store = store
         self.metadata = metadata
+        self.threads = threads or min(8, os.cpu_count() or 1)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -363,14 +364,26 @@ class ShardReader(StorageReader):
         for item in plan.items:
             by_box.setdefault(item.storage_index, []).append(item)
         storage: dict[MetadataIndex, StoredBox] = self.metadata.storage_data
+        by_file: dict[str, list[tuple[MetadataIndex, list[ReadItem]]]] = {}
         for index, items in sorted(by_box.items(), key=lambda kv: _position(storage[kv[0]])):
-            stored = storage[index]
+            by_file.setdefault(storage[index].file, []).append((index, items))
+        # Files are read (and checked) in parallel, each in order; destinations never overlap.
+        workers = max(1, min(len(by_file), self.threads))
+        with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-read") as pool:
+            for _ in pool.map(lambda boxes: self._read_file(boxes, planner), by_file.values()):
+                pass
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, boxes: list[tuple[MetadataIndex, list[ReadItem]]], planner: LoadPlanner) -> None:
+        storage: dict[MetadataIndex, StoredBox] = self.metadata.storage_data
+        for index, items in boxes:
             md = self.metadata.state_dict_metadata[index.fqn]
             assert isinstance(md, TensorStorageMetadata)
-            chunk = md.chunks[_chunk_index(md, index)]
-            sizes = tuple(chunk.sizes)
+            sizes = tuple(md.chunks[_chunk_index(md, index)].sizes)
             direct = _direct_destination(items, planner, sizes, md.properties.dtype)
-            tensor = self._read_box(index.fqn, stored, md.properties.dtype, sizes, direct)
+            tensor = self._read_box(index.fqn, storage[index], md.properties.dtype, sizes, direct)
             if direct is not None:
                 continue  # read straight into its only destination
             for item in items:
@@ -380,9 +393,6 @@ class ShardReader(StorageReader):
                 dest = planner.resolve_tensor(item)
                 dest.copy_(src)  # casts where the run's dtype differs from the saved one
                 planner.commit_tensor(item, dest)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _read_box(
         self,
