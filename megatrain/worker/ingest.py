@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from megatrain.db.jobs import record_event
-from megatrain.db.models import Checkpoint, Job, JobLog, JobMetric, utcnow
+from megatrain.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +143,16 @@ EVENT_DATA_KEYS = (
     "resumed_from",
     "uri",
     "size_bytes",
+    "steps",
+    "reason",
 )
 
 
 def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], attempt: int) -> None:
-    """started → job_event (+ resumed, num_params); checkpoint_saved → checkpoint row + job_event."""
+    """started → job_event (+ resumed, num_params); checkpoint_saved → checkpoint row + job_event;
+    checkpoints_deleted (retention) → those rows removed + job_event; checkpoint_corrupt → job_event.
+
+    Rows are applied in file order, so a re-read that saves and then deletes a step ends deleted."""
     for row in rows:
         kind = row.get("event")
         data = {k: row[k] for k in EVENT_DATA_KEYS if k in row} | {"attempt": attempt}
@@ -158,6 +163,8 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
             if row.get("resumed_from") is not None:
                 record_event(session, job_id, "resumed", f"resumed from step {row['resumed_from']}", data)
         elif kind == "checkpoint_saved" and isinstance(row.get("step"), int):
+            if _deleted_since(session, job_id, row["step"], attempt):
+                continue  # a re-read of a save whose checkpoint retention has deleted since
             new = _insert_ignoring_duplicates(
                 session,
                 Checkpoint,
@@ -174,8 +181,47 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
             )
             if new:
                 record_event(session, job_id, "checkpoint_saved", f"checkpoint at step {row['step']}", data)
+        elif kind == "checkpoints_deleted" and isinstance(row.get("steps"), list):
+            _delete_checkpoints(session, job_id, row["steps"], data)
+        elif kind == "checkpoint_corrupt":
+            step, why = row.get("step"), str(row.get("reason") or "unknown reason")
+            record_event(
+                session, job_id, "checkpoint_corrupt", f"checkpoint at step {step} skipped: {why}", data
+            )
         elif kind == "finished":
             record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
+
+
+def _deleted_since(session: Session, job_id: str, step: int, attempt: int) -> bool:
+    """Whether retention deleted `step` in this attempt or a later one (so a save read again, e.g.
+    by a backfill of an earlier attempt's files, must not bring the row back). A step saved anew
+    by a later attempt than its deletion is a new checkpoint."""
+    for data in session.scalars(
+        select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "checkpoints_deleted")
+    ):
+        if step in (data.get("steps") or ()) and int(data.get("attempt") or 0) >= attempt:
+            return True
+    return False
+
+
+def _delete_checkpoints(session: Session, job_id: str, steps: list[Any], data: dict[str, Any]) -> None:
+    """Drop the rows of checkpoints the engine's retention deleted from storage; one event naming
+    the steps that were still listed (none on a re-read: nothing is recorded twice)."""
+    wanted = sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
+    if not wanted:
+        return
+    gone = session.scalars(
+        delete(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.step.in_(wanted))
+        .returning(Checkpoint.step)
+        .execution_options(synchronize_session=False)
+    ).all()
+    if gone:
+        listed = ", ".join(str(s) for s in sorted(gone))
+        record_event(
+            session, job_id, "checkpoints_deleted", f"retention deleted checkpoints at steps {listed}",
+            data | {"steps": sorted(gone)},
+        )  # fmt: skip
 
 
 def next_log_seq(session: Session, job_id: str) -> int:

@@ -74,3 +74,57 @@ def test_log_seq_continues_and_is_capped(settings: Settings, make_job: Callable[
     with session_scope(url) as s:
         seqs = s.scalars(select(JobLog.seq).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
     assert seqs == list(range(31, 131))
+
+
+def _steps(url: str, job_id: str) -> list[int]:
+    with session_scope(url) as s:
+        q = select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)
+        return list(s.scalars(q).all())
+
+
+def _saved(step: int) -> dict[str, object]:
+    return {"event": "checkpoint_saved", "step": step, "uri": f"file:///x/iter_{step:07d}", "size_bytes": 1}
+
+
+def test_retention_removes_rows_once_and_reread_saves_stay_deleted(
+    settings: Settings, make_job: Callable[..., str]
+) -> None:
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    events = [_saved(3), _saved(6), _saved(9), {"event": "checkpoints_deleted", "steps": [3, 6]}]
+    with session_scope(url) as s:
+        ingest_events(s, job_id, events, attempt=1)
+    assert _steps(url, job_id) == [9]
+    with session_scope(url) as s:
+        kinds = s.execute(
+            select(JobEvent.kind, JobEvent.reason, JobEvent.data).where(
+                JobEvent.job_id == job_id, JobEvent.kind == "checkpoints_deleted"
+            )
+        ).all()
+    assert len(kinds) == 1 and kinds[0].data["steps"] == [3, 6] and "3, 6" in kinds[0].reason
+    # The same file read again (a restarted runner), then only its saves (a backfill of attempt 1).
+    with session_scope(url) as s:
+        ingest_events(s, job_id, events, attempt=1)
+        ingest_events(s, job_id, [_saved(3), _saved(6)], attempt=1)
+    assert _steps(url, job_id) == [9]
+    assert _count(url, JobEvent, job_id, kind="checkpoints_deleted") == 1
+    # A later attempt that resumed below step 6 and saved it again has a new checkpoint.
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [_saved(6)], attempt=2)
+    assert _steps(url, job_id) == [6, 9]
+
+
+def test_corrupt_checkpoint_becomes_an_event_with_its_reason(
+    settings: Settings, make_job: Callable[..., str]
+) -> None:
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    row = {"event": "checkpoint_corrupt", "step": 9, "reason": "crc32 mismatch in model_0.bin"}
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [row], attempt=2)
+    with session_scope(url) as s:
+        ev = s.scalar(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "checkpoint_corrupt")
+        )
+    assert ev is not None and "crc32 mismatch in model_0.bin" in ev.reason and "step 9" in ev.reason
+    assert ev.data == {"step": 9, "reason": "crc32 mismatch in model_0.bin", "attempt": 2}
