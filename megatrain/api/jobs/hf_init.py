@@ -1,0 +1,83 @@
+"""`model.init_from: hf:URL` at submission: the model section comes from the folder's config.json.
+
+The tenant must be allowed to read the folder (the data-access rule of data paths, unchanged); its
+config.json is read through megatrain.storage; the spec's explicit model fields must agree with it
+(each disagreement is a 422 naming its `model.*` field) and the rest are filled from it, so the
+stored spec describes exactly the model the engine will load. Torch-free: megatrain.hf_config.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from megatrain.api.jobs.data_access import data_url_problem
+from megatrain.hf_config import (
+    HFConfigError,
+    check_spec_against_hf,
+    model_fields_from_hf,
+    spec_model_with_hf,
+)
+from megatrain.settings import Settings
+from megatrain.spec import SpecError
+from megatrain.storage import StorageError, open_store
+
+FIELD = "model.init_from"
+CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 1 << 20
+"""A config.json is a few KiB; anything far larger is not one."""
+
+
+def hf_folder_url(init_from: str) -> str | None:
+    """The folder URL of `hf:URL` (a bare absolute path as file://), or None for other kinds."""
+    if not init_from.startswith("hf:"):
+        return None
+    url = init_from.removeprefix("hf:").rstrip("/")
+    return "file://" + url if url.startswith("/") else url
+
+
+def _error(message: str) -> SpecError:
+    return SpecError([{"field": FIELD, "message": message}])
+
+
+def read_hf_config(url: str, settings: Settings, tenant_name: str) -> dict[str, Any]:
+    """The folder's config.json, once the tenant may read the folder; SpecError naming init_from."""
+    problem = data_url_problem(FIELD, url, settings, tenant_name)
+    if problem:
+        raise _error(problem)
+    try:
+        store = open_store(url, settings.s3_endpoint_url)
+        if not store.exists(CONFIG_FILE):
+            raise _error(f"{url}/{CONFIG_FILE} does not exist (not a Hugging Face model folder)")
+        if store.stat(CONFIG_FILE).size > MAX_CONFIG_BYTES:
+            raise _error(f"{url}/{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(store.get_bytes(CONFIG_FILE))
+    except StorageError as exc:
+        raise _error(f"cannot read {url}/{CONFIG_FILE}: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise _error(f"{url}/{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise _error(f"{url}/{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def fill_model_from_hf(data: Any, settings: Settings, tenant_name: str) -> Any:
+    """The raw submission with its model section completed from an hf: init_from's config.json;
+    any other body is returned as it is (parse_spec judges it). Raises SpecError naming every
+    `model.*` field that disagrees with the config, or `model.init_from` when the config cannot be
+    read or describes a model we cannot build."""
+    model = data.get("model") if isinstance(data, dict) else None
+    init_from = model.get("init_from") if isinstance(model, dict) else None
+    url = hf_folder_url(init_from) if isinstance(init_from, str) else None
+    if url is None:
+        return data
+    config = read_hf_config(url, settings, tenant_name)
+    try:
+        # No seq_length here: check_spec_against_hf names a spec's too long one as model.seq_length.
+        fields = model_fields_from_hf(config)
+    except HFConfigError as exc:
+        raise _error(f"the model at {url} is not supported: {exc}") from None
+    errors = check_spec_against_hf(model, fields)
+    if errors:
+        raise SpecError(errors)
+    return {**data, "model": spec_model_with_hf(model, fields)}

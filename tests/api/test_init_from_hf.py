@@ -1,0 +1,76 @@
+"""`model.init_from: hf:URL` at submission: the model comes from the folder's config.json (written
+here by transformers itself), mismatches and unreadable folders are 422s naming their fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_handle import Api
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama_folder(path: Path, **overrides: Any) -> Path:
+    cfg = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaConfig(**(cfg | overrides)).save_pretrained(path)
+    return path
+
+
+def _post(api: Api, model: dict[str, Any]) -> Any:
+    spec = api.spec("from-hf", model=None)
+    spec["model"] = model
+    return api.client.post("/v1/jobs", json=spec, headers=api.headers)
+
+
+def _fields(resp: Any) -> list[str]:
+    assert resp.status_code == 422, resp.text
+    return sorted(e["field"] for e in resp.json()["detail"])
+
+
+def test_model_fields_are_filled_from_config_json(api: Api) -> None:
+    folder = _llama_folder(api.data_root / "llama")
+    resp = _post(api, {"init_from": f"hf:{folder.as_uri()}", "seq_length": 32})
+    assert resp.status_code == 201, resp.text
+    model = api.client.get(f"/v1/jobs/{resp.json()['id']}", headers=api.headers).json()["spec"]["model"]
+    expected = {
+        "arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_query_groups": 2, "ffn_hidden_size": 128, "vocab_size": 300, "seq_length": 32,
+        "norm_eps": 1e-6, "tie_embeddings": False, "qkv_bias": False,
+    }  # fmt: skip
+    assert {k: model[k] for k in expected} == expected
+    # A bare absolute path is the same folder; the config's own length when the spec names none.
+    resp = _post(api, {"init_from": f"hf:{folder}", "num_layers": 2})
+    assert resp.status_code == 201, resp.text
+
+
+def test_every_mismatching_model_field_is_named(api: Api) -> None:
+    folder = _llama_folder(api.data_root / "llama")
+    model = {"init_from": f"hf:{folder.as_uri()}", "num_layers": 3, "hidden_size": 32, "seq_length": 128,
+             "num_attention_heads": 4}  # fmt: skip
+    resp = _post(api, model)
+    assert _fields(resp) == ["model.hidden_size", "model.num_layers", "model.seq_length"]
+    assert "64" in {e["field"]: e["message"] for e in resp.json()["detail"]}["model.hidden_size"]
+
+
+@pytest.mark.parametrize("case", ["missing", "outside", "not-json", "unsupported", "relative"])
+def test_unusable_folders_are_init_from_errors(api: Api, tmp_path: Path, case: str) -> None:
+    folder = api.data_root / "m"
+    folder.mkdir()
+    if case == "outside":
+        folder = _llama_folder(tmp_path / "elsewhere")
+    elif case == "not-json":
+        (folder / "config.json").write_text("{not json")
+    elif case == "unsupported":
+        transformers.BertConfig(hidden_size=32, num_attention_heads=2).save_pretrained(folder)
+    init_from = "hf:relative/folder" if case == "relative" else f"hf:{folder.as_uri()}"
+    resp = _post(api, {"init_from": init_from})
+    assert _fields(resp) == ["model.init_from"]
+    expected = {"missing": "does not exist", "outside": "outside the data", "not-json": "not valid JSON",
+                "unsupported": "model_type", "relative": "file:///"}[case]  # fmt: skip
+    assert expected in resp.json()["detail"][0]["message"]
