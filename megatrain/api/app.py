@@ -23,6 +23,7 @@ from megatrain.api.checkpoints.router import router as checkpoints_router
 from megatrain.api.cluster.router import router as cluster_router
 from megatrain.api.datasets.router import router as datasets_router
 from megatrain.api.errors import install_error_handlers
+from megatrain.api.exports.router import router as exports_router
 from megatrain.api.health.router import Probe
 from megatrain.api.health.router import router as health_router
 from megatrain.api.jobs.router import router as jobs_router
@@ -108,7 +109,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app.add_exception_handler(RequestTooLarge, _too_large)
     app.add_exception_handler(TooManyStreams, _too_many_streams)
     routers = (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router)
-    for router in (*routers, datasets_router):
+    for router in (*routers, datasets_router, exports_router):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
 

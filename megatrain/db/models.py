@@ -258,3 +258,42 @@ class Dataset(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+# Export states: waiting for a worker, being written, downloadable, or failed (with its error).
+RUNNING_EXPORT = "running"
+EXPORT_STATES = (PENDING, RUNNING_EXPORT, READY, FAILED)
+
+
+class CheckpointExport(Base):
+    """A checkpoint converted to another format (Hugging Face: safetensors + config.json) by a worker
+    into `{storage}/jobs/{job_id}/exports/{format}/iter_{step:07d}-{dtype}/`."""
+
+    __tablename__ = "checkpoint_export"
+    __table_args__ = (Index("ix_checkpoint_export_status", "status", "submitted_at"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("exp"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    format: Mapped[str] = mapped_column(String(16), default="hf")
+    dtype: Mapped[str] = mapped_column(String(8), default="bf16")
+    status: Mapped[str] = mapped_column(String(16), default=PENDING)
+    error: Mapped[str] = mapped_column(Text, default="")
+    """Why it failed (empty otherwise)."""
+    uri: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Storage URL of the exported folder, once ready."""
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    submitted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """When the scheduler handed it to the executor (None: not yet, or handed back after a loss)."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    @property
+    def folder_key(self) -> str:
+        """Its folder's key in the storage layout; one per (step, dtype), so a bf16 and an fp32
+        export of the same step never overwrite each other."""
+        return f"jobs/{self.job_id}/exports/{self.format}/iter_{self.step:07d}-{self.dtype}"

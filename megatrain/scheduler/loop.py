@@ -34,6 +34,7 @@ from megatrain.db.models import (
 )
 from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
+from megatrain.scheduler.exports import dispatch_exports, reconcile_exports
 from megatrain.scheduler.placement import NodeRoom, Placement, QueuedJob, place
 from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, WaitReason, render_wait
 from megatrain.settings import Settings, get_settings
@@ -243,13 +244,17 @@ class Scheduler:
         """Recover datasets whose worker is lost, then hand pending ones to the executor."""
         return reconcile_datasets(self.settings) + dispatch_datasets(self.settings, self.executor)
 
+    def exports_once(self) -> list[str]:
+        """Recover exports whose worker is lost, then hand pending ones to the executor."""
+        return reconcile_exports(self.settings) + dispatch_exports(self.settings, self.executor)
+
     # -- loop ------------------------------------------------------------------------------------
 
     def run(self, stop_event: threading.Event) -> None:
         """schedule_once + reconcile_once every scheduler_interval_s until stop_event is set."""
         log.info("scheduler started (executor=%s)", self.settings.executor)
         while not stop_event.is_set():
-            for step in (self.reconcile_once, self.schedule_once, self.datasets_once):
+            for step in (self.reconcile_once, self.schedule_once, self.datasets_once, self.exports_once):
                 try:
                     step()
                 except SQLAlchemyError:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 TASK_NAME = "megatrain.run_shard"
 PREPROCESS_TASK_NAME = "megatrain.preprocess_dataset"
+EXPORT_TASK_NAME = "megatrain.export_checkpoint"
 
 
 def queue_name(pool: str, hostname: str) -> str:
@@ -83,6 +84,13 @@ def create_celery_app(settings: Settings) -> Celery:
         from megatrain.worker.datasets import preprocess_dataset
 
         return preprocess_dataset(dataset_id, settings)
+
+    @app.task(name=EXPORT_TASK_NAME, acks_late=True)
+    def export_checkpoint_task(export_id: str) -> str | None:
+        # Idempotent: a delivery that finds the export no longer pending does nothing.
+        from megatrain.worker.exports import export_checkpoint
+
+        return export_checkpoint(export_id, settings)
 
     return app
 

@@ -46,6 +46,10 @@ class Executor(Protocol):
         """Start (or enqueue) the preprocessing of a `pending` dataset (worker.datasets)."""
         ...
 
+    def submit_export(self, export_id: str) -> None:
+        """Start (or enqueue) a `pending` checkpoint export (worker.exports)."""
+        ...
+
     def runner_alive(self, job: Job) -> bool | None:
         """For a scheduled or running job: False if its runner is known to be gone (requeue it now),
         True if the job is known to be fine without a heartbeat (e.g. waiting in its node's broker
@@ -89,6 +93,12 @@ class LocalExecutor:
         to {runs_dir}/datasets/{dataset_id}/runner.log."""
         run_dir = self.settings.runs_dir / "datasets" / dataset_id
         self._spawn(run_dir, "megatrain.worker.datasets", "--dataset-id", dataset_id)
+
+    def submit_export(self, export_id: str) -> None:
+        """One detached `python -m megatrain.worker.exports` process per export; its output goes
+        to {runs_dir}/exports/{export_id}/runner.log."""
+        run_dir = self.settings.runs_dir / "exports" / export_id
+        self._spawn(run_dir, "megatrain.worker.exports", "--export-id", export_id)
 
     def _spawn(self, run_dir: Path, module: str, flag: str, ident: str) -> None:
         """`python -m module flag ident`, detached, its output in run_dir/runner.log."""
@@ -161,6 +171,13 @@ class CeleryExecutor:
         self.app.send_task(
             PREPROCESS_TASK_NAME, args=[dataset_id], queue=datasets_queue(self.settings.pool_name)
         )
+
+    def submit_export(self, export_id: str) -> None:
+        """`megatrain.export_checkpoint(export_id)` on the pool's shared queue (the datasets'),
+        which every worker of the pool consumes beside its node's own."""
+        from megatrain.worker.celery_app import EXPORT_TASK_NAME, datasets_queue
+
+        self.app.send_task(EXPORT_TASK_NAME, args=[export_id], queue=datasets_queue(self.settings.pool_name))
 
     def refresh_nodes(self) -> None:
         """Nothing to do: each Celery worker registers its own node when it starts."""

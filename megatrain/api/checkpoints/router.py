@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from megatrain.api.checkpoints import service
 from megatrain.api.deps import SessionDep, SettingsDep
-from megatrain.api.errors import FieldError
 from megatrain.api.jobs.router import OwnedJob
 from megatrain.api.jobs.schemas import CheckpointPublic
 
@@ -36,7 +34,7 @@ def download_checkpoint(
     session: SessionDep,
     settings: SettingsDep,
     step: Annotated[int, Path(ge=0, le=10**9)],
-    format: Annotated[Literal["auto", "tar", "urls"], Query()] = "auto",  # noqa: A002 - the query name
+    format: Annotated[service.DownloadFormat, Query()] = "auto",  # noqa: A002 - the query name
 ) -> Any:
     """Download the checkpoint saved at `step`.
 
@@ -53,19 +51,4 @@ def download_checkpoint(
     no complete checkpoint at that step.
     """
     files = service.locate(session, settings, job.id, step)
-    if format in ("auto", "urls"):
-        listing = service.presigned_listing(files, job.id, step)
-        if listing is not None:
-            return JSONResponse(listing)
-        if format == "urls":
-            raise FieldError("format", "this server's storage cannot presign URLs; use format=tar")
-    headers = service.tar_headers(files)
-    filename = f"{job.id}-{files.folder}.tar"
-    return StreamingResponse(
-        service.stream_tar(files, headers),
-        media_type="application/x-tar",
-        headers={
-            "Content-Disposition": f'attachment; filename="{filename}"',
-            "Content-Length": str(service.tar_size(files, headers)),
-        },
-    )
+    return service.download_response(files, job.id, step, format)

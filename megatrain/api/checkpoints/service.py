@@ -12,11 +12,14 @@ import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from megatrain.api.errors import FieldError
 from megatrain.db.models import Checkpoint
 from megatrain.settings import Settings
 from megatrain.storage import ObjectInfo, Store, open_store
@@ -58,8 +61,36 @@ def locate(session: Session, settings: Settings, job_id: str, step: int) -> Chec
         raise HTTPException(
             404, f"the checkpoint at step {step} of job {job_id} is incomplete or was deleted"
         )
+    return folder_files(store, prefix, folder)
+
+
+def folder_files(store: Store, prefix: str, folder: str) -> CheckpointFiles:
+    """Every object under `prefix`/ (a checkpoint's or an export's folder), for a download."""
     objects = [o for o in store.list(prefix) if o.key.startswith(prefix + "/")]
     return CheckpointFiles(store, prefix, folder, objects)
+
+
+DownloadFormat = Literal["auto", "tar", "urls"]
+
+
+def download_response(files: CheckpointFiles, job_id: str, step: int, fmt: DownloadFormat) -> Response:
+    """The folder as presigned URLs (JSON) where asked and possible, else as a streamed tar named
+    `{job_id}-{folder}.tar` (see the checkpoint download endpoint for the contract)."""
+    if fmt in ("auto", "urls"):
+        listing = presigned_listing(files, job_id, step)
+        if listing is not None:
+            return JSONResponse(listing)
+        if fmt == "urls":
+            raise FieldError("format", "this server's storage cannot presign URLs; use format=tar")
+    headers = tar_headers(files)
+    return StreamingResponse(
+        stream_tar(files, headers),
+        media_type="application/x-tar",
+        headers={
+            "Content-Disposition": f'attachment; filename="{job_id}-{files.folder}.tar"',
+            "Content-Length": str(tar_size(files, headers)),
+        },
+    )
 
 
 def tar_headers(files: CheckpointFiles) -> list[bytes]:

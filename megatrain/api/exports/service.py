@@ -1,0 +1,109 @@
+"""Exports of a job's checkpoints: created as `pending` rows (the scheduler hands them to a worker,
+worker.exports), read back, and downloaded through the checkpoints' download code.
+
+The folder is located by the storage layout (CheckpointExport.folder_key), never by a URL read back
+from the database, and only a folder whose config.json exists (written last) counts as complete.
+"""
+
+from __future__ import annotations
+
+from fastapi import HTTPException
+from fastapi.responses import Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.api.checkpoints import service as checkpoints
+from megatrain.api.exports.schemas import ExportCreate
+from megatrain.db.models import (
+    FAILED,
+    PENDING,
+    READY,
+    Checkpoint,
+    CheckpointExport,
+    Job,
+    new_id,
+)
+from megatrain.settings import Settings
+from megatrain.storage import open_store
+
+COMPLETE_MARKER = "config.json"
+
+
+def _checkpoint_step(session: Session, settings: Settings, job: Job, step: int | None) -> int:
+    """The step to export (the latest for None); 404 naming the steps that exist otherwise."""
+    steps = list(
+        session.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step))
+    )
+    if not steps:
+        raise HTTPException(404, f"job {job.id} has no checkpoints yet")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise HTTPException(
+            404,
+            f"job {job.id} has no checkpoint at step {step}; its checkpoints: {', '.join(map(str, steps))}",
+        )
+    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
+    if not store.exists(f"jobs/{job.id}/checkpoints/iter_{step:07d}/manifest.json"):
+        raise HTTPException(
+            404, f"the checkpoint at step {step} of job {job.id} is incomplete or was deleted"
+        )
+    return step
+
+
+def create_export(
+    session: Session, settings: Settings, job: Job, body: ExportCreate
+) -> tuple[CheckpointExport, bool]:
+    """(export, created): a new pending export, or the one already pending, running or ready for the
+    same step, format and dtype (a failed one is tried again by a new export)."""
+    step = _checkpoint_step(session, settings, job, body.step)
+    existing = session.scalar(
+        select(CheckpointExport)
+        .where(
+            CheckpointExport.job_id == job.id,
+            CheckpointExport.step == step,
+            CheckpointExport.format == body.format,
+            CheckpointExport.dtype == body.dtype,
+            CheckpointExport.status != FAILED,
+        )
+        .order_by(CheckpointExport.created_at.desc())
+        .limit(1)
+    )
+    if existing is not None:
+        return existing, False
+    export = CheckpointExport(
+        id=new_id("exp"), job_id=job.id, step=step, format=body.format, dtype=body.dtype, status=PENDING
+    )
+    session.add(export)
+    session.commit()
+    return export, True
+
+
+def list_exports(session: Session, job_id: str) -> list[CheckpointExport]:
+    q = select(CheckpointExport).where(CheckpointExport.job_id == job_id)
+    return list(session.scalars(q.order_by(CheckpointExport.created_at, CheckpointExport.id)).all())
+
+
+def get_export(session: Session, job_id: str, export_id: str) -> CheckpointExport:
+    export = session.scalar(
+        select(CheckpointExport).where(CheckpointExport.id == export_id, CheckpointExport.job_id == job_id)
+    )
+    if export is None:
+        raise HTTPException(404, f"job {job_id} has no export {export_id[:64]!r}")
+    return export
+
+
+def download_export(
+    session: Session, settings: Settings, job_id: str, export_id: str, fmt: checkpoints.DownloadFormat
+) -> Response:
+    """A ready export's folder as a tar stream or presigned URLs; 409 while it is not ready."""
+    export = get_export(session, job_id, export_id)
+    if export.status != READY:
+        why = f": {export.error}" if export.error else ""
+        raise HTTPException(409, f"export {export.id} is {export.status}, not ready{why}")
+    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
+    prefix = export.folder_key
+    if not store.exists(f"{prefix}/{COMPLETE_MARKER}"):
+        raise HTTPException(404, f"the files of export {export.id} are gone from storage")
+    files = checkpoints.folder_files(store, prefix, prefix.rsplit("/", 1)[-1])
+    return checkpoints.download_response(files, job_id, export.step, fmt)

@@ -1,0 +1,197 @@
+"""The export task: turn a job's checkpoint into a Hugging Face model folder in storage.
+
+`export_checkpoint(export_id, settings)` is thin and idempotent like the preprocessing task: it
+claims a `pending` export (→ running; any other state means another delivery has it), reads the
+checkpoint `{storage}/jobs/{job_id}/checkpoints/iter_{step:07d}` with the engine's CheckpointReader
+one full tensor at a time, and writes it with `export_hf` (shard by shard, config.json last) into
+`{storage}/{CheckpointExport.folder_key}` (jobs/{job_id}/exports/hf/iter_{step:07d}-{dtype}), with
+the tokenizer.json the job trained with when it used a Hugging Face tokenizer. It then marks the
+export `ready` with the folder's URL and size, or `failed` with the reason after removing what it
+wrote. A heartbeat keeps `heartbeat_at` fresh so the scheduler can tell a lost worker from a slow
+one (scheduler.exports).
+
+CLI: `python -m megatrain.worker.exports --export-id ID` (what the local executor spawns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
+
+from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, CheckpointExport, utcnow
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings, get_settings
+from megatrain.storage import StorageError, open_store, read_url, split_url
+
+log = logging.getLogger(__name__)
+
+MAX_ERROR_CHARS = 2000
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def checkpoint_folder(storage_url: str, job_id: str, step: int) -> str:
+    return f"{storage_url.rstrip('/')}/jobs/{job_id}/checkpoints/iter_{step:07d}"
+
+
+def claim(settings: Settings, export_id: str) -> int | None:
+    """pending → running for this process; the attempt number, or None if it was not pending."""
+    with session_scope(settings.resolved_database_url) as s:
+        row = CheckpointExport
+        attempt = s.scalar(select(row.attempt).where(row.id == export_id, row.status == PENDING))
+        if attempt is None:
+            return None
+        done = s.execute(
+            update(row)
+            .where(row.id == export_id, row.status == PENDING, row.attempt == attempt)
+            .values(
+                status=RUNNING_EXPORT,
+                attempt=attempt + 1,
+                runner_host=socket.gethostname(),
+                runner_pid=os.getpid(),
+                heartbeat_at=utcnow(),
+                updated_at=utcnow(),
+            )
+            .execution_options(synchronize_session=False)
+        )
+        return attempt + 1 if done.rowcount == 1 else None
+
+
+def _mine(export_id: str, attempt: int) -> Any:
+    row = CheckpointExport
+    return (row.id == export_id, row.status == RUNNING_EXPORT, row.attempt == attempt)
+
+
+def _update(settings: Settings, export_id: str, attempt: int, **values: Any) -> bool:
+    """Write `values` if the export is still this attempt's; False if it is gone or taken over."""
+    with session_scope(settings.resolved_database_url) as s:
+        done = s.execute(
+            update(CheckpointExport)
+            .where(*_mine(export_id, attempt))
+            .values(updated_at=utcnow(), **values)
+            .execution_options(synchronize_session=False)
+        )
+        return done.rowcount == 1
+
+
+def _heartbeat(settings: Settings, export_id: str, attempt: int, stop: threading.Event) -> None:
+    while not stop.wait(settings.heartbeat_interval_s):
+        try:
+            _update(settings, export_id, attempt, heartbeat_at=utcnow())
+        except SQLAlchemyError as exc:
+            log.warning("export %s: heartbeat failed: %s", export_id, exc)
+
+
+def _tokenizer_files(spec: Any, endpoint_url: str | None) -> dict[str, bytes | Any]:
+    """The job's Hugging Face tokenizer.json, so the folder loads with AutoTokenizer too; none for
+    the byte and tiktoken tokenizers, which have no tokenizer.json."""
+    tok = spec.data.tokenizer
+    if tok.type != "hf" or not tok.path:
+        return {}
+    with read_url(tok.path, endpoint_url) as f:
+        return {TOKENIZER_FILE: f.read()}
+
+
+def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None) -> None:
+    """The engine's reader and exporter (imported here: only a worker needs torch)."""
+    import torch
+
+    from megatrain.engine.checkpoint import CheckpointReader
+    from megatrain.engine.interop.hf import export_hf
+
+    reader = CheckpointReader(source)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    export_hf(
+        reader.tensor,
+        reader.model_config,
+        dest,
+        dtype=torch_dtype,
+        tokenizer_files=_tokenizer_files(reader.spec, endpoint_url),
+    )
+
+
+ExportFn = Callable[[str, str, str, "str | None"], None]
+
+
+def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | None = None) -> str | None:
+    """Run a pending export; its final status (ready/failed), or None if it was not pending
+    (another delivery ran it), was deleted meanwhile, or was taken over by a newer attempt."""
+    attempt = claim(settings, export_id)
+    if attempt is None:
+        log.info("export %s is not pending: skipping this delivery", export_id)
+        return None
+    with session_scope(settings.resolved_database_url) as s:
+        exp = s.get(CheckpointExport, export_id)
+        if exp is None:
+            return None
+        storage = settings.resolved_storage_url.rstrip("/")
+        source, dest, dtype = (
+            checkpoint_folder(storage, exp.job_id, exp.step),
+            f"{storage}/{exp.folder_key}",
+            exp.dtype,
+        )
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(settings, export_id, attempt, stop), daemon=True)
+    beat.start()
+    started = time.monotonic()
+    try:
+        _remove(dest, settings)  # what an earlier, lost attempt left behind
+        (export_fn or _run_export)(source, dest, dtype, settings.s3_endpoint_url)
+        size = folder_size(dest, settings)
+        if _update(
+            settings, export_id, attempt, status=READY, uri=dest, size_bytes=size, error="",
+            runner_pid=None, heartbeat_at=None, finished_at=utcnow(),
+        ):  # fmt: skip
+            log.info(
+                "export %s ready: %s (%d bytes, %.1fs)", export_id, dest, size, time.monotonic() - started
+            )
+            return READY
+        return None  # taken over (judged lost) or deleted: the newer attempt or nobody owns dest
+    except Exception as exc:  # every failure is the export's reason, never a lost worker
+        log.warning("export %s failed: %s", export_id, exc)
+        _remove(dest, settings)
+        why = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        done = _update(
+            settings, export_id, attempt, status=FAILED, error=why, runner_pid=None, heartbeat_at=None,
+            finished_at=utcnow(),
+        )  # fmt: skip
+        return FAILED if done else None
+    finally:
+        stop.set()
+
+
+def folder_size(folder_url: str, settings: Settings) -> int:
+    parent, name = split_url(folder_url)
+    return sum(
+        o.size
+        for o in open_store(parent, settings.s3_endpoint_url).list(name)
+        if o.key.startswith(name + "/")
+    )
+
+
+def _remove(folder_url: str, settings: Settings) -> None:
+    parent, name = split_url(folder_url)
+    try:
+        open_store(parent, settings.s3_endpoint_url).delete_prefix(name)
+    except StorageError as exc:
+        log.warning("could not delete %s: %s", folder_url, exc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megatrain.worker.exports", description=__doc__)
+    parser.add_argument("--export-id", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    export_checkpoint(args.export_id, get_settings())
+
+
+if __name__ == "__main__":
+    main()
