@@ -1,0 +1,98 @@
+"""Checkpoint exports through the API: validation, the 404 that lists existing steps, one export per
+(step, dtype) until it fails, states as the worker leaves them, and the download of a ready one."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+from api_handle import Api
+from fixtures.live import add_checkpoint
+from sqlalchemy import update
+
+from megatrain.db.models import CheckpointExport
+from megatrain.db.session import session_scope
+from megatrain.storage import open_store
+
+
+def _exports(api: Api, job_id: str) -> str:
+    return f"/v1/jobs/{job_id}/exports"
+
+
+def _set(api: Api, export_id: str, **values: object) -> None:
+    with session_scope(api.db_url) as s:
+        s.execute(update(CheckpointExport).where(CheckpointExport.id == export_id).values(**values))
+
+
+def test_validation_and_missing_steps(api: Api) -> None:
+    job_id = api.submit()["id"]
+    url = _exports(api, job_id)
+    resp = api.client.post(url, json={}, headers=api.headers)
+    assert resp.status_code == 404 and "no checkpoints yet" in resp.json()["detail"]
+    for step in (5, 10):
+        add_checkpoint(api.settings, job_id, step)
+    resp = api.client.post(url, json={"step": 7}, headers=api.headers)
+    assert resp.status_code == 404 and resp.json()["detail"].endswith("its checkpoints: 5, 10")
+    for body, field in (
+        ({"dtype": "fp16"}, "dtype"),
+        ({"format": "onnx"}, "format"),
+        ({"step": -1}, "step"),
+        ({"stpe": 5}, "stpe"),
+    ):
+        resp = api.client.post(url, json=body, headers=api.headers)
+        assert resp.status_code == 422, resp.text
+        assert [e["field"] for e in resp.json()["detail"]] == [field]
+    # Another tenant's job does not exist for them; a checkpoint whose files are gone is no checkpoint.
+    assert api.client.post(url, json={}, headers=api.other_headers).status_code == 404
+    open_store(api.settings.resolved_storage_url).delete_prefix(f"jobs/{job_id}/checkpoints/iter_0000005")
+    resp = api.client.post(url, json={"step": 5}, headers=api.headers)
+    assert resp.status_code == 404 and "incomplete or was deleted" in resp.json()["detail"]
+
+
+def test_states_reuse_and_download(api: Api) -> None:
+    job_id = api.submit()["id"]
+    url = _exports(api, job_id)
+    for step in (5, 10):
+        add_checkpoint(api.settings, job_id, step)
+    first = api.client.post(url, headers=api.headers)  # no body: the latest step in bf16
+    assert first.status_code == 202, first.text
+    exp = first.json()
+    assert (exp["step"], exp["dtype"], exp["format"], exp["status"]) == (10, "bf16", "hf", "pending")
+    again = api.client.post(url, json={"step": 10, "dtype": "bf16"}, headers=api.headers)
+    assert again.status_code == 200 and again.json()["id"] == exp["id"]
+    fp32 = api.client.post(url, json={"step": 5, "dtype": "fp32"}, headers=api.headers).json()
+    assert fp32["id"] != exp["id"] and fp32["status"] == "pending"
+    listed = api.client.get(url, headers=api.headers).json()
+    assert [e["id"] for e in listed] == [exp["id"], fp32["id"]]
+    assert api.client.get(f"{url}/{exp['id']}", headers=api.headers).json() == exp
+    assert api.client.get(f"{url}/exp-nope", headers=api.headers).status_code == 404
+    assert api.client.get(f"{url}/{exp['id']}", headers=api.other_headers).status_code == 404
+
+    resp = api.client.get(f"{url}/{exp['id']}/download", headers=api.headers)
+    assert resp.status_code == 409 and "pending" in resp.json()["detail"]
+
+    # What the worker leaves behind: the folder in the storage layout, the row ready.
+    folder = f"jobs/{job_id}/exports/hf/iter_0000010-bf16"
+    files = {"model.safetensors": b"x" * 1000, "config.json": b'{"model_type": "llama"}'}
+    store = open_store(api.settings.resolved_storage_url)
+    for name, data in files.items():
+        store.put_bytes(f"{folder}/{name}", data)
+    _set(api, exp["id"], status="ready", uri=f"{store.url}/{folder}", size_bytes=1023)
+    resp = api.client.get(f"{url}/{exp['id']}/download", headers=api.headers)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/x-tar"
+    assert f'filename="{job_id}-iter_0000010-bf16.tar"' in resp.headers["content-disposition"]
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    assert got == {f"iter_0000010-bf16/{k}": v for k, v in files.items()}
+    resp = api.client.get(f"{url}/{exp['id']}/download?format=urls", headers=api.headers)
+    assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "format"
+
+    # A failed export is tried again by a new one; its reason stays on the old one.
+    _set(api, fp32["id"], status="failed", error="KeyError: 'layers.0.attn.qkv.weight'")
+    resp = api.client.get(f"{url}/{fp32['id']}/download", headers=api.headers)
+    assert resp.status_code == 409 and "KeyError" in resp.json()["detail"]
+    retry = api.client.post(url, json={"step": 5, "dtype": "fp32"}, headers=api.headers)
+    assert retry.status_code == 202 and retry.json()["id"] != fp32["id"]
+    # Files gone from storage: the download says so rather than streaming nothing.
+    store.delete_prefix(folder)
+    assert api.client.get(f"{url}/{exp['id']}/download", headers=api.headers).status_code == 404

@@ -1,0 +1,118 @@
+"""The export task on a real checkpoint: an fp32 export of an engine-trained checkpoint loads in
+transformers with the logits of `load_checkpoint`'s model and carries the job's tokenizer.json; a
+missing checkpoint fails with its reason and leaves nothing behind; the scheduler hands exports out
+once and recovers lost workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from fixtures.checkpoints import train_job_checkpoint
+from sqlalchemy import select, update
+
+from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, Checkpoint, CheckpointExport, utcnow
+from megatrain.db.session import session_scope
+from megatrain.scheduler.exports import MAX_EXPORT_ATTEMPTS, dispatch_exports, reconcile_exports
+from megatrain.settings import Settings
+from megatrain.storage import open_store
+from megatrain.worker.exports import export_checkpoint
+
+ATOL = 1e-5  # fp32 logits of the same weights; reduction orders differ by a few ulps
+
+
+def _add_export(settings: Settings, job_id: str, step: int, dtype: str = "fp32", **row: object) -> str:
+    with session_scope(settings.resolved_database_url) as s:
+        exp = CheckpointExport(job_id=job_id, step=step, format="hf", dtype=dtype, status=PENDING, **row)
+        s.add(exp)
+        s.flush()
+        return exp.id
+
+
+def _row(settings: Settings, export_id: str) -> CheckpointExport:
+    with session_scope(settings.resolved_database_url) as s:
+        exp = s.get(CheckpointExport, export_id)
+        s.expunge(exp)
+        return exp
+
+
+def test_fp32_export_loads_in_transformers_with_the_checkpoints_logits(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from megatrain.engine.checkpoint import load_checkpoint
+
+    job_id = make_job(schedule=False)
+    spec = train_job_checkpoint(settings, job_id, tmp_path / "train")
+    with session_scope(settings.resolved_database_url) as s:
+        assert s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)).all() == [2]
+    export_id = _add_export(settings, job_id, 2)
+    assert export_checkpoint(export_id, settings) == READY
+    assert export_checkpoint(export_id, settings) is None  # a second delivery does nothing
+    exp = _row(settings, export_id)
+    folder = f"{settings.resolved_storage_url}/jobs/{job_id}/exports/hf/iter_0000002-fp32"
+    assert (exp.status, exp.uri, exp.error) == (READY, folder, "")
+    path = Path(folder.removeprefix("file://"))
+    assert exp.size_bytes == sum(p.stat().st_size for p in path.iterdir())
+    assert (path / "tokenizer.json").read_bytes() == (tmp_path / "train" / "tokenizer.json").read_bytes()
+
+    ours, _ = load_checkpoint(f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints/iter_0000002")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert theirs.dtype == torch.float32
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    tokens = torch.tensor(
+        [tokenizer.encode("def add(a, b):\n    return a + b")[: spec["model"]["seq_length"]]]
+    )
+    with torch.no_grad():
+        want = ours(tokens)
+        got = theirs(tokens).logits
+    # The export keeps the tokenizer's rows and drops the engine's padding rows (never predicted).
+    assert got.shape[-1] == len(tokenizer) < want.shape[-1]
+    torch.testing.assert_close(got, want[..., : got.shape[-1]], atol=ATOL, rtol=0)
+
+
+def test_missing_checkpoint_fails_with_its_reason_and_leaves_nothing(
+    settings: Settings, make_job: Callable[..., str]
+) -> None:
+    job_id = make_job(schedule=False)
+    export_id = _add_export(settings, job_id, 40, dtype="bf16")
+    store = open_store(settings.resolved_storage_url)
+    stale = f"jobs/{job_id}/exports/hf/iter_0000040-bf16/model.safetensors"
+    store.put_bytes(stale, b"left by a lost attempt")
+    assert export_checkpoint(export_id, settings) == FAILED
+    exp = _row(settings, export_id)
+    assert exp.status == FAILED and "iter_0000040" in exp.error and exp.finished_at is not None
+    assert store.list(f"jobs/{job_id}/exports") == []
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.exports: list[str] = []
+
+    def submit_export(self, export_id: str) -> None:
+        self.exports.append(export_id)
+
+
+def test_dispatch_once_and_recover_lost_workers(settings: Settings, make_job: Callable[..., str]) -> None:
+    job_id = make_job(schedule=False)
+    first, second = _add_export(settings, job_id, 1), _add_export(settings, job_id, 2)
+    executor = _Recorder()
+    assert dispatch_exports(settings, executor) == [first, second]  # type: ignore[arg-type]
+    assert dispatch_exports(settings, executor) == []
+    assert executor.exports == [first, second]
+    old = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s + 5)
+    with session_scope(settings.resolved_database_url) as s:
+        for export_id, attempt in ((first, 1), (second, MAX_EXPORT_ATTEMPTS)):
+            s.execute(
+                update(CheckpointExport)
+                .where(CheckpointExport.id == export_id)
+                .values(status=RUNNING_EXPORT, attempt=attempt, runner_host="elsewhere", heartbeat_at=old)
+            )
+    assert sorted(reconcile_exports(settings)) == sorted([first, second])
+    retried, given_up = _row(settings, first), _row(settings, second)
+    assert (retried.status, retried.submitted_at) == (PENDING, None) and "retrying" in retried.error
+    assert given_up.status == FAILED and "giving up" in given_up.error
+    assert dispatch_exports(settings, executor) == [first]
