@@ -7,7 +7,8 @@ from megatrain.client.client import Client, load_spec_file, read_credentials
 from megatrain.client.datasets import DatasetFailed
 from megatrain.client.download import DownloadError
 from megatrain.client.errors import ApiError, ApiUnreachable, MegatrainError, SpecFileError
-from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Dataset, Job, LogLine
+from megatrain.client.exports import ExportFailed
+from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Dataset, Export, Job, LogLine
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -18,6 +19,8 @@ __all__ = [
     "Dataset",
     "DatasetFailed",
     "DownloadError",
+    "Export",
+    "ExportFailed",
     "Job",
     "LogLine",
     "MegatrainError",

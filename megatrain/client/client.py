@@ -20,6 +20,7 @@ import yaml
 from megatrain.client.datasets import DatasetsMixin
 from megatrain.client.download import extract_checkpoint_files, extract_checkpoint_tar
 from megatrain.client.errors import ApiError, ApiUnreachable, SpecFileError
+from megatrain.client.exports import ExportsMixin
 from megatrain.client.models import Checkpoint, Job, LogLine
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def _items(data: Any) -> list[Any]:
     raise ApiError(200, f"unexpected response shape: {str(data)[:200]}")
 
 
-class Client(DatasetsMixin):
+class Client(DatasetsMixin, ExportsMixin):
     """A client of the megatrain API.
 
     Arguments default to the settings (MEGATRAIN_API_URL, MEGATRAIN_API_KEY), and the key to the
@@ -313,7 +314,11 @@ class Client(DatasetsMixin):
                 raise ApiError(404, f"job {job_id} has no checkpoints yet")
             step = cps[-1].step
         dest = Path(dest) if dest is not None else Path(f"{job_id}-iter_{step:07d}")
-        path = f"/v1/jobs/{job_id}/checkpoints/{step}/download"
+        return self._download_folder(f"/v1/jobs/{job_id}/checkpoints/{step}/download", dest)
+
+    def _download_folder(self, path: str, dest: Path, marker: str = "manifest.json") -> Path:
+        """A download endpoint's folder (a tar stream or a JSON listing of file URLs) into `dest`,
+        which may be replaced only if it is empty or holds `marker` (an earlier download of its kind)."""
         try:
             with self._http.stream(
                 "GET",
@@ -326,8 +331,10 @@ class Client(DatasetsMixin):
                     self._raise_for(resp)
                 if resp.headers.get("content-type", "").startswith("application/json"):
                     listing = json.loads(resp.read())
-                    return extract_checkpoint_files(listing, dest, self._fetch_to_file, base=str(resp.url))
-                return extract_checkpoint_tar(resp.iter_bytes(), dest)
+                    return extract_checkpoint_files(
+                        listing, dest, self._fetch_to_file, base=str(resp.url), marker=marker
+                    )
+                return extract_checkpoint_tar(resp.iter_bytes(), dest, marker=marker)
         except httpx.TransportError as exc:
             raise ApiUnreachable(self.api_url, str(exc) or type(exc).__name__) from None
 

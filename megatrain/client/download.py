@@ -56,18 +56,15 @@ def safe_relative_path(name: str) -> PurePosixPath | None:
     return PurePosixPath(*parts) if parts else None
 
 
-def _check_dest(dest: Path) -> None:
-    # Replacing an old download is fine; wiping an unrelated folder is not.
-    if dest.exists() and not (
-        dest.is_dir() and (not any(dest.iterdir()) or (dest / "manifest.json").is_file())
-    ):
-        raise DownloadError(
-            f"{dest} already exists and is not a checkpoint folder; choose another destination"
-        )
+def _check_dest(dest: Path, marker: str = "manifest.json") -> None:
+    # Replacing an old download (a folder holding `marker`) is fine; wiping an unrelated folder is not.
+    if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir()) or (dest / marker).is_file())):
+        kind = "checkpoint" if marker == "manifest.json" else "model"
+        raise DownloadError(f"{dest} already exists and is not a {kind} folder; choose another destination")
 
 
-def _staging(dest: Path) -> Path:
-    _check_dest(dest)
+def _staging(dest: Path, marker: str) -> Path:
+    _check_dest(dest, marker)
     dest.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
 
@@ -113,7 +110,7 @@ def verify_manifest(folder: Path) -> None:
                 raise DownloadError(f"{name} does not match the sha256 in its manifest")
 
 
-def _finish(staging: Path, dest: Path) -> Path:
+def _finish(staging: Path, dest: Path, marker: str) -> Path:
     root = staging
     entries = list(staging.iterdir())
     # Archives often wrap the checkpoint in its iter_XXXXXXX/ folder; the destination holds its contents.
@@ -122,16 +119,17 @@ def _finish(staging: Path, dest: Path) -> Path:
     if not any(root.iterdir()):
         raise DownloadError("the download held no files")
     verify_manifest(root)
-    _check_dest(dest)
+    _check_dest(dest, marker)
     if dest.exists():
         shutil.rmtree(dest)
     root.rename(dest)
     return dest
 
 
-def extract_checkpoint_tar(chunks: Iterable[bytes], dest: Path) -> Path:
-    """Write a (optionally compressed) tar stream's files under `dest`, safely; returns dest."""
-    staging = _staging(dest)
+def extract_checkpoint_tar(chunks: Iterable[bytes], dest: Path, marker: str = "manifest.json") -> Path:
+    """Write a (optionally compressed) tar stream's files under `dest`, safely; returns dest. An
+    existing `dest` is replaced only if it is empty or holds `marker` (an earlier download)."""
+    staging = _staging(dest, marker)
     try:
         reader = io.BufferedReader(_ChunkReader(chunks), buffer_size=1 << 20)
         try:
@@ -153,19 +151,23 @@ def extract_checkpoint_tar(chunks: Iterable[bytes], dest: Path) -> Path:
                         shutil.copyfileobj(src, out, 1 << 20)
         except tarfile.TarError as exc:
             raise DownloadError(f"the download is not a valid tar archive: {exc}") from None
-        return _finish(staging, dest)
+        return _finish(staging, dest, marker)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def extract_checkpoint_files(
-    listing: dict[str, Any], dest: Path, fetch: Callable[[str, Path, str], None], base: str
+    listing: dict[str, Any],
+    dest: Path,
+    fetch: Callable[[str, Path, str], None],
+    base: str,
+    marker: str = "manifest.json",
 ) -> Path:
     """Fetch each {"path", "url", "size"} of a JSON listing (e.g. presigned S3 URLs) under `dest`."""
     files = listing.get("files") if isinstance(listing, dict) else None
     if not isinstance(files, list) or not files:
         raise DownloadError(f"unexpected download listing: {str(listing)[:200]}")
-    staging = _staging(dest)
+    staging = _staging(dest, marker)
     try:
         for item in files:
             rel = safe_relative_path(str(item.get("path", "")))
@@ -177,6 +179,6 @@ def extract_checkpoint_files(
             size = item.get("size")
             if isinstance(size, int) and target.stat().st_size != size:
                 raise DownloadError(f"{rel} has {target.stat().st_size} bytes, the listing says {size}")
-        return _finish(staging, dest)
+        return _finish(staging, dest, marker)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

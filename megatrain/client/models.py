@@ -74,6 +74,33 @@ class Checkpoint:
 
 
 @dataclass
+class Export:
+    """A checkpoint export: `status` pending → running → ready | failed (`error` says why)."""
+
+    id: str
+    job_id: str = ""
+    step: int = 0
+    format: str = "hf"
+    dtype: str = "bf16"
+    status: str = ""
+    error: str = ""
+    uri: str | None = None
+    size_bytes: int | None = None
+    attempt: int = 0
+    created_at: str | None = None
+    finished_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Export:
+        return cls(**_pick(cls, data), raw=dict(data))
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("ready", "failed")
+
+
+@dataclass
 class LogLine:
     seq: int
     line: str

@@ -1,0 +1,125 @@
+"""Checkpoint commands: list a job's checkpoints and exports, and export one to Hugging Face format.
+
+`megatrain export JOB[@STEP] --to DIR` asks the API to export (the workers write the folder into the
+server's storage, `{storage}/jobs/JOB/exports/hf/iter_STEP-DTYPE/`), waits for it, then downloads
+it into DIR. `--to` takes a local folder only: the server writes exports solely into its own
+storage layout (it never writes where a client names), so an s3:// or file:// destination is
+refused with a line saying where the export lives. SDK only, like the other job commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from megatrain.cli.common import _fail, _out, _user_errors, app
+from megatrain.client import Client
+
+DTYPES = ("bf16", "fp32")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):  # noqa: B007 - the last unit reached is the one shown
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:,.1f} {unit}"
+
+
+def _when(text: str | None) -> str:
+    return (text or "")[:19].replace("T", " ")
+
+
+def parse_target(target: str) -> tuple[str, int | None]:
+    """JOB or JOB@STEP -> (job id, step or None for the latest)."""
+    job_id, at, step = target.partition("@")
+    if not job_id or (at and not step.isdigit()):
+        raise _fail(f"{target!r} is not JOB or JOB@STEP (STEP a non-negative integer)")
+    return job_id, int(step) if at else None
+
+
+@app.command()
+@_user_errors
+def checkpoints(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """List a job's checkpoints (step, size, when saved) and its exports."""
+    with Client() as client:
+        cps = client.checkpoints(job_id)
+        exports = client.exports(job_id)
+    out = _out()
+    if not cps:
+        out.print(f"job {job_id} has no checkpoints yet")
+    else:
+        table = Table(box=None, header_style="bold")
+        for col in ("STEP", "SIZE", "SAVED"):
+            table.add_column(col, justify="right" if col != "SAVED" else "left")
+        for cp in cps:
+            table.add_row(str(cp.step), _size(cp.size_bytes), _when(cp.created_at))
+        out.print(table)
+    if exports:
+        table = Table(box=None, header_style="bold", title="exports", title_justify="left")
+        for col in ("EXPORT", "STEP", "DTYPE", "STATUS", "SIZE", "CREATED", "WHERE"):
+            table.add_column(col)
+        for e in exports:
+            status = e.status + (f": {escape(e.error)}" if e.status == "failed" and e.error else "")
+            where = escape(e.uri or "")
+            table.add_row(e.id, str(e.step), e.dtype, status, _size(e.size_bytes), _when(e.created_at), where)
+        out.print(table)
+
+
+def _load_hint(dest: Path) -> str:
+    lines = [
+        "load it with transformers:",
+        "  from transformers import AutoModelForCausalLM",
+        f"  model = AutoModelForCausalLM.from_pretrained({str(dest)!r})",
+    ]
+    if (dest / "tokenizer.json").is_file():
+        lines += [
+            "  from transformers import PreTrainedTokenizerFast",
+            f"  tokenizer = PreTrainedTokenizerFast(tokenizer_file={str(dest / 'tokenizer.json')!r})",
+        ]
+    return "\n".join(lines)
+
+
+@app.command("export")
+@_user_errors
+def export_command(
+    target: Annotated[
+        str, typer.Argument(metavar="JOB[@STEP]", help="Job id, and the step (default: latest).")
+    ],
+    to: Annotated[str, typer.Option("--to", help="Local folder to download the exported model into.")],
+    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16 or fp32.")] = "bf16",
+    timeout: Annotated[float | None, typer.Option(help="Give up waiting after this many seconds.")] = None,
+) -> None:
+    """Export a checkpoint to Hugging Face format (config.json + safetensors) and download it."""
+    job_id, step = parse_target(target)
+    if dtype not in DTYPES:
+        raise _fail(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if "://" in to:
+        raise _fail(
+            f"--to takes a local folder, not {to!r}: the server writes exports only into its own storage "
+            f"(jobs/{job_id}/exports/hf/), whose URL `megatrain checkpoints {job_id}` lists once ready"
+        )
+    dest = Path(to)
+    out = _out()
+    with Client() as client:
+        exp = client.export(job_id, step=step, dtype=dtype)
+        out.print(
+            f"exporting step {exp.step} of job {job_id} ({dtype}) as export [bold]{exp.id}[/bold]: "
+            f"{exp.status}"
+        )
+        exp = client.wait_export(job_id, exp.id, timeout_s=timeout, poll_interval_s=0.5)
+        out.print(
+            f"export ready in the server's storage at {escape(exp.uri or '?')} ({_size(exp.size_bytes)})"
+        )
+        path = client.download_export(job_id, exp.id, dest)
+    out.print(f"downloaded to [bold]{escape(str(path))}[/bold]")
+    out.print(escape(_load_hint(path)))

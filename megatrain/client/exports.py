@@ -1,0 +1,78 @@
+"""The SDK's export calls (mixed into `Client`): export a checkpoint to Hugging Face format on the
+workers, follow it, and download the ready folder (config.json + safetensors [+ tokenizer.json])."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatrain.client.errors import MegatrainError
+from megatrain.client.models import Export
+
+if TYPE_CHECKING:
+    import httpx
+
+
+class ExportFailed(MegatrainError):
+    """The workers could not export the checkpoint; `export.error` says why."""
+
+    def __init__(self, export: Export):
+        self.export = export
+        super().__init__(f"export {export.id} of step {export.step} failed: {export.error}")
+
+
+class ExportsMixin:
+    if TYPE_CHECKING:  # provided by Client
+
+        def _json(self, method: str, path: str, **kwargs: Any) -> Any: ...
+        def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response: ...
+        def _download_folder(self, path: str, dest: Path, marker: str = ...) -> Path: ...
+
+    def export(
+        self,
+        job_id: str,
+        step: int | None = None,
+        dtype: str = "bf16",
+        wait: bool = False,
+        timeout_s: float | None = None,
+        poll_interval_s: float = 1.0,
+    ) -> Export:
+        """Export the checkpoint at `step` (the latest when None) to Hugging Face format in `dtype`
+        (bf16 or fp32). Returns at once with the export (pending, or the earlier one for the same
+        step and dtype), or with `wait=True` once it is ready (ExportFailed if it failed)."""
+        body = {"step": step, "format": "hf", "dtype": dtype}
+        exp = Export.from_dict(self._json("POST", f"/v1/jobs/{job_id}/exports", json=body))
+        return self.wait_export(job_id, exp.id, timeout_s, poll_interval_s) if wait else exp
+
+    def exports(self, job_id: str) -> list[Export]:
+        """The job's exports, oldest first."""
+        return [Export.from_dict(r) for r in self._json("GET", f"/v1/jobs/{job_id}/exports")]
+
+    def get_export(self, job_id: str, export_id: str) -> Export:
+        return Export.from_dict(self._json("GET", f"/v1/jobs/{job_id}/exports/{export_id}"))
+
+    def wait_export(
+        self, job_id: str, export_id: str, timeout_s: float | None = None, poll_interval_s: float = 1.0
+    ) -> Export:
+        """Poll until the export is ready (returned) or failed (ExportFailed); TimeoutError past timeout_s."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            exp = self.get_export(job_id, export_id)
+            if exp.status == "ready":
+                return exp
+            if exp.status == "failed":
+                raise ExportFailed(exp)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"export {export_id} still {exp.status} after {timeout_s:g} s")
+            time.sleep(poll_interval_s)
+
+    def download_export(self, job_id: str, export_id: str, dest: str | Path | None = None) -> Path:
+        """Fetch a ready export into the folder `dest` (default `{job_id}-iter_{step:07d}-{dtype}`);
+        returns it. `AutoModelForCausalLM.from_pretrained(dest)` loads it. An existing `dest` is
+        replaced only if it is empty or an earlier model folder (holds config.json)."""
+        if dest is None:
+            exp = self.get_export(job_id, export_id)
+            dest = f"{job_id}-iter_{exp.step:07d}-{exp.dtype}"
+        path = f"/v1/jobs/{job_id}/exports/{export_id}/download"
+        return self._download_folder(path, Path(dest), marker="config.json")

@@ -1,0 +1,99 @@
+"""`megatrain checkpoints` and `megatrain export` end to end: a live API, an engine-trained
+checkpoint in the job's storage, the export run by the real task (handed out by the scheduler's
+dispatch, on a thread), downloaded and loaded with transformers."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fixtures.checkpoints import train_job_checkpoint
+from fixtures.live import LiveApi
+from typer.testing import CliRunner
+
+from megatrain.cli import app
+from megatrain.client import Client
+from megatrain.scheduler.exports import dispatch_exports
+from megatrain.settings import Settings
+from megatrain.worker.exports import export_checkpoint
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "250"})
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.output
+
+
+class _InlineExecutor:
+    """Runs each export the scheduler hands out on the dispatching thread (no subprocess)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def submit_export(self, export_id: str) -> None:
+        export_checkpoint(export_id, self.settings)
+
+
+@pytest.fixture
+def export_workers(live_api: LiveApi) -> Iterator[None]:
+    stop = threading.Event()
+    executor = _InlineExecutor(live_api.settings)
+
+    def loop() -> None:
+        while not stop.wait(0.1):
+            dispatch_exports(live_api.settings, executor)  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(timeout=30)
+
+
+def test_checkpoints_and_export_to_a_folder(live_api: LiveApi, export_workers: None, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    with Client() as client:
+        job_id = client.submit(live_api.spec("exported")).id
+    code, out = run("checkpoints", job_id)
+    assert code == 0 and "no checkpoints yet" in out, out
+    train_job_checkpoint(live_api.settings, job_id, tmp_path / "train")
+
+    code, out = run("checkpoints", job_id)
+    assert code == 0 and re.search(r"^\s*2\s+\S+ (KiB|MiB)\s+\d{4}-", out, re.M), out
+
+    dest = tmp_path / "model"
+    code, out = run("export", f"{job_id}@2", "--to", str(dest), "--dtype", "fp32")
+    assert code == 0, out
+    assert "exports/hf/iter_0000002-fp32" in out and f"downloaded to {dest}" in out, out
+    assert "AutoModelForCausalLM.from_pretrained" in out and "tokenizer.json" in out, out
+    assert {p.name for p in dest.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(dest).eval()
+    assert model.dtype == torch.float32
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
+
+    # The same export again (the ready one is reused) over the earlier download; then the listing.
+    code, out = run("export", job_id, "--to", str(dest), "--dtype", "fp32")
+    assert code == 0 and f"downloaded to {dest}" in out, out
+    code, out = run("checkpoints", job_id)
+    assert code == 0 and "ready" in out and "fp32" in out and "iter_0000002-fp32" in out, out
+
+
+def test_export_errors_are_one_red_line(live_api: LiveApi, tmp_path: Path) -> None:
+    with Client() as client:
+        job_id = client.submit(live_api.spec("no-ckpt")).id
+    cases = [
+        (("export", job_id, "--to", "s3://bucket/model"), "takes a local folder"),
+        (("export", f"{job_id}@x", "--to", str(tmp_path)), "JOB@STEP"),
+        (("export", job_id, "--to", str(tmp_path), "--dtype", "fp16"), "bf16, fp32"),
+        (("export", job_id, "--to", str(tmp_path)), "no checkpoints yet"),
+        (("export", "job-0000000000000000", "--to", str(tmp_path)), "not found"),
+    ]
+    for args, expected in cases:
+        code, out = run(*args)
+        assert code == 1 and "error:" in out and expected in out, (args, out)
+        assert len(out.strip().splitlines()) == 1, out
