@@ -19,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -270,7 +271,14 @@ class CheckpointExport(Base):
     into `{storage}/jobs/{job_id}/exports/{format}/iter_{step:07d}-{dtype}/`."""
 
     __tablename__ = "checkpoint_export"
-    __table_args__ = (Index("ix_checkpoint_export_status", "status", "submitted_at"),)
+    __table_args__ = (
+        Index("ix_checkpoint_export_status", "status", "submitted_at"),
+        # One live (not failed) export per step, format and dtype: concurrent POSTs share it.
+        Index(
+            "uq_checkpoint_export_live", "job_id", "step", "format", "dtype", unique=True,
+            sqlite_where=text("status != 'failed'"), postgresql_where=text("status != 'failed'"),
+        ),
+    )  # fmt: skip
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("exp"))
     job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)

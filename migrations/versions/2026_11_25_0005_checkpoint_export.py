@@ -44,11 +44,19 @@ def upgrade() -> None:
     with op.batch_alter_table("checkpoint_export", schema=None) as batch_op:
         batch_op.create_index("ix_checkpoint_export_status", ["status", "submitted_at"], unique=False)
         batch_op.create_index(batch_op.f("ix_checkpoint_export_job_id"), ["job_id"], unique=False)
+        batch_op.create_index(
+            "uq_checkpoint_export_live",
+            ["job_id", "step", "format", "dtype"],
+            unique=True,
+            sqlite_where=sa.text("status != 'failed'"),
+            postgresql_where=sa.text("status != 'failed'"),
+        )
 
 
 def downgrade() -> None:
 
     with op.batch_alter_table("checkpoint_export", schema=None) as batch_op:
+        batch_op.drop_index("uq_checkpoint_export_live")
         batch_op.drop_index(batch_op.f("ix_checkpoint_export_job_id"))
         batch_op.drop_index("ix_checkpoint_export_status")
 

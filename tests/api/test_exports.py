@@ -6,9 +6,11 @@ from __future__ import annotations
 import io
 import tarfile
 
+import pytest
 from api_handle import Api
 from fixtures.live import add_checkpoint
 from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 
 from megatrain.db.models import CheckpointExport
 from megatrain.db.session import session_scope
@@ -96,3 +98,16 @@ def test_states_reuse_and_download(api: Api) -> None:
     # Files gone from storage: the download says so rather than streaming nothing.
     store.delete_prefix(folder)
     assert api.client.get(f"{url}/{exp['id']}/download", headers=api.headers).status_code == 404
+
+
+def test_one_live_export_per_step_and_dtype_in_the_database(api: Api) -> None:
+    """Two requests racing past the service's lookup still share one export: the second insert of a
+    live (not failed) export of the same step and dtype is refused by the database itself."""
+    job_id = api.submit()["id"]
+    add_checkpoint(api.settings, job_id, 5)
+    first = api.client.post(_exports(api, job_id), json={"step": 5}, headers=api.headers).json()
+    with pytest.raises(IntegrityError), session_scope(api.db_url) as s:
+        s.add(CheckpointExport(job_id=job_id, step=5, format="hf", dtype="bf16", status="pending"))
+    _set(api, first["id"], status="failed")
+    with session_scope(api.db_url) as s:  # a failed one does not count
+        s.add(CheckpointExport(job_id=job_id, step=5, format="hf", dtype="bf16", status="pending"))

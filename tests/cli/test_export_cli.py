@@ -5,20 +5,16 @@ dispatch, on a thread), downloaded and loaded with transformers."""
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.checkpoints import train_job_checkpoint
+from fixtures.checkpoints import exports_in_background, train_job_checkpoint
 from fixtures.live import LiveApi
 from typer.testing import CliRunner
 
 from megatrain.cli import app
 from megatrain.client import Client
-from megatrain.scheduler.exports import dispatch_exports
-from megatrain.settings import Settings
-from megatrain.worker.exports import export_checkpoint
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -27,30 +23,10 @@ def run(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-class _InlineExecutor:
-    """Runs each export the scheduler hands out on the dispatching thread (no subprocess)."""
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-
-    def submit_export(self, export_id: str) -> None:
-        export_checkpoint(export_id, self.settings)
-
-
 @pytest.fixture
 def export_workers(live_api: LiveApi) -> Iterator[None]:
-    stop = threading.Event()
-    executor = _InlineExecutor(live_api.settings)
-
-    def loop() -> None:
-        while not stop.wait(0.1):
-            dispatch_exports(live_api.settings, executor)  # type: ignore[arg-type]
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join(timeout=30)
+    with exports_in_background(live_api.settings):
+        yield
 
 
 def test_checkpoints_and_export_to_a_folder(live_api: LiveApi, export_workers: None, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import HTTPException
 from fastapi.responses import Response
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from megatrain.api.checkpoints import service as checkpoints
@@ -57,26 +58,35 @@ def create_export(
     """(export, created): a new pending export, or the one already pending, running or ready for the
     same step, format and dtype (a failed one is tried again by a new export)."""
     step = _checkpoint_step(session, settings, job, body.step)
-    existing = session.scalar(
-        select(CheckpointExport)
-        .where(
-            CheckpointExport.job_id == job.id,
-            CheckpointExport.step == step,
-            CheckpointExport.format == body.format,
-            CheckpointExport.dtype == body.dtype,
-            CheckpointExport.status != FAILED,
-        )
-        .order_by(CheckpointExport.created_at.desc())
-        .limit(1)
-    )
+    existing = _live_export(session, job.id, step, body)
     if existing is not None:
         return existing, False
     export = CheckpointExport(
         id=new_id("exp"), job_id=job.id, step=step, format=body.format, dtype=body.dtype, status=PENDING
     )
     session.add(export)
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request created it first (unique on the live export of a step and dtype).
+        session.rollback()
+        existing = _live_export(session, job.id, step, body)
+        if existing is None:
+            raise
+        return existing, False
     return export, True
+
+
+def _live_export(session: Session, job_id: str, step: int, body: ExportCreate) -> CheckpointExport | None:
+    return session.scalar(
+        select(CheckpointExport).where(
+            CheckpointExport.job_id == job_id,
+            CheckpointExport.step == step,
+            CheckpointExport.format == body.format,
+            CheckpointExport.dtype == body.dtype,
+            CheckpointExport.status != FAILED,
+        )
+    )
 
 
 def list_exports(session: Session, job_id: str) -> list[CheckpointExport]:

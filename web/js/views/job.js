@@ -5,6 +5,7 @@ import { api, ApiError, follow } from "../api.js";
 import { LineChart } from "../charts.js";
 import { h, replace } from "../dom.js";
 import { ACTIVE, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
+import { exportActive, exportCell } from "./exports.js";
 import { badge, progress } from "./jobs.js";
 
 const POLL_MS = 2000;
@@ -35,7 +36,8 @@ const CHARTS = [
 
 const EVENT_LABELS = {
   queued: "Queued", scheduled: "Scheduled", running: "Running", started: "Engine started", resumed: "Resumed",
-  checkpoint_saved: "Checkpoint saved", cancel_requested: "Cancel requested", succeeded: "Succeeded",
+  checkpoint_saved: "Checkpoint saved", checkpoints_deleted: "Checkpoints deleted (retention)",
+  checkpoint_corrupt: "Corrupt checkpoint skipped", cancel_requested: "Cancel requested", succeeded: "Succeeded",
   failed: "Failed", cancelled: "Cancelled", info: "Info", preempted: "Preempted",
 };
 
@@ -69,6 +71,8 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   const t0 = performance.now();
   const enc = encodeURIComponent(jobId);
   let job = null;
+  let checkpoints = [];
+  let exports = [];  // the job's Hugging Face exports, drawn in the checkpoints table
   let timer = null;
   let stopped = false;
   let charts = {};
@@ -176,19 +180,20 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       estimate ? memoryPlan(estimate) : h("p", { class: "hint" }, "The planner's memory breakdown appears here once the engine reports it at start."));
   }
 
-  async function download(step, button) {
+  // A checkpoint's or an export's download: a tar through the API, or presigned links from S3.
+  async function download(path, fallbackName, button) {
     button.disabled = true;
     const label = button.textContent;
     button.textContent = "Preparing…";
     try {
-      const resp = await api(`/v1/jobs/${enc}/checkpoints/${step}/download`, { raw: true, signal });
+      const resp = await api(path, { raw: true, signal });
       if ((resp.headers.get("content-type") || "").includes("application/json")) {
         // Object storage: one presigned link per file, straight from the bucket.
         const listing = await resp.json();
         const links = h("ul", { class: "hint" }, listing.files.map((f) => h("li", {}, h("a", { href: f.url, download: f.path.split("/").pop() }, f.path), ` (${fmtBytes(f.size)})`)));
         button.after(links);
       } else {
-        const name = /filename="([^"]+)"/.exec(resp.headers.get("content-disposition") || "")?.[1] || `${jobId}-step${step}.tar`;
+        const name = /filename="([^"]+)"/.exec(resp.headers.get("content-disposition") || "")?.[1] || fallbackName;
         const url = URL.createObjectURL(await resp.blob());
         const a = h("a", { href: url, download: name, hidden: true });
         document.body.append(a);
@@ -209,14 +214,30 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       replace(el.checkpoints, h("p", { class: "muted" }, ACTIVE.has(job.status) ? "No checkpoint saved yet." : "This job saved no checkpoints."));
       return;
     }
+    const actions = { onExport: exportCheckpoint, onDownload: (e, button) =>
+      download(`/v1/jobs/${enc}/exports/${encodeURIComponent(e.id)}/download`, `${jobId}-step${e.step}-${e.dtype}.tar`, button) };
     replace(el.checkpoints, h("div", { class: "table-wrap" }, h("table", { id: "checkpoint-table" },
-      h("thead", {}, h("tr", {}, h("th", { scope: "col", class: "num" }, "Step"), h("th", { scope: "col", class: "num" }, "Size"), h("th", { scope: "col" }, "Saved"), h("th", { scope: "col" }, h("span", { class: "visually-hidden" }, "Actions")))),
+      h("thead", {}, h("tr", {}, h("th", { scope: "col", class: "num" }, "Step"), h("th", { scope: "col", class: "num" }, "Size"), h("th", { scope: "col" }, "Saved"), h("th", { scope: "col" }, h("span", { class: "visually-hidden" }, "Actions")), h("th", { scope: "col" }, "Hugging Face"))),
       h("tbody", {}, list.map((c) => h("tr", { dataset: { step: String(c.step) } },
         h("td", { class: "num" }, c.step.toLocaleString()),
         h("td", { class: "num" }, fmtBytes(c.size_bytes)),
         h("td", {}, h("span", { title: fmtTime(c.created_at) }, fmtAge(c.created_at))),
         h("td", {}, h("button", { type: "button", class: "btn btn-small", "aria-label": `Download checkpoint at step ${c.step}`,
-          onclick: (ev) => download(c.step, ev.currentTarget) }, "Download"))))))));
+          onclick: (ev) => download(`/v1/jobs/${enc}/checkpoints/${c.step}/download`, `${jobId}-step${c.step}.tar`, ev.currentTarget) }, "Download")),
+        h("td", {}, exportCell(c.step, exports, actions))))))));
+  }
+
+  async function exportCheckpoint(step, dtype, button) {
+    button.disabled = true;
+    try {
+      const e = await api(`/v1/jobs/${enc}/exports`, { method: "POST", body: { step, format: "hf", dtype }, signal });
+      exports = [...exports.filter((x) => x.id !== e.id), e];
+      drawCheckpoints(checkpoints);
+      poll();
+    } catch (err) {
+      if (err.name !== "AbortError") showBanner(`Could not export step ${step}: ${err.message}`);
+      button.disabled = false;
+    }
   }
 
   async function cancel() {
@@ -236,8 +257,11 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   async function poll() {
     clearTimeout(timer);
     try {
-      const [j, events, ckpts] = await Promise.all([
-        api(`/v1/jobs/${enc}`, { signal }), api(`/v1/jobs/${enc}/events`, { signal }), api(`/v1/jobs/${enc}/checkpoints`, { signal })]);
+      const [j, events, ckpts, exps] = await Promise.all([
+        api(`/v1/jobs/${enc}`, { signal }), api(`/v1/jobs/${enc}/events`, { signal }), api(`/v1/jobs/${enc}/checkpoints`, { signal }),
+        api(`/v1/jobs/${enc}/exports`, { signal })]);
+      checkpoints = ckpts;
+      exports = exps;
       const first = job === null;
       job = j;
       if (first) { skeleton(); startMetrics(); startLogs(); }
@@ -255,7 +279,8 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       }
       showBanner(`Could not refresh the job: ${err.message}`);
     }
-    if (!stopped && (job === null || ACTIVE.has(job.status))) timer = setTimeout(poll, POLL_MS);
+    // Exports run after a job has ended too: keep polling while one is pending or running.
+    if (!stopped && (job === null || ACTIVE.has(job.status) || exports.some(exportActive))) timer = setTimeout(poll, POLL_MS);
   }
 
   // -- metrics -----------------------------------------------------------------------------------
