@@ -115,7 +115,20 @@ def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None) ->
         dest,
         dtype=torch_dtype,
         tokenizer_files=_tokenizer_files(reader.spec, endpoint_url),
+        extra_config=_special_tokens(reader.spec),
     )
+
+
+def _special_tokens(spec: Any) -> dict[str, int]:
+    """eos_token_id = the end-of-document token the job's documents ended with, so transformers'
+    generate() stops where the model learned to; none if the tokenizer cannot be built here."""
+    from megatrain.engine.data.tokenizers import build_tokenizer
+
+    try:
+        return {"eos_token_id": int(build_tokenizer(spec.data.tokenizer).eod)}
+    except Exception as exc:  # noqa: BLE001 - e.g. a tiktoken encoding this host cannot fetch
+        log.warning("export: no eos_token_id (the tokenizer could not be built: %s)", exc)
+        return {}
 
 
 ExportFn = Callable[[str, str, str, "str | None"], None]

@@ -63,6 +63,8 @@ def test_fp32_export_loads_in_transformers_with_the_checkpoints_logits(
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     assert theirs.dtype == torch.float32
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    # generate() stops at the end-of-document token the job's documents ended with.
+    assert theirs.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
     tokens = torch.tensor(
         [tokenizer.encode("def add(a, b):\n    return a + b")[: spec["model"]["seq_length"]]]
     )
