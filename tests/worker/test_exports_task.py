@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.checkpoints import train_job_checkpoint
@@ -41,12 +42,9 @@ def _row(settings: Settings, export_id: str) -> CheckpointExport:
 def test_fp32_export_loads_in_transformers_with_the_checkpoints_logits(
     settings: Settings, make_job: Callable[..., str], tmp_path: Path
 ) -> None:
-    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from megatrain.engine.checkpoint import load_checkpoint
-
     job_id = make_job(schedule=False)
-    spec = train_job_checkpoint(settings, job_id, tmp_path / "train")
+    train_job_checkpoint(settings, job_id, tmp_path / "train")
     with session_scope(settings.resolved_database_url) as s:
         assert s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)).all() == [2]
     export_id = _add_export(settings, job_id, 2)
@@ -59,21 +57,61 @@ def test_fp32_export_loads_in_transformers_with_the_checkpoints_logits(
     assert exp.size_bytes == sum(p.stat().st_size for p in path.iterdir())
     assert (path / "tokenizer.json").read_bytes() == (tmp_path / "train" / "tokenizer.json").read_bytes()
 
-    ours, _ = load_checkpoint(f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints/iter_0000002")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    assert theirs.dtype == torch.float32
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
-    # generate() stops at the end-of-document token the job's documents ended with.
-    assert theirs.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    tokens = torch.tensor(
-        [tokenizer.encode("def add(a, b):\n    return a + b")[: spec["model"]["seq_length"]]]
+    tokenizer = _assert_same_model(
+        f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints/iter_0000002", path
     )
+    # generate() stops at the end-of-document token the job's documents ended with.
+    eos = transformers.GenerationConfig.from_pretrained(path).eos_token_id
+    assert eos == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+
+def _assert_same_model(checkpoint_url: str, folder: Path) -> Any:
+    """transformers' model from `folder` (fp32) computes load_checkpoint's logits; returns the
+    folder's tokenizer."""
+    import torch
+    import transformers
+
+    from megatrain.engine.checkpoint import load_checkpoint
+
+    ours, spec = load_checkpoint(checkpoint_url)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert theirs.dtype == torch.float32
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    text = "def add(a, b):\n    return a + b"
+    tokens = torch.tensor([tokenizer.encode(text)[: spec.model.seq_length]])
     with torch.no_grad():
         want = ours(tokens)
         got = theirs(tokens).logits
     # The export keeps the tokenizer's rows and drops the engine's padding rows (never predicted).
     assert got.shape[-1] == len(tokenizer) < want.shape[-1]
     torch.testing.assert_close(got, want[..., : got.shape[-1]], atol=ATOL, rtol=0)
+    return tokenizer
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_export_on_s3_storage(
+    settings: Settings,
+    make_job: Callable[..., str],
+    tmp_path: Path,
+    s3_bucket_url: str,
+    moto_s3_endpoint: str,
+) -> None:
+    pytest.importorskip("transformers")
+    s3 = settings.model_copy(
+        update={"storage_url": f"{s3_bucket_url}/prod", "s3_endpoint_url": moto_s3_endpoint}
+    )
+    job_id = make_job(schedule=False)
+    train_job_checkpoint(s3, job_id, tmp_path / "train")
+    export_id = _add_export(s3, job_id, 2)
+    assert export_checkpoint(export_id, s3) == READY
+    exp = _row(s3, export_id)
+    assert exp.uri == f"{s3_bucket_url}/prod/jobs/{job_id}/exports/hf/iter_0000002-fp32"
+    store = open_store(exp.uri, moto_s3_endpoint)
+    local = tmp_path / "fetched"
+    for obj in store.list():
+        store.get_file(obj.key, local / obj.key)
+    assert exp.size_bytes == sum(o.size for o in store.list())
+    _assert_same_model(f"{s3_bucket_url}/prod/jobs/{job_id}/checkpoints/iter_0000002", local)
 
 
 def test_missing_checkpoint_fails_with_its_reason_and_leaves_nothing(
