@@ -5,6 +5,11 @@ once and recovers lost workers."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -13,12 +18,15 @@ from typing import Any
 import pytest
 from fixtures.checkpoints import train_job_checkpoint
 from sqlalchemy import select, update
+from worker_helpers import wait_for
 
 from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, Checkpoint, CheckpointExport, utcnow
 from megatrain.db.session import session_scope
 from megatrain.scheduler.exports import MAX_EXPORT_ATTEMPTS, dispatch_exports, reconcile_exports
+from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
 from megatrain.storage import open_store
+from megatrain.worker.executors import LocalExecutor
 from megatrain.worker.exports import export_checkpoint
 
 ATOL = 1e-5  # fp32 logits of the same weights; reduction orders differ by a few ulps
@@ -156,3 +164,71 @@ def test_dispatch_once_and_recover_lost_workers(settings: Settings, make_job: Ca
     assert (retried.status, retried.submitted_at) == (PENDING, None) and "retrying" in retried.error
     assert given_up.status == FAILED and "giving up" in given_up.error
     assert dispatch_exports(settings, executor) == [first]
+
+
+def _wait_done(settings: Settings, export_id: str, timeout_s: float = 120.0) -> CheckpointExport:
+    wait_for(lambda: _row(settings, export_id).status in (READY, FAILED), timeout_s, interval=0.2)
+    return _row(settings, export_id)
+
+
+def test_the_local_executor_exports_through_the_scheduler(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    """The real path: the scheduler hands the export to a detached `python -m megatrain.worker.exports`."""
+    pytest.importorskip("transformers")
+    job_id = make_job(schedule=False)
+    train_job_checkpoint(settings, job_id, tmp_path / "train")
+    export_id = _add_export(settings, job_id, 2, dtype="bf16")
+    sched = Scheduler(settings, executor=LocalExecutor(settings))
+    assert sched.exports_once() == [export_id]
+    assert sched.exports_once() == []  # handed out once
+    exp = _wait_done(settings, export_id)
+    assert exp.status == READY, exp.error
+    assert exp.runner_host is not None and exp.attempt == 1
+    config = json.loads(open_store(exp.uri).get_bytes("config.json"))
+    assert config["dtype"] == "bfloat16"
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_celery_worker_exports_from_its_pools_queue(
+    settings: Settings, redis_url: str, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    """Production's path: the task goes to the pool's shared queue, which the pool's worker consumes
+    beside its node's own; a repeated delivery is a no-op."""
+    pytest.importorskip("transformers")
+    import redis
+
+    from megatrain.worker.celery_app import EXPORT_TASK_NAME, datasets_queue
+    from megatrain.worker.executors import CeleryExecutor, runner_env
+
+    pool = f"celery-exp-{uuid.uuid4().hex[:8]}"
+    cfg = settings.model_copy(update={"executor": "celery", "redis_url": redis_url, "pool_name": pool})
+    job_id = make_job(schedule=False)
+    train_job_checkpoint(cfg, job_id, tmp_path / "train")
+    export_id = _add_export(cfg, job_id, 2)
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "megatrain.worker.celery_app"],
+        env=runner_env(cfg), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        sched = Scheduler(cfg)
+        assert isinstance(sched.executor, CeleryExecutor)
+        assert sched.exports_once() == [export_id]
+        exp = _wait_done(cfg, export_id)
+        assert exp.status == READY, exp.error
+        again = sched.executor.app.send_task(EXPORT_TASK_NAME, args=[export_id], queue=datasets_queue(pool))
+        assert again.get(timeout=30) is None
+        assert _row(cfg, export_id).attempt == 1
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        log.close()
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(f"megatrain.{pool}*"):
+            client.delete(key)
