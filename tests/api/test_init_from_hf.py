@@ -74,3 +74,31 @@ def test_unusable_folders_are_init_from_errors(api: Api, tmp_path: Path, case: s
     expected = {"missing": "does not exist", "outside": "outside the data", "not-json": "not valid JSON",
                 "unsupported": "model_type", "relative": "file:///"}[case]  # fmt: skip
     assert expected in resp.json()["detail"][0]["message"]
+
+
+def test_the_stored_spec_trains_from_the_hf_weights(
+    api: Api, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the API stores is what the engine loads: a transformers model saved here, a spec naming
+    only init_from (and a shorter length), one training step from those weights. The engine refuses
+    weights whose config disagrees with the spec's model in any field (norm_eps included)."""
+    pytest.importorskip("torch")
+    from megatrain.engine.train import run
+    from megatrain.spec import parse_spec
+
+    folder = _llama_folder(api.data_root / "llama")
+    transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(folder)
+    ).save_pretrained(folder)
+    (api.data_root / "corpus.jsonl").write_text(
+        "".join(f'{{"text": "line {i} of the corpus"}}\n' for i in range(40))
+    )
+    training = {"train_iters": 1, "global_batch_size": 2, "micro_batch_size": 2}
+    spec = api.spec("from-hf", model=None, training=training, resources={"gpus": 1})
+    spec["model"] = {"init_from": f"hf:{folder.as_uri()}", "seq_length": 16}
+    resp = api.client.post("/v1/jobs", json=spec, headers=api.headers)
+    assert resp.status_code == 201, resp.text
+    stored = api.client.get(f"/v1/jobs/{resp.json()['id']}", headers=api.headers).json()["spec"]
+    summary = run(parse_spec(stored), tmp_path / "run", checkpoint_url=(tmp_path / "ckpt").as_uri())
+    assert summary["step"] == 1
+    assert f"initialised from the Hugging Face model at {folder.as_uri()}" in capsys.readouterr().out
