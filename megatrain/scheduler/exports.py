@@ -23,6 +23,10 @@ from megatrain.worker.procs import pid_alive
 log = logging.getLogger(__name__)
 
 MAX_EXPORT_ATTEMPTS = 3
+UNCLAIMED_RESUBMIT_S = 600.0
+"""A handed-out export no worker has claimed for this long (and at least the heartbeat timeout) is
+handed out again: its process may have died before claiming it. Deliveries are idempotent, so a
+slow queue only gets a second message that does nothing."""
 BATCH = 32
 """Exports one tick hands out at most (the rest wait for the next tick)."""
 
@@ -77,12 +81,22 @@ def _lost_why(exp: CheckpointExport, settings: Settings) -> str | None:
 
 
 def reconcile_exports(settings: Settings) -> list[str]:
-    """Requeue (or fail) running exports whose worker is lost; returns their ids."""
+    """Requeue (or fail) running exports whose worker is lost, and hand out again the ones nobody
+    claimed; returns their ids."""
     url, row = settings.resolved_database_url, CheckpointExport
+    stale = utcnow() - timedelta(seconds=max(UNCLAIMED_RESUBMIT_S, settings.heartbeat_timeout_s))
+    with session_scope(url) as s:
+        unclaimed = s.scalars(
+            update(row)
+            .where(row.status == PENDING, row.submitted_at.is_not(None), row.submitted_at < stale)
+            .values(submitted_at=None)
+            .returning(row.id)
+            .execution_options(synchronize_session=False)
+        ).all()
     with session_scope(url) as s:
         running = s.scalars(select(row).where(row.status == RUNNING_EXPORT)).all()
         lost = [(e.id, e.attempt, why) for e in running if (why := _lost_why(e, settings))]
-    changed = []
+    changed = list(unclaimed)
     for export_id, attempt, why in lost:
         if attempt < MAX_EXPORT_ATTEMPTS:
             values = {"status": PENDING, "submitted_at": None, "error": f"worker lost ({why}); retrying"}

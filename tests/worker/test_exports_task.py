@@ -22,7 +22,12 @@ from worker_helpers import wait_for
 
 from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, Checkpoint, CheckpointExport, utcnow
 from megatrain.db.session import session_scope
-from megatrain.scheduler.exports import MAX_EXPORT_ATTEMPTS, dispatch_exports, reconcile_exports
+from megatrain.scheduler.exports import (
+    MAX_EXPORT_ATTEMPTS,
+    UNCLAIMED_RESUBMIT_S,
+    dispatch_exports,
+    reconcile_exports,
+)
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
 from megatrain.storage import open_store
@@ -164,6 +169,16 @@ def test_dispatch_once_and_recover_lost_workers(settings: Settings, make_job: Ca
     assert (retried.status, retried.submitted_at) == (PENDING, None) and "retrying" in retried.error
     assert given_up.status == FAILED and "giving up" in given_up.error
     assert dispatch_exports(settings, executor) == [first]
+    # Handed out but never claimed (its process died first): handed out again after a while.
+    with session_scope(settings.resolved_database_url) as s:
+        s.execute(
+            update(CheckpointExport)
+            .where(CheckpointExport.id == first)
+            .values(submitted_at=utcnow() - timedelta(seconds=UNCLAIMED_RESUBMIT_S + 5))
+        )
+    assert reconcile_exports(settings) == [first]
+    assert dispatch_exports(settings, executor) == [first]
+    assert reconcile_exports(settings) == []
 
 
 def _wait_done(settings: Settings, export_id: str, timeout_s: float = 120.0) -> CheckpointExport:
