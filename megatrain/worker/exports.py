@@ -170,13 +170,15 @@ def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | 
         return None  # taken over (judged lost) or deleted: the newer attempt or nobody owns dest
     except Exception as exc:  # every failure is the export's reason, never a lost worker
         log.warning("export %s failed: %s", export_id, exc)
-        _remove(dest, settings)
         why = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         done = _update(
             settings, export_id, attempt, status=FAILED, error=why, runner_pid=None, heartbeat_at=None,
             finished_at=utcnow(),
         )  # fmt: skip
-        return FAILED if done else None
+        if not done:
+            return None  # a newer attempt owns the folder now: leave it alone
+        _remove(dest, settings)  # a failed export keeps no objects
+        return FAILED
     finally:
         stop.set()
 
