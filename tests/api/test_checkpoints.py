@@ -118,3 +118,14 @@ def test_s3_download_presigned_urls_or_tar(api: Api, moto_s3_endpoint: str) -> N
         with tarfile.open(fileobj=io.BytesIO(tar_resp.content)) as tar:
             got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
         assert got == {f"iter_0000003/{n}": d for n, d in files.items()}
+
+
+def test_a_missing_or_deleted_step_lists_the_steps_there_are(api: Api) -> None:
+    job_id = api.submit()["id"]
+    url = f"/v1/jobs/{job_id}/checkpoints"
+    resp = api.client.get(f"{url}/5/download", headers=api.headers)
+    assert resp.status_code == 404 and resp.json()["detail"] == f"job {job_id} has no checkpoints yet"
+    write_checkpoint(api, job_id, 5)
+    write_checkpoint(api, job_id, 10)
+    resp = api.client.get(f"{url}/7/download", headers=api.headers)
+    assert resp.status_code == 404 and resp.json()["detail"].endswith("its checkpoints: 5, 10")

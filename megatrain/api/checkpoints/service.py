@@ -34,6 +34,13 @@ def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
     return list(session.scalars(q).all())
 
 
+def missing_step(job_id: str, step: int, steps: list[int]) -> str:
+    """The 404's message, naming the steps the job has (retention may have deleted the one asked)."""
+    if not steps:
+        return f"job {job_id} has no checkpoints yet"
+    return f"job {job_id} has no checkpoint at step {step}; its checkpoints: {', '.join(map(str, steps))}"
+
+
 @dataclass
 class CheckpointFiles:
     store: Store
@@ -49,11 +56,9 @@ class CheckpointFiles:
 
 def locate(session: Session, settings: Settings, job_id: str, step: int) -> CheckpointFiles:
     """The files of a complete checkpoint; 404 when there is no such (complete) checkpoint."""
-    if (
-        session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
-        is None
-    ):
-        raise HTTPException(404, f"job {job_id} has no checkpoint at step {step}")
+    steps = [c.step for c in list_checkpoints(session, job_id)]
+    if step not in steps:
+        raise HTTPException(404, missing_step(job_id, step, steps))
     store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
     folder = f"iter_{step:07d}"
     prefix = f"jobs/{job_id}/checkpoints/{folder}"

@@ -19,7 +19,6 @@ from megatrain.db.models import (
     FAILED,
     PENDING,
     READY,
-    Checkpoint,
     CheckpointExport,
     Job,
     new_id,
@@ -32,18 +31,11 @@ COMPLETE_MARKER = "config.json"
 
 def _checkpoint_step(session: Session, settings: Settings, job: Job, step: int | None) -> int:
     """The step to export (the latest for None); 404 naming the steps that exist otherwise."""
-    steps = list(
-        session.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step))
-    )
-    if not steps:
-        raise HTTPException(404, f"job {job.id} has no checkpoints yet")
-    if step is None:
+    steps = [c.step for c in checkpoints.list_checkpoints(session, job.id)]
+    if step is None and steps:
         step = steps[-1]
-    elif step not in steps:
-        raise HTTPException(
-            404,
-            f"job {job.id} has no checkpoint at step {step}; its checkpoints: {', '.join(map(str, steps))}",
-        )
+    if step is None or step not in steps:
+        raise HTTPException(404, checkpoints.missing_step(job.id, -1 if step is None else step, steps))
     store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
     if not store.exists(f"jobs/{job.id}/checkpoints/iter_{step:07d}/manifest.json"):
         raise HTTPException(
