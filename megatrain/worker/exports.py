@@ -2,8 +2,8 @@
 
 `export_checkpoint(export_id, settings)` is thin and idempotent like the preprocessing task: it
 claims a `pending` export (→ running; any other state means another delivery has it), reads the
-checkpoint `{storage}/jobs/{job_id}/checkpoints/iter_{step:07d}` with the engine's CheckpointReader
-one full tensor at a time, and writes it with `export_hf` (shard by shard, config.json last) into
+checkpoint `{storage}/jobs/{job_id}/checkpoints/iter_{step:07d}` one full tensor at a time and
+writes it with the engine's `export_checkpoint_hf` (shard by shard, config.json last) into
 `{storage}/{CheckpointExport.folder_key}` (jobs/{job_id}/exports/hf/iter_{step:07d}-{dtype}), with
 the tokenizer.json the job trained with when it used a Hugging Face tokenizer. It then marks the
 export `ready` with the folder's URL and size, or `failed` with the reason after removing what it
@@ -105,17 +105,15 @@ def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None) ->
     import torch
 
     from megatrain.engine.checkpoint import CheckpointReader
-    from megatrain.engine.interop.hf import export_hf
+    from megatrain.engine.interop.hf import export_checkpoint_hf
 
-    reader = CheckpointReader(source)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    export_hf(
-        reader.tensor,
-        reader.model_config,
+    spec = CheckpointReader(source).spec  # the spec the job trained with (its tokenizer)
+    export_checkpoint_hf(
+        source,
         dest,
-        dtype=torch_dtype,
-        tokenizer_files=_tokenizer_files(reader.spec, endpoint_url),
-        extra_config=_special_tokens(reader.spec),
+        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+        tokenizer_files=_tokenizer_files(spec, endpoint_url),
+        extra_config=_special_tokens(spec),
     )
 
 
