@@ -58,6 +58,14 @@ def test_checkpoints_and_export_to_a_folder(live_api: LiveApi, export_workers: N
     code, out = run("checkpoints", job_id)
     assert code == 0 and "ready" in out and "fp32" in out and "iter_0000002-fp32" in out, out
 
+    # The SDK the CLI calls: a bf16 export of the latest step, waited for, downloaded.
+    with Client() as client:
+        exp = client.export(job_id, dtype="bf16", wait=True, timeout_s=120, poll_interval_s=0.2)
+        assert (exp.status, exp.step, exp.dtype) == ("ready", 2, "bf16")
+        assert [e.dtype for e in client.exports(job_id)] == ["fp32", "bf16"]
+        path = client.download_export(job_id, exp.id, tmp_path / "bf16")
+    assert transformers.AutoModelForCausalLM.from_pretrained(path).dtype == torch.bfloat16
+
 
 def test_export_errors_are_one_red_line(live_api: LiveApi, tmp_path: Path) -> None:
     with Client() as client:
