@@ -16,10 +16,6 @@ BYTE_TOKENIZER_VOCAB = 257
 """256 byte values + end-of-document (engine/data/tokenizers.py)."""
 
 
-def _padded(vocab: int) -> int:
-    return (vocab + 127) // 128 * 128
-
-
 def estimate_params(spec: dict[str, Any]) -> int | None:
     """Parameters of the model a stored spec describes; None when the vocabulary is unknown
     (a Hugging Face tokenizer without `model.vocab_size`) or the spec is not readable."""
@@ -28,10 +24,11 @@ def estimate_params(spec: dict[str, Any]) -> int | None:
     except ValidationError:
         return None
     tokenizer = ((spec.get("data") or {}).get("tokenizer") or {}).get("type", "byte")
+    # The embedding rows as the engine pads them (ModelSpec.padded_vocab: an explicit vocab_size too).
     if model.vocab_size is not None:
-        vocab = model.vocab_size
+        vocab = model.padded_vocab(model.vocab_size)
     elif tokenizer == "byte":
-        vocab = _padded(BYTE_TOKENIZER_VOCAB)
+        vocab = model.padded_vocab(BYTE_TOKENIZER_VOCAB)
     else:
         return None
     h, ffn = model.hidden_size, model.ffn_size
