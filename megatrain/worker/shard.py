@@ -155,9 +155,10 @@ def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
         if not out.is_dir():
             continue
         metrics = JsonlTail(out / "metrics.jsonl").read()
-        checkpoints = [
-            r for r in JsonlTail(out / "events.jsonl").read() if r.get("event") == "checkpoint_saved"
-        ]
+        # Checkpoint bookkeeping only (saves, retention's deletions, corrupt ones skipped): the
+        # attempt's lifecycle events were reported by its own runner.
+        kinds = ("checkpoint_saved", "checkpoints_deleted", "checkpoint_corrupt")
+        checkpoints = [r for r in JsonlTail(out / "events.jsonl").read() if r.get("event") in kinds]
         try:
             with session_scope(settings.resolved_database_url) as s:
                 ingest_metrics(s, att.job_id, metrics)
