@@ -17,77 +17,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.exc import SQLAlchemyError
-
-from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, CheckpointExport, utcnow
+from megatrain.db.models import FAILED, READY, CheckpointExport
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
 from megatrain.storage import StorageError, open_store, read_url, split_url
+from megatrain.worker.checkpoint_tasks import checkpoint_folder, claim, fail, finish, heartbeating
 
 log = logging.getLogger(__name__)
 
-MAX_ERROR_CHARS = 2000
+__all__ = ["export_checkpoint", "folder_size", "main"]
+
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def checkpoint_folder(storage_url: str, job_id: str, step: int) -> str:
-    return f"{storage_url.rstrip('/')}/jobs/{job_id}/checkpoints/iter_{step:07d}"
-
-
-def claim(settings: Settings, export_id: str) -> int | None:
-    """pending → running for this process; the attempt number, or None if it was not pending."""
-    with session_scope(settings.resolved_database_url) as s:
-        row = CheckpointExport
-        attempt = s.scalar(select(row.attempt).where(row.id == export_id, row.status == PENDING))
-        if attempt is None:
-            return None
-        done = s.execute(
-            update(row)
-            .where(row.id == export_id, row.status == PENDING, row.attempt == attempt)
-            .values(
-                status=RUNNING_EXPORT,
-                attempt=attempt + 1,
-                runner_host=socket.gethostname(),
-                runner_pid=os.getpid(),
-                heartbeat_at=utcnow(),
-                updated_at=utcnow(),
-            )
-            .execution_options(synchronize_session=False)
-        )
-        return attempt + 1 if done.rowcount == 1 else None
-
-
-def _mine(export_id: str, attempt: int) -> Any:
-    row = CheckpointExport
-    return (row.id == export_id, row.status == RUNNING_EXPORT, row.attempt == attempt)
-
-
-def _update(settings: Settings, export_id: str, attempt: int, **values: Any) -> bool:
-    """Write `values` if the export is still this attempt's; False if it is gone or taken over."""
-    with session_scope(settings.resolved_database_url) as s:
-        done = s.execute(
-            update(CheckpointExport)
-            .where(*_mine(export_id, attempt))
-            .values(updated_at=utcnow(), **values)
-            .execution_options(synchronize_session=False)
-        )
-        return done.rowcount == 1
-
-
-def _heartbeat(settings: Settings, export_id: str, attempt: int, stop: threading.Event) -> None:
-    while not stop.wait(settings.heartbeat_interval_s):
-        try:
-            _update(settings, export_id, attempt, heartbeat_at=utcnow())
-        except SQLAlchemyError as exc:
-            log.warning("export %s: heartbeat failed: %s", export_id, exc)
 
 
 def _tokenizer_files(spec: Any, endpoint_url: str | None) -> dict[str, bytes | Any]:
@@ -135,7 +79,7 @@ ExportFn = Callable[[str, str, str, "str | None"], None]
 def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | None = None) -> str | None:
     """Run a pending export; its final status (ready/failed), or None if it was not pending
     (another delivery ran it), was deleted meanwhile, or was taken over by a newer attempt."""
-    attempt = claim(settings, export_id)
+    attempt = claim(settings, CheckpointExport, export_id)
     if attempt is None:
         log.info("export %s is not pending: skipping this delivery", export_id)
         return None
@@ -149,36 +93,26 @@ def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | 
             f"{storage}/{exp.folder_key}",
             exp.dtype,
         )
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(settings, export_id, attempt, stop), daemon=True)
-    beat.start()
     started = time.monotonic()
-    try:
-        _remove(dest, settings)  # what an earlier, lost attempt left behind
-        (export_fn or _run_export)(source, dest, dtype, settings.s3_endpoint_url)
-        size = folder_size(dest, settings)
-        if _update(
-            settings, export_id, attempt, status=READY, uri=dest, size_bytes=size, error="",
-            runner_pid=None, heartbeat_at=None, finished_at=utcnow(),
-        ):  # fmt: skip
-            log.info(
-                "export %s ready: %s (%d bytes, %.1fs)", export_id, dest, size, time.monotonic() - started
-            )
-            return READY
-        return None  # taken over (judged lost) or deleted: the newer attempt or nobody owns dest
-    except Exception as exc:  # every failure is the export's reason, never a lost worker
-        log.warning("export %s failed: %s", export_id, exc)
-        why = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        done = _update(
-            settings, export_id, attempt, status=FAILED, error=why, runner_pid=None, heartbeat_at=None,
-            finished_at=utcnow(),
-        )  # fmt: skip
-        if not done:
-            return None  # a newer attempt owns the folder now: leave it alone
-        _remove(dest, settings)  # a failed export keeps no objects
-        return FAILED
-    finally:
-        stop.set()
+    with heartbeating(settings, CheckpointExport, export_id, attempt):
+        try:
+            _remove(dest, settings)  # what an earlier, lost attempt left behind
+            (export_fn or _run_export)(source, dest, dtype, settings.s3_endpoint_url)
+            size = folder_size(dest, settings)
+            if finish(
+                settings, CheckpointExport, export_id, attempt, READY, uri=dest, size_bytes=size, error=""
+            ):
+                log.info(
+                    "export %s ready: %s (%d bytes, %.1fs)", export_id, dest, size, time.monotonic() - started
+                )
+                return READY
+            return None  # taken over (judged lost) or deleted: the newer attempt or nobody owns dest
+        except Exception as exc:  # every failure is the export's reason, never a lost worker
+            log.warning("export %s failed: %s", export_id, exc)
+            if not fail(settings, CheckpointExport, export_id, attempt, exc):
+                return None  # a newer attempt owns the folder now: leave it alone
+            _remove(dest, settings)  # a failed export keeps no objects
+            return FAILED
 
 
 def folder_size(folder_url: str, settings: Settings) -> int:

@@ -1,0 +1,121 @@
+"""The scheduling side of work on one checkpoint that a worker runs in the background (exports,
+samples): a table of rows pending → running → ready | failed, with the columns `status`,
+`submitted_at`, `attempt`, `runner_host`, `runner_pid`, `heartbeat_at`, `error`, `created_at`,
+`updated_at` and `finished_at`.
+
+The API's `pending` row is the enqueue: each tick marks the rows nobody handed out yet as submitted
+(a guarded UPDATE: of several schedulers exactly one submits each) and hands them to `submit`. A row
+whose worker stopped heartbeating (or whose local process is gone) goes back to pending, or fails
+after `max_attempts`; a row handed out but never claimed is handed out again after a while.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+
+from megatrain.db.models import FAILED, PENDING, RUNNING_EXPORT, utcnow
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings
+from megatrain.worker.procs import pid_alive
+
+log = logging.getLogger(__name__)
+
+RUNNING = RUNNING_EXPORT
+UNCLAIMED_RESUBMIT_S = 600.0
+"""A handed-out row no worker has claimed for this long (and at least the heartbeat timeout) is
+handed out again: its process may have died before claiming it. Deliveries are idempotent, so a
+slow queue only gets a second message that does nothing."""
+BATCH = 32
+"""Rows one tick hands out at most per table (the rest wait for the next tick)."""
+
+
+def dispatch_pending(settings: Settings, row: Any, submit: Callable[[str], None], what: str) -> list[str]:
+    """Submit the pending rows of table `row` nobody has submitted yet, oldest first; returns their
+    ids. A row `submit` raises for fails with the reason (`what` names it in the log)."""
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        ids = s.scalars(
+            select(row.id)
+            .where(row.status == PENDING, row.submitted_at.is_(None))
+            .order_by(row.created_at)
+            .limit(BATCH)
+        ).all()
+    submitted = []
+    for ident in ids:
+        with session_scope(url) as s:
+            won = s.execute(
+                update(row)
+                .where(row.id == ident, row.status == PENDING, row.submitted_at.is_(None))
+                .values(submitted_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+        if won.rowcount != 1:
+            continue  # another scheduler took it
+        try:
+            submit(ident)
+            submitted.append(ident)
+        except Exception as exc:
+            log.exception("executor could not start %s %s", what, ident)
+            with session_scope(url) as s:
+                s.execute(
+                    update(row)
+                    .where(row.id == ident, row.status == PENDING)
+                    .values(
+                        status=FAILED,
+                        error=f"executor could not start it: {exc}"[:2000],
+                        finished_at=utcnow(),
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+    return submitted
+
+
+def _lost_why(task: Any, settings: Settings) -> str | None:
+    if task.runner_pid and task.runner_host == socket.gethostname() and not pid_alive(task.runner_pid):
+        return f"worker pid {task.runner_pid} on {task.runner_host} is gone"
+    last = task.heartbeat_at or task.updated_at
+    if last is not None and utcnow() - last > timedelta(seconds=settings.heartbeat_timeout_s):
+        return f"no heartbeat from {task.runner_host} for {(utcnow() - last).total_seconds():.0f}s"
+    return None
+
+
+def reconcile_lost(settings: Settings, row: Any, max_attempts: int, what: str) -> list[str]:
+    """Requeue (or fail, past `max_attempts`) the running rows of table `row` whose worker is lost,
+    and hand out again the ones nobody claimed; returns their ids."""
+    url = settings.resolved_database_url
+    stale = utcnow() - timedelta(seconds=max(UNCLAIMED_RESUBMIT_S, settings.heartbeat_timeout_s))
+    with session_scope(url) as s:
+        unclaimed = s.scalars(
+            update(row)
+            .where(row.status == PENDING, row.submitted_at.is_not(None), row.submitted_at < stale)
+            .values(submitted_at=None)
+            .returning(row.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+    with session_scope(url) as s:
+        running = s.scalars(select(row).where(row.status == RUNNING)).all()
+        lost = [(t.id, t.attempt, why) for t in running if (why := _lost_why(t, settings))]
+    changed = list(unclaimed)
+    for ident, attempt, why in lost:
+        if attempt < max_attempts:
+            values = {"status": PENDING, "submitted_at": None, "error": f"worker lost ({why}); retrying"}
+        else:
+            values = {"status": FAILED, "error": f"worker lost ({why}) on attempt {attempt}; giving up"}
+            values["finished_at"] = utcnow()
+        with session_scope(url) as s:
+            done = s.execute(
+                update(row)
+                .where(row.id == ident, row.status == RUNNING, row.attempt == attempt)
+                .values(runner_pid=None, heartbeat_at=None, updated_at=utcnow(), **values)
+                .execution_options(synchronize_session=False)
+            )
+        if done.rowcount == 1:
+            log.warning("%s %s: %s", what, ident, values["error"])
+            changed.append(ident)
+    return changed
