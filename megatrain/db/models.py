@@ -261,12 +261,31 @@ class Dataset(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
-# Export states: waiting for a worker, being written, downloadable, or failed (with its error).
+# Background work on one checkpoint (exports, samples): waiting for a worker, running, done, or
+# failed (with its error). scheduler/worker.checkpoint_tasks move these rows.
 RUNNING_EXPORT = "running"
 EXPORT_STATES = (PENDING, RUNNING_EXPORT, READY, FAILED)
+SAMPLE_STATES = EXPORT_STATES
 
 
-class CheckpointExport(Base):
+class CheckpointTaskColumns:
+    """The columns scheduler.checkpoint_tasks and worker.checkpoint_tasks read and write."""
+
+    status: Mapped[str] = mapped_column(String(16), default=PENDING)
+    error: Mapped[str] = mapped_column(Text, default="")
+    """Why it failed, or why a lost worker's attempt is being retried (empty otherwise)."""
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    submitted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """When the scheduler handed it to the executor (None: not yet, or handed back after a loss)."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class CheckpointExport(CheckpointTaskColumns, Base):
     """A checkpoint converted to another format (Hugging Face: safetensors + config.json) by a worker
     into `{storage}/jobs/{job_id}/exports/{format}/iter_{step:07d}-{dtype}/`."""
 
@@ -284,24 +303,35 @@ class CheckpointExport(Base):
     step: Mapped[int] = mapped_column(Integer)
     format: Mapped[str] = mapped_column(String(16), default="hf")
     dtype: Mapped[str] = mapped_column(String(8), default="bf16")
-    status: Mapped[str] = mapped_column(String(16), default=PENDING)
-    error: Mapped[str] = mapped_column(Text, default="")
-    """Why it failed (empty otherwise)."""
     uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     """Storage URL of the exported folder, once ready."""
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    attempt: Mapped[int] = mapped_column(Integer, default=0)
-    runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
-    submitted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
-    """When the scheduler handed it to the executor (None: not yet, or handed back after a loss)."""
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
-    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     @property
     def folder_key(self) -> str:
         """Its folder's key in the storage layout; one per (step, dtype), so a bf16 and an fp32
         export of the same step never overwrite each other."""
         return f"jobs/{self.job_id}/exports/{self.format}/iter_{self.step:07d}-{self.dtype}"
+
+
+class CheckpointSample(CheckpointTaskColumns, Base):
+    """Text generated from a job's checkpoint by a worker (worker.samples): the prompt and options as
+    asked, the continuation once ready."""
+
+    __tablename__ = "checkpoint_sample"
+    __table_args__ = (Index("ix_checkpoint_sample_status", "status", "submitted_at"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("smp"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    max_new_tokens: Mapped[int] = mapped_column(Integer, default=64)
+    temperature: Mapped[float | None] = mapped_column(Float, nullable=True)
+    top_k: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    top_p: Mapped[float | None] = mapped_column(Float, nullable=True)
+    seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The continuation alone, decoded (once ready)."""
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    new_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    elapsed_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Loading (when not warm) plus generating, as the worker measured it."""
