@@ -85,6 +85,8 @@ class Settings(BaseSettings):
     """Threads one API process runs blocking work (database calls, body parsing) on."""
     max_streams_per_tenant: int = Field(default=256, ge=1)
     """Live streams (SSE) one tenant may hold open on one API process; past it, a 429."""
+    max_pending_samples_per_tenant: int = Field(default=8, ge=1)
+    """Samples (text generated from a checkpoint) one tenant may have waiting or running; past it, a 429."""
 
     @field_validator("home", mode="before")
     @classmethod

@@ -41,6 +41,22 @@ def missing_step(job_id: str, step: int, steps: list[int]) -> str:
     return f"job {job_id} has no checkpoint at step {step}; its checkpoints: {', '.join(map(str, steps))}"
 
 
+def resolve_step(session: Session, settings: Settings, job_id: str, step: int | None) -> int:
+    """The step of a complete checkpoint of the job (the latest for None) for background work on it;
+    404 naming the steps that exist otherwise, or when its files are incomplete or deleted."""
+    steps = [c.step for c in list_checkpoints(session, job_id)]
+    if step is None and steps:
+        step = steps[-1]
+    if step is None or step not in steps:
+        raise HTTPException(404, missing_step(job_id, -1 if step is None else step, steps))
+    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
+    if not store.exists(f"jobs/{job_id}/checkpoints/iter_{step:07d}/manifest.json"):
+        raise HTTPException(
+            404, f"the checkpoint at step {step} of job {job_id} is incomplete or was deleted"
+        )
+    return step
+
+
 @dataclass
 class CheckpointFiles:
     store: Store

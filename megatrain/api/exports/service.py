@@ -29,27 +29,12 @@ from megatrain.storage import open_store
 COMPLETE_MARKER = "config.json"
 
 
-def _checkpoint_step(session: Session, settings: Settings, job: Job, step: int | None) -> int:
-    """The step to export (the latest for None); 404 naming the steps that exist otherwise."""
-    steps = [c.step for c in checkpoints.list_checkpoints(session, job.id)]
-    if step is None and steps:
-        step = steps[-1]
-    if step is None or step not in steps:
-        raise HTTPException(404, checkpoints.missing_step(job.id, -1 if step is None else step, steps))
-    store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
-    if not store.exists(f"jobs/{job.id}/checkpoints/iter_{step:07d}/manifest.json"):
-        raise HTTPException(
-            404, f"the checkpoint at step {step} of job {job.id} is incomplete or was deleted"
-        )
-    return step
-
-
 def create_export(
     session: Session, settings: Settings, job: Job, body: ExportCreate
 ) -> tuple[CheckpointExport, bool]:
     """(export, created): a new pending export, or the one already pending, running or ready for the
     same step, format and dtype (a failed one is tried again by a new export)."""
-    step = _checkpoint_step(session, settings, job, body.step)
+    step = checkpoints.resolve_step(session, settings, job.id, body.step)
     existing = _live_export(session, job.id, step, body)
     if existing is not None:
         return existing, False
