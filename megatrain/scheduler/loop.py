@@ -37,6 +37,7 @@ from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
 from megatrain.scheduler.exports import dispatch_exports, reconcile_exports
 from megatrain.scheduler.placement import NodeRoom, Placement, QueuedJob, place
 from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, WaitReason, render_wait
+from megatrain.scheduler.samples import dispatch_samples, reconcile_samples
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.executors import Executor, get_executor
 
@@ -248,13 +249,18 @@ class Scheduler:
         """Recover exports whose worker is lost, then hand pending ones to the executor."""
         return reconcile_exports(self.settings) + dispatch_exports(self.settings, self.executor)
 
+    def samples_once(self) -> list[str]:
+        """Recover samples whose worker is lost, then hand pending ones to the executor."""
+        return reconcile_samples(self.settings) + dispatch_samples(self.settings, self.executor)
+
     # -- loop ------------------------------------------------------------------------------------
 
     def run(self, stop_event: threading.Event) -> None:
         """schedule_once + reconcile_once every scheduler_interval_s until stop_event is set."""
         log.info("scheduler started (executor=%s)", self.settings.executor)
         while not stop_event.is_set():
-            for step in (self.reconcile_once, self.schedule_once, self.datasets_once, self.exports_once):
+            background = (self.datasets_once, self.exports_once, self.samples_once)
+            for step in (self.reconcile_once, self.schedule_once, *background):
                 try:
                     step()
                 except SQLAlchemyError:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 TASK_NAME = "megatrain.run_shard"
 PREPROCESS_TASK_NAME = "megatrain.preprocess_dataset"
 EXPORT_TASK_NAME = "megatrain.export_checkpoint"
+SAMPLE_TASK_NAME = "megatrain.sample_checkpoint"
 
 
 def queue_name(pool: str, hostname: str) -> str:
@@ -91,6 +92,13 @@ def create_celery_app(settings: Settings) -> Celery:
         from megatrain.worker.exports import export_checkpoint
 
         return export_checkpoint(export_id, settings)
+
+    @app.task(name=SAMPLE_TASK_NAME, acks_late=True)
+    def sample_checkpoint_task(sample_id: str) -> str | None:
+        # The worker process's sampler keeps recently used checkpoints loaded between tasks.
+        from megatrain.worker.samples import sample_checkpoint
+
+        return sample_checkpoint(sample_id, settings)
 
     return app
 

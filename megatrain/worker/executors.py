@@ -50,6 +50,10 @@ class Executor(Protocol):
         """Start (or enqueue) a `pending` checkpoint export (worker.exports)."""
         ...
 
+    def submit_sample(self, sample_id: str) -> None:
+        """Start (or enqueue) a `pending` sample of a checkpoint (worker.samples)."""
+        ...
+
     def runner_alive(self, job: Job) -> bool | None:
         """For a scheduled or running job: False if its runner is known to be gone (requeue it now),
         True if the job is known to be fine without a heartbeat (e.g. waiting in its node's broker
@@ -99,6 +103,12 @@ class LocalExecutor:
         to {runs_dir}/exports/{export_id}/runner.log."""
         run_dir = self.settings.runs_dir / "exports" / export_id
         self._spawn(run_dir, "megatrain.worker.exports", "--export-id", export_id)
+
+    def submit_sample(self, sample_id: str) -> None:
+        """One detached `python -m megatrain.worker.samples` process per sample (it loads the model
+        each time; a Celery worker keeps it warm); output in {runs_dir}/samples/{sample_id}/runner.log."""
+        run_dir = self.settings.runs_dir / "samples" / sample_id
+        self._spawn(run_dir, "megatrain.worker.samples", "--sample-id", sample_id)
 
     def _spawn(self, run_dir: Path, module: str, flag: str, ident: str) -> None:
         """`python -m module flag ident`, detached, its output in run_dir/runner.log."""
@@ -178,6 +188,12 @@ class CeleryExecutor:
         from megatrain.worker.celery_app import EXPORT_TASK_NAME, datasets_queue
 
         self.app.send_task(EXPORT_TASK_NAME, args=[export_id], queue=datasets_queue(self.settings.pool_name))
+
+    def submit_sample(self, sample_id: str) -> None:
+        """`megatrain.sample_checkpoint(sample_id)` on the pool's shared queue, like exports."""
+        from megatrain.worker.celery_app import SAMPLE_TASK_NAME, datasets_queue
+
+        self.app.send_task(SAMPLE_TASK_NAME, args=[sample_id], queue=datasets_queue(self.settings.pool_name))
 
     def refresh_nodes(self) -> None:
         """Nothing to do: each Celery worker registers its own node when it starts."""
