@@ -8,7 +8,8 @@ from megatrain.client.datasets import DatasetFailed
 from megatrain.client.download import DownloadError
 from megatrain.client.errors import ApiError, ApiUnreachable, MegatrainError, SpecFileError
 from megatrain.client.exports import ExportFailed
-from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Dataset, Export, Job, LogLine
+from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Dataset, Export, Job, LogLine, Sample
+from megatrain.client.samples import SampleFailed
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -24,6 +25,8 @@ __all__ = [
     "Job",
     "LogLine",
     "MegatrainError",
+    "Sample",
+    "SampleFailed",
     "SpecFileError",
     "load_spec_file",
     "read_credentials",

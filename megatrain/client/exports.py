@@ -3,12 +3,12 @@ workers, follow it, and download the ready folder (config.json + safetensors [+ 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatrain.client.errors import MegatrainError
 from megatrain.client.models import Export
+from megatrain.client.polling import poll_until_done
 
 if TYPE_CHECKING:
     import httpx
@@ -56,16 +56,13 @@ class ExportsMixin:
         self, job_id: str, export_id: str, timeout_s: float | None = None, poll_interval_s: float = 1.0
     ) -> Export:
         """Poll until the export is ready (returned) or failed (ExportFailed); TimeoutError past timeout_s."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            exp = self.get_export(job_id, export_id)
-            if exp.status == "ready":
-                return exp
-            if exp.status == "failed":
-                raise ExportFailed(exp)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"export {export_id} still {exp.status} after {timeout_s:g} s")
-            time.sleep(poll_interval_s)
+        return poll_until_done(
+            lambda: self.get_export(job_id, export_id),
+            ExportFailed,
+            what=f"export {export_id}",
+            timeout_s=timeout_s,
+            poll_interval_s=poll_interval_s,
+        )
 
     def download_export(self, job_id: str, export_id: str, dest: str | Path | None = None) -> Path:
         """Fetch a ready export into the folder `dest` (default `{job_id}-iter_{step:07d}-{dtype}`);

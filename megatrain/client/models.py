@@ -101,6 +101,35 @@ class Export:
 
 
 @dataclass
+class Sample:
+    """Text generated from a checkpoint: `status` pending → running → ready (`text`, the continuation
+    alone) | failed (`error` says why)."""
+
+    id: str
+    job_id: str = ""
+    step: int = 0
+    status: str = ""
+    prompt: str = ""
+    text: str | None = None
+    max_new_tokens: int = 64
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    prompt_tokens: int | None = None
+    new_tokens: int | None = None
+    elapsed_s: float | None = None
+    error: str = ""
+    created_at: str | None = None
+    finished_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        return cls(**_pick(cls, data), raw=dict(data))
+
+
+@dataclass
 class LogLine:
     seq: int
     line: str
