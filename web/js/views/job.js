@@ -6,6 +6,7 @@ import { LineChart } from "../charts.js";
 import { h, replace } from "../dom.js";
 import { ACTIVE, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
 import { exportActive, exportCell } from "./exports.js";
+import { samplePanel } from "./samples.js";
 import { badge, progress } from "./jobs.js";
 
 const POLL_MS = 2000;
@@ -73,6 +74,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   let job = null;
   let checkpoints = [];
   let exports = [];  // the job's Hugging Face exports, drawn in the checkpoints table
+  let samples = null;  // the "Sample" panel (it polls its own samples while one is pending)
   let timer = null;
   let stopped = false;
   let charts = {};
@@ -102,6 +104,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     el.follow = h("input", { type: "checkbox", id: "follow-logs" });
     el.checkpoints = h("div", { id: "checkpoints" });
     el.spec = h("pre", { class: "mono", style: { overflow: "auto", maxHeight: "360px" } });
+    samples = samplePanel(jobId, { signal, showBanner });
     replace(main,
       h("nav", { "aria-label": "Breadcrumb", class: "sub", style: { marginBottom: "0.5rem" } }, h("a", { href: "#/jobs" }, "← Jobs")),
       h("div", { class: "page-head" },
@@ -120,6 +123,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
             h("label", { class: "switch", for: "follow-logs" }, el.follow, "Follow")),
           el.logs),
         h("section", { class: "card", "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h" }, "Checkpoints"), el.checkpoints),
+        samples.el,
         h("details", { class: "card" }, h("summary", {}, "Spec"), el.spec)));
     for (const def of CHARTS) {
       const box = h("div", { class: "chart" });
@@ -269,6 +273,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       drawJob();
       drawEvents(events);
       drawCheckpoints(ckpts);
+      samples.setCheckpoints(ckpts);
     } catch (err) {
       if (err.name === "AbortError") return;
       if (err instanceof ApiError && err.status === 404) {
@@ -404,6 +409,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     stopped = true;
     clearTimeout(timer);
     controller.abort();
+    samples?.stop();
     Object.values(charts).forEach(({ chart }) => chart.destroy());
   };
 }
