@@ -269,8 +269,11 @@ SAMPLE_STATES = EXPORT_STATES
 
 
 class CheckpointTaskColumns:
-    """The columns scheduler.checkpoint_tasks and worker.checkpoint_tasks read and write."""
+    """The checkpoint a row works on, and the columns scheduler.checkpoint_tasks and
+    worker.checkpoint_tasks read and write."""
 
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default=PENDING)
     error: Mapped[str] = mapped_column(Text, default="")
     """Why it failed, or why a lost worker's attempt is being retried (empty otherwise)."""
@@ -299,8 +302,6 @@ class CheckpointExport(CheckpointTaskColumns, Base):
         ),
     )  # fmt: skip
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("exp"))
-    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
-    step: Mapped[int] = mapped_column(Integer)
     format: Mapped[str] = mapped_column(String(16), default="hf")
     dtype: Mapped[str] = mapped_column(String(8), default="bf16")
     uri: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -321,8 +322,6 @@ class CheckpointSample(CheckpointTaskColumns, Base):
     __tablename__ = "checkpoint_sample"
     __table_args__ = (Index("ix_checkpoint_sample_status", "status", "submitted_at"),)
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("smp"))
-    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
-    step: Mapped[int] = mapped_column(Integer)
     prompt: Mapped[str] = mapped_column(Text)
     max_new_tokens: Mapped[int] = mapped_column(Integer, default=64)
     temperature: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +23,7 @@ from sqlalchemy import select, update
 from megatrain.db.models import FAILED, PENDING, RUNNING_EXPORT, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
+from megatrain.worker.executors import Executor
 from megatrain.worker.procs import pid_alive
 
 log = logging.getLogger(__name__)
@@ -119,3 +121,25 @@ def reconcile_lost(settings: Settings, row: Any, max_attempts: int, what: str) -
             log.warning("%s %s: %s", what, ident, values["error"])
             changed.append(ident)
     return changed
+
+
+@dataclass(frozen=True)
+class CheckpointTaskKind:
+    """One kind of background checkpoint work as the scheduling loop sees it."""
+
+    row: Any
+    """Its table (a CheckpointTaskColumns model)."""
+    submit: str
+    """The Executor method that starts one (by id)."""
+    max_attempts: int
+    what: str
+    """Its name in the log."""
+
+    def dispatch(self, settings: Settings, executor: Executor) -> list[str]:
+        """Submit the pending rows nobody has submitted yet; returns their ids."""
+        return dispatch_pending(settings, self.row, getattr(executor, self.submit), self.what)
+
+    def reconcile(self, settings: Settings) -> list[str]:
+        """Requeue (or fail) running rows whose worker is lost, and hand out again the ones nobody
+        claimed; returns their ids."""
+        return reconcile_lost(settings, self.row, self.max_attempts, self.what)

@@ -4,21 +4,18 @@ recover lost ones; the mechanics are scheduler.checkpoint_tasks', shared with sa
 from __future__ import annotations
 
 from megatrain.db.models import CheckpointExport
-from megatrain.scheduler.checkpoint_tasks import BATCH, UNCLAIMED_RESUBMIT_S, dispatch_pending, reconcile_lost
-from megatrain.settings import Settings
-from megatrain.worker.executors import Executor
+from megatrain.scheduler.checkpoint_tasks import BATCH, UNCLAIMED_RESUBMIT_S, CheckpointTaskKind
 
-__all__ = ["BATCH", "MAX_EXPORT_ATTEMPTS", "UNCLAIMED_RESUBMIT_S", "dispatch_exports", "reconcile_exports"]
+__all__ = [
+    "BATCH",
+    "EXPORTS",
+    "MAX_EXPORT_ATTEMPTS",
+    "UNCLAIMED_RESUBMIT_S",
+    "dispatch_exports",
+    "reconcile_exports",
+]
 
 MAX_EXPORT_ATTEMPTS = 3
-
-
-def dispatch_exports(settings: Settings, executor: Executor) -> list[str]:
-    """Submit pending exports nobody has submitted yet; returns their ids."""
-    return dispatch_pending(settings, CheckpointExport, executor.submit_export, "export")
-
-
-def reconcile_exports(settings: Settings) -> list[str]:
-    """Requeue (or fail) running exports whose worker is lost, and hand out again the ones nobody
-    claimed; returns their ids."""
-    return reconcile_lost(settings, CheckpointExport, MAX_EXPORT_ATTEMPTS, "export")
+EXPORTS = CheckpointTaskKind(CheckpointExport, "submit_export", MAX_EXPORT_ATTEMPTS, "export")
+dispatch_exports = EXPORTS.dispatch
+reconcile_exports = EXPORTS.reconcile

@@ -14,48 +14,55 @@ down_revision = "0005"
 branch_labels = None
 depends_on = None
 
+TABLE = "checkpoint_sample"
+# (name, type, nullable) in the model's order: the sample's own columns, then the checkpoint-task
+# columns it shares with checkpoint_export (CheckpointTaskColumns).
+COLUMNS = (
+    ("id", sa.String(length=40), False),
+    ("prompt", sa.Text(), False),
+    ("max_new_tokens", sa.Integer(), False),
+    ("temperature", sa.Float(), True),
+    ("top_k", sa.Integer(), True),
+    ("top_p", sa.Float(), True),
+    ("seed", sa.BigInteger(), True),
+    ("text", sa.Text(), True),
+    ("prompt_tokens", sa.Integer(), True),
+    ("new_tokens", sa.Integer(), True),
+    ("elapsed_s", sa.Float(), True),
+    ("job_id", sa.String(length=40), False),
+    ("step", sa.Integer(), False),
+    ("status", sa.String(length=16), False),
+    ("error", sa.Text(), False),
+    ("attempt", sa.Integer(), False),
+    ("runner_host", sa.String(length=255), True),
+    ("runner_pid", sa.Integer(), True),
+    ("heartbeat_at", sa.DateTime(timezone=True), True),
+    ("submitted_at", sa.DateTime(timezone=True), True),
+    ("created_at", sa.DateTime(timezone=True), False),
+    ("updated_at", sa.DateTime(timezone=True), False),
+    ("finished_at", sa.DateTime(timezone=True), True),
+)
+
 
 def upgrade() -> None:
 
     op.create_table(
-        "checkpoint_sample",
-        sa.Column("id", sa.String(length=40), nullable=False),
-        sa.Column("job_id", sa.String(length=40), nullable=False),
-        sa.Column("step", sa.Integer(), nullable=False),
-        sa.Column("prompt", sa.Text(), nullable=False),
-        sa.Column("max_new_tokens", sa.Integer(), nullable=False),
-        sa.Column("temperature", sa.Float(), nullable=True),
-        sa.Column("top_k", sa.Integer(), nullable=True),
-        sa.Column("top_p", sa.Float(), nullable=True),
-        sa.Column("seed", sa.BigInteger(), nullable=True),
-        sa.Column("text", sa.Text(), nullable=True),
-        sa.Column("prompt_tokens", sa.Integer(), nullable=True),
-        sa.Column("new_tokens", sa.Integer(), nullable=True),
-        sa.Column("elapsed_s", sa.Float(), nullable=True),
-        sa.Column("status", sa.String(length=16), nullable=False),
-        sa.Column("error", sa.Text(), nullable=False),
-        sa.Column("attempt", sa.Integer(), nullable=False),
-        sa.Column("runner_host", sa.String(length=255), nullable=True),
-        sa.Column("runner_pid", sa.Integer(), nullable=True),
-        sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("submitted_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
+        TABLE,
+        *(sa.Column(name, kind, nullable=nullable) for name, kind, nullable in COLUMNS),
         sa.ForeignKeyConstraint(
-            ["job_id"], ["job.id"], name=op.f("fk_checkpoint_sample_job_id_job"), ondelete="CASCADE"
+            ["job_id"], ["job.id"], name=op.f(f"fk_{TABLE}_job_id_job"), ondelete="CASCADE"
         ),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_checkpoint_sample")),
+        sa.PrimaryKeyConstraint("id", name=op.f(f"pk_{TABLE}")),
     )
-    with op.batch_alter_table("checkpoint_sample", schema=None) as batch_op:
-        batch_op.create_index("ix_checkpoint_sample_status", ["status", "submitted_at"], unique=False)
-        batch_op.create_index(batch_op.f("ix_checkpoint_sample_job_id"), ["job_id"], unique=False)
+    with op.batch_alter_table(TABLE, schema=None) as batch_op:
+        batch_op.create_index(f"ix_{TABLE}_status", ["status", "submitted_at"], unique=False)
+        batch_op.create_index(batch_op.f(f"ix_{TABLE}_job_id"), ["job_id"], unique=False)
 
 
 def downgrade() -> None:
 
-    with op.batch_alter_table("checkpoint_sample", schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f("ix_checkpoint_sample_job_id"))
-        batch_op.drop_index("ix_checkpoint_sample_status")
+    with op.batch_alter_table(TABLE, schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f(f"ix_{TABLE}_job_id"))
+        batch_op.drop_index(f"ix_{TABLE}_status")
 
-    op.drop_table("checkpoint_sample")
+    op.drop_table(TABLE)

@@ -105,6 +105,10 @@ def test_listing_keeps_the_last_20(api: Api) -> None:
             s.execute(update(CheckpointSample).where(CheckpointSample.id == ids[-1]).values(status="ready"))
     listed = api.client.get(_samples(job_id), headers=api.headers).json()
     assert [s["id"] for s in listed] == ids[::-1][:20]
+    fewer = api.client.get(_samples(job_id), params={"limit": 3}, headers=api.headers).json()
+    assert [s["id"] for s in fewer] == ids[::-1][:3]
+    resp = api.client.get(_samples(job_id), params={"limit": 21}, headers=api.headers)
+    assert resp.status_code == 422 and [e["field"] for e in resp.json()["detail"]] == ["limit"]
 
 
 def test_per_tenant_cap_on_waiting_samples(api: Api) -> None:

@@ -12,7 +12,7 @@ import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
-from megatrain.db.models import Checkpoint
+from megatrain.db.models import Checkpoint, CheckpointTaskColumns
 from megatrain.settings import Settings
 from megatrain.storage import ObjectInfo, Store, open_store
 
@@ -55,6 +55,18 @@ def resolve_step(session: Session, settings: Settings, job_id: str, step: int | 
             404, f"the checkpoint at step {step} of job {job_id} is incomplete or was deleted"
         )
     return step
+
+
+TaskRow = TypeVar("TaskRow", bound=CheckpointTaskColumns)
+
+
+def get_task(session: Session, model: type[TaskRow], job_id: str, task_id: str, noun: str) -> TaskRow:
+    """The job's row of background work on a checkpoint (an export, a sample) by id; 404 naming
+    the `noun` otherwise (another job's row is no row of this one)."""
+    row = session.scalar(select(model).where(model.id == task_id, model.job_id == job_id))  # type: ignore[attr-defined]
+    if row is None:
+        raise HTTPException(404, f"job {job_id} has no {noun} {task_id[:64]!r}")
+    return row
 
 
 @dataclass

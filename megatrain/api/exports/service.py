@@ -72,12 +72,7 @@ def list_exports(session: Session, job_id: str) -> list[CheckpointExport]:
 
 
 def get_export(session: Session, job_id: str, export_id: str) -> CheckpointExport:
-    export = session.scalar(
-        select(CheckpointExport).where(CheckpointExport.id == export_id, CheckpointExport.job_id == job_id)
-    )
-    if export is None:
-        raise HTTPException(404, f"job {job_id} has no export {export_id[:64]!r}")
-    return export
+    return checkpoints.get_task(session, CheckpointExport, job_id, export_id, "export")
 
 
 def download_export(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 
 from megatrain.api.deps import SessionDep, SettingsDep
 from megatrain.api.jobs.router import OwnedJob
@@ -13,6 +13,7 @@ from megatrain.api.samples.schemas import SampleCreate, SamplePublic
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/samples", tags=["samples"])
 SampleId = Annotated[str, Path(min_length=1, max_length=64)]
+Limit = Annotated[int, Query(ge=1, le=service.LIST_LIMIT)]
 
 
 @router.post(
@@ -32,9 +33,9 @@ def create_sample(job: OwnedJob, session: SessionDep, settings: SettingsDep, bod
 
 
 @router.get("", response_model=list[SamplePublic])
-def list_samples(job: OwnedJob, session: SessionDep) -> list[Any]:
-    """The job's last 20 samples, newest first."""
-    return service.list_samples(session, job.id)
+def list_samples(job: OwnedJob, session: SessionDep, limit: Limit = service.LIST_LIMIT) -> list[Any]:
+    """The job's last `limit` samples (at most 20), newest first."""
+    return service.list_samples(session, job.id, limit)
 
 
 @router.get("/{sample_id}", response_model=SamplePublic)

@@ -39,17 +39,12 @@ def create_sample(session: Session, settings: Settings, job: Job, body: SampleCr
     return sample
 
 
-def list_samples(session: Session, job_id: str) -> list[CheckpointSample]:
-    """The job's last LIST_LIMIT samples, newest first."""
+def list_samples(session: Session, job_id: str, limit: int = LIST_LIMIT) -> list[CheckpointSample]:
+    """The job's last `limit` samples, newest first."""
     q = select(CheckpointSample).where(CheckpointSample.job_id == job_id)
-    q = q.order_by(CheckpointSample.created_at.desc(), CheckpointSample.id.desc()).limit(LIST_LIMIT)
+    q = q.order_by(CheckpointSample.created_at.desc(), CheckpointSample.id.desc()).limit(limit)
     return list(session.scalars(q).all())
 
 
 def get_sample(session: Session, job_id: str, sample_id: str) -> CheckpointSample:
-    sample = session.scalar(
-        select(CheckpointSample).where(CheckpointSample.id == sample_id, CheckpointSample.job_id == job_id)
-    )
-    if sample is None:
-        raise HTTPException(404, f"job {job_id} has no sample {sample_id[:64]!r}")
-    return sample
+    return checkpoints.get_task(session, CheckpointSample, job_id, sample_id, "sample")
