@@ -6,20 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatrain.client.errors import MegatrainError
 from megatrain.client.models import Export
-from megatrain.client.polling import poll_until_done
+from megatrain.client.polling import TaskFailed, poll_until_done
 
 if TYPE_CHECKING:
     import httpx
 
 
-class ExportFailed(MegatrainError):
+class ExportFailed(TaskFailed):
     """The workers could not export the checkpoint; `export.error` says why."""
 
     def __init__(self, export: Export):
+        super().__init__(export, "export")
         self.export = export
-        super().__init__(f"export {export.id} of step {export.step} failed: {export.error}")
 
 
 class ExportsMixin:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -73,8 +73,16 @@ class Checkpoint:
         return cls(**_pick(cls, data), raw=dict(data))
 
 
+class _Record:
+    """`from_dict` for a dataclass with a `raw` field."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls(**_pick(cls, data), raw=dict(data))  # type: ignore[call-arg]
+
+
 @dataclass
-class Export:
+class Export(_Record):
     """A checkpoint export: `status` pending → running → ready | failed (`error` says why)."""
 
     id: str
@@ -91,17 +99,13 @@ class Export:
     finished_at: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Export:
-        return cls(**_pick(cls, data), raw=dict(data))
-
     @property
     def done(self) -> bool:
         return self.status in ("ready", "failed")
 
 
 @dataclass
-class Sample:
+class Sample(_Record):
     """Text generated from a checkpoint: `status` pending → running → ready (`text`, the continuation
     alone) | failed (`error` says why)."""
 
@@ -123,10 +127,6 @@ class Sample:
     created_at: str | None = None
     finished_at: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Sample:
-        return cls(**_pick(cls, data), raw=dict(data))
 
 
 @dataclass

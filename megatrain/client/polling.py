@@ -6,7 +6,17 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from megatrain.client.errors import MegatrainError
+
 T = TypeVar("T")
+
+
+class TaskFailed(MegatrainError):
+    """Background work on a checkpoint (an export, a sample) failed; `item.error` says why."""
+
+    def __init__(self, item: Any, noun: str):
+        self.item = item
+        super().__init__(f"{noun} {item.id} of step {item.step} failed: {item.error}")
 
 
 def poll_until_done(

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from megatrain.client.errors import MegatrainError
 from megatrain.client.models import Sample
-from megatrain.client.polling import poll_until_done
+from megatrain.client.polling import TaskFailed, poll_until_done
 
 
-class SampleFailed(MegatrainError):
+class SampleFailed(TaskFailed):
     """The workers could not generate the sample (e.g. a prompt longer than the model reads);
     `sample.error` says why."""
 
-    def __init__(self, sample: Sample):
-        self.sample = sample
-        super().__init__(f"sample {sample.id} of step {sample.step} failed: {sample.error}")
+    @property
+    def sample(self) -> Sample:
+        return self.item
 
 
 class SamplesMixin:
@@ -52,7 +51,7 @@ class SamplesMixin:
             return made
         return poll_until_done(
             lambda: self.get_sample(job_id, made.id),
-            SampleFailed,
+            lambda failed: SampleFailed(failed, "sample"),
             what=f"sample {made.id}",
             timeout_s=timeout_s,
             poll_interval_s=poll_interval_s,

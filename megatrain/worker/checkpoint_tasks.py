@@ -8,11 +8,12 @@ The rows have the columns `status`, `attempt`, `runner_host`, `runner_pid`, `hea
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from megatrain.db.models import FAILED, PENDING, RUNNING_EXPORT, utcnow
 from megatrain.db.session import session_scope
-from megatrain.settings import Settings
+from megatrain.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,21 @@ def claim(settings: Settings, row: Any, ident: str) -> int | None:
             .execution_options(synchronize_session=False)
         )
         return attempt + 1 if done.rowcount == 1 else None
+
+
+def claim_row(settings: Settings, row: Any, ident: str, what: str) -> tuple[int, Any] | None:
+    """claim() then the row as claimed (detached from its session): (attempt, row), or None if it
+    was not pending (another delivery has it) or is gone."""
+    attempt = claim(settings, row, ident)
+    if attempt is None:
+        log.info("%s %s is not pending: skipping this delivery", what, ident)
+        return None
+    with session_scope(settings.resolved_database_url) as s:
+        claimed = s.get(row, ident)
+        if claimed is None:
+            return None
+        s.expunge(claimed)
+        return attempt, claimed
 
 
 def update_mine(settings: Settings, row: Any, ident: str, attempt: int, **values: Any) -> bool:
@@ -100,3 +116,15 @@ def heartbeating(settings: Settings, row: Any, ident: str, attempt: int) -> Iter
         yield
     finally:
         stop.set()
+
+
+def task_main(
+    module: str, doc: str | None, id_flag: str, run: Callable[[str, Settings], Any], argv: list[str] | None
+) -> None:
+    """`python -m {module} --{id_flag} ID`: the task `run(id, settings)` from the environment's
+    settings, as the local executor spawns it."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
+    parser.add_argument(f"--{id_flag}", required=True, dest="ident", metavar="ID")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(args.ident, get_settings())

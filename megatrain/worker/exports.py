@@ -15,17 +15,22 @@ CLI: `python -m megatrain.worker.exports --export-id ID` (what the local executo
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from megatrain.db.models import FAILED, READY, CheckpointExport
-from megatrain.db.session import session_scope
-from megatrain.settings import Settings, get_settings
+from megatrain.settings import Settings
 from megatrain.storage import StorageError, open_store, read_url, split_url
-from megatrain.worker.checkpoint_tasks import checkpoint_folder, claim, fail, finish, heartbeating
+from megatrain.worker.checkpoint_tasks import (
+    checkpoint_folder,
+    claim_row,
+    fail,
+    finish,
+    heartbeating,
+    task_main,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,25 +84,17 @@ ExportFn = Callable[[str, str, str, "str | None"], None]
 def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | None = None) -> str | None:
     """Run a pending export; its final status (ready/failed), or None if it was not pending
     (another delivery ran it), was deleted meanwhile, or was taken over by a newer attempt."""
-    attempt = claim(settings, CheckpointExport, export_id)
-    if attempt is None:
-        log.info("export %s is not pending: skipping this delivery", export_id)
+    claimed = claim_row(settings, CheckpointExport, export_id, "export")
+    if claimed is None:
         return None
-    with session_scope(settings.resolved_database_url) as s:
-        exp = s.get(CheckpointExport, export_id)
-        if exp is None:
-            return None
-        storage = settings.resolved_storage_url.rstrip("/")
-        source, dest, dtype = (
-            checkpoint_folder(storage, exp.job_id, exp.step),
-            f"{storage}/{exp.folder_key}",
-            exp.dtype,
-        )
+    attempt, exp = claimed
+    storage = settings.resolved_storage_url.rstrip("/")
+    source, dest = checkpoint_folder(storage, exp.job_id, exp.step), f"{storage}/{exp.folder_key}"
     started = time.monotonic()
     with heartbeating(settings, CheckpointExport, export_id, attempt):
         try:
             _remove(dest, settings)  # what an earlier, lost attempt left behind
-            (export_fn or _run_export)(source, dest, dtype, settings.s3_endpoint_url)
+            (export_fn or _run_export)(source, dest, exp.dtype, settings.s3_endpoint_url)
             size = folder_size(dest, settings)
             if finish(
                 settings, CheckpointExport, export_id, attempt, READY, uri=dest, size_bytes=size, error=""
@@ -133,11 +130,7 @@ def _remove(folder_url: str, settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatrain.worker.exports", description=__doc__)
-    parser.add_argument("--export-id", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    export_checkpoint(args.export_id, get_settings())
+    task_main("megatrain.worker.exports", __doc__, "export-id", export_checkpoint, argv)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,13 @@ CLI: `python -m megatrain.worker.samples --sample-id ID` (what the local executo
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 from typing import Any
 
 from megatrain.db.models import FAILED, READY, CheckpointSample
-from megatrain.db.session import session_scope
-from megatrain.settings import Settings, get_settings
-from megatrain.worker.checkpoint_tasks import checkpoint_folder, claim, fail, finish, heartbeating
+from megatrain.settings import Settings
+from megatrain.worker import checkpoint_tasks as tasks
 
 log = logging.getLogger(__name__)
 
@@ -46,29 +44,24 @@ def get_sampler() -> Any:
 def sample_checkpoint(sample_id: str, settings: Settings) -> str | None:
     """Run a pending sample; its final status (ready/failed), or None if it was not pending (another
     delivery ran it), was deleted meanwhile, or was taken over by a newer attempt."""
-    attempt = claim(settings, CheckpointSample, sample_id)
-    if attempt is None:
-        log.info("sample %s is not pending: skipping this delivery", sample_id)
+    claimed = tasks.claim_row(settings, CheckpointSample, sample_id, "sample")
+    if claimed is None:
         return None
-    with session_scope(settings.resolved_database_url) as s:
-        row = s.get(CheckpointSample, sample_id)
-        if row is None:
-            return None
-        folder = checkpoint_folder(settings.resolved_storage_url, row.job_id, row.step)
-        prompt, max_new_tokens = row.prompt, row.max_new_tokens
-        options = {
-            "temperature": row.temperature,
-            "top_k": row.top_k or 0,
-            "top_p": 1.0 if row.top_p is None else row.top_p,
-            "seed": row.seed,
-        }
-    with heartbeating(settings, CheckpointSample, sample_id, attempt):
+    attempt, row = claimed
+    folder = tasks.checkpoint_folder(settings.resolved_storage_url, row.job_id, row.step)
+    options = {
+        "temperature": row.temperature,
+        "top_k": row.top_k or 0,
+        "top_p": 1.0 if row.top_p is None else row.top_p,
+        "seed": row.seed,
+    }
+    with tasks.heartbeating(settings, CheckpointSample, sample_id, attempt):
         try:
-            out = get_sampler().sample(folder, prompt, max_new_tokens, **options)
+            out = get_sampler().sample(folder, row.prompt, row.max_new_tokens, **options)
         except Exception as exc:  # a bad prompt or a missing checkpoint: the sample's reason
             log.warning("sample %s failed: %s", sample_id, exc)
-            return FAILED if fail(settings, CheckpointSample, sample_id, attempt, exc) else None
-    done = finish(
+            return FAILED if tasks.fail(settings, CheckpointSample, sample_id, attempt, exc) else None
+    done = tasks.finish(
         settings, CheckpointSample, sample_id, attempt, READY, text=out.text, error="",
         prompt_tokens=len(out.prompt_ids), new_tokens=len(out.new_ids), elapsed_s=out.elapsed_s,
     )  # fmt: skip
@@ -77,11 +70,7 @@ def sample_checkpoint(sample_id: str, settings: Settings) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatrain.worker.samples", description=__doc__)
-    parser.add_argument("--sample-id", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sample_checkpoint(args.sample_id, get_settings())
+    tasks.task_main("megatrain.worker.samples", __doc__, "sample-id", sample_checkpoint, argv)
 
 
 if __name__ == "__main__":

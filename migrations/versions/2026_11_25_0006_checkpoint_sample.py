@@ -9,12 +9,10 @@ from alembic import op
 import sqlalchemy as sa
 
 
-revision = "0006"
-down_revision = "0005"
-branch_labels = None
-depends_on = None
-
 TABLE = "checkpoint_sample"
+revision, down_revision = "0006", "0005"
+branch_labels = depends_on = None
+
 # (name, type, nullable) in the model's order: the sample's own columns, then the checkpoint-task
 # columns it shares with checkpoint_export (CheckpointTaskColumns).
 COLUMNS = (

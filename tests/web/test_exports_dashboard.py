@@ -16,7 +16,7 @@ import pytest
 from fixtures.checkpoints import exports_in_background, train_job_checkpoint
 from fixtures.live import LiveApi
 from sqlalchemy import update
-from web_helpers import ARTIFACTS, open_page
+from web_helpers import ARTIFACTS, signed_in_page
 
 from megatrain.db.models import CheckpointExport
 from megatrain.db.session import session_scope
@@ -34,10 +34,7 @@ def test_export_from_the_checkpoints_table(
     job_id = resp.json()["id"]
     train_job_checkpoint(live.settings, job_id, tmp_path / "train")
 
-    page = open_page(browser_context, page_errors)
-    page.goto(f"{live.url}/#/jobs/{job_id}")
-    page.fill("#api-key", live.key)
-    page.click("button[type=submit]")
+    page = signed_in_page(browser_context, page_errors, live.url, live.key, f"/jobs/{job_id}")
     row = page.locator("#checkpoint-table tr[data-step='2']")
     row.wait_for()
     row.locator("select.export-dtype").select_option("fp32")

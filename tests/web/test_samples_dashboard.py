@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fixtures.checkpoints import samples_in_background, train_job_checkpoint
 from fixtures.live import LiveApi
-from web_helpers import ARTIFACTS, open_page
+from web_helpers import ARTIFACTS, signed_in_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 
@@ -32,10 +32,7 @@ def test_sample_panel_generates_and_shows_failures(
     assert resp.status_code == 201, resp.text
     job_id = resp.json()["id"]
 
-    page = open_page(browser_context, page_errors)
-    page.goto(f"{live.url}/#/jobs/{job_id}")
-    page.fill("#api-key", live.key)
-    page.click("button[type=submit]")
+    page = signed_in_page(browser_context, page_errors, live.url, live.key, f"/jobs/{job_id}")
     panel = page.locator("#sample-panel")
     panel.wait_for()
     assert "has none yet" in page.inner_text("#sample-note")

@@ -33,3 +33,12 @@ def open_page(context: Any, errors: list[str]) -> Any:
 
     page.on("console", console)
     return page
+
+
+def signed_in_page(context: Any, errors: list[str], base_url: str, key: str, route: str) -> Any:
+    """A page at `{base_url}/#{route}`, signed in with `key` on the sign-in form it shows first."""
+    page = open_page(context, errors)
+    page.goto(f"{base_url}/#{route}")
+    page.fill("#api-key", key)
+    page.click("button[type=submit]")
+    return page

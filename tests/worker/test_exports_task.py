@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from fixtures.checkpoints import train_job_checkpoint
 from sqlalchemy import select, update
-from worker_helpers import wait_for
+from worker_helpers import add_row, get_row, wait_for
 
 from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, Checkpoint, CheckpointExport, utcnow
 from megatrain.db.session import session_scope
@@ -38,18 +38,13 @@ ATOL = 1e-5  # fp32 logits of the same weights; reduction orders differ by a few
 
 
 def _add_export(settings: Settings, job_id: str, step: int, dtype: str = "fp32", **row: object) -> str:
-    with session_scope(settings.resolved_database_url) as s:
-        exp = CheckpointExport(job_id=job_id, step=step, format="hf", dtype=dtype, status=PENDING, **row)
-        s.add(exp)
-        s.flush()
-        return exp.id
+    return add_row(
+        settings, CheckpointExport, job_id=job_id, step=step, format="hf", dtype=dtype, status=PENDING, **row
+    )
 
 
 def _row(settings: Settings, export_id: str) -> CheckpointExport:
-    with session_scope(settings.resolved_database_url) as s:
-        exp = s.get(CheckpointExport, export_id)
-        s.expunge(exp)
-        return exp
+    return get_row(settings, CheckpointExport, export_id)
 
 
 def test_fp32_export_loads_in_transformers_with_the_checkpoints_logits(

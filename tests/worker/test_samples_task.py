@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fixtures.checkpoints import train_job_checkpoint
-from sqlalchemy import update
-from worker_helpers import wait_for
+from worker_helpers import add_row, get_row, wait_for
 
 from megatrain.db.models import FAILED, PENDING, READY, RUNNING_EXPORT, CheckpointSample, utcnow
 from megatrain.db.session import session_scope
@@ -27,22 +27,23 @@ PROMPT = "def add(a, b):\n"
 
 
 def _add_sample(settings: Settings, job_id: str, step: int, prompt: str = PROMPT, **row: object) -> str:
-    with session_scope(settings.resolved_database_url) as s:
-        sample = CheckpointSample(job_id=job_id, step=step, prompt=prompt, status=PENDING, **row)
-        s.add(sample)
-        s.flush()
-        return sample.id
+    return add_row(settings, CheckpointSample, job_id=job_id, step=step, prompt=prompt, status=PENDING, **row)
 
 
 def _row(settings: Settings, sample_id: str) -> CheckpointSample:
-    with session_scope(settings.resolved_database_url) as s:
-        row = s.get(CheckpointSample, sample_id)
-        s.expunge(row)
-        return row
+    return get_row(settings, CheckpointSample, sample_id)
+
+
+@pytest.fixture
+def job_id(settings: Settings, make_job: Callable[..., str], tmp_path: Path) -> str:
+    """A job with an engine-trained checkpoint at step 2 (seq_length 16, tokenizer.json in tmp_path/train)."""
+    job = make_job(schedule=False)
+    train_job_checkpoint(settings, job, tmp_path / "train")
+    return job
 
 
 def test_text_equals_the_samplers_and_transformers_greedy(
-    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+    settings: Settings, job_id: str, tmp_path: Path
 ) -> None:
     transformers = pytest.importorskip("transformers")
     import torch
@@ -50,8 +51,6 @@ def test_text_equals_the_samplers_and_transformers_greedy(
     from megatrain.engine.interop.hf import export_checkpoint_hf
     from megatrain.engine.sampling import CheckpointSampler
 
-    job_id = make_job(schedule=False)
-    train_job_checkpoint(settings, job_id, tmp_path / "train")
     folder = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints/iter_0000002"
     greedy = _add_sample(settings, job_id, 2, max_new_tokens=10)
     seeded = _add_sample(
@@ -96,10 +95,8 @@ def test_text_equals_the_samplers_and_transformers_greedy(
 
 
 def test_a_prompt_too_long_and_a_missing_checkpoint_fail_with_their_reasons(
-    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+    settings: Settings, job_id: str
 ) -> None:
-    job_id = make_job(schedule=False)
-    train_job_checkpoint(settings, job_id, tmp_path / "train")
     too_long = _add_sample(settings, job_id, 2, prompt="print(i) " * 40)
     missing = _add_sample(settings, job_id, 40)
     assert sample_checkpoint(too_long, settings) == FAILED
@@ -109,41 +106,30 @@ def test_a_prompt_too_long_and_a_missing_checkpoint_fail_with_their_reasons(
     assert "iter_0000040" in _row(settings, missing).error
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.samples: list[str] = []
-
-    def submit_sample(self, sample_id: str) -> None:
-        self.samples.append(sample_id)
-
-
-def test_dispatch_once_and_recover_lost_workers(settings: Settings, make_job: Callable[..., str]) -> None:
-    job_id = make_job(schedule=False)
-    first, second = _add_sample(settings, job_id, 1), _add_sample(settings, job_id, 2)
-    executor = _Recorder()
-    assert dispatch_samples(settings, executor) == [first, second]  # type: ignore[arg-type]
-    assert dispatch_samples(settings, executor) == []  # type: ignore[arg-type]
-    old = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s + 5)
-    with session_scope(settings.resolved_database_url) as s:
-        for sample_id, attempt in ((first, 1), (second, MAX_SAMPLE_ATTEMPTS)):
-            s.execute(
-                update(CheckpointSample)
-                .where(CheckpointSample.id == sample_id)
-                .values(status=RUNNING_EXPORT, attempt=attempt, runner_host="elsewhere", heartbeat_at=old)
-            )
-    assert sorted(reconcile_samples(settings)) == sorted([first, second])
-    assert _row(settings, first).status == PENDING and "retrying" in _row(settings, first).error
-    assert _row(settings, second).status == FAILED and "giving up" in _row(settings, second).error
-    assert dispatch_samples(settings, executor) == [first]  # type: ignore[arg-type]
-    assert executor.samples == [first, second, first]
-
-
-def test_the_local_executor_samples_through_the_scheduler(
-    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+def test_the_scheduler_hands_samples_out_once_and_gives_up_after_lost_workers(
+    settings: Settings, make_job: Callable[..., str]
 ) -> None:
+    job_id = make_job(schedule=False)  # no checkpoint needed: nothing runs the samples here
+    ids = [_add_sample(settings, job_id, 1) for _ in range(2)]
+    submitted: list[str] = []
+    executor = SimpleNamespace(submit_sample=submitted.append)
+    assert dispatch_samples(settings, executor) == ids and dispatch_samples(settings, executor) == []
+    # Both workers stopped heartbeating: the first attempt is retried, the last one fails.
+    silent_since = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s + 5)
+    for sample_id, attempt in zip(ids, (1, MAX_SAMPLE_ATTEMPTS), strict=True):
+        with session_scope(settings.resolved_database_url) as s:
+            row = s.get(CheckpointSample, sample_id)
+            row.status, row.attempt, row.heartbeat_at = RUNNING_EXPORT, attempt, silent_since
+            row.runner_host = "gone"
+    assert sorted(reconcile_samples(settings)) == sorted(ids)
+    retried, given_up = (_row(settings, i) for i in ids)
+    assert (retried.status, given_up.status) == (PENDING, FAILED)
+    assert "retrying" in retried.error and "giving up" in given_up.error
+    assert dispatch_samples(settings, executor) == ids[:1] and submitted == [*ids, ids[0]]
+
+
+def test_the_local_executor_samples_through_the_scheduler(settings: Settings, job_id: str) -> None:
     """The real path: the scheduler hands the sample to a detached `python -m megatrain.worker.samples`."""
-    job_id = make_job(schedule=False)
-    train_job_checkpoint(settings, job_id, tmp_path / "train")
     sample_id = _add_sample(settings, job_id, 2, max_new_tokens=4, seed=1, temperature=0.8)
     sched = Scheduler(settings, executor=LocalExecutor(settings))
     assert sched.samples_once() == [sample_id]

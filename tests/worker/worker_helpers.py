@@ -37,3 +37,24 @@ def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0
 
 def alive(pid: int) -> bool:
     return pid_alive(pid)
+
+
+def add_row(settings: Any, model: type, **values: Any) -> str:
+    """Insert a row of `model` (e.g. a pending CheckpointExport or CheckpointSample); its id."""
+    from megatrain.db.session import session_scope
+
+    with session_scope(settings.resolved_database_url) as s:
+        row = model(**values)
+        s.add(row)
+        s.flush()
+        return str(row.id)
+
+
+def get_row(settings: Any, model: type, ident: str) -> Any:
+    """The row of `model` with id `ident`, detached from its session."""
+    from megatrain.db.session import session_scope
+
+    with session_scope(settings.resolved_database_url) as s:
+        row = s.get(model, ident)
+        s.expunge(row)
+        return row
