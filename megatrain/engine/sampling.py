@@ -1,6 +1,6 @@
 """Samples from a job's checkpoint for the dashboard: the model and tokenizer loaded once per checkpoint
-folder (the last few kept), then `generate` with a KV cache. Used by the API's sampling endpoint, in
-the API process, where the engine is installed."""
+folder (the last few kept), then `generate` with a KV cache. Used by the workers' sample task
+(megatrain.worker.samples), whose process keeps one sampler: the API never imports the engine."""
 
 from __future__ import annotations
 
