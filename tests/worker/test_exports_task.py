@@ -1,15 +1,11 @@
 """The export task on a real checkpoint: an fp32 export of an engine-trained checkpoint loads in
 transformers with the logits of `load_checkpoint`'s model and carries the job's tokenizer.json; a
 missing checkpoint fails with its reason and leaves nothing behind; the scheduler hands exports out
-once and recovers lost workers."""
+once and recovers lost workers (a Celery worker's run: test_checkpoint_tasks_celery.py)."""
 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -197,48 +193,3 @@ def test_the_local_executor_exports_through_the_scheduler(
     assert exp.runner_host is not None and exp.attempt == 1
     config = json.loads(open_store(exp.uri).get_bytes("config.json"))
     assert config["dtype"] == "bfloat16"
-
-
-@pytest.mark.redis
-@pytest.mark.slow
-def test_a_celery_worker_exports_from_its_pools_queue(
-    settings: Settings, redis_url: str, make_job: Callable[..., str], tmp_path: Path
-) -> None:
-    """Production's path: the task goes to the pool's shared queue, which the pool's worker consumes
-    beside its node's own; a repeated delivery is a no-op."""
-    pytest.importorskip("transformers")
-    import redis
-
-    from megatrain.worker.celery_app import EXPORT_TASK_NAME, datasets_queue
-    from megatrain.worker.executors import CeleryExecutor, runner_env
-
-    pool = f"celery-exp-{uuid.uuid4().hex[:8]}"
-    cfg = settings.model_copy(update={"executor": "celery", "redis_url": redis_url, "pool_name": pool})
-    job_id = make_job(schedule=False)
-    train_job_checkpoint(cfg, job_id, tmp_path / "train")
-    export_id = _add_export(cfg, job_id, 2)
-    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "megatrain.worker.celery_app"],
-        env=runner_env(cfg), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        sched = Scheduler(cfg)
-        assert isinstance(sched.executor, CeleryExecutor)
-        assert sched.exports_once() == [export_id]
-        exp = _wait_done(cfg, export_id)
-        assert exp.status == READY, exp.error
-        again = sched.executor.app.send_task(EXPORT_TASK_NAME, args=[export_id], queue=datasets_queue(pool))
-        assert again.get(timeout=30) is None
-        assert _row(cfg, export_id).attempt == 1
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-        log.close()
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(f"megatrain.{pool}*"):
-            client.delete(key)

@@ -21,7 +21,7 @@ from megatrain.scheduler.loop import Scheduler
 from megatrain.scheduler.samples import MAX_SAMPLE_ATTEMPTS, dispatch_samples, reconcile_samples
 from megatrain.settings import Settings
 from megatrain.worker.executors import LocalExecutor
-from megatrain.worker.samples import sample_checkpoint
+from megatrain.worker.samples import get_sampler, sample_checkpoint
 
 PROMPT = "def add(a, b):\n"
 
@@ -60,6 +60,8 @@ def test_text_equals_the_samplers_and_transformers_greedy(
     assert sample_checkpoint(greedy, settings) is None  # a second delivery does nothing
     assert sample_checkpoint(seeded, settings) == READY
 
+    # The process's sampler keeps the model loaded for the next sample (a Celery worker's warm model).
+    assert get_sampler() is get_sampler() and folder in get_sampler()._models
     reference = CheckpointSampler(keep=1)
     want = reference.sample(folder, PROMPT, 10)
     got = _row(settings, greedy)
