@@ -84,4 +84,7 @@ def test_sample_panel_generates_and_shows_failures(
     assert overflow <= 0, f"the job page scrolls sideways by {overflow}px at 380px"
     ARTIFACTS.mkdir(exist_ok=True)
     panel.screenshot(path=str(ARTIFACTS / "job-samples-narrow-dark.png"))
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.click("#theme-toggle")  # dark -> auto (light here)
+    panel.screenshot(path=str(ARTIFACTS / "job-samples.png"))
     assert page_errors == []
