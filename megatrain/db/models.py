@@ -334,3 +334,25 @@ class CheckpointSample(CheckpointTaskColumns, Base):
     new_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     elapsed_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     """Loading (when not warm) plus generating, as the worker measured it."""
+
+
+class RegisteredModel(Base):
+    """A Hugging Face model folder registered under a name (POST /v1/models), so that a JobSpec's
+    `model.init_from: hf:NAME` stands for `hf:URL`. Registering only checks and records: nothing
+    is copied, and submission stores the resolved URL, so deleting the row never touches a job."""
+
+    __tablename__ = "registered_model"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("mdl"))
+    tenant_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tenant.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    """The owner; None for a shared model an operator registered (every tenant sees it)."""
+    name: Mapped[str] = mapped_column(String(100))
+    url: Mapped[str] = mapped_column(Text)
+    """The folder (file:///… or s3://…), normalised as the data-access rule checked it."""
+    model_type: Mapped[str] = mapped_column(String(64))
+    """config.json's model_type (gpt2, llama, mistral, qwen2)."""
+    fields: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """The model.* fields its config.json maps to (megatrain.hf_config.model_fields_from_hf)."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

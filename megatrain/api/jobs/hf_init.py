@@ -4,14 +4,22 @@ The tenant must be allowed to read the folder (the data-access rule of data path
 config.json is read through megatrain.storage; the spec's explicit model fields must agree with it
 (each disagreement is a 422 naming its `model.*` field) and the rest are filled from it, so the
 stored spec describes exactly the model the engine will load. Torch-free: megatrain.hf_config.
+
+`hf:NAME` (a bare name: no scheme, no slash) names a registered model (/v1/models): it is replaced by
+`hf:URL` before anything else, so the stored spec never depends on the registry again.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
 from megatrain.api.jobs.data_access import data_url_problem
+from megatrain.db.models import RegisteredModel, Tenant
 from megatrain.hf_config import (
     HFConfigError,
     check_spec_against_hf,
@@ -19,7 +27,7 @@ from megatrain.hf_config import (
     spec_model_with_hf,
 )
 from megatrain.settings import Settings
-from megatrain.spec import SpecError
+from megatrain.spec import NAME_PATTERN, SpecError
 from megatrain.storage import StorageError, open_store
 
 FIELD = "model.init_from"
@@ -36,28 +44,63 @@ def hf_folder_url(init_from: str) -> str | None:
     return "file://" + url if url.startswith("/") else url
 
 
-def _error(message: str) -> SpecError:
-    return SpecError([{"field": FIELD, "message": message}])
+def registered_name(init_from: str) -> str | None:
+    """NAME of `hf:NAME` when it names a registered model (no scheme, no slash), else None."""
+    rest = init_from.removeprefix("hf:") if init_from.startswith("hf:") else ""
+    return rest if re.match(NAME_PATTERN, rest) else None
 
 
-def read_hf_config(url: str, settings: Settings, tenant_name: str) -> dict[str, Any]:
-    """The folder's config.json, once the tenant may read the folder; SpecError naming init_from."""
-    problem = data_url_problem(FIELD, url, settings, tenant_name)
+def find_model(session: Session, tenant: Tenant, name: str) -> RegisteredModel | None:
+    """The tenant's own model called `name`, else the shared one, else None."""
+    rows = session.scalars(
+        select(RegisteredModel).where(
+            or_(RegisteredModel.tenant_id == tenant.id, RegisteredModel.tenant_id.is_(None)),
+            RegisteredModel.name == name,
+        )
+    ).all()
+    own = [m for m in rows if m.tenant_id == tenant.id]
+    return (own or list(rows) or [None])[0]
+
+
+def resolve_registered_model(data: Any, session: Session, tenant: Tenant) -> Any:
+    """The raw submission with `model.init_from: hf:NAME` replaced by the registered `hf:URL`;
+    SpecError naming model.init_from for a name the tenant has no model (own or shared) under."""
+    model = data.get("model") if isinstance(data, dict) else None
+    init_from = model.get("init_from") if isinstance(model, dict) else None
+    name = registered_name(init_from) if isinstance(init_from, str) else None
+    if name is None:
+        return data
+    found = find_model(session, tenant, name)
+    if found is None:
+        raise _error(
+            f"{FIELD}={init_from!r} names no registered model (see GET /v1/models); "
+            "a folder is hf:file:///abs/path or hf:s3://bucket/key"
+        )
+    return {**data, "model": {**model, "init_from": f"hf:{found.url}"}}
+
+
+def _error(message: str, field: str = FIELD) -> SpecError:
+    return SpecError([{"field": field, "message": message}])
+
+
+def read_hf_config(url: str, settings: Settings, tenant_name: str, field: str = FIELD) -> dict[str, Any]:
+    """The folder's config.json, once the tenant may read the folder; SpecError naming `field`."""
+    problem = data_url_problem(field, url, settings, tenant_name)
     if problem:
-        raise _error(problem)
+        raise _error(problem, field)
     try:
         store = open_store(url, settings.s3_endpoint_url)
         if not store.exists(CONFIG_FILE):
-            raise _error(f"{url}/{CONFIG_FILE} does not exist (not a Hugging Face model folder)")
+            raise _error(f"{url}/{CONFIG_FILE} does not exist (not a Hugging Face model folder)", field)
         if store.stat(CONFIG_FILE).size > MAX_CONFIG_BYTES:
-            raise _error(f"{url}/{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+            raise _error(f"{url}/{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes", field)
         config = json.loads(store.get_bytes(CONFIG_FILE))
     except StorageError as exc:
-        raise _error(f"cannot read {url}/{CONFIG_FILE}: {exc}") from None
+        raise _error(f"cannot read {url}/{CONFIG_FILE}: {exc}", field) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise _error(f"{url}/{CONFIG_FILE} is not valid JSON: {exc}") from None
+        raise _error(f"{url}/{CONFIG_FILE} is not valid JSON: {exc}", field) from None
     if not isinstance(config, dict):
-        raise _error(f"{url}/{CONFIG_FILE} is not a JSON object")
+        raise _error(f"{url}/{CONFIG_FILE} is not a JSON object", field)
     return config
 
 

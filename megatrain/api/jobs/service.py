@@ -21,7 +21,7 @@ from megatrain.api.datasets.service import resolve_datasets
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.data_access import check_data_access
 from megatrain.api.jobs.downsample import minmax_indices
-from megatrain.api.jobs.hf_init import fill_model_from_hf
+from megatrain.api.jobs.hf_init import fill_model_from_hf, resolve_registered_model
 from megatrain.api.jobs.schemas import JobPublic
 from megatrain.db.jobs import record_event, transition
 from megatrain.db.models import (
@@ -175,6 +175,8 @@ def validate_submission(
     session: Session, settings: Settings, tenant: Tenant, data: Any
 ) -> tuple[JobSpec, Layout]:
     """Every rule a submission can break, in the order a user fixes them; raises SpecError/FieldError."""
+    # hf:NAME becomes the registered hf:URL first: the stored spec never depends on the registry.
+    data = resolve_registered_model(data, session, tenant)
     spec = parse_spec(fill_model_from_hf(data, settings, tenant.name))
     layout = resolve_layout(spec)
     pool = spec.resources.pool

@@ -1,0 +1,122 @@
+"""/v1/models: a Hugging Face folder (written here by transformers itself) registered under a name,
+refused with a 422 on `url` when unreadable, unsupported or without weights; 409 for a taken name;
+tenancy on every endpoint; and `model.init_from: hf:NAME` resolved at submission to the stored URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_handle import Api
+
+from megatrain.api.models.schemas import ModelCreate
+from megatrain.api.models.service import register_shared
+from megatrain.db.session import session_scope
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def hf_folder(path: Path, weights: bool = True, **overrides: Any) -> Path:
+    """A transformers model folder: config.json, and its safetensors unless `weights` is False."""
+    config = transformers.LlamaConfig(**(LLAMA | overrides))
+    if weights:
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+def register(api: Api, name: str, url: str, headers: dict[str, str] | None = None) -> Any:
+    return api.client.post("/v1/models", json={"name": name, "url": url}, headers=headers or api.headers)
+
+
+def _error(resp: Any) -> tuple[str, str]:
+    assert resp.status_code == 422, resp.text
+    [detail] = resp.json()["detail"]
+    return detail["field"], detail["message"]
+
+
+def test_register_records_the_config_summary(api: Api) -> None:
+    folder = hf_folder(api.data_root / "llama")
+    resp = register(api, "tiny-llama", str(folder))  # a bare path is the file:// folder
+    assert resp.status_code == 201, resp.text
+    m = resp.json()
+    assert m["url"] == folder.as_uri() and m["shared"] is False and m["model_type"] == "llama"
+    assert (m["arch"], m["num_layers"], m["hidden_size"], m["vocab_size"], m["seq_length"]) == (
+        "llama", 2, 64, 300, 64,
+    )  # fmt: skip
+    assert m["fields"]["num_query_groups"] == 2 and m["fields"]["ffn_hidden_size"] == 128
+    assert api.client.get("/v1/models/tiny-llama", headers=api.headers).json() == m
+    assert register(api, "tiny-llama", folder.as_uri()).status_code == 409
+
+
+@pytest.mark.parametrize("case", ["outside", "no-config", "unsupported", "no-weights", "relative"])
+def test_unusable_folders_are_url_errors(api: Api, tmp_path: Path, case: str) -> None:
+    folder = api.data_root / "m"
+    if case == "outside":
+        folder = hf_folder(tmp_path / "elsewhere")
+    elif case == "no-config":
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"")
+    elif case == "unsupported":
+        hf_folder(folder, hidden_act="gelu")
+    elif case == "no-weights":
+        hf_folder(folder, weights=False)
+    url = "relative/folder" if case == "relative" else folder.as_uri()
+    field, message = _error(register(api, "m", url))
+    expected = {"outside": "outside the data", "no-config": "config.json does not exist",
+                "unsupported": "hidden_act", "no-weights": "no weights",
+                "relative": "file:///"}[case]  # fmt: skip
+    assert field == "url" and expected in message, message
+    assert api.client.get("/v1/models", headers=api.headers).json()["items"] == []
+
+
+def test_tenancy_and_delete(api: Api) -> None:
+    folder = hf_folder(api.data_root / "llama")
+    assert register(api, "mine", folder.as_uri()).status_code == 201
+    # Another tenant sees nothing of it, may register the same name, and cannot delete ours.
+    assert api.client.get("/v1/models/mine", headers=api.other_headers).status_code == 404
+    assert api.client.delete("/v1/models/mine", headers=api.other_headers).status_code == 404
+    assert register(api, "mine", folder.as_uri(), api.other_headers).status_code == 201
+    with session_scope(api.db_url) as s:
+        register_shared(s, api.settings, ModelCreate(name="common", url=folder.as_uri()))
+    names = [(m["name"], m["shared"]) for m in api.client.get("/v1/models", headers=api.headers).json()["items"]]
+    assert names == [("common", True), ("mine", False)]
+    assert api.client.delete("/v1/models/common", headers=api.headers).status_code == 403
+    assert api.client.delete("/v1/models/mine", headers=api.headers).status_code == 204
+    assert api.client.get("/v1/models/mine", headers=api.headers).status_code == 404
+    assert api.client.get("/v1/models/mine", headers=api.other_headers).status_code == 200
+
+
+def test_submission_resolves_hf_name_to_the_registered_url(api: Api) -> None:
+    folder = hf_folder(api.data_root / "llama", weights=False, max_position_embeddings=48)
+    (folder / "model.safetensors").write_bytes(b"")  # only checked for, never read by the API
+    assert register(api, "tiny-llama", folder.as_uri()).status_code == 201
+    spec = api.spec("from-name", model=None)
+    spec["model"] = {"init_from": "hf:tiny-llama"}
+    job = api.submit(spec)
+    stored = api.client.get(f"/v1/jobs/{job['id']}", headers=api.headers).json()["spec"]["model"]
+    # The model fields come from transformers' own config.json, and the URL replaces the name.
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    assert stored["init_from"] == f"hf:{folder.as_uri()}"
+    assert (stored["num_layers"], stored["hidden_size"], stored["num_query_groups"]) == (
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads,
+    )  # fmt: skip
+    assert (stored["ffn_hidden_size"], stored["vocab_size"], stored["seq_length"]) == (
+        cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings,
+    )  # fmt: skip
+    # A job already submitted keeps its URL once the name is gone; a new one is refused.
+    assert api.client.delete("/v1/models/tiny-llama", headers=api.headers).status_code == 204
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.headers).json()["spec"]["model"] == stored
+    field, message = _error(api.client.post("/v1/jobs", json=spec, headers=api.headers))
+    assert field == "model.init_from" and "no registered model" in message
+    # Another tenant's name is not resolvable either.
+    assert register(api, "theirs", folder.as_uri(), api.other_headers).status_code == 201
+    spec["model"] = {"init_from": "hf:theirs"}
+    assert _error(api.client.post("/v1/jobs", json=spec, headers=api.headers))[0] == "model.init_from"
