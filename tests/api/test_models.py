@@ -86,7 +86,8 @@ def test_tenancy_and_delete(api: Api) -> None:
     assert register(api, "mine", folder.as_uri(), api.other_headers).status_code == 201
     with session_scope(api.db_url) as s:
         register_shared(s, api.settings, ModelCreate(name="common", url=folder.as_uri()))
-    names = [(m["name"], m["shared"]) for m in api.client.get("/v1/models", headers=api.headers).json()["items"]]
+    items = api.client.get("/v1/models", headers=api.headers).json()["items"]
+    names = [(m["name"], m["shared"]) for m in items]
     assert names == [("common", True), ("mine", False)]
     assert api.client.delete("/v1/models/common", headers=api.headers).status_code == 403
     assert api.client.delete("/v1/models/mine", headers=api.headers).status_code == 204
