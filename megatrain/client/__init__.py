@@ -9,6 +9,7 @@ from megatrain.client.download import DownloadError
 from megatrain.client.errors import ApiError, ApiUnreachable, MegatrainError, SpecFileError
 from megatrain.client.exports import ExportFailed
 from megatrain.client.models import TERMINAL_STATUSES, Checkpoint, Dataset, Export, Job, LogLine, Sample
+from megatrain.client.models_registry import RegisteredModel
 from megatrain.client.samples import SampleFailed
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Job",
     "LogLine",
     "MegatrainError",
+    "RegisteredModel",
     "Sample",
     "SampleFailed",
     "SpecFileError",

@@ -22,6 +22,7 @@ from megatrain.client.download import extract_checkpoint_files, extract_checkpoi
 from megatrain.client.errors import ApiError, ApiUnreachable, SpecFileError
 from megatrain.client.exports import ExportsMixin
 from megatrain.client.models import Checkpoint, Job, LogLine
+from megatrain.client.models_registry import ModelsMixin
 from megatrain.client.samples import SamplesMixin
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def _items(data: Any) -> list[Any]:
     raise ApiError(200, f"unexpected response shape: {str(data)[:200]}")
 
 
-class Client(DatasetsMixin, ExportsMixin, SamplesMixin):
+class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
     """A client of the megatrain API.
 
     Arguments default to the settings (MEGATRAIN_API_URL, MEGATRAIN_API_KEY), and the key to the
