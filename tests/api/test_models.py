@@ -77,15 +77,23 @@ def test_unusable_folders_are_url_errors(api: Api, tmp_path: Path, case: str) ->
     assert api.client.get("/v1/models", headers=api.headers).json()["items"] == []
 
 
-def test_tenancy_and_delete(api: Api) -> None:
+def test_tenancy_and_delete(api: Api, tmp_path: Path) -> None:
     folder = hf_folder(api.data_root / "llama")
     assert register(api, "mine", folder.as_uri()).status_code == 201
     # Another tenant sees nothing of it, may register the same name, and cannot delete ours.
     assert api.client.get("/v1/models/mine", headers=api.other_headers).status_code == 404
     assert api.client.delete("/v1/models/mine", headers=api.other_headers).status_code == 404
     assert register(api, "mine", folder.as_uri(), api.other_headers).status_code == 201
+    # The operator may share a folder outside the tenants' data; by its name, every tenant uses it.
+    outside = hf_folder(tmp_path / "operator" / "llama")
     with session_scope(api.db_url) as s:
-        register_shared(s, api.settings, ModelCreate(name="common", url=folder.as_uri()))
+        register_shared(s, api.settings, ModelCreate(name="common", url=outside.as_uri()))
+    spec = api.spec("shared", model=None)
+    spec["model"] = {"init_from": "hf:common"}
+    job = api.submit(spec)
+    assert job["spec"]["model"]["init_from"] == f"hf:{outside.as_uri()}"
+    spec["model"] = {"init_from": f"hf:{outside.as_uri()}"}  # named directly, the rule applies
+    assert "outside the data" in _error(api.client.post("/v1/jobs", json=spec, headers=api.headers))[1]
     items = api.client.get("/v1/models", headers=api.headers).json()["items"]
     names = [(m["name"], m["shared"]) for m in items]
     assert names == [("common", True), ("mine", False)]

@@ -44,3 +44,10 @@ def test_register_list_show_delete(live_api: LiveApi) -> None:
     assert code == 0 and "deleted" in out, out
     code, out = run("models", "list")
     assert code == 0 and "no models yet" in out, out
+    # The operator's share (straight to the database): every tenant lists it as shared.
+    code, out = run("models", "share", folder.as_uri(), "--name", "common")
+    assert code == 0 and "shared model common registered" in out, out
+    code, out = run("models", "list")
+    assert code == 0 and out.splitlines()[1].split()[-1] == "yes", out
+    code, out = run("models", "delete", "common")
+    assert code == 1 and "shared by the operator" in out, out

@@ -47,7 +47,7 @@ def hf_folder_url(init_from: str) -> str | None:
 def registered_name(init_from: str) -> str | None:
     """NAME of `hf:NAME` when it names a registered model (no scheme, no slash), else None."""
     rest = init_from.removeprefix("hf:") if init_from.startswith("hf:") else ""
-    return rest if re.match(NAME_PATTERN, rest) else None
+    return rest if re.fullmatch(NAME_PATTERN, rest) else None
 
 
 def find_model(session: Session, tenant: Tenant, name: str) -> RegisteredModel | None:
@@ -62,30 +62,42 @@ def find_model(session: Session, tenant: Tenant, name: str) -> RegisteredModel |
     return (own or list(rows) or [None])[0]
 
 
-def resolve_registered_model(data: Any, session: Session, tenant: Tenant) -> Any:
-    """The raw submission with `model.init_from: hf:NAME` replaced by the registered `hf:URL`;
-    SpecError naming model.init_from for a name the tenant has no model (own or shared) under."""
+def resolve_registered_model(data: Any, session: Session, tenant: Tenant) -> tuple[Any, bool]:
+    """(the raw submission with `model.init_from: hf:NAME` replaced by the registered `hf:URL`,
+    whether that model is operator-shared); SpecError naming model.init_from for a name the tenant
+    has no model (own or shared) under. Any other submission comes back as it is."""
     model = data.get("model") if isinstance(data, dict) else None
     init_from = model.get("init_from") if isinstance(model, dict) else None
     name = registered_name(init_from) if isinstance(init_from, str) else None
     if name is None:
-        return data
+        return data, False
     found = find_model(session, tenant, name)
     if found is None:
         raise _error(
             f"{FIELD}={init_from!r} names no registered model (see GET /v1/models); "
             "a folder is hf:file:///abs/path or hf:s3://bucket/key"
         )
-    return {**data, "model": {**model, "init_from": f"hf:{found.url}"}}
+    return {**data, "model": {**model, "init_from": f"hf:{found.url}"}}, found.tenant_id is None
+
+
+def fill_model(session: Session, settings: Settings, tenant: Tenant, data: Any) -> Any:
+    """The raw submission with a registered name resolved, then its model filled from the hf:
+    folder (fill_model_from_hf). An operator-shared model's folder is the operator's grant to every
+    tenant, so the tenant's data-access rule is not applied to it."""
+    data, shared = resolve_registered_model(data, session, tenant)
+    return fill_model_from_hf(data, settings, tenant.name, check_access=not shared)
 
 
 def _error(message: str, field: str = FIELD) -> SpecError:
     return SpecError([{"field": field, "message": message}])
 
 
-def read_hf_config(url: str, settings: Settings, tenant_name: str, field: str = FIELD) -> dict[str, Any]:
-    """The folder's config.json, once the tenant may read the folder; SpecError naming `field`."""
-    problem = data_url_problem(field, url, settings, tenant_name)
+def read_hf_config(
+    url: str, settings: Settings, tenant_name: str, field: str = FIELD, check_access: bool = True
+) -> dict[str, Any]:
+    """The folder's config.json, once the tenant may read the folder (unless `check_access` is
+    False: an operator's folder); SpecError naming `field`."""
+    problem = data_url_problem(field, url, settings, tenant_name) if check_access else None
     if problem:
         raise _error(problem, field)
     try:
@@ -104,7 +116,7 @@ def read_hf_config(url: str, settings: Settings, tenant_name: str, field: str = 
     return config
 
 
-def fill_model_from_hf(data: Any, settings: Settings, tenant_name: str) -> Any:
+def fill_model_from_hf(data: Any, settings: Settings, tenant_name: str, check_access: bool = True) -> Any:
     """The raw submission with its model section completed from an hf: init_from's config.json;
     any other body is returned as it is (parse_spec judges it). Raises SpecError naming every
     `model.*` field that disagrees with the config, or `model.init_from` when the config cannot be
@@ -114,7 +126,7 @@ def fill_model_from_hf(data: Any, settings: Settings, tenant_name: str) -> Any:
     url = hf_folder_url(init_from) if isinstance(init_from, str) else None
     if url is None:
         return data
-    config = read_hf_config(url, settings, tenant_name)
+    config = read_hf_config(url, settings, tenant_name, check_access=check_access)
     try:
         # No seq_length here: check_spec_against_hf names a spec's too long one as model.seq_length.
         fields = model_fields_from_hf(config)

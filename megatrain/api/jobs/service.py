@@ -21,7 +21,7 @@ from megatrain.api.datasets.service import resolve_datasets
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.data_access import check_data_access
 from megatrain.api.jobs.downsample import minmax_indices
-from megatrain.api.jobs.hf_init import fill_model_from_hf, resolve_registered_model
+from megatrain.api.jobs.hf_init import fill_model
 from megatrain.api.jobs.schemas import JobPublic
 from megatrain.db.jobs import record_event, transition
 from megatrain.db.models import (
@@ -142,7 +142,7 @@ def parse_body(raw: bytes, content_type: str) -> Any:
 
 def _check_init_from(session: Session, spec: JobSpec, tenant: Tenant) -> None:
     """`checkpoint:JOB_ID[@STEP]` must name one of the tenant's own jobs (no reading others' weights);
-    hf:URL was checked (and the model filled) before parsing, by fill_model_from_hf."""
+    hf:URL was checked (and the model filled) before parsing, by hf_init.fill_model."""
     if not spec.model.init_from or not spec.model.init_from.startswith("checkpoint:"):
         return
     ref = spec.model.init_from.removeprefix("checkpoint:")
@@ -176,8 +176,7 @@ def validate_submission(
 ) -> tuple[JobSpec, Layout]:
     """Every rule a submission can break, in the order a user fixes them; raises SpecError/FieldError."""
     # hf:NAME becomes the registered hf:URL first: the stored spec never depends on the registry.
-    data = resolve_registered_model(data, session, tenant)
-    spec = parse_spec(fill_model_from_hf(data, settings, tenant.name))
+    spec = parse_spec(fill_model(session, settings, tenant, data))
     layout = resolve_layout(spec)
     pool = spec.resources.pool
     pool_id = session.scalar(select(NodePool.id).where(NodePool.name == pool))

@@ -76,10 +76,8 @@ def inspect_folder(settings: Settings, tenant_name: str | None, raw_url: str) ->
     (`tenant_name` None: the operator, who may name any folder), a config.json that is missing or
     that we cannot build, or no weights the engine can load."""
     url = _folder_url(raw_url)
-    if tenant_name is None:  # the operator: the folder itself is the one allowed root
-        settings, tenant_name = settings.model_copy(update={"allowed_data_roots": url}), "-"
     try:
-        config = read_hf_config(url, settings, tenant_name, "url")
+        config = read_hf_config(url, settings, tenant_name or "", "url", check_access=tenant_name is not None)
     except SpecError as exc:
         raise FieldError("url", exc.errors[0]["message"]) from None
     try:
