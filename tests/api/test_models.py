@@ -4,15 +4,22 @@ tenancy on every endpoint; and `model.init_from: hf:NAME` resolved at submission
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from api_handle import Api
+from fastapi.testclient import TestClient
 
+from megatrain.api.app import create_app
+from megatrain.api.auth import create_api_key
 from megatrain.api.models.schemas import ModelCreate
 from megatrain.api.models.service import register_shared
 from megatrain.db.session import session_scope
+from megatrain.settings import get_settings, reset_settings_cache
+from megatrain.storage import open_store
+from megatrain.worker.nodes import ensure_local_pool
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,3 +136,35 @@ def test_submission_resolves_hf_name_to_the_registered_url(api: Api) -> None:
     assert register(api, "theirs", folder.as_uri(), api.other_headers).status_code == 201
     spec["model"] = {"init_from": "hf:theirs"}
     assert _error(api.client.post("/v1/jobs", json=spec, headers=api.headers))[0] == "model.init_from"
+
+
+@pytest.fixture
+def s3_api(db_url: str, s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Api]:
+    # db_url first: its MEGATRAIN_HOME fixture clears MEGATRAIN_* (the S3 endpoint included).
+    monkeypatch.setenv("MEGATRAIN_STORAGE_URL", f"{s3_bucket_url}/prefix")
+    monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", s3_bucket_url + "/shared")
+    reset_settings_cache()
+    settings = get_settings()
+    with session_scope(db_url) as s:
+        ensure_local_pool(s, settings)
+        key, other = create_api_key(s, "acme"), create_api_key(s, "globex")
+    with TestClient(create_app(settings)) as client:
+        yield Api(client, settings, db_url, key, other, tmp_path)
+
+
+def test_a_folder_on_s3(s3_api: Api, s3_bucket_url: str, tmp_path: Path) -> None:
+    local = hf_folder(tmp_path / "llama")
+    bucket = open_store(s3_bucket_url)
+    for f in local.iterdir():
+        bucket.put_file(f"shared/llama/{f.name}", f)
+        if f.name == "config.json":
+            bucket.put_file(f"shared/config-only/{f.name}", f)
+    resp = register(s3_api, "on-s3", f"{s3_bucket_url}/shared/llama")
+    assert resp.status_code == 201 and resp.json()["url"] == f"{s3_bucket_url}/shared/llama", resp.text
+    assert "no weights" in _error(register(s3_api, "bare", f"{s3_bucket_url}/shared/config-only"))[1]
+    assert "outside the data" in _error(register(s3_api, "x", f"{s3_bucket_url}/elsewhere/llama"))[1]
+    spec = s3_api.spec("on-s3", model=None, data={"train": [{"path": f"{s3_bucket_url}/shared/c.jsonl"}]})
+    spec["model"] = {"init_from": "hf:on-s3", "seq_length": 32}
+    job = s3_api.submit(spec)
+    assert job["spec"]["model"]["init_from"] == f"hf:{s3_bucket_url}/shared/llama"
+    assert job["spec"]["model"]["hidden_size"] == 64
