@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatrain.engine.checkpoint import (
+    WEIGHT_FILES,
     CheckpointReader,
     CorruptCheckpoint,
     UnsupportedCheckpoint,
@@ -133,6 +134,26 @@ def test_latest_ignores_incomplete_and_names_corruption(tmp_path: Path, corpus: 
         load_checkpoint(root)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "nothing")
+
+
+def test_a_weights_only_copy_loads(tmp_path: Path, corpus: Path) -> None:
+    """Without the optimizer state's files a checkpoint still loads as a model (a weights-only
+    download), while a training resume needs every file."""
+    spec = parse_spec(tiny_spec(corpus, train_iters=2, checkpoint_interval=2, eval_interval=0))
+    run(spec, tmp_path / "run")
+    full = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    copy = tmp_path / "weights" / "iter_0000002"
+    copy.mkdir(parents=True)
+    for f in full.iterdir():
+        if f.name.startswith(WEIGHT_FILES):
+            shutil.copy(f, copy / f.name)
+    assert {f.name for f in full.iterdir()} - {f.name for f in copy.iterdir()} == {"state_00000_000.bin"}
+    a, _ = load_checkpoint(full)
+    b, _ = load_checkpoint(copy)
+    for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+    with pytest.raises(CorruptCheckpoint, match=r"state_00000_000\.bin is missing"):
+        open_folder(copy)
 
 
 def test_an_old_format_checkpoint_is_refused_by_name(tmp_path: Path) -> None:

@@ -117,11 +117,20 @@ def read_manifest(folder: Store) -> dict[str, Any]:
     return manifest
 
 
-def check_files(folder: Store, manifest: dict[str, Any], *, deep: bool = False) -> None:
-    """Every file the manifest names exists with its size (and, when deep, its sha256)."""
+WEIGHT_FILES = ("model_", "metadata.json", "trainer_state.json", "spec.json", "manifest.json")
+"""What a weights-only copy of a checkpoint holds (a download without the optimizer state)."""
+
+
+def check_files(
+    folder: Store, manifest: dict[str, Any], *, deep: bool = False, weights_only: bool = False
+) -> None:
+    """Every file the manifest names exists with its size (and, when deep, its sha256); with
+    weights_only, only the files the model's weights need (not the optimizer state)."""
     have = {o.key: o.size for o in folder.list()}
     for entry in manifest["files"]:
         name, size = entry["name"], entry["size"]
+        if weights_only and not name.startswith(WEIGHT_FILES):
+            continue
         if name not in have:
             raise CorruptCheckpoint(f"{folder.url}/{name} is missing")
         if have[name] != size:

@@ -116,9 +116,10 @@ class Folder:
         return metadata_from_json(read_json(self.store, METADATA_FILE))
 
 
-def open_folder(path_or_url: str | Path, *, deep: bool = False) -> Folder:
+def open_folder(path_or_url: str | Path, *, deep: bool = False, weights_only: bool = False) -> Folder:
     """A checkpoint folder itself, or a checkpoint root (its latest complete step); every file the
-    manifest names must be there with its size (and sha256 when deep), else CorruptCheckpoint."""
+    manifest names must be there with its size (and sha256 when deep), else CorruptCheckpoint. With
+    weights_only, a copy without the optimizer state's files (a weights-only download) is whole."""
     store = open_store(to_url(path_or_url))
     if not store.exists(MANIFEST_FILE):
         step = find_latest(store.url)
@@ -127,7 +128,7 @@ def open_folder(path_or_url: str | Path, *, deep: bool = False) -> Folder:
         elif store.exists(LATEST) or not store.list():
             raise FileNotFoundError(f"{store.url} holds no complete checkpoint")
     manifest = read_manifest(store)
-    check_files(store, manifest, deep=deep)
+    check_files(store, manifest, deep=deep, weights_only=weights_only)
     return Folder(store, manifest, read_json(store, STATE_FILE), read_json(store, SPEC_FILE))
 
 
@@ -191,7 +192,7 @@ class CheckpointReader:
     never holds more than the tensors it asked for)."""
 
     def __init__(self, path_or_url: str | Path):
-        self.folder = open_folder(path_or_url)
+        self.folder = open_folder(path_or_url, weights_only=True)  # reads model/* only
         self._metadata = self.folder.metadata()
 
     @property
