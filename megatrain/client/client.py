@@ -230,14 +230,18 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
         """State transitions and notable events, oldest first."""
         return list(_items(self._json("GET", f"/v1/jobs/{job_id}/events")))
 
-    def metrics(self, job_id: str, since_step: int | None = None) -> list[dict[str, Any]]:
-        """Metric rows (kind 'train' or 'val') with step > since_step, in step order."""
-        params = {"since_step": since_step} if since_step is not None else {}
+    def metrics(
+        self, job_id: str, since_step: int | None = None, kind: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Metric rows (kind 'train' or 'val', or only `kind`) with step > since_step, in step order."""
+        params = _metric_params(since_step, kind)
         return list(_items(self._json("GET", f"/v1/jobs/{job_id}/metrics", params=params)))
 
-    def stream_metrics(self, job_id: str, since_step: int | None = None) -> Iterator[dict[str, Any]]:
+    def stream_metrics(
+        self, job_id: str, since_step: int | None = None, kind: str | None = None
+    ) -> Iterator[dict[str, Any]]:
         """Metric rows as the server pushes them (SSE), until the job ends or the stream closes."""
-        params = {"since_step": since_step} if since_step is not None else {}
+        params = _metric_params(since_step, kind)
         headers = {"Accept": "text/event-stream"}
         try:
             with self._http.stream(
@@ -357,6 +361,13 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
             with open(target, "wb") as f:
                 for chunk in resp.iter_bytes(1 << 20):
                     f.write(chunk)
+
+
+def _metric_params(since_step: int | None, kind: str | None) -> dict[str, Any]:
+    params: dict[str, Any] = {} if since_step is None else {"since_step": since_step}
+    if kind is not None:
+        params["kind"] = kind
+    return params
 
 
 def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
