@@ -172,13 +172,23 @@ def download(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     step: Annotated[int | None, typer.Option(help="Checkpoint step; the latest if omitted.")] = None,
     to: Annotated[Path | None, typer.Option("--to", help="Destination folder.")] = None,
+    weights_only: Annotated[
+        bool, typer.Option("--weights-only", help="Only the model's files, not the optimizer state.")
+    ] = False,
 ) -> None:
-    """Download a checkpoint into a folder."""
+    """Download a checkpoint into a folder (JOB@STEP picks a step; the latest otherwise)."""
+    if "@" in job_id:
+        job_id, _, at = job_id.partition("@")
+        if not at.isdigit() or (step is not None and step != int(at)):
+            raise _fail(f"JOB@STEP needs a step number that agrees with --step, not {at!r}")
+        step = int(at)
     with Client() as client:
         if step is None:
             cps = client.checkpoints(job_id)
             if not cps:
                 raise _fail(f"job {job_id} has no checkpoints yet")
             step = cps[-1].step
-        path = client.download(job_id, step=step, dest=to or Path(f"{job_id}-iter_{step:07d}"))
-    _out().print(f"downloaded step {step} of job {job_id} to [bold]{escape(str(path))}[/bold]")
+        dest = to or Path(f"{job_id}-iter_{step:07d}")
+        path = client.download(job_id, step=step, dest=dest, weights_only=weights_only)
+    what = "the weights of step" if weights_only else "step"
+    _out().print(f"downloaded {what} {step} of job {job_id} to [bold]{escape(str(path))}[/bold]")

@@ -309,10 +309,18 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
         rows = _items(self._json("GET", f"/v1/jobs/{job_id}/checkpoints"))
         return sorted((Checkpoint.from_dict(r) for r in rows), key=lambda c: c.step)
 
-    def download(self, job_id: str, step: int | None = None, dest: str | Path | None = None) -> Path:
+    def download(
+        self,
+        job_id: str,
+        step: int | None = None,
+        dest: str | Path | None = None,
+        weights_only: bool = False,
+    ) -> Path:
         """Fetch a checkpoint (the latest when step is None) into the folder `dest`; returns it.
 
-        The folder ends up holding the checkpoint's files (model.safetensors, manifest.json, …).
+        The folder ends up holding the checkpoint's files (model_*.bin, manifest.json, …); with
+        weights_only, not the optimizer state (state_*.bin): `load_checkpoint` loads it, a resume
+        cannot.
         """
         if step is None:
             cps = self.checkpoints(job_id)
@@ -320,15 +328,27 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
                 raise ApiError(404, f"job {job_id} has no checkpoints yet")
             step = cps[-1].step
         dest = Path(dest) if dest is not None else Path(f"{job_id}-iter_{step:07d}")
-        return self._download_folder(f"/v1/jobs/{job_id}/checkpoints/{step}/download", dest)
+        path = f"/v1/jobs/{job_id}/checkpoints/{step}/download"
+        if weights_only:
+            return self._download_folder(path, dest, params={"weights_only": "true"}, weights_only=True)
+        return self._download_folder(path, dest)
 
-    def _download_folder(self, path: str, dest: Path, marker: str = "manifest.json") -> Path:
+    def _download_folder(
+        self,
+        path: str,
+        dest: Path,
+        marker: str = "manifest.json",
+        params: dict[str, str] | None = None,
+        weights_only: bool = False,
+    ) -> Path:
         """A download endpoint's folder (a tar stream or a JSON listing of file URLs) into `dest`,
-        which may be replaced only if it is empty or holds `marker` (an earlier download of its kind)."""
+        which may be replaced only if it is empty or holds `marker` (an earlier download of its kind).
+        With weights_only the manifest is checked only for the files a weights-only copy holds."""
         try:
             with self._http.stream(
                 "GET",
                 path,
+                params=params,
                 follow_redirects=True,
                 timeout=httpx.Timeout(self._http.timeout.connect, read=300.0),
             ) as resp:
@@ -338,9 +358,16 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
                 if resp.headers.get("content-type", "").startswith("application/json"):
                     listing = json.loads(resp.read())
                     return extract_checkpoint_files(
-                        listing, dest, self._fetch_to_file, base=str(resp.url), marker=marker
+                        listing,
+                        dest,
+                        self._fetch_to_file,
+                        base=str(resp.url),
+                        marker=marker,
+                        weights_only=weights_only,
                     )
-                return extract_checkpoint_tar(resp.iter_bytes(), dest, marker=marker)
+                return extract_checkpoint_tar(
+                    resp.iter_bytes(), dest, marker=marker, weights_only=weights_only
+                )
         except httpx.TransportError as exc:
             raise ApiUnreachable(self.api_url, str(exc) or type(exc).__name__) from None
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from megatrain.checkpoint_files import is_weight_file
 from megatrain.client.errors import MegatrainError
 
 
@@ -81,8 +82,9 @@ def _manifest_entries(manifest: Any) -> Iterator[tuple[str, dict[str, Any]]]:
                 yield info.get("path") or info["name"], info
 
 
-def verify_manifest(folder: Path) -> None:
-    """Check every file manifest.json lists against its size and sha256, where the manifest gives them."""
+def verify_manifest(folder: Path, weights_only: bool = False) -> None:
+    """Check every file manifest.json lists against its size and sha256, where the manifest gives them
+    (with weights_only, only the files a weights-only copy holds)."""
     import json
 
     path = folder / "manifest.json"
@@ -93,6 +95,8 @@ def verify_manifest(folder: Path) -> None:
     except ValueError as exc:
         raise DownloadError(f"manifest.json is not valid JSON: {exc}") from None
     for name, info in _manifest_entries(manifest):
+        if weights_only and not is_weight_file(name):
+            continue
         rel = safe_relative_path(name)
         target = folder / rel if rel else folder
         if not target.is_file():
@@ -110,7 +114,7 @@ def verify_manifest(folder: Path) -> None:
                 raise DownloadError(f"{name} does not match the sha256 in its manifest")
 
 
-def _finish(staging: Path, dest: Path, marker: str) -> Path:
+def _finish(staging: Path, dest: Path, marker: str, weights_only: bool = False) -> Path:
     root = staging
     entries = list(staging.iterdir())
     # Archives often wrap the checkpoint in its iter_XXXXXXX/ folder; the destination holds its contents.
@@ -118,7 +122,7 @@ def _finish(staging: Path, dest: Path, marker: str) -> Path:
         root = entries[0]
     if not any(root.iterdir()):
         raise DownloadError("the download held no files")
-    verify_manifest(root)
+    verify_manifest(root, weights_only)
     _check_dest(dest, marker)
     if dest.exists():
         shutil.rmtree(dest)
@@ -126,7 +130,9 @@ def _finish(staging: Path, dest: Path, marker: str) -> Path:
     return dest
 
 
-def extract_checkpoint_tar(chunks: Iterable[bytes], dest: Path, marker: str = "manifest.json") -> Path:
+def extract_checkpoint_tar(
+    chunks: Iterable[bytes], dest: Path, marker: str = "manifest.json", weights_only: bool = False
+) -> Path:
     """Write a (optionally compressed) tar stream's files under `dest`, safely; returns dest. An
     existing `dest` is replaced only if it is empty or holds `marker` (an earlier download)."""
     staging = _staging(dest, marker)
@@ -151,7 +157,7 @@ def extract_checkpoint_tar(chunks: Iterable[bytes], dest: Path, marker: str = "m
                         shutil.copyfileobj(src, out, 1 << 20)
         except tarfile.TarError as exc:
             raise DownloadError(f"the download is not a valid tar archive: {exc}") from None
-        return _finish(staging, dest, marker)
+        return _finish(staging, dest, marker, weights_only)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -162,6 +168,7 @@ def extract_checkpoint_files(
     fetch: Callable[[str, Path, str], None],
     base: str,
     marker: str = "manifest.json",
+    weights_only: bool = False,
 ) -> Path:
     """Fetch each {"path", "url", "size"} of a JSON listing (e.g. presigned S3 URLs) under `dest`."""
     files = listing.get("files") if isinstance(listing, dict) else None
@@ -179,6 +186,6 @@ def extract_checkpoint_files(
             size = item.get("size")
             if isinstance(size, int) and target.stat().st_size != size:
                 raise DownloadError(f"{rel} has {target.stat().st_size} bytes, the listing says {size}")
-        return _finish(staging, dest, marker)
+        return _finish(staging, dest, marker, weights_only)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

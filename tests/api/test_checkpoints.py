@@ -129,3 +129,20 @@ def test_a_missing_or_deleted_step_lists_the_steps_there_are(api: Api) -> None:
     write_checkpoint(api, job_id, 10)
     resp = api.client.get(f"{url}/7/download", headers=api.headers)
     assert resp.status_code == 404 and resp.json()["detail"].endswith("its checkpoints: 5, 10")
+
+
+def test_weights_only_download_leaves_out_the_optimizer_state(api: Api) -> None:
+    job_id = api.submit()["id"]
+    store = open_store(api.settings.resolved_storage_url)
+    prefix = f"jobs/{job_id}/checkpoints/iter_0000003"
+    names = ["model_00000.bin", "state_00000_000.bin", "metadata.json", "spec.json", "manifest.json"]
+    for name in names:
+        store.put_bytes(f"{prefix}/{name}", name.encode())
+    with session_scope(api.db_url) as s:
+        s.add(Checkpoint(job_id=job_id, step=3, uri=f"{store.url}/{prefix}", size_bytes=1))
+    url = f"/v1/jobs/{job_id}/checkpoints/3/download"
+    for query, want in (("", set(names)), ("?weights_only=true", set(names) - {"state_00000_000.bin"})):
+        resp = api.client.get(url + query, headers=api.headers)
+        assert resp.status_code == 200, resp.text
+        with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+            assert {m.name.removeprefix("iter_0000003/") for m in tar.getmembers()} == want

@@ -35,6 +35,7 @@ def download_checkpoint(
     settings: SettingsDep,
     step: Annotated[int, Path(ge=0, le=10**9)],
     format: Annotated[service.DownloadFormat, Query()] = "auto",  # noqa: A002 - the query name
+    weights_only: Annotated[bool, Query()] = False,
 ) -> Any:
     """Download the checkpoint saved at `step`.
 
@@ -47,8 +48,12 @@ def download_checkpoint(
       Storage without presigned URLs (file://) answers 422.
     - `format=auto` (default): `urls` where the storage presigns (s3://), else `tar`.
 
+    With `weights_only=true` only the files a model needs are offered (model_*.bin, metadata.json,
+    trainer_state.json, spec.json, manifest.json; `megatrain.checkpoint_files.WEIGHT_FILES`), not
+    the optimizer state (state_*.bin): `load_checkpoint` loads such a copy, a resume cannot.
+
     Clients tell the two apart by Content-Type, verify files against manifest.json, and 404 means
     no complete checkpoint at that step.
     """
-    files = service.locate(session, settings, job.id, step)
+    files = service.locate(session, settings, job.id, step, weights_only)
     return service.download_response(files, job.id, step, format)

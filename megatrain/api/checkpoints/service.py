@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
+from megatrain.checkpoint_files import is_weight_file
 from megatrain.db.models import Checkpoint, CheckpointTaskColumns
 from megatrain.settings import Settings
 from megatrain.storage import ObjectInfo, Store, open_store
@@ -82,8 +83,11 @@ class CheckpointFiles:
         return obj.key[len(self.prefix) + 1 :]
 
 
-def locate(session: Session, settings: Settings, job_id: str, step: int) -> CheckpointFiles:
-    """The files of a complete checkpoint; 404 when there is no such (complete) checkpoint."""
+def locate(
+    session: Session, settings: Settings, job_id: str, step: int, weights_only: bool = False
+) -> CheckpointFiles:
+    """The files of a complete checkpoint (with weights_only, only those a model needs, not the
+    optimizer state); 404 when there is no such (complete) checkpoint."""
     steps = [c.step for c in list_checkpoints(session, job_id)]
     if step not in steps:
         raise HTTPException(404, missing_step(job_id, step, steps))
@@ -94,7 +98,10 @@ def locate(session: Session, settings: Settings, job_id: str, step: int) -> Chec
         raise HTTPException(
             404, f"the checkpoint at step {step} of job {job_id} is incomplete or was deleted"
         )
-    return folder_files(store, prefix, folder)
+    files = folder_files(store, prefix, folder)
+    if weights_only:
+        files.objects = [o for o in files.objects if is_weight_file(files.relative(o))]
+    return files
 
 
 def folder_files(store: Store, prefix: str, folder: str) -> CheckpointFiles:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatrain.checkpoint_files import WEIGHT_FILES
 from megatrain.engine.checkpoint.dcp import CorruptCheckpoint, StoredFile
 from megatrain.storage import StorageError, Store, open_store
 
@@ -115,10 +116,6 @@ def read_manifest(folder: Store) -> dict[str, Any]:
             f"{FORMAT!r} (sharded) checkpoints only"
         )
     return manifest
-
-
-WEIGHT_FILES = ("model_", "metadata.json", "trainer_state.json", "spec.json", "manifest.json")
-"""What a weights-only copy of a checkpoint holds (a download without the optimizer state)."""
 
 
 def check_files(
