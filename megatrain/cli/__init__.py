@@ -9,7 +9,18 @@ stays quick and torch-free. Every user error ends as one red line and exit code 
 from __future__ import annotations
 
 # Importing the command modules registers their commands on `app`.
-from megatrain.cli import data, datasets, demo, exports, generate, jobs, metrics, models, server  # noqa: F401
+from megatrain.cli import (  # noqa: F401
+    data,
+    datasets,
+    demo,
+    exports,
+    generate,
+    jobs,
+    metrics,
+    models,
+    server,
+    stack,
+)
 from megatrain.cli.common import app
 
 

@@ -11,7 +11,16 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from megatrain.cli.common import _configure_logging, _err, _out, _server_errors, app, keys_app, tenants_app
+from megatrain.cli.common import (
+    _configure_logging,
+    _err,
+    _fail,
+    _out,
+    _server_errors,
+    app,
+    keys_app,
+    tenants_app,
+)
 from megatrain.settings import Settings, get_settings
 
 # -- server commands (this process runs the control plane) ---------------------------------------
@@ -94,11 +103,24 @@ def up(
     host: Annotated[str | None, typer.Option(help="Address to listen on (MEGATRAIN_HOST).")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on (MEGATRAIN_PORT).")] = None,
 ) -> None:
-    """Run the whole embedded stack (API, dashboard, scheduler, local executor) in this process."""
-    _configure_logging()
+    """Run the whole embedded stack (API, dashboard, scheduler, local executor) in this process.
+
+    If this MEGATRAIN_HOME's stack already runs, say so and exit 0 (`megatrain down` stops it)."""
+    from megatrain.cli.stack import remove_pid_file, running_stack, write_pid_file
+
     settings = get_settings()
     host = host or settings.host
     port = port or settings.port
+    running = running_stack(settings)
+    if running is not None:
+        _out().print(
+            f"a megatrain stack already runs from {settings.home} at {running.get('url', '?')} "
+            f"(pid {running['pid']}); stop it with `megatrain down`"
+        )
+        return
+    if not _port_free(host, port):
+        raise _fail(_port_taken(host, port))
+    _configure_logging()
     EmbeddedStack.prepare(settings)
     from megatrain.api.server import raise_open_file_limit
 
@@ -110,9 +132,41 @@ def up(
     out.print(f"database {settings.resolved_database_url}, storage {settings.resolved_storage_url}")
     if f"http://{host}:{port}" != settings.api_url.rstrip("/"):
         out.print(f"for the CLI elsewhere: export MEGATRAIN_API_URL=http://{host}:{port}")
-    out.print("press Ctrl-C to stop")
-    stack.serve_forever()
+    out.print("press Ctrl-C (or run `megatrain down`) to stop")
+    write_pid_file(settings, f"http://{host}:{port}")
+    try:
+        stack.serve_forever()
+    finally:
+        remove_pid_file(settings)
     out.print("stopped")
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_taken(host: str, port: int) -> str:
+    """Why `up` cannot listen on host:port: another megatrain stack (another home's), or not."""
+    from megatrain.client import Client, MegatrainError
+
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    try:
+        with Client(api_url=url, api_key="", timeout=3.0) as probe:
+            probe.health()
+    except MegatrainError:
+        return f"port {port} on {host} is taken by another program; pick another with --port"
+    return (
+        f"a megatrain API already answers at {url}, started from another MEGATRAIN_HOME or without "
+        "its pid file; stop it there (`megatrain down`), or pick another port with --port"
+    )
 
 
 @app.command("api")
