@@ -73,6 +73,17 @@ def _user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _still_running(job_id: str) -> typer.Exit:
+    """Ctrl-C while following a job stops the following, not the job: say so, and how to go on."""
+    _err().print(
+        f"\nstopped following; job {job_id} keeps running. "
+        f"Follow it again with `megatrain follow {job_id}` (or `megatrain logs {job_id} --follow`, "
+        f"`megatrain metrics {job_id} --follow`); cancel it with `megatrain cancel {job_id}`.",
+        markup=False,
+    )
+    return typer.Exit(130)
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 

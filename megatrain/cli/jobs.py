@@ -13,14 +13,22 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from megatrain.cli.common import _fail, _fmt, _out, _status, _user_errors, app
+from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
 from megatrain.client import Client, Job, LogLine
 
 # -- following a job ----------------------------------------------------------------------------
 
 
 def follow_job(client: Client, job_id: str, poll_interval_s: float = 1.0) -> Job:
-    """A live progress bar (step/total, loss, tokens/s, MFU) until the job ends; returns it."""
+    """A live progress bar (step/total, loss, tokens/s, MFU) until the job ends; returns it.
+    Ctrl-C ends the following (exit 130) with a note that the job keeps running."""
+    try:
+        return _follow_job(client, job_id, poll_interval_s)
+    except KeyboardInterrupt:
+        raise _still_running(job_id) from None
+
+
+def _follow_job(client: Client, job_id: str, poll_interval_s: float) -> Job:
     console = _out()
     columns = (
         TextColumn("{task.fields[status]}"),
@@ -77,6 +85,16 @@ def submit(
             final = follow_job(client, job.id)
             if final.status != "succeeded":
                 raise typer.Exit(1)
+
+
+@app.command()
+@_user_errors
+def follow(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """Show a job's progress until it ends (Ctrl-C stops following; the job keeps running)."""
+    with Client() as client:
+        final = follow_job(client, job_id)
+    if final.status != "succeeded":
+        raise typer.Exit(1)
 
 
 @app.command("list")
@@ -146,8 +164,13 @@ def logs(
     """Print a job's log lines."""
     with Client() as client:
         lines = client.follow_logs(job_id, after_seq) if follow else _all_logs(client, job_id, after_seq)
-        for line in lines:
-            typer.echo(line.line)
+        try:
+            for line in lines:
+                typer.echo(line.line)
+        except KeyboardInterrupt:
+            if follow:
+                raise _still_running(job_id) from None
+            raise
 
 
 def _all_logs(client: Client, job_id: str, after_seq: int) -> Iterator[LogLine]:

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from megatrain.cli.common import _fmt, _out, _user_errors, app
+from megatrain.cli.common import _fmt, _out, _still_running, _user_errors, app
 from megatrain.client import Client
 
 # (header, width, cell) per column; a train row and a val row share them (val rows carry val_loss).
@@ -65,8 +65,11 @@ def metrics(
         for row in rows:
             out.print(_line(_cells(row)))
         since = max((int(r["step"]) for r in rows), default=None)
-        for row in client.stream_metrics(job_id, since_step=since, kind=kind):
-            out.print(_line(_cells(row)))
+        try:
+            for row in client.stream_metrics(job_id, since_step=since, kind=kind):
+                out.print(_line(_cells(row)))
+        except KeyboardInterrupt:
+            raise _still_running(job_id) from None
         job = client.get_job(job_id)
     out.print(f"job {job.id} {job.status}")
 
