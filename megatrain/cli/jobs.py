@@ -109,21 +109,42 @@ def list_jobs(
     if not jobs:
         _out().print("no jobs" + (f" with status {status}" if status else ""))
         return
-    table = Table(box=None, header_style="bold")
-    for col in ("ID", "NAME", "STATUS", "STEP", "LOSS", "TOK/S", "MFU", "CREATED"):
-        table.add_column(col, no_wrap=col in ("ID", "STATUS"))
+    out = _out()
+    # Ids are what the other commands take: never cut. The name gives way (ellipsis); below 110
+    # columns the throughput columns go and the date is shortened, so 80 columns hold a row.
+    wide = out.width >= 110
+    headers = ["ID", "NAME", "STATUS", "STEP", "LOSS"] + (["TOK/S", "MFU"] if wide else []) + ["CREATED"]
+    rows = []
     for job in jobs:
-        table.add_row(
+        created = (job.created_at or "")[:19].replace("T", " ")
+        cells = [
             job.id,
-            escape(job.name),
-            _status(job.status),
+            job.name,
+            job.status,
             f"{job.current_step}/{job.total_steps}",
             _fmt(job.latest_loss, ".4f"),
-            _fmt(job.latest_tokens_per_s, ",.0f"),
-            "-" if job.latest_mfu is None else f"{100 * job.latest_mfu:.2f}%",
-            (job.created_at or "")[:19].replace("T", " "),
+        ]
+        if wide:
+            cells += [
+                _fmt(job.latest_tokens_per_s, ",.0f"),
+                "-" if job.latest_mfu is None else f"{100 * job.latest_mfu:.2f}%",
+            ]
+        rows.append([*cells, created if wide else created[5:16]])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    # What the other columns and the two-space gaps leave is the name's (at least 4 columns).
+    name_width = max(4, min(widths[1], out.width - sum(widths) + widths[1] - 2 * (len(headers) - 1)))
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for i, header in enumerate(headers):
+        table.add_column(
+            header,
+            no_wrap=True,
+            overflow="ellipsis" if header == "NAME" else "fold",
+            width=name_width if header == "NAME" else widths[i],
+            justify="right" if header in ("STEP", "LOSS", "TOK/S", "MFU") else "left",
         )
-    _out().print(table)
+    for row in rows:
+        table.add_row(row[0], escape(row[1]), _status(row[2]), *row[3:])
+    out.print(table, soft_wrap=False)  # soft wrap would let rows run past the width
 
 
 @app.command()
