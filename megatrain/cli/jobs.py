@@ -89,6 +89,20 @@ def submit(
 
 @app.command()
 @_user_errors
+def validate(spec: Annotated[Path, typer.Argument(help="Job spec file (YAML or JSON).")]) -> None:
+    """Run every check a submission runs (spec, layout, pool fit, data access) without submitting."""
+    with Client() as client:
+        check = client.validate(spec)
+    layout = ", ".join(
+        f"{k}={v}" for k, v in check.get("layout", {}).items() if not isinstance(v, dict | list)
+    )
+    n = check.get("num_procs")
+    procs = f"{n} process" + ("" if n == 1 else "es")
+    _out().print(f"{escape(str(spec))} is valid: {procs} ({escape(layout)})")
+
+
+@app.command()
+@_user_errors
 def follow(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     """Show a job's progress until it ends (Ctrl-C stops following; the job keeps running)."""
     with Client() as client:

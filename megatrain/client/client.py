@@ -181,18 +181,13 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
 
         With an idempotency key, submitting again returns the first job instead of a second one.
         """
-        if isinstance(spec, str | Path):
-            body = load_spec_file(spec)
-        elif isinstance(spec, dict):
-            body = spec
-        elif hasattr(spec, "model_dump"):
-            body = spec.model_dump(mode="json")
-        else:
-            raise SpecFileError(
-                f"a job spec must be a dict, a JobSpec or a file path, not {type(spec).__name__}"
-            )
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return Job.from_dict(self._json("POST", "/v1/jobs", json=body, headers=headers))
+        return Job.from_dict(self._json("POST", "/v1/jobs", json=_spec_body(spec), headers=headers))
+
+    def validate(self, spec: dict[str, Any] | JobSpec | str | Path) -> dict[str, Any]:
+        """Every check a submission runs (spec, layout, pool fit, data access), creating no job:
+        {"valid", "spec" (as stored), "layout", "num_procs"}; an invalid spec raises the 422."""
+        return dict(self._json("POST", "/v1/spec/validate", json=_spec_body(spec)))
 
     def get_job(self, job_id: str) -> Job:
         return Job.from_dict(self._json("GET", f"/v1/jobs/{job_id}"))
@@ -388,6 +383,16 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
             with open(target, "wb") as f:
                 for chunk in resp.iter_bytes(1 << 20):
                     f.write(chunk)
+
+
+def _spec_body(spec: dict[str, Any] | JobSpec | str | Path) -> dict[str, Any]:
+    if isinstance(spec, str | Path):
+        return load_spec_file(spec)
+    if isinstance(spec, dict):
+        return spec
+    if hasattr(spec, "model_dump"):
+        return dict(spec.model_dump(mode="json"))
+    raise SpecFileError(f"a job spec must be a dict, a JobSpec or a file path, not {type(spec).__name__}")
 
 
 def _metric_params(since_step: int | None, kind: str | None) -> dict[str, Any]:

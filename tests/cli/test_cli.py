@@ -260,3 +260,14 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
         Path(live_stack.settings.resolved_storage_url.removeprefix("file://")) / "datasets" / "python-stdlib"
     )
     assert any(corpus.iterdir())
+
+
+def test_validate(live_api: LiveApi, tmp_path: Path) -> None:
+    code, out = run("validate", str(_write_spec(tmp_path, live_api.spec("checked"))))
+    assert code == 0 and "is valid: 1 process (" in out and "tp=1" in out, out
+    spec = live_api.spec()
+    spec["model"]["hidden_size"] = 33
+    code, out = run("validate", str(_write_spec(tmp_path, spec, "bad.json")))
+    assert code == 1 and "model.hidden_size" in out and "422" in out, out
+    code, out = run("list")
+    assert code == 0 and "no jobs" in out, out  # validating submitted nothing
