@@ -260,3 +260,21 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
         Path(live_stack.settings.resolved_storage_url.removeprefix("file://")) / "datasets" / "python-stdlib"
     )
     assert any(corpus.iterdir())
+
+
+def test_a_bad_status_filter_names_the_states(live_api: LiveApi) -> None:
+    code, out = run("list", "--status", "done")
+    assert code == 1 and "invalid job spec" not in out, out
+    assert (
+        "unknown --status 'done'" in out and "queued, scheduled, running, succeeded, failed, cancelled" in out
+    ), out
+
+
+def test_an_ended_job_without_checkpoints_is_not_told_yet(live_api: LiveApi, tmp_path: Path) -> None:
+    code, out = run("submit", str(_write_spec(tmp_path, live_api.spec())))
+    job_id = JOB_ID.search(out).group(0)  # type: ignore[union-attr]
+    assert run("cancel", job_id)[0] == 0
+    code, out = run("download", job_id, "--to", str(tmp_path / "none"))
+    assert code == 1 and f"job {job_id} cancelled without saving a checkpoint" in out, out
+    code, out = run("cancel", job_id)
+    assert code == 1 and "was already cancelled" in out, out
