@@ -251,11 +251,19 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
         return spec
 
     monkeypatch.setattr(demo_mod, "demo_spec", tiny_demo_spec)
-    code, out = run("demo", "--to", str(tmp_path / "demo-ckpt"))
+    checkout = tmp_path / "checkout"  # the demo run from a checkout leaves nothing in it
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    code, out = run("demo")
     assert code == 0, out
     assert "succeeded" in out and "parameters" in out and "loss: first" in out, out
+    assert re.search(r"expected duration: about \d+ (s|min) for \d+ steps \(modelled", out), out
     assert live_stack.url + "/" in out
-    assert (tmp_path / "demo-ckpt" / "manifest.json").is_file()
+    assert not any(checkout.iterdir())
+    assert (live_stack.settings.home / "demo-checkpoint" / "manifest.json").is_file()
+    samples = out.split("samples from the trained model (greedy):\n", 1)[1].splitlines()
+    for prompt, line in zip(("def ", "import ", "class "), samples, strict=False):
+        assert line.startswith(f"  > {prompt}"), out
     corpus = (
         Path(live_stack.settings.resolved_storage_url.removeprefix("file://")) / "datasets" / "python-stdlib"
     )
