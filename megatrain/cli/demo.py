@@ -1,5 +1,5 @@
 """`megatrain demo`: start the embedded stack if none answers, train a small Llama on the Python
-standard library end to end, and load the downloaded checkpoint."""
+standard library end to end, load the downloaded checkpoint and sample a few lines from it."""
 
 from __future__ import annotations
 
@@ -99,9 +99,12 @@ def _demo_corpus(settings: Settings) -> str:
 @app.command()
 @_user_errors
 def demo(
-    to: Annotated[Path, typer.Option("--to", help="Where to put the final checkpoint.")] = Path(
-        "megatrain-demo-checkpoint"
-    ),
+    to: Annotated[
+        Path | None,
+        typer.Option(
+            "--to", help="Where to put the final checkpoint; default: demo-checkpoint in MEGATRAIN_HOME."
+        ),
+    ] = None,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree (a divisor of 4 heads).")] = 1,
     dp: Annotated[int, typer.Option(min=1, help="Data-parallel degree (a divisor of 16).")] = 1,
     sequence_parallel: Annotated[bool, typer.Option(help="Sequence parallelism (with tp > 1).")] = False,
@@ -111,7 +114,7 @@ def demo(
     ] = None,
 ) -> None:
     """Train a small Llama on the Python standard library's sources, end to end, and load the result."""
-    from megatrain.demo import demo_spec
+    from megatrain.demo import REFERENCE_CORES, demo_spec, expected_duration_s
 
     settings = get_settings()
     out = _out()
@@ -132,8 +135,17 @@ def demo(
         )
     corpus_url = _demo_corpus(settings)
     out.print(f"corpus: {corpus_url}")
+    spec = demo_spec(corpus_url, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
+    seconds = expected_duration_s(spec)
+    out.print(
+        f"expected duration: about {_minutes(seconds)} for {spec['training']['train_iters']} steps "
+        f"(modelled from a step time measured on a {REFERENCE_CORES}-core CPU, not on this machine; "
+        "longer when other processes share the cores, shorter on a GPU)"
+    )
+    # Outside any checkout: a relative default would leave an untracked folder in the current one.
+    to = to if to is not None else settings.home / "demo-checkpoint"
     with Client() as client:
-        job = client.submit(demo_spec(corpus_url, tp=tp, dp=dp, sequence_parallel=sequence_parallel))
+        job = client.submit(spec)
         out.print(f"submitted demo job [bold]{job.id}[/bold]; watch it at {client.api_url}/")
         final = follow_job(client, job.id)
         if final.status != "succeeded":
@@ -158,4 +170,27 @@ def demo(
             f"loss: first {train[0]['loss']:.4f} (step {train[0]['step']}) -> "
             f"final {train[-1]['loss']:.4f} (step {train[-1]['step']})"
         )
+    _print_samples(str(path), spec["model"]["seq_length"])
     out.print(f"dashboard: [bold]{client.api_url}/[/bold]")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _print_samples(checkpoint: str, seq_length: int, max_new_tokens: int = 80) -> None:
+    """A greedy continuation of each demo prompt from the downloaded checkpoint."""
+    from megatrain.demo import SAMPLE_PROMPTS
+    from megatrain.engine.sampling import CheckpointSampler
+
+    sampler = CheckpointSampler(keep=1)
+    out = _out()
+    out.print("samples from the trained model (greedy):")
+    for prompt in SAMPLE_PROMPTS:
+        # The byte tokenizer takes one token a byte; the model reads at most seq_length tokens.
+        budget = min(max_new_tokens, seq_length - len(prompt.encode()) - 1)
+        text = prompt + sampler.sample(checkpoint, prompt, budget).text
+        line = text.splitlines()[0] if text.strip() else text
+        # An undertrained model emits arbitrary bytes: keep control characters off the terminal.
+        line = "".join(c if c.isprintable() else "\N{MIDDLE DOT}" for c in line)
+        out.print(f"  [dim]>[/dim] {escape(line)}")

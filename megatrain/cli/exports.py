@@ -54,9 +54,10 @@ def checkpoints(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     with Client() as client:
         cps = client.checkpoints(job_id)
         exports = client.exports(job_id)
+        empty = "" if cps else client.get_job(job_id).no_checkpoints
     out = _out()
     if not cps:
-        out.print(f"job {job_id} has no checkpoints yet")
+        out.print(empty)
     else:
         table = Table(box=None, header_style="bold")
         for col in ("STEP", "SIZE", "SAVED"):

@@ -173,5 +173,5 @@ def _job_checkpoint(ref: str) -> Path:
 def _latest_step(client: Client, job_id: str) -> int:
     cps = client.checkpoints(job_id)
     if not cps:
-        raise ValueError(f"job {job_id} has no checkpoints yet")
+        raise ValueError(client.get_job(job_id).no_checkpoints)
     return int(cps[-1].step)

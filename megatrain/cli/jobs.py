@@ -15,6 +15,7 @@ from rich.table import Table
 
 from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
 from megatrain.client import Client, Job, LogLine
+from megatrain.db.models import JOB_STATES
 
 # -- following a job ----------------------------------------------------------------------------
 
@@ -114,10 +115,15 @@ def follow(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
 @app.command("list")
 @_user_errors
 def list_jobs(
-    status: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    status: Annotated[
+        str | None, typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")
+    ] = None,
     limit: Annotated[int, typer.Option(help="At most this many jobs, newest first.")] = 50,
 ) -> None:
     """List jobs, newest first."""
+    if status is not None and status not in JOB_STATES:
+        # Checked here: the API's 422 would read as a problem with a job spec.
+        raise _fail(f"unknown --status {status!r}; the states are {', '.join(JOB_STATES)}")
     with Client() as client:
         jobs = list(client.list_jobs(status=status, limit=limit))
     if not jobs:
@@ -244,7 +250,7 @@ def download(
         if step is None:
             cps = client.checkpoints(job_id)
             if not cps:
-                raise _fail(f"job {job_id} has no checkpoints yet")
+                raise _fail(client.get_job(job_id).no_checkpoints)
             step = cps[-1].step
         dest = to or Path(f"{job_id}-iter_{step:07d}")
         path = client.download(job_id, step=step, dest=dest, weights_only=weights_only)

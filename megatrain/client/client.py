@@ -320,7 +320,7 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
         if step is None:
             cps = self.checkpoints(job_id)
             if not cps:
-                raise ApiError(404, f"job {job_id} has no checkpoints yet")
+                raise ApiError(404, self.get_job(job_id).no_checkpoints)
             step = cps[-1].step
         dest = Path(dest) if dest is not None else Path(f"{job_id}-iter_{step:07d}")
         path = f"/v1/jobs/{job_id}/checkpoints/{step}/download"

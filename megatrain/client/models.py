@@ -55,6 +55,13 @@ class Job:
         return self.status in TERMINAL_STATUSES
 
     @property
+    def no_checkpoints(self) -> str:
+        """Says the job has no checkpoint; "yet" only while it may still save one."""
+        if self.done:
+            return f"job {self.id} {self.status} without saving a checkpoint"
+        return f"job {self.id} has no checkpoints yet"
+
+    @property
     def progress(self) -> float:
         """Fraction of total_steps done, in [0, 1]."""
         return min(1.0, self.current_step / self.total_steps) if self.total_steps else 0.0

@@ -12,9 +12,10 @@ import uuid
 import httpx
 from api_handle import Api
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from megatrain.api.app import create_app
-from megatrain.db.models import Checkpoint
+from megatrain.db.models import FAILED, Checkpoint, Job
 from megatrain.db.session import session_scope
 from megatrain.storage import open_store
 
@@ -129,6 +130,19 @@ def test_a_missing_or_deleted_step_lists_the_steps_there_are(api: Api) -> None:
     write_checkpoint(api, job_id, 10)
     resp = api.client.get(f"{url}/7/download", headers=api.headers)
     assert resp.status_code == 404 and resp.json()["detail"].endswith("its checkpoints: 5, 10")
+
+
+def test_a_failed_job_without_checkpoints_says_so_not_yet(api: Api) -> None:
+    job_id = api.submit()["id"]
+    with session_scope(api.db_url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(status=FAILED))
+    resp = api.client.get(f"/v1/jobs/{job_id}/checkpoints/5/download", headers=api.headers)
+    assert (
+        resp.status_code == 404
+        and resp.json()["detail"] == f"job {job_id} failed without saving a checkpoint"
+    )
+    resp = api.client.post(f"/v1/jobs/{job_id}/samples", json={"prompt": "def"}, headers=api.headers)
+    assert resp.status_code == 409 and "failed without saving a checkpoint" in resp.json()["detail"]
 
 
 def test_weights_only_download_leaves_out_the_optimizer_state(api: Api) -> None:

@@ -287,7 +287,7 @@ def test_cancel_transitions(api: Api) -> None:
     assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
     assert resp.json()["finished_at"] is not None
     again = api.client.post(f"/v1/jobs/{queued['id']}/cancel", headers=api.headers)
-    assert again.status_code == 409 and "cancelled" in again.json()["detail"]
+    assert again.status_code == 409 and f"job {queued['id']} was already cancelled;" in again.json()["detail"]
 
     for to_running, state in ((False, "scheduled"), (True, "running")):
         job = api.submit(api.spec(state, resources={"gpus": 1}))

@@ -251,15 +251,41 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
         return spec
 
     monkeypatch.setattr(demo_mod, "demo_spec", tiny_demo_spec)
-    code, out = run("demo", "--to", str(tmp_path / "demo-ckpt"))
+    checkout = tmp_path / "checkout"  # the demo run from a checkout leaves nothing in it
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    code, out = run("demo")
     assert code == 0, out
     assert "succeeded" in out and "parameters" in out and "loss: first" in out, out
+    assert re.search(r"expected duration: about \d+ (s|min) for \d+ steps \(modelled", out), out
     assert live_stack.url + "/" in out
-    assert (tmp_path / "demo-ckpt" / "manifest.json").is_file()
+    assert not any(checkout.iterdir())
+    assert (live_stack.settings.home / "demo-checkpoint" / "manifest.json").is_file()
+    samples = out.split("samples from the trained model (greedy):\n", 1)[1].splitlines()
+    for prompt, line in zip(("def ", "import ", "class "), samples, strict=False):
+        assert line.startswith(f"  > {prompt}"), out
     corpus = (
         Path(live_stack.settings.resolved_storage_url.removeprefix("file://")) / "datasets" / "python-stdlib"
     )
     assert any(corpus.iterdir())
+
+
+def test_a_bad_status_filter_names_the_states(live_api: LiveApi) -> None:
+    code, out = run("list", "--status", "done")
+    assert code == 1 and "invalid job spec" not in out, out
+    assert (
+        "unknown --status 'done'" in out and "queued, scheduled, running, succeeded, failed, cancelled" in out
+    ), out
+
+
+def test_an_ended_job_without_checkpoints_is_not_told_yet(live_api: LiveApi, tmp_path: Path) -> None:
+    code, out = run("submit", str(_write_spec(tmp_path, live_api.spec())))
+    job_id = JOB_ID.search(out).group(0)  # type: ignore[union-attr]
+    assert run("cancel", job_id)[0] == 0
+    code, out = run("download", job_id, "--to", str(tmp_path / "none"))
+    assert code == 1 and f"job {job_id} cancelled without saving a checkpoint" in out, out
+    code, out = run("cancel", job_id)
+    assert code == 1 and "was already cancelled" in out, out
 
 
 def test_validate(live_api: LiveApi, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
 from megatrain.checkpoint_files import is_weight_file
-from megatrain.db.models import Checkpoint, CheckpointTaskColumns
+from megatrain.db.models import TERMINAL_STATES, Checkpoint, CheckpointTaskColumns, Job
 from megatrain.settings import Settings
 from megatrain.storage import ObjectInfo, Store, open_store
 
@@ -35,10 +35,17 @@ def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
     return list(session.scalars(q).all())
 
 
-def missing_step(job_id: str, step: int, steps: list[int]) -> str:
+def no_checkpoints(job_id: str, status: str | None) -> str:
+    """Says a job has no checkpoint; "yet" only while it may still save one."""
+    if status in TERMINAL_STATES:
+        return f"job {job_id} {status} without saving a checkpoint"
+    return f"job {job_id} has no checkpoints yet"
+
+
+def missing_step(job_id: str, step: int, steps: list[int], status: str | None = None) -> str:
     """The 404's message, naming the steps the job has (retention may have deleted the one asked)."""
     if not steps:
-        return f"job {job_id} has no checkpoints yet"
+        return no_checkpoints(job_id, status)
     return f"job {job_id} has no checkpoint at step {step}; its checkpoints: {', '.join(map(str, steps))}"
 
 
@@ -49,7 +56,8 @@ def resolve_step(session: Session, settings: Settings, job_id: str, step: int | 
     if step is None and steps:
         step = steps[-1]
     if step is None or step not in steps:
-        raise HTTPException(404, missing_step(job_id, -1 if step is None else step, steps))
+        status = session.scalar(select(Job.status).where(Job.id == job_id))
+        raise HTTPException(404, missing_step(job_id, -1 if step is None else step, steps, status))
     store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
     if not store.exists(f"jobs/{job_id}/checkpoints/iter_{step:07d}/manifest.json"):
         raise HTTPException(
@@ -90,7 +98,8 @@ def locate(
     optimizer state); 404 when there is no such (complete) checkpoint."""
     steps = [c.step for c in list_checkpoints(session, job_id)]
     if step not in steps:
-        raise HTTPException(404, missing_step(job_id, step, steps))
+        status = session.scalar(select(Job.status).where(Job.id == job_id))
+        raise HTTPException(404, missing_step(job_id, step, steps, status))
     store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
     folder = f"iter_{step:07d}"
     prefix = f"jobs/{job_id}/checkpoints/{folder}"

@@ -308,6 +308,14 @@ def list_jobs(
     return page, encode_cursor(page[-1]) if len(rows) > limit else None
 
 
+# Past tense by state: "has already cancelled" would say the job cancelled something.
+_ENDED = {
+    "succeeded": "has already succeeded",
+    "failed": "has already failed",
+    "cancelled": "was already cancelled",
+}
+
+
 def cancel_job(session: Session, tenant: Tenant, job_id: str) -> Job:
     """Queued: cancelled now. Scheduled/running: `cancel_requested`, which the shard runner obeys.
     Terminal: 409. Retried when a concurrent change moved the job between our read and write."""
@@ -338,7 +346,7 @@ def cancel_job(session: Session, tenant: Tenant, job_id: str) -> Job:
         elif status in TERMINAL_STATES:
             raise HTTPException(
                 409,
-                f"job {job.id} has already {status}; only queued, scheduled or running jobs can be cancelled",
+                f"job {job.id} {_ENDED[status]}; only queued, scheduled or running jobs can be cancelled",
             )
         session.rollback()
     else:

@@ -20,7 +20,9 @@ def create_sample(session: Session, settings: Settings, job: Job, body: SampleCr
     has no checkpoint yet, 404 naming the steps it has for a missing step, 429 when the tenant has
     `max_pending_samples_per_tenant` samples waiting or running."""
     if not checkpoints.list_checkpoints(session, job.id):
-        raise HTTPException(409, f"job {job.id} has no checkpoints yet: there is nothing to sample from")
+        raise HTTPException(
+            409, f"{checkpoints.no_checkpoints(job.id, job.status)}: there is nothing to sample from"
+        )
     step = checkpoints.resolve_step(session, settings, job.id, body.step)
     limit = settings.max_pending_samples_per_tenant
     waiting = session.scalar(
