@@ -131,7 +131,7 @@ def demo(
     if proc is not None:
         out.print(
             f"the stack keeps running in the background (pid {proc.pid}, "
-            f"log {settings.home / 'megatrain-up.log'}); stop it with `kill {proc.pid}`"
+            f"log {settings.home / 'megatrain-up.log'}); stop it with `megatrain down`"
         )
     corpus_url = _demo_corpus(settings)
     out.print(f"corpus: {corpus_url}")

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
 from megatrain.client import Client, Job, LogLine
-from megatrain.db.models import JOB_STATES
+from megatrain.job_states import JOB_STATES
 
 # -- following a job ----------------------------------------------------------------------------
 

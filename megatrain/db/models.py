@@ -24,6 +24,18 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from megatrain.job_states import (  # noqa: F401 - re-exported for the database's users
+    ACTIVE_STATES,
+    CANCELLED,
+    FAILED,
+    JOB_STATES,
+    QUEUED,
+    RUNNING,
+    SCHEDULED,
+    SUCCEEDED,
+    TERMINAL_STATES,
+)
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -31,13 +43,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-# Job states. Active states hold node slots; terminal states never change again.
-QUEUED, SCHEDULED, RUNNING = "queued", "scheduled", "running"
-SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
-JOB_STATES = (QUEUED, SCHEDULED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
-ACTIVE_STATES = (SCHEDULED, RUNNING)
-TERMINAL_STATES = (SUCCEEDED, FAILED, CANCELLED)
 
 
 def utcnow() -> datetime:

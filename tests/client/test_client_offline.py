@@ -252,12 +252,18 @@ def _fetch_with(handler: Callable[[httpx.Request], httpx.Response]) -> Callable[
     return fetch
 
 
-def test_download_without_checkpoints_is_a_clear_error(tmp_path: Path) -> None:
-    with (
-        _client(lambda r: httpx.Response(200, json=[])) as c,
-        pytest.raises(ApiError, match="no checkpoints"),
-    ):
-        c.download("j1", dest=tmp_path / "x")
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [("running", "has no checkpoints yet"), ("failed", "failed without saving a checkpoint")],
+)
+def test_download_without_checkpoints_is_a_clear_error(tmp_path: Path, status: str, says: str) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path.endswith("/checkpoints"):
+            return httpx.Response(200, json=[])
+        return httpx.Response(200, json=_job(1, status=status))
+
+    with _client(handler) as c, pytest.raises(ApiError, match=says):
+        c.download("job-1", dest=tmp_path / "x")
 
 
 def test_credentials_file_formats(tmp_path: Path) -> None:
