@@ -11,16 +11,16 @@ so a deleted dataset and a new one of the same name never share an object.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from fastapi import HTTPException
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from megatrain.api.datasets.schemas import DatasetCreate, DatasetOptions, DatasetPublic
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.data_access import data_url_problem, normalise_data_url
+from megatrain.api.registry import find_named, get_named, list_named
 from megatrain.db.models import ACTIVE_STATES, PENDING, QUEUED, READY, Dataset, Job, Tenant, new_id
 from megatrain.settings import Settings
 from megatrain.spec import JSONL_SUFFIXES, JobSpec, SpecError
@@ -35,10 +35,6 @@ def folder_key(tenant_name: str | None, name: str, dataset_id: str) -> str:
     """The dataset's folder, relative to the storage root."""
     base = f"tenants/{tenant_name}/datasets" if tenant_name is not None else "datasets"
     return f"{base}/{name}/{dataset_id}"
-
-
-def _visible(tenant: Tenant) -> Any:
-    return or_(Dataset.tenant_id == tenant.id, Dataset.tenant_id.is_(None))
 
 
 def public_dataset(ds: Dataset) -> DatasetPublic:
@@ -68,22 +64,16 @@ def public_dataset(ds: Dataset) -> DatasetPublic:
 
 def find_dataset(session: Session, tenant: Tenant, name: str) -> Dataset | None:
     """The tenant's own dataset called `name`, else the shared one, else None."""
-    rows = session.scalars(select(Dataset).where(_visible(tenant), Dataset.name == name)).all()
-    own = [d for d in rows if d.tenant_id == tenant.id]
-    return (own or list(rows) or [None])[0]
+    return find_named(session, Dataset, tenant, name)
 
 
 def get_dataset(session: Session, tenant: Tenant, name: str) -> Dataset:
-    ds = find_dataset(session, tenant, name)
-    if ds is None:
-        raise HTTPException(404, f"dataset {name!r} not found")
-    return ds
+    return get_named(session, Dataset, tenant, name, "dataset")
 
 
 def list_datasets(session: Session, tenant: Tenant) -> list[Dataset]:
     """The tenant's datasets and the shared ones, by name (own before shared for equal names)."""
-    rows = session.scalars(select(Dataset).where(_visible(tenant))).all()
-    return sorted(rows, key=lambda d: (d.name, d.tenant_id is None, d.created_at))
+    return list_named(session, Dataset, tenant)
 
 
 def check_options(session: Session, settings: Settings, tenant: Tenant, options: DatasetOptions) -> None:

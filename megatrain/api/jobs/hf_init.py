@@ -15,10 +15,10 @@ import json
 import re
 from typing import Any
 
-from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from megatrain.api.jobs.data_access import data_url_problem
+from megatrain.api.registry import find_named
 from megatrain.db.models import RegisteredModel, Tenant
 from megatrain.hf_config import (
     HFConfigError,
@@ -52,14 +52,7 @@ def registered_name(init_from: str) -> str | None:
 
 def find_model(session: Session, tenant: Tenant, name: str) -> RegisteredModel | None:
     """The tenant's own model called `name`, else the shared one, else None."""
-    rows = session.scalars(
-        select(RegisteredModel).where(
-            or_(RegisteredModel.tenant_id == tenant.id, RegisteredModel.tenant_id.is_(None)),
-            RegisteredModel.name == name,
-        )
-    ).all()
-    own = [m for m in rows if m.tenant_id == tenant.id]
-    return (own or list(rows) or [None])[0]
+    return find_named(session, RegisteredModel, tenant, name)
 
 
 def resolve_registered_model(data: Any, session: Session, tenant: Tenant) -> tuple[Any, bool]:

@@ -12,14 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import HTTPException
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.data_access import DataUrlError, normalise_data_url
-from megatrain.api.jobs.hf_init import find_model, hf_folder_url, read_hf_config
+from megatrain.api.jobs.hf_init import hf_folder_url, read_hf_config
 from megatrain.api.models.schemas import ModelCreate, ModelPublic
+from megatrain.api.registry import get_named, list_named
 from megatrain.db.models import RegisteredModel, Tenant, new_id
 from megatrain.hf_config import HFConfigError, model_fields_from_hf
 from megatrain.settings import Settings
@@ -49,17 +50,12 @@ def public_model(m: RegisteredModel) -> ModelPublic:
 
 
 def get_model(session: Session, tenant: Tenant, name: str) -> RegisteredModel:
-    found = find_model(session, tenant, name)
-    if found is None:
-        raise HTTPException(404, f"model {name!r} not found")
-    return found
+    return get_named(session, RegisteredModel, tenant, name, "model")
 
 
 def list_models(session: Session, tenant: Tenant) -> list[RegisteredModel]:
     """The tenant's models and the shared ones, by name (own before shared for equal names)."""
-    visible = or_(RegisteredModel.tenant_id == tenant.id, RegisteredModel.tenant_id.is_(None))
-    rows = session.scalars(select(RegisteredModel).where(visible)).all()
-    return sorted(rows, key=lambda m: (m.name, m.tenant_id is None, m.created_at))
+    return list_named(session, RegisteredModel, tenant)
 
 
 def _folder_url(raw: str) -> str:
