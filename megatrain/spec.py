@@ -9,12 +9,20 @@ beside it.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from megatrain.spec_errors import (
+    Findings,
+    Problem,
+    SpecError,
+    collect_errors,
+    collecting,
+    report_rules,
+)
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
 MAX_DIM = 1 << 17
@@ -25,6 +33,10 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _rule(field: str, message: str) -> Problem:
+    return {"field": field, "message": message}
 
 
 class RopeScalingSpec(_Strict):
@@ -42,16 +54,21 @@ class RopeScalingSpec(_Strict):
     """llama3 only: the context length of pretraining (8192 in Llama 3.1)."""
 
     @model_validator(mode="after")
-    def _llama3_fields(self) -> RopeScalingSpec:
+    def _llama3_fields(self, info: ValidationInfo) -> RopeScalingSpec:
         llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         given = [k for k in llama3 if getattr(self, k) is not None]
+        out: list[Problem] = []
         if self.type == "llama3" and len(given) < len(llama3):
             missing = ", ".join(f"model.rope_scaling.{k}" for k in llama3 if k not in given)
-            raise ValueError(f"model.rope_scaling of type llama3 needs {missing}")
+            out.append(_rule("model.rope_scaling", f"model.rope_scaling of type llama3 needs {missing}"))
         if self.type == "linear" and given:
-            raise ValueError(f"model.rope_scaling.{given[0]} is only for type llama3")
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:  # type: ignore[operator]
-            raise ValueError("model.rope_scaling.high_freq_factor must exceed low_freq_factor")
+            field = f"model.rope_scaling.{given[0]}"
+            out.append(_rule(field, f"{field} is only for type llama3"))
+        low, high = self.low_freq_factor, self.high_freq_factor
+        if self.type == "llama3" and low is not None and high is not None and high <= low:
+            field = "model.rope_scaling.high_freq_factor"
+            out.append(_rule(field, f"{field} must exceed low_freq_factor"))
+        report_rules(info, out)
         return self
 
 
@@ -98,25 +115,41 @@ class ModelSpec(_Strict):
     safetensors, as file:///abs/path or s3://bucket/prefix)."""
 
     @model_validator(mode="after")
-    def _shapes(self) -> ModelSpec:
+    def _shapes(self, info: ValidationInfo) -> ModelSpec:
+        out: list[Problem] = []
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"model.hidden_size={self.hidden_size} is not divisible by "
-                f"model.num_attention_heads={self.num_attention_heads}"
+            out.append(
+                _rule(
+                    "model.hidden_size",
+                    f"model.hidden_size={self.hidden_size} is not divisible by "
+                    f"model.num_attention_heads={self.num_attention_heads}",
+                )
             )
         groups = self.num_query_groups or self.num_attention_heads
         if self.num_attention_heads % groups:
-            raise ValueError(
-                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"model.num_query_groups={groups}"
+            out.append(
+                _rule(
+                    "model.num_attention_heads",
+                    f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                    f"model.num_query_groups={groups}",
+                )
             )
         if self.rope_scaling is not None and self.arch == "gpt2":
-            raise ValueError("model.rope_scaling is only for arch llama (gpt2 has learned positions)")
-        if self.init_from is not None and not _valid_init_from(self.init_from):
-            raise ValueError(
-                "model.init_from must be null, checkpoint:JOB_ID[@STEP] or hf:URL "
-                "(file:///abs/path or s3://bucket/prefix of a Hugging Face model folder)"
+            out.append(
+                _rule(
+                    "model.rope_scaling",
+                    "model.rope_scaling is only for arch llama (gpt2 has learned positions)",
+                )
             )
+        if self.init_from is not None and not _valid_init_from(self.init_from):
+            out.append(
+                _rule(
+                    "model.init_from",
+                    "model.init_from must be null, checkpoint:JOB_ID[@STEP] or hf:URL "
+                    "(file:///abs/path or s3://bucket/prefix of a Hugging Face model folder)",
+                )
+            )
+        report_rules(info, out)
         return self
 
     @property
@@ -177,15 +210,18 @@ class TokenizerSpec(_Strict):
         return parse_tokenizer(v) if isinstance(v, str) else v
 
     @model_validator(mode="after")
-    def _fields_for_type(self) -> TokenizerSpec:
+    def _fields_for_type(self, info: ValidationInfo) -> TokenizerSpec:
+        path, name = "data.tokenizer.path", "data.tokenizer.name"
+        out: list[Problem] = []
         if self.type in ("hf", "sentencepiece") and not self.path:
-            raise ValueError(f"data.tokenizer.path is required when data.tokenizer.type is {self.type!r}")
+            out.append(_rule(path, f"{path} is required when data.tokenizer.type is {self.type!r}"))
         if self.type == "tiktoken" and not self.name:
-            raise ValueError("data.tokenizer.name is required when data.tokenizer.type is 'tiktoken'")
+            out.append(_rule(name, f"{name} is required when data.tokenizer.type is 'tiktoken'"))
         if self.type == "byte" and self.path:
-            raise ValueError("data.tokenizer.path must be empty when data.tokenizer.type is 'byte'")
+            out.append(_rule(path, f"{path} must be empty when data.tokenizer.type is 'byte'"))
         if self.type != "tiktoken" and self.name:
-            raise ValueError("data.tokenizer.name is only for data.tokenizer.type 'tiktoken'")
+            out.append(_rule(name, f"{name} is only for data.tokenizer.type 'tiktoken'"))
+        report_rules(info, out)
         return self
 
 
@@ -215,8 +251,9 @@ class DataSource(_Strict):
     weight: float = Field(1.0, gt=0.0, le=1e6)
 
     @model_validator(mode="after")
-    def _path_or_dataset(self) -> DataSource:
-        if self.path is None and self.dataset is None:
+    def _path_or_dataset(self, info: ValidationInfo) -> DataSource:
+        # A collector hears it from DataSpec, which knows the source's index.
+        if self.path is None and self.dataset is None and not collecting(info):
             raise ValueError("data.train needs a path or a dataset name in every source")
         return self
 
@@ -257,6 +294,18 @@ class DataSpec(_Strict):
         if len(nums) != 3 or any(n < 0 for n in nums) or nums[0] <= 0:
             raise ValueError(f"data.split={v!r} needs 3 non-negative parts with a positive train part")
         return v
+
+    @model_validator(mode="after")
+    def _sources(self, info: ValidationInfo) -> DataSpec:
+        report_rules(
+            info,
+            [
+                _rule(f"data.train.{i}", f"data.train.{i} needs a path or a dataset name")
+                for i, src in enumerate(self.train)
+                if src.path is None and src.dataset is None
+            ],
+        )
+        return self
 
     @property
     def split_fractions(self) -> tuple[float, float, float]:
@@ -310,23 +359,37 @@ class TrainingSpec(_Strict):
     seed: int = Field(1234, ge=0, le=2**31 - 1)
 
     @model_validator(mode="after")
-    def _batches(self) -> TrainingSpec:
+    def _batches(self, info: ValidationInfo) -> TrainingSpec:
+        out: list[Problem] = []
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"training.global_batch_size={self.global_batch_size} is not divisible by "
-                f"training.micro_batch_size={self.micro_batch_size}"
+            out.append(
+                _rule(
+                    "training.global_batch_size",
+                    f"training.global_batch_size={self.global_batch_size} is not divisible by "
+                    f"training.micro_batch_size={self.micro_batch_size}",
+                )
             )
         if self.warmup_iters > self.train_iters:
-            raise ValueError(
-                f"training.warmup_iters={self.warmup_iters} exceeds training.train_iters={self.train_iters}"
+            out.append(
+                _rule(
+                    "training.warmup_iters",
+                    f"training.warmup_iters={self.warmup_iters} exceeds "
+                    f"training.train_iters={self.train_iters}",
+                )
             )
         if self.min_loss_scale > self.initial_loss_scale:
-            raise ValueError(
-                f"training.min_loss_scale={self.min_loss_scale} exceeds "
-                f"training.initial_loss_scale={self.initial_loss_scale}"
+            out.append(
+                _rule(
+                    "training.min_loss_scale",
+                    f"training.min_loss_scale={self.min_loss_scale} exceeds "
+                    f"training.initial_loss_scale={self.initial_loss_scale}",
+                )
             )
         if self.min_lr > self.lr:
-            raise ValueError(f"training.min_lr={self.min_lr} exceeds training.lr={self.lr}")
+            out.append(
+                _rule("training.min_lr", f"training.min_lr={self.min_lr} exceeds training.lr={self.lr}")
+            )
+        report_rules(info, out)
         return self
 
 
@@ -392,9 +455,11 @@ class JobSpec(_Strict):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
 
     @model_validator(mode="after")
-    def _cross_field(self) -> JobSpec:
+    def _cross_field(self, info: ValidationInfo) -> JobSpec:
         if self.kind == "finetune" and not self.model.init_from:
-            raise ValueError("model.init_from is required when kind is 'finetune'")
+            report_rules(
+                info, [_rule("model.init_from", "model.init_from is required when kind is 'finetune'")]
+            )
         return self
 
     @property
@@ -403,56 +468,29 @@ class JobSpec(_Strict):
         return self.kind == "finetune" if self.data.packing is None else self.data.packing
 
 
-_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:=| is | must | exceeds)")
-# Location segments pydantic adds for union branches; no spec field has these names.
-_UNION_TAGS = {"ParallelismSpec", "int", "str", "float", "bool", "none"}
+JOB_SECTIONS = tuple(JobSpec.model_fields)
+SPEC_PLACEHOLDERS: dict[str, Any] = {"name": "unnamed", "data": {"train": [{"dataset": "unnamed"}]}}
+"""Valid stand-ins for the required top-level fields, so the rest of a spec missing one (or with
+a bad one) can still be judged; its field is then unknown, so no rule judges the stand-in."""
 
 
-class SpecError(ValueError):
-    """A spec that breaks a rule; `errors` lists each as {"field": "a.b", "message": "..."}."""
-
-    def __init__(self, errors: list[dict[str, str]]):
-        self.errors = errors
-        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
-
-
-def format_validation_errors(
-    exc: ValidationError, prefix: tuple[str | int, ...] = ()
-) -> list[dict[str, str]]:
-    """Pydantic errors as [{"field": "model.hidden_size", "message": ...}], the shape every caller shows."""
-    items: list[tuple[str, str, bool]] = []
-    for err in exc.errors(include_url=False):
-        raw = [str(p) for p in (*prefix, *err["loc"])]
-        # "Input should be 'auto'" from the literal branch of a union such as `parallelism`.
-        literal_branch = bool(raw) and raw[-1].startswith("literal[")
-        # Unions add the branch name ('ParallelismSpec', 'int', "literal['auto']") to the location.
-        loc = [p for p in raw if p not in _UNION_TAGS and not p.startswith("literal[")]
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        # Cross-field rules name their field first ("model.hidden_size=250 is not …"); point at it.
-        named = _NAMED_FIELD.match(msg)
-        field = ".".join(loc)
-        if named and (not field or named.group(1).startswith(field)):
-            field = named.group(1)
-        items.append((field or "spec", msg, literal_branch))
-    # The literal branch's complaint is noise when the other branch named a problem inside the
-    # field ({"parallelism": {"tp": 0}} is not meant to be 'auto').
-    return [
-        {"field": field, "message": msg}
-        for field, msg, literal_branch in items
-        if not (literal_branch and any(f.startswith(field + ".") for f, _, lb in items if not lb))
-    ]
+def check_spec(data: dict[str, Any], findings: Findings | None = None) -> tuple[JobSpec | None, Findings]:
+    """(the spec, every error it has): the spec is built with defaults standing in for failing
+    values (listed in `findings.unknown`), or None when even that fails."""
+    findings = findings if findings is not None else Findings(JOB_SECTIONS)
+    spec = collect_errors(JobSpec, data, SPEC_PLACEHOLDERS, findings)
+    return spec, findings
 
 
 def parse_spec(data: Any) -> JobSpec:
-    """Validate a dict into a JobSpec, raising SpecError with field-named messages."""
+    """Validate a dict into a JobSpec, raising SpecError with every error, each naming its field."""
     if not isinstance(data, dict):
         raise SpecError([{"field": "spec", "message": "a job spec must be a mapping (YAML or JSON object)"}])
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(format_validation_errors(exc)) from None
+    spec, findings = check_spec(data)
+    findings.raise_if_any()
+    if spec is None:  # unreachable: a spec that cannot be built has an error
+        raise SpecError([{"field": "spec", "message": "not a valid job spec"}])
+    return spec
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -1,0 +1,200 @@
+"""Every error a spec has, in one answer.
+
+Pydantic stops at a sub-model's field errors: its cross-field rules (`mode="after"` validators) run
+only once those fields are valid, so a user would fix a spec in rounds. `collect_errors` instead
+drops each failing value (its default stands in), validates again, and repeats until nothing new
+turns up. Cross-field rules report through `report_rules`: with a collector's sink in the
+validation context they add every broken rule and let the model be built; without one (a plain
+`model_validate`, an assignment) they raise the first, so a built model is always a valid one.
+
+A dropped value is *unknown*: a later error that names it (as its field, or in its message) is
+about the stand-in, not about the user's spec, and is left out (`Findings`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError, ValidationInfo
+
+Problem = dict[str, str]
+"""{"field": "model.hidden_size", "message": "..."}: one broken rule."""
+
+RULES_SINK = "megatrain.rule_problems"
+"""The validation-context key under which a collector gathers the cross-field rules' problems."""
+
+MAX_ROUNDS = 10
+"""Validations per spec: each round drops at least one value, and a spec has few levels."""
+
+_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:=| is | must | exceeds)")
+# Location segments pydantic adds for union branches; no spec field has these names.
+_UNION_TAGS = {"ParallelismSpec", "int", "str", "float", "bool", "none"}
+_MENTION = re.compile(r"\b[a-z_]+(?:\.(?:[a-z_][a-z0-9_]*|\d+))+")
+
+
+class SpecError(ValueError):
+    """A spec that breaks a rule; `errors` lists each as {"field": "a.b", "message": "..."}."""
+
+    def __init__(self, errors: list[Problem]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+def report_rules(info: ValidationInfo, problems: list[Problem]) -> None:
+    """A model validator's broken cross-field rules: into the collector's sink when one asked for
+    every error, else the first raised (pydantic names it by the model's location)."""
+    if not problems:
+        return
+    sink = info.context.get(RULES_SINK) if isinstance(info.context, dict) else None
+    if sink is None:
+        raise ValueError(problems[0]["message"])
+    sink.extend(problems)
+
+
+def collecting(info: ValidationInfo) -> bool:
+    """Whether a collector validates (a rule reported elsewhere may then stay quiet here)."""
+    return isinstance(info.context, dict) and RULES_SINK in info.context
+
+
+def related(a: str, b: str) -> bool:
+    """Whether one field is the other or holds it ("model" holds "model.hidden_size")."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+@dataclass
+class Findings:
+    """The errors found so far, and the fields whose given values were dropped (unknown)."""
+
+    sections: tuple[str, ...] = ()
+    """Top-level field names: a dotted word in a message starting with one names a field."""
+    errors: list[Problem] = field(default_factory=list)
+    unknown: set[str] = field(default_factory=set)
+
+    def names(self, problem: Problem) -> set[str]:
+        """The fields a problem is about: its own, and every field its message names."""
+        mentioned = {m for m in _MENTION.findall(problem["message"]) if m.split(".")[0] in self.sections}
+        return {problem["field"], *mentioned}
+
+    def depends_on_unknown(self, *fields: str) -> bool:
+        return any(related(f, u) for f in fields for u in self.unknown)
+
+    def has_error(self, *fields: str) -> bool:
+        """Whether an error found so far (or an unknown value) concerns one of `fields`."""
+        found = {n for e in self.errors for n in self.names(e)} | self.unknown
+        return any(related(f, g) for f in fields for g in found)
+
+    def add(self, problems: Iterable[Problem], unknown: Iterable[str] = ()) -> None:
+        """Record problems (each once; none judging an unknown value), then mark `unknown`."""
+        for problem in problems:
+            if problem not in self.errors and not self.depends_on_unknown(*self.names(problem)):
+                self.errors.append(problem)
+        self.unknown.update(unknown)
+
+    def raise_if_any(self) -> None:
+        if self.errors:
+            raise SpecError(self.errors)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    path: tuple[str | int, ...]
+    """Where the failing value sits in the submitted data (union branch tags removed)."""
+    kind: str
+    """Pydantic's error type ("missing", "int_parsing", ...)."""
+    problem: Problem
+
+
+def _failures(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[_Failure]:
+    items: list[tuple[_Failure, bool]] = []
+    for err in exc.errors(include_url=False):
+        raw = (*prefix, *err["loc"])
+        # "Input should be 'auto'" from the literal branch of a union such as `parallelism`.
+        literal_branch = bool(raw) and str(raw[-1]).startswith("literal[")
+        # Unions add the branch name ('ParallelismSpec', 'int', "literal['auto']") to the location.
+        path = tuple(p for p in raw if str(p) not in _UNION_TAGS and not str(p).startswith("literal["))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        # Rules name their field first ("model.hidden_size=250 is not …"); point at it.
+        named = _NAMED_FIELD.match(msg)
+        name = ".".join(str(p) for p in path)
+        if named and (not name or named.group(1).startswith(name)):
+            name = named.group(1)
+        items.append((_Failure(path, err["type"], {"field": name or "spec", "message": msg}), literal_branch))
+    # The literal branch's complaint is noise when the other branch named a problem inside the
+    # field ({"parallelism": {"tp": 0}} is not meant to be 'auto').
+    inside = [f.problem["field"] for f, lb in items if not lb]
+    return [f for f, lb in items if not (lb and any(g.startswith(f.problem["field"] + ".") for g in inside))]
+
+
+def format_validation_errors(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[Problem]:
+    """Pydantic errors as [{"field": "model.hidden_size", "message": ...}], the shape every caller shows."""
+    return [f.problem for f in _failures(exc, prefix)]
+
+
+def _drop(
+    data: dict[str, Any], path: tuple[str | int, ...], kind: str, placeholders: Mapping[str, Any]
+) -> str | None:
+    """Remove the value at `path` so its default stands in; the dotted field now unknown, or None
+    when nothing could be dropped. A list element takes its list along (dropping one would shift
+    the indices later errors are named by); a missing required field takes its parent along, up to
+    a top-level field, which gets its placeholder."""
+    while path:
+        parent: Any = data
+        for p in path[:-1]:
+            try:
+                parent = parent[p]
+            except (KeyError, IndexError, TypeError):
+                return None  # an enclosing value was dropped already
+        key = path[-1]
+        if isinstance(parent, list):
+            path, kind = path[:-1], "list"
+            continue
+        if not isinstance(parent, dict):
+            return None
+        if key in parent and kind != "missing":
+            if len(path) == 1 and key in placeholders:
+                parent[key] = copy.deepcopy(placeholders[key])
+            else:
+                del parent[key]
+            return ".".join(str(p) for p in path)
+        if kind != "missing":
+            return None  # dropped already, by an earlier failure of this round
+        if len(path) == 1:
+            if key not in placeholders:
+                return None
+            parent[key] = copy.deepcopy(placeholders[key])
+            return str(key)
+        path, kind = path[:-1], "parent"
+    return None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def collect_errors(
+    model: type[M], data: dict[str, Any], placeholders: Mapping[str, Any], findings: Findings
+) -> M | None:
+    """`data` validated into `model`, every error added to `findings`; the model built with
+    defaults (or `placeholders`, for required top-level fields) standing in for the failing values
+    (those are in `findings.unknown`), or None when even that could not be built."""
+    current = copy.deepcopy(data)
+    for _ in range(MAX_ROUNDS):
+        sink: list[Problem] = []
+        try:
+            built = model.model_validate(current, context={RULES_SINK: sink})
+            failures: list[_Failure] = []
+        except ValidationError as exc:
+            built, failures = None, _failures(exc)
+        findings.add([f.problem for f in failures] + sink)
+        if not failures:
+            return built
+        dropped = {_drop(current, f.path, f.kind, placeholders) for f in failures} - {None}
+        if not dropped:
+            return None
+        findings.unknown.update(d for d in dropped if d)
+    return None
