@@ -23,6 +23,17 @@ BASE_SPEC: dict[str, Any] = {
 }  # fmt: skip
 
 
+def write_corpus(path: Path, documents: int = 8) -> Path:
+    """A tiny JSONL corpus at `path` (submission checks that data files exist)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(
+            json.dumps({"text": f"document {i}: def f(x): return x + {i}"}) + "\n" for i in range(documents)
+        )
+    )
+    return path
+
+
 @dataclass
 class Api:
     client: TestClient

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from api_handle import Api
+from api_handle import Api, write_corpus
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
@@ -23,6 +23,7 @@ from megatrain.worker.nodes import ensure_local_pool
 def api(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Api]:
     data_root = tmp_path / "shared-data"
     data_root.mkdir()
+    write_corpus(data_root / "corpus.jsonl")  # what Api.spec() reads: submission checks it exists
     monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", data_root.as_uri())
     monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "4")
     monkeypatch.setenv("MEGATRAIN_MAX_REQUEST_BYTES", str(64 * 1024))

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import pytest
 import yaml
-from api_handle import Api
+from api_handle import Api, write_corpus
 from sqlalchemy import func, select
 
 from megatrain.db.jobs import reserve_and_schedule, transition
@@ -227,7 +229,7 @@ def test_data_paths_outside_the_allowed_prefixes(api: Api, tmp_path: Any) -> Non
         assert _fields(resp) == ["data.train.0.path"], path
     resp = api.client.post(
         "/v1/jobs",
-        json=_data_spec(api, f"{root}/c.jsonl", tokenizer="file:///etc/tok.json"),
+        json=_data_spec(api, f"{root}/corpus.jsonl", tokenizer="file:///etc/tok.json"),
         headers=api.headers,
     )
     assert _fields(resp) == ["data.tokenizer.path"]
@@ -244,10 +246,13 @@ def test_data_paths_inside_the_allowed_prefixes(api: Api) -> None:
         f"{api.data_root.as_uri()}/corpus.jsonl",
         f"{api.data_root.as_uri()}/with%20space.jsonl",
     ]
+    tokenizer = f"{storage}/datasets/tok.json"
+    for url in [*good, tokenizer]:  # submission checks that each exists
+        write_corpus(Path(unquote(urlparse(url).path)))
     for path in good:
         resp = api.client.post(
             "/v1/jobs",
-            json=_data_spec(api, path, tokenizer=f"{storage}/datasets/tok.json"),
+            json=_data_spec(api, path, tokenizer=tokenizer),
             headers=api.headers,
         )
         assert resp.status_code == 201, (path, resp.text)

@@ -163,6 +163,7 @@ def test_a_folder_on_s3(s3_api: Api, s3_bucket_url: str, tmp_path: Path) -> None
     assert resp.status_code == 201 and resp.json()["url"] == f"{s3_bucket_url}/shared/llama", resp.text
     assert "no weights" in _error(register(s3_api, "bare", f"{s3_bucket_url}/shared/config-only"))[1]
     assert "outside the data" in _error(register(s3_api, "x", f"{s3_bucket_url}/elsewhere/llama"))[1]
+    bucket.put_bytes("shared/c.jsonl", b'{"text": "x"}\n')  # submission checks that it exists
     spec = s3_api.spec("on-s3", model=None, data={"train": [{"path": f"{s3_bucket_url}/shared/c.jsonl"}]})
     spec["model"] = {"init_from": "hf:on-s3", "seq_length": 32}
     job = s3_api.submit(spec)

@@ -106,13 +106,27 @@ def data_url_problem(field: str, url: str, settings: Settings, tenant_name: str)
     )
 
 
-def check_data_access(spec: JobSpec, settings: Settings, tenant_name: str) -> None:
-    """Raise SpecError naming each data path (`data.train.0.path`, …) the tenant may not read."""
-    paths = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train) if src.path]
+def is_url(text: str) -> bool:
+    """Whether data.chat_template names a file (a tokenizer_config.json), not a built-in template:
+    the engine's own test (a built-in name has neither '/' nor ':')."""
+    return "/" in text or ":" in text
+
+
+def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
+    """(field, URL) of everything a job reads besides its init_from: data sources, tokenizer file,
+    chat template file."""
+    urls = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train) if src.path]
     if spec.data.tokenizer.path:
-        paths.append(("data.tokenizer.path", spec.data.tokenizer.path))
+        urls.append(("data.tokenizer.path", spec.data.tokenizer.path))
+    if spec.data.chat_template and is_url(spec.data.chat_template):
+        urls.append(("data.chat_template", spec.data.chat_template))
+    return urls
+
+
+def check_data_access(spec: JobSpec, settings: Settings, tenant_name: str) -> None:
+    """Raise SpecError naming each data URL (`data.train.0.path`, …) the tenant may not read."""
     errors = []
-    for field, url in paths:
+    for field, url in data_urls(spec):
         problem = data_url_problem(field, url, settings, tenant_name)
         if problem:
             errors.append({"field": field, "message": problem})

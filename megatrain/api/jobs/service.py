@@ -7,7 +7,6 @@ import base64
 import binascii
 import hashlib
 import json
-import re
 from datetime import datetime
 from typing import Any
 
@@ -17,12 +16,10 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from megatrain.api.datasets.service import resolve_datasets
 from megatrain.api.errors import FieldError
-from megatrain.api.jobs.data_access import check_data_access
 from megatrain.api.jobs.downsample import minmax_indices
-from megatrain.api.jobs.hf_init import fill_model
 from megatrain.api.jobs.schemas import JobPublic
+from megatrain.api.jobs.validation import JOB_ID_PATTERN, validate_submission
 from megatrain.db.jobs import record_event, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
@@ -34,19 +31,13 @@ from megatrain.db.models import (
     JobEvent,
     JobLog,
     JobMetric,
-    Node,
-    NodePool,
     Tenant,
     new_id,
     utcnow,
 )
-from megatrain.plan.layout import Layout, resolve_layout
-from megatrain.plan.memory import from_spec
-from megatrain.scheduler.placement import fit_problem, memory_problem
 from megatrain.settings import Settings
-from megatrain.spec import JobSpec, dump_spec, parse_spec
+from megatrain.spec import JobSpec, dump_spec
 
-JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
 YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
 JSON_TYPES = {"", "application/json"}
 
@@ -138,72 +129,6 @@ def parse_body(raw: bytes, content_type: str) -> Any:
 
 
 # -- submission -------------------------------------------------------------------------------
-
-
-def _check_init_from(session: Session, spec: JobSpec, tenant: Tenant) -> None:
-    """`checkpoint:JOB_ID[@STEP]` must name one of the tenant's own jobs (no reading others' weights);
-    hf:URL was checked (and the model filled) before parsing, by hf_init.fill_model."""
-    if not spec.model.init_from or not spec.model.init_from.startswith("checkpoint:"):
-        return
-    ref = spec.model.init_from.removeprefix("checkpoint:")
-    job_id, _, step = ref.partition("@")
-    if step and not step.isdigit():
-        raise FieldError(
-            "model.init_from", f"model.init_from={spec.model.init_from!r}: STEP must be an integer"
-        )
-    owned = JOB_ID_PATTERN.match(job_id) and session.scalar(
-        select(Job.id).where(Job.id == job_id, Job.tenant_id == tenant.id)
-    )
-    if not owned:
-        raise FieldError("model.init_from", f"model.init_from names job {job_id!r}, which does not exist")
-
-
-def _check_memory_fit(spec: JobSpec, layout: Layout, device_memory: list[int], pool: str) -> None:
-    """Refuse a job whose per-device memory (the engine's analytical estimate, worst pipeline stage)
-    exceeds every device of its pool: it would fail allocating on every attempt."""
-    try:
-        estimate = from_spec(spec, layout)
-    except ValueError:  # a Hugging Face tokenizer without model.vocab_size: sized only by the engine
-        return
-    text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
-    problem = memory_problem(estimate.total_bytes, text, device_memory, pool)
-    if problem:
-        raise FieldError("model", problem)
-
-
-def validate_submission(
-    session: Session, settings: Settings, tenant: Tenant, data: Any
-) -> tuple[JobSpec, Layout]:
-    """Every rule a submission can break, in the order a user fixes them; raises SpecError/FieldError."""
-    # hf:NAME becomes the registered hf:URL first: the stored spec never depends on the registry.
-    spec = parse_spec(fill_model(session, settings, tenant, data))
-    layout = resolve_layout(spec)
-    pool = spec.resources.pool
-    pool_id = session.scalar(select(NodePool.id).where(NodePool.name == pool))
-    if pool_id is None:
-        known = sorted(session.scalars(select(NodePool.name)).all())
-        raise FieldError(
-            "resources.pool",
-            f"resources.pool={pool!r} is not a known pool (known: {', '.join(known) or 'none'})",
-        )
-    nodes = session.execute(
-        select(Node.slots_total, Node.device_memory_bytes).where(Node.pool_id == pool_id)
-    ).all()
-    slots = [n.slots_total for n in nodes]
-    problem = fit_problem(layout, slots, pool)
-    if problem:
-        raise FieldError("resources.pool" if not slots else "resources.gpus", problem)
-    _check_memory_fit(spec, layout, [n.device_memory_bytes for n in nodes if n.device_memory_bytes], pool)
-    resolve_datasets(session, spec, tenant)  # named datasets become their indexed prefixes
-    check_data_access(spec, settings, tenant.name)
-    _check_init_from(session, spec, tenant)
-    if spec.resources.priority > tenant.max_priority:
-        raise FieldError(
-            "resources.priority",
-            f"resources.priority={spec.resources.priority} exceeds this tenant's maximum priority "
-            f"{tenant.max_priority}",
-        )
-    return spec, layout
 
 
 def spec_hash(spec: JobSpec) -> str:

@@ -1,0 +1,192 @@
+"""Every check a submission runs, all of them, answered in one 422 listing every error.
+
+The spec's own rules first (megatrain.spec.check_spec: field errors and every cross-field rule),
+then the layout, the pool and its fit, the named datasets, data access, data existence, init_from
+and priority. A check whose inputs are broken is skipped rather than run on a stand-in: a value the
+spec rules dropped (Findings.unknown) is never judged again, and memory fit waits for a valid
+layout, pool and model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.api.datasets.service import resolve_datasets
+from megatrain.api.jobs.data_access import data_url_problem, data_urls
+from megatrain.api.jobs.data_exists import data_checks, missing_data
+from megatrain.api.jobs.hf_init import fill_model
+from megatrain.db.models import Job, Node, NodePool, Tenant
+from megatrain.plan.layout import Layout, resolve_layout
+from megatrain.plan.memory import from_spec
+from megatrain.scheduler.placement import fit_problem, memory_problem
+from megatrain.settings import Settings
+from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
+from megatrain.spec_errors import Findings, Problem
+
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
+
+LAYOUT_INPUTS = (
+    "model.num_layers",
+    "model.hidden_size",  # (and arch) size ffn_hidden_size when it is not given
+    "model.arch",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.ffn_hidden_size",
+    "model.vocab_size",
+    "model.seq_length",
+    "training.global_batch_size",
+    "training.micro_batch_size",
+    "parallelism",
+    "resources.gpus",
+    "resources.devices",  # the device-neutral name of resources.gpus
+)
+"""The spec fields resolve_layout reads: with one of them dropped, its verdict would be the stand-in's."""
+MEMORY_INPUTS = ("model", "training", "parallelism")
+"""The memory estimate reads the whole model and training setup: any error there, and it waits."""
+
+
+def _problem(field: str, message: str) -> Problem:
+    return {"field": field, "message": message}
+
+
+def _layout(spec: JobSpec, findings: Findings) -> Layout | None:
+    if findings.depends_on_unknown(*LAYOUT_INPUTS):
+        return None
+    try:
+        return resolve_layout(spec)
+    except SpecError as exc:
+        findings.add(exc.errors)
+        return None
+
+
+def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> list[Any] | None:
+    """The pool's nodes (slots, device memory), or None when the pool is unknown or not named well."""
+    if findings.depends_on_unknown("resources.pool"):
+        return None
+    pool = spec.resources.pool
+    pool_id = session.scalar(select(NodePool.id).where(NodePool.name == pool))
+    if pool_id is None:
+        known = sorted(session.scalars(select(NodePool.name)).all())
+        findings.add(
+            [
+                _problem(
+                    "resources.pool",
+                    f"resources.pool={pool!r} is not a known pool (known: {', '.join(known) or 'none'})",
+                )
+            ]
+        )
+        return None
+    rows = select(Node.slots_total, Node.device_memory_bytes).where(Node.pool_id == pool_id)
+    return list(session.execute(rows).all())
+
+
+def _fit(spec: JobSpec, layout: Layout, nodes: list[Any], findings: Findings) -> None:
+    pool = spec.resources.pool
+    slots = [n.slots_total for n in nodes]
+    problem = fit_problem(layout, slots, pool)
+    if problem:
+        findings.add([_problem("resources.pool" if not slots else "resources.gpus", problem)])
+    if findings.has_error(*MEMORY_INPUTS):
+        return
+    # A job whose per-device memory (the engine's analytical estimate, worst pipeline stage)
+    # exceeds every device of its pool would fail allocating on every attempt.
+    try:
+        estimate = from_spec(spec, layout)
+    except ValueError:  # a Hugging Face tokenizer without model.vocab_size: sized only by the engine
+        return
+    text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
+    memory = [n.device_memory_bytes for n in nodes if n.device_memory_bytes]
+    problem = memory_problem(estimate.total_bytes, text, memory, pool)
+    if problem:
+        findings.add([_problem("model", problem)])
+
+
+def _datasets(session: Session, spec: JobSpec, tenant: Tenant, findings: Findings) -> None:
+    """Named datasets become their indexed prefixes (megatrain.api.datasets)."""
+    named = [f"data.train.{i}.dataset" for i, src in enumerate(spec.data.train) if src.dataset]
+    if not named or findings.depends_on_unknown("data.tokenizer", *named):
+        return
+    try:
+        resolve_datasets(session, spec, tenant)
+    except SpecError as exc:
+        findings.add(exc.errors)
+
+
+def _data(spec: JobSpec, settings: Settings, tenant: Tenant, findings: Findings) -> None:
+    """Each data URL the tenant may read, then whether it exists (only those it may read: the API
+    answers no questions about other files)."""
+    readable = set()
+    for field, url in data_urls(spec):
+        if findings.depends_on_unknown(field):
+            continue
+        problem = data_url_problem(field, url, settings, tenant.name)
+        if problem:
+            findings.add([_problem(field, problem)])
+        else:
+            readable.add(field)
+    checks = [c for c in data_checks(spec) if c.field in readable]
+    findings.add(missing_data(checks, settings.s3_endpoint_url))
+
+
+def _init_from(session: Session, spec: JobSpec, tenant: Tenant) -> Problem | None:
+    """`checkpoint:JOB_ID[@STEP]` must name one of the tenant's own jobs (no reading others' weights);
+    hf:URL was checked (and the model filled) before parsing, by hf_init.fill_model."""
+    if not spec.model.init_from or not spec.model.init_from.startswith("checkpoint:"):
+        return None
+    ref = spec.model.init_from.removeprefix("checkpoint:")
+    job_id, _, step = ref.partition("@")
+    field = "model.init_from"
+    if step and not step.isdigit():
+        return _problem(field, f"model.init_from={spec.model.init_from!r}: STEP must be an integer")
+    owned = JOB_ID_PATTERN.match(job_id) and session.scalar(
+        select(Job.id).where(Job.id == job_id, Job.tenant_id == tenant.id)
+    )
+    if not owned:
+        return _problem(field, f"model.init_from names job {job_id!r}, which does not exist")
+    return None
+
+
+def _priority(spec: JobSpec, tenant: Tenant) -> Problem | None:
+    if spec.resources.priority <= tenant.max_priority:
+        return None
+    return _problem(
+        "resources.priority",
+        f"resources.priority={spec.resources.priority} exceeds this tenant's maximum priority "
+        f"{tenant.max_priority}",
+    )
+
+
+def validate_submission(
+    session: Session, settings: Settings, tenant: Tenant, data: Any
+) -> tuple[JobSpec, Layout]:
+    """The spec and its layout, or SpecError listing every rule the submission breaks."""
+    findings = Findings(JOB_SECTIONS)
+    try:
+        # hf:NAME becomes the registered hf:URL first: the stored spec never depends on the registry.
+        data = fill_model(session, settings, tenant, data)
+    except SpecError as exc:
+        # The model section was to come from the folder: what the spec holds of it is partial.
+        findings.add(exc.errors, unknown=["model"])
+    if not isinstance(data, dict):
+        raise SpecError([_problem("spec", "a job spec must be a mapping (YAML or JSON object)")])
+    spec, findings = check_spec(data, findings)
+    if spec is None:
+        findings.raise_if_any()
+        raise SpecError([_problem("spec", "not a valid job spec")])  # unreachable: see check_spec
+    layout = _layout(spec, findings)
+    nodes = _pool_nodes(session, spec, findings)
+    if layout is not None and nodes is not None:
+        _fit(spec, layout, nodes, findings)
+    _datasets(session, spec, tenant, findings)
+    _data(spec, settings, tenant, findings)
+    if not findings.depends_on_unknown("model.init_from"):
+        findings.add(filter(None, [_init_from(session, spec, tenant)]))
+    if not findings.depends_on_unknown("resources.priority"):
+        findings.add(filter(None, [_priority(spec, tenant)]))
+    findings.raise_if_any()
+    assert layout is not None  # no error: every check ran, the layout's too
+    return spec, layout
