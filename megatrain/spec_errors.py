@@ -94,6 +94,12 @@ class Findings:
                 self.errors.append(problem)
         self.unknown.update(unknown)
 
+    def add_for_new_fields(self, problems: Iterable[Problem]) -> None:
+        """Record the problems of fields that have none yet: a field's first error is enough where
+        a later rule restates it ("10 is not divisible by 3", then "... by 3×2")."""
+        seen = {e["field"] for e in self.errors}
+        self.add(p for p in problems if p["field"] not in seen)
+
     def raise_if_any(self) -> None:
         if self.errors:
             raise SpecError(self.errors)

@@ -69,15 +69,17 @@ def test_restart_loses_no_job_and_no_metric(
         "MEGATRAIN_CPU_SLOTS": "2",
     }
     log = tmp_path / "up.log"
+    corpus = tmp_path / "data" / "corpus.jsonl"  # submission checks that it exists
+    corpus.parent.mkdir()
+    corpus.write_text('{"text": "never read: the fake engine makes up its losses"}\n')
     spec = {
         "name": "survivor",
-        "data": {"train": [{"path": "file:///dev/null"}]},
+        "data": {"train": [{"path": corpus.as_uri()}]},
         "training": {"train_iters": TRAIN_ITERS, "log_interval": 1, "checkpoint_interval": 10,
                      "global_batch_size": 4, "micro_batch_size": 1, "warmup_iters": 0},
         "resources": {"gpus": 1},
     }  # fmt: skip
-    # /dev/null is outside the tenant's data roots; the fake engine never reads it, so allow it.
-    env["MEGATRAIN_ALLOWED_DATA_ROOTS"] = "file:///dev/"
+    env["MEGATRAIN_ALLOWED_DATA_ROOTS"] = corpus.parent.as_uri()
 
     first = _start_up(port, env, log)
     second = None

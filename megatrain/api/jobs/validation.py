@@ -59,7 +59,7 @@ def _layout(spec: JobSpec, findings: Findings) -> Layout | None:
     try:
         return resolve_layout(spec)
     except SpecError as exc:
-        findings.add(exc.errors)
+        findings.add_for_new_fields(exc.errors)
         return None
 
 
