@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from megatrain.spec import (
     JobSpec,
@@ -167,6 +168,57 @@ def test_several_errors_are_all_reported() -> None:
     spec = with_("model.num_layers", 0, with_("training.lr", -1, with_("resources.gpus", 0)))
     fields = sorted(e["field"] for e in errors_of(spec))
     assert fields == ["model.num_layers", "resources.gpus", "training.lr"]
+
+
+def test_field_errors_do_not_hide_the_rules_between_fields() -> None:
+    # Pydantic runs a section's cross-field rules only once its fields are valid; parse_spec does
+    # not stop there: the bad value is dropped and the rest judged.
+    spec = with_("model", {"num_layers": 0, "hidden_size": 250, "num_attention_heads": 8,
+                           "num_query_groups": 3})  # fmt: skip
+    spec = with_("name", "not a name", with_("kind", "finetune", spec))
+    assert [e["field"] for e in errors_of(spec)] == [
+        "name",
+        "model.num_layers",
+        "model.hidden_size",
+        "model.num_attention_heads",
+        "model.init_from",
+    ]
+
+
+def test_every_broken_rule_of_a_section() -> None:
+    spec = with_("training", {"global_batch_size": 10, "micro_batch_size": 4, "warmup_iters": 300,
+                              "min_lr": 1.0, "lr": 0.1})  # fmt: skip
+    spec = with_("data.tokenizer", {"type": "byte", "name": "gpt2"}, spec)
+    spec = with_("data.train", [{"weight": 2}, {"path": "file:///x.jsonl"}, {}], spec)
+    assert [e["field"] for e in errors_of(spec)] == [
+        "data.tokenizer.name",
+        "data.train.0",
+        "data.train.2",
+        "training.global_batch_size",
+        "training.warmup_iters",
+        "training.min_lr",
+    ]
+
+
+def test_no_error_about_a_value_that_stands_in() -> None:
+    # hidden_size 'x' gives way to its default 256, which 12 heads do not divide: not the user's error.
+    errors = errors_of(with_("model", {"hidden_size": "x", "num_attention_heads": 12}))
+    assert [e["field"] for e in errors] == ["model.hidden_size"]
+    # 0 heads give way to 8; 250 % 8 names num_attention_heads in its message: left out too.
+    assert [
+        e["field"] for e in errors_of(with_("model", {"hidden_size": 250, "num_attention_heads": 0}))
+    ] == ["model.num_attention_heads"]
+    # A bad rope_scaling part drops the whole (required parts can't take defaults): one error each.
+    errors = errors_of(with_("model.rope_scaling", {"type": "llama3", "factor": -1}))
+    assert [e["field"] for e in errors] == ["model.rope_scaling.factor"], errors
+
+
+def test_a_plain_model_validate_still_stops_at_the_first_rule() -> None:
+    # Outside parse_spec a built model is always a valid one (the engine and assignments rely on it).
+    bad = with_("training", {"global_batch_size": 10, "micro_batch_size": 4, "warmup_iters": 300})
+    with pytest.raises(ValidationError) as ei:
+        JobSpec.model_validate(bad)
+    assert len(ei.value.errors()) == 1 and "global_batch_size=10" in str(ei.value)
 
 
 def test_required_and_non_mapping() -> None:
