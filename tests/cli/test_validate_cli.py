@@ -1,0 +1,28 @@
+"""`megatrain validate SPEC` prints every error of a spec, one per line (against the real API)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fixtures.live import LiveApi
+from typer.testing import CliRunner
+
+from megatrain.cli import app
+
+
+def test_every_error_on_its_own_line(live_api: LiveApi, tmp_path: Path) -> None:
+    spec = live_api.spec("many-errors")
+    spec["model"].update(num_layers=0, hidden_size=31)  # a bound, and hidden vs heads
+    spec["resources"]["pool"] = "nowhere"
+    spec["data"]["train"].append({"path": (live_api.data_path.parent / "missing.jsonl").as_uri()})
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    result = CliRunner().invoke(app, ["validate", str(path)], env={"COLUMNS": "200"})
+    out = result.output
+    assert result.exit_code == 1 and "Traceback" not in out, out
+    lines = [line.strip() for line in out.splitlines()]
+    assert any(line.startswith("error: invalid job spec (HTTP 422)") for line in lines), out
+    for field in ("model.num_layers", "model.hidden_size", "resources.pool", "data.train.1.path"):
+        assert sum(line.startswith(f"{field}: ") for line in lines) == 1, (field, out)
+    assert "missing.jsonl' does not exist" in out
