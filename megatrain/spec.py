@@ -2,8 +2,8 @@
 
 Every rule of a spec's own fields is checked here, and the rules between a spec and its parallel
 layout in megatrain.plan.layout (`resolve_layout`), before anything runs, each with a message that
-names the field and the rule. Engine-internal configs are derived from this tree, never kept by hand
-beside it.
+names the field and the rule; `parse_spec` reports all of them at once (megatrain.spec_errors).
+Engine-internal configs are derived from this tree, never kept by hand beside it.
 """
 
 from __future__ import annotations

@@ -73,6 +73,8 @@ class Findings:
     """Top-level field names: a dotted word in a message starting with one names a field."""
     errors: list[Problem] = field(default_factory=list)
     unknown: set[str] = field(default_factory=set)
+    _seen: set[tuple[str, str]] = field(default_factory=set, repr=False)
+    """(field, message) of every error: a hostile body's thousands of errors are no quadratic work."""
 
     def names(self, problem: Problem) -> set[str]:
         """The fields a problem is about: its own, and every field its message names."""
@@ -90,7 +92,9 @@ class Findings:
     def add(self, problems: Iterable[Problem], unknown: Iterable[str] = ()) -> None:
         """Record problems (each once; none judging an unknown value), then mark `unknown`."""
         for problem in problems:
-            if problem not in self.errors and not self.depends_on_unknown(*self.names(problem)):
+            key = (problem["field"], problem["message"])
+            if key not in self._seen and not (self.unknown and self.depends_on_unknown(*self.names(problem))):
+                self._seen.add(key)
                 self.errors.append(problem)
         self.unknown.update(unknown)
 

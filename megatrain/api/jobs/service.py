@@ -128,7 +128,7 @@ def parse_body(raw: bytes, content_type: str) -> Any:
         raise FieldError("body", f"not valid {kind}: {str(exc)[:300]}") from None
 
 
-# -- submission -------------------------------------------------------------------------------
+# -- submission (its checks: validation.validate_submission) ----------------------------------
 
 
 def spec_hash(spec: JobSpec) -> str:

@@ -26,8 +26,9 @@ def get_schema() -> dict[str, Any]:
 async def validate_spec(
     request: Request, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
 ) -> dict[str, Any]:
-    """Run every check POST /v1/jobs runs (spec, layout, pool fit, data access) without creating a
-    job; 200 with the normalised spec and its layout, or the same 422 a submission would get."""
+    """Run every check POST /v1/jobs runs (spec, layout, pool fit, data access and existence)
+    without creating a job; 200 with the normalised spec and its layout, or the same 422 a
+    submission would get, listing every error at once."""
     raw = await request.body()
     data = await run_in_threadpool(service.parse_body, raw, request.headers.get("content-type", ""))
     spec, layout = await run_in_threadpool(service.validate_submission, session, settings, tenant, data)
