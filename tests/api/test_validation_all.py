@@ -157,3 +157,15 @@ def test_a_body_that_is_no_mapping_is_one_error(api: Api, spec: Any) -> None:
     for route in ROUTES:
         resp = api.client.post(route, json=spec, headers=api.headers)
         assert resp.status_code == 422 and [e["field"] for e in resp.json()["detail"]] == ["spec"], resp.text
+
+
+def test_an_unreadable_hf_folder_with_the_rest(api: Api) -> None:
+    # The folder's config.json was to fill the model: nothing judges the partial model section
+    # (250 vs the default 8 heads), everything else is judged as usual.
+    folder = api.data_root / "no-such-model"
+    spec = api.spec(training={"warmup_iters": 99}, model=None)
+    spec["model"] = {"init_from": f"hf:{folder.as_uri()}", "hidden_size": 250}
+    spec["data"]["train"][0]["path"] = (api.data_root / "missing.jsonl").as_uri()
+    errors = _errors(api, spec)[0]
+    assert [e["field"] for e in errors] == ["model.init_from", "training.warmup_iters", "data.train.0.path"]
+    assert "config.json does not exist" in errors[0]["message"]
