@@ -1,6 +1,7 @@
 """Which data a tenant's job may read: the rule the API applies before a spec is accepted.
 
-A data URL must be `file:///abs/path` or `s3://bucket/key` and, once normalised, lie under
+A data URL (a data source, the tokenizer file, a chat template's tokenizer_config.json: `data_urls`)
+must be `file:///abs/path` or `s3://bucket/key` and, once normalised, lie under
   - the tenant's own prefix `{storage}/tenants/{tenant_name}/`,
   - the shared `{storage}/datasets/`, or
   - one of `settings.data_roots` (MEGATRAIN_ALLOWED_DATA_ROOTS).
@@ -17,7 +18,7 @@ import re
 from urllib.parse import unquote
 
 from megatrain.settings import Settings
-from megatrain.spec import JobSpec, SpecError
+from megatrain.spec import JobSpec
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -121,14 +122,3 @@ def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.data.chat_template and is_url(spec.data.chat_template):
         urls.append(("data.chat_template", spec.data.chat_template))
     return urls
-
-
-def check_data_access(spec: JobSpec, settings: Settings, tenant_name: str) -> None:
-    """Raise SpecError naming each data URL (`data.train.0.path`, …) the tenant may not read."""
-    errors = []
-    for field, url in data_urls(spec):
-        problem = data_url_problem(field, url, settings, tenant_name)
-        if problem:
-            errors.append({"field": field, "message": problem})
-    if errors:
-        raise SpecError(errors)
