@@ -3,6 +3,9 @@ an attempt, and the one-line reasons."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from megatrain.failures import (
@@ -119,3 +122,9 @@ def test_exit_description_names_signals_where_the_code_tells() -> None:
     assert exit_description(-15) == "exited with code -15 (signal SIGTERM)"
     assert exit_description(137) == "exited with code 137 (signal SIGKILL)"
     assert exit_description(255) == "exited with code 255"
+
+
+def test_the_rules_import_no_torch() -> None:
+    # The worker and the CLI render failures on machines without torch.
+    code = "import sys, megatrain.failures; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
