@@ -15,6 +15,7 @@ from rich.table import Table
 
 from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
 from megatrain.client import Client, Job, LogLine
+from megatrain.failures import first_line
 from megatrain.job_states import JOB_STATES
 
 # -- following a job ----------------------------------------------------------------------------
@@ -61,9 +62,20 @@ def _follow_job(client: Client, job_id: str, poll_interval_s: float) -> Job:
             if job.done:
                 break
             time.sleep(poll_interval_s)
-    reason = f": {job.status_reason}" if job.status_reason else ""
+    reason = f": {_one_line(job.status_reason)}" if job.status_reason else ""
     console.print(f"job {job.id} {_status(job.status)}{escape(reason)}")
+    if job.status == "failed":
+        console.print(_logs_hint(job.id))
     return job
+
+
+def _one_line(reason: str | None) -> str:
+    """A reason's first line: the worker writes one, but jobs stored before it may hold tracebacks."""
+    return first_line(reason or "", limit=1000)
+
+
+def _logs_hint(job_id: str) -> str:
+    return f"the full traceback is in the job's log: [bold]megatrain logs {escape(job_id)}[/bold]"
 
 
 # -- job commands (SDK only) ---------------------------------------------------------------------
@@ -176,9 +188,10 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
         events = client.events(job_id)
     out = _out()
     out.print(f"[bold]{job.id}[/bold]  {escape(job.name)}  ({job.kind})")
-    out.print(
-        f"status     {_status(job.status)}" + (f"  {escape(job.status_reason)}" if job.status_reason else "")
-    )
+    reason = _one_line(job.status_reason)
+    out.print(f"status     {_status(job.status)}" + (f"  {escape(reason)}" if reason else ""))
+    if job.status == "failed":
+        out.print(f"           {_logs_hint(job.id)}")
     out.print(f"progress   step {job.current_step}/{job.total_steps}  attempt {job.attempt}")
     out.print(
         f"latest     loss {_fmt(job.latest_loss, '.4f')}  "
@@ -191,7 +204,7 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     out.print(f"created    {job.created_at}")
     for ev in events[-10:]:
         when = str(ev.get("created_at", ""))[:19].replace("T", " ")
-        reason = ev.get("reason") or ""
+        reason = _one_line(ev.get("reason"))
         out.print(f"  {when}  {escape(str(ev.get('kind', '')))}  {escape(str(reason))}")
 
 

@@ -26,6 +26,7 @@ from megatrain.engine.parallel.schedules import PipelineSchedule, pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.sink import RunLog
 from megatrain.engine.timers import StepTimers
+from megatrain.failures import Activity
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,14 @@ class TrainLoop:
         rates: Rates,
         save: Callable[[Progress], None],
         poll: Callable[[], None] = lambda: None,
+        activity: Activity | None = None,
     ):
         """`save(progress)` writes a checkpoint (perhaps in the background); `poll()` is called after
-        every step to report background saves that have finished."""
+        every step to report background saves that have finished. `activity` is told the step in
+        progress (a failure's record names it)."""
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
         self.poll = poll
+        self.activity = activity or Activity()
         train_ds = data["train"]
         assert train_ds is not None
         self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
@@ -173,7 +177,9 @@ class TrainLoop:
         last_eval: float | None = None
         self.train.ddp.train()
         window = _Window(None)
+        self.activity.phase = "training"
         while step < cfg.train_iters:
+            self.activity.step = step + 1
             lr = lr_at(step + 1, cfg)
             timers.begin_step(sync=(step + 1) % cfg.log_interval == 0 or step + 1 == cfg.train_iters)
             self.train.optimizer.set_lr(lr)

@@ -3,7 +3,6 @@ the precision the hardware really runs."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatrain.failures import OUT_OF_MEMORY, Activity, describe, write_record
 from megatrain.settings import get_settings
 
 
@@ -100,9 +100,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _OOM_PHRASES)
 
 
-def record_failure(out: Path, rank: int, kind: str, message: str) -> None:
-    """OUT/failure.rank{R}.json, which the worker reads to tell a failure that would only repeat
-    (out of memory) from a transient one: torchrun reports every rank's failure as exit code 1."""
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"kind": kind, "rank": rank, "message": message[:2000]}
-    (out / f"failure.rank{rank}.json").write_text(json.dumps(record))
+def record_failure(out: Path, rank: int, exc: BaseException, activity: Activity) -> dict[str, Any]:
+    """Write OUT/failure.rank{R}.json for `exc` (what failed, where, user or infrastructure error;
+    a failed allocation is out_of_memory) and return the record."""
+    record = describe(exc, rank, activity, OUT_OF_MEMORY if is_out_of_memory(exc) else None)
+    write_record(out, record)
+    return record

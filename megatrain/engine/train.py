@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,14 +35,10 @@ from megatrain.engine.data import Loader, build_datasets, build_tokenizer
 from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.engine.runtime import (
-    Dist,
-    effective_precision,
-    init_distributed,
-    is_out_of_memory,
-    record_failure,
-)
+from megatrain.engine.runtime import Dist, effective_precision, init_distributed, record_failure
 from megatrain.engine.sink import RunLog
+from megatrain.failures import OUT_OF_MEMORY, USER, Activity
+from megatrain.failures import summary as summary_line
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout
 from megatrain.plan.memory import from_spec as memory_from_spec
 from megatrain.settings import get_settings
@@ -50,6 +47,8 @@ from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_OUT_OF_MEMORY = 3
+EXIT_FAILURE = 1
+_EXIT_CODES = {USER: EXIT_USAGE, OUT_OF_MEMORY: EXIT_OUT_OF_MEMORY}
 
 
 class Terminated(Exception):
@@ -79,12 +78,15 @@ def run(
     ctx: Dist | None = None,
     layout: Layout | None = None,
     probe: Callable[[Trainable], Any] | None = None,
+    activity: Activity | None = None,
 ) -> dict[str, Any]:
     """Train `spec` to training.train_iters (resuming if a checkpoint exists); returns a summary.
 
     `layout` is the stored, checked one; without it the spec's is resolved for this world. `probe`
-    (tests, tools) is called with the trained model at the end; its result is summary["probe"]."""
+    (tests, tools) is called with the trained model at the end; its result is summary["probe"].
+    `activity` is kept up to date with what the run is doing, for a failure's record."""
     ctx = ctx or Dist()
+    activity = activity or Activity()
     layout = layout or resolve_layout(spec, ctx.world_size)
     check_runnable(layout, ctx.world_size)
     cfg = train_config(spec, layout.dp)
@@ -97,9 +99,12 @@ def run(
             f"precision {cfg.precision} requested; this CPU has no native bf16, so running fp32 "
             "(MEGATRAIN_CPU_LOW_PRECISION=1 runs it anyway)"
         )
+    activity.phase = "tokenizer"
     tokenizer = build_tokenizer(spec.data.tokenizer)
+    activity.phase = "setup"
     mcfg = transformer_config(spec, tokenizer.vocab_size)
     state = ParallelState.build(layout, ctx.device)
+    activity.phase = "data"
     datasets = build_datasets(spec, tokenizer, mcfg.seq_length)
     loaders = {
         name: Loader(ds, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size)
@@ -108,10 +113,13 @@ def run(
         for name, ds in datasets.items()
     }
 
+    activity.phase = "model"
     model = build_model(mcfg, state, cfg.seed, ctx.device)
     latest = find_latest(ckpt_url)
     if latest is None and spec.model.init_from:
+        activity.phase = "init"
         _init_from(model, spec.model.init_from, log)
+        activity.phase = "model"
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
     train = make_trainable(model, cfg, par, precision, mcfg)
     t = spec.training
@@ -128,6 +136,7 @@ def run(
     )
     start = Progress()
     if latest is not None:
+        activity.phase = "resume"
         resumed = checkpointer.resume()
         if resumed is not None:
             start = resumed
@@ -145,7 +154,8 @@ def run(
     )
 
     try:
-        summary = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, checkpointer.poll).run(start)
+        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, checkpointer.poll, activity)
+        summary = loop.run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:
             summary["probe"] = probe(train)
@@ -264,28 +274,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    out = Path(args.out)
+    activity = Activity()
     try:
         spec, layout = load_job(args.spec, args.layout, int(os.environ.get("WORLD_SIZE", "1")))
     except (SpecError, UnsupportedLayout, LayoutError, OSError, ValueError) as exc:
+        record_failure(out, int(os.environ.get("RANK", "0")), exc, activity)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    ctx = init_distributed()
+    ctx = Dist(rank=int(os.environ.get("RANK", "0")))
     try:
-        run(spec, Path(args.out), args.checkpoint_url, ctx, layout)
-    except (UnsupportedLayout, LayoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        ctx = init_distributed()
+        run(spec, out, args.checkpoint_url, ctx, layout, activity=activity)
     except Terminated:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
         # Leave at once: a background save in flight is abandoned (never completed: no manifest).
         sys.stdout.flush()
         os._exit(EXIT_SIGTERM)
     except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        record_failure(Path(args.out), ctx.rank, "out_of_memory", f"{type(exc).__name__}: {exc}")
-        print(f"rank {ctx.rank}: out of memory: {exc}", file=sys.stderr, flush=True)
-        return EXIT_OUT_OF_MEMORY
+        # The whole traceback goes to the job's log; the record says in one line what failed.
+        traceback.print_exc()
+        record = record_failure(out, ctx.rank, exc, activity)
+        print(f"rank {ctx.rank}: {summary_line(record)}", file=sys.stderr, flush=True)
+        return _EXIT_CODES.get(record["kind"], EXIT_FAILURE)
     if ctx.group is not None:
         # gloo aborts a rank whose peer tears its connections down first: leave together.
         dist.barrier(group=ctx.group)

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -43,6 +42,7 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
+from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
 from megatrain.worker.nodes import device_env
@@ -56,7 +56,6 @@ DEFAULT_ENGINE_MODULE = "megatrain.engine.train"
 KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
 """Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
 POLL_S = 0.25
-TAIL_LINES_IN_REASON = 20
 MAX_REASON_CHARS = 4000
 
 
@@ -185,7 +184,6 @@ class _Runner:
         self.metrics = JsonlTail(att.out_dir / "metrics.jsonl")
         self.events = JsonlTail(att.out_dir / "events.jsonl")
         self.pending_lines: list[str] = []
-        self.recent: deque[str] = deque(maxlen=TAIL_LINES_IN_REASON)
         self.next_seq = 0
         self.last_heartbeat = time.monotonic()
 
@@ -239,8 +237,9 @@ class _Runner:
         return verdict
 
     def finish(self, outcome: str, rc: int) -> None:
-        """Move the job out of running according to how the attempt ended."""
-        tail = "\n".join(self.recent)
+        """Move the job out of running according to how the attempt ended. A failed attempt's reason
+        is one line (its traceback is in the job's log); its ranks' records decide whether it is
+        retried: an error of the job's own inputs would only repeat, so it fails the job at once."""
         job_id, att = self.att.job_id, self.att
         with session_scope(self.url) as s:
             clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
@@ -254,36 +253,15 @@ class _Runner:
                 ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
-            elif oom := out_of_memory(att.out_dir):
-                reason = f"{oom}; not retried (every attempt would fail the same way). Last output:\n{tail}"
-                ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason[:MAX_REASON_CHARS])
-            elif retry_allowed(att):
-                reason = (
-                    f"attempt {att.attempt} failed (exit code {rc}); retrying, will resume from the "
-                    f"latest checkpoint. Last output:\n{tail}"
-                )[:MAX_REASON_CHARS]
-                ok = transition(s, job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, **clear)
             else:
-                reason = (
-                    f"attempt {att.attempt} failed (exit code {rc}), no retries left. Last output:\n{tail}"
-                )
-                ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason[:MAX_REASON_CHARS])
+                record = pick(read_records(att.out_dir))
+                retrying = (record is None or record.get("kind") not in NOT_RETRIED) and retry_allowed(att)
+                reason = attempt_reason(record, rc, att.attempt, retrying)[:MAX_REASON_CHARS]
+                data = event_data(record, rc, att.attempt)
+                to, fields = (QUEUED, clear) if retrying else (FAILED, {})
+                ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
-
-
-def out_of_memory(out_dir: Path) -> str | None:
-    """ "out of memory on rank R: ..." when a rank of the attempt recorded a failed allocation
-    (megatrain.engine.runtime.record_failure), else None. A rank the kernel's OOM killer ended
-    (SIGKILL) records nothing and is retried: a kill is not told apart from other ones."""
-    for path in sorted(out_dir.glob("failure.rank*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("kind") == "out_of_memory":
-            return f"out of memory on rank {record.get('rank')}: {str(record.get('message', ''))[:500]}"
-    return None
 
 
 def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
@@ -316,7 +294,8 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
     except OSError as exc:
-        runner.recent.append(f"could not start the engine: {exc}")
+        runner.pending_lines.append(f"could not start the engine: {exc}")
+        runner.tick(heartbeat=False)
         runner.finish("exited", 127)
         return 127
     lines: queue.Queue[str | None] = queue.Queue()
@@ -369,7 +348,6 @@ def _drain(lines: queue.Queue[str | None], runner: _Runner) -> None:
             return
         if line is not None:
             runner.pending_lines.append(line)
-            runner.recent.append(line)
 
 
 def main(argv: list[str] | None = None) -> None:

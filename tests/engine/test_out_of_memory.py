@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from megatrain.engine.runtime import is_out_of_memory, record_failure
+from megatrain.failures import Activity
 
 
 def test_allocation_failures_of_every_device_are_out_of_memory() -> None:
@@ -23,14 +24,14 @@ def test_allocation_failures_of_every_device_are_out_of_memory() -> None:
 
 
 def test_the_failure_record_is_what_the_worker_reads(tmp_path: Path) -> None:
-    from megatrain.worker.shard import out_of_memory
+    from megatrain.failures import pick, read_records
 
-    assert out_of_memory(tmp_path) is None
-    record_failure(tmp_path, 3, "other", "boom")
-    assert out_of_memory(tmp_path) is None
-    record_failure(tmp_path, 1, "out_of_memory", "RuntimeError: DefaultCPUAllocator: can't allocate memory")
-    assert (
-        out_of_memory(tmp_path)
-        == "out of memory on rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory"
-    )
-    assert json.loads((tmp_path / "failure.rank1.json").read_text())["rank"] == 1
+    assert pick(read_records(tmp_path)) is None
+    record_failure(tmp_path, 3, RuntimeError("boom"), Activity("training", 4))
+    assert pick(read_records(tmp_path))["kind"] == "infrastructure"
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+    record_failure(tmp_path, 1, oom, Activity("training", 5))
+    picked = pick(read_records(tmp_path))
+    assert (picked["kind"], picked["rank"], picked["step"]) == ("out_of_memory", 1, 5)
+    assert picked["message"] == "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"
+    assert json.loads((tmp_path / "failure.rank1.json").read_text())["exception"] == "RuntimeError"

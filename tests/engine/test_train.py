@@ -52,7 +52,9 @@ def test_unsupported_layout_exits_with_a_clear_message(
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE
     assert "pipeline_layers for an uneven split" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+    # Nothing ran: the run folder holds only the failure's record (a user error: not retried).
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["failure.rank0.json"]
+    assert json.loads((tmp_path / "out" / "failure.rank0.json").read_text())["kind"] == "user"
 
 
 def test_layout_needing_more_processes_names_the_numbers(tmp_path: Path, corpus: Path) -> None:

@@ -6,12 +6,18 @@ OUT/pids/. Behaviour knobs (environment):
   FAKE_ENGINE_STEP_S         seconds per step (default 0.01)
   FAKE_ENGINE_FAIL_AT        exit FAKE_ENGINE_EXIT_CODE (default 3) on reaching this step ...
   FAKE_ENGINE_FAIL_MARKER    ... only if this file does not exist yet (it is created): fail once
+  FAKE_ENGINE_RAISE          ... or raise this builtin exception there (e.g. FileNotFoundError),
+                             recorded as the real engine records it (megatrain.failures) ...
+  FAKE_ENGINE_MESSAGE        ... with this message
+  FAKE_ENGINE_PHASE          ... while this phase (default training: at the step; else at setup)
+  FAKE_ENGINE_SIGNAL         ... or kill itself with this signal number there
   FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import os
 import signal
@@ -25,6 +31,30 @@ def _emit(path: Path, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row | {"time": time.time()}) + "\n")
         f.flush()
+
+
+def _should_fail(marker: str | None) -> bool:
+    if marker and Path(marker).exists():
+        return False
+    if marker:
+        Path(marker).write_text("failed once")
+    return True
+
+
+def _fail(out: Path, rank: int, step: int | None) -> int:
+    """Fail as FAKE_ENGINE_RAISE / FAKE_ENGINE_SIGNAL / FAKE_ENGINE_EXIT_CODE ask."""
+    print(f"fake engine: failing at step {step}", flush=True)
+    if name := os.environ.get("FAKE_ENGINE_RAISE"):
+        from megatrain.failures import Activity, describe, write_record
+
+        exc = getattr(builtins, name)(os.environ.get("FAKE_ENGINE_MESSAGE", "fake failure\nsecond line"))
+        print("Traceback (most recent call last):\n  File fake_engine.py\n" + f"{name}: {exc}", flush=True)
+        phase = os.environ.get("FAKE_ENGINE_PHASE", "training")
+        write_record(out, describe(exc, rank, Activity(phase, step)))
+        return 1
+    if number := os.environ.get("FAKE_ENGINE_SIGNAL"):
+        os.kill(os.getpid(), int(number))
+    return int(os.environ.get("FAKE_ENGINE_EXIT_CODE", "3"))
 
 
 def main() -> int:
@@ -59,6 +89,8 @@ def main() -> int:
 
     start = int((ckpt / "latest").read_text()) if (ckpt / "latest").exists() else 0
     lead = rank == 0
+    if os.environ.get("FAKE_ENGINE_PHASE", "training") != "training" and _should_fail(marker):
+        return _fail(out, rank, None)
     if lead:
         print(f"fake engine: world={world} resuming from {start or None}", flush=True)
         _emit(
@@ -75,11 +107,8 @@ def main() -> int:
         )
     for step in range(start + 1, iters + 1):
         time.sleep(step_s)
-        if fail_at and step == fail_at and (marker is None or not Path(marker).exists()):
-            if marker:
-                Path(marker).write_text("failed once")
-            print(f"fake engine: failing at step {step}", flush=True)
-            return int(os.environ.get("FAKE_ENGINE_EXIT_CODE", "3"))
+        if fail_at and step == fail_at and _should_fail(marker):
+            return _fail(out, rank, step)
         if not lead:
             continue
         if step % log_every == 0:

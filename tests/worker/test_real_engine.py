@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,5 +132,37 @@ def test_an_out_of_memory_attempt_fails_the_job_at_once(
         job = s.get(Job, job_id)
         assert rc != 0 and job.status == FAILED, job.status_reason
         assert job.attempt == 1  # two retries were left: none was spent on an attempt bound to fail
-        assert job.status_reason.startswith("out of memory on rank 0: RuntimeError:")
-        assert "not retried" in job.status_reason
+        assert job.status_reason.startswith("building the model ran out of memory on rank 0 during setup: ")
+        assert "RuntimeError: " in job.status_reason and "not retried" in job.status_reason
+        assert "\n" not in job.status_reason
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+@pytest.mark.parametrize("procs", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_a_data_file_deleted_after_submission_fails_after_one_attempt(
+    settings: Settings,
+    make_job: Callable[..., str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    procs: int,
+) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    job_id = _schedule_real_job(settings, make_job, tmp_path, procs, max_retries=2)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.unlink()
+    rc = run_shard(job_id, settings)
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        event = s.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc())
+        ).first()
+        log = "\n".join(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id)))
+        assert rc != 0 and job.status == FAILED and job.attempt == 1, job.status_reason
+        # Every rank reads the data: the first to fail explains the attempt.
+        pattern = rf"reading the data failed on rank [0-{procs - 1}] during setup: FileNotFoundError: "
+        assert re.match(pattern, job.status_reason), job.status_reason
+        assert str(corpus) in job.status_reason and "not retried" in job.status_reason
+        assert "\n" not in job.status_reason
+        assert event.data["failure"]["kind"] == "user" and event.data["failure"]["phase"] == "data"
+        assert "Traceback (most recent call last):" in log  # the whole story stays in the log

@@ -45,6 +45,11 @@ def _events(url: str, job_id: str) -> list[JobEvent]:
         return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
 
 
+def _log(url: str, job_id: str) -> str:
+    with session_scope(url) as s:
+        return "\n".join(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+
+
 def _reschedule(url: str, job_id: str) -> None:
     with session_scope(url) as s:
         node_id = s.scalar(select(Node.id).where(Node.hostname == "testnode"))
@@ -102,7 +107,9 @@ def test_failed_attempt_is_retried_and_resumes_from_checkpoint(
     assert run_shard(job_id, settings) == 3
     job = _job(url, job_id)
     assert job.status == QUEUED and job.attempt == 1
-    assert "exit code 3" in job.status_reason and "failing at step 12" in job.status_reason
+    # One line; what the engine printed stays in the log.
+    assert job.status_reason == "attempt 1: a rank exited with code 3; retrying from the latest checkpoint"
+    assert "failing at step 12" in _log(url, job_id)
     assert job.runner_pid is None and job.current_step == 11
     _reschedule(url, job_id)
     assert run_shard(job_id, settings) == 0
@@ -121,7 +128,7 @@ def test_failed_attempt_is_retried_and_resumes_from_checkpoint(
         assert s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.job_id == job_id)) == 4
 
 
-def test_failure_without_retries_fails_with_last_output(
+def test_failure_without_retries_fails_in_one_line(
     settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_ENGINE_FAIL_AT", "3")
@@ -129,8 +136,9 @@ def test_failure_without_retries_fails_with_last_output(
     job_id = make_job(max_retries=0)
     assert run_shard(job_id, settings) == 7
     job = _job(settings.resolved_database_url, job_id)
-    assert job.status == FAILED and "no retries left" in job.status_reason
-    assert "failing at step 3" in job.status_reason
+    assert job.status == FAILED
+    assert job.status_reason == "attempt 1: a rank exited with code 7; no retries left"
+    assert "failing at step 3" in _log(settings.resolved_database_url, job_id)
 
 
 def _run_in_thread(job_id: str, settings: Settings) -> tuple[threading.Thread, list[int]]:

@@ -49,6 +49,10 @@ function eventLabel(ev) {
   return EVENT_LABELS[ev.kind] || ev.kind.replace(/_/g, " ");
 }
 
+// A reason's first line: the worker writes one line (the traceback is in the log), but jobs that
+// failed before it did hold the engine's last output after it.
+const firstLine = (text) => (text || "").split("\n").find((l) => l.trim()) || "";
+
 function tile(label, value, id) {
   return h("div", { class: "tile" }, h("div", { class: "tile-label" }, label), h("div", { class: "tile-value", id }, value));
 }
@@ -94,6 +98,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   function skeleton() {
     el.badge = h("span", { id: "job-status" });
     el.reason = h("div", { class: "sub", id: "job-reason" });
+    el.showLog = h("button", { type: "button", class: "btn btn-small", id: "show-log", hidden: true, onclick: showLog }, "Show the traceback in the log");
     el.cancel = h("button", { type: "button", class: "btn btn-danger", id: "cancel-job", onclick: cancel }, "Cancel job");
     el.tiles = h("div", { class: "tiles", id: "job-tiles" });
     el.charts = h("div", { class: "charts", id: "charts" });
@@ -110,7 +115,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       h("div", { class: "page-head" },
         h("div", { style: { minWidth: 0 } },
           h("div", { class: "row" }, h("h1", { id: "job-name" }, job.name), el.badge),
-          h("div", { class: "sub mono" }, job.id), el.reason),
+          h("div", { class: "sub mono" }, job.id), el.reason, el.showLog),
         h("div", { class: "row" }, el.cancel)),
       h("div", { class: "stack" },
         el.tiles,
@@ -139,7 +144,8 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   // -- job, events, checkpoints ----------------------------------------------------------------
   function drawJob() {
     replace(el.badge, badge(job.status));
-    el.reason.textContent = job.status_reason;
+    el.reason.textContent = firstLine(job.status_reason);
+    el.showLog.hidden = job.status !== "failed";
     const active = ACTIVE.has(job.status);
     el.cancel.hidden = !active;
     el.cancel.disabled = job.cancel_requested;
@@ -163,10 +169,10 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     if (!events.length) { replace(el.timeline, h("li", { class: "muted" }, "No events yet.")); return; }
     replace(el.timeline, events.map((ev) => h("li", { dataset: { kind: ev.kind } },
       h("span", { class: `dot ${ev.kind}`, "aria-hidden": "true" }),
-      h("div", {},
+      h("div", { style: { minWidth: 0 } },  // lets a long reason end in an ellipsis, not widen the list
         h("span", { class: "what" }, eventLabel(ev)),
         h("time", { class: "when", datetime: ev.created_at, title: fmtTime(ev.created_at) }, fmtAge(ev.created_at)),
-        ev.reason && h("div", { class: "why" }, ev.reason)))));
+        ev.reason && h("div", { class: "why", title: ev.reason, style: { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }, firstLine(ev.reason))))));
     const started = [...events].reverse().find((e) => e.kind === "started");
     drawLayout(started?.data || {});
   }
@@ -400,6 +406,13 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       onEvent: (line) => { lastSeq = Math.max(lastSeq, line.seq); addLines([line]); },
       onEnd: () => { logsFollowing = null; el.follow.checked = false; },
     });
+  }
+
+  // The failed job's traceback is the log's last lines: bring the log into view at its end.
+  function showLog() {
+    el.logs.scrollIntoView({ block: "center" });
+    el.logs.scrollTop = el.logs.scrollHeight;
+    el.logs.focus({ preventScroll: true });
   }
 
   function stopLogs() { if (logsFollowing) { logsFollowing.abort(); logsFollowing = null; } }
