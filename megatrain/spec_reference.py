@@ -59,6 +59,14 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "name": "The job's name: letters, digits, `.`, `_`, `-` (not unique; jobs are known by their id).",
     "kind": "pretrain: next-token loss on every token. finetune: loss on responses / assistant turns "
     "only, starting from model.init_from (required).",
+    "model": "The network: its architecture and shape, and the weights it starts from.",
+    "data": "What the job trains on, and how text becomes tokens.",
+    "training": "Steps, batch sizes, optimizer, precision, checkpoints, logging and evaluation.",
+    "parallelism": "How the model is split over processes: auto, or the degrees and their options.",
+    "resources": "Where the job runs, on how many processes, for how long, how urgently.",
+    "data.tokenizer": "An object as below, or the shorthand string byte, hf:URL, tiktoken:NAME or "
+    "sentencepiece:URL.",
+    "data.train": "One or more sources, sampled in proportion to their weights.",
     "model.num_layers": "Transformer layers.",
     "model.hidden_size": "Width of the residual stream; divisible by num_attention_heads.",
     "model.num_attention_heads": "Query heads; head size is hidden_size / num_attention_heads.",
@@ -217,8 +225,8 @@ def sections(model: type[BaseModel] = JobSpec, path: str = "") -> Iterator[Secti
         subs = _submodels(info.annotation)
         child = dotted + ("[]" if _is_list(info.annotation) else "")
         doc = docs.get(name) or MISSING_DOCSTRINGS.get(dotted, "")
-        if subs and not doc:
-            doc = f"Its fields are under `{child}` below."
+        if subs:
+            doc = f"{doc} Its fields are under `{child}` below.".lstrip()
         section.fields.append(
             FieldDoc(
                 name=dotted,

@@ -266,3 +266,41 @@ def test_readme_sdk_snippet_runs(
     out = capsys.readouterr().out
     assert "succeeded" in out, out
     assert any((tmp_path / "checkpoint").iterdir())
+
+
+# -- the walk-through's commands --------------------------------------------------------------------
+
+
+def walkthrough_commands() -> list[list[str]]:
+    import shlex
+
+    text = (EXAMPLES / "README.md").read_text()
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in block.splitlines()]
+    return [shlex.split(ln.split("  #")[0])[1:] for ln in lines if ln.startswith("megatrain ")]
+
+
+def test_every_walkthrough_command_exists_with_its_options() -> None:
+    """Each `megatrain …` line of examples/README.md names a real command, options it takes, and
+    example files that exist."""
+    import typer.main
+
+    commands = walkthrough_commands()
+    assert len(commands) >= 10
+    named = {" ".join(args[:2]) for args in commands}
+    for wanted in ("demo", "export JOB", "models register", "validate examples/finetune_hf_chat.yaml",
+                   "submit examples/finetune_hf_chat.yaml", "generate JOB"):  # fmt: skip
+        assert any(n.startswith(wanted) for n in named), wanted
+    root = typer.main.get_command(cli_app)
+    for args in commands:
+        cmd, rest = root, list(args)
+        # Groups (megatrain, megatrain models, ...) hold their subcommands by name.
+        while getattr(cmd, "commands", None) is not None:
+            sub = cmd.commands.get(rest[0])  # type: ignore[attr-defined]
+            assert sub is not None, f"megatrain {' '.join(args)}: no command {rest[0]!r}"
+            cmd, rest = sub, rest[1:]
+        opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+        for word in rest:
+            if word.startswith("--"):
+                assert word.split("=")[0] in opts, f"megatrain {' '.join(args)}: no option {word}"
+            elif word.startswith("examples/"):
+                assert (ROOT / word).is_file(), word
