@@ -109,7 +109,7 @@ def test_every_example_passes_the_apis_validation(api: tuple[TestClient, Setting
         for src in body["spec"]["data"]["train"]:
             # Every source is an absolute URL of something that exists (a file, or a preprocessed prefix).
             local = Path(src["path"].removeprefix("file://"))
-            assert local.is_file() or local.with_suffix(".idx").is_file(), (path.name, src)
+            assert local.is_file() or Path(f"{local}.idx").is_file(), (path.name, src)
 
 
 def test_the_finetune_example_takes_its_model_from_the_registered_folder(
