@@ -66,7 +66,9 @@ def _openapi_with_spec(app: FastAPI) -> dict[str, Any]:
     """OpenAPI plus the JobSpec schema, which submissions reference (their bodies are parsed by hand
     so that YAML is accepted too)."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
         spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(spec_schema.pop("$defs", {}))
@@ -99,7 +101,13 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app = FastAPI(
         title="megatrain",
         version=__version__,
-        description="Training as a service: submit JobSpecs, follow them, download checkpoints.",
+        description=(
+            "Training as a service: submit JobSpecs, follow them, download checkpoints.\n\n"
+            "Every JobSpec field (type, default, bounds) and the rules between fields: "
+            "[the spec reference](/v1/spec/reference) (`GET /v1/spec/reference`, HTML in a browser, "
+            "Markdown otherwise); the JSON Schema: `GET /v1/spec/schema`; a dry run of a submission: "
+            "`POST /v1/spec/validate`."
+        ),
         lifespan=lifespan,
     )
     app.state.settings = settings

@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import urlparse
 
 import typer
+import yaml
 from rich.markup import escape
 
 from megatrain.cli.common import _fail, _out, _user_errors, app
@@ -96,6 +97,13 @@ def _demo_corpus(settings: Settings) -> str:
     return f"{store.url}/{key}"
 
 
+def _spec_text(spec: dict[str, Any], path: Path) -> str:
+    """The spec as YAML for a .yaml/.yml file (what examples/ and `megatrain submit` read), else JSON."""
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return yaml.safe_dump(spec, sort_keys=False)
+    return json.dumps(spec, indent=1) + "\n"
+
+
 @app.command()
 @_user_errors
 def demo(
@@ -110,7 +118,9 @@ def demo(
     sequence_parallel: Annotated[bool, typer.Option(help="Sequence parallelism (with tp > 1).")] = False,
     write_spec: Annotated[
         Path | None,
-        typer.Option(help="Only build the corpus and write the demo's spec here (for torchrun)."),
+        typer.Option(
+            help="Only build the corpus and write the demo's spec here (YAML for .yaml/.yml, else JSON)."
+        ),
     ] = None,
 ) -> None:
     """Train a small Llama on the Python standard library's sources, end to end, and load the result."""
@@ -120,7 +130,7 @@ def demo(
     out = _out()
     if write_spec is not None:
         spec = demo_spec(_demo_corpus(settings), tp=tp, dp=dp, sequence_parallel=sequence_parallel)
-        write_spec.write_text(json.dumps(spec, indent=1) + "\n")
+        write_spec.write_text(_spec_text(spec, write_spec))
         n = tp * dp
         out.print(
             f"wrote {escape(str(write_spec))}; run it with: torchrun --standalone --nproc-per-node {n} "

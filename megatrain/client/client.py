@@ -24,6 +24,7 @@ from megatrain.client.exports import ExportsMixin
 from megatrain.client.models import Checkpoint, Job, LogLine
 from megatrain.client.models_registry import ModelsMixin
 from megatrain.client.samples import SamplesMixin
+from megatrain.client.spec_paths import resolve_spec_paths
 
 if TYPE_CHECKING:
     from megatrain.spec import JobSpec
@@ -63,7 +64,8 @@ def read_credentials(path: Path) -> str | None:
 
 
 def load_spec_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON spec file into a dict (the server validates its contents)."""
+    """Read a YAML or JSON spec file into a dict (the server validates its contents); data paths
+    written without a scheme are resolved against the file's folder (see spec_paths)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -79,7 +81,7 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
         raise SpecFileError(
             f"spec file {p} must hold a mapping (a YAML/JSON object), not {type(data).__name__}"
         )
-    return data
+    return resolve_spec_paths(data, p.resolve().parent)
 
 
 def _items(data: Any) -> list[Any]:

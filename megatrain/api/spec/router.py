@@ -1,10 +1,11 @@
-"""/v1/spec: the JobSpec's JSON Schema, and a dry run of a submission's checks."""
+"""/v1/spec: the JobSpec's JSON Schema and reference, and a dry run of a submission's checks."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
@@ -12,6 +13,7 @@ from megatrain.api.jobs import service
 from megatrain.api.jobs.router import SUBMIT_OPENAPI
 from megatrain.api.jobs.schemas import SpecCheck
 from megatrain.spec import spec_json_schema
+from megatrain.spec_reference import render_html, render_markdown
 
 router = APIRouter(prefix="/v1/spec", tags=["spec"])
 
@@ -20,6 +22,24 @@ router = APIRouter(prefix="/v1/spec", tags=["spec"])
 def get_schema() -> dict[str, Any]:
     """JSON Schema of a job spec (no authentication: it holds no tenant data)."""
     return spec_json_schema()
+
+
+@router.get(
+    "/reference",
+    response_class=Response,
+    responses={200: {"content": {"text/markdown": {}, "text/html": {}}}},
+)
+def get_reference(
+    request: Request,
+    format: Annotated[Literal["markdown", "html"] | None, Query(description="Default: by Accept.")] = None,
+) -> Response:
+    """Every JobSpec field (type, default, bounds, meaning) and the rules between fields, generated
+    from the models (docs/spec-reference.md is the committed copy). HTML for a browser (or
+    ?format=html), Markdown otherwise; no authentication: it holds no tenant data."""
+    wants_html = format == "html" or (format is None and "text/html" in request.headers.get("accept", ""))
+    if wants_html:
+        return HTMLResponse(render_html())
+    return PlainTextResponse(render_markdown(), media_type="text/markdown; charset=utf-8")
 
 
 @router.post("/validate", response_model=SpecCheck, openapi_extra=SUBMIT_OPENAPI)
