@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
 MAX_DIM = 1 << 17
@@ -336,7 +344,7 @@ class ParallelismSpec(_Strict):
     pp: int = Field(1, ge=1, le=1024)
     """Pipeline-parallel degree."""
     dp: int | Literal["auto"] = "auto"
-    """Data-parallel degree; auto fills resources.gpus (or 1)."""
+    """Data-parallel degree; auto fills resources.devices (or 1)."""
     cp: int = Field(1, ge=1, le=1)
     ep: int = Field(1, ge=1, le=1)
     virtual_stages: int = Field(1, ge=1, le=64)
@@ -375,11 +383,21 @@ class ParallelismSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     pool: str = Field("default", pattern=NAME_PATTERN)
-    gpus: int | None = Field(None, ge=1, le=65536)
-    """Processes (GPUs, or CPU slots on a CPU pool) the job asks for; None means tp·pp·dp."""
+    devices: int | None = Field(None, ge=1, le=65536, validation_alias=AliasChoices("devices", "gpus"))
+    """Processes the job asks for, one per device (a GPU, or a CPU slot on a CPU pool); None means
+    tp·pp·cp·dp. `gpus` is accepted as an older name for it."""
     priority: int = Field(0, ge=-1000, le=1000)
     max_runtime_s: int = Field(86400, ge=1, le=30 * 86400)
     max_retries: int = Field(2, ge=0, le=100)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_devices(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "devices" in data and "gpus" in data:
+            raise ValueError(
+                "resources.devices is given twice, also as resources.gpus (its older name): give one"
+            )
+        return data
 
 
 class JobSpec(_Strict):

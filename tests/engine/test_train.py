@@ -48,7 +48,7 @@ def test_unsupported_layout_exits_with_a_clear_message(
 ) -> None:
     raw = tiny_spec(corpus)
     raw["parallelism"] = {"pp": 2, "virtual_stages": 2}  # 2 layers cannot make 4 chunks
-    raw["resources"] = {"gpus": 2}
+    raw["resources"] = {"devices": 2}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE
     assert "pipeline_layers for an uneven split" in capsys.readouterr().err
@@ -58,7 +58,7 @@ def test_unsupported_layout_exits_with_a_clear_message(
 def test_layout_needing_more_processes_names_the_numbers(tmp_path: Path, corpus: Path) -> None:
     raw = tiny_spec(corpus)
     raw["parallelism"] = {"tp": 2, "dp": 2}
-    raw["resources"] = {"gpus": 4}
+    raw["resources"] = {"devices": 4}
     with pytest.raises(UnsupportedLayout, match="needs 4 processes but 1 were started"):
         run(parse_spec(raw), tmp_path / "out")
 
@@ -114,7 +114,7 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     single = run(parse_spec(raw), tmp_path / "single")
     assert single["step"] == 6
     raw["parallelism"] = parallelism
-    raw["resources"] = {"gpus": nproc}
+    raw["resources"] = {"devices": nproc}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     proc = _torchrun(nproc, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -163,7 +163,7 @@ def test_resume_in_another_layout(tmp_path: Path, corpus: Path) -> None:
     shutil.copytree(tmp_path / "single" / "checkpoints" / "iter_0000003", resumed / "iter_0000003")
     (resumed / "latest").write_text("3\n")
     raw["parallelism"] = {"tp": 2, "dp": 2}
-    raw["resources"] = {"gpus": 4}
+    raw["resources"] = {"devices": 4}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -188,7 +188,7 @@ def test_pipeline_resumes_a_single_process_checkpoint_and_back(tmp_path: Path, c
     (par / "latest").write_text("3\n")
     raw["training"]["checkpoint_interval"] = 1
     raw["parallelism"] = {"pp": 2, "dp": 2, "distributed_optimizer": True}
-    raw["resources"] = {"gpus": 4}
+    raw["resources"] = {"devices": 4}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -200,7 +200,7 @@ def test_pipeline_resumes_a_single_process_checkpoint_and_back(tmp_path: Path, c
     back = tmp_path / "back" / "checkpoints"
     shutil.copytree(par / "iter_0000005", back / "iter_0000005")
     (back / "latest").write_text("5\n")
-    raw["parallelism"], raw["resources"] = "auto", {"gpus": 1}
+    raw["parallelism"], raw["resources"] = "auto", {"devices": 1}
     run(parse_spec(raw), tmp_path / "back")
     again = [r for r in read_jsonl(tmp_path / "back" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in again] == [6]

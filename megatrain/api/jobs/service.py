@@ -192,7 +192,7 @@ def validate_submission(
     slots = [n.slots_total for n in nodes]
     problem = fit_problem(layout, slots, pool)
     if problem:
-        raise FieldError("resources.pool" if not slots else "resources.gpus", problem)
+        raise FieldError("resources.pool" if not slots else "resources.devices", problem)
     _check_memory_fit(spec, layout, [n.device_memory_bytes for n in nodes if n.device_memory_bytes], pool)
     resolve_datasets(session, spec, tenant)  # named datasets become their indexed prefixes
     check_data_access(spec, settings, tenant.name)
