@@ -115,7 +115,9 @@ def test_cluster_view(api: Api) -> None:
         assert reserve_and_schedule(s, mine_running, node_id)
         assert reserve_and_schedule(s, theirs_running, node_id)
     theirs_queued = api.client.post(
-        "/v1/jobs", json=api.spec("theirs-q", resources={"devices": 2, "priority": 5}), headers=api.other_headers
+        "/v1/jobs",
+        json=api.spec("theirs-q", resources={"devices": 2, "priority": 5}),
+        headers=api.other_headers,
     ).json()["id"]
     mine_queued = api.submit(api.spec("mine-q", resources={"devices": 1}))["id"]
 
