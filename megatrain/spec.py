@@ -287,8 +287,9 @@ class TrainingSpec(_Strict):
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
     clip_grad: float = Field(1.0, ge=0.0, le=1e6)
     """Global gradient-norm clip; 0 disables it."""
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    """bf16/fp16 keep low-precision model weights and fp32 main weights in the optimizer."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """bf16/fp16 keep low-precision model weights and fp32 main weights in the optimizer. auto: bf16
+    where the device runs it natively (a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: selective (the attention core) or full (whole transformer layers)."""
     recompute_every: int = Field(1, ge=1, le=100_000)

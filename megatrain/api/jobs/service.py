@@ -158,11 +158,14 @@ def _check_init_from(session: Session, spec: JobSpec, tenant: Tenant) -> None:
         raise FieldError("model.init_from", f"model.init_from names job {job_id!r}, which does not exist")
 
 
-def _check_memory_fit(spec: JobSpec, layout: Layout, device_memory: list[int], pool: str) -> None:
-    """Refuse a job whose per-device memory (the engine's analytical estimate, worst pipeline stage)
-    exceeds every device of its pool: it would fail allocating on every attempt."""
+def _check_memory_fit(
+    spec: JobSpec, layout: Layout, device_memory: list[int], pool: str, accelerator: str | None
+) -> None:
+    """Refuse a job whose per-device memory (the engine's analytical estimate, worst pipeline stage,
+    in the precision the pool's devices run) exceeds every device of its pool: it would fail
+    allocating on every attempt."""
     try:
-        estimate = from_spec(spec, layout)
+        estimate = from_spec(spec, layout, accelerator=accelerator)
     except ValueError:  # a Hugging Face tokenizer without model.vocab_size: sized only by the engine
         return
     text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
@@ -179,7 +182,10 @@ def validate_submission(
     spec = parse_spec(fill_model(session, settings, tenant, data))
     layout = resolve_layout(spec)
     pool = spec.resources.pool
-    pool_id = session.scalar(select(NodePool.id).where(NodePool.name == pool))
+    pool_row = session.execute(
+        select(NodePool.id, NodePool.accelerator).where(NodePool.name == pool)
+    ).one_or_none()
+    pool_id = pool_row.id if pool_row is not None else None
     if pool_id is None:
         known = sorted(session.scalars(select(NodePool.name)).all())
         raise FieldError(
@@ -193,7 +199,8 @@ def validate_submission(
     problem = fit_problem(layout, slots, pool)
     if problem:
         raise FieldError("resources.pool" if not slots else "resources.devices", problem)
-    _check_memory_fit(spec, layout, [n.device_memory_bytes for n in nodes if n.device_memory_bytes], pool)
+    memories = [n.device_memory_bytes for n in nodes if n.device_memory_bytes]
+    _check_memory_fit(spec, layout, memories, pool, pool_row.accelerator if pool_row else None)
     resolve_datasets(session, spec, tenant)  # named datasets become their indexed prefixes
     check_data_access(spec, settings, tenant.name)
     _check_init_from(session, spec, tenant)
