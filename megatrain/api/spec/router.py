@@ -1,4 +1,4 @@
-"""/v1/spec: the JobSpec's JSON Schema, and a dry run of a submission's checks."""
+"""/v1/spec: the JobSpec's JSON Schema, a dry run of a submission's checks, and an example spec."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.jobs import service
 from megatrain.api.jobs.router import SUBMIT_OPENAPI
 from megatrain.api.jobs.schemas import SpecCheck
+from megatrain.api.spec.example import example_spec
 from megatrain.spec import spec_json_schema
 
 router = APIRouter(prefix="/v1/spec", tags=["spec"])
@@ -20,6 +21,14 @@ router = APIRouter(prefix="/v1/spec", tags=["spec"])
 def get_schema() -> dict[str, Any]:
     """JSON Schema of a job spec (no authentication: it holds no tenant data)."""
     return spec_json_schema()
+
+
+@router.get("/example")
+def get_example(session: SessionDep, settings: SettingsDep, tenant: CurrentTenant) -> dict[str, Any]:
+    """A ready-to-submit spec whose data exists (the Submit page's template): `{"spec", "source",
+    "hint"}`, training on the tenant's newest ready dataset, else the demo corpus if `megatrain
+    demo` built it; `spec` is null, with a hint on how to get data, when there is none."""
+    return example_spec(session, settings, tenant)
 
 
 @router.post("/validate", response_model=SpecCheck, openapi_extra=SUBMIT_OPENAPI)
