@@ -56,6 +56,8 @@ def _queued_job_with_one_row(live: LiveApi, db_url: str) -> str:
     job_id = str(httpx.post(f"{live.url}/v1/jobs", json=live.spec("cpu-run"), headers=headers).json()["id"])
     with session_scope(db_url) as s:
         s.add(JobMetric(job_id=job_id, kind="train", step=1, loss=5.5, data=CPU_ROW))
+        # A validation row at a step without a train row: charts of train figures skip it.
+        s.add(JobMetric(job_id=job_id, kind="val", step=2, loss=5.4, data={"step": 2, "val_loss": 5.4}))
         record_event(s, job_id, "started", "engine started on cpu",
                      {"device": "cpu", "precision": "fp32", "memory_estimate": ESTIMATE})  # fmt: skip
         for i in range(40):  # more than the timeline's box shows at once

@@ -36,7 +36,7 @@ const CHARTS = [
       { label: "device in use", color: "--s-scheduled" }],
     labelsOf: (t) => ["model state (measured)", onCpu(t) ? "peak allocated (GPU only)" : "peak allocated (tensors)", onCpu(t) ? "process RSS" : "device in use"],
     values: (t) => [t?.model_state_bytes ?? null, t?.peak_memory_bytes ?? null,
-      (onCpu(t) ? t?.process_rss_bytes : null) ?? t?.device_memory_used_bytes ?? null], format: fmtBytes },
+      (t && onCpu(t) ? t.process_rss_bytes : null) ?? t?.device_memory_used_bytes ?? null], format: fmtBytes },
   { id: "utilization", title: "GPU utilization", titleOf: (t) => (onCpu(t) ? "CPU utilization" : "GPU utilization"),
     series: [{ label: "utilization" }], optional: true,
     values: (t) => [t ? utilization(t) : null], format: (x) => fmtPct(x / 100) },
