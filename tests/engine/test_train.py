@@ -143,6 +143,12 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     assert events[0]["resumed_from"] is None
     assert events[0]["num_params"] == read_jsonl(tmp_path / "single" / "events.jsonl")[0]["num_params"]
     assert [e["step"] for e in events[1:]] == [3, 6, 6]
+    if parallelism.get("pp", 1) == 1:  # (with pp, rank 0 is one stage; the estimate the worst one)
+        # Rank 0's measured model state, sharded by tp (and by dp with the distributed optimizer),
+        # is the planner's static part for the layout.
+        est = events[0]["memory_estimate"]
+        planned = est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"]
+        assert train_rows[-1]["model_state_bytes"] == pytest.approx(planned, rel=0.10)
     ckpts = tmp_path / "par" / "checkpoints"
     assert events[2]["uri"] == (ckpts / "iter_0000006").as_uri()
     assert (ckpts / "latest").read_text().strip() == "6"
