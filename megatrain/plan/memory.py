@@ -37,7 +37,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
 from megatrain.plan.shapes import ModelShape, layer_params, layers_on_stage, shape_of_spec, stage_params
@@ -353,7 +353,7 @@ def planned_precision(precision: str, accelerator: str | None) -> Precision:
         return "fp32" if on_cpu else "bf16"
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r} must be auto, fp32, bf16 or fp16")
-    return precision  # type: ignore[return-value]
+    return cast(Precision, precision)
 
 
 def from_spec(
