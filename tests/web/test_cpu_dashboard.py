@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures.live import LiveApi
-from web_helpers import signed_in_page
+from web_helpers import ARTIFACTS, signed_in_page
 
 from megatrain.api.spec.example import DEMO_CORPUS_KEY
 from megatrain.db.jobs import record_event
@@ -102,6 +102,8 @@ def test_cpu_job_page(live_api: LiveApi, browser_context: Any, page_errors: list
     assert page.inner_text("#chart-memory-title") == "Memory per rank (CPU)"
     legend = page.text_content("#chart-memory .u-legend") or ""
     assert "process RSS" in legend and "model state (measured)" in legend
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#layout").screenshot(path=str(ARTIFACTS / "dashboard-cpu-memory.png"))
     assert page_errors == []
 
 

@@ -53,7 +53,8 @@ export class LineChart {
           stroke: css(s.color || "--chart-1"),
           width: 1.5,
           spanGaps: true,
-          points: { show: (u, si, i0, i1) => (s.points ?? false) || lone(u.data[si], i0, i1), size: 5 },
+          // Filled, so a lone point reads as a value and not as an empty ring.
+          points: { show: (u, si, i0, i1) => (s.points ?? false) || lone(u.data[si], i0, i1), size: 6, fill: css(s.color || "--chart-1") },
           value: (_, v) => (v === null || v === undefined ? "—" : fmt(v)),
         })),
       ],
