@@ -101,7 +101,7 @@ def test_cpu_job_page(live_api: LiveApi, browser_context: Any, page_errors: list
     assert "not only tensors" in page.inner_text("#memory-rss")
     assert page.inner_text("#chart-memory-title") == "Memory per rank (CPU)"
     legend = page.text_content("#chart-memory .u-legend") or ""
-    assert "process RSS" in legend and "model state (measured)" in legend
+    assert "process RSS" in legend and "model state (measured)" in legend and "GPU" not in legend
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#layout").screenshot(path=str(ARTIFACTS / "dashboard-cpu-memory.png"))
     assert page_errors == []

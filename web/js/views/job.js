@@ -34,7 +34,7 @@ const CHARTS = [
   { id: "memory", title: "Memory per device", titleOf: (t) => (onCpu(t) ? "Memory per rank (CPU)" : "Memory per GPU"),
     series: [{ label: "model state (measured)" }, { label: "peak allocated (tensors)", color: "--chart-2" },
       { label: "device in use", color: "--s-scheduled" }],
-    labelsOf: (t) => ["model state (measured)", onCpu(t) ? "peak allocated (GPU only)" : "peak allocated (tensors)", onCpu(t) ? "process RSS" : "device in use"],
+    labelsOf: (t) => ["model state (measured)", onCpu(t) ? "peak allocated (n/a on a CPU)" : "peak allocated (tensors)", onCpu(t) ? "process RSS" : "device in use"],
     values: (t) => [t?.model_state_bytes ?? null, t?.peak_memory_bytes ?? null,
       (t && onCpu(t) ? t.process_rss_bytes : null) ?? t?.device_memory_used_bytes ?? null], format: fmtBytes },
   { id: "utilization", title: "GPU utilization", titleOf: (t) => (onCpu(t) ? "CPU utilization" : "GPU utilization"),
