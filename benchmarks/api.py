@@ -159,7 +159,7 @@ def job_spec(name: str, corpus_url: str) -> dict[str, object]:
         "data": {"train": [{"path": corpus_url}]},
         "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64},
         "training": {"train_iters": 10, "global_batch_size": 4, "micro_batch_size": 2},
-        "resources": {"gpus": 1},
+        "resources": {"devices": 1},
     }
 
 

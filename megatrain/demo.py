@@ -114,7 +114,7 @@ def demo_spec(corpus_url: str, tp: int = 1, dp: int = 1, sequence_parallel: bool
             "seed": 1234,
         },
         "parallelism": parallelism,
-        "resources": {"gpus": tp * dp, "max_runtime_s": 1800},
+        "resources": {"devices": tp * dp, "max_runtime_s": 1800},
     }
 
 

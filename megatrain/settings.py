@@ -15,6 +15,14 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a container's or taskset's share), else all."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEGATRAIN_", extra="ignore")
 
@@ -50,8 +58,9 @@ class Settings(BaseSettings):
     Empty in dev means the user's home directory; empty in production means none."""
 
     pool_name: str = "default"
-    cpu_slots: int = Field(default=8, ge=1, le=1024)
-    """Processes the local pool offers when the machine has no GPU (gloo ranks on CPU)."""
+    cpu_slots: int | None = Field(default=None, ge=1, le=1024)
+    """Processes the local pool offers when the machine has no GPU (gloo ranks on CPU); None means
+    one per core this process may run on (`cpu_cores`)."""
 
     cache_dir: Path | None = None
     """Per-host measurements kept between runs (the CPU matmul peak behind MFU on a CPU);
@@ -106,6 +115,11 @@ class Settings(BaseSettings):
             if not self.storage_url.startswith("s3://"):
                 raise ValueError("MEGATRAIN_STORAGE_URL must be s3://… in production")
         return self
+
+    @property
+    def resolved_cpu_slots(self) -> int:
+        """cpu_slots as configured, else this machine's usable cores."""
+        return self.cpu_slots if self.cpu_slots is not None else cpu_cores()
 
     @property
     def resolved_database_url(self) -> str:

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from megatrain.spec_errors import (
     Findings,
@@ -328,8 +336,9 @@ class TrainingSpec(_Strict):
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
     clip_grad: float = Field(1.0, ge=0.0, le=1e6)
     """Global gradient-norm clip; 0 disables it."""
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    """bf16/fp16 keep low-precision model weights and fp32 main weights in the optimizer."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """bf16/fp16 keep low-precision model weights and fp32 main weights in the optimizer. auto: bf16
+    where the device runs it natively (a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: selective (the attention core) or full (whole transformer layers)."""
     recompute_every: int = Field(1, ge=1, le=100_000)
@@ -399,7 +408,7 @@ class ParallelismSpec(_Strict):
     pp: int = Field(1, ge=1, le=1024)
     """Pipeline-parallel degree."""
     dp: int | Literal["auto"] = "auto"
-    """Data-parallel degree; auto fills resources.gpus (or 1)."""
+    """Data-parallel degree; auto fills resources.devices (or 1)."""
     cp: int = Field(1, ge=1, le=1)
     ep: int = Field(1, ge=1, le=1)
     virtual_stages: int = Field(1, ge=1, le=64)
@@ -438,11 +447,21 @@ class ParallelismSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     pool: str = Field("default", pattern=NAME_PATTERN)
-    gpus: int | None = Field(None, ge=1, le=65536)
-    """Processes (GPUs, or CPU slots on a CPU pool) the job asks for; None means tp·pp·dp."""
+    devices: int | None = Field(None, ge=1, le=65536, validation_alias=AliasChoices("devices", "gpus"))
+    """Processes the job asks for, one per device (a GPU, or a CPU slot on a CPU pool); None means
+    tp·pp·cp·dp."""
     priority: int = Field(0, ge=-1000, le=1000)
     max_runtime_s: int = Field(86400, ge=1, le=30 * 86400)
     max_retries: int = Field(2, ge=0, le=100)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_devices(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "devices" in data and "gpus" in data:
+            raise ValueError(
+                "resources.devices is given twice, also as resources.gpus (its older name): give one"
+            )
+        return data
 
 
 class JobSpec(_Strict):

@@ -313,10 +313,10 @@ RULES: tuple[Rule, ...] = (
     Rule("training.min_loss_scale", "min_loss_scale ≤ initial_loss_scale",
          {"training.initial_loss_scale": 1024.0, "training.min_loss_scale": 4096.0}),
     Rule("training.min_lr", "min_lr ≤ lr", {"training.lr": 1e-4, "training.min_lr": 1e-3}),
-    Rule("resources.gpus", "with dp auto, the processes asked for are a multiple of tp×pp×cp",
-         {"parallelism.tp": 2, "resources.gpus": 3}, "layout"),
-    Rule("resources.gpus", "with dp given, the processes asked for equal tp×pp×cp×dp",
-         {"parallelism.tp": 2, "parallelism.dp": 2, "resources.gpus": 2}, "layout"),
+    Rule("resources.devices", "with dp auto, the processes asked for are a multiple of tp×pp×cp",
+         {"parallelism.tp": 2, "resources.devices": 3}, "layout"),
+    Rule("resources.devices", "with dp given, the processes asked for equal tp×pp×cp×dp",
+         {"parallelism.tp": 2, "parallelism.dp": 2, "resources.devices": 2}, "layout"),
     Rule("model.num_attention_heads", "num_attention_heads is divisible by tp",
          {"parallelism.tp": 16}, "layout"),
     Rule("model.num_query_groups", "num_query_groups is divisible by tp",
@@ -348,11 +348,14 @@ RULES: tuple[Rule, ...] = (
 
 SUBMISSION_CHECKS: tuple[tuple[str, str], ...] = (
     ("resources.pool", "names a pool the cluster has"),
-    ("resources.gpus", "the job's processes fit the pool's nodes"),
+    ("resources.devices", "the job's processes fit the pool's nodes"),
     ("model", "the planner's per-device memory estimate fits a device of the pool"),
     ("data.train.N.path, data.tokenizer.path", "lie where the tenant may read: its own storage prefix, "
      "the shared datasets, or an allowed data root (MEGATRAIN_ALLOWED_DATA_ROOTS; the user's home in the "
      "embedded default)"),
+    ("data.train.N.path, data.tokenizer.path, data.chat_template", "exist and are readable (a JSONL "
+     "file; an indexed dataset's PREFIX.bin and PREFIX.idx), checked at submission so a job never "
+     "fails on a missing file"),
     ("data.train.N.dataset", "names a dataset registered with `megatrain datasets upload` (own or shared)"),
     ("model.init_from", "checkpoint:JOB_ID names one of the tenant's own jobs; hf:NAME a registered "
      "model (`megatrain models register`); an hf: folder holds a config.json we can build"),

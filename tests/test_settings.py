@@ -146,3 +146,16 @@ def test_data_roots(megatrain_home: Path, monkeypatch: pytest.MonkeyPatch) -> No
     for k, v in PROD_OK.items():
         monkeypatch.setenv(k, v)
     assert Settings().data_roots == ["file:///data", "s3://corpora/shared"]
+
+
+def test_cpu_slots_default_to_the_usable_cores(megatrain_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatrain.worker import nodes
+
+    monkeypatch.setattr(nodes, "detect_gpus", lambda: [])  # a machine without GPUs
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 5, 7}, raising=False)
+    s = Settings()
+    assert s.cpu_slots is None and s.resolved_cpu_slots == 5
+    assert nodes.local_capacity(s) == ("cpu", 5)
+    # A configured value wins over the cores.
+    monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "3")
+    assert nodes.local_capacity(Settings()) == ("cpu", 3)

@@ -52,7 +52,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     assert parse_spec(with_("model.arch", "gpt2")).model.ffn_size == 1024
     assert parse_spec(with_("model.arch", "gpt2")).model.tied is True
     assert spec.data.tokenizer.type == "byte" and spec.data.split_fractions == (0.98, 0.02, 0.0)
-    assert spec.resources.pool == "default" and spec.resources.gpus is None
+    assert spec.resources.pool == "default" and spec.resources.devices is None
 
 
 # (dotted path to change, new value, field the error must name, text the message must contain)
@@ -115,7 +115,7 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("parallelism", {"tensor": 2}, "parallelism.tensor", "unknown field"),
     ("parallelism", "manual", "parallelism", "'auto'"),
     ("resources.pool", "a b", "resources.pool", "pattern"),
-    ("resources.gpus", 0, "resources.gpus", "greater than or equal to 1"),
+    ("resources.devices", 0, "resources.devices", "greater than or equal to 1"),
     ("resources.priority", 5000, "resources.priority", "less than or equal to 1000"),
     ("resources.max_runtime_s", 0, "resources.max_runtime_s", "greater than or equal to 1"),
     ("resources.max_retries", -1, "resources.max_retries", "greater than or equal to 0"),
@@ -165,9 +165,9 @@ def test_the_same_values_pass_when_the_rule_is_met() -> None:
 
 
 def test_several_errors_are_all_reported() -> None:
-    spec = with_("model.num_layers", 0, with_("training.lr", -1, with_("resources.gpus", 0)))
+    spec = with_("model.num_layers", 0, with_("training.lr", -1, with_("resources.devices", 0)))
     fields = sorted(e["field"] for e in errors_of(spec))
-    assert fields == ["model.num_layers", "resources.gpus", "training.lr"]
+    assert fields == ["model.num_layers", "resources.devices", "training.lr"]
 
 
 def test_field_errors_do_not_hide_the_rules_between_fields() -> None:
@@ -262,7 +262,7 @@ training:
   warmup_iters: 20
   precision: bf16
 parallelism: {tp: 2, pp: 1, dp: auto}
-resources: {pool: default, gpus: 4}
+resources: {pool: default, devices: 4}
 """
 
 
@@ -275,7 +275,7 @@ def test_load_yaml(tmp_path: Path) -> None:
     assert spec.data.split == "98,2,0"
     assert [s.weight for s in spec.data.train] == [2.0, 1.0]
     assert isinstance(spec.parallelism, ParallelismSpec) and spec.parallelism.tp == 2
-    assert spec.resources.gpus == 4
+    assert spec.resources.devices == 4
 
 
 def test_load_json(tmp_path: Path) -> None:

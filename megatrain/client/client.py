@@ -176,6 +176,15 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
     def spec_schema(self) -> dict[str, Any]:
         return self._json("GET", "/v1/spec/schema")
 
+    def spec_example(self) -> dict[str, Any]:
+        """{"spec", "source", "hint"}: a ready-to-submit spec on data that exists, or spec None."""
+        return dict(self._json("GET", "/v1/spec/example"))
+
+    def cluster(self) -> dict[str, Any]:
+        """{"pools": [{name, accelerator, slot_kind, slots_total/used/free, nodes}], "queue": [...]}:
+        each pool's slots (GPUs, or CPU slots on a pool without GPUs) and the queue in order."""
+        return dict(self._json("GET", "/v1/cluster"))
+
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit(self, spec: dict[str, Any] | JobSpec | str | Path, idempotency_key: str | None = None) -> Job:

@@ -169,7 +169,8 @@ class TrainConfig:
     adam_beta2: float
     adam_eps: float
     clip_grad: float
-    precision: Literal["fp32", "bf16", "fp16"]
+    precision: Literal["auto", "fp32", "bf16", "fp16"]
+    """As the spec asks; the engine resolves auto (runtime.effective_precision) before building."""
     recompute: Literal["none", "selective", "full"]
     recompute_every: int
     compile: bool

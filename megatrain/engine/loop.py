@@ -17,7 +17,8 @@ from megatrain.engine.checkpoint.training import Progress
 from megatrain.engine.config import TrainConfig
 from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
-from megatrain.engine.metrics import peak_memory_bytes, throughput
+from megatrain.engine.memory_stats import memory_row
+from megatrain.engine.metrics import throughput
 from megatrain.engine.microbatch import MicroBatch, loss_denominator, mean_loss_tokens, token_share
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
@@ -225,7 +226,7 @@ class TrainLoop:
             "lr": lr,
             "grad_norm": w.grad_norm,
             **rates,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            **memory_row(self.device, self.train),
             **self.monitor.sample(),
             "iter_time_s": iter_time,
             **{f"{k}_time_s": v for k, v in self.timers.means().items()},

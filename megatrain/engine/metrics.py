@@ -9,8 +9,6 @@ GPT (MHA, 4h GELU MLP) this reduces to the paper's 72·B·s·l·h²·(1 + s/6h +
 
 from __future__ import annotations
 
-import os
-
 from megatrain.engine.config import TransformerConfig
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s per device: (bf16, fp16, fp32). bf16 and fp16 run
@@ -92,15 +90,3 @@ def throughput(
         "tflops_per_device": tflops,
         "mfu": tflops / peak if peak else None,
     }
-
-
-def peak_memory_bytes(device: str) -> int:
-    """Peak allocated accelerator memory, or this process's peak resident set on CPU."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss * 1024 if os.uname().sysname == "Linux" else rss)

@@ -290,6 +290,15 @@ class MixedPrecisionOptimizer:
                 sl.param.detach().reshape(-1)[sl.start : sl.end].copy_(main.reshape(-1))
         self.ddp.gather_params()
 
+    def state_bytes(self) -> int:
+        """Bytes this rank's optimizer holds: fp32 main weights that are copies (not aliases of the
+        model's own fp32 parameters) and Adam's moments (allocated at the first step)."""
+        copies = [m for m, aliased in zip(self._mains, self._aliased, strict=True) if not aliased]
+        moments = [
+            t for st in self.adam.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")
+        ]
+        return sum(t.numel() * t.element_size() for t in copies + moments)
+
     # --- checkpoint state ----------------------------------------------------------------------------
 
     @property

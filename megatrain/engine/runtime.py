@@ -42,12 +42,22 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def native_bf16(device: str) -> bool:
+    """Whether `device` runs bf16 in hardware (not emulated)."""
+    if device.startswith("cuda"):
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return cpu_has_native_bf16()
+
+
 def effective_precision(precision: str, device: str) -> str:
-    """The precision a run uses: the spec's, except bf16/fp16 on a CPU that only emulates them.
+    """The precision a run uses: auto resolved (bf16 where `device` runs it natively, else fp32),
+    and bf16/fp16 asked for on a CPU that only emulates them run in fp32.
 
     Emulated bf16 measured ~25× slower than fp32 on this project's 2-core AVX2 machine, so there
     such jobs run in fp32 unless MEGATRAIN_CPU_LOW_PRECISION=1 asks for the real thing.
     """
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
     if precision == "fp32" or device.startswith("cuda"):
         return precision
     if cpu_has_native_bf16() or get_settings().cpu_low_precision:

@@ -15,6 +15,7 @@ wrote it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -94,11 +95,15 @@ def run(
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     log = RunLog(out_dir, ctx.is_main)
     precision = effective_precision(cfg.precision, ctx.device)
-    if precision != cfg.precision:
+    if cfg.precision == "auto":
+        why = "runs bf16 natively" if precision == "bf16" else "has no native bf16"
+        log.say(f"precision auto: {precision} (this device {why})")
+    elif precision != cfg.precision:
         log.say(
             f"precision {cfg.precision} requested; this CPU has no native bf16, so running fp32 "
             "(MEGATRAIN_CPU_LOW_PRECISION=1 runs it anyway)"
         )
+    cfg = dataclasses.replace(cfg, precision=precision)  # everything below sees what runs
     activity.phase = "tokenizer"
     tokenizer = build_tokenizer(spec.data.tokenizer)
     activity.phase = "setup"
@@ -203,7 +208,8 @@ def _started_event(
 ) -> dict[str, Any]:
     """The `started` event (and its console line): what runs, where, and the planner's memory estimate."""
     try:
-        estimate = memory_from_spec(spec, layout, tokenizer_vocab=tokenizer_vocab)
+        # The precision that runs (auto resolved, a CPU's downgrade applied), not the one asked for.
+        estimate = memory_from_spec(spec, layout, tokenizer_vocab=tokenizer_vocab, precision=precision)
         memory_estimate: dict[str, Any] | None = {
             "params_bytes": estimate.params_bytes,
             "grads_bytes": estimate.grads_bytes,

@@ -279,29 +279,29 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
 def resolve_layout(spec: JobSpec, world_size: int | None = None) -> Layout:
     """The layout a spec runs with, "auto" resolved; raises SpecError listing every broken rule.
 
-    dp "auto" fills resources.gpus, else `world_size` (the processes torchrun started, when the
+    dp "auto" fills resources.devices, else `world_size` (the processes torchrun started, when the
     engine runs on its own), else 1. `parallelism: auto` is tp = pp = 1 with dp filling the devices.
     """
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
-    devices = spec.resources.gpus if spec.resources.gpus is not None else world_size
+    devices = spec.resources.devices if spec.resources.devices is not None else world_size
     model_parallel = par.tp * par.pp * par.cp
     problems: list[Problem] = []
     if par.dp == "auto":
         if devices is not None and devices % model_parallel:
             problems.append(
                 _problem(
-                    "resources.gpus",
-                    f"resources.gpus={devices} is not divisible by tp×pp×cp={par.tp}×{par.pp}×{par.cp}",
+                    "resources.devices",
+                    f"resources.devices={devices} is not divisible by tp×pp×cp={par.tp}×{par.pp}×{par.cp}",
                 )
             )
         dp = max(1, devices // model_parallel) if devices is not None else 1
     else:
         dp = par.dp
-        if spec.resources.gpus is not None and spec.resources.gpus != model_parallel * dp:
+        if spec.resources.devices is not None and spec.resources.devices != model_parallel * dp:
             problems.append(
                 _problem(
-                    "resources.gpus",
-                    f"resources.gpus={spec.resources.gpus} does not equal "
+                    "resources.devices",
+                    f"resources.devices={spec.resources.devices} does not equal "
                     f"tp×pp×cp×dp={par.tp}×{par.pp}×{par.cp}×{dp}",
                 )
             )

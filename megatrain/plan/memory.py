@@ -37,7 +37,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
 from megatrain.plan.shapes import ModelShape, layer_params, layers_on_stage, shape_of_spec, stage_params
@@ -343,13 +343,32 @@ def estimate_memory(
     )
 
 
+def planned_precision(precision: str, accelerator: str | None) -> Precision:
+    """The precision a job's ranks will run on a pool of `accelerator` ("cpu", a GPU's name, or
+    None when unknown): training.precision auto is bf16 on a GPU (or an unknown pool) and fp32 on a
+    CPU, where the engine picks bf16 only on CPUs with native support, which the control plane
+    cannot see (megatrain.engine.runtime). An explicit precision is estimated as asked."""
+    on_cpu = accelerator == "cpu"
+    if precision == "auto":
+        return "fp32" if on_cpu else "bf16"
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r} must be auto, fp32, bf16 or fp16")
+    return cast(Precision, precision)
+
+
 def from_spec(
-    spec: JobSpec, layout: Layout, *, tokenizer_vocab: int | None = None, **kwargs: Any
+    spec: JobSpec,
+    layout: Layout,
+    *,
+    tokenizer_vocab: int | None = None,
+    accelerator: str | None = None,
+    **kwargs: Any,
 ) -> MemoryEstimate:
     """estimate_memory for a JobSpec on its resolved Layout (megatrain.plan.layout).
 
     The vocabulary is the spec's model.vocab_size, else the tokenizer's (given, or 257 for the byte
-    tokenizer) padded as the engine pads it; keyword arguments override the derived settings.
+    tokenizer) padded as the engine pads it; the precision is the one the pool's devices run
+    (`planned_precision` of `accelerator`); keyword arguments override the derived settings.
     """
     if tokenizer_vocab is None:
         if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
@@ -370,7 +389,7 @@ def from_spec(
         "pipeline_schedule": layout.pipeline_schedule,
         "virtual_stages": layout.virtual_stages,
         "pipeline_layers": layout.pipeline_layers,
-        "precision": tr.precision,
+        "precision": planned_precision(tr.precision, accelerator),
         "distributed_optimizer": par.distributed_optimizer and layout.dp * layout.cp > 1,
         "recompute": tr.recompute,
         "recompute_every": tr.recompute_every,
@@ -392,6 +411,7 @@ __all__ = [
     "estimate_memory",
     "fits",
     "from_spec",
+    "planned_precision",
     "layer_params",
     "stage_params",
     "layers_on_stage",

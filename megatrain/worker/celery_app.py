@@ -130,7 +130,7 @@ def _keep_node_seen(settings: Settings, node_id: str) -> None:
 def run_worker(settings: Settings, concurrency: int | None = None, queues: list[str] | None = None) -> None:
     """Register this machine in its pool and consume its node's queue until stopped (blocks).
 
-    The node advertises its slots (GPUs, or settings.cpu_slots), capped by `concurrency` when given,
+    The node advertises its slots (GPUs, or settings.resolved_cpu_slots), capped by `concurrency` when given,
     and the worker runs that many tasks at once: what the scheduler counts is what runs.
     """
     slots = worker_slots(settings, concurrency)

@@ -69,14 +69,14 @@ def _visible(env: Mapping[str, str]) -> list[str] | None:
 
 def local_capacity(settings: Settings) -> tuple[str, int]:
     """(accelerator, slots): GPUs when there are any (only those CUDA_VISIBLE_DEVICES leaves to this
-    worker, if set), else the configured CPU slots."""
+    worker, if set), else the CPU slots: as configured, or one per usable core."""
     gpus = detect_gpus()
     visible = _visible(os.environ)
     if gpus and visible is not None:
         gpus = gpus[: len(visible)]
     if gpus:
         return gpus[0], len(gpus)
-    return "cpu", settings.cpu_slots
+    return "cpu", settings.resolved_cpu_slots
 
 
 def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str, str]) -> dict[str, str]:

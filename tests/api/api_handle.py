@@ -19,7 +19,7 @@ BASE_SPEC: dict[str, Any] = {
               "seq_length": 32},
     "data": {"train": [{"path": "PLACEHOLDER"}]},
     "training": {"train_iters": 20, "global_batch_size": 8, "micro_batch_size": 2, "precision": "fp32"},
-    "resources": {"gpus": 2},
+    "resources": {"devices": 2},
 }  # fmt: skip
 
 

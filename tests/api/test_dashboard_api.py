@@ -106,18 +106,20 @@ def test_params_estimate_matches_the_engine() -> None:
 
 
 def test_cluster_view(api: Api) -> None:
-    mine_running = api.submit(api.spec("mine-running", resources={"gpus": 2}))["id"]
+    mine_running = api.submit(api.spec("mine-running", resources={"devices": 2}))["id"]
     theirs_running = api.client.post(
-        "/v1/jobs", json=api.spec("theirs-running", resources={"gpus": 2}), headers=api.other_headers
+        "/v1/jobs", json=api.spec("theirs-running", resources={"devices": 2}), headers=api.other_headers
     ).json()["id"]
     with session_scope(api.db_url) as s:
         node_id = s.query(Node.id).scalar()
         assert reserve_and_schedule(s, mine_running, node_id)
         assert reserve_and_schedule(s, theirs_running, node_id)
     theirs_queued = api.client.post(
-        "/v1/jobs", json=api.spec("theirs-q", resources={"gpus": 2, "priority": 5}), headers=api.other_headers
+        "/v1/jobs",
+        json=api.spec("theirs-q", resources={"devices": 2, "priority": 5}),
+        headers=api.other_headers,
     ).json()["id"]
-    mine_queued = api.submit(api.spec("mine-q", resources={"gpus": 1}))["id"]
+    mine_queued = api.submit(api.spec("mine-q", resources={"devices": 1}))["id"]
 
     resp = api.client.get("/v1/cluster", headers=api.headers)
     assert resp.status_code == 200

@@ -94,7 +94,7 @@ def test_the_stored_spec_trains_from_the_hf_weights(
         "".join(f'{{"text": "line {i} of the corpus"}}\n' for i in range(40))
     )
     training = {"train_iters": 1, "global_batch_size": 2, "micro_batch_size": 2}
-    spec = api.spec("from-hf", model=None, training=training, resources={"gpus": 1})
+    spec = api.spec("from-hf", model=None, training=training, resources={"devices": 1})
     spec["model"] = {"init_from": f"hf:{folder.as_uri()}", "seq_length": 16}
     resp = api.client.post("/v1/jobs", json=spec, headers=api.headers)
     assert resp.status_code == 201, resp.text

@@ -28,7 +28,7 @@ def _fields(resp: Any) -> list[str]:
 
 
 def test_create_and_get(api: Api) -> None:
-    job = api.submit(api.spec("first", training={"train_iters": 30}, resources={"gpus": 2, "priority": 5}))
+    job = api.submit(api.spec("first", training={"train_iters": 30}, resources={"devices": 2, "priority": 5}))
     assert job["id"].startswith("job-") and job["status"] == "queued" and job["name"] == "first"
     assert job["num_procs"] == 2 and job["layout"]["dp"] == 2 and job["layout"]["tp"] == 1
     assert job["total_steps"] == 30 and job["priority"] == 5 and job["pool"] == "default"
@@ -113,7 +113,7 @@ def test_idempotency_key(api: Api) -> None:
 BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown top-level field", {"bogus": 1}, "bogus"),
     ("unknown nested field", {"model": {"flash": True}}, "model.flash"),
-    ("heads not divisible by tp", {"parallelism": {"tp": 3}, "resources": {"gpus": 3}},
+    ("heads not divisible by tp", {"parallelism": {"tp": 3}, "resources": {"devices": 3}},
      "model.num_attention_heads"),
     ("hidden not divisible by heads", {"model": {"hidden_size": 66}}, "model.hidden_size"),
     ("micro batch does not divide global", {"training": {"global_batch_size": 9}},
@@ -136,10 +136,10 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("empty data", {"data": {"train": []}}, "data.train"),
     ("bad dp", {"parallelism": {"dp": "many"}}, "parallelism.dp"),
     ("finetune without init_from", {"kind": "finetune"}, "model.init_from"),
-    ("unknown pool", {"resources": {"pool": "tpu-v9", "gpus": 2}}, "resources.pool"),
+    ("unknown pool", {"resources": {"pool": "tpu-v9", "devices": 2}}, "resources.pool"),
     ("more processes than any node",
-     {"resources": {"gpus": 8}, "training": {"global_batch_size": 16, "micro_batch_size": 2}},
-     "resources.gpus"),
+     {"resources": {"devices": 8}, "training": {"global_batch_size": 16, "micro_batch_size": 2}},
+     "resources.devices"),
     ("init_from an unknown job",
      {"kind": "finetune", "model": {"init_from": "checkpoint:job-0123456789abcdef"}}, "model.init_from"),
 ]  # fmt: skip
@@ -295,7 +295,7 @@ def test_cancel_transitions(api: Api) -> None:
     assert again.status_code == 409 and f"job {queued['id']} was already cancelled;" in again.json()["detail"]
 
     for to_running, state in ((False, "scheduled"), (True, "running")):
-        job = api.submit(api.spec(state, resources={"gpus": 1}))
+        job = api.submit(api.spec(state, resources={"devices": 1}))
         _start(api, job["id"], to_running)
         resp = api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.headers)
         body = resp.json()
@@ -307,7 +307,7 @@ def test_cancel_transitions(api: Api) -> None:
         ]
         assert kinds.count("cancel_requested") == 1 and kinds[-1] == "cancel_requested"
 
-    done = api.submit(api.spec("done", resources={"gpus": 1}))
+    done = api.submit(api.spec("done", resources={"devices": 1}))
     _start(api, done["id"], True)
     with session_scope(api.db_url) as s:
         assert transition(s, done["id"], SUCCEEDED, from_statuses=(RUNNING,), reason="test")

@@ -17,7 +17,7 @@ def _set_cap(api: Api, tenant: str, cap: int) -> None:
 
 def _submit(api: Api, priority: int) -> tuple[int, dict]:
     resp = api.client.post(
-        "/v1/jobs", json=api.spec("p", resources={"gpus": 1, "priority": priority}), headers=api.headers
+        "/v1/jobs", json=api.spec("p", resources={"devices": 1, "priority": priority}), headers=api.headers
     )
     return resp.status_code, resp.json()
 

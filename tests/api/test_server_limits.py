@@ -286,7 +286,7 @@ def test_a_stopping_server_does_not_wait_for_live_streams(
     stack.start_in_background(scheduler=False)
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"text": "x"}\n')
-    spec = {"name": "s", "data": {"train": [{"path": corpus.as_uri()}]}, "resources": {"gpus": 1}}
+    spec = {"name": "s", "data": {"train": [{"path": corpus.as_uri()}]}, "resources": {"devices": 1}}
     headers = {"Authorization": f"Bearer {key}"}
     job_id = httpx.post(f"{stack.url}/v1/jobs", json=spec, headers=headers, timeout=30).json()["id"]
     streamed = threading.Event()

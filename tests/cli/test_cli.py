@@ -139,7 +139,7 @@ def test_keys_create_rejects_a_bad_tenant_name(db_url: str) -> None:
 
 def test_tenants_set_max_priority_lets_a_tenant_boost_its_jobs(live_api: LiveApi, tmp_path: Path) -> None:
     spec = live_api.spec("urgent")
-    spec["resources"] = {"gpus": 1, "priority": 5}
+    spec["resources"] = {"devices": 1, "priority": 5}
     path = _write_spec(tmp_path, spec)
     code, out = run("submit", str(path))
     assert code != 0 and "resources.priority=5 exceeds this tenant's maximum priority 0" in out, out

@@ -42,7 +42,7 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "data": {"train": [{"path": corpus.as_uri()}], "split": "100,0,0"},
         "training": {"train_iters": 1, "global_batch_size": 2, "micro_batch_size": 2, "precision": "fp32",
                      "checkpoint_interval": 1, "eval_interval": 0, "warmup_iters": 0, "log_interval": 1},
-        "resources": {"gpus": 1},
+        "resources": {"devices": 1},
     }  # fmt: skip
     train(parse_spec(spec), tmp / "out")
     return tmp / "out" / "checkpoints"

@@ -77,7 +77,7 @@ def test_restart_loses_no_job_and_no_metric(
         "data": {"train": [{"path": corpus.as_uri()}]},
         "training": {"train_iters": TRAIN_ITERS, "log_interval": 1, "checkpoint_interval": 10,
                      "global_batch_size": 4, "micro_batch_size": 1, "warmup_iters": 0},
-        "resources": {"gpus": 1},
+        "resources": {"devices": 1},
     }  # fmt: skip
     env["MEGATRAIN_ALLOWED_DATA_ROOTS"] = corpus.parent.as_uri()
 

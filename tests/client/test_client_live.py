@@ -120,7 +120,7 @@ def test_tensor_and_data_parallel_job_through_the_api(
     for live in start_live_api(tmp_path, monkeypatch, with_scheduler=True, cpu_slots=4):
         spec = live.spec("tp2dp2", global_batch_size=4)
         spec["parallelism"] = {"tp": 2, "dp": 2, "sequence_parallel": True}
-        spec["resources"] = {"gpus": 4}
+        spec["resources"] = {"devices": 4}
         with Client() as c:
             job = c.submit(spec)
             assert job.num_procs == 4 and job.layout is not None and job.layout["dp"] == 2
@@ -146,7 +146,7 @@ def test_tensor_and_pipeline_parallel_job_through_the_api(
         spec = live.spec("tp2pp2", global_batch_size=8, train_iters=4)
         spec["model"]["num_layers"] = 2  # one per stage
         spec["parallelism"] = {"tp": 2, "pp": 2, "dp": 1}
-        spec["resources"] = {"gpus": 4}
+        spec["resources"] = {"devices": 4}
         with Client() as c:
             job = c.submit(spec)
             assert job.num_procs == 4 and job.layout is not None and job.layout["pp"] == 2

@@ -302,3 +302,16 @@ def test_import_is_torch_free() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_sdk_spec_defaults_are_the_apis() -> None:
+    # A JobSpec built in Python is sent with the API's defaults: precision auto, not a bf16 that
+    # every CPU run would downgrade.
+    from megatrain.client.client import _spec_body
+    from megatrain.spec import JobSpec
+
+    body = _spec_body(
+        JobSpec.model_validate({"name": "s", "data": {"train": [{"path": "file:///d/c.jsonl"}]}})
+    )
+    assert body["training"]["precision"] == "auto"
+    assert body["resources"]["devices"] is None and "gpus" not in body["resources"]

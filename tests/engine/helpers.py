@@ -47,7 +47,7 @@ def tiny_spec(corpus: Path, **training: Any) -> dict[str, Any]:
             "checkpoint_interval": 3,
             "seed": 7,
         },
-        "resources": {"gpus": 1},
+        "resources": {"devices": 1},
     }
     spec["training"].update(training)
     return copy.deepcopy(spec)

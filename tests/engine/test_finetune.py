@@ -307,7 +307,7 @@ def _step_rank(rank: int, world: int, workdir: str, parallelism: dict) -> dict:
     raw["model"].update(num_layers=4, seq_length=64)
     raw["data"].update(split="1,0,0", chat_template="chatml", prompt_key="question", response_key="answer")
     raw["parallelism"] = {**parallelism, "distributed_optimizer": False}
-    raw["resources"] = {"gpus": world}
+    raw["resources"] = {"devices": world}
     spec = parse_spec(raw)
     layout = resolve_layout(spec, world)
     cfg = train_config(spec, layout.dp)

@@ -67,7 +67,7 @@ def _link(
     raw: dict[str, Any], parallelism: dict[str, Any], world: int, out: Path, iters: int
 ) -> torch.Tensor:
     raw = copy.deepcopy(raw)
-    raw["parallelism"], raw["resources"] = parallelism, {"gpus": world}
+    raw["parallelism"], raw["resources"] = parallelism, {"devices": world}
     raw["training"]["train_iters"] = iters
     results = run_distributed(_rank, world, raw, str(out), timeout=240)
     found = [r for r in results if r is not None]

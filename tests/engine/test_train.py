@@ -21,9 +21,11 @@ from megatrain.spec import parse_spec
 from .helpers import read_jsonl, tiny_spec
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-               "peak_memory_bytes", "iter_time_s", "consumed_samples", "time", "skipped_iters", "data_time_s",
-               "forward_time_s", "backward_time_s", "grad_sync_time_s", "optimizer_time_s",
-               "cpu_util", "device_memory_used_bytes", "device_memory_total_bytes"}  # fmt: skip
+               "model_state_bytes", "measured_params_bytes", "measured_grads_bytes",
+               "measured_optimizer_bytes", "process_rss_bytes", "iter_time_s", "consumed_samples",
+               "time", "skipped_iters", "data_time_s", "forward_time_s", "backward_time_s",
+               "grad_sync_time_s", "optimizer_time_s", "cpu_util", "device_memory_used_bytes",
+               "device_memory_total_bytes"}  # fmt: skip
 PIPELINE_KEYS = {"pipeline_bubble_fraction", "pipeline_wait_time_s", "pipeline_compute_time_s",
                  "pipeline_max_stage_wait_time_s"}  # fmt: skip
 
@@ -48,7 +50,7 @@ def test_unsupported_layout_exits_with_a_clear_message(
 ) -> None:
     raw = tiny_spec(corpus)
     raw["parallelism"] = {"pp": 2, "virtual_stages": 2}  # 2 layers cannot make 4 chunks
-    raw["resources"] = {"gpus": 2}
+    raw["resources"] = {"devices": 2}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE
     assert "pipeline_layers for an uneven split" in capsys.readouterr().err
@@ -60,7 +62,7 @@ def test_unsupported_layout_exits_with_a_clear_message(
 def test_layout_needing_more_processes_names_the_numbers(tmp_path: Path, corpus: Path) -> None:
     raw = tiny_spec(corpus)
     raw["parallelism"] = {"tp": 2, "dp": 2}
-    raw["resources"] = {"gpus": 4}
+    raw["resources"] = {"devices": 4}
     with pytest.raises(UnsupportedLayout, match="needs 4 processes but 1 were started"):
         run(parse_spec(raw), tmp_path / "out")
 
@@ -116,7 +118,7 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     single = run(parse_spec(raw), tmp_path / "single")
     assert single["step"] == 6
     raw["parallelism"] = parallelism
-    raw["resources"] = {"gpus": nproc}
+    raw["resources"] = {"devices": nproc}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     proc = _torchrun(nproc, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -143,6 +145,12 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     assert events[0]["resumed_from"] is None
     assert events[0]["num_params"] == read_jsonl(tmp_path / "single" / "events.jsonl")[0]["num_params"]
     assert [e["step"] for e in events[1:]] == [3, 6, 6]
+    if parallelism.get("pp", 1) == 1:  # (with pp, rank 0 is one stage; the estimate the worst one)
+        # Rank 0's measured model state, sharded by tp (and by dp with the distributed optimizer),
+        # is the planner's static part for the layout.
+        est = events[0]["memory_estimate"]
+        planned = est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"]
+        assert train_rows[-1]["model_state_bytes"] == pytest.approx(planned, rel=0.10)
     ckpts = tmp_path / "par" / "checkpoints"
     assert events[2]["uri"] == (ckpts / "iter_0000006").as_uri()
     assert (ckpts / "latest").read_text().strip() == "6"
@@ -165,7 +173,7 @@ def test_resume_in_another_layout(tmp_path: Path, corpus: Path) -> None:
     shutil.copytree(tmp_path / "single" / "checkpoints" / "iter_0000003", resumed / "iter_0000003")
     (resumed / "latest").write_text("3\n")
     raw["parallelism"] = {"tp": 2, "dp": 2}
-    raw["resources"] = {"gpus": 4}
+    raw["resources"] = {"devices": 4}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -190,7 +198,7 @@ def test_pipeline_resumes_a_single_process_checkpoint_and_back(tmp_path: Path, c
     (par / "latest").write_text("3\n")
     raw["training"]["checkpoint_interval"] = 1
     raw["parallelism"] = {"pp": 2, "dp": 2, "distributed_optimizer": True}
-    raw["resources"] = {"gpus": 4}
+    raw["resources"] = {"devices": 4}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -202,7 +210,7 @@ def test_pipeline_resumes_a_single_process_checkpoint_and_back(tmp_path: Path, c
     back = tmp_path / "back" / "checkpoints"
     shutil.copytree(par / "iter_0000005", back / "iter_0000005")
     (back / "latest").write_text("5\n")
-    raw["parallelism"], raw["resources"] = "auto", {"gpus": 1}
+    raw["parallelism"], raw["resources"] = "auto", {"devices": 1}
     run(parse_spec(raw), tmp_path / "back")
     again = [r for r in read_jsonl(tmp_path / "back" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in again] == [6]

@@ -104,7 +104,7 @@ def spec_with(
             "model": {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, **model},
             "training": {"global_batch_size": gbs, "micro_batch_size": mbs},
             "parallelism": parallelism,
-            "resources": {"gpus": gpus},
+            "resources": {"devices": gpus},
         }
     )
 
@@ -134,7 +134,7 @@ def test_resolve_layout(parallelism: Any, gpus: int | None, gbs: int, mbs: int, 
 
 def test_dp_auto_fills_the_world_when_the_engine_runs_on_its_own() -> None:
     assert resolve_layout(spec_with({"tp": 2}), world_size=4) == Layout(tp=2, dp=2)
-    # resources.gpus, when given, is what the job asked for; the world must then match it.
+    # resources.devices, when given, is what the job asked for; the world must then match it.
     assert resolve_layout(spec_with({"tp": 2}, gpus=2), world_size=4) == Layout(tp=2)
     with pytest.raises(SpecError, match="but the world has 4 processes"):
         check_layout(spec_with({"tp": 2}, gpus=2), Layout(tp=2), world_size=4)
@@ -163,12 +163,12 @@ def test_layout_as_dict() -> None:
             6,
             16,
             4,
-            "resources.gpus",
-            "resources.gpus=6 is not divisible by tp×pp×cp=2×2×1",
+            "resources.devices",
+            "resources.devices=6 is not divisible by tp×pp×cp=2×2×1",
         ),
-        ({"tp": 4}, 2, 16, 4, "resources.gpus", "not divisible"),
-        ({"tp": 2, "dp": 2}, 8, 16, 4, "resources.gpus", "resources.gpus=8 does not equal tp×pp×cp×dp"),
-        ({"dp": 4}, 2, 16, 4, "resources.gpus", "does not equal"),
+        ({"tp": 4}, 2, 16, 4, "resources.devices", "not divisible"),
+        ({"tp": 2, "dp": 2}, 8, 16, 4, "resources.devices", "resources.devices=8 does not equal tp×pp×cp×dp"),
+        ({"dp": 4}, 2, 16, 4, "resources.devices", "does not equal"),
         ("auto", 3, 16, 4, "training.global_batch_size", "micro_batch_size×dp=4×3"),
         ("auto", 8, 16, 4, "training.global_batch_size", "training.global_batch_size=16 is not divisible"),
         ({"tp": 2, "dp": 3}, None, 10, 2, "training.global_batch_size", "micro_batch_size×dp=2×3"),
@@ -265,7 +265,7 @@ def test_every_broken_rule_is_reported_at_once() -> None:
         "model": {"num_attention_heads": 6, "hidden_size": 192, "seq_length": 250},
         "parallelism": {"tp": 4, "sequence_parallel": True},
         "training": {"global_batch_size": 9, "micro_batch_size": 3},
-        "resources": {"gpus": 8},
+        "resources": {"devices": 8},
     }
     fields = [e["field"] for e in layout_errors_of(data)]
     assert fields == ["model.num_attention_heads", "model.num_query_groups", "model.seq_length",

@@ -152,7 +152,7 @@ def test_job_page_with_100k_points(
         other_key = create_api_key(s, "globex", "other tenant")
         get_or_create_tenant(s, "globex").max_priority = 5  # the operator lets it boost its jobs
     theirs = live.spec("their-job", global_batch_size=4)
-    theirs["resources"] = {"gpus": 2, "priority": 5}
+    theirs["resources"] = {"devices": 2, "priority": 5}
     their_id = httpx.post(
         f"{live.url}/v1/jobs", json=theirs, headers={"Authorization": f"Bearer {other_key}"}
     ).json()["id"]

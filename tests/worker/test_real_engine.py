@@ -65,7 +65,7 @@ def _schedule_real_job(
             "warmup_iters": 0,
         },
         "parallelism": parallelism,
-        "resources": {"gpus": procs, "max_runtime_s": 300},
+        "resources": {"devices": procs, "max_runtime_s": 300},
     }
     with session_scope(url) as s:
         job = s.get(Job, job_id)

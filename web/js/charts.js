@@ -5,6 +5,13 @@ import uPlot from "../vendor/uplot/uPlot.esm.js";
 
 function css(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
 
+// A line needs two values: a series with a single value in view is drawn as its point instead.
+function lone(values, i0, i1) {
+  let n = 0;
+  for (let i = i0; i <= i1 && n < 2; i++) if (values[i] !== null && values[i] !== undefined) n++;
+  return n === 1;
+}
+
 export class LineChart {
   /**
    * series: [{label, color: "--chart-1", points: false}]; format(v) for the y axis and legend.
@@ -46,12 +53,21 @@ export class LineChart {
           stroke: css(s.color || "--chart-1"),
           width: 1.5,
           spanGaps: true,
-          points: { show: s.points ?? false, size: 5 },
+          // Filled, so a lone point reads as a value and not as an empty ring.
+          points: { show: (u, si, i0, i1) => (s.points ?? false) || lone(u.data[si], i0, i1), size: 6, fill: css(s.color || "--chart-1") },
           value: (_, v) => (v === null || v === undefined ? "—" : fmt(v)),
         })),
       ],
     };
     this.plot = new uPlot(opts, this.data, this.container);
+  }
+
+  /** New series labels (the same count), e.g. once the run's device is known. */
+  relabel(labels) {
+    if (labels.every((l, i) => this.seriesDefs[i].label === l)) return;
+    this.seriesDefs = this.seriesDefs.map((s, i) => ({ ...s, label: labels[i] }));
+    this.destroyPlot();
+    this.build();
   }
 
   destroyPlot() { if (this.plot) { this.plot.destroy(); this.plot = null; } }

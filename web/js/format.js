@@ -45,6 +45,13 @@ export function fmtDuration(seconds) {
   return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
 }
 
+// Jobs run one process per device: a GPU, or a CPU slot on a pool without GPUs. `kinds` maps pool
+// names to the cluster's slot_kind; a pool it does not know, or a mix of kinds, reads "Devices".
+export function devicesWord(pools, kinds) {
+  const words = new Set(pools.map((p) => kinds.get(p) || "Devices"));
+  return words.size === 1 ? [...words][0] : "Devices";
+}
+
 export function fmtTime(iso) { return iso ? new Date(iso).toLocaleString() : "—"; }
 
 export function layoutText(layout) {

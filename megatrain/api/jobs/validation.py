@@ -63,13 +63,18 @@ def _layout(spec: JobSpec, findings: Findings) -> Layout | None:
         return None
 
 
-def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> list[Any] | None:
-    """The pool's nodes (slots, device memory), or None when the pool is unknown or not named well."""
+def _pool_nodes(
+    session: Session, spec: JobSpec, findings: Findings
+) -> tuple[list[Any], str | None] | None:
+    """The pool's nodes (slots, device memory) and accelerator, or None when the pool is unknown or
+    not named well."""
     if findings.depends_on_unknown("resources.pool"):
         return None
     pool = spec.resources.pool
-    pool_id = session.scalar(select(NodePool.id).where(NodePool.name == pool))
-    if pool_id is None:
+    pool_row = session.execute(
+        select(NodePool.id, NodePool.accelerator).where(NodePool.name == pool)
+    ).one_or_none()
+    if pool_row is None:
         known = sorted(session.scalars(select(NodePool.name)).all())
         findings.add(
             [
@@ -80,22 +85,25 @@ def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> list[Any
             ]
         )
         return None
-    rows = select(Node.slots_total, Node.device_memory_bytes).where(Node.pool_id == pool_id)
-    return list(session.execute(rows).all())
+    rows = select(Node.slots_total, Node.device_memory_bytes).where(Node.pool_id == pool_row.id)
+    return list(session.execute(rows).all()), pool_row.accelerator
 
 
-def _fit(spec: JobSpec, layout: Layout, nodes: list[Any], findings: Findings) -> None:
+def _fit(
+    spec: JobSpec, layout: Layout, nodes: list[Any], accelerator: str | None, findings: Findings
+) -> None:
     pool = spec.resources.pool
     slots = [n.slots_total for n in nodes]
     problem = fit_problem(layout, slots, pool)
     if problem:
-        findings.add([_problem("resources.pool" if not slots else "resources.gpus", problem)])
+        findings.add([_problem("resources.pool" if not slots else "resources.devices", problem)])
     if findings.has_error(*MEMORY_INPUTS):
         return
-    # A job whose per-device memory (the engine's analytical estimate, worst pipeline stage)
-    # exceeds every device of its pool would fail allocating on every attempt.
+    # A job whose per-device memory (the engine's analytical estimate, worst pipeline stage, in the
+    # precision the pool's devices run) exceeds every device of its pool would fail allocating on
+    # every attempt.
     try:
-        estimate = from_spec(spec, layout)
+        estimate = from_spec(spec, layout, accelerator=accelerator)
     except ValueError:  # a Hugging Face tokenizer without model.vocab_size: sized only by the engine
         return
     text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
@@ -178,9 +186,9 @@ def validate_submission(
         findings.raise_if_any()
         raise SpecError([_problem("spec", "not a valid job spec")])  # unreachable: see check_spec
     layout = _layout(spec, findings)
-    nodes = _pool_nodes(session, spec, findings)
-    if layout is not None and nodes is not None:
-        _fit(spec, layout, nodes, findings)
+    pool = _pool_nodes(session, spec, findings)
+    if layout is not None and pool is not None:
+        _fit(spec, layout, *pool, findings)
     _datasets(session, spec, tenant, findings)
     _data(spec, settings, tenant, findings)
     if not findings.depends_on_unknown("model.init_from"):

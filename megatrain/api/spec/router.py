@@ -1,4 +1,5 @@
-"""/v1/spec: the JobSpec's JSON Schema and reference, and a dry run of a submission's checks."""
+"""/v1/spec: the JobSpec's JSON Schema and reference, an example spec, and a dry run of a
+submission's checks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.jobs import service
 from megatrain.api.jobs.router import SUBMIT_OPENAPI
 from megatrain.api.jobs.schemas import SpecCheck
+from megatrain.api.spec.example import example_spec
 from megatrain.spec import spec_json_schema
 from megatrain.spec_reference import render_html, render_markdown
 
@@ -40,6 +42,14 @@ def get_reference(
     if wants_html:
         return HTMLResponse(render_html())
     return PlainTextResponse(render_markdown(), media_type="text/markdown; charset=utf-8")
+
+
+@router.get("/example")
+def get_example(session: SessionDep, settings: SettingsDep, tenant: CurrentTenant) -> dict[str, Any]:
+    """A ready-to-submit spec whose data exists (the Submit page's template): `{"spec", "source",
+    "hint"}`, training on the tenant's newest ready dataset, else the demo corpus if `megatrain
+    demo` built it; `spec` is null, with a hint on how to get data, when there is none."""
+    return example_spec(session, settings, tenant)
 
 
 @router.post("/validate", response_model=SpecCheck, openapi_extra=SUBMIT_OPENAPI)

@@ -6,6 +6,19 @@ import { h, replace } from "../dom.js";
 import { fmtAge } from "../format.js";
 
 const REFRESH_MS = 3000;
+const KINDS_MS = 30_000;
+
+// What each pool's slots are called ("GPUs", "CPU slots"), for the pages that count a job's
+// processes; fetched once in a while, never per row.
+let kinds = null;
+export function slotKinds() {
+  if (!kinds || performance.now() - kinds.at > KINDS_MS) {
+    const promise = api("/v1/cluster").then((view) => new Map(view.pools.map((p) => [p.name, p.slot_kind])))
+      .catch(() => { kinds = null; return new Map(); });
+    kinds = { at: performance.now(), promise };
+  }
+  return kinds.promise;
+}
 
 function slots(node) {
   const cells = [];

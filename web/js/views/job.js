@@ -4,9 +4,10 @@
 import { api, ApiError, follow } from "../api.js";
 import { LineChart } from "../charts.js";
 import { h, replace } from "../dom.js";
-import { ACTIVE, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
+import { ACTIVE, devicesWord, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
 import { exportActive, exportCell } from "./exports.js";
 import { samplePanel } from "./samples.js";
+import { slotKinds } from "./cluster.js";
 import { badge, progress } from "./jobs.js";
 
 const POLL_MS = 2000;
@@ -27,9 +28,15 @@ const CHARTS = [
   { id: "grad_norm", title: "Grad norm", series: [{ label: "grad norm" }], values: (t) => [t?.grad_norm ?? null], format: (x) => fmtNum(x, 3) },
   { id: "tokens_per_s", title: "Tokens/s", series: [{ label: "tokens/s" }], values: (t) => [t?.tokens_per_s ?? null], format: fmtCount },
   { id: "mfu", title: "MFU", series: [{ label: "MFU" }], values: (t) => [t?.mfu ?? null], format: fmtPct },
-  { id: "memory", title: "Memory per GPU", titleOf: (t) => (onCpu(t) ? "Memory per rank (CPU)" : "Memory per GPU"),
-    series: [{ label: "peak allocated" }, { label: "device in use", color: "--chart-2" }],
-    values: (t) => [t?.peak_memory_bytes ?? null, t?.device_memory_used_bytes ?? null], format: fmtBytes },
+  // Like for like with the planner: the model state measured from the run's tensors on every device;
+  // on a GPU the allocator's peak (all tensors) and the device's memory in use; on a CPU the
+  // process's resident set, labelled as such (it holds far more than tensors).
+  { id: "memory", title: "Memory per device", titleOf: (t) => (onCpu(t) ? "Memory per rank (CPU)" : "Memory per GPU"),
+    series: [{ label: "model state (measured)" }, { label: "peak allocated (tensors)", color: "--chart-2" },
+      { label: "device in use", color: "--s-scheduled" }],
+    labelsOf: (t) => ["model state (measured)", onCpu(t) ? "peak allocated (n/a on a CPU)" : "peak allocated (tensors)", onCpu(t) ? "process RSS" : "device in use"],
+    values: (t) => [t?.model_state_bytes ?? null, t?.peak_memory_bytes ?? null,
+      (t && onCpu(t) ? t.process_rss_bytes : null) ?? t?.device_memory_used_bytes ?? null], format: fmtBytes },
   { id: "utilization", title: "GPU utilization", titleOf: (t) => (onCpu(t) ? "CPU utilization" : "GPU utilization"),
     series: [{ label: "utilization" }], optional: true,
     values: (t) => [t ? utilization(t) : null], format: (x) => fmtPct(x / 100) },
@@ -59,15 +66,37 @@ function tile(label, value, id) {
 
 const MEMORY_PARTS = [["params", "Parameters", "--chart-1"], ["grads", "Gradients", "--s-succeeded"], ["optimizer", "Optimizer", "--chart-2"], ["activations", "Activations", "--s-scheduled"]];
 
+// The planner's estimate beside what the run measured, like for like: its static part (parameters,
+// gradients, optimizer state) against the same tensors' bytes; on a GPU its total against the
+// allocator's peak. A CPU's process RSS is shown for what it is, not as a measure of the estimate.
+function memoryMeasured(estimate, row) {
+  if (!row || row.model_state_bytes == null) return [h("p", { class: "hint" }, "The measured figures appear with the first metrics.")];
+  const value = (k) => estimate[`${k}_bytes`] ?? 0;
+  const planned = value("params") + value("grads") + value("optimizer");
+  const off = (got, want) => (want ? ` (${got >= want ? "+" : ""}${(100 * (got - want) / want).toFixed(1)}% of the plan)` : "");
+  const lines = [h("p", { id: "memory-model-state" }, h("strong", {}, "Measured model state: "),
+    `${fmtBytes(row.model_state_bytes)} of parameters, gradients and optimizer state; the planner's ${fmtBytes(planned)}${off(row.model_state_bytes, planned)}.`)];
+  if (row.peak_memory_bytes != null) {
+    lines.push(h("p", { id: "memory-peak" }, h("strong", {}, "Measured peak allocated: "),
+      `${fmtBytes(row.peak_memory_bytes)} of tensors, activations included; the planner's total ${fmtBytes(estimate.total_bytes)}${off(row.peak_memory_bytes, estimate.total_bytes)}.`));
+  }
+  if (row.process_rss_bytes != null) {
+    lines.push(h("p", { class: "hint", id: "memory-rss" }, h("strong", {}, "Process RSS: "),
+      `${fmtBytes(row.process_rss_bytes)}, the whole process (Python, torch's libraries, allocator caches), not only tensors: no measure of the plan.`));
+  }
+  return lines;
+}
+
 function memoryPlan(estimate) {
   const value = (k) => estimate[`${k}_bytes`] ?? estimate[k] ?? 0;
   const total = estimate.total_bytes ?? MEMORY_PARTS.reduce((s, [k]) => s + value(k), 0);
   if (!total) return null;
   return h("div", { id: "memory-plan" },
-    h("h3", {}, `Planner's memory per GPU: ${fmtBytes(total)}`),
+    h("h3", {}, `Planner's memory per device: ${fmtBytes(total)}`),
     h("div", { class: "membar", role: "img", "aria-label": MEMORY_PARTS.map(([k, l]) => `${l} ${fmtBytes(value(k))}`).join(", ") },
       MEMORY_PARTS.map(([k, , c]) => h("span", { style: { width: `${(100 * value(k)) / total}%`, background: `var(${c})` } }))),
-    h("div", { class: "legend" }, MEMORY_PARTS.map(([k, l, c]) => h("span", {}, h("i", { style: { background: `var(${c})` } }), `${l} ${fmtBytes(value(k))}`))));
+    h("div", { class: "legend" }, MEMORY_PARTS.map(([k, l, c]) => h("span", {}, h("i", { style: { background: `var(${c})` } }), `${l} ${fmtBytes(value(k))}`))),
+    h("div", { id: "memory-measured" }));
 }
 
 export function renderJob(main, [jobId], { showBanner, hideBanner }) {
@@ -89,6 +118,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   let flushPending = false;
   let logsFollowing = null;
   let lastSeq = 0;
+  let estimate = null;  // the planner's, from the started event
+  let kinds = new Map();  // pool -> what its slots are called ("GPUs", "CPU slots")
+  slotKinds().then((k) => { kinds = k; if (job && !stopped) drawJob(); });
   window.megatrainPerf = { jobId, chartsReadyMs: null, points: 0 };
 
   replace(main, h("div", { class: "loading" }, "Loading job…"));
@@ -159,7 +191,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       tile("MFU", fmtPct(job.latest_mfu)),
       tile("Parameters", paramsText(job)),
       tile("Layout", layoutText(job.layout)),
-      tile("GPUs", String(job.num_procs)),
+      tile(devicesWord([job.pool], kinds), String(job.num_procs), "tile-devices"),
       tile("Attempt", `${job.attempt} of ${job.max_retries + 1}`),
       tile("Runtime", runtime),
       tile("Submitted", h("span", { title: fmtTime(job.created_at) }, fmtAge(job.created_at))));
@@ -167,12 +199,18 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
 
   function drawEvents(events) {
     if (!events.length) { replace(el.timeline, h("li", { class: "muted" }, "No events yet.")); return; }
+    // The newest event is the last: keep the box scrolled to it, unless the reader scrolled up.
+    const box = el.timeline;
+    const atEnd = !box.dataset.drawn || box.scrollHeight - box.scrollTop - box.clientHeight < 24;
+    const kept = box.scrollTop;
     replace(el.timeline, events.map((ev) => h("li", { dataset: { kind: ev.kind } },
       h("span", { class: `dot ${ev.kind}`, "aria-hidden": "true" }),
       h("div", { style: { minWidth: 0 } },  // lets a long reason end in an ellipsis, not widen the list
         h("span", { class: "what" }, eventLabel(ev)),
         h("time", { class: "when", datetime: ev.created_at, title: fmtTime(ev.created_at) }, fmtAge(ev.created_at)),
         ev.reason && h("div", { class: "why", title: ev.reason, style: { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }, firstLine(ev.reason))))));
+    box.dataset.drawn = "1";
+    box.scrollTop = atEnd ? box.scrollHeight : kept;
     const started = [...events].reverse().find((e) => e.kind === "started");
     drawLayout(started?.data || {});
   }
@@ -184,10 +222,24 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       ["Sequence parallel", L.sequence_parallel ? "on" : "off"], ["Processes", job.num_procs], ["Pool", job.pool]];
     if (startedData.device) rows.push(["Device", startedData.device]);
     if (startedData.precision) rows.push(["Precision", startedData.precision]);
-    const estimate = startedData.memory_estimate;
+    estimate = startedData.memory_estimate || null;
     replace(el.layout,
       h("dl", { class: "kv" }, rows.filter(([, v]) => v !== undefined && v !== null).map(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))])),
       estimate ? memoryPlan(estimate) : h("p", { class: "hint" }, "The planner's memory breakdown appears here once the engine reports it at start."));
+    drawMeasured();
+  }
+
+  function latestTrain(has = null) {
+    for (let i = store.steps.length - 1; i >= 0; i--) {
+      const t = store.byStep.get(store.steps[i]).t;
+      if (t && (has === null || t[has] != null)) return t;
+    }
+    return null;
+  }
+
+  function drawMeasured() {
+    const box = document.getElementById("memory-measured");
+    if (box && estimate) replace(box, memoryMeasured(estimate, latestTrain("model_state_bytes")));
   }
 
   // A checkpoint's or an export's download: a tar through the API, or presigned links from S3.
@@ -314,6 +366,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       flushPending = false;
       const xs = store.steps;
       const entries = xs.map((s) => store.byStep.get(s));
+      const lastTrain = latestTrain();
       for (const { def, card, chart } of Object.values(charts)) {
         const cols = def.series.map(() => new Array(xs.length));
         let count = 0;
@@ -323,8 +376,11 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
         if (def.optional) card.hidden = count === 0;
         const last = [...entries].reverse().find((e) => def.values(e.t, e.v)[0] !== null);
         document.getElementById(`chart-${def.id}-latest`).textContent = last ? `latest ${def.format(def.values(last.t, last.v)[0])}` : "no data yet";
-        if (def.titleOf && last?.t) document.getElementById(`chart-${def.id}-title`).textContent = def.titleOf(last.t);
+        // Titles and labels follow the run's device, known from any train row.
+        if (def.titleOf && lastTrain) document.getElementById(`chart-${def.id}-title`).textContent = def.titleOf(lastTrain);
+        if (def.labelsOf && lastTrain) chart.relabel(def.labelsOf(lastTrain));
       }
+      drawMeasured();
       const shown = xs.length;
       const held = entries.reduce((n, e) => n + (e.t ? 1 : 0) + (e.v ? 1 : 0), 0);
       el.chartNote.textContent = totalRows > held

@@ -2,7 +2,8 @@
 
 import { api } from "../api.js";
 import { h, replace } from "../dom.js";
-import { ACTIVE, STATES, fmtAge, fmtNum, fmtPct, fmtRate, layoutText, paramsText } from "../format.js";
+import { ACTIVE, STATES, devicesWord, fmtAge, fmtNum, fmtPct, fmtRate, layoutText, paramsText } from "../format.js";
+import { slotKinds } from "./cluster.js";
 
 const REFRESH_MS = 2500;
 const PAGE = 50;
@@ -17,14 +18,14 @@ export function progress(job) {
     h("span", { class: "num" }, `${job.current_step.toLocaleString()} / ${job.total_steps.toLocaleString()}`));
 }
 
-function row(job) {
+function row(job, devices) {
   const td = (label, content, cls = "") => h("td", { "data-label": label, class: cls }, content);
   return h("tr", { dataset: { jobId: job.id, status: job.status } },
     td("Job", [h("a", { class: "name", href: `#/jobs/${encodeURIComponent(job.id)}` }, job.name), h("span", { class: "id" }, job.id)], "primary"),
     td("State", badge(job.status)),
     td("Params", paramsText(job), "num"),
     td("Layout", layoutText(job.layout), "mono"),
-    td("GPUs", String(job.num_procs), "num"),
+    td(devices, String(job.num_procs), "num"),
     td("Progress", progress(job)),
     td("Loss", fmtNum(job.latest_loss, 4), "num"),
     td("Tokens/s", fmtRate(job.latest_tokens_per_s), "num"),
@@ -60,9 +61,9 @@ export function renderJobs(main, _params, { showBanner, hideBanner }) {
     try {
       const q = new URLSearchParams({ limit: String(limit) });
       if (filter) q.set("status", filter);
-      const page = await api(`/v1/jobs?${q}`, { signal: controller.signal });
+      const [page, kinds] = await Promise.all([api(`/v1/jobs?${q}`, { signal: controller.signal }), slotKinds()]);
       hideBanner();
-      draw(page);
+      draw(page, kinds);
       updated.textContent = `Updated ${new Date().toLocaleTimeString()}.`;
     } catch (err) {
       if (err.name === "AbortError") return;
@@ -71,7 +72,7 @@ export function renderJobs(main, _params, { showBanner, hideBanner }) {
     if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
   }
 
-  function draw(page) {
+  function draw(page, kinds) {
     if (!page.items.length) {
       replace(body, h("div", { class: "empty" },
         h("strong", {}, filter ? `No ${filter} jobs` : "No jobs yet"),
@@ -79,13 +80,15 @@ export function renderJobs(main, _params, { showBanner, hideBanner }) {
         !filter && h("div", { style: { marginTop: "0.8rem" } }, h("a", { class: "btn btn-primary", href: "#/submit" }, "Submit a job"))));
       return;
     }
-    const headers = ["Job", "State", "Params", "Layout", "GPUs", "Progress", "Loss", "Tokens/s", "MFU", "Age"];
-    const numeric = new Set(["Params", "GPUs", "Loss", "Tokens/s", "MFU", "Age"]);
+    // The processes column: "GPUs" or "CPU slots" when every listed job's pool agrees, else "Devices".
+    const devices = devicesWord(page.items.map((j) => j.pool), kinds);
+    const headers = ["Job", "State", "Params", "Layout", devices, "Progress", "Loss", "Tokens/s", "MFU", "Age"];
+    const numeric = new Set(["Params", devices, "Loss", "Tokens/s", "MFU", "Age"]);
     const focused = document.activeElement && document.activeElement.closest && document.activeElement.closest("tr")?.dataset.jobId;
     const table = h("table", { class: "cards", id: "jobs-table" },
       h("caption", { class: "visually-hidden" }, "Jobs"),
       h("thead", {}, h("tr", {}, headers.map((t) => h("th", { scope: "col", class: numeric.has(t) ? "num" : "" }, t)))),
-      h("tbody", {}, page.items.map(row)));
+      h("tbody", {}, page.items.map((j) => row(j, devices))));
     const more = page.next_cursor && h("div", { style: { textAlign: "center", marginTop: "0.75rem" } },
       h("button", { type: "button", class: "btn", onclick: () => { limit = Math.min(500, limit + PAGE); refresh(); } }, "Show more"));
     replace(body, h("div", { class: "table-wrap" }, table), more);

@@ -23,18 +23,21 @@ const FIELDS = [
   ["training.global_batch_size", "Global batch", "number"],
   ["training.micro_batch_size", "Micro batch", "number"],
   ["training.lr", "Learning rate", "number", { step: "any" }],
-  ["training.precision", "Precision", "select", { options: ["bf16", "fp16", "fp32"] }],
-  ["resources.gpus", "GPUs", "number"],
+  ["training.precision", "Precision", "select", { options: ["auto", "bf16", "fp16", "fp32"],
+    labels: { auto: "auto: bf16 where the device runs it natively, else fp32" } }],
+  ["resources.devices", "Devices", "number", { hint: "Processes: GPUs, or CPU slots on a CPU pool. Empty: tp × pp × dp." }],
   ["resources.pool", "Pool", "text"],
   ["resources.priority", "Priority", "number"],
 ];
 
-const TEMPLATE = {
+// Until the server's example arrives (GET /v1/spec/example: a spec on data that exists), and when
+// there is no data at all: no made-up path, the API then names the missing data source.
+const NO_DATA = {
   name: "my-job",
-  model: { arch: "llama", num_layers: 4, hidden_size: 256, num_attention_heads: 8, seq_length: 256 },
-  data: { train: [{ path: "file:///path/to/corpus.jsonl" }] },
-  training: { train_iters: 200, global_batch_size: 16, micro_batch_size: 4, lr: 3e-4, precision: "bf16" },
-  resources: { gpus: 1, pool: "default", priority: 0 },
+  model: { arch: "llama", num_layers: 4, hidden_size: 128, num_attention_heads: 4, seq_length: 128 },
+  data: { train: [{ path: "" }] },
+  training: { train_iters: 200, global_batch_size: 16, micro_batch_size: 4, lr: 3e-3, precision: "auto" },
+  resources: { devices: 1, pool: "default", priority: 0 },
 };
 
 function getPath(obj, path) {
@@ -78,6 +81,7 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
   const validateBtn = h("button", { type: "button", class: "btn", id: "validate" }, "Validate");
   const submitBtn = h("button", { type: "submit", class: "btn btn-primary", id: "submit" }, "Submit job");
   const resetBtn = h("button", { type: "button", class: "btn btn-ghost", id: "reset-spec" }, "Reset to template");
+  const templateNote = h("p", { class: "hint", id: "template-note", role: "status" });
 
   const form = h("form", { class: "submit-grid", novalidate: true },
     h("section", { class: "card", "aria-labelledby": "common-h" },
@@ -85,6 +89,7 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
       h("fieldset", {}, h("legend", { class: "visually-hidden" }, "Common fields"), h("div", { class: "form-grid" }, formFields))),
     h("section", { class: "card", "aria-labelledby": "editor-h" },
       h("h2", { id: "editor-h" }, "Full spec"),
+      templateNote,
       h("p", { class: "hint", id: "editor-hint" }, "Every JobSpec field (",
         h("a", { href: "/v1/spec/schema", target: "_blank", rel: "noopener" }, "schema"),
         "). JSON stays in step with the form; paste YAML to send it as YAML."),
@@ -121,7 +126,8 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
     }
   }
   editor.addEventListener("input", editorToForm);
-  resetBtn.addEventListener("click", () => { editor.value = JSON.stringify(TEMPLATE, null, 2); editorToForm(); clearErrors(); });
+  let template = NO_DATA;
+  resetBtn.addEventListener("click", () => { editor.value = JSON.stringify(template, null, 2); editorToForm(); clearErrors(); });
 
   function clearErrors() {
     Object.values(errors).forEach((e) => (e.textContent = ""));
@@ -196,8 +202,18 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
     editorToForm();  // a draft naming one of them shows it selected
   }).catch((err) => { if (err.name !== "AbortError") showBanner(`Could not load datasets: ${err.message}`); });
 
-  editor.value = sessionStorage.getItem(DRAFT) || JSON.stringify(TEMPLATE, null, 2);
+  editor.value = sessionStorage.getItem(DRAFT) || JSON.stringify(template, null, 2);
   editorToForm();
+  // The template trains on data that exists: a ready dataset, else the demo corpus, else none.
+  api("/v1/spec/example", { signal: controller.signal }).then((example) => {
+    templateNote.textContent = example.hint;
+    if (!example.spec) return;
+    template = example.spec;
+    if (editor.value === JSON.stringify(NO_DATA, null, 2)) {  // not a draft of the user's
+      editor.value = JSON.stringify(template, null, 2);
+      editorToForm();
+    }
+  }).catch((err) => { if (err.name !== "AbortError") showBanner(`Could not load the example spec: ${err.message}`); });
   inputs.name.focus();
   return () => controller.abort();
 }
