@@ -58,14 +58,14 @@ def test_a_bad_name_does_not_hide_the_rules_between_sections(api: Api) -> None:
 def test_a_field_error_does_not_hide_the_layout(api: Api) -> None:
     # lr is no input of the layout: tp=3 against 4 heads is judged all the same.
     spec = api.spec(
-        training={"lr": -1.0}, parallelism={"tp": 3, "pp": 1, "dp": "auto"}, resources={"gpus": 3}
+        training={"lr": -1.0}, parallelism={"tp": 3, "pp": 1, "dp": "auto"}, resources={"devices": 3}
     )
     fields = _fields(api, spec)
     assert fields[0] == "training.lr" and "model.num_attention_heads" in fields, fields
 
 
 def test_layout_pool_and_data_access_in_one_answer(api: Api) -> None:
-    spec = api.spec(parallelism={"tp": 3}, resources={"gpus": 3, "pool": "nowhere"})
+    spec = api.spec(parallelism={"tp": 3}, resources={"devices": 3, "pool": "nowhere"})
     spec["data"]["train"][0]["path"] = "file:///etc/passwd"
     errors = _errors(api, spec)[0]
     fields = [e["field"] for e in errors]
@@ -86,7 +86,7 @@ def test_no_message_about_a_stand_in_value(api: Api) -> None:
         "model.num_attention_heads"
     ]
     # tp=0 is dropped: no layout verdict on the stand-in tp=1.
-    spec = api.spec(parallelism={"tp": 0}, resources={"gpus": 3})
+    spec = api.spec(parallelism={"tp": 0}, resources={"devices": 3})
     assert _fields(api, spec) == ["parallelism.tp"]
 
 
@@ -136,7 +136,7 @@ def test_missing_data_is_named_with_the_rest(api: Api) -> None:
     (root / "tokenizer.json").write_text("{}")
     (root / "tokenizer_config.json").write_text("{}")
     spec["data"]["train"].pop()
-    spec["resources"] = {"gpus": 2}
+    spec["resources"] = {"devices": 2}
     spec["kind"], spec["model"]["init_from"] = "pretrain", None
     resp = api.client.post("/v1/spec/validate", json=spec, headers=api.headers)
     assert resp.status_code == 200, resp.text

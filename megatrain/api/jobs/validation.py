@@ -63,9 +63,7 @@ def _layout(spec: JobSpec, findings: Findings) -> Layout | None:
         return None
 
 
-def _pool_nodes(
-    session: Session, spec: JobSpec, findings: Findings
-) -> tuple[list[Any], str | None] | None:
+def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> tuple[list[Any], str | None] | None:
     """The pool's nodes (slots, device memory) and accelerator, or None when the pool is unknown or
     not named well."""
     if findings.depends_on_unknown("resources.pool"):
