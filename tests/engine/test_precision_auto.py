@@ -10,12 +10,15 @@ import pytest
 
 from megatrain.engine.runtime import effective_precision
 from megatrain.engine.train import run
+from megatrain.settings import Settings
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
 
 
 def test_auto_resolves_by_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Settings are cached per process: an earlier test may have cached MEGATRAIN_CPU_LOW_PRECISION=1.
+    monkeypatch.setattr("megatrain.engine.runtime.get_settings", lambda: Settings(cpu_low_precision=False))
     monkeypatch.setattr("megatrain.engine.runtime.cpu_has_native_bf16", lambda: False)
     assert effective_precision("auto", "cpu") == "fp32"
     assert effective_precision("bf16", "cpu") == "fp32"  # asked for explicitly: downgraded as before
