@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -106,12 +106,8 @@ def validate(spec: Annotated[Path, typer.Argument(help="Job spec file (YAML or J
     """Run every check a submission runs (spec, layout, pool fit, data access) without submitting."""
     with Client() as client:
         check = client.validate(spec)
-    layout = ", ".join(
-        f"{k}={v}" for k, v in check.get("layout", {}).items() if not isinstance(v, dict | list)
-    )
-    n = check.get("num_procs")
-    procs = f"{n} process" + ("" if n == 1 else "es")
-    _out().print(f"{escape(str(spec))} is valid: {procs} ({escape(layout)})")
+    layout = layout_text(check.get("layout", {}), check.get("num_procs"))
+    _out().print(f"{escape(str(spec))} is valid: {escape(layout)}")
 
 
 @app.command()
@@ -199,8 +195,7 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
         f"MFU {'-' if job.latest_mfu is None else f'{100 * job.latest_mfu:.2f}%'}"
     )
     if job.layout:
-        layout = ", ".join(f"{k}={v}" for k, v in job.layout.items() if not isinstance(v, dict | list))
-        out.print(f"layout     {escape(layout)}  ({job.num_procs} processes)")
+        out.print(f"layout     {escape(layout_text(job.layout, job.num_procs))}")
     out.print(f"created    {job.created_at}")
     for ev in events[-10:]:
         when = str(ev.get("created_at", ""))[:19].replace("T", " ")
@@ -269,3 +264,18 @@ def download(
         path = client.download(job_id, step=step, dest=dest, weights_only=weights_only)
     what = "the weights of step" if weights_only else "step"
     _out().print(f"downloaded {what} {step} of job {job_id} to [bold]{escape(str(path))}[/bold]")
+
+
+_LAYOUT_DEFAULTS = {"cp": 1, "ep": 1, "virtual_stages": 1, "sequence_parallel": False,
+                    "pipeline_schedule": "1f1b", "pipeline_layers": None}  # fmt: skip
+
+
+def layout_text(layout: dict[str, Any], num_procs: int | None) -> str:
+    """'2 processes: tp=2 pp=1 dp=1 sequence_parallel': the degrees always, the rest where not default."""
+    parts = [f"{k}={layout[k]}" for k in ("tp", "pp", "dp") if k in layout]
+    for key, default in _LAYOUT_DEFAULTS.items():
+        value = layout.get(key, default)
+        if value != default:
+            parts.append(key if value is True else f"{key}={value}")
+    n = num_procs if num_procs is not None else "?"
+    return f"{n} process{'' if n == 1 else 'es'}: {' '.join(parts)}"

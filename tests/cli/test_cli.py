@@ -290,7 +290,7 @@ def test_an_ended_job_without_checkpoints_is_not_told_yet(live_api: LiveApi, tmp
 
 def test_validate(live_api: LiveApi, tmp_path: Path) -> None:
     code, out = run("validate", str(_write_spec(tmp_path, live_api.spec("checked"))))
-    assert code == 0 and "is valid: 1 process (" in out and "tp=1" in out, out
+    assert code == 0 and "is valid: 1 process: tp=1 pp=1 dp=1" in out, out
     spec = live_api.spec()
     spec["model"]["hidden_size"] = 33
     code, out = run("validate", str(_write_spec(tmp_path, spec, "bad.json")))

@@ -49,3 +49,12 @@ def test_submit_follow_shows_progress_and_sets_exit_code(
     assert "4,321 tok/s" in result.output and "MFU 1.23%" in result.output
     assert f"job job-00000000000000aa {final}: the reason" in result.output
     assert "Traceback" not in result.output
+
+
+def test_layout_text_names_the_degrees_and_only_what_is_not_default() -> None:
+    from megatrain.cli.jobs import layout_text
+
+    layout = {"tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1, "virtual_stages": 2,
+              "sequence_parallel": True, "pipeline_schedule": "1f1b", "pipeline_layers": None}  # fmt: skip
+    assert layout_text(layout, 4) == "4 processes: tp=2 pp=2 dp=1 virtual_stages=2 sequence_parallel"
+    assert layout_text({"tp": 1, "pp": 1, "dp": 1}, 1) == "1 process: tp=1 pp=1 dp=1"
