@@ -126,6 +126,8 @@ def test_submit_template_points_at_data_that_exists(
     path = spec["data"]["train"][0]["path"]
     assert path == f"{store.url}/{DEMO_CORPUS_KEY}" and store.exists(DEMO_CORPUS_KEY)
     assert page.input_value("#f-data-train-0-path") == path
+    # A field the example leaves to its default shows that default, not an empty select.
+    assert page.input_value("#f-training-precision") == "auto"
     page.click("#validate")
     page.wait_for_selector("#submit-result:has-text('Valid')")
     assert page_errors == []

@@ -123,6 +123,8 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
     for (const [path] of FIELDS) {
       const v = getPath(spec, path);
       inputs[path].value = v === undefined || v === null ? "" : String(v);
+      // A select left unset by the spec shows its first option, the API's default (precision auto).
+      if (inputs[path].tagName === "SELECT" && inputs[path].selectedIndex < 0) inputs[path].selectedIndex = 0;
     }
   }
   editor.addEventListener("input", editorToForm);
