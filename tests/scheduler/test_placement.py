@@ -20,17 +20,17 @@ def test_place_follows_the_scheduler_rule() -> None:
         QueuedJob("job-fits", "default", 2),  # best fit: b (3 free) -> 1 left
         QueuedJob("job-big", "default", 2),  # no node has 2 free now: blocks the pool
         QueuedJob("job-small", "default", 1),  # would fit, but no backfill
-        QueuedJob("job-huge", "default", 8),  # larger than any node: waits, blocks nobody
+        QueuedJob("job-huge", "default", 9),  # larger than the whole pool: waits, blocks nobody
         QueuedJob("job-nopool", "gpu", 1),
         QueuedJob("job-gone", "default", 1, cancel_requested=True),
     ]
     decisions = place(queue, pools)
     assert [d.job_id for d in decisions] == [q.id for q in queue]
-    assert decisions[0] == Decision("job-fits", placement=Placement("id-b", "b", (1, 2)))
+    assert decisions[0] == Decision("job-fits", placements=(Placement("id-b", "b", (1, 2)),), position=1)
     assert [d.wait.as_dict() if d.wait else None for d in decisions[1:]] == [
         {"code": "no_free_slots", "pool": "default", "needs": 2, "freest": 1},
         {"code": "behind_job", "pool": "default", "job_id": "job-big"},
-        {"code": "too_big_for_pool", "pool": "default", "needs": 8, "largest": 4},
+        {"code": "too_big_for_pool", "pool": "default", "needs": 9, "largest": 4},
         {"code": "no_ready_nodes", "pool": "gpu"},
         {"code": "cancel_requested", "pool": "default"},
     ]
