@@ -271,3 +271,38 @@ def tenants_set_max_priority(
     with session_scope(settings.resolved_database_url) as session:
         get_or_create_tenant(session, tenant).max_priority = priority
     _out().print(f"tenant '{escape(tenant)}' may now submit jobs with priority up to {priority}")
+
+
+def _quota_value(value: str) -> int | None:
+    """N (0 or more) or 'none' (unlimited), else a usage error naming the argument."""
+    if value.strip().lower() in ("none", "unlimited"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a whole number of devices or 'none'") from None
+    if not 0 <= n <= 1_000_000:
+        raise typer.BadParameter(f"{n} is outside 0..1000000 devices")
+    return n
+
+
+@tenants_app.command("set-quota")
+@_server_errors
+def tenants_set_quota(
+    tenant: Annotated[str, typer.Argument(help="Tenant name; created if new.")],
+    devices: Annotated[
+        str, typer.Argument(help="Most devices its running jobs may hold at once, or 'none' (unlimited).")
+    ],
+) -> None:
+    """Cap the devices (GPUs or CPU slots, over all pools) a tenant's jobs may hold at once; a job
+    that would go over waits in the queue with that reason."""
+    from megatrain.api.auth import get_or_create_tenant
+    from megatrain.db.session import session_scope, upgrade_database
+
+    quota = _quota_value(devices)
+    settings = get_settings()
+    upgrade_database(settings.resolved_database_url)
+    with session_scope(settings.resolved_database_url) as session:
+        get_or_create_tenant(session, tenant).max_devices = quota
+    limit = "no device quota" if quota is None else f"a quota of {quota} device{'s' * (quota != 1)}"
+    _out().print(f"tenant '{escape(tenant)}' now has {limit}")

@@ -81,6 +81,9 @@ class Tenant(Base):
     max_priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """The highest resources.priority this tenant's jobs may ask for; the operator sets it (default:
     no boost above the normal 0). Negative priorities are always allowed."""
+    max_devices: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The most devices (GPUs, or CPU slots) this tenant's scheduled and running jobs may hold at
+    once, over all pools; None: unlimited. A job that would exceed it waits (reason over_quota)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

@@ -146,7 +146,9 @@ def place(
     and quota (absent: none, unlimited); `multi_node`: whether the executor can run a job across
     nodes. Nothing passed in is modified."""
     tenants = tenants or {}
-    state = {name: _Pool(PoolRooms(nodes)) for name, nodes in pools.items() if nodes}
+    state = {name: _Pool(PoolRooms(nodes)) for name, nodes in pools.items()}
+    for job in queue:  # a pool without ready nodes still has a queue, and positions in it
+        state.setdefault(job.pool, _Pool(PoolRooms(())))
     usage: dict[str, float] = defaultdict(float)
     shares: dict[str, float] = defaultdict(lambda: 1.0)
     for name, t in tenants.items():
@@ -156,7 +158,7 @@ def place(
     indexed = list(enumerate(queue))
     for _, level in groupby(indexed, key=lambda item: item[1].priority):
         for job in _fair_order(list(level), usage, shares):
-            decision = _decide(job, state.get(job.pool), tenants.get(job.tenant), usage, multi_node)
+            decision = _decide(job, state[job.pool], tenants.get(job.tenant), usage, multi_node)
             if decision.placements:
                 usage[job.tenant] += job.num_procs
             out.append(decision)
@@ -165,20 +167,20 @@ def place(
 
 def _decide(
     job: QueuedJob,
-    pool: _Pool | None,
+    pool: _Pool,
     tenant: TenantRoom | None,
     usage: Mapping[str, float],
     multi_node: bool,
 ) -> Decision:
     def wait(code: str, **fields: object) -> Decision:
-        if code == CANCEL_REQUESTED or pool is None:
+        if code == CANCEL_REQUESTED:
             return Decision(job.id, wait=WaitReason(code, job.pool, **fields))  # type: ignore[arg-type]
         pool.waiting += 1
         return Decision(job.id, wait=WaitReason(code, job.pool, **fields), position=pool.waiting)  # type: ignore[arg-type]
 
     if job.cancel_requested:
         return wait(CANCEL_REQUESTED)
-    if pool is None:
+    if not pool.rooms.nodes:
         return wait(NO_READY_NODES)
     n, avoid = job.num_procs, job.avoid
     group = job.group if job.group >= 1 and n % job.group == 0 else 1

@@ -33,6 +33,10 @@ LOCAL_NODE_REFRESH_S = 10.0
 
 
 class Executor(Protocol):
+    multi_node: bool
+    """Whether it can run one job across several nodes (a gang); the scheduler places a job that
+    needs more than one node only if so, else the job waits with that reason."""
+
     def submit(self, job_id: str) -> None:
         """Start (or enqueue) the runner of a job that is `scheduled`; raise if that is impossible."""
         ...
@@ -84,6 +88,8 @@ def _pid_verdict(job: Job) -> bool | None:
 class LocalExecutor:
     """One `python -m megatrain.worker.shard` process per job, in a session of its own so it outlives
     the API or scheduler that started it; output goes to {runs_dir}/{job_id}/runner.log."""
+
+    multi_node = False
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -142,6 +148,8 @@ class LocalExecutor:
 class CeleryExecutor:
     """Sends `megatrain.run_shard(job_id)` to the queue of the node the job was placed on; the
     workers register their nodes themselves."""
+
+    multi_node = False  # one task per job, on one node's queue (gang dispatch comes later)
 
     def __init__(self, settings: Settings):
         from megatrain.worker.celery_app import create_celery_app

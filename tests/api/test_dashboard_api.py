@@ -139,7 +139,7 @@ def test_cluster_view(api: Api) -> None:
     assert second["reason"].startswith("behind another tenant's job (#1 in the queue)")
     # the reason as data too, with the blocking job named by its place in the queue only
     assert first["wait"] == {"code": "no_free_slots", "pool": "default", "needs": 2, "freest": 0}
-    assert second["wait"] == {"code": "behind_job", "pool": "default", "position": 1}
+    assert second["wait"] == {"code": "behind_job", "pool": "default", "blocker_position": 1}
     # its owner sees the same decision with the id
     theirs_view = api.client.get("/v1/cluster", headers=api.other_headers).json()["queue"]
     assert theirs_view[1]["wait"] == {"code": "behind_job", "pool": "default", "job_id": theirs_queued}

@@ -90,7 +90,7 @@ def test_a_wait_behind_another_tenants_job_never_names_it(
     assert sched.schedule_once() == []
     job = _job(url, mine)
     assert theirs not in job.status_reason and "another tenant's job" in job.status_reason
-    assert job.wait_reason == {"code": "behind_job", "pool": "default", "job_id": theirs}
+    assert job.wait_reason == {"code": "behind_job", "pool": "default", "job_id": theirs, "position": 2}
 
 
 def test_blocked_high_priority_job_is_not_starved_by_small_ones(
@@ -348,7 +348,7 @@ def test_wait_reasons_are_data_and_never_name_another_tenants_job(
     mine = add_job(procs=1)
     Scheduler(settings, RecordingExecutor()).schedule_once()
     job = _job(url, mine)
-    assert job.wait_reason == {"code": "behind_job", "pool": "default", "job_id": theirs}
+    assert job.wait_reason == {"code": "behind_job", "pool": "default", "job_id": theirs, "position": 3}
     assert job.status_reason == (
         "waiting: behind another tenant's job, first in line for pool 'default' (no backfill)"
     )
@@ -360,4 +360,5 @@ def test_wait_reasons_are_data_and_never_name_another_tenants_job(
         "pool": "default",
         "needs": 2,
         "freest": 0,
+        "position": 1,
     }

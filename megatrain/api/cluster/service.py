@@ -13,12 +13,13 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from megatrain.db.models import ACTIVE_STATES, QUEUED, Job, Node, NodePool, Tenant
-from megatrain.scheduler.placement import Decision, NodeRoom, QueuedJob, place
+from megatrain.db.models import ACTIVE_STATES, Job, Node, NodePool, Tenant, utcnow
+from megatrain.scheduler.placement import Decision, place
 from megatrain.scheduler.reasons import FITS_NEXT_TICK, WaitReason, render_wait
+from megatrain.scheduler.snapshot import read_snapshot
 
 
-def _why(decision: Decision, pool: str, positions: dict[str, tuple[int, bool]]) -> dict[str, Any]:
+def _why(decision: Decision, pool: str, positions: dict[str, tuple[int | None, bool]]) -> dict[str, Any]:
     """{"reason": text, "wait": data} for one queued job, as this viewer may see it: the blocking
     job's id only if the viewer owns it, else its place in the queue."""
     if decision.placement is not None:
@@ -30,12 +31,14 @@ def _why(decision: Decision, pool: str, positions: dict[str, tuple[int, bool]]) 
     position, own = positions.get(reason.job_id or "", (None, False))
     if reason.job_id is not None and not own:
         del data["job_id"]
-        data["position"] = position
+        data["blocker_position"] = position
     text = render_wait(reason, owns_blocker=own, blocker_position=position)
     return {"reason": text, "wait": data}
 
 
-def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
+def cluster_view(session: Session, tenant: Tenant, multi_node: bool = False) -> dict[str, Any]:
+    """Pools, nodes and the queue as `tenant` may see them; `multi_node`: whether the executor runs
+    jobs across nodes (the scheduler's own flag), so that gangs get the scheduler's reason."""
     pools = session.scalars(select(NodePool).order_by(NodePool.name)).all()
     nodes = session.scalars(select(Node).order_by(Node.hostname)).all()
     active = session.execute(
@@ -44,9 +47,7 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
         )
     ).all()
     on_node: dict[str, list[dict[str, Any]]] = {}
-    busy: dict[str, set[int]] = {}
     for j in active:
-        busy.setdefault(j.node_id or "", set()).update(int(d) for d in j.devices or ())
         own = j.tenant_id == tenant.id
         entry: dict[str, Any] = {"own": own, "status": j.status, "slots": j.num_procs}
         if own:
@@ -54,7 +55,6 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
         on_node.setdefault(j.node_id or "", []).append(entry)
 
     pool_rows: list[dict[str, Any]] = []
-    rooms: dict[str, list[NodeRoom]] = {}
     for pool in pools:
         members = [n for n in nodes if n.pool_id == pool.id]
         node_rows = []
@@ -71,9 +71,6 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
                     "jobs": on_node.get(n.id, []),
                 }
             )
-            if n.status == "ready":
-                room = NodeRoom(n.id, n.hostname, n.slots_total, free, frozenset(busy.get(n.id, ())))
-                rooms.setdefault(pool.name, []).append(room)
         pool_rows.append(
             {
                 "name": pool.name,
@@ -86,20 +83,17 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
             }
         )
 
-    queued = session.execute(
-        select(
-            Job.id, Job.name, Job.pool, Job.num_procs, Job.priority, Job.created_at, Job.tenant_id,
-            Job.cancel_requested,
-        )
-        .where(Job.status == QUEUED)
-        .order_by(Job.priority.desc(), Job.created_at, Job.id)
-    ).all()  # fmt: skip
-    decisions = place([QueuedJob(q.id, q.pool, q.num_procs, q.cancel_requested) for q in queued], rooms)
-    positions = {q.id: (i, q.tenant_id == tenant.id) for i, q in enumerate(queued, start=1)}
+    snap = read_snapshot(session, utcnow())
+    decisions = place(snap.queue, snap.pools, snap.tenants, multi_node=multi_node)
+    row_of = {q.id: q for q in snap.rows}
+    # Each job's place in its pool's queue, as the scheduler stores it; the listing is in
+    # scheduling order (priority, fair share between tenants, FIFO).
+    positions = {d.job_id: (d.position, row_of[d.job_id].tenant_id == tenant.id) for d in decisions}
     queue = []
-    for position, (q, decision) in enumerate(zip(queued, decisions, strict=True), start=1):
+    for decision in decisions:
+        q = row_of[decision.job_id]
         entry = {
-            "position": position,
+            "position": decision.position,
             "own": q.tenant_id == tenant.id,
             "pool": q.pool,
             "slots": q.num_procs,
