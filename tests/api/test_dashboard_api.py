@@ -138,11 +138,17 @@ def test_cluster_view(api: Api) -> None:
     assert second["id"] == mine_queued and second["position"] == 2
     assert second["reason"].startswith("behind another tenant's job (#1 in the queue)")
     # the reason as data too, with the blocking job named by its place in the queue only
+    # running jobs end by their max_runtime_s (a day by default): the head's start is estimated
+    assert 86000 < first["wait"].pop("starts_in_s") <= 86400
     assert first["wait"] == {"code": "no_free_slots", "pool": "default", "needs": 2, "freest": 0}
+    assert second["wait"].pop("runtime_s") == 86400  # it would end after the head's estimated start
+    assert 86000 < second["wait"].pop("starts_in_s") <= 86400
     assert second["wait"] == {"code": "behind_job", "pool": "default", "blocker_position": 1}
     # its owner sees the same decision with the id
     theirs_view = api.client.get("/v1/cluster", headers=api.other_headers).json()["queue"]
-    assert theirs_view[1]["wait"] == {"code": "behind_job", "pool": "default", "job_id": theirs_queued}
+    assert {k: v for k, v in theirs_view[1]["wait"].items() if k not in ("runtime_s", "starts_in_s")} == {
+        "code": "behind_job", "pool": "default", "job_id": theirs_queued,
+    }  # fmt: skip
     assert mine_queued not in str(theirs_view)
     text = resp.text
     assert theirs_queued not in text and theirs_running not in text and "theirs" not in text

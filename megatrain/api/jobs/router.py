@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep, bearer_key, release, tenant_of
 from megatrain.api.jobs import service
 from megatrain.api.jobs.downsample import MIN_POINTS
+from megatrain.api.jobs.progress import job_pace
 from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLinePublic
 from megatrain.api.streams import LOGS, METRICS, Channel, EventStreamResponse, StreamHub, wants_event_stream
 from megatrain.db.models import Job
@@ -93,12 +94,20 @@ def list_jobs(
 ) -> dict[str, Any]:
     """The tenant's jobs, newest first; follow `next_cursor` for older pages."""
     jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor)
-    return {"items": [service.public_job(j) for j in jobs], "next_cursor": next_cursor}
+    items = [service.public_job(j, job_pace(session, j)) for j in jobs]
+    return {"items": items, "next_cursor": next_cursor}
+
+
+def _public_owned_job(session: Session, key: str, job_id: str) -> JobPublic:
+    job = _owned_job(session, key, job_id)
+    return service.public_job(job, job_pace(session, job))  # a query only while it runs (its ETA)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-async def get_job(job: OwnedJob) -> JobPublic:
-    return service.public_job(job)  # loaded columns only: no database call
+async def get_job(request: Request, job_id: str, session: SessionDep) -> JobPublic:
+    """The job; a queued one with its place in the queue and why it waits, a running one with its
+    progress and ETA at its measured pace."""
+    return await run_in_threadpool(release, session, _public_owned_job, bearer_key(request), job_id)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

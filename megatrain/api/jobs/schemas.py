@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from megatrain.api.jobs.params import estimate_params
 
@@ -40,6 +40,36 @@ class JobPublic(BaseModel):
     scheduled_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+
+    wait_reason: dict[str, Any] | None = Field(None, exclude=True)
+    step_time_s: float | None = None
+    """Running: the median of the recent iteration times the engine measured (seconds)."""
+    eta_s: float | None = None
+    """Running: steps left × step_time_s, counted from the newest measurement (eta_at - that)."""
+    eta_at: datetime | None = None
+    """Running: when it is expected to finish at its measured pace."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def progress(self) -> float | None:
+        """current_step / total_steps, in [0, 1]; None before the step count is known."""
+        return min(1.0, self.current_step / self.total_steps) if self.total_steps else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def queue_position(self) -> int | None:
+        """Queued: its place in its pool's queue as the scheduler last decided (1 = next)."""
+        position = (self.wait_reason or {}).get("position")
+        return position if self.status == "queued" and isinstance(position, int) else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def wait(self) -> dict[str, Any] | None:
+        """Queued: why it waits, as data (scheduler.reasons: a code and its numbers). A blocking
+        job is left out here (it may be another tenant's); status_reason names it to its owner."""
+        if self.status != "queued" or not self.wait_reason:
+            return None
+        return {k: v for k, v in self.wait_reason.items() if k not in ("job_id", "position")}
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.downsample import minmax_indices
+from megatrain.api.jobs.progress import Pace
 from megatrain.api.jobs.schemas import JobPublic
 from megatrain.api.jobs.validation import JOB_ID_PATTERN, validate_submission
 from megatrain.db.jobs import record_event, transition
@@ -338,10 +339,16 @@ def list_log_tail(session: Session, job_id: str, tail: int) -> list[JobLog]:
     return list(reversed(session.scalars(q).all()))
 
 
-def public_job(job: Job) -> JobPublic:
+def public_job(job: Job, pace: Pace | None = None) -> JobPublic:
+    """The job as the API answers it; `pace` (api.jobs.progress) adds a running job's ETA."""
     # status_reason is written for the job's own tenant (the scheduler renders wait reasons from
     # data and names another tenant's job only by its place in the queue): nothing to redact.
-    return JobPublic.model_validate(job)
+    public = JobPublic.model_validate(job)
+    if pace is not None:
+        public = public.model_copy(
+            update={"step_time_s": pace.step_time_s, "eta_s": pace.eta_s, "eta_at": pace.eta_at}
+        )
+    return public
 
 
 def list_logs(session: Session, job_id: str, after_seq: int, limit: int) -> list[JobLog]:
