@@ -44,5 +44,5 @@ def cluster() -> None:
         table.add_column(header, overflow="fold")
     for q in queue:
         job = escape(f"{q['name']} {q['id']}") if q.get("own") else "[dim]another tenant's job[/dim]"
-        table.add_row(str(q["position"]), job, escape(q["pool"]), str(q["slots"]), escape(q["reason"]))
+        table.add_row(str(q["position"] or "-"), job, escape(q["pool"]), str(q["slots"]), escape(q["reason"]))
     out.print(table)

@@ -17,6 +17,7 @@ from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _us
 from megatrain.client import Client, Job, LogLine
 from megatrain.failures import first_line
 from megatrain.job_states import JOB_STATES
+from megatrain.scheduler.reasons import duration, ordinal
 
 # -- following a job ----------------------------------------------------------------------------
 
@@ -67,6 +68,12 @@ def _follow_job(client: Client, job_id: str, poll_interval_s: float) -> Job:
     if job.status == "failed":
         console.print(_logs_hint(job.id))
     return job
+
+
+def _status_text(job: Job) -> str:
+    """'queued #3' for a queued job with a place in its pool's queue, else the status."""
+    position = job.raw.get("queue_position")
+    return f"{job.status} #{position}" if job.status == "queued" and isinstance(position, int) else job.status
 
 
 def _one_line(reason: str | None) -> str:
@@ -148,7 +155,7 @@ def list_jobs(
         cells = [
             job.id,
             job.name,
-            job.status,
+            _status_text(job),
             f"{job.current_step}/{job.total_steps}",
             _fmt(job.latest_loss, ".4f"),
         ]
@@ -171,7 +178,8 @@ def list_jobs(
             justify="right" if header in ("STEP", "LOSS", "TOK/S", "MFU") else "left",
         )
     for row in rows:
-        table.add_row(row[0], escape(row[1]), _status(row[2]), *row[3:])
+        state, _, place = row[2].partition(" ")
+        table.add_row(row[0], escape(row[1]), _status(state) + (f" {place}" if place else ""), *row[3:])
     out.print(table, soft_wrap=False)  # soft wrap would let rows run past the width
 
 
@@ -188,7 +196,15 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     out.print(f"status     {_status(job.status)}" + (f"  {escape(reason)}" if reason else ""))
     if job.status == "failed":
         out.print(f"           {_logs_hint(job.id)}")
+    position = job.raw.get("queue_position")
+    if job.status == "queued" and isinstance(position, int):
+        out.print(f"queue      {ordinal(position)} in pool {escape(repr(job.pool))}")
     out.print(f"progress   step {job.current_step}/{job.total_steps}  attempt {job.attempt}")
+    eta = job.raw.get("eta_s")
+    if job.status == "running" and isinstance(eta, int | float):
+        step_time = job.raw.get("step_time_s") or 0.0
+        when = str(job.raw.get("eta_at") or "")[11:16]
+        out.print(f"eta        {duration(eta)} ({step_time:.3g} s/step measured; done about {when} UTC)")
     out.print(
         f"latest     loss {_fmt(job.latest_loss, '.4f')}  "
         f"{_fmt(job.latest_tokens_per_s, ',.0f')} tok/s  "
