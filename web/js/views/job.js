@@ -8,7 +8,7 @@ import { ACTIVE, devicesWord, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, f
 import { exportActive, exportCell } from "./exports.js";
 import { samplePanel } from "./samples.js";
 import { slotKinds } from "./cluster.js";
-import { badge, progress } from "./jobs.js";
+import { badge, headerLine, progress } from "./jobs.js";
 
 const POLL_MS = 2000;
 const MAX_POINTS = 2000;    // asked of the server per kind; it keeps min/max loss per bucket
@@ -176,7 +176,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   // -- job, events, checkpoints ----------------------------------------------------------------
   function drawJob() {
     replace(el.badge, badge(job.status));
-    el.reason.textContent = firstLine(job.status_reason);
+    el.reason.textContent = headerLine(job, firstLine(job.status_reason));
     el.showLog.hidden = job.status !== "failed";
     const active = ACTIVE.has(job.status);
     el.cancel.hidden = !active;

@@ -2,7 +2,7 @@
 
 import { api } from "../api.js";
 import { h, replace } from "../dom.js";
-import { ACTIVE, STATES, devicesWord, fmtAge, fmtNum, fmtPct, fmtRate, layoutText, paramsText } from "../format.js";
+import { ACTIVE, STATES, devicesWord, fmtAge, fmtDuration, fmtNum, fmtPct, fmtRate, layoutText, paramsText } from "../format.js";
 import { slotKinds } from "./cluster.js";
 
 const REFRESH_MS = 2500;
@@ -18,11 +18,37 @@ export function progress(job) {
     h("span", { class: "num" }, `${job.current_step.toLocaleString()} / ${job.total_steps.toLocaleString()}`));
 }
 
+export function ordinal(n) {
+  const tens = n % 100, ones = n % 10;
+  const suffix = tens >= 11 && tens <= 13 ? "th" : ({ 1: "st", 2: "nd", 3: "rd" }[ones] || "th");
+  return `${n}${suffix}`;
+}
+
+// Where a job stands, in a few words: "3rd in queue" while it waits, "ETA 12m 5s" while it runs
+// (steps left at the median of its recent measured step times); "" otherwise.
+export function standing(job) {
+  if (job.status === "queued" && job.queue_position) return `${ordinal(job.queue_position)} in queue`;
+  if (job.status === "running" && job.eta_s !== null && job.eta_s !== undefined) return `ETA ${fmtDuration(job.eta_s)}`;
+  return "";
+}
+
+// The job page's header line: "3rd in queue: needs 8 free slots in pool 'gpu'; …" for a queued
+// job, the reason followed by the ETA and pace for a running one.
+export function headerLine(job, reason) {
+  const where = standing(job);
+  if (job.status === "queued" && where) return `${where}: ${reason.replace(/^waiting: /, "")}`;
+  if (job.status === "running" && where) {
+    const pace = job.step_time_s ? ` (${job.step_time_s.toPrecision(3)} s/step)` : "";
+    return [reason, `${where}${pace}`].filter(Boolean).join(" · ");
+  }
+  return reason;
+}
+
 function row(job, devices) {
   const td = (label, content, cls = "") => h("td", { "data-label": label, class: cls }, content);
   return h("tr", { dataset: { jobId: job.id, status: job.status } },
     td("Job", [h("a", { class: "name", href: `#/jobs/${encodeURIComponent(job.id)}` }, job.name), h("span", { class: "id" }, job.id)], "primary"),
-    td("State", badge(job.status)),
+    td("State", [badge(job.status), standing(job) && h("span", { class: "muted standing" }, ` ${standing(job)}`)]),
     td("Params", paramsText(job), "num"),
     td("Layout", layoutText(job.layout), "mono"),
     td(devices, String(job.num_procs), "num"),
