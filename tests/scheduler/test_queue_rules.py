@@ -229,3 +229,50 @@ def test_head_start_counts_jobs_placed_earlier_in_the_same_pass() -> None:
 def test_wait_reason_round_trip() -> None:
     r = WaitReason("behind_job", "p", job_id="x", starts_in_s=12.5, runtime_s=99.0)
     assert WaitReason.from_dict(r.as_dict() | {"position": 3}) == r
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("multi_node", [False, True])
+def test_invariants_on_random_queues(seed: int, multi_node: bool) -> None:
+    """Whatever the queue: no device given twice or beyond a node, quotas kept, whole tp×cp groups
+    per node, one node per job under a single-node executor, and nothing placed after the head job
+    unless it ends by the head's estimated start."""
+    import random
+
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(30):
+        busy = rng.choice([0, 0, 2, 4, 8])
+        nodes.append(_node(f"n{i:02d}", 8, busy, ((rng.uniform(10, 1000), busy),) if busy else ()))
+    quotas = {f"t{t}": TenantRoom(used=rng.randrange(8), quota=rng.choice([None, 16, 40])) for t in range(4)}
+    queue = []
+    for i in range(300):
+        n = rng.choice([1, 2, 4, 8, 16, 24])
+        queue.append(
+            _job(f"j{i}", n, tenant=f"t{rng.randrange(4)}", priority=rng.choice([0, 0, 1]),
+                 group=rng.choice([g for g in (1, 2, 4) if n % g == 0]),
+                 max_runtime_s=rng.choice([None, 50.0, 500.0, 5000.0]))
+        )  # fmt: skip
+    queue.sort(key=lambda q: -q.priority)
+    decisions = place(queue, {"p": nodes}, quotas, multi_node=multi_node)
+    assert sorted(d.job_id for d in decisions) == sorted(q.id for q in queue)
+    job_of = {q.id: q for q in queue}
+    free = {n.id: set(n.free_devices()) for n in nodes}
+    use = {t: r.used for t, r in quotas.items()}
+    head_start: float | None = None
+    head_seen = False
+    for d in decisions:
+        job = job_of[d.job_id]
+        if d.placements:
+            assert multi_node or len(d.placements) == 1
+            assert sum(len(p.devices) for p in d.placements) == job.num_procs
+            for p in d.placements:
+                assert len(p.devices) % job.group == 0 and set(p.devices) <= free[p.node_id]
+                free[p.node_id] -= set(p.devices)
+            use[job.tenant] += job.num_procs
+            quota = quotas[job.tenant].quota
+            assert quota is None or use[job.tenant] <= quota
+            if head_seen:  # a backfill: must end by the head's estimated start
+                assert head_start is not None and job.runtime_s is not None and job.runtime_s <= head_start
+        elif d.wait and d.wait.code == "no_free_slots" and not head_seen:
+            head_seen, head_start = True, d.wait.starts_in_s
