@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from megatrain.db.models import (
@@ -18,6 +18,7 @@ from megatrain.db.models import (
     SCHEDULED,
     TERMINAL_STATES,
     Job,
+    JobAllocation,
     JobEvent,
     Node,
     utcnow,
@@ -64,6 +65,20 @@ def _release_slots(session: Session, node_id: str | None, n: int) -> None:
         session.execute(update(Node).where(Node.id == node_id).values(slots_used=Node.slots_used - n))
 
 
+def _release(session: Session, job_id: str, node_id: str | None, n: int) -> None:
+    """Give a job's slots back: each node's share of a gang (and drop those rows), else the n slots
+    on its one node."""
+    shares = session.execute(
+        select(JobAllocation.node_id, JobAllocation.slots).where(JobAllocation.job_id == job_id)
+    ).all()
+    if not shares:
+        _release_slots(session, node_id, n)
+        return
+    for share in shares:
+        _release_slots(session, share.node_id, share.slots)
+    session.execute(delete(JobAllocation).where(JobAllocation.job_id == job_id))
+
+
 def transition(
     session: Session,
     job_id: str,
@@ -105,17 +120,22 @@ def transition(
     if result.rowcount != 1:
         return False
     if leaving_active:
-        _release_slots(session, row.node_id, row.num_procs)
+        _release(session, job_id, row.node_id, row.num_procs)
     record_event(session, job_id, to_status, reason, data, from_status=row.status, to_status=to_status)
     return True
 
 
 def devices_in_use(session: Session, node_id: str) -> set[int]:
-    """Device indices held by the node's scheduled and running jobs."""
+    """Device indices held by the node's scheduled and running jobs (gangs' shares included)."""
     rows = session.scalars(
         select(Job.devices).where(Job.node_id == node_id, Job.status.in_(ACTIVE_STATES))
     ).all()
-    return {int(d) for devices in rows for d in devices or ()}
+    shares = session.scalars(
+        select(JobAllocation.devices)
+        .join(Job, Job.id == JobAllocation.job_id)
+        .where(JobAllocation.node_id == node_id, Job.status.in_(ACTIVE_STATES))
+    ).all()
+    return {int(d) for devices in [*rows, *shares] for d in devices or ()}
 
 
 def reserve_and_schedule(
@@ -157,3 +177,47 @@ def reserve_and_schedule(
         attempt=job.attempt + 1,
         cancel_requested=False,
     )
+
+
+def reserve_gang(
+    session: Session, job_id: str, shares: list[tuple[str, list[int]]], reason: str = ""
+) -> bool:
+    """Take a multi-node job's share of slots and devices on every node of `shares` ((node id,
+    device indices), in node-rank order) and mark it scheduled, all in the caller's transaction;
+    False if any node lacks the room or the devices, and the caller rolls back: a gang is never
+    held in part. The job row names its first node and devices; job_allocation rows hold every
+    node's share. Guards as in reserve_and_schedule, node by node."""
+    job = session.execute(select(Job.num_procs, Job.attempt).where(Job.id == job_id)).first()
+    if job is None or len(shares) < 2 or sum(len(d) for _, d in shares) != job.num_procs:
+        return False
+    # Nodes are locked in id order, so two schedulers reserving overlapping gangs cannot deadlock.
+    for node_id, devices in sorted(shares):
+        got = session.execute(
+            update(Node)
+            .where(Node.id == node_id, Node.slots_used + len(devices) <= Node.slots_total)
+            .values(slots_used=Node.slots_used + len(devices))
+            .execution_options(synchronize_session=False)
+        )
+        if got.rowcount != 1 or devices_in_use(session, node_id) & set(devices):
+            return False
+    first_node, first_devices = shares[0]
+    if not transition(
+        session,
+        job_id,
+        SCHEDULED,
+        from_statuses=(QUEUED,),
+        reason=reason,
+        data={"nodes": [{"node_id": n, "devices": d} for n, d in shares]},
+        node_id=first_node,
+        devices=first_devices,
+        scheduled_at=utcnow(),
+        attempt=job.attempt + 1,
+        cancel_requested=False,
+    ):
+        return False
+    for rank, (node_id, devices) in enumerate(shares):
+        session.add(
+            JobAllocation(job_id=job_id, node_id=node_id, node_rank=rank, slots=len(devices), devices=devices)
+        )
+    session.flush()
+    return True

@@ -172,6 +172,24 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
+class JobAllocation(Base):
+    """One node's share of a multi-node job (a gang) while it is scheduled or running: the slots and
+    devices it holds there. Written with the reservation (db.jobs.reserve_gang), removed, with the
+    slots given back, when the job leaves scheduled/running. A single-node job has none: its node and
+    devices are on its own row (the job row of a gang names its first node, node_rank 0)."""
+
+    __tablename__ = "job_allocation"
+    __table_args__ = (UniqueConstraint("job_id", "node_id"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("node.id", ondelete="CASCADE"), index=True)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    """The node's place in the gang (torchrun's --node-rank): its ranks follow the earlier nodes'."""
+    slots: Mapped[int] = mapped_column(Integer)
+    devices: Mapped[list[int]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class JobEvent(Base):
     __tablename__ = "job_event"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from megatrain.db.jobs import reserve_and_schedule, retry_allowed, transition
+from megatrain.db.jobs import reserve_and_schedule, reserve_gang, retry_allowed, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
     CANCELLED,
@@ -68,23 +68,25 @@ class Scheduler:
             return read_snapshot(s, utcnow())
 
     def _try_reserve(self, job_id: str, placements: tuple[Placement, ...]) -> bool:
-        if len(placements) != 1:
-            # place() returns gangs only for a multi_node executor, and none exists yet: reserving
-            # several nodes at once needs per-node allocation rows (issue 16, multi-node jobs).
-            log.error("job %s: multi-node reservation is not supported yet; it stays queued", job_id)
-            return False
-        (where,) = placements
+        """Reserve a decision's nodes and devices (all of a gang's or none) in one transaction."""
         session = get_sessionmaker(self.url)()
+        where = ", ".join(f"{p.hostname} ({len(p.devices)})" for p in placements)
         try:
-            n = len(where.devices)
-            reason = f"placed on {where.hostname} ({n} slot{'s' * (n != 1)})"
-            if reserve_and_schedule(session, job_id, where.node_id, reason, devices=list(where.devices)):
+            if len(placements) == 1:
+                (p,) = placements
+                n = len(p.devices)
+                reason = f"placed on {p.hostname} ({n} slot{'s' * (n != 1)})"
+                ok = reserve_and_schedule(session, job_id, p.node_id, reason, devices=list(p.devices))
+            else:
+                shares = [(p.node_id, list(p.devices)) for p in placements]
+                ok = reserve_gang(session, job_id, shares, f"placed on {len(placements)} nodes: {where}")
+            if ok:
                 session.commit()
                 return True
             session.rollback()
         except SQLAlchemyError as exc:
             session.rollback()
-            log.warning("reserving %s on %s failed: %s", job_id, where.hostname, exc)
+            log.warning("reserving %s on %s failed: %s", job_id, where, exc)
         finally:
             session.close()
         return False

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from megatrain.db.models import ACTIVE_STATES, QUEUED, Job, Node, NodePool, Tenant
+from megatrain.db.models import ACTIVE_STATES, QUEUED, Job, JobAllocation, Node, NodePool, Tenant
 from megatrain.scheduler.placement import NodeRoom, QueuedJob, TenantRoom
 
 
@@ -76,18 +76,28 @@ def read_snapshot(session: Session, now: datetime) -> Snapshot:
     used: dict[str, int] = defaultdict(int)
     active = session.execute(
         select(
-            Job.tenant_id, Job.node_id, Job.devices, Job.num_procs, Job.started_at, Job.scheduled_at,
-            _max_runtime().label("max_runtime_s"),
+            Job.id, Job.tenant_id, Job.node_id, Job.devices, Job.num_procs, Job.started_at,
+            Job.scheduled_at, _max_runtime().label("max_runtime_s"),
         ).where(Job.status.in_(ACTIVE_STATES))
     )  # fmt: skip
+    # A gang's share of each node (job_allocation); other jobs hold their one node's devices.
+    gang_shares: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
+    for job_id, node_id, devices in session.execute(
+        select(JobAllocation.job_id, JobAllocation.node_id, JobAllocation.devices)
+        .join(Job, Job.id == JobAllocation.job_id)
+        .where(Job.status.in_(ACTIVE_STATES))
+    ):
+        gang_shares[job_id].append((node_id, devices))
     for a in active:
         used[a.tenant_id] += a.num_procs
         if a.node_id is None:
             continue
-        busy[a.node_id].update(int(d) for d in a.devices or ())
+        shares = gang_shares.get(a.id) or [(a.node_id, a.devices)]
         ends = _ends_in(a.started_at or a.scheduled_at, a.max_runtime_s, now)
-        if ends is not None:
-            releases[a.node_id].append((ends, a.num_procs))
+        for node_id, devices in shares:
+            busy[node_id].update(int(d) for d in devices or ())
+            if ends is not None:
+                releases[node_id].append((ends, len(devices) if a.id in gang_shares else a.num_procs))
     quotas = dict(
         session.execute(select(Tenant.id, Tenant.max_devices).where(Tenant.max_devices.is_not(None))).all()
     )

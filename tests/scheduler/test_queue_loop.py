@@ -12,8 +12,8 @@ from sqlalchemy import select, update
 from typer.testing import CliRunner
 
 from megatrain.cli import app
-from megatrain.db.jobs import transition
-from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Job, Tenant, utcnow
+from megatrain.db.jobs import reserve_and_schedule, reserve_gang, transition
+from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Job, JobAllocation, Node, Tenant, utcnow
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
@@ -157,3 +157,66 @@ def test_layout_groups_reach_placement(settings: Settings, add_node: Callable, a
         s.execute(update(Job).where(Job.id == job).values(layout={"tp": 2, "pp": 1, "dp": 2, "cp": 1}))
     Scheduler(settings, RecordingExecutor()).schedule_once()
     assert _job(url, job).wait_reason["code"] == "single_node_executor"
+
+
+class _GangExecutor(RecordingExecutor):
+    multi_node = True
+
+
+def _allocations(url: str, job_id: str) -> list[tuple[str, int, int, list[int]]]:
+    with session_scope(url) as s:
+        rows = s.execute(
+            select(JobAllocation.node_id, JobAllocation.node_rank, JobAllocation.slots, JobAllocation.devices)
+            .where(JobAllocation.job_id == job_id)
+            .order_by(JobAllocation.node_rank)
+        ).all()
+        return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def _used(url: str, *nodes: str) -> list[int]:
+    with session_scope(url) as s:
+        return [s.get(Node, n).slots_used for n in nodes]
+
+
+def test_a_gang_is_reserved_on_two_nodes_whole_and_released_whole(
+    settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    url = settings.resolved_database_url
+    a, b = add_node(2, hostname="a"), add_node(2, hostname="b")
+    gang = add_job(procs=4, layout={"tp": 2, "pp": 1, "dp": 2, "cp": 1})
+    waiting = add_job(procs=4)  # the second big job holds nothing while it waits: no deadlock
+    ex = _GangExecutor()
+    sched = Scheduler(settings, ex)
+    assert sched.schedule_once() == [gang]
+    job = _job(url, gang)
+    assert job.status == SCHEDULED and job.node_id == a and job.devices == [0, 1]
+    assert job.status_reason == "placed on 2 nodes: a (2), b (2)"
+    assert _allocations(url, gang) == [(a, 0, 2, [0, 1]), (b, 1, 2, [0, 1])]
+    assert _used(url, a, b) == [2, 2]
+    assert _allocations(url, waiting) == [] and _job(url, waiting).wait_reason["code"] == "no_free_slots"
+    with session_scope(url) as s:  # the gang ends: both nodes' slots come back, its rows go
+        assert transition(s, gang, RUNNING, from_statuses=(SCHEDULED,))
+        assert transition(s, gang, "succeeded", from_statuses=(RUNNING,))
+    assert _used(url, a, b) == [0, 0] and _allocations(url, gang) == []
+    assert sched.schedule_once() == [waiting]
+    assert [r[0] for r in _allocations(url, waiting)] == [a, b]
+
+
+def test_a_gang_reservation_is_all_or_nothing(
+    settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    url = settings.resolved_database_url
+    a, b = add_node(2, hostname="a"), add_node(2, hostname="b")
+    other = add_job(procs=1)
+    gang = add_job(procs=4)
+    with session_scope(url) as s:  # another scheduler took a slot on b after our snapshot
+        assert reserve_and_schedule(s, other, b, devices=[0])
+    with session_scope(url) as s:
+        assert not reserve_gang(s, gang, [(a, [0, 1]), (b, [0, 1])])
+        s.rollback()
+    assert _used(url, a, b) == [0, 1] and _allocations(url, gang) == []
+    assert _job(url, gang).status == QUEUED and _job(url, gang).node_id is None
+    with session_scope(url) as s:  # devices held by a racing reservation are refused too
+        assert not reserve_gang(s, gang, [(a, [0, 1]), (b, [0, 1])])
+        s.rollback()
+    assert _used(url, a, b) == [0, 1]
