@@ -88,6 +88,50 @@ def measure(args: argparse.Namespace, multi_node: bool) -> dict[str, object]:
     }
 
 
+def measure_db(args: argparse.Namespace, url: str) -> dict[str, float]:
+    """The same queue and nodes in a database: one tick's snapshot read plus place(), as the
+    scheduling loop does it (no reservation: every decision is timed, none is applied)."""
+    from datetime import timedelta
+
+    from megatrain.db.models import Job, Node, NodePool, Tenant, new_id, utcnow
+    from megatrain.db.session import session_scope, upgrade_database
+    from megatrain.scheduler.snapshot import read_snapshot
+
+    rng = random.Random(args.seed)
+    nodes = cluster(args.nodes, args.devices, 0.0, rng)  # room only: running jobs are not seeded
+    jobs = queue(args.jobs, args.tenants, args.devices, rng)
+    upgrade_database(url)
+    now = utcnow()
+    with session_scope(url) as s:
+        pool = NodePool(name="default", accelerator="bench")
+        s.add(pool)
+        s.flush()
+        s.add_all(Node(id=n.id, pool_id=pool.id, hostname=n.hostname, slots_total=n.total) for n in nodes)
+        tenants = {f"tenant-{t}": new_id("ten") for t in range(args.tenants)}
+        s.add_all(
+            Tenant(id=i, name=name, max_devices=rng.choice([None, 1024])) for name, i in tenants.items()
+        )
+        s.flush()
+        s.add_all(
+            Job(
+                id=q.id, tenant_id=tenants[q.tenant], name=q.id, kind="pretrain", spec={"resources": {
+                    "max_runtime_s": q.max_runtime_s}}, spec_hash="x", priority=q.priority, pool="default",
+                layout={"tp": q.group, "cp": 1}, num_procs=q.num_procs, created_at=now - timedelta(seconds=i),
+            )
+            for i, q in enumerate(jobs)
+        )  # fmt: skip
+    read_s, place_s = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        with session_scope(url) as s:
+            snap = read_snapshot(s, utcnow())
+        t1 = time.perf_counter()
+        place(snap.queue, snap.pools, snap.tenants)
+        read_s.append(t1 - t0)
+        place_s.append(time.perf_counter() - t1)
+    return {"snapshot_ms": statistics.median(read_s) * 1e3, "place_ms": statistics.median(place_s) * 1e3}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=10_000)
@@ -97,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=float, default=0.6, help="fraction of nodes with running jobs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--db", metavar="URL", help="also time a tick's snapshot read from this (empty) database"
+    )
     args = parser.parse_args(argv)
     for name in ("jobs", "nodes", "devices", "tenants", "repeats"):
         if getattr(args, name) < 1:
@@ -114,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         waits = ", ".join(f"{k} {v:,}" for k, v in sorted(r["outcome"].items()) if k != "placed")  # type: ignore[union-attr]
         print(f"  {r['executor']}: waiting: {waits}")
+    if args.db:
+        r = measure_db(args, args.db)
+        tick = r["snapshot_ms"] + r["place_ms"]
+        print(
+            f"database tick ({args.db.split(':')[0]}): snapshot {r['snapshot_ms']:,.0f} ms + place "
+            f"{r['place_ms']:,.0f} ms = {tick:,.0f} ms for {args.jobs:,} queued jobs "
+            f"({args.jobs / tick * 1e3:,.0f} decisions/s)"
+        )
     return 0
 
 

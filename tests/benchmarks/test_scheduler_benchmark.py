@@ -25,6 +25,14 @@ def test_small_run_prints_the_table() -> None:
     assert single[6] == "0"  # a single-node executor never gets a gang
 
 
+def test_database_tick_is_timed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'bench.db'}"
+    result = _run("--jobs", "200", "--nodes", "10", "--repeats", "1", "--db", url)
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.splitlines()[-1]
+    assert line.startswith("database tick (sqlite): snapshot ") and "for 200 queued jobs" in line
+
+
 def test_bad_sizes_are_refused() -> None:
     result = _run("--jobs", "0")
     assert result.returncode == 2 and "--jobs must be >= 1" in result.stderr
