@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Protocol
@@ -118,7 +118,9 @@ class _Pool:
         return self.capacity[job.group]
 
 
-def _fair_order(jobs: list[tuple[int, QueuedJob]], usage: dict[str, float], shares: dict[str, float]):
+def _fair_order(
+    jobs: list[tuple[int, QueuedJob]], usage: dict[str, float], shares: dict[str, float]
+) -> Iterator[QueuedJob]:
     """Yield the jobs of one priority level: the tenant with the least use for its share first,
     FIFO inside a tenant. The caller adds to `usage` between yields (a placed job's devices)."""
     queues: dict[str, deque[tuple[int, QueuedJob]]] = defaultdict(deque)
