@@ -40,10 +40,24 @@ def _group(layout: Any) -> int:
     return tp * cp if isinstance(tp, int) and isinstance(cp, int) and tp * cp >= 1 else 1
 
 
-def _ends_in(start: datetime | None, runtime: float | None, now: datetime) -> float | None:
-    if start is None or runtime is None:
+def expected_end_s(
+    start: datetime | None,
+    max_runtime_s: float | None,
+    now: datetime,
+    current_step: int = 0,
+    total_steps: int = 0,
+) -> float | None:
+    """Seconds from `now` until an active job is expected to end: at its pace so far (time since
+    it started over the steps it has done, times the steps left) once it has done some, never
+    past its max_runtime_s; None when neither is known."""
+    if start is None:
         return None
-    return max(0.0, runtime - (now - start).total_seconds())
+    elapsed = max(0.0, (now - start).total_seconds())
+    ends = None if max_runtime_s is None else max(0.0, max_runtime_s - elapsed)
+    if 0 < current_step < total_steps and elapsed > 0:
+        at_pace = elapsed / current_step * (total_steps - current_step)
+        ends = at_pace if ends is None else min(ends, at_pace)
+    return ends
 
 
 def read_snapshot(session: Session, now: datetime) -> Snapshot:
@@ -77,7 +91,7 @@ def read_snapshot(session: Session, now: datetime) -> Snapshot:
     active = session.execute(
         select(
             Job.id, Job.tenant_id, Job.node_id, Job.devices, Job.num_procs, Job.started_at,
-            Job.scheduled_at, _max_runtime().label("max_runtime_s"),
+            Job.scheduled_at, Job.current_step, Job.total_steps, _max_runtime().label("max_runtime_s"),
         ).where(Job.status.in_(ACTIVE_STATES))
     )  # fmt: skip
     # A gang's share of each node (job_allocation); other jobs hold their one node's devices.
@@ -93,7 +107,10 @@ def read_snapshot(session: Session, now: datetime) -> Snapshot:
         if a.node_id is None:
             continue
         shares = gang_shares.get(a.id) or [(a.node_id, a.devices)]
-        ends = _ends_in(a.started_at or a.scheduled_at, a.max_runtime_s, now)
+        if a.started_at is not None:
+            ends = expected_end_s(a.started_at, a.max_runtime_s, now, a.current_step, a.total_steps)
+        else:  # scheduled, not started yet: all of its runtime is ahead of it
+            ends = expected_end_s(a.scheduled_at, a.max_runtime_s, now)
         for node_id, devices in shares:
             busy[node_id].update(int(d) for d in devices or ())
             if ends is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 
+import pytest
 from scheduler_helpers import RecordingExecutor
 from sqlalchemy import select, update
 from typer.testing import CliRunner
@@ -16,6 +17,7 @@ from megatrain.db.jobs import reserve_and_schedule, reserve_gang, transition
 from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Job, JobAllocation, Node, Tenant, utcnow
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
+from megatrain.scheduler.snapshot import expected_end_s
 from megatrain.settings import Settings
 
 
@@ -220,3 +222,16 @@ def test_a_gang_reservation_is_all_or_nothing(
         assert not reserve_gang(s, gang, [(a, [0, 1]), (b, [0, 1])])
         s.rollback()
     assert _used(url, a, b) == [0, 1]
+
+
+def test_expected_end_follows_the_pace_so_far_within_max_runtime() -> None:
+    now = utcnow()
+    started = now - timedelta(seconds=100)
+    # 100 s for 25 of 100 steps: 300 s to go, well inside the hour left of max_runtime_s
+    assert expected_end_s(started, 3700.0, now, 25, 100) == pytest.approx(300.0)
+    # never past max_runtime_s (it is stopped there)
+    assert expected_end_s(started, 200.0, now, 25, 100) == pytest.approx(100.0)
+    # no step done yet, or no step count: max_runtime_s alone; neither known: no estimate
+    assert expected_end_s(started, 3700.0, now, 0, 100) == pytest.approx(3600.0)
+    assert expected_end_s(started, None, now, 25, 100) == pytest.approx(300.0)
+    assert expected_end_s(started, None, now) is None and expected_end_s(None, 60.0, now) is None
