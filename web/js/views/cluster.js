@@ -50,7 +50,7 @@ function queueTable(queue) {
   return h("div", { class: "table-wrap" }, h("table", { id: "queue-table", class: "cards" },
     h("thead", {}, h("tr", {}, ["#", "Job", "Pool", "Slots", "Priority", "Waiting", "Why it waits"].map((t) => h("th", { scope: "col", class: ["#", "Slots", "Priority"].includes(t) ? "num" : "" }, t)))),
     h("tbody", {}, queue.map((q) => h("tr", { dataset: { own: String(q.own) } },
-      h("td", { class: "num", "data-label": "Position" }, String(q.position)),
+      h("td", { class: "num", "data-label": "Position" }, q.position == null ? "–" : String(q.position)),
       h("td", { class: "primary" }, q.own ? [h("a", { class: "name", href: `#/jobs/${encodeURIComponent(q.id)}` }, q.name), h("span", { class: "id" }, q.id)] : h("span", { class: "muted" }, "another tenant's job")),
       h("td", { "data-label": "Pool" }, q.pool),
       h("td", { class: "num", "data-label": "Slots" }, String(q.slots)),
