@@ -33,6 +33,8 @@ class QueuedJob:
     pool: str
     num_procs: int
     cancel_requested: bool = False
+    avoid: frozenset[str] = frozenset()
+    """Ids of nodes an earlier attempt was lost on: used only when no other node has room."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def place(queue: Sequence[QueuedJob], pools: Mapping[str, Sequence[NodeRoom]]) -
             reason = WaitReason(NO_FREE_SLOTS, job.pool, needs=job.num_procs, freest=freest)
             out.append(Decision(job.id, wait=reason))
             continue
-        room = fits[0]
+        room = next((r for r in fits if r.node.id not in job.avoid), fits[0])
         devices, room.devices = room.devices[: job.num_procs], room.devices[job.num_procs :]
         room.node = NodeRoom(
             room.node.id,

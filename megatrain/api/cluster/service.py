@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.db.models import ACTIVE_STATES, QUEUED, Job, Node, NodePool, Tenant
 from megatrain.scheduler.placement import Decision, NodeRoom, QueuedJob, place
+from megatrain.scheduler.pools import describe
 from megatrain.scheduler.reasons import FITS_NEXT_TICK, WaitReason, render_wait
 
 
@@ -68,20 +69,30 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
                     "slots_used": n.slots_used,
                     "slots_free": free,
                     "last_seen_at": n.last_seen_at,
+                    "lost_at": n.lost_at,
+                    "devices_idle": n.devices_free,
+                    "memory_free_bytes": n.memory_free_bytes,
+                    "health": n.health,
                     "jobs": on_node.get(n.id, []),
                 }
             )
             if n.status == "ready":
                 room = NodeRoom(n.id, n.hostname, n.slots_total, free, frozenset(busy.get(n.id, ())))
                 rooms.setdefault(pool.name, []).append(room)
+        # A lost node's slots are not offered: the totals count ready nodes only.
+        ready = [r for r in node_rows if r["status"] == "ready"]
+        spec, source = describe(pool, list(members))
         pool_rows.append(
             {
                 "name": pool.name,
                 "accelerator": pool.accelerator,
                 "slot_kind": "CPU slots" if pool.accelerator == "cpu" else "GPUs",
-                "slots_total": sum(r["slots_total"] for r in node_rows),
-                "slots_used": sum(r["slots_used"] for r in node_rows),
-                "slots_free": sum(r["slots_free"] for r in node_rows),
+                "slots_total": sum(r["slots_total"] for r in ready),
+                "slots_used": sum(r["slots_used"] for r in ready),
+                "slots_free": sum(r["slots_free"] for r in ready),
+                "nodes_lost": len(node_rows) - len(ready),
+                "hardware": spec.model_dump(mode="json") if spec is not None else None,
+                "described_by": source,
                 "nodes": node_rows,
             }
         )
@@ -89,12 +100,16 @@ def cluster_view(session: Session, tenant: Tenant) -> dict[str, Any]:
     queued = session.execute(
         select(
             Job.id, Job.name, Job.pool, Job.num_procs, Job.priority, Job.created_at, Job.tenant_id,
-            Job.cancel_requested,
+            Job.cancel_requested, Job.avoid_nodes,
         )
         .where(Job.status == QUEUED)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
     ).all()  # fmt: skip
-    decisions = place([QueuedJob(q.id, q.pool, q.num_procs, q.cancel_requested) for q in queued], rooms)
+    order = [
+        QueuedJob(q.id, q.pool, q.num_procs, q.cancel_requested, avoid=frozenset(q.avoid_nodes or ()))
+        for q in queued
+    ]
+    decisions = place(order, rooms)
     positions = {q.id: (i, q.tenant_id == tenant.id) for i, q in enumerate(queued, start=1)}
     queue = []
     for position, (q, decision) in enumerate(zip(queued, decisions, strict=True), start=1):
