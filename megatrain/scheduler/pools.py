@@ -10,6 +10,7 @@ API serves these.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,27 @@ from megatrain.spec_errors import SpecError
 OPERATOR, MEASURED = "operator", "measured"
 
 
+_RULE_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z0-9_]+)*) (?:must|is)\b")
+
+
+def _parse_one(data: Any) -> PoolSpec:
+    """parse_pool, with a cross-field rule's error named by the field its message names (pydantic
+    names the whole model: 'spec')."""
+    try:
+        return parse_pool(data)
+    except SpecError as exc:
+        errors = []
+        for e in exc.errors:
+            named = _RULE_FIELD.match(e["message"]) if e["field"] in ("spec", "") else None
+            errors.append({**e, "field": named.group(1)} if named else e)
+        raise SpecError(errors) from None
+
+
 def parse_pools(data: Any) -> list[PoolSpec]:
     """Pools from one mapping or a list of mappings; SpecError naming each bad field (a list's
     entries as `pools[i].field`), every entry checked."""
     if isinstance(data, dict):
-        return [parse_pool(data)]
+        return [_parse_one(data)]
     if not isinstance(data, list) or not data:
         raise SpecError(
             [{"field": "pool", "message": "expected a pool (a mapping) or a non-empty list of them"}]
@@ -39,7 +56,7 @@ def parse_pools(data: Any) -> list[PoolSpec]:
     pools, problems = [], []
     for i, entry in enumerate(data):
         try:
-            pools.append(parse_pool(entry))
+            pools.append(_parse_one(entry))
         except SpecError as exc:
             problems += [{"field": f"pools[{i}].{e['field']}", "message": e["message"]} for e in exc.errors]
     names = [p.name for p in pools]
