@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from megatrain.db.models import SCHEDULED, Job, Node, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
-from megatrain.worker.nodes import ensure_local_pool, local_capacity
+from megatrain.worker.nodes import ensure_local_pool, local_capacity, record_cached_facts
 from megatrain.worker.pool_facts import heartbeat_values
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,14 @@ def _keep_node_seen(settings: Settings, node_id: str, accelerator: str, slots: i
     """Heartbeat the node every heartbeat interval while the worker lives: a task waiting in this
     node's queue counts as waiting, not lost, only while its node is seen, and a node unseen for
     node_lost_after_s is marked lost by the scheduler (its jobs fail over)."""
+    described = False
     while True:
         time.sleep(settings.heartbeat_interval_s)
         try:
             node_heartbeat(settings, node_id, accelerator, slots)
+            if not described:  # the pool's measured description, once its measurement is done
+                with session_scope(settings.resolved_database_url) as s:
+                    described = record_cached_facts(s, settings, node_id, accelerator, slots)
         except SQLAlchemyError as exc:
             log.warning("could not refresh node %s: %s", node_id, exc)
 
@@ -151,8 +155,9 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
     """
     slots = worker_slots(settings, concurrency)
     with session_scope(settings.resolved_database_url) as s:
-        # The worker may take seconds to measure its device's peak (once per host: cached).
-        node = ensure_local_pool(s, settings, slots=slots, wait_for_facts=True)
+        # Measuring the device's peak takes seconds (once per host, then cached): it runs in the
+        # background, and a heartbeat records the pool's description once it is done.
+        node = ensure_local_pool(s, settings, slots=slots)
         hostname, node_id = node.hostname, node.id
     accelerator, _ = local_capacity(settings)
     beat = threading.Thread(

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from megatrain.db.models import Node, NodePool, utcnow
 from megatrain.plan.memory import host_memory_bytes
 from megatrain.settings import Settings
-from megatrain.worker.pool_facts import heartbeat_values, local_facts, pool_spec_dict
+from megatrain.worker.pool_facts import cached_facts, heartbeat_values, local_facts, pool_spec_dict
 
 
 def detect_gpus() -> list[str]:
@@ -115,6 +115,20 @@ def record_measured_spec(
     spec = None if facts is None else pool_spec_dict(pool.name, accelerator, slots, memory, facts)
     if spec is not None and (pool.spec != spec or pool.spec_source != "measured"):
         pool.spec, pool.spec_source = spec, "measured"
+
+
+def record_cached_facts(
+    session: Session, settings: Settings, node_id: str, accelerator: str, slots: int
+) -> bool:
+    """Describe the node's pool by this machine's facts once they are measured (a worker's
+    heartbeat asks until then); False while they are not. The caller commits."""
+    if cached_facts(settings, accelerator, slots) is None:
+        return False
+    node = session.get(Node, node_id)
+    pool = None if node is None else session.get(NodePool, node.pool_id)
+    if node is not None and pool is not None:
+        record_measured_spec(pool, settings, accelerator, slots, node.device_memory_bytes, wait=False)
+    return True
 
 
 def ensure_local_pool(
