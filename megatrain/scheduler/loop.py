@@ -239,7 +239,7 @@ class Scheduler:
                 job = s.scalars(select(Job).where(Job.id == v.id).with_for_update()).first()
                 if job is None or job.status not in ACTIVE_STATES or job.node_id != v.node_id:
                     continue
-                lost = f"node {v.hostname} lost (no heartbeat for {self.settings.node_lost_after_s:g}s)"
+                lost = f"node {v.hostname} lost (no heartbeat for over {self.settings.node_lost_after_s:g}s)"
                 avoid = sorted({*(job.avoid_nodes or ()), v.node_id})
                 if job.cancel_requested:
                     to, reason = CANCELLED, f"{lost}; cancel was requested"
