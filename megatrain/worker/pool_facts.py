@@ -8,9 +8,11 @@ shares its process with the API), so the measurement runs in a subprocess
 (`python -m megatrain.worker.pool_facts`) and its answer is cached in one JSON file per
 (host, CPU model, accelerator, slots, cores) under the cache directory, like calibrate's.
 
-Bandwidths are not measured: a CPU pool's ranks talk over gloo on loopback TCP, for which
-CPU_LINK gives a documented order of magnitude; a GPU node's NVLink figure comes from NVLINK_GBPS
-by model (PCIe otherwise). An operator's description (`megatrain pools apply`) replaces all of it.
+A CPU pool's ranks talk over gloo on loopback TCP: its intra-node bandwidth and latency are
+measured the same way (two ranks all-reducing 16 MiB and 4 bytes), with CPU_LINK's documented
+orders of magnitude where that fails; across CPU hosts, CPU_LINK's Ethernet figure. A GPU node's
+NVLink figure comes from NVLINK_GBPS by model (PCIe otherwise), unmeasured. An operator's
+description (`megatrain pools apply`) replaces all of it.
 """
 
 from __future__ import annotations
@@ -250,6 +252,68 @@ def _cuda_bf16_tflops() -> float | None:
     return 2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12
 
 
+GLOO_BYTES = 16 << 20
+
+
+def _gloo_rank(rank: int, port: int, threads: int, results: Any) -> None:
+    """One of two gloo ranks on loopback: times a 4-byte and a GLOO_BYTES all-reduce; rank 0
+    reports (seconds per small, seconds per big)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    small, big = torch.zeros(1), torch.zeros(GLOO_BYTES // 4)
+    for _ in range(3):  # connections and buffers set up before timing
+        dist.all_reduce(small)
+        dist.all_reduce(big)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        dist.all_reduce(small)
+    t_small = (time.perf_counter() - t0) / 50
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(big)
+    t_big = (time.perf_counter() - t0) / 5
+    if rank == 0:
+        results.put((t_small, t_big))
+    dist.destroy_process_group()
+
+
+def measure_gloo_loopback(threads: int) -> tuple[float, float] | None:
+    """(GB/s per direction, latency µs) between two gloo ranks of this host; None on failure.
+
+    A two-rank ring all-reduce sends each rank's whole buffer once per direction (half in the
+    reduce-scatter, half in the all-gather) in two messages: bandwidth = bytes / (time − 2 latencies),
+    latency = a 4-byte all-reduce's time over 2.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fork after torch's threads started may hang
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, threads, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        t_small, t_big = results.get(timeout=120)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the documented figures
+        log.warning("gloo loopback measurement failed: %s", exc)
+        return None
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    latency = t_small / 2
+    return GLOO_BYTES / max(t_big - 2 * latency, 1e-9) / 1e9, latency * 1e6
+
+
 def measure_here(accelerator: str, slots: int) -> dict[str, Any]:
     """Peaks per precision and link figures of one device of this machine (imports torch)."""
     if accelerator == "cpu":
@@ -259,11 +323,19 @@ def measure_here(accelerator: str, slots: int) -> dict[str, Any]:
         from megatrain.engine.runtime import cpu_has_native_bf16
 
         # One device is one rank, which the engine gives its share of the cores (runtime._set_threads).
-        torch.set_num_threads(max(1, cpu_cores() // max(1, slots)))
+        threads = max(1, cpu_cores() // max(1, slots))
+        torch.set_num_threads(threads)
         peaks = {"fp32": cpu_peak_tflops("fp32")}
         if cpu_has_native_bf16():  # elsewhere bf16 jobs run in fp32: fp32's peak stands for them
             peaks["bf16"] = cpu_peak_tflops("bf16")
-        link = CPU_LINK
+        gloo = measure_gloo_loopback(threads) if slots > 1 else None
+        link = dict(CPU_LINK, source="constant")
+        if gloo is not None:
+            link |= {
+                "intra_gbps": round(gloo[0], 4),
+                "intra_us": round(gloo[1], 2),
+                "source": "gloo loopback",
+            }
     else:
         from megatrain.engine.metrics import gpu_peak_tflops
 
@@ -272,12 +344,14 @@ def measure_here(accelerator: str, slots: int) -> dict[str, Any]:
             peaks = {"bf16": _cuda_bf16_tflops()}
         nvlink = next((v for k, v in NVLINK_GBPS.items() if k.lower() in accelerator.lower()), None)
         link = {"intra_gbps": nvlink or PCIE_GBPS, "intra_us": 5.0 if nvlink else 10.0, **GPU_INTER_NODE}
+        link["source"] = "datasheet"
     return {
         "peak_tflops": {p: round(v, 4) for p, v in peaks.items() if v},
         "intra_node_bandwidth_gbps": link["intra_gbps"],
         "intra_node_latency_us": link["intra_us"],
         "inter_node_bandwidth_gbps": link["inter_gbps"],
         "inter_node_latency_us": link["inter_us"],
+        "links_from": link["source"],
     }
 
 

@@ -5,6 +5,7 @@ nvidia-smi, faked here)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -39,8 +40,13 @@ def test_the_local_pool_is_described_by_measurement(
     assert spec.devices_per_node == 2 == node.slots_total
     assert spec.device_memory_bytes == node.device_memory_bytes
     assert 0 < spec.peak("fp32") < 100  # TFLOP/s of one rank's share of a CPU
-    assert spec.intra_node_bandwidth_gbps == pool_facts.CPU_LINK["intra_gbps"]
-    assert list((tmp_path / "cache").glob("node_facts-*.json"))
+    [cached] = (tmp_path / "cache").glob("node_facts-*.json")
+    facts = json.loads(cached.read_text())
+    # Two slots: the ranks' gloo loopback is measured (else the documented constants stand).
+    assert facts["links_from"] == "gloo loopback"
+    assert spec.intra_node_bandwidth_gbps == facts["intra_node_bandwidth_gbps"] > 0
+    assert spec.intra_node_latency_us == facts["intra_node_latency_us"] > 0
+    assert spec.inter_node_bandwidth_gbps == pool_facts.CPU_LINK["inter_gbps"]
 
     # Cached per host: registering again measures nothing.
     def no_subprocess(*args: object, **kwargs: object) -> None:
@@ -79,7 +85,7 @@ def test_gpu_peaks_come_from_the_datasheet_table() -> None:
     pytest.importorskip("torch")
     facts = measure_here("NVIDIA H100 80GB HBM3", 8)
     assert facts["peak_tflops"] == {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}
-    assert facts["intra_node_bandwidth_gbps"] == 450.0
+    assert facts["intra_node_bandwidth_gbps"] == 450.0 and facts["links_from"] == "datasheet"
     assert measure_here("NVIDIA H100 PCIe", 2)["intra_node_bandwidth_gbps"] == pool_facts.PCIE_GBPS
 
 
