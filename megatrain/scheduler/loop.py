@@ -264,6 +264,9 @@ class Scheduler:
         Returns the ids whose state changed.
         """
         changed: list[str] = []
+        # Nodes this executor registers itself (the local one: this very machine) are refreshed
+        # before liveness is judged, so a slow tick never makes the scheduler's own host lost.
+        self.executor.refresh_nodes()
         self.mark_lost_nodes()
         changed += self.fail_over_lost_nodes()
         with session_scope(self.url) as s:
