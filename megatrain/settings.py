@@ -77,6 +77,14 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = Field(default=1.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    node_lost_after_s: float = Field(default=30.0, gt=0)
+    """A node unseen this long is marked lost and its jobs fail over (requeued, avoiding it). Workers
+    heartbeat every heartbeat_interval_s (the local executor's node every 10 s), so the default
+    outlasts many missed beats; a dead node is noticed within node_lost_after_s +
+    scheduler_interval_s of its last heartbeat."""
+    pools_file: Path | None = None
+    """YAML of pool descriptions (one mapping or a list, as `megatrain pools apply` reads) applied
+    when the stack or the scheduler starts; None: none."""
     max_log_lines: int = Field(default=100_000, ge=100)
     """Log lines kept per job; older ones are dropped first."""
     # HTTP server limits (megatrain.api.server): a request's head and body must arrive in time and
@@ -101,6 +109,11 @@ class Settings(BaseSettings):
     @classmethod
     def _expand_home(cls, v: object) -> object:
         return Path(os.path.expanduser(str(v))).resolve() if v else v
+
+    @field_validator("pools_file", mode="before")
+    @classmethod
+    def _expand_pools_file(cls, v: object) -> object:
+        return Path(os.path.expanduser(str(v))) if v else None
 
     @field_validator("cache_dir", mode="before")
     @classmethod

@@ -9,12 +9,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from megatrain.cli.common import _out, _user_errors, app
+from megatrain.cli.pools import hardware_line
 from megatrain.client import Client
 
 
 def _pool_line(pool: dict[str, Any]) -> str:
     kind = pool.get("slot_kind") or "devices"
-    nodes = len(pool.get("nodes", []))
+    nodes = len(pool.get("nodes", [])) - pool.get("nodes_lost", 0)
     where = f"on {nodes} node" + ("" if nodes == 1 else "s")
     device = "" if pool.get("accelerator") == "cpu" else f" ({escape(str(pool.get('accelerator')))})"
     return (
@@ -35,6 +36,14 @@ def cluster() -> None:
         out.print("no pools yet: start `megatrain up` (or a worker) to register this machine")
     for pool in pools:
         out.print(_pool_line(pool))
+        if "hardware" in pool:
+            out.print("  " + hardware_line(pool["hardware"], pool.get("described_by")))
+        for node in pool.get("nodes", []):
+            if node["status"] == "lost":
+                out.print(
+                    f"  [bold red]node {escape(node['hostname'])} lost[/bold red] (no heartbeat since "
+                    f"{escape(str(node['last_seen_at']))}): its slots are not offered"
+                )
     queue = view.get("queue", [])
     if not queue:
         out.print("queue: empty")

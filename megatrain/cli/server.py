@@ -48,9 +48,11 @@ class EmbeddedStack:
         executor) and make sure the local key exists; returns that key."""
         from megatrain.api.auth import ensure_local_credentials
         from megatrain.db.session import upgrade_database
+        from megatrain.scheduler.pools import apply_pools_at_start
         from megatrain.worker.executors import get_executor
 
         upgrade_database(settings.resolved_database_url)
+        apply_pools_at_start(settings)  # MEGATRAIN_POOLS_FILE: a bad one stops the start here
         get_executor(settings).refresh_nodes()
         return ensure_local_credentials(settings)
 
@@ -214,9 +216,11 @@ def api_server(
 def scheduler() -> None:
     """Run the scheduler loop alone (production: beside API replicas and Celery workers)."""
     from megatrain.scheduler.loop import Scheduler
+    from megatrain.scheduler.pools import apply_pools_at_start
 
     _configure_logging()
     settings = get_settings()
+    apply_pools_at_start(settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

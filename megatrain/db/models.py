@@ -106,6 +106,12 @@ class NodePool(Base):
     name: Mapped[str] = mapped_column(String(100), unique=True)
     accelerator: Mapped[str] = mapped_column(String(32), default="cpu")
     """cpu, or the GPU model name (e.g. 'NVIDIA H100 80GB HBM3')."""
+    spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """Its hardware description (megatrain.plan.pool.PoolSpec as a dict); None until an operator
+    applies one or a worker measures this machine (scheduler.pools.pool_for then derives one)."""
+    spec_source: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    """'operator' (`megatrain pools apply`, MEGATRAIN_POOLS_FILE) or 'measured' (a worker's own
+    facts); an operator's description is never replaced by a measured one."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
@@ -122,7 +128,17 @@ class Node(Base):
     """Memory of one of its devices (the smallest GPU; a CPU node's memory over its slots); None for
     a node registered before it was recorded, which then refuses nothing at submission."""
     status: Mapped[str] = mapped_column(String(16), default="ready")
+    """'ready', or 'lost' once its heartbeats stopped for settings.node_lost_after_s (the
+    scheduler's reconcile marks it; its next heartbeat makes it ready again)."""
     last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    lost_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """When it was last marked lost (kept after it comes back, for the record)."""
+    devices_free: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Devices the worker saw idle at its last heartbeat (None: never reported)."""
+    memory_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """Free memory of its fullest device (GPU), or the host's available memory (CPU), last heartbeat."""
+    health: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """The last heartbeat's health: {"ok": bool, "devices": n, "problems": [text, …]}."""
 
 
 class Job(Base):
@@ -156,6 +172,8 @@ class Job(Base):
     devices: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
     """While scheduled/running: the node's device indices the job was placed on (CUDA_VISIBLE_DEVICES
     of its ranks on a GPU node; recorded, without effect, on a CPU node)."""
+    avoid_nodes: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    """Ids of nodes an attempt of this job was lost on: placement prefers any other node with room."""
     runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

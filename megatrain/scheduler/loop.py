@@ -27,6 +27,7 @@ from megatrain.db.models import (
     QUEUED,
     SCHEDULED,
     Job,
+    Node,
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
@@ -183,12 +184,70 @@ class Scheduler:
             return f"no heartbeat from {job.runner_host} for {(now - last).total_seconds():.0f}s"
         return None
 
+    def mark_lost_nodes(self, now: datetime | None = None) -> list[tuple[str, str]]:
+        """Mark lost every ready node unseen for node_lost_after_s; (id, hostname) of those this
+        scheduler marked. One guarded UPDATE: a second scheduler's finds them lost already."""
+        now = now or utcnow()
+        cutoff = now - timedelta(seconds=self.settings.node_lost_after_s)
+        with session_scope(self.url) as s:
+            rows = s.execute(
+                update(Node)
+                .where(Node.status == "ready", Node.last_seen_at < cutoff)
+                .values(status="lost", lost_at=now)
+                .returning(Node.id, Node.hostname, Node.last_seen_at)
+                .execution_options(synchronize_session=False)
+            ).all()
+        for r in rows:
+            age = (now - r.last_seen_at).total_seconds()
+            log.warning("node %s lost: no heartbeat for %.0fs", r.hostname, age)
+        return [(r.id, r.hostname) for r in rows]
+
+    def fail_over_lost_nodes(self) -> list[str]:
+        """End the attempts of the scheduled and running jobs of every lost node: requeued (while
+        retries remain; they avoid that node next time) or failed, the node named in the reason
+        and recorded in the event. Guarded per job, so two schedulers move each job once."""
+        changed: list[str] = []
+        with session_scope(self.url) as s:
+            victims = s.execute(
+                select(Job.id, Node.id.label("node_id"), Node.hostname)
+                .join(Node, Node.id == Job.node_id)
+                .where(Job.status.in_(ACTIVE_STATES), Node.status == "lost")
+            ).all()
+        for v in victims:
+            with session_scope(self.url) as s:
+                job = s.scalars(select(Job).where(Job.id == v.id).with_for_update()).first()
+                if job is None or job.status not in ACTIVE_STATES or job.node_id != v.node_id:
+                    continue
+                lost = f"node {v.hostname} lost (no heartbeat for over {self.settings.node_lost_after_s:g}s)"
+                avoid = sorted({*(job.avoid_nodes or ()), v.node_id})
+                if job.cancel_requested:
+                    to, reason = CANCELLED, f"{lost}; cancel was requested"
+                elif retry_allowed(job):
+                    to, reason = QUEUED, f"{lost}; retrying on another node, will resume from checkpoint"
+                else:
+                    to, reason = FAILED, f"{lost} on attempt {job.attempt}; no retries left"
+                data = {"cause": "node_lost", "node_id": v.node_id, "hostname": v.hostname}
+                clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
+                log.warning("job %s: %s", v.id, reason)
+                if transition(
+                    s, v.id, to, from_statuses=(job.status,), reason=reason, data=data,
+                    avoid_nodes=avoid, **clear,
+                ):  # fmt: skip
+                    changed.append(v.id)
+        return changed
+
     def reconcile_once(self) -> list[str]:
-        """Cancel queued jobs asked to stop; requeue (or fail) active jobs whose runner is gone.
+        """Cancel queued jobs asked to stop; mark silent nodes lost and fail their jobs over;
+        requeue (or fail) active jobs whose runner is gone.
 
         Returns the ids whose state changed.
         """
         changed: list[str] = []
+        # Nodes this executor registers itself (the local one: this very machine) are refreshed
+        # before liveness is judged, so a slow tick never makes the scheduler's own host lost.
+        self.executor.refresh_nodes()
+        self.mark_lost_nodes()
+        changed += self.fail_over_lost_nodes()
         with session_scope(self.url) as s:
             ids = s.scalars(select(Job.id).where(Job.status == QUEUED, Job.cancel_requested.is_(True))).all()
             for job_id in ids:

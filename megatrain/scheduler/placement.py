@@ -65,7 +65,7 @@ class QueuedJob:
     expected_runtime_s: float | None = None
     """The planner's or a measured estimate, when there is one (else max_runtime_s is used)."""
     avoid: frozenset[str] = frozenset()
-    """Node ids this job must never be placed on (e.g. the node its last attempt failed on)."""
+    """Node ids an earlier attempt was lost on: used only when no other node has room now."""
 
     @property
     def runtime_s(self) -> float | None:
@@ -111,8 +111,7 @@ class _Pool:
     capacity: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
 
     def capacity_for(self, job: QueuedJob) -> tuple[int, int, list[int]]:
-        if job.avoid:
-            return self.rooms.capacity(job.group, job.avoid)
+        # What could ever fit ignores `avoid`: avoiding a node is a preference, not a limit.
         if job.group not in self.capacity:
             self.capacity[job.group] = self.rooms.capacity(job.group)
         return self.capacity[job.group]
@@ -223,7 +222,10 @@ def _find(
     i = rooms.best_fit(n, avoid)
     if i is not None:
         return [(i, n)]
-    return rooms.gang(n, group, avoid) if multi_node else None
+    found = rooms.gang(n, group, avoid) if multi_node else None
+    if found is None and avoid:  # the avoided nodes only when nothing else has room now
+        return _find(rooms, n, group, multi_node, frozenset())
+    return found
 
 
 class _Sized(Protocol):

@@ -64,7 +64,7 @@ def read_snapshot(session: Session, now: datetime) -> Snapshot:
     rows = session.execute(
         select(
             Job.id, Job.name, Job.pool, Job.num_procs, Job.priority, Job.created_at, Job.tenant_id,
-            Job.cancel_requested, Job.status_reason, Job.wait_reason, Job.layout,
+            Job.cancel_requested, Job.status_reason, Job.wait_reason, Job.layout, Job.avoid_nodes,
             _max_runtime().label("max_runtime_s"),
         )
         .where(Job.status == QUEUED)
@@ -75,7 +75,7 @@ def read_snapshot(session: Session, now: datetime) -> Snapshot:
     queue = [
         QueuedJob(
             r.id, r.pool, r.num_procs, bool(r.cancel_requested), tenant=r.tenant_id, priority=r.priority,
-            group=_group(r.layout), max_runtime_s=r.max_runtime_s,
+            group=_group(r.layout), max_runtime_s=r.max_runtime_s, avoid=frozenset(r.avoid_nodes or ()),
         )
         for r in rows
     ]  # fmt: skip

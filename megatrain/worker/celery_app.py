@@ -19,6 +19,7 @@ import argparse
 import logging
 import threading
 import time
+from typing import Any
 
 from celery import Celery
 from sqlalchemy import select, update
@@ -27,7 +28,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from megatrain.db.models import SCHEDULED, Job, Node, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
-from megatrain.worker.nodes import ensure_local_pool, local_capacity
+from megatrain.worker.nodes import ensure_local_pool, local_capacity, record_cached_facts
+from megatrain.worker.pool_facts import heartbeat_values
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +115,34 @@ def worker_slots(settings: Settings, concurrency: int | None = None) -> int:
     return detected if concurrency is None else max(1, min(detected, concurrency))
 
 
-def _keep_node_seen(settings: Settings, node_id: str) -> None:
-    """Refresh the node's last_seen_at every heartbeat interval while the worker lives: a task
-    waiting in this node's queue counts as waiting, not lost, only while its node is seen."""
+def node_heartbeat(settings: Settings, node_id: str, accelerator: str, slots: int) -> None:
+    """One heartbeat of this worker's node: seen now, ready (a node marked lost comes back), and
+    what it reports: devices free, free memory, health (worker.pool_facts.heartbeat_values)."""
+    values: dict[str, Any] = heartbeat_values(accelerator, slots, busy=None)
+    if values["devices_free"] is None:
+        # A CPU node cannot see which slots are busy: the scheduler's count says.
+        values["devices_free"] = Node.slots_total - Node.slots_used
+    with session_scope(settings.resolved_database_url) as s:
+        s.execute(
+            update(Node)
+            .where(Node.id == node_id)
+            .values(last_seen_at=utcnow(), status="ready", **values)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def _keep_node_seen(settings: Settings, node_id: str, accelerator: str, slots: int) -> None:
+    """Heartbeat the node every heartbeat interval while the worker lives: a task waiting in this
+    node's queue counts as waiting, not lost, only while its node is seen, and a node unseen for
+    node_lost_after_s is marked lost by the scheduler (its jobs fail over)."""
+    described = False
     while True:
         time.sleep(settings.heartbeat_interval_s)
         try:
-            with session_scope(settings.resolved_database_url) as s:
-                s.execute(
-                    update(Node).where(Node.id == node_id).values(last_seen_at=utcnow(), status="ready")
-                )
+            node_heartbeat(settings, node_id, accelerator, slots)
+            if not described:  # the pool's measured description, once its measurement is done
+                with session_scope(settings.resolved_database_url) as s:
+                    described = record_cached_facts(s, settings, node_id, accelerator, slots)
         except SQLAlchemyError as exc:
             log.warning("could not refresh node %s: %s", node_id, exc)
 
@@ -135,9 +155,15 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
     """
     slots = worker_slots(settings, concurrency)
     with session_scope(settings.resolved_database_url) as s:
+        # Measuring the device's peak takes seconds (once per host, then cached): it runs in the
+        # background, and a heartbeat records the pool's description once it is done.
         node = ensure_local_pool(s, settings, slots=slots)
         hostname, node_id = node.hostname, node.id
-    threading.Thread(target=_keep_node_seen, args=(settings, node_id), daemon=True, name="node-seen").start()
+    accelerator, _ = local_capacity(settings)
+    beat = threading.Thread(
+        target=_keep_node_seen, args=(settings, node_id, accelerator, slots), daemon=True, name="node-seen"
+    )
+    beat.start()
     app = create_celery_app(settings)
     shared = datasets_queue(settings.pool_name)
     queues = queues or [queue_name(settings.pool_name, hostname), shared]

@@ -1,7 +1,8 @@
 """Node registration: this machine's GPUs, or CPU slots when it has none, as a node of its pool.
 
 The worker side registers what it can run: the local executor's scheduler on each tick (through
-`LocalExecutor.refresh_nodes`), a Celery worker when it starts.
+`LocalExecutor.refresh_nodes`), a Celery worker when it starts. Registering also describes the pool
+by measurement (worker.pool_facts) unless an operator described it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sqlalchemy.orm import Session
 from megatrain.db.models import Node, NodePool, utcnow
 from megatrain.plan.memory import host_memory_bytes
 from megatrain.settings import Settings
+from megatrain.worker.pool_facts import cached_facts, heartbeat_values, local_facts, pool_spec_dict
 
 
 def detect_gpus() -> list[str]:
@@ -102,11 +104,48 @@ def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str
     }
 
 
-def ensure_local_pool(session: Session, settings: Settings, slots: int | None = None) -> Node:
+def record_measured_spec(
+    pool: NodePool, settings: Settings, accelerator: str, slots: int, memory: int | None, wait: bool
+) -> None:
+    """Describe `pool` by this machine's measured facts, unless an operator described it. Without
+    `wait`, a first measurement runs in the background and a later registration records it."""
+    if pool.spec_source == "operator":
+        return
+    facts = local_facts(settings, accelerator, slots, wait=wait)
+    spec = None if facts is None else pool_spec_dict(pool.name, accelerator, slots, memory, facts)
+    if spec is not None and (pool.spec != spec or pool.spec_source != "measured"):
+        pool.spec, pool.spec_source = spec, "measured"
+
+
+def record_cached_facts(
+    session: Session, settings: Settings, node_id: str, accelerator: str, slots: int
+) -> bool:
+    """Describe the node's pool by this machine's facts once they are measured (a worker's
+    heartbeat asks until then); False while they are not. The caller commits."""
+    if cached_facts(settings, accelerator, slots) is None:
+        return False
+    node = session.get(Node, node_id)
+    pool = None if node is None else session.get(NodePool, node.pool_id)
+    if node is not None and pool is not None:
+        record_measured_spec(pool, settings, accelerator, slots, node.device_memory_bytes, wait=False)
+    return True
+
+
+def ensure_local_pool(
+    session: Session,
+    settings: Settings,
+    slots: int | None = None,
+    *,
+    wait_for_facts: bool = False,
+    busy: int | None = None,
+) -> Node:
     """Register (or refresh) this machine as a node of pool `settings.pool_name`; the caller commits.
 
-    `slots` overrides the detected capacity (a worker advertises only what it can run at once).
-    Safe to call from several processes at once: a lost insert race is retried as a lookup.
+    `slots` overrides the detected capacity (a worker advertises only what it can run at once);
+    `busy` is the devices its jobs hold (default: the slots the scheduler counts as used), for the
+    heartbeat's devices_free.
+    A lost node registering again is ready. Safe to call from several processes at once: a lost
+    insert race is retried as a lookup.
     """
     accelerator, detected = local_capacity(settings)
     slots = detected if slots is None else slots
@@ -132,7 +171,11 @@ def ensure_local_pool(session: Session, settings: Settings, slots: int | None = 
         node.device_memory_bytes = device_memory(accelerator, slots)
         node.last_seen_at = utcnow()
         node.status = "ready"
+        busy = (node.slots_used or 0) if busy is None else busy
+        for column, value in heartbeat_values(accelerator, slots, busy).items():
+            setattr(node, column, value)
         pool.accelerator = accelerator
+        record_measured_spec(pool, settings, accelerator, slots, node.device_memory_bytes, wait_for_facts)
         session.flush()
         return node
     raise RuntimeError(f"could not register node {hostname} in pool {settings.pool_name}")

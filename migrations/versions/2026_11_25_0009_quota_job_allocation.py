@@ -10,7 +10,7 @@ from alembic import op
 import sqlalchemy as sa
 
 
-revision, down_revision = "0009", "0007"
+revision, down_revision = "0009", "0008"
 branch_labels = depends_on = None
 
 

@@ -39,3 +39,28 @@ def test_cluster_in_cpu_words(live_api: LiveApi) -> None:
     assert code == 0, out
     assert "h100: 8 GPUs (NVIDIA H100 80GB HBM3) on 1 node, 0 busy, 8 free" in out
     assert "default: 2 CPU slots" in out
+
+
+def test_cluster_shows_pool_hardware_and_lost_nodes(live_api: LiveApi) -> None:
+    from megatrain.plan.pool import PoolSpec
+    from megatrain.scheduler.pools import apply_pool
+
+    spec = PoolSpec(
+        name="h100",
+        accelerator="NVIDIA H100 80GB HBM3",
+        device_memory_bytes=80 << 30,
+        peak_tflops={"bf16": 989.4},
+        devices_per_node=8,
+        nodes=2,
+        intra_node_bandwidth_gbps=450,
+        inter_node_bandwidth_gbps=50,
+    )
+    with session_scope(live_api.settings.resolved_database_url) as s:
+        pool, _ = apply_pool(s, spec)
+        s.add(Node(pool_id=pool.id, hostname="gpu-1", slots_total=8))
+        s.add(Node(pool_id=pool.id, hostname="gpu-2", slots_total=8, status="lost"))
+    code, out = run("cluster")
+    assert code == 0, out
+    assert "h100: 8 GPUs (NVIDIA H100 80GB HBM3) on 1 node, 0 busy, 8 free" in out
+    assert "hardware (operator): 8 × NVIDIA H100 80GB HBM3 per node × 2 nodes, 80.0 GiB per device" in out
+    assert "node gpu-2 lost" in out and "node gpu-1 lost" not in out

@@ -30,6 +30,9 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> Path:
 def settings(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
     monkeypatch.setenv("MEGATRAIN_HEARTBEAT_INTERVAL_S", "0.2")
     monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "4")
+    # The seeded "testnode" never heartbeats: keep it ready through the longest runs here (node
+    # liveness has its own tests in tests/scheduler/test_node_liveness.py).
+    monkeypatch.setenv("MEGATRAIN_NODE_LOST_AFTER_S", "600")
     reset_settings_cache()
     return get_settings()
 

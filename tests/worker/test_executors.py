@@ -274,15 +274,18 @@ def test_a_job_waiting_in_its_node_queue_is_not_lost(
         s.execute(update(Job).where(Job.id == job_id).values(scheduled_at=utcnow() - timedelta(hours=1)))
     assert sched.reconcile_once() == []
     assert _job(url, job_id).status == SCHEDULED
-    # a node whose worker is no longer seen has no one to take the task: the timeout judges again
+    # a node whose worker is no longer seen has no one to take the task: the node is lost and
+    # the job fails over
     with session_scope(url) as s:
         s.execute(update(Node).values(last_seen_at=utcnow() - timedelta(hours=1)))
     assert sched.reconcile_once() == [job_id]
     assert _job(url, job_id).status == QUEUED
+    assert "lost" in _job(url, job_id).status_reason
     # and a task no longer in the queue (taken, or lost with Redis) is not waiting either
+    with session_scope(url) as s:  # the worker heartbeats again: its node is ready
+        s.execute(update(Node).values(last_seen_at=utcnow(), status="ready"))
     assert sched.schedule_once() == [job_id]
     with session_scope(url) as s:
-        s.execute(update(Node).values(last_seen_at=utcnow()))
         s.execute(update(Job).where(Job.id == job_id).values(scheduled_at=utcnow() - timedelta(hours=1)))
     assert sched.reconcile_once() == []
     import redis

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.db.models import ACTIVE_STATES, Job, Node, NodePool, Tenant, utcnow
 from megatrain.scheduler.placement import Decision, place
+from megatrain.scheduler.pools import describe
 from megatrain.scheduler.reasons import FITS_NEXT_TICK, WaitReason, render_wait
 from megatrain.scheduler.snapshot import read_snapshot
 
@@ -68,17 +69,27 @@ def cluster_view(session: Session, tenant: Tenant, multi_node: bool = False) -> 
                     "slots_used": n.slots_used,
                     "slots_free": free,
                     "last_seen_at": n.last_seen_at,
+                    "lost_at": n.lost_at,
+                    "devices_idle": n.devices_free,
+                    "memory_free_bytes": n.memory_free_bytes,
+                    "health": n.health,
                     "jobs": on_node.get(n.id, []),
                 }
             )
+        # A lost node's slots are not offered: the totals count ready nodes only.
+        ready = [r for r in node_rows if r["status"] == "ready"]
+        spec, source = describe(pool, list(members))
         pool_rows.append(
             {
                 "name": pool.name,
                 "accelerator": pool.accelerator,
                 "slot_kind": "CPU slots" if pool.accelerator == "cpu" else "GPUs",
-                "slots_total": sum(r["slots_total"] for r in node_rows),
-                "slots_used": sum(r["slots_used"] for r in node_rows),
-                "slots_free": sum(r["slots_free"] for r in node_rows),
+                "slots_total": sum(r["slots_total"] for r in ready),
+                "slots_used": sum(r["slots_used"] for r in ready),
+                "slots_free": sum(r["slots_free"] for r in ready),
+                "nodes_lost": len(node_rows) - len(ready),
+                "hardware": spec.model_dump(mode="json") if spec is not None else None,
+                "described_by": source,
                 "nodes": node_rows,
             }
         )

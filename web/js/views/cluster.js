@@ -29,18 +29,47 @@ function slots(node) {
   return h("div", { class: "slots", role: "img", "aria-label": `${node.slots_used} of ${node.slots_total} busy` }, cells);
 }
 
+const GIB = 2 ** 30;
+
+// The pool's described hardware: by its operator, or as its worker measured this machine.
+function hardware(pool) {
+  const hw = pool.hardware;
+  if (!hw) return h("p", { class: "hint hardware" }, "Hardware not described yet (megatrain pools apply, or a worker measures it).");
+  const peaks = Object.entries(hw.peak_tflops).map(([p, v]) => `${p} ${Number(v.toPrecision(4))}`).join(", ");
+  const fact = (label, value) => [h("dt", {}, label), h("dd", { class: "num" }, value)];
+  return h("dl", { class: "kv hardware", dataset: { describedBy: pool.described_by || "" } },
+    fact("Accelerator", hw.accelerator),
+    fact("Memory per device", `${(hw.device_memory_bytes / GIB).toFixed(1)} GiB`),
+    fact("Peak TFLOP/s per device", peaks),
+    fact("Devices", `${hw.devices_per_node} per node × ${hw.nodes} node${hw.nodes === 1 ? "" : "s"}`),
+    fact("Inside a node", `${hw.intra_node_bandwidth_gbps} GB/s · ${hw.intra_node_latency_us} µs`),
+    fact("Across nodes", `${hw.inter_node_bandwidth_gbps} GB/s · ${hw.inter_node_latency_us} µs`),
+    fact("Described by", pool.described_by === "operator" ? "the operator" : "measurement of this machine"));
+}
+
+function nodeLine(n) {
+  if (n.status === "lost") {
+    return h("span", { class: "muted num" }, `no heartbeat since ${fmtAge(n.last_seen_at)}: its slots are not offered, its jobs failed over`);
+  }
+  const problems = (n.health && n.health.problems) || [];
+  return h("span", { class: "muted num" }, `${n.slots_used}/${n.slots_total} busy · seen ${fmtAge(n.last_seen_at)}${problems.length ? ` · ${problems.join("; ")}` : ""}`);
+}
+
 function poolCard(pool) {
+  const lost = pool.nodes_lost || 0;
   return h("section", { class: "card", dataset: { pool: pool.name } },
     h("div", { class: "page-head", style: { marginBottom: "0.25rem" } },
       h("h2", { style: { margin: 0 } }, pool.name),
       h("span", { class: "muted" }, pool.accelerator)),
     h("p", { class: "num", style: { margin: "0 0 0.5rem" } },
-      h("strong", {}, `${pool.slots_used} busy`), ` · ${pool.slots_free} free · ${pool.slots_total} ${pool.slot_kind}`),
-    pool.nodes.length ? pool.nodes.map((n) => h("div", { style: { marginTop: "0.6rem" } },
+      h("strong", {}, `${pool.slots_used} busy`), ` · ${pool.slots_free} free · ${pool.slots_total} ${pool.slot_kind}`,
+      lost ? h("span", { class: "lost", style: { color: "var(--danger)", fontWeight: 600 } }, ` · ${lost} node${lost === 1 ? "" : "s"} lost`) : null),
+    hardware(pool),
+    pool.nodes.length ? pool.nodes.map((n) => h("div", { class: `node ${n.status}`, dataset: { node: n.hostname, status: n.status }, style: { marginTop: "0.6rem" } },
       h("div", { class: "row" }, h("span", { class: "mono" }, n.hostname),
-        h("span", { class: `badge ${n.status === "ready" ? "succeeded" : "cancelled"}` }, n.status),
-        h("span", { class: "muted num" }, `${n.slots_used}/${n.slots_total} busy · seen ${fmtAge(n.last_seen_at)}`)),
-      slots(n),
+        h("span", { class: `badge ${n.status === "ready" ? "succeeded" : "failed"}` }, n.status),
+        nodeLine(n)),
+      n.status === "lost" ? null : slots(n),
       n.jobs.filter((j) => j.own).map((j) => h("div", { class: "hint" }, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.name), ` · ${j.status} · ${j.slots} slot${j.slots === 1 ? "" : "s"}`))))
       : h("p", { class: "muted" }, "No nodes registered."));
 }
@@ -66,7 +95,7 @@ export function renderCluster(main, _params, { showBanner, hideBanner }) {
   const queue = h("div", { id: "queue" });
   replace(main,
     h("div", { class: "page-head" }, h("div", {}, h("h1", {}, "Cluster"),
-      h("div", { class: "sub" }, "Pools, nodes and the queue in scheduling order: priority first, then first come, first served; no backfill."))),
+      h("div", { class: "sub" }, "Pools (their hardware), nodes (ready or lost) and the queue in scheduling order: priority first, then first come, first served; no backfill."))),
     h("div", { class: "stack" }, pools, h("section", { class: "card", "aria-labelledby": "queue-h" }, h("h2", { id: "queue-h" }, "Queue"), queue)));
 
   async function refresh() {
