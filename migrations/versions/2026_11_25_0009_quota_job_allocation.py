@@ -2,7 +2,7 @@
 share of a multi-node job while it is scheduled or running
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 Create Date: 2026-11-25 16:20:00.000000
 """
 

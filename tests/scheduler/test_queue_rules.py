@@ -166,12 +166,16 @@ def test_single_node_executor_gate() -> None:
     }
 
 
-def test_avoid_never_places_on_those_nodes() -> None:
+def test_avoid_prefers_other_nodes_and_falls_back_when_none_has_room() -> None:
     pools = {"p": [_node("a", 4), _node("b", 8)]}
     (d,) = place([_job("j", 2, avoid=frozenset({"id-a"}))], pools)
-    assert _where(d) == [("b", 2)]
+    assert _where(d) == [("b", 2)]  # best fit would be a
+    # Only the avoided node has room for 8: a job is never stranded by the node it was lost on
+    # (the embedded default has one node).
     (d,) = place([_job("j", 8, avoid=frozenset({"id-b"}))], pools, multi_node=True)
-    assert d.wait and d.wait.code == "too_big_for_pool"
+    assert _where(d) == [("b", 8)]
+    (d,) = place([_job("j", 2, avoid=frozenset({"id-a", "id-b"}))], {"p": [_node("a", 4)]})
+    assert _where(d) == [("a", 2)]
 
 
 # -- backfill --------------------------------------------------------------------------------------
