@@ -58,6 +58,15 @@ class Settings(BaseSettings):
     Empty in dev means the user's home directory; empty in production means none."""
 
     pool_name: str = "default"
+    node_name: str | None = None
+    """This worker's node name in its pool (and its Celery queue); None means the machine's
+    hostname. Two workers on one machine with distinct names act as two nodes."""
+    node_address: str | None = None
+    """Where the other nodes of a multi-node job reach this one (torchrun's c10d rendezvous
+    endpoint when it holds node rank 0); None means the machine's hostname."""
+    rendezvous_timeout_s: float = Field(default=300.0, gt=0)
+    """How long the shards of a multi-node attempt wait for each other (the follower for node
+    rank 0's endpoint, torchrun for every node to join) before the attempt fails."""
     cpu_slots: int | None = Field(default=None, ge=1, le=1024)
     """Processes the local pool offers when the machine has no GPU (gloo ranks on CPU); None means
     one per core this process may run on (`cpu_cores`)."""

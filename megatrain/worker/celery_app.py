@@ -50,9 +50,10 @@ def datasets_queue(pool: str) -> str:
     return f"megatrain.{pool}.datasets"
 
 
-def task_id(job_id: str, attempt: int) -> str:
-    """One task id per attempt, so the scheduler can find a job's message in its node's queue."""
-    return f"{job_id}.{attempt}"
+def task_id(job_id: str, attempt: int, node_rank: int = 0) -> str:
+    """One task id per attempt (and node of a gang), so the scheduler can find a job's message in
+    its node's queue."""
+    return f"{job_id}.{attempt}" + (f".n{node_rank}" if node_rank else "")
 
 
 def create_celery_app(settings: Settings) -> Celery:
@@ -71,7 +72,13 @@ def create_celery_app(settings: Settings) -> Celery:
     )
 
     @app.task(name=TASK_NAME, acks_late=True)
-    def run_shard_task(job_id: str) -> int | None:
+    def run_shard_task(job_id: str, share: dict[str, int] | None = None) -> int | None:
+        # `share` (node_rank, nnodes, attempt) names one node's part of a multi-node attempt: node
+        # rank 0's shard claims the job like a single-node one, the others join its attempt.
+        if share is not None and share["node_rank"] > 0:
+            from megatrain.worker.gang import Share, run_follower
+
+            return run_follower(job_id, Share(**share), settings)
         with session_scope(settings.resolved_database_url) as s:
             status = s.scalar(select(Job.status).where(Job.id == job_id))
         if status != SCHEDULED:
@@ -79,7 +86,7 @@ def create_celery_app(settings: Settings) -> Celery:
             return None
         from megatrain.worker.shard import run_shard
 
-        return run_shard(job_id, settings)
+        return run_shard(job_id, settings, gang=share is not None)
 
     @app.task(name=PREPROCESS_TASK_NAME, acks_late=True)
     def preprocess_dataset_task(dataset_id: str) -> str | None:
@@ -179,7 +186,7 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
             # (PDEATHSIG fires when the spawning thread ends; kill -9 of the worker ends them all).
             "--pool=threads",
             "--loglevel=INFO",
-            f"--hostname=megatrain-{settings.pool_name}@%h",
+            f"--hostname=megatrain-{settings.pool_name}@{settings.node_name or '%h'}",
             "--without-gossip",
             "--without-mingle",
         ]

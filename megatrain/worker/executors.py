@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy import select
 
-from megatrain.db.models import Job, Node, utcnow
+from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.nodes import ensure_local_pool
@@ -146,10 +146,11 @@ class LocalExecutor:
 
 
 class CeleryExecutor:
-    """Sends `megatrain.run_shard(job_id)` to the queue of the node the job was placed on; the
-    workers register their nodes themselves."""
+    """Sends `megatrain.run_shard(job_id)` to the queue of the node the job was placed on, or for a
+    multi-node job one shard task to each of its nodes' queues (worker.gang); the workers register
+    their nodes themselves."""
 
-    multi_node = False  # one task per job, on one node's queue (gang dispatch comes later)
+    multi_node = True
 
     def __init__(self, settings: Settings):
         from megatrain.worker.celery_app import create_celery_app
@@ -175,11 +176,34 @@ class CeleryExecutor:
             raise LookupError(f"job {job_id} is not placed on a node")
         return queue_name(row.pool, row.hostname), task_id(job_id, row.attempt), row.last_seen_at
 
-    def submit(self, job_id: str) -> None:
-        from megatrain.worker.celery_app import TASK_NAME
+    def _gang(self, job_id: str) -> tuple[int, list[tuple[int, str]]]:
+        """(attempt, [(node rank, node's queue)]) of a job reserved as a gang; no rows for others."""
+        from megatrain.worker.celery_app import queue_name
 
-        queue, tid, _ = self._target(job_id)
-        self.app.send_task(TASK_NAME, args=[job_id], queue=queue, task_id=tid)
+        with session_scope(self.settings.resolved_database_url) as s:
+            attempt = s.scalar(select(Job.attempt).where(Job.id == job_id)) or 0
+            rows = s.execute(
+                select(JobAllocation.node_rank, NodePool.name, Node.hostname)
+                .join(Node, Node.id == JobAllocation.node_id)
+                .join(NodePool, NodePool.id == Node.pool_id)
+                .where(JobAllocation.job_id == job_id)
+                .order_by(JobAllocation.node_rank)
+            ).all()
+        return attempt, [(r.node_rank, queue_name(r.name, r.hostname)) for r in rows]
+
+    def submit(self, job_id: str) -> None:
+        from megatrain.worker.celery_app import TASK_NAME, task_id
+
+        attempt, shards = self._gang(job_id)
+        if not shards:
+            queue, tid, _ = self._target(job_id)
+            self.app.send_task(TASK_NAME, args=[job_id], queue=queue, task_id=tid)
+            return
+        # Followers first: node rank 0 claims the job, and the others wait for it anyway.
+        for rank, queue in reversed(shards):
+            share = {"node_rank": rank, "nnodes": len(shards), "attempt": attempt}
+            tid = task_id(job_id, attempt, rank)
+            self.app.send_task(TASK_NAME, args=[job_id], kwargs={"share": share}, queue=queue, task_id=tid)
 
     def submit_dataset(self, dataset_id: str) -> None:
         """`megatrain.preprocess_dataset(dataset_id)` on the pool's dataset queue, which every worker

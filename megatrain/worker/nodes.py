@@ -81,6 +81,11 @@ def local_capacity(settings: Settings) -> tuple[str, int]:
     return "cpu", settings.resolved_cpu_slots
 
 
+def node_name(settings: Settings) -> str:
+    """This worker's node name: MEGATRAIN_NODE_NAME, else the machine's hostname."""
+    return settings.node_name or socket.gethostname()
+
+
 def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str, str]) -> dict[str, str]:
     """The variables that give a job's ranks exactly the devices it was placed on.
 
@@ -149,7 +154,7 @@ def ensure_local_pool(
     """
     accelerator, detected = local_capacity(settings)
     slots = detected if slots is None else slots
-    hostname = socket.gethostname()
+    hostname = node_name(settings)
     for _ in range(3):
         pool = session.scalar(select(NodePool).where(NodePool.name == settings.pool_name))
         if pool is None:

@@ -27,6 +27,7 @@ from typing import IO
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import (
@@ -70,10 +71,44 @@ class _Attempt:
     devices: list[int] | None = None
     """The node's device indices the scheduler placed this attempt on."""
     accelerator: str = "cpu"
+    rendezvous: Rendezvous | None = None
+    """Set for one node's share of a multi-node attempt (a gang)."""
 
 
-def engine_command(num_procs: int, out_dir: Path, checkpoint_url: str) -> list[str]:
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the shards of a multi-node attempt meet: torchrun's c10d rendezvous at node rank 0."""
+
+    node_rank: int
+    nnodes: int
+    endpoint: str
+    """HOST:PORT of node rank 0's rendezvous store."""
+    run_id: str
+    """torchrun's --rdzv-id: one per attempt, so a late shard of an older attempt never joins."""
+    timeout_s: float = 300.0
+
+    def torchrun_args(self) -> list[str]:
+        # Node rank 0 hosts the store (is_host), whatever the hostnames say: two nodes on one
+        # machine would otherwise both try. c10d orders the nodes itself (by address and pid), so
+        # each node's ranks stay contiguous (whole tp×cp groups) but which node holds global
+        # rank 0 is torchrun's choice: every shard reports the metrics and events of its ranks.
+        conf = f"is_host={int(self.node_rank == 0)},join_timeout={int(self.timeout_s)}"
+        return [
+            f"--nnodes={self.nnodes}",
+            f"--node-rank={self.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={conf}",
+            "--max-restarts=0",
+        ]
+
+
+def engine_command(
+    num_procs: int, out_dir: Path, checkpoint_url: str, rendezvous: Rendezvous | None = None
+) -> list[str]:
     """torchrun for several processes; plain python for one (the engine's contract allows both).
+    A share of a multi-node attempt always runs under torchrun, meeting the others at `rendezvous`.
 
     The engine reads the job's spec and the layout the API resolved and stored, from the attempt's
     folder (`_claim` writes both), so it never plans a layout of its own."""
@@ -83,21 +118,25 @@ def engine_command(num_procs: int, out_dir: Path, checkpoint_url: str) -> list[s
         *("--spec", str(out_dir / "spec.json"), "--layout", str(out_dir / "layout.json")),
         *("--out", str(out_dir), "--checkpoint-url", checkpoint_url),
     ]
-    if num_procs == 1:
+    if num_procs == 1 and rendezvous is None:
         return [sys.executable, "-u", *target, *args]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(rendezvous.torchrun_args() if rendezvous else ["--standalone"]),
         f"--nproc-per-node={num_procs}",
         *target,
         *args,
     ]
 
 
-def _claim(settings: Settings, job_id: str) -> _Attempt | None:
-    """scheduled → running, owned by this process; None when there is nothing (more) to do."""
+def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | None:
+    """scheduled → running, owned by this process; None when there is nothing (more) to do.
+
+    For a multi-node job (`gang`) this process is node rank 0's shard: it owns the attempt, runs its
+    node's share and publishes the rendezvous endpoint the other shards join (worker.gang)."""
+    rendezvous_port = free_port() if gang else 0
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(Job, job_id)
         if job is None or job.status != SCHEDULED:
@@ -134,7 +173,7 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
         accelerator = s.scalar(
             select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
         )
-        return _Attempt(
+        att = _Attempt(
             job_id,
             job.attempt,
             job.max_retries,
@@ -144,6 +183,18 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
             devices=job.devices,
             accelerator=accelerator or "cpu",
         )
+        if gang:
+            from megatrain.worker.gang import lead
+
+            lead(s, settings, att, rendezvous_port)
+        return att
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the rendezvous store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
@@ -192,34 +243,16 @@ class _Runner:
         verdict = None
         session = get_sessionmaker(self.url)()
         try:
-            if self.next_seq == 0:
+            # The shards of a gang write one job's log: each numbers its lines after the last stored
+            # (a clash with another shard's insert rolls back and retries on the next tick).
+            if self.next_seq == 0 or self.att.rendezvous is not None:
                 self.next_seq = next_log_seq(session, self.att.job_id)
             seq = append_logs(
                 session, self.att.job_id, self.pending_lines, self.next_seq, self.settings.max_log_lines
             )
             ingest_metrics(session, self.att.job_id, self.metrics.read())
             ingest_events(session, self.att.job_id, self.events.read(), self.att.attempt)
-            if heartbeat:
-                owned = session.execute(
-                    update(Job)
-                    .where(
-                        Job.id == self.att.job_id,
-                        Job.status == RUNNING,
-                        Job.runner_host == self.host,
-                        Job.runner_pid == self.pid,
-                    )
-                    .values(heartbeat_at=utcnow())
-                    .execution_options(synchronize_session=False)
-                ).rowcount
-                if owned != 1:
-                    verdict = "lost"
-            row = session.execute(
-                select(Job.status, Job.cancel_requested, Job.runner_pid).where(Job.id == self.att.job_id)
-            ).first()
-            if row is None or row.status != RUNNING or row.runner_pid != self.pid:
-                verdict = "lost"
-            elif row.cancel_requested:
-                verdict = "cancel"
+            verdict = self.check(session, heartbeat)
             session.commit()
         except SQLAlchemyError as exc:
             # A database blip must not kill the training run: keep the lines, re-read the files next tick.
@@ -236,13 +269,38 @@ class _Runner:
         self.events.commit()
         return verdict
 
+    def check(self, session: Session, heartbeat: bool) -> str | None:
+        """Heartbeat the job this runner owns; 'lost' when it no longer does, 'cancel' when asked."""
+        verdict = None
+        if heartbeat:
+            owned = session.execute(
+                update(Job)
+                .where(
+                    Job.id == self.att.job_id,
+                    Job.status == RUNNING,
+                    Job.runner_host == self.host,
+                    Job.runner_pid == self.pid,
+                )
+                .values(heartbeat_at=utcnow())
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if owned != 1:
+                verdict = "lost"
+        row = session.execute(
+            select(Job.status, Job.cancel_requested, Job.runner_pid).where(Job.id == self.att.job_id)
+        ).first()
+        if row is None or row.status != RUNNING or row.runner_pid != self.pid:
+            verdict = "lost"
+        elif row.cancel_requested:
+            verdict = "cancel"
+        return verdict
+
     def finish(self, outcome: str, rc: int) -> None:
         """Move the job out of running according to how the attempt ended. A failed attempt's reason
         is one line (its traceback is in the job's log); its ranks' records decide whether it is
         retried: an error of the job's own inputs would only repeat, so it fails the job at once."""
         job_id, att = self.att.job_id, self.att
         with session_scope(self.url) as s:
-            clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
             if outcome == "lost":
                 log.warning("job %s: no longer owned by this runner; engine stopped", job_id)
                 return
@@ -254,14 +312,26 @@ class _Runner:
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
             else:
-                record = pick(read_records(att.out_dir))
-                retrying = (record is None or record.get("kind") not in NOT_RETRIED) and retry_allowed(att)
-                reason = attempt_reason(record, rc, att.attempt, retrying)[:MAX_REASON_CHARS]
-                data = event_data(record, rc, att.attempt)
-                to, fields = (QUEUED, clear) if retrying else (FAILED, {})
-                ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+                ok = end_failed_attempt(s, att, rc)
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
+
+
+def end_failed_attempt(s: Session, att: _Attempt, rc: int) -> bool:
+    """running → queued (retried) or failed, explained by the attempt's failure records: this
+    node's, and for a gang every shard's that reported its own (worker.gang.shard_records)."""
+    records = read_records(att.out_dir)
+    if att.rendezvous is not None:
+        from megatrain.worker.gang import shard_records
+
+        records += shard_records(s, att.job_id, att.attempt)
+    record = pick(records)
+    retrying = (record is None or record.get("kind") not in NOT_RETRIED) and retry_allowed(att)
+    reason = attempt_reason(record, rc, att.attempt, retrying)[:MAX_REASON_CHARS]
+    data = event_data(record, rc, att.attempt)
+    clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
+    to, fields = (QUEUED, clear) if retrying else (FAILED, {})
+    return transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
 
 
 def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
@@ -270,17 +340,23 @@ def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
     return env | device_env(att.devices, att.accelerator, os.environ)
 
 
-def run_shard(job_id: str, settings: Settings | None = None) -> int:
-    """Run one attempt of a scheduled job to its end; returns the engine's exit code (0 if skipped)."""
+def run_shard(job_id: str, settings: Settings | None = None, gang: bool = False) -> int:
+    """Run one attempt of a scheduled job to its end; returns the engine's exit code (0 if skipped).
+    `gang`: the job spans several nodes and this is node rank 0's shard (worker.gang)."""
     settings = settings or get_settings()
-    att = _claim(settings, job_id)
+    att = _claim(settings, job_id, gang)
     if att is None:
         return 0
     _backfill_earlier_attempts(settings, att)
+    return supervise(settings, att, _Runner(settings, att))
+
+
+def supervise(settings: Settings, att: _Attempt, runner: _Runner) -> int:
+    """Start the engine for `att` and report it through `runner` until it ends; the engine's exit code."""
+    job_id = att.job_id
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
-    cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url)
+    cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url, att.rendezvous)
     env = runner_env_for(att, job_id)
-    runner = _Runner(settings, att)
     log.info("job %s attempt %d: %s", job_id, att.attempt, " ".join(cmd))
     try:
         proc = subprocess.Popen(

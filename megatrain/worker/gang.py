@@ -1,0 +1,177 @@
+"""Multi-node attempts: one job's shards on several nodes, meeting through torchrun's c10d rendezvous.
+
+The scheduler reserves a gang (db.jobs.reserve_gang: one job_allocation row per node, in node-rank
+order) and the Celery executor sends one shard task to each node's queue. Node rank 0's shard is the
+attempt's owner: it claims the job (scheduled → running) like a single-node runner, publishes the
+rendezvous endpoint (a 'rendezvous' event naming the attempt) and decides the attempt's outcome. The
+other shards (`run_follower`) wait for that endpoint, run their node's share of the ranks, forward
+their logs (prefixed with their node) and end their engine as soon as the attempt is no longer
+running. A follower whose engine fails reports its ranks' failure records (a 'shard_failed' event)
+and ends the attempt itself, so a broken gang never waits on a collective's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.db.jobs import record_event
+from megatrain.db.models import RUNNING, SCHEDULED, Job, JobAllocation, JobEvent, Node, NodePool
+from megatrain.db.session import session_scope
+from megatrain.failures import read_records
+from megatrain.settings import Settings
+from megatrain.worker.nodes import node_name
+from megatrain.worker.shard import Rendezvous, _Attempt, _Runner, end_failed_attempt, supervise
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_EVENT = "rendezvous"
+SHARD_FAILED_EVENT = "shard_failed"
+WAIT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Share:
+    """One node's part of a multi-node attempt, as the executor's task names it."""
+
+    node_rank: int
+    nnodes: int
+    attempt: int
+
+
+def run_id(job_id: str, attempt: int) -> str:
+    """torchrun's --rdzv-id of an attempt."""
+    return f"{job_id}.{attempt}"
+
+
+def _share_row(s: Session, job_id: str, node_rank: int) -> Any:
+    """(slots, devices, accelerator) of the job's share on its node_rank'th node; None if gone."""
+    return s.execute(
+        select(JobAllocation.slots, JobAllocation.devices, NodePool.accelerator)
+        .join(Node, Node.id == JobAllocation.node_id)
+        .join(NodePool, NodePool.id == Node.pool_id)
+        .where(JobAllocation.job_id == job_id, JobAllocation.node_rank == node_rank)
+    ).first()
+
+
+def lead(s: Session, settings: Settings, att: _Attempt, port: int) -> None:
+    """Make `att` (just claimed by node rank 0's shard, in session `s`) this node's share of the
+    gang and publish where the other shards meet it."""
+    count = len(s.scalars(select(JobAllocation.id).where(JobAllocation.job_id == att.job_id)).all())
+    share = _share_row(s, att.job_id, 0)
+    if count < 2 or share is None:
+        raise RuntimeError(f"job {att.job_id} has no gang allocation to run")
+    endpoint = f"{settings.node_address or node_name(settings)}:{port}"
+    rdzv = Rendezvous(0, count, endpoint, run_id(att.job_id, att.attempt), settings.rendezvous_timeout_s)
+    att.num_procs, att.devices, att.rendezvous = share.slots, share.devices, rdzv
+    data = {"attempt": att.attempt, "endpoint": endpoint, "run_id": rdzv.run_id, "nnodes": count}
+    record_event(s, att.job_id, RENDEZVOUS_EVENT, f"attempt {att.attempt}: shards meet at {endpoint}", data)
+
+
+def _events(s: Session, job_id: str, kind: str, attempt: int) -> list[dict[str, Any]]:
+    rows = s.scalars(select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == kind))
+    return [d for d in rows if isinstance(d, dict) and d.get("attempt") == attempt]
+
+
+def shard_records(s: Session, job_id: str, attempt: int) -> list[dict[str, Any]]:
+    """The failure records every shard of the attempt reported (their ranks' failure.rank{R}.json)."""
+    return [r for d in _events(s, job_id, SHARD_FAILED_EVENT, attempt) for r in d.get("records") or ()]
+
+
+def _await_leader(settings: Settings, job_id: str, share: Share) -> _Attempt | None:
+    """This node's share of the attempt once node rank 0 runs it; None when the attempt is over
+    (or never ran) before it did, or the wait outlasts rendezvous_timeout_s."""
+    deadline = time.monotonic() + settings.rendezvous_timeout_s
+    while time.monotonic() < deadline:
+        with session_scope(settings.resolved_database_url) as s:
+            job = s.get(Job, job_id)
+            if job is None or job.attempt != share.attempt or job.status not in (SCHEDULED, RUNNING):
+                return None
+            published = _events(s, job_id, RENDEZVOUS_EVENT, share.attempt)
+            row = _share_row(s, job_id, share.node_rank)
+            if row is None:
+                return None
+            if job.status == RUNNING and published:
+                out_dir = settings.runs_dir / job_id / f"attempt-{share.attempt}" / f"node-{share.node_rank}"
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / "spec.json").write_text(json.dumps(job.spec, sort_keys=True))
+                (out_dir / "layout.json").write_text(json.dumps(job.layout, sort_keys=True))
+                spec_runtime = (job.spec.get("resources") or {}).get("max_runtime_s") or 86400
+                rdzv = Rendezvous(
+                    share.node_rank,
+                    share.nnodes,
+                    published[-1]["endpoint"],
+                    run_id(job_id, share.attempt),
+                    settings.rendezvous_timeout_s,
+                )
+                return _Attempt(
+                    job_id,
+                    share.attempt,
+                    job.max_retries,
+                    row.slots,
+                    float(spec_runtime),
+                    out_dir,
+                    devices=row.devices,
+                    accelerator=row.accelerator or "cpu",
+                    rendezvous=rdzv,
+                )
+        time.sleep(WAIT_POLL_S)
+    log.warning("job %s: node rank 0 never started attempt %d; giving up", job_id, share.attempt)
+    return None
+
+
+class _FollowerRunner(_Runner):
+    """A non-zero node rank's reporting: its logs (prefixed with its node), the metrics and events
+    of its ranks, and no ownership of the job: it stops when the attempt is no longer running."""
+
+    def __init__(self, settings: Settings, att: _Attempt):
+        super().__init__(settings, att)
+        self.node = node_name(settings)
+
+    def tick(self, heartbeat: bool) -> str | None:
+        self.pending_lines = [f"[{self.node}] {line}" for line in self.pending_lines]
+        verdict = super().tick(heartbeat)
+        # Lines kept for a retry are prefixed already: strip what this tick added.
+        prefix = f"[{self.node}] "
+        self.pending_lines = [line.removeprefix(prefix) for line in self.pending_lines]
+        return verdict
+
+    def check(self, session: Session, heartbeat: bool) -> str | None:
+        row = session.execute(select(Job.status, Job.attempt).where(Job.id == self.att.job_id)).first()
+        if row is None or row.status != RUNNING or row.attempt != self.att.attempt:
+            return "lost"
+        return None
+
+    def finish(self, outcome: str, rc: int) -> None:
+        """Node rank 0 owns the outcome; a failed engine here reports its records and ends the
+        attempt (guarded: if node rank 0 already did, nothing changes)."""
+        if outcome != "exited" or rc == 0:
+            return
+        att = self.att
+        records = read_records(att.out_dir)
+        with session_scope(self.url) as s:
+            job = s.scalars(select(Job).where(Job.id == att.job_id).with_for_update()).first()
+            if job is None or job.status != RUNNING or job.attempt != att.attempt:
+                return
+            rank = att.rendezvous.node_rank if att.rendezvous else None
+            data = {"attempt": att.attempt, "node": self.node, "node_rank": rank, "rc": rc}
+            data["records"] = records
+            record_event(s, att.job_id, SHARD_FAILED_EVENT, f"shard on {self.node} exited {rc}", data)
+            s.flush()
+            # It reads every shard's reported records, this one's included.
+            end_failed_attempt(s, att, rc)
+
+
+def run_follower(job_id: str, share: Share, settings: Settings) -> int:
+    """Run node `share.node_rank`'s part of a multi-node attempt to its end; the engine's exit code
+    (0 when there was nothing to run)."""
+    att = _await_leader(settings, job_id, share)
+    if att is None:
+        return 0
+    return supervise(settings, att, _FollowerRunner(settings, att))
