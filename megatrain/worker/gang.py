@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ def lead(s: Session, settings: Settings, att: _Attempt, port: int) -> None:
     share = _share_row(s, att.job_id, 0)
     if count < 2 or share is None:
         raise RuntimeError(f"job {att.job_id} has no gang allocation to run")
-    endpoint = f"{settings.node_address or node_name(settings)}:{port}"
+    endpoint = f"{settings.node_address or socket.gethostname()}:{port}"
     rdzv = Rendezvous(0, count, endpoint, run_id(att.job_id, att.attempt), settings.rendezvous_timeout_s)
     att.num_procs, att.devices, att.rendezvous = share.slots, share.devices, rdzv
     data = {"attempt": att.attempt, "endpoint": endpoint, "run_id": rdzv.run_id, "nnodes": count}

@@ -1,0 +1,210 @@
+"""Multi-node jobs: two Celery workers on this machine act as two nodes of one pool, and a tp=2 × dp=2
+job split 2+2 across them trains to the losses of one process (worker.gang, torchrun's c10d)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fixtures.cluster import seed_job
+from sqlalchemy import select
+from worker_helpers import wait_for
+
+from megatrain.db.models import (
+    FAILED,
+    SUCCEEDED,
+    Job,
+    JobAllocation,
+    JobEvent,
+    JobLog,
+    JobMetric,
+    Node,
+    NodePool,
+)
+from megatrain.db.session import session_scope
+from megatrain.plan.layout import resolve_layout
+from megatrain.scheduler.loop import Scheduler
+from megatrain.settings import Settings
+from megatrain.spec import parse_spec
+from megatrain.worker.executors import CeleryExecutor, runner_env
+from megatrain.worker.shard import Rendezvous, engine_command, run_shard
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def test_a_share_of_a_gang_runs_under_torchrun_at_the_rendezvous(tmp_path: Path) -> None:
+    rdzv = Rendezvous(1, 2, "vm:29400", "job.3", 120)
+    cmd = engine_command(2, tmp_path, "file:///ckpt", rdzv)
+    assert "--standalone" not in cmd
+    for arg in ("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=vm:29400"):
+        assert arg in cmd
+    assert "--rdzv-id=job.3" in cmd and "--nproc-per-node=2" in cmd
+    assert "--rdzv-conf=is_host=0,join_timeout=120" in cmd  # only node rank 0 hosts the store
+    # A one-slot share still runs under torchrun: it must meet the others.
+    assert "torch.distributed.run" in engine_command(
+        1, tmp_path, "file:///c", Rendezvous(0, 2, "h:1", "r", 9)
+    )
+
+
+@pytest.fixture
+def pool_settings(settings: Settings, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    pool = f"gang-{uuid.uuid4().hex[:8]}"
+    yield settings.model_copy(
+        update={"executor": "celery", "redis_url": redis_url, "pool_name": pool, "rendezvous_timeout_s": 120}
+    )
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"megatrain.{pool}*"):
+        client.delete(key)
+
+
+@contextlib.contextmanager
+def node_worker(settings: Settings, name: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m megatrain.worker.celery_app` acting as node `name` with 2 CPU slots."""
+    env = runner_env(settings) | {"MEGATRAIN_NODE_NAME": name, "MEGATRAIN_CPU_SLOTS": "2"}
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "megatrain.worker.celery_app"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield worker
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(20)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        log.close()
+
+
+def _spec(corpus: Path, parallelism: object, devices: int) -> dict[str, object]:
+    return {
+        "name": "gang",
+        "model": {
+            "arch": "llama",
+            "num_layers": 1,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "seq_length": 32,
+        },
+        "data": {"tokenizer": {"type": "byte"}, "train": [{"path": corpus.as_uri()}], "split": "90,10,0"},
+        "training": {
+            "train_iters": 6,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "precision": "fp32",
+            "log_interval": 1,
+            "checkpoint_interval": 3,
+            "eval_interval": 0,
+            "warmup_iters": 0,
+        },
+        "parallelism": parallelism,
+        "resources": {"devices": devices, "max_runtime_s": 300},
+    }
+
+
+def _job(url: str, spec: dict[str, object], procs: int, pool: str) -> str:
+    layout = resolve_layout(parse_spec(spec)).as_dict()
+    return seed_job(url, procs, name="gang", spec=spec, layout=layout, max_retries=1, pool=pool)
+
+
+def _losses(url: str, job_id: str) -> dict[int, float]:
+    with session_scope(url) as s:
+        rows = s.execute(
+            select(JobMetric.step, JobMetric.loss).where(
+                JobMetric.job_id == job_id, JobMetric.kind == "train"
+            )
+        ).all()
+    return {r.step: r.loss for r in rows}
+
+
+def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
+    pool_settings: Settings, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    settings = pool_settings
+    url = settings.resolved_database_url
+    corpus = tmp_path / "corpus.jsonl"
+    text = "def add(a, b):\n    return a + b\n" * 40
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
+
+    with (
+        node_worker(settings, "node-a", tmp_path / "a.log"),
+        node_worker(settings, "node-b", tmp_path / "b.log"),
+    ):
+
+        def both_registered() -> bool:
+            with session_scope(url) as s:
+                names = s.scalars(
+                    select(Node.hostname).join(NodePool).where(NodePool.name == settings.pool_name)
+                )
+                return sorted(names) == ["node-a", "node-b"]
+
+        wait_for(both_registered, 60)
+        job_id = _job(url, _spec(corpus, {"tp": 2, "dp": 2}, 4), 4, settings.pool_name)
+        scheduler = Scheduler(settings, executor=CeleryExecutor(settings))
+        assert scheduler.schedule_once() == [job_id]
+        with session_scope(url) as s:
+            shares = s.execute(
+                select(Node.hostname, JobAllocation.node_rank, JobAllocation.slots)
+                .join(Node, Node.id == JobAllocation.node_id)
+                .where(JobAllocation.job_id == job_id)
+            ).all()
+            assert sorted(r.slots for r in shares) == [2, 2]  # whole tp groups on each node
+
+        def ended() -> bool:
+            with session_scope(url) as s:
+                return s.scalar(select(Job.status).where(Job.id == job_id)) in (SUCCEEDED, FAILED)
+
+        wait_for(ended, 240)
+
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+        kinds = s.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
+        assert job.status == SUCCEEDED, job.status_reason + "\n" + "\n".join(lines[-60:])
+        assert job.attempt == 1 and "rendezvous" in kinds
+        # The follower's lines reach the job's log, named by their node.
+        follower = next(r.hostname for r in shares if r.node_rank == 1)
+        assert any(line.startswith(f"[{follower}] ") for line in lines)
+        allocations = s.scalars(select(JobAllocation.id).where(JobAllocation.job_id == job_id)).all()
+        assert allocations == []  # the gang's slots were given back on both nodes
+        assert s.scalars(
+            select(Node.slots_used).join(NodePool).where(NodePool.name == settings.pool_name)
+        ).all() == [
+            0,
+            0,
+        ]
+    gang = _losses(url, job_id)
+
+    # The same spec, seed and data in one process.
+    ref_id = make_job(schedule=False, procs=1)
+    with session_scope(url) as s:
+        ref = s.get(Job, ref_id)
+        ref.spec = _spec(corpus, {"tp": 1, "dp": 1}, 1)
+        ref.layout = resolve_layout(parse_spec(ref.spec)).as_dict()
+    from megatrain.db.jobs import reserve_and_schedule
+
+    with session_scope(url) as s:
+        node = s.scalar(select(Node.id).where(Node.hostname == "testnode"))
+        assert reserve_and_schedule(s, ref_id, node)
+    assert run_shard(ref_id, settings.model_copy(update={"executor": "local"})) == 0
+    single = _losses(url, ref_id)
+    assert sorted(gang) == sorted(single) == [1, 2, 3, 4, 5, 6]
+    for step, loss in single.items():
+        assert gang[step] == pytest.approx(loss, rel=1e-4), step
