@@ -48,3 +48,34 @@ def test_what_fits_is_accepted_and_unknown_device_memory_refuses_nothing(api: Ap
     _node_memory(api, None)  # registered before nodes reported their memory
     huge = api.spec("huge", model={**api.spec()["model"], **HUGE})
     assert api.client.post("/v1/jobs", json=huge, headers=api.headers).status_code == 201
+
+
+def test_a_job_larger_than_one_node_is_accepted_only_where_the_executor_runs_gangs(api: Api) -> None:
+    # Two 4-slot nodes: a tp=2 × dp=4 job (8 processes) fits the pool, never one node.
+    import pytest
+    from fixtures.cluster import seed_node
+    from sqlalchemy import select
+
+    from megatrain.api.jobs.validation import validate_submission
+    from megatrain.db.models import Tenant
+    from megatrain.spec_errors import SpecError
+
+    seed_node(api.db_url, 4, "default", "second-node")
+    spec = api.spec("wide", parallelism={"tp": 2, "dp": 4}, resources={"devices": 8})
+    with session_scope(api.db_url) as s:
+        tenant = s.scalar(select(Tenant).where(Tenant.name == "acme"))
+        with pytest.raises(SpecError) as refused:
+            validate_submission(s, api.settings.model_copy(update={"executor": "local"}), tenant, spec)
+        assert "the largest node in pool 'default' offers 4" in str(refused.value)
+        celery = api.settings.model_copy(update={"executor": "celery"})
+        _, layout = validate_submission(s, celery, tenant, spec)
+        assert (layout.tp, layout.dp, layout.world_size) == (2, 4, 8)
+        with pytest.raises(SpecError) as too_big:  # the whole pool still bounds it
+            wider = api.spec(
+                "wider",
+                parallelism={"tp": 2, "dp": 8},
+                resources={"devices": 16},
+                training={"global_batch_size": 16},
+            )
+            validate_submission(s, celery, tenant, wider)
+        assert "offers 8 over all its nodes" in str(too_big.value)

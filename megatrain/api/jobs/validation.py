@@ -88,11 +88,16 @@ def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> tuple[li
 
 
 def _fit(
-    spec: JobSpec, layout: Layout, nodes: list[Any], accelerator: str | None, findings: Findings
+    spec: JobSpec,
+    layout: Layout,
+    nodes: list[Any],
+    accelerator: str | None,
+    findings: Findings,
+    multi_node: bool = False,
 ) -> None:
     pool = spec.resources.pool
     slots = [n.slots_total for n in nodes]
-    problem = fit_problem(layout, slots, pool)
+    problem = fit_problem(layout, slots, pool, multi_node=multi_node)
     if problem:
         findings.add([_problem("resources.pool" if not slots else "resources.devices", problem)])
     if findings.has_error(*MEMORY_INPUTS):
@@ -186,7 +191,8 @@ def validate_submission(
     layout = _layout(spec, findings)
     pool = _pool_nodes(session, spec, findings)
     if layout is not None and pool is not None:
-        _fit(spec, layout, *pool, findings)
+        # The Celery executor runs a job across several nodes (worker.gang); the local one cannot.
+        _fit(spec, layout, *pool, findings, multi_node=settings.executor == "celery")
     _datasets(session, spec, tenant, findings)
     _data(spec, settings, tenant, findings)
     if not findings.depends_on_unknown("model.init_from"):
