@@ -16,8 +16,9 @@ import threading
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Select, select, update
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from megatrain.db.jobs import reserve_and_schedule, reserve_gang, retry_allowed, transition
 from megatrain.db.models import (
@@ -27,6 +28,7 @@ from megatrain.db.models import (
     QUEUED,
     SCHEDULED,
     Job,
+    JobAllocation,
     Node,
     utcnow,
 )
@@ -45,6 +47,24 @@ log = logging.getLogger(__name__)
 MAX_PASSES = 8
 """Fresh snapshots one tick may take after lost reservation races before it leaves the rest to the
 next tick (several schedulers competing for the same slots)."""
+
+
+def _gang_victims() -> Select[Any]:
+    """(job id, node id, hostname) of every active multi-node job's share on a lost node."""
+    return (
+        select(Job.id, Node.id.label("node_id"), Node.hostname)
+        .join(JobAllocation, JobAllocation.job_id == Job.id)
+        .join(Node, Node.id == JobAllocation.node_id)
+        .where(Job.status.in_(ACTIVE_STATES), Node.status == "lost")
+    )
+
+
+def _holds(s: Session, job: Job, node_id: str) -> bool:
+    """Whether the job's current attempt still holds `node_id` (its node, or a gang's share)."""
+    if job.node_id == node_id:
+        return True
+    share = select(JobAllocation.id).where(JobAllocation.job_id == job.id, JobAllocation.node_id == node_id)
+    return s.scalar(share) is not None
 
 
 class Scheduler:
@@ -205,18 +225,21 @@ class Scheduler:
     def fail_over_lost_nodes(self) -> list[str]:
         """End the attempts of the scheduled and running jobs of every lost node: requeued (while
         retries remain; they avoid that node next time) or failed, the node named in the reason
-        and recorded in the event. Guarded per job, so two schedulers move each job once."""
+        and recorded in the event. A multi-node job's attempt ends when any of its nodes is lost
+        (its shards on the others stop when they see it). Guarded per job, so two schedulers move
+        each job once."""
         changed: list[str] = []
         with session_scope(self.url) as s:
             victims = s.execute(
                 select(Job.id, Node.id.label("node_id"), Node.hostname)
                 .join(Node, Node.id == Job.node_id)
                 .where(Job.status.in_(ACTIVE_STATES), Node.status == "lost")
+                .union(_gang_victims())
             ).all()
         for v in victims:
             with session_scope(self.url) as s:
                 job = s.scalars(select(Job).where(Job.id == v.id).with_for_update()).first()
-                if job is None or job.status not in ACTIVE_STATES or job.node_id != v.node_id:
+                if job is None or job.status not in ACTIVE_STATES or not _holds(s, job, v.node_id):
                     continue
                 lost = f"node {v.hostname} lost (no heartbeat for over {self.settings.node_lost_after_s:g}s)"
                 avoid = sorted({*(job.avoid_nodes or ()), v.node_id})
