@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,10 @@ from worker_helpers import wait_for
 
 from megatrain.db.models import (
     FAILED,
+    QUEUED,
+    SCHEDULED,
     SUCCEEDED,
+    Checkpoint,
     Job,
     JobAllocation,
     JobEvent,
@@ -118,9 +122,9 @@ def _spec(corpus: Path, parallelism: object, devices: int) -> dict[str, object]:
     }
 
 
-def _job(url: str, spec: dict[str, object], procs: int, pool: str) -> str:
+def _job(url: str, spec: dict[str, object], procs: int, pool: str, max_retries: int = 1) -> str:
     layout = resolve_layout(parse_spec(spec)).as_dict()
-    return seed_job(url, procs, name="gang", spec=spec, layout=layout, max_retries=1, pool=pool)
+    return seed_job(url, procs, name="gang", spec=spec, layout=layout, max_retries=max_retries, pool=pool)
 
 
 def _losses(url: str, job_id: str) -> dict[int, float]:
@@ -206,5 +210,94 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
     assert run_shard(ref_id, settings.model_copy(update={"executor": "local"})) == 0
     single = _losses(url, ref_id)
     assert sorted(gang) == sorted(single) == [1, 2, 3, 4, 5, 6]
+    for step, loss in single.items():
+        assert gang[step] == pytest.approx(loss, rel=1e-4), step
+
+
+def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_rest(
+    pool_settings: Settings, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    # Three 2-slot nodes; the 4-process job takes two of them. Killing the worker of its second node
+    # (kill -9: its ranks die with it) fails the attempt; the job is requeued and resumes from its
+    # checkpoint on the two nodes left, and its loss curve is the one process's, each step once.
+    pytest.importorskip("torch")
+    settings = pool_settings.model_copy(update={"node_lost_after_s": 3.0, "scheduler_interval_s": 0.3})
+    url = settings.resolved_database_url
+    if url.startswith("sqlite"):
+        pytest.skip("one database is enough for this long run: PostgreSQL, as in production")
+    corpus = tmp_path / "corpus.jsonl"
+    text = "def add(a, b):\n    return a + b\n" * 40
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
+    spec = _spec(corpus, {"tp": 2, "dp": 2}, 4)
+    spec["training"] |= {"train_iters": 40, "checkpoint_interval": 4}  # type: ignore[operator]
+    pool_nodes = select(Node.hostname).join(NodePool).where(NodePool.name == settings.pool_name)
+    names = ["node-a", "node-b", "node-c"]
+    stop = threading.Event()
+    with contextlib.ExitStack() as stack:
+        workers = {n: stack.enter_context(node_worker(settings, n, tmp_path / f"{n}.log")) for n in names}
+
+        def registered() -> bool:
+            with session_scope(url) as s:
+                return sorted(s.scalars(pool_nodes)) == names
+
+        wait_for(registered, 60)
+        # The retry right after the kill may land on the dead node before it is known lost (its
+        # last heartbeat is recent): that attempt ends when it is, and the next avoids it.
+        job_id = _job(url, spec, 4, settings.pool_name, max_retries=3)
+        scheduler = Scheduler(settings, executor=CeleryExecutor(settings))
+        loop = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
+        loop.start()
+        stack.callback(loop.join, 30)
+        stack.callback(stop.set)
+
+        def checkpointed() -> str | None:
+            with session_scope(url) as s:
+                saved = s.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id).limit(1))
+                rank1 = s.scalar(
+                    select(Node.hostname)
+                    .join(JobAllocation, JobAllocation.node_id == Node.id)
+                    .where(JobAllocation.job_id == job_id, JobAllocation.node_rank == 1)
+                )
+            return rank1 if saved is not None else None
+
+        victim = wait_for(checkpointed, 120, interval=0.02)
+        workers[victim].kill()
+        workers[victim].wait()
+
+        def ended() -> bool:
+            with session_scope(url) as s:
+                return s.scalar(select(Job.status).where(Job.id == job_id)) in (SUCCEEDED, FAILED)
+
+        wait_for(ended, 300)
+
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+        assert job.status == SUCCEEDED, job.status_reason + "\n" + "\n".join(lines[-80:])
+        assert job.attempt in (2, 3)
+        events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+        assert len([e for e in events if e.to_status == QUEUED]) == job.attempt - 1
+        resumed = [e.data for e in events if e.kind == "resumed"]
+        assert resumed and resumed[-1]["attempt"] == job.attempt  # from its checkpoint, not step 0
+        last = [e.data for e in events if e.to_status == SCHEDULED][-1]
+        lost = s.scalars(
+            select(Node.id).join(NodePool).where(NodePool.name == settings.pool_name, Node.status == "lost")
+        ).all()
+        assert len(lost) == 1 and lost[0] not in {n["node_id"] for n in last["nodes"]}  # the rest ran it
+    gang = _losses(url, job_id)
+
+    ref_id = make_job(schedule=False, procs=1)
+    with session_scope(url) as s:
+        ref = s.get(Job, ref_id)
+        ref.spec = {**spec, "parallelism": {"tp": 1, "dp": 1}, "resources": {"devices": 1}}
+        ref.layout = resolve_layout(parse_spec(ref.spec)).as_dict()
+    from megatrain.db.jobs import reserve_and_schedule
+
+    with session_scope(url) as s:
+        node = s.scalar(select(Node.id).where(Node.hostname == "testnode"))
+        assert reserve_and_schedule(s, ref_id, node)
+    assert run_shard(ref_id, settings.model_copy(update={"executor": "local"})) == 0
+    single = _losses(url, ref_id)
+    assert sorted(gang) == sorted(single) == list(range(1, 41))  # no step lost, none twice
     for step, loss in single.items():
         assert gang[step] == pytest.approx(loss, rel=1e-4), step
