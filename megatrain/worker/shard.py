@@ -94,8 +94,8 @@ class Rendezvous:
         # rank 0 is torchrun's choice: every shard reports the metrics and events of its ranks.
         conf = f"is_host={int(self.node_rank == 0)},join_timeout={int(self.timeout_s)}"
         return [
+            # No --node-rank: c10d ignores it (with a warning) and orders the nodes itself.
             f"--nnodes={self.nnodes}",
-            f"--node-rank={self.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",

@@ -47,7 +47,7 @@ def test_a_share_of_a_gang_runs_under_torchrun_at_the_rendezvous(tmp_path: Path)
     rdzv = Rendezvous(1, 2, "vm:29400", "job.3", 120)
     cmd = engine_command(2, tmp_path, "file:///ckpt", rdzv)
     assert "--standalone" not in cmd
-    for arg in ("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=vm:29400"):
+    for arg in ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=vm:29400", "--max-restarts=0"):
         assert arg in cmd
     assert "--rdzv-id=job.3" in cmd and "--nproc-per-node=2" in cmd
     assert "--rdzv-conf=is_host=0,join_timeout=120" in cmd  # only node rank 0 hosts the store
