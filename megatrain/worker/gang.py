@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_EVENT = "rendezvous"
 SHARD_FAILED_EVENT = "shard_failed"
 WAIT_POLL_S = 0.5
+SHARD_REPORT_WAIT_S = 10.0
+"""How long node rank 0, its engine failed, waits for the other shards to report theirs: a shard
+whose engine failed too reports within a second (the collectives break), one that stays silent
+went with its worker."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,29 @@ def _events(s: Session, job_id: str, kind: str, attempt: int) -> list[dict[str, 
 def shard_records(s: Session, job_id: str, attempt: int) -> list[dict[str, Any]]:
     """The failure records every shard of the attempt reported (their ranks' failure.rank{R}.json)."""
     return [r for d in _events(s, job_id, SHARD_FAILED_EVENT, attempt) for r in d.get("records") or ()]
+
+
+def silent_shares(
+    settings: Settings, att: _Attempt, wait_s: float = SHARD_REPORT_WAIT_S
+) -> list[tuple[str, str]]:
+    """(node id, hostname) of the other shards of node rank 0's failed attempt that have not
+    reported their end within wait_s; none once the attempt has ended otherwise (a shard ended it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with session_scope(settings.resolved_database_url) as s:
+            job = s.execute(select(Job.status, Job.attempt).where(Job.id == att.job_id)).first()
+            if job is None or job.status != RUNNING or job.attempt != att.attempt:
+                return []
+            reported = {d.get("node_rank") for d in _events(s, att.job_id, SHARD_FAILED_EVENT, att.attempt)}
+            rows = s.execute(
+                select(JobAllocation.node_rank, Node.id, Node.hostname)
+                .join(Node, Node.id == JobAllocation.node_id)
+                .where(JobAllocation.job_id == att.job_id, JobAllocation.node_rank > 0)
+            ).all()
+        silent = [(r.id, r.hostname) for r in rows if r.node_rank not in reported]
+        if not silent or time.monotonic() >= deadline:
+            return silent
+        time.sleep(WAIT_POLL_S)
 
 
 def _await_leader(settings: Settings, job_id: str, share: Share) -> _Attempt | None:

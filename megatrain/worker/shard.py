@@ -300,6 +300,11 @@ class _Runner:
         is one line (its traceback is in the job's log); its ranks' records decide whether it is
         retried: an error of the job's own inputs would only repeat, so it fails the job at once."""
         job_id, att = self.att.job_id, self.att
+        silent: list[tuple[str, str]] = []
+        if outcome == "exited" and rc != 0 and att.rendezvous is not None:
+            from megatrain.worker.gang import silent_shares
+
+            silent = silent_shares(self.settings, att)
         with session_scope(self.url) as s:
             if outcome == "lost":
                 log.warning("job %s: no longer owned by this runner; engine stopped", job_id)
@@ -312,14 +317,18 @@ class _Runner:
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
             else:
-                ok = end_failed_attempt(s, att, rc)
+                ok = end_failed_attempt(s, att, rc, silent)
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
 
 
-def end_failed_attempt(s: Session, att: _Attempt, rc: int) -> bool:
+def end_failed_attempt(
+    s: Session, att: _Attempt, rc: int, silent: list[tuple[str, str]] | None = None
+) -> bool:
     """running → queued (retried) or failed, explained by the attempt's failure records: this
-    node's, and for a gang every shard's that reported its own (worker.gang.shard_records)."""
+    node's, and for a gang every shard's that reported its own (worker.gang.shard_records).
+    `silent` (node id, hostname): a gang's nodes whose shard never reported its end (gone with
+    its worker): named in the reason and avoided by the retry."""
     records = read_records(att.out_dir)
     if att.rendezvous is not None:
         from megatrain.worker.gang import shard_records
@@ -327,10 +336,17 @@ def end_failed_attempt(s: Session, att: _Attempt, rc: int) -> bool:
         records += shard_records(s, att.job_id, att.attempt)
     record = pick(records)
     retrying = (record is None or record.get("kind") not in NOT_RETRIED) and retry_allowed(att)
-    reason = attempt_reason(record, rc, att.attempt, retrying)[:MAX_REASON_CHARS]
+    reason, suffix = attempt_reason(record, rc, att.attempt, retrying), ""
     data = event_data(record, rc, att.attempt)
-    clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
+    clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
     to, fields = (QUEUED, clear) if retrying else (FAILED, {})
+    if silent:
+        names = ", ".join(name for _, name in silent)
+        suffix = f"; no word from the shard on {names}" + (" (avoided next time)" if retrying else "")
+        avoid = s.scalar(select(Job.avoid_nodes).where(Job.id == att.job_id)) or []
+        fields = fields | {"avoid_nodes": sorted({*avoid, *(node_id for node_id, _ in silent)})}
+        data = data | {"silent_nodes": [name for _, name in silent]}
+    reason = reason[: MAX_REASON_CHARS - len(suffix)] + suffix
     return transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
 
 

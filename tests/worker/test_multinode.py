@@ -221,7 +221,9 @@ def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_res
     # (kill -9: its ranks die with it) fails the attempt; the job is requeued and resumes from its
     # checkpoint on the two nodes left, and its loss curve is the one process's, each step once.
     pytest.importorskip("torch")
-    settings = pool_settings.model_copy(update={"node_lost_after_s": 3.0, "scheduler_interval_s": 0.3})
+    # Nodes are marked lost after 30 s (the default): the shard on node rank 0 notices sooner that
+    # its peer's shard went silent, and the retry avoids that node.
+    settings = pool_settings.model_copy(update={"node_lost_after_s": 30.0, "scheduler_interval_s": 0.3})
     url = settings.resolved_database_url
     if url.startswith("sqlite"):
         pytest.skip("one database is enough for this long run: PostgreSQL, as in production")
@@ -241,9 +243,7 @@ def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_res
                 return sorted(s.scalars(pool_nodes)) == names
 
         wait_for(registered, 60)
-        # The retry right after the kill may land on the dead node before it is known lost (its
-        # last heartbeat is recent): that attempt ends when it is, and the next avoids it.
-        job_id = _job(url, spec, 4, settings.pool_name, max_retries=3)
+        job_id = _job(url, spec, 4, settings.pool_name, max_retries=2)
         scheduler = Scheduler(settings, executor=CeleryExecutor(settings))
         loop = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
         loop.start()
@@ -274,16 +274,17 @@ def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_res
         job = s.get(Job, job_id)
         lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
         assert job.status == SUCCEEDED, job.status_reason + "\n" + "\n".join(lines[-80:])
-        assert job.attempt in (2, 3)
+        assert job.attempt == 2
         events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
-        assert len([e for e in events if e.to_status == QUEUED]) == job.attempt - 1
+        (requeued,) = [e for e in events if e.to_status == QUEUED]
+        assert f"no word from the shard on {victim} (avoided next time)" in requeued.reason
         resumed = [e.data for e in events if e.kind == "resumed"]
-        assert resumed and resumed[-1]["attempt"] == job.attempt  # from its checkpoint, not step 0
+        assert resumed and resumed[-1]["attempt"] == 2  # from its checkpoint, not step 0
         last = [e.data for e in events if e.to_status == SCHEDULED][-1]
-        lost = s.scalars(
-            select(Node.id).join(NodePool).where(NodePool.name == settings.pool_name, Node.status == "lost")
-        ).all()
-        assert len(lost) == 1 and lost[0] not in {n["node_id"] for n in last["nodes"]}  # the rest ran it
+        dead = s.scalar(
+            select(Node.id).join(NodePool).where(NodePool.name == settings.pool_name, Node.hostname == victim)
+        )
+        assert dead not in {n["node_id"] for n in last["nodes"]}  # the two nodes left ran it
     gang = _losses(url, job_id)
 
     ref_id = make_job(schedule=False, procs=1)
