@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 RENDEZVOUS_EVENT = "rendezvous"
 SHARD_FAILED_EVENT = "shard_failed"
+SHARD_JOINED_EVENT = "shard_joined"
 WAIT_POLL_S = 0.5
 SHARD_REPORT_WAIT_S = 10.0
 """How long node rank 0, its engine failed, waits for the other shards to report theirs: a shard
@@ -123,9 +124,17 @@ def _await_leader(settings: Settings, job_id: str, share: Share) -> _Attempt | N
                 return None
             published = _events(s, job_id, RENDEZVOUS_EVENT, share.attempt)
             row = _share_row(s, job_id, share.node_rank)
-            if row is None:
+            joined = _events(s, job_id, SHARD_JOINED_EVENT, share.attempt)
+            if row is None or any(d.get("node_rank") == share.node_rank for d in joined):
+                # A redelivery (its worker died mid-attempt): joining a rendezvous that is complete
+                # would restart the others' ranks; the attempt ends without it.
                 return None
             if job.status == RUNNING and published:
+                data = {"attempt": share.attempt, "node_rank": share.node_rank, "node": node_name(settings)}
+                text = (
+                    f"node {node_name(settings)} joins attempt {share.attempt} as node rank {share.node_rank}"
+                )
+                record_event(s, job_id, SHARD_JOINED_EVENT, text, data)
                 out_dir = settings.runs_dir / job_id / f"attempt-{share.attempt}" / f"node-{share.node_rank}"
                 out_dir.mkdir(parents=True, exist_ok=True)
                 (out_dir / "spec.json").write_text(json.dumps(job.spec, sort_keys=True))
