@@ -111,7 +111,7 @@ class Plan:
                     {"layout": c.as_dict(), "predicted": predicted_dict(t, m, brief=True)}
                     for c, t, m in self.runners_up
                 ],
-                "rejected": [r.as_dict() for r in self.rejected[:MAX_REJECTED_SHOWN]],
+                "rejected": [r.as_dict() for r in _most_telling(self.rejected)],
                 "rejected_counts": self.rejected_counts,
             },
             "devices": self.devices,
@@ -119,6 +119,15 @@ class Plan:
             "precision": self.precision,
             "explicit_layout": self.explicit,
         }
+
+
+REJECTION_ORDER = ("memory", "model_state", "divisibility", "tp_exceeds_node")
+
+
+def _most_telling(rejected: list[Rejection]) -> list[Rejection]:
+    """The rejections to show: the nearest misses (memory) first, capped."""
+    rank = {code: i for i, code in enumerate(REJECTION_ORDER)}
+    return sorted(rejected, key=lambda r: rank.get(r.code, len(rank)))[:MAX_REJECTED_SHOWN]
 
 
 def predicted_dict(time: StepTime, memory: MemoryEstimate, brief: bool = False) -> dict[str, Any]:
@@ -236,7 +245,7 @@ class _Search:
                 ffn_hidden_size=m.ffn_hidden_size,
                 vocab_size=m.vocab_size,
                 model="model.",
-                par="tp ",
+                par="",
             )
             if problems:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
@@ -247,9 +256,12 @@ class _Search:
                     self.reject("divisibility", problems[0]["message"])
                     continue
                 dp = self.devices // (tp * pp)
-                problems = batch_problems(Layout(dp=dp), self.spec.training.global_batch_size, 1)
-                if problems:
-                    self.reject("divisibility", problems[0]["message"].replace("micro_batch_size×", ""))
+                gbs = self.spec.training.global_batch_size
+                if batch_problems(Layout(dp=dp), gbs, 1):
+                    self.reject(
+                        "divisibility",
+                        f"training.global_batch_size={gbs} is not divisible by dp={dp} (tp={tp}, pp={pp})",
+                    )
                     continue
                 out.append((tp, pp, dp))
         return out
@@ -345,7 +357,7 @@ class _Search:
                 f"{self.budget / GiB:,.2f} GiB budget: use more devices or a pool with more memory"
             )
         else:
-            rules = sorted({r.message for r in self.rejected})[:5]
+            rules = list(dict.fromkeys(r.message for r in _most_telling(self.rejected)))[:5]
             message = f"no layout of {self.devices} devices passes the layout rules: " + "; ".join(rules)
         field_name = "resources.devices" if best_miss is None and not floors else "model"
         return PlanError(
