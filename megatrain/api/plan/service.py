@@ -136,4 +136,7 @@ def plan_request(session: Session, settings: Settings, body: Any) -> dict[str, A
                 f"pool {name!r} is not a known pool with nodes (known: {', '.join(known) or 'none'}); "
                 "or give `pool`, a pool description",
             )
-    return plan(spec, pool, devices).as_dict()
+    try:
+        return plan(spec, pool, devices).as_dict()
+    except SpecError as exc:  # (a PlanError) its fields are the spec's, as the body nests them
+        raise _prefixed(exc, "spec") from None
