@@ -26,7 +26,7 @@ from megatrain.plan.cost import StepSettings, StepTime, predict_step
 from megatrain.plan.layout import Layout, batch_problems, model_problems, resolve_layout
 from megatrain.plan.memory import GiB, MemoryEstimate, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
-from megatrain.plan.shapes import ModelShape, shape_of_spec, stage_params
+from megatrain.plan.shapes import ModelShape, layer_params, shape_of_spec, stage_params
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
 HEADROOM = 0.9
@@ -71,6 +71,7 @@ class Choice:
             "sequence_parallel": lay.sequence_parallel,
             "distributed_optimizer": self.distributed_optimizer,
             "pipeline_schedule": lay.pipeline_schedule,
+            "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
         }
 
 
@@ -154,6 +155,21 @@ def predicted_dict(time: StepTime, memory: MemoryEstimate, brief: bool = False) 
     return out
 
 
+def balanced_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...] | None:
+    """Layers per model chunk (chunk c on stage c % pp) when pp·v does not divide num_layers, else
+    None (the even split). The extra layers go to the middle stages first: the first stage also runs
+    the embedding and the last the LM head and the loss (as Llama 3 405B's 126 layers over pp=16)."""
+    chunks = pp * v
+    base, extra = divmod(num_layers, chunks)
+    if not extra:
+        return None
+    order = sorted(range(chunks), key=lambda c: (c % pp == pp - 1, c % pp == 0, c))
+    counts = [base] * chunks
+    for c in order[:extra]:
+        counts[c] += 1
+    return tuple(counts)
+
+
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
@@ -221,8 +237,12 @@ class _Search:
     # -- enumeration ---------------------------------------------------------------------------
 
     def model_state_floor(self, tp: int, pp: int, dp: int, dist_opt: bool) -> int:
-        """Bytes of params + grads + optimizer on the worst stage: a lower bound of any estimate."""
-        n = max(sum(stage_params(self.model, tp, pp, st).values()) for st in {0, pp - 1})
+        """Bytes of params + grads + optimizer on the worst stage: a lower bound of any estimate
+        (whatever the split, some stage holds at least ceil(layers / pp) layers)."""
+        if pp == 1:
+            n = sum(stage_params(self.model, tp, 1, 0).values())
+        else:
+            n = -(-self.model.num_layers // pp) * layer_params(self.model, tp)
         shard = dp if dist_opt else 1
         static = (4.0 + 4.0 + 8.0 / shard) if self.precision == "fp32" else (2.0 + 4.0 + 12.0 / shard)
         return int(n * static)
@@ -251,9 +271,8 @@ class _Search:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
                 continue
             for pp in divisors(self.devices // tp):
-                problems = model_problems(Layout(pp=pp), num_layers=m.num_layers, model="model.", par="")
-                if problems:
-                    self.reject("divisibility", problems[0]["message"])
+                if pp > m.num_layers:  # (uneven splits are planned: see balanced_layers)
+                    self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}")
                     continue
                 dp = self.devices // (tp * pp)
                 gbs = self.spec.training.global_batch_size
@@ -282,14 +301,17 @@ class _Search:
                 )
                 continue
             sps = (True, False) if tp > 1 and m.seq_length % tp == 0 else (False,)
-            vs = [v for v in divisors(m.num_layers // pp) if v <= MAX_VIRTUAL_STAGES] if pp > 1 else [1]
+            vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
             for mbs in divisors(per_rank):
                 n_micro = per_rank // mbs
                 for v in vs:
                     if v > 1 and n_micro % pp:
                         continue  # interleaving needs micro-batches in groups of pp (batch_problems)
+                    split = balanced_layers(m.num_layers, pp, v)
                     for sp in sps:
-                        lay = Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp)
+                        lay = Layout(
+                            tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp, pipeline_layers=split
+                        )
                         for rc in RECOMPUTE_ORDER:
                             out.append(Choice(lay, mbs, rc, dist_opt))
         return out
@@ -448,4 +470,13 @@ def _explicit(search: _Search, layout: Layout) -> Plan:
     return Plan(c, t, est, search.devices, pool.name, search.precision, explicit=True)
 
 
-__all__ = ["Choice", "Plan", "PlanError", "Rejection", "divisors", "plan", "predicted_dict"]
+__all__ = [
+    "Choice",
+    "Plan",
+    "PlanError",
+    "Rejection",
+    "balanced_layers",
+    "divisors",
+    "plan",
+    "predicted_dict",
+]
