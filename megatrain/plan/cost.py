@@ -99,6 +99,17 @@ CPU_CONSTANTS = CostConstants(
 )
 
 
+CPU_LINKS: dict[str, float] = {
+    # gloo between processes on one host over loopback (`python benchmarks/planner.py --gloo`); a
+    # second CPU host is assumed behind a 10 Gb/s network.
+    "intra_node_bandwidth_gbps": 1.5,
+    "intra_node_latency_us": 60.0,
+    "inter_node_bandwidth_gbps": 1.0,
+    "inter_node_latency_us": 100.0,
+}
+"""A CPU pool's links: PoolSpec fields."""
+
+
 def constants_for(pool: PoolSpec) -> CostConstants:
     return CPU_CONSTANTS if pool.is_cpu else GPU_CONSTANTS
 
@@ -306,6 +317,7 @@ def predict_step(
 
 __all__ = [
     "CPU_CONSTANTS",
+    "CPU_LINKS",
     "GPU_CONSTANTS",
     "CostConstants",
     "StepSettings",

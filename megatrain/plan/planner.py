@@ -27,7 +27,7 @@ from megatrain.plan.layout import Layout, batch_problems, model_problems, resolv
 from megatrain.plan.memory import GiB, MemoryEstimate, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.shapes import ModelShape, layer_params, shape_of_spec, stage_params
-from megatrain.spec import JobSpec, ParallelismSpec, SpecError
+from megatrain.spec import JobSpec, ParallelismSpec, SpecError, parse_spec
 
 HEADROOM = 0.9
 """Plan to use at most this fraction of a device's memory (the allocator and kernels need the rest)."""
@@ -73,6 +73,26 @@ class Choice:
             "pipeline_schedule": lay.pipeline_schedule,
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
         }
+
+    def apply(self, spec: JobSpec) -> JobSpec:
+        """`spec` with this choice written in: an explicit parallelism, the micro-batch size and
+        recompute chosen, resources.devices the layout's world (what to store once planned)."""
+        raw = spec.model_dump(mode="json")
+        lay = self.layout
+        par = raw["parallelism"] if isinstance(raw["parallelism"], dict) else {}
+        raw["parallelism"] = {
+            **par,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "virtual_stages": lay.virtual_stages,
+            "sequence_parallel": lay.sequence_parallel,
+            "distributed_optimizer": self.distributed_optimizer,
+            "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
+        }
+        raw["training"].update(micro_batch_size=self.micro_batch_size, recompute=self.recompute)
+        raw["resources"]["devices"] = lay.world_size
+        return parse_spec(raw)
 
 
 @dataclass

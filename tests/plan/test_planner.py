@@ -10,7 +10,7 @@ from plan_cases import LLAMA_405B, gpu_pool, spec
 from megatrain.plan.cost import StepSettings, predict_step
 from megatrain.plan.layout import Layout
 from megatrain.plan.memory import from_spec
-from megatrain.plan.planner import HEADROOM, PlanError, plan
+from megatrain.plan.planner import HEADROOM, PlanError, balanced_layers, plan
 from megatrain.plan.shapes import shape_of_spec
 from megatrain.spec import parse_spec
 
@@ -122,6 +122,24 @@ def test_an_explicit_layout_gets_its_own_prediction() -> None:
     # Too big for the device: a 422-style error naming the layout.
     with pytest.raises(PlanError, match="tp=2"):
         plan(s, gpu_pool(memory_gib=0.1))
+
+
+def test_a_planned_spec_written_back_predicts_the_same() -> None:
+    """What the scheduler will store: the chosen layout written into the spec, planned again as an
+    explicit layout, gets the very same prediction (uneven pipeline splits included)."""
+    s = spec({"num_layers": 30}, global_batch_size=64)
+    auto = plan(s, gpu_pool(memory_gib=3.0), 8)
+    applied = auto.choice.apply(s)
+    again = plan(applied, gpu_pool(memory_gib=3.0))
+    assert again.explicit and again.choice == auto.choice
+    assert again.time == auto.time and again.memory.total_bytes == auto.memory.total_bytes
+    assert applied.training.micro_batch_size == auto.choice.micro_batch_size
+
+
+def test_uneven_pipeline_splits_favour_the_middle_stages() -> None:
+    assert balanced_layers(126, 16, 1) == (7, *[8] * 14, 7)
+    assert balanced_layers(32, 4, 2) is None
+    assert sum(balanced_layers(30, 4, 2) or ()) == 30
 
 
 def test_a_small_model_on_a_fast_node_is_pure_data_parallel() -> None:

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
 from megatrain.db.models import Node, NodePool
+from megatrain.plan.cost import CPU_LINKS
 from megatrain.plan.flops import gpu_peak_tflops
 from megatrain.plan.planner import plan
 from megatrain.plan.pool import PoolSpec, parse_pool
@@ -29,10 +30,8 @@ DEFAULT_CPU_PEAK_TFLOPS = 0.05
 """A CPU slot's fp32 matmul peak when this host never measured it (one modern core, roughly)."""
 DEFAULT_GPU_PEAK_TFLOPS = 100.0
 """bf16 peak of a GPU whose name is not in megatrain.plan.flops.GPU_PEAK_TFLOPS."""
-# Links when the operator described none: gloo over loopback on a CPU host (measured, BENCHMARKS.md
-# "Layout planner"), a PCIe-class GPU node and a 100 Gb/s NIC per GPU across nodes.
-CPU_LINKS = {"intra_node_bandwidth_gbps": 1.5, "intra_node_latency_us": 60.0,
-             "inter_node_bandwidth_gbps": 1.0, "inter_node_latency_us": 100.0}  # fmt: skip
+# Links when the operator described none: gloo over loopback on a CPU host (measured, see
+# megatrain.plan.cost.CPU_LINKS), a PCIe-class GPU node and a 100 Gb/s NIC per GPU across nodes.
 GPU_LINKS = {"intra_node_bandwidth_gbps": 100.0, "intra_node_latency_us": 10.0,
              "inter_node_bandwidth_gbps": 12.5, "inter_node_latency_us": 20.0}  # fmt: skip
 

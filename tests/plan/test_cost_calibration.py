@@ -1,0 +1,146 @@
+"""The planner's predictions against the engine on this CPU: for tp, pp and dp in {1, 2} (worlds of
+up to 4 gloo ranks under torchrun), the predicted step time within 25% of the measured median step
+time, and the predicted model state (params + grads + optimizer) within 15% of what rank 0 holds
+(megatrain.engine.memory_stats: on a CPU there is no allocator peak to compare the activations with).
+
+The CPU pool is this host as the engine runs it: its measured matmul peak (megatrain.engine.calibrate)
+for the threads each rank gets, shared when ranks outnumber the cores, and the gloo-on-localhost
+link constants (megatrain.plan.cost.CPU_LINKS, measured by `benchmarks/planner.py --gloo`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatrain.plan.cost import CPU_LINKS
+from megatrain.plan.memory import host_memory_bytes
+from megatrain.plan.planner import plan
+from megatrain.plan.pool import PoolSpec
+from megatrain.spec import parse_spec
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+"""(tp, pp, dp): every mix of 1 and 2 up to 4 ranks (8 ranks on a 2-core host would measure mostly
+the operating system's scheduler)."""
+STEPS, WARMUP = 10, 3
+TIME_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.15
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_pool(world: int) -> PoolSpec:
+    """This host for `world` ranks: each rank's threads as the engine sets them (cores // world,
+    at least 1), its peak for those threads, scaled down when the ranks outnumber the cores."""
+    import torch
+
+    from megatrain.engine.calibrate import cpu_peak_tflops
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, cores() // world))
+    try:
+        peak = cpu_peak_tflops("fp32")
+    finally:
+        torch.set_num_threads(before)
+    assert peak, "no CPU matmul peak"
+    return PoolSpec(
+        name="this-host",
+        accelerator="cpu",
+        device_memory_bytes=host_memory_bytes() // world,
+        peak_tflops={"fp32": peak * min(1.0, cores() / world)},
+        devices_per_node=world,
+        nodes=1,
+        **CPU_LINKS,
+    )
+
+
+def calibration_spec(corpus: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
+    return {
+        "name": "calibration",
+        "model": {"arch": "llama", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+                  "num_query_groups": 2, "seq_length": 128},
+        "data": {"train": [{"path": corpus.as_uri()}], "split": "100,0,0"},
+        "training": {"train_iters": STEPS, "global_batch_size": 16, "micro_batch_size": 2, "lr": 1e-3,
+                     "precision": "fp32", "log_interval": 1, "eval_interval": 0, "checkpoint_interval": 0},
+        "parallelism": {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": tp > 1},
+        "resources": {"devices": tp * pp * dp},
+    }  # fmt: skip
+
+
+def write_corpus(path: Path) -> Path:
+    words = ["def", "return", "import", "class", "self", "while", "for", "if", "else", "yield"]
+    with open(path, "w") as f:
+        for i in range(200):
+            text = "\n".join(
+                " ".join(words[(i * 7 + j * k) % len(words)] for k in range(8)) for j in range(20)
+            )
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
+    """Run the engine under torchrun; the median step time after warm-up and rank 0's model state."""
+    corpus = tmp / "corpus.jsonl"
+    if not corpus.exists():
+        write_corpus(corpus)
+    raw = calibration_spec(corpus, tp, pp, dp)
+    run_dir = tmp / f"tp{tp}pp{pp}dp{dp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(raw))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
+    if os.environ.get("MEGATRAIN_CACHE_DIR"):
+        env["MEGATRAIN_CACHE_DIR"] = os.environ["MEGATRAIN_CACHE_DIR"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
+           "-m", "megatrain.engine.train", "--spec", str(run_dir / "spec.json"),
+           "--out", str(run_dir / "out")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "iter_time_s" in r]
+    assert len(train) == STEPS
+    return {
+        "step_time_s": statistics.median(r["iter_time_s"] for r in train[WARMUP:]),
+        "model_state_bytes": train[-1]["model_state_bytes"],
+        "spec": raw,
+    }
+
+
+def predict(raw: dict[str, Any]) -> dict[str, Any]:
+    world = raw["resources"]["devices"]
+    result = plan(parse_spec(raw), cpu_pool(world)).as_dict()
+    mem = result["predicted"]["memory_breakdown"]
+    return {
+        "step_time_s": result["predicted"]["step_time_s"],
+        "model_state_bytes": mem["params_bytes"] + mem["grads_bytes"] + mem["optimizer_bytes"],
+        "time_breakdown": result["predicted"]["time_breakdown"],
+    }
+
+
+def test_predictions_match_the_engine_on_this_cpu(tmp_path: Path) -> None:
+    rows = []
+    for tp, pp, dp in LAYOUTS:
+        got = measure(tmp_path, tp, pp, dp)
+        want = predict(got["spec"])
+        rows.append((tp, pp, dp, got, want))
+    table = "\n".join(
+        f"tp={tp} pp={pp} dp={dp}: step measured {g['step_time_s'] * 1e3:.0f} ms, predicted "
+        f"{w['step_time_s'] * 1e3:.0f} ms ({w['step_time_s'] / g['step_time_s'] - 1:+.0%}); model state "
+        f"measured {g['model_state_bytes']:,} predicted {w['model_state_bytes']:,}"
+        for tp, pp, dp, g, w in rows
+    )
+    for _, _, _, g, w in rows:
+        assert w["step_time_s"] == pytest.approx(g["step_time_s"], rel=TIME_TOLERANCE), table
+        assert w["model_state_bytes"] == pytest.approx(g["model_state_bytes"], rel=MEMORY_TOLERANCE), table
