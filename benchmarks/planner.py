@@ -10,7 +10,8 @@ with its predicted step time and MFU. The target (issue 16): a 400B-class model 
 planned in under a second.
 
 --gloo times `all_reduce` of 4 KiB to 16 MiB between two gloo processes on this host (one thread
-each) and fits t = 2·latency + bytes / bandwidth, the two-rank ring formula of megatrain.plan.cost:
+each) and fits t = 2·latency + bytes / bandwidth, the two-rank ring formula of megatrain.plan.cost
+(latency from the small messages, bandwidth from the large ones):
 the figures behind megatrain.plan.cost.CPU_LINKS.
 """
 
@@ -143,11 +144,11 @@ def gloo_links() -> dict[str, float]:
         for p in procs:
             p.join(timeout=300)
         times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
-    # Least squares t = a + b·bytes; two-rank ring all-reduce: a = 2·latency, b = 1 / bandwidth.
-    xs, ys = list(times), list(times.values())
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
+    # Two-rank ring all-reduce: t = 2·latency + bytes / bandwidth. The latency from the small
+    # messages (their median), the bandwidth from the slope between the two largest.
+    xs = sorted(times)
+    a = statistics.median(times[x] for x in xs[:3])
+    b = (times[xs[-1]] - times[xs[-2]]) / (xs[-1] - xs[-2])
     print("| bytes | all-reduce (ms) | fit (ms) |")
     print("|---:|---:|---:|")
     for x, y in times.items():

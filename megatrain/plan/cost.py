@@ -86,26 +86,30 @@ GPU_CONSTANTS = CostConstants(
     dp_overlap=1.0,
 )
 CPU_CONSTANTS = CostConstants(
-    # Calibrated on this project's CPU hosts (tests/plan/test_cost_calibration.py, BENCHMARKS.md).
-    max_fraction=1.0,  # the CPU pool's peak is itself the best measured GEMM (engine.calibrate)
-    half_size=48.0,
-    attention_fraction=0.35,
+    # Fitted on this project's 2-core AMD EPYC VM (tests/plan/test_cost_calibration.py, BENCHMARKS.md
+    # "Layout planner"): its fp32 GEMMs reach the measured peak (engine.calibrate, best of square
+    # GEMMs up to 2048 in a 1.5 s budget) already at ~64-wide shapes, and mid-size ones ~10% above
+    # it; what a tiny model pays beyond its FLOPs is per-op dispatch and autograd, ~0.9 ms per
+    # layer and micro-batch (forward + backward) and ~0.5 ms per micro-batch for the rest.
+    max_fraction=1.1,
+    half_size=16.0,
+    attention_fraction=0.2,  # SDPA on a CPU: softmax and the small per-head GEMMs
     memory_bandwidth_gbps=8.0,
     elementwise_bytes=40.0,
-    layer_overhead_s=1.4e-3,
-    microbatch_overhead_s=2.0e-3,
+    layer_overhead_s=0.9e-3,
+    microbatch_overhead_s=0.5e-3,
     step_overhead_s=4.0e-3,
     dp_overlap=0.5,  # gloo's progress thread competes with the rank's own compute threads
 )
-
-
 CPU_LINKS: dict[str, float] = {
-    # gloo between processes on one host over loopback (`python benchmarks/planner.py --gloo`); a
-    # second CPU host is assumed behind a 10 Gb/s network.
-    "intra_node_bandwidth_gbps": 1.5,
-    "intra_node_latency_us": 60.0,
+    # gloo between processes on one host over loopback. A bare all-reduce between two idle
+    # processes measures ~1.6 GB/s and 200-270 us (`python benchmarks/planner.py --gloo`); inside
+    # the engine a collective also waits for its peer to arrive, and the fit against whole steps
+    # gives ~1 ms per collective. A second CPU host is assumed behind a 10 Gb/s network.
+    "intra_node_bandwidth_gbps": 1.6,
+    "intra_node_latency_us": 1000.0,
     "inter_node_bandwidth_gbps": 1.0,
-    "inter_node_latency_us": 100.0,
+    "inter_node_latency_us": 1500.0,
 }
 """A CPU pool's links: PoolSpec fields."""
 

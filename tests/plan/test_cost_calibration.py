@@ -3,15 +3,17 @@ up to 4 gloo ranks under torchrun), the predicted step time within 25% of the me
 time, and the predicted model state (params + grads + optimizer) within 15% of what rank 0 holds
 (megatrain.engine.memory_stats: on a CPU there is no allocator peak to compare the activations with).
 
-The CPU pool is this host as the engine runs it: its measured matmul peak (megatrain.engine.calibrate)
-for the threads each rank gets, shared when ranks outnumber the cores, and the gloo-on-localhost
-link constants (megatrain.plan.cost.CPU_LINKS, measured by `benchmarks/planner.py --gloo`).
+The CPU pool is this host as the engine runs it: its matmul peak (megatrain.engine.calibrate's
+measurement, taken before and after each run since other work on a shared host moves it) for the
+threads each rank gets, shared when ranks outnumber the cores, and the gloo-on-localhost link
+constants (megatrain.plan.cost.CPU_LINKS, measured by `benchmarks/planner.py --gloo`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,34 +38,48 @@ TIME_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.15
 
 
 def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0))
 
 
-def cpu_pool(world: int) -> PoolSpec:
-    """This host for `world` ranks: each rank's threads as the engine sets them (cores // world,
-    at least 1), its peak for those threads, scaled down when the ranks outnumber the cores."""
+def threads_per_rank(world: int) -> int:
+    """One thread per rank: a run of fewer ranks than cores is pinned to as many cores as it has
+    ranks (a 2-thread GEMM on a shared host stalls whenever either core is taken), and the engine
+    gives each rank cores // ranks threads."""
+    return max(1, min(world, cores()) // world)
+
+
+def rank_peak_tflops(world: int) -> float:
+    """What one of `world` ranks' matmuls reach now: the engine's measurement (megatrain.engine.
+    calibrate) with the threads the engine gives each rank (threads_per_rank), uncached:
+    on a shared host the figure moves with the load, so it is taken beside each run."""
     import torch
 
-    from megatrain.engine.calibrate import cpu_peak_tflops
+    from megatrain.engine.calibrate import measure_matmul_tflops
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, cores() // world))
+    torch.set_num_threads(threads_per_rank(world))
     try:
-        peak = cpu_peak_tflops("fp32")
+        return measure_matmul_tflops(torch.float32)
     finally:
         torch.set_num_threads(before)
-    assert peak, "no CPU matmul peak"
+
+
+def cpu_pool(world: int, peak: float) -> PoolSpec:
+    """This host as `world` ranks see it, each computing at `peak` TFLOP/s with its own threads."""
+    # Ranks beyond the cores time-share them: each computes at its share, and a collective waits
+    # for its peers to be scheduled (latency) and shares the copying (bandwidth).
+    crowd = max(1.0, world / cores())
+    links = dict(CPU_LINKS)
+    for key in links:
+        links[key] = links[key] * crowd if key.endswith("latency_us") else links[key] / crowd
     return PoolSpec(
         name="this-host",
         accelerator="cpu",
         device_memory_bytes=host_memory_bytes() // world,
-        peak_tflops={"fp32": peak * min(1.0, cores() / world)},
+        peak_tflops={"fp32": peak / crowd},
         devices_per_node=world,
         nodes=1,
-        **CPU_LINKS,
+        **links,
     )
 
 
@@ -98,7 +114,8 @@ def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
         write_corpus(corpus)
     raw = calibration_spec(corpus, tp, pp, dp)
     run_dir = tmp / f"tp{tp}pp{pp}dp{dp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a checkpoint left there would be resumed
+    run_dir.mkdir(parents=True)
     (run_dir / "spec.json").write_text(json.dumps(raw))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
     if os.environ.get("MEGATRAIN_CACHE_DIR"):
@@ -106,7 +123,17 @@ def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",
            "-m", "megatrain.engine.train", "--spec", str(run_dir / "spec.json"),
            "--out", str(run_dir / "out")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    peak_before = rank_peak_tflops(tp * pp * dp)
+    pinned = set(sorted(os.sched_getaffinity(0))[: tp * pp * dp])
+    proc = subprocess.run(
+        cmd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.sched_setaffinity(0, pinned),
+    )
+    peak_after = rank_peak_tflops(tp * pp * dp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "iter_time_s" in r]
@@ -114,13 +141,14 @@ def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
     return {
         "step_time_s": statistics.median(r["iter_time_s"] for r in train[WARMUP:]),
         "model_state_bytes": train[-1]["model_state_bytes"],
+        "peak_tflops": (peak_before + peak_after) / 2,
         "spec": raw,
     }
 
 
-def predict(raw: dict[str, Any]) -> dict[str, Any]:
+def predict(raw: dict[str, Any], peak: float) -> dict[str, Any]:
     world = raw["resources"]["devices"]
-    result = plan(parse_spec(raw), cpu_pool(world)).as_dict()
+    result = plan(parse_spec(raw), cpu_pool(world, peak)).as_dict()
     mem = result["predicted"]["memory_breakdown"]
     return {
         "step_time_s": result["predicted"]["step_time_s"],
@@ -133,12 +161,13 @@ def test_predictions_match_the_engine_on_this_cpu(tmp_path: Path) -> None:
     rows = []
     for tp, pp, dp in LAYOUTS:
         got = measure(tmp_path, tp, pp, dp)
-        want = predict(got["spec"])
+        want = predict(got["spec"], got["peak_tflops"])
         rows.append((tp, pp, dp, got, want))
     table = "\n".join(
         f"tp={tp} pp={pp} dp={dp}: step measured {g['step_time_s'] * 1e3:.0f} ms, predicted "
         f"{w['step_time_s'] * 1e3:.0f} ms ({w['step_time_s'] / g['step_time_s'] - 1:+.0%}); model state "
-        f"measured {g['model_state_bytes']:,} predicted {w['model_state_bytes']:,}"
+        f"measured {g['model_state_bytes']:,} predicted {w['model_state_bytes']:,}; peak "
+        f"{g['peak_tflops']:.3f} TFLOP/s per rank"
         for tp, pp, dp, g, w in rows
     )
     for _, _, _, g, w in rows:
