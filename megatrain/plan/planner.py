@@ -13,166 +13,36 @@ model and only then, fastest first, given the full memory estimate until enough 
 with the micro-batch size and shrinks with recompute, so one miss rules out the bigger batches of
 its family without estimating them.
 
-Reasons are data (a code and numbers) with a rendered message, per STYLE habit 13.
+What it answers (Choice, Plan, Rejection, the JSON) lives in megatrain.plan.result.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from megatrain.plan.cost import StepSettings, StepTime, predict_step
 from megatrain.plan.layout import Layout, batch_problems, model_problems, resolve_layout
 from megatrain.plan.memory import GiB, MemoryEstimate, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
+from megatrain.plan.result import (
+    MAX_REJECTED_SHOWN,
+    Choice,
+    Plan,
+    PlanError,
+    Rejection,
+    most_telling,
+    predicted_dict,
+)
 from megatrain.plan.shapes import ModelShape, layer_params, shape_of_spec, stage_params
-from megatrain.spec import JobSpec, ParallelismSpec, SpecError, parse_spec
+from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
 HEADROOM = 0.9
 """Plan to use at most this fraction of a device's memory (the allocator and kernels need the rest)."""
 RECOMPUTE_ORDER = ("none", "selective", "full")
 """Least memory last: a candidate that does not fit rules out the ones before it (same batch)."""
 MAX_VIRTUAL_STAGES = 8
-TIME_PARTS = ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
-              "optimizer_s", "overhead_s")  # fmt: skip
 MAX_RUNNERS_UP = 5
-MAX_REJECTED_SHOWN = 20
-
-
-class PlanError(SpecError):
-    """No layout can run: `errors` are field-named problems (a 422), `rejected` the best tries."""
-
-    def __init__(self, errors: list[dict[str, str]], rejected: list[dict[str, Any]] | None = None):
-        super().__init__(errors)
-        self.rejected = rejected or []
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One point of the search: a layout and the settings the layout does not hold."""
-
-    layout: Layout
-    micro_batch_size: int
-    recompute: str
-    distributed_optimizer: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "dp": lay.dp,
-            "cp": lay.cp,
-            "ep": lay.ep,
-            "virtual_stages": lay.virtual_stages,
-            "micro_batch_size": self.micro_batch_size,
-            "recompute": self.recompute,
-            "sequence_parallel": lay.sequence_parallel,
-            "distributed_optimizer": self.distributed_optimizer,
-            "pipeline_schedule": lay.pipeline_schedule,
-            "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
-        }
-
-    def apply(self, spec: JobSpec) -> JobSpec:
-        """`spec` with this choice written in: an explicit parallelism, the micro-batch size and
-        recompute chosen, resources.devices the layout's world (what to store once planned)."""
-        raw = spec.model_dump(mode="json")
-        lay = self.layout
-        par = raw["parallelism"] if isinstance(raw["parallelism"], dict) else {}
-        raw["parallelism"] = {
-            **par,
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "dp": lay.dp,
-            "virtual_stages": lay.virtual_stages,
-            "sequence_parallel": lay.sequence_parallel,
-            "distributed_optimizer": self.distributed_optimizer,
-            "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
-        }
-        raw["training"].update(micro_batch_size=self.micro_batch_size, recompute=self.recompute)
-        raw["resources"]["devices"] = lay.world_size
-        return parse_spec(raw)
-
-
-@dataclass
-class Rejection:
-    code: str
-    """divisibility | tp_exceeds_node | model_state | memory | devices."""
-    message: str
-    choice: dict[str, Any] | None = None
-    numbers: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "reason": self.message, "layout": self.choice, **self.numbers}
-
-
-@dataclass
-class Plan:
-    choice: Choice
-    time: StepTime
-    memory: MemoryEstimate
-    devices: int
-    pool: str
-    precision: str
-    runners_up: list[tuple[Choice, StepTime, MemoryEstimate]] = field(default_factory=list)
-    rejected: list[Rejection] = field(default_factory=list)
-    rejected_counts: dict[str, int] = field(default_factory=dict)
-    considered: int = 1
-    explicit: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        """The plan's JSON: `layout`, `predicted`, `candidates` (POST /v1/plan's answer)."""
-        return {
-            "layout": self.choice.as_dict(),
-            "predicted": predicted_dict(self.time, self.memory),
-            "candidates": {
-                "considered": self.considered,
-                "runners_up": [
-                    {"layout": c.as_dict(), "predicted": predicted_dict(t, m, brief=True)}
-                    for c, t, m in self.runners_up
-                ],
-                "rejected": [r.as_dict() for r in _most_telling(self.rejected)],
-                "rejected_counts": self.rejected_counts,
-            },
-            "devices": self.devices,
-            "pool": self.pool,
-            "precision": self.precision,
-            "explicit_layout": self.explicit,
-        }
-
-
-REJECTION_ORDER = ("memory", "model_state", "divisibility", "tp_exceeds_node")
-
-
-def _most_telling(rejected: list[Rejection]) -> list[Rejection]:
-    """The rejections to show: the nearest misses (memory) first, capped."""
-    rank = {code: i for i, code in enumerate(REJECTION_ORDER)}
-    return sorted(rejected, key=lambda r: rank.get(r.code, len(rank)))[:MAX_REJECTED_SHOWN]
-
-
-def predicted_dict(time: StepTime, memory: MemoryEstimate, brief: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "step_time_s": time.step_time_s,
-        "tokens_per_s": time.tokens_per_s,
-        "tflops_per_gpu": time.tflops_per_gpu,
-        "mfu": time.mfu,
-        "memory_per_gpu_bytes": memory.total_bytes,
-    }
-    if brief:
-        return out
-    out["memory_breakdown"] = {
-        "params_bytes": memory.params_bytes,
-        "grads_bytes": memory.grads_bytes,
-        "optimizer_bytes": memory.optimizer_bytes,
-        "activations_bytes": memory.activations_bytes,
-        "worst_stage": memory.stage,
-    }
-    keys = ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s")
-    out["time_breakdown"] = {
-        k: getattr(time, k) for k in (*keys, "dp_exposed_s", "optimizer_s", "overhead_s")
-    }
-    return out
 
 
 def balanced_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...] | None:
@@ -399,7 +269,7 @@ class _Search:
                 f"{self.budget / GiB:,.2f} GiB budget: use more devices or a pool with more memory"
             )
         else:
-            rules = list(dict.fromkeys(r.message for r in _most_telling(self.rejected)))[:5]
+            rules = list(dict.fromkeys(r.message for r in most_telling(self.rejected)))[:5]
             message = f"no layout of {self.devices} devices passes the layout rules: " + "; ".join(rules)
         field_name = "resources.devices" if best_miss is None and not floors else "model"
         return PlanError(
