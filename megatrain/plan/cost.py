@@ -244,8 +244,12 @@ def predict_step(
     edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
     stage_times = []
     stage_parts = []
-    for stage in sorted({0, pp - 1}):
-        n = layers_on_stage(model.num_layers, pp, stage, layout.pipeline_layers)
+    # The edges (embedding, head) and the stage with the most layers (an uneven split's middle).
+    layers = [layers_on_stage(model.num_layers, pp, st, layout.pipeline_layers) for st in range(pp)]
+    heaviest = max(range(pp), key=lambda st: layers[st])
+    candidates = sorted({0, pp - 1, heaviest})
+    for stage in candidates:
+        n = layers[stage]
         compute = n * (layer_compute + layer_recompute) + c.microbatch_overhead_s / (1 if pp == 1 else 2)
         comm = n * layer_tp
         if stage == pp - 1:
@@ -269,9 +273,7 @@ def predict_step(
         pp_comm_s = 2 * p2p * (m * v + pp - 1)
 
     # Data parallelism over the worst stage's parameters (gradient buffer fp32).
-    params = max(
-        sum(stage_params(model, tp, pp, st, layout.pipeline_layers).values()) for st in sorted({0, pp - 1})
-    )
+    params = max(sum(stage_params(model, tp, pp, st, layout.pipeline_layers).values()) for st in candidates)
     shards = dp * cp
     dist_opt = settings.distributed_optimizer and shards > 1
     bw_dp, lat_dp = _link(pool, tp * cp * dp <= pool.devices_per_node)

@@ -156,3 +156,14 @@ def test_a_400b_model_on_6000_gpus_plans_in_under_a_second() -> None:
     lay = result.choice.layout
     assert lay.world_size == 6000 and lay.tp == 8  # 16k hidden needs the whole node's tp
     assert 0.2 < result.time.mfu < 0.6  # published runs of this class: 38-43% MFU
+
+
+def test_llama3_405b_on_16k_gpus_gets_the_published_layout() -> None:
+    """Llama 3 405B was trained on 16,384 H100s with tp=8, pp=16, dp=128 at 8K sequences and 16M
+    tokens per batch, at 400 TFLOP/s per GPU (41% bf16 MFU; Dubey et al. 2024, table 4). The
+    planner finds that layout and predicts its throughput within 25%."""
+    s = spec(LLAMA_405B, devices=16384, global_batch_size=2048)
+    result = plan(s, gpu_pool(nodes=2048))
+    lay = result.choice.layout
+    assert (lay.tp, lay.pp, lay.dp) == (8, 16, 128)
+    assert result.time.mfu == pytest.approx(0.41, rel=0.25)
