@@ -5,7 +5,7 @@ from __future__ import annotations
 from api_handle import Api
 from sqlalchemy import update
 
-from megatrain.db.models import Node
+from megatrain.db.models import Node, NodePool
 from megatrain.db.session import session_scope
 
 H100_POOL = {
@@ -81,3 +81,20 @@ def test_a_spec_that_fits_nowhere_is_a_422_naming_why(api: Api) -> None:
 
 def test_planning_needs_a_key(api: Api) -> None:
     assert api.client.post("/v1/plan", json={"spec": api.spec()}).status_code == 401
+
+
+def test_a_stored_gpu_pool_is_described_from_its_rows(api: Api) -> None:
+    """pool_for: the accelerator's datasheet peaks, the nodes' smallest device memory, the slots of
+    the largest node as devices per node, and the node count."""
+    with session_scope(api.db_url) as s:
+        s.execute(update(NodePool).values(accelerator="NVIDIA H100 80GB HBM3"))
+        s.execute(update(Node).values(device_memory_bytes=80 << 30, slots_total=8))
+    spec = api.spec("on-gpus", resources={"devices": 8}, training={"precision": "auto"})
+    resp = api.client.post("/v1/plan", json={"spec": spec}, headers=api.headers)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    described = body["pool_description"]
+    assert described["accelerator"] == "NVIDIA H100 80GB HBM3" and described["peak_tflops"]["bf16"] == 989.4
+    assert (described["devices_per_node"], described["nodes"]) == (8, 1)
+    assert described["device_memory_bytes"] == 80 << 30
+    assert body["precision"] == "bf16" and body["devices"] == 8

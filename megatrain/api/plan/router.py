@@ -41,7 +41,8 @@ async def post_plan(
     """Plan a spec without submitting it: body `{spec, pool?, devices?}` (JSON or YAML). `pool` is a
     pool description (default: the spec's resources.pool as stored); `devices` defaults to
     resources.devices, else the whole pool. 200: `{layout, predicted, candidates, devices, pool,
-    precision, explicit_layout}`; 422 naming the field of a bad spec or pool, or why no layout fits."""
+    pool_description, precision, explicit_layout}`; 422 naming the field of a bad spec or pool,
+    or why no layout fits."""
     raw = await request.body()
     body = await run_in_threadpool(jobs_service.parse_body, raw, request.headers.get("content-type", ""))
     return await run_in_threadpool(plan_request, session, settings, body)

@@ -136,6 +136,8 @@ def plan_request(session: Session, settings: Settings, body: Any) -> dict[str, A
                 "or give `pool`, a pool description",
             )
     try:
-        return plan(spec, pool, devices).as_dict()
+        result = plan(spec, pool, devices).as_dict()
     except SpecError as exc:  # (a PlanError) its fields are the spec's, as the body nests them
         raise _prefixed(exc, "spec") from None
+    result["pool_description"] = pool.model_dump(mode="json")  # the facts the prediction used
+    return result
