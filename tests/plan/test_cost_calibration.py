@@ -2,8 +2,10 @@
 up to 4 gloo ranks under torchrun), the predicted step time within 25% of the measured median step
 time, and the predicted model state (params + grads + optimizer) within 15% of what rank 0 holds
 (megatrain.engine.memory_stats: on a CPU there is no allocator peak to compare the activations with).
-A layout outside the time tolerance is measured once more before the verdict: other sessions on a
-shared host stretch whole runs (BENCHMARKS.md "Layout planner" has the figures).
+A layout outside the time tolerance is measured once more, and step times are judged only for runs
+during which the host was quiet (other processes' CPU time, /proc/stat's less ours, under an
+eighth of the cores): shared-host load stretches whole runs by up to 2x (BENCHMARKS.md "Layout
+planner" has the figures). The model state is always judged.
 
 The CPU pool is this host as the engine runs it: its matmul peak (megatrain.engine.calibrate's
 measurement, taken before and after each run since other work on a shared host moves it) for the
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,9 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1,
 the operating system's scheduler)."""
 STEPS, WARMUP = 10, 3
 TIME_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.15
+QUIET_CORES = 1 / 8
+"""A run is judged on time when other work used less than this share of the host's cores during it:
+with every core taken by our ranks, a third of a core of other work already stretched steps ~1.5x."""
 
 
 def cores() -> int:
@@ -85,6 +92,15 @@ def cpu_pool(world: int, peak: float) -> PoolSpec:
     )
 
 
+def busy_cpu_s() -> tuple[float, float]:
+    """(CPU seconds every process on the host has run, those this test's children have run), so
+    far: /proc/stat's busy time and our finished subprocesses' rusage."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait, in USER_HZ ticks
+    ours = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return busy / os.sysconf("SC_CLK_TCK"), ours.ru_utime + ours.ru_stime
+
+
 def calibration_spec(corpus: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
     return {
         "name": "calibration",
@@ -126,6 +142,7 @@ def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
            "-m", "megatrain.engine.train", "--spec", str(run_dir / "spec.json"),
            "--out", str(run_dir / "out")]  # fmt: skip
     peak_before = rank_peak_tflops(tp * pp * dp)
+    start, (busy0, ours0) = time.perf_counter(), busy_cpu_s()
     pinned = set(sorted(os.sched_getaffinity(0))[: tp * pp * dp])
     proc = subprocess.run(
         cmd,
@@ -135,6 +152,7 @@ def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
         timeout=300,
         preexec_fn=lambda: os.sched_setaffinity(0, pinned),
     )
+    (busy1, ours1), wall = busy_cpu_s(), time.perf_counter() - start
     peak_after = rank_peak_tflops(tp * pp * dp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -144,6 +162,8 @@ def measure(tmp: Path, tp: int, pp: int, dp: int) -> dict[str, Any]:
         "step_time_s": statistics.median(r["iter_time_s"] for r in train[WARMUP:]),
         "model_state_bytes": train[-1]["model_state_bytes"],
         "peak_tflops": (peak_before + peak_after) / 2,
+        # Cores that other work kept busy during the run, on average.
+        "other_load": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall,
         "spec": raw,
     }
 
@@ -173,9 +193,16 @@ def test_predictions_match_the_engine_on_this_cpu(tmp_path: Path) -> None:
         f"tp={tp} pp={pp} dp={dp}: step measured {g['step_time_s'] * 1e3:.0f} ms, predicted "
         f"{w['step_time_s'] * 1e3:.0f} ms ({w['step_time_s'] / g['step_time_s'] - 1:+.0%}); model state "
         f"measured {g['model_state_bytes']:,} predicted {w['model_state_bytes']:,}; peak "
-        f"{g['peak_tflops']:.3f} TFLOP/s per rank"
+        f"{g['peak_tflops']:.3f} TFLOP/s per rank; other work {g['other_load']:.2f} cores"
         for tp, pp, dp, g, w in rows
     )
+    print(table)  # the figures BENCHMARKS.md quotes (pytest -s)
     for _, _, _, g, w in rows:
-        assert w["step_time_s"] == pytest.approx(g["step_time_s"], rel=TIME_TOLERANCE), table
         assert w["model_state_bytes"] == pytest.approx(g["model_state_bytes"], rel=MEMORY_TOLERANCE), table
+    # A run that shared the cores with other work measures that work, not the model: judged only
+    # where the host was quiet (other work used under an eighth of its cores during the run).
+    quiet = [(g, w) for _, _, _, g, w in rows if g["other_load"] < QUIET_CORES * cores()]
+    if not quiet:
+        pytest.skip(f"the host was busy during every run; step times not judged:\n{table}")
+    for g, w in quiet:
+        assert w["step_time_s"] == pytest.approx(g["step_time_s"], rel=TIME_TOLERANCE), table
