@@ -200,6 +200,22 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
         {"valid", "spec" (as stored), "layout", "num_procs"}; an invalid spec raises the 422."""
         return dict(self._json("POST", "/v1/spec/validate", json=_spec_body(spec)))
 
+    def plan(
+        self,
+        spec: dict[str, Any] | JobSpec | str | Path,
+        pool: dict[str, Any] | None = None,
+        devices: int | None = None,
+    ) -> dict[str, Any]:
+        """The planner's fastest layout for a spec, submitting nothing (POST /v1/plan): {"layout",
+        "predicted", "candidates", ...}. `pool`: a pool description (default: the spec's
+        resources.pool as the server knows it). A spec that fits no layout raises the 422."""
+        body: dict[str, Any] = {"spec": _spec_body(spec)}
+        if pool is not None:
+            body["pool"] = pool
+        if devices is not None:
+            body["devices"] = devices
+        return dict(self._json("POST", "/v1/plan", json=body))
+
     def get_job(self, job_id: str) -> Job:
         return Job.from_dict(self._json("GET", f"/v1/jobs/{job_id}"))
 

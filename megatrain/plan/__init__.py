@@ -1,5 +1,7 @@
 """Pure, torch-free planning at the bottom of the import graph: the parallel layout type and its
-rules (`layout`), and the analytical per-rank memory estimate (`memory`).
+rules (`layout`), a pool's hardware facts (`pool`), the analytical per-rank memory estimate
+(`memory`), the FLOPs formula (`flops`), the step-time model (`cost`) and the layout planner that
+puts them together (`planner`: the fastest layout that fits).
 
 The API, the scheduler, the worker and the engine all import from here; nothing here imports any
 of them (nor torch), so a laptop, an API server and a GPU rank agree on one layout.

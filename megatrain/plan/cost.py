@@ -1,0 +1,335 @@
+"""Predicted step time of a training step: a model, its layout and settings, on a pool's hardware.
+
+Pure arithmetic (no torch, no database), cheap enough to score thousands of layouts in a planning
+call. Every term follows what the engine really does (megatrain.engine.parallel):
+
+- **Compute**: each GEMM of a layer (qkv, proj, fc1, fc2; their tensor-parallel shards) and the LM
+  head run at `peak × efficiency(M, K, N)`, a saturating curve of the GEMM's size:
+  `max_fraction · g / (g + half_size)` with g the geometric mean of M, K, N. Small per-tp GEMMs
+  (a narrow hidden size split 8 ways, few tokens) run well below the peak; big ones approach
+  `max_fraction`. Backward is two GEMMs of the same shape per forward one (3× in all). The
+  attention core runs at `attention_fraction` of a GEMM of its size. Memory-bound elementwise work
+  (norms, RoPE, SwiGLU, residuals) moves `elementwise_bytes` per token and hidden unit through
+  memory; every layer and micro-batch also pays a fixed `layer_overhead_s` (kernel launches,
+  autograd, Python: what dominates a tiny model on a CPU).
+- **Recompute**: full adds each recomputed layer's forward again (its tp collectives too);
+  selective adds the attention core's forward.
+- **Tensor parallelism**: per layer and micro-batch, 2 all-reduces forward and 2 backward of the
+  (tokens, hidden) activations; with sequence parallelism 2 all-gathers + 2 reduce-scatters forward
+  and 4 all-gathers + 2 reduce-scatters backward (the column-parallel linears gather their input
+  again for the weight gradient). Ring costs, inside a node (tp never leaves one):
+  all-reduce `2(t-1)/t · B/bw + 2(t-1)·latency`, all-gather or reduce-scatter half of it.
+  Not overlapped with compute.
+- **Pipeline**: each micro-batch chunk waits for one activation and one gradient (latency + bytes /
+  bandwidth, inter-node unless the whole job fits one node); the bubble is (pp-1)/virtual_stages
+  stage-micro-batch times (1F1B: (pp-1)/m of the step, interleaved: divided by virtual_stages).
+- **Data parallelism**: the fp32 gradient buffer is all-reduced (reduce-scattered with the
+  distributed optimizer, whose updated parameter shards are then all-gathered, exposed). With
+  overlap_grad_reduce buckets start while the last micro-batch's backward runs: only what exceeds
+  that backward is exposed, and never less than the last bucket.
+- **Optimizer**: Adam reads and writes ~32 bytes per parameter this rank owns (sharded by the
+  distributed optimizer) at the memory bandwidth, plus a fixed per-step cost.
+
+Two sets of constants: GPU defaults (H100-class, sane for A100/B200) and this project's CPU hosts,
+calibrated by tests/plan/test_cost_calibration.py against the engine running under torchrun/gloo
+(see BENCHMARKS.md "Layout planner" for the figures).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megatrain.plan.flops import flops_per_iteration, layer_forward_flops
+from megatrain.plan.layout import Layout
+from megatrain.plan.pool import PoolSpec
+from megatrain.plan.shapes import ModelShape, layers_on_stage, stage_params
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """What a pool's hardware does besides its datasheet peaks and link speeds."""
+
+    max_fraction: float
+    """The fraction of peak the largest GEMMs reach."""
+    half_size: float
+    """The geometric-mean GEMM dimension at which half of max_fraction is reached."""
+    attention_fraction: float
+    """The attention core's efficiency relative to a GEMM of the same size."""
+    memory_bandwidth_gbps: float
+    """Device memory bandwidth that elementwise work and the optimizer reach, GB/s."""
+    elementwise_bytes: float
+    """Bytes moved per token and hidden unit per layer, forward + backward, at 2-byte activations."""
+    layer_overhead_s: float
+    """Fixed cost of one layer's forward + backward on one micro-batch (launches, autograd)."""
+    microbatch_overhead_s: float
+    """Fixed cost of a micro-batch besides its layers (embedding, loss, schedule bookkeeping)."""
+    step_overhead_s: float
+    """Fixed cost of a step (optimizer launch, gradient clipping, the loss's reduction)."""
+    dp_overlap: float = 1.0
+    """The fraction of backward compute that can hide data-parallel communication (1: all of it)."""
+
+
+GPU_CONSTANTS = CostConstants(
+    # H100-class: cuBLAS bf16 reaches ~650-750 of 989 TFLOP/s on training-sized GEMMs, flash
+    # attention forward + backward ~40% of peak; the rest (norms, RoPE, SwiGLU, residuals, dropout)
+    # streams through HBM3 (3.35 TB/s, ~2/3 of it reached).
+    max_fraction=0.72,
+    half_size=160.0,
+    attention_fraction=0.6,
+    memory_bandwidth_gbps=2200.0,
+    elementwise_bytes=60.0,
+    layer_overhead_s=100e-6,
+    microbatch_overhead_s=500e-6,
+    step_overhead_s=20e-3,
+    dp_overlap=1.0,
+)
+CPU_CONSTANTS = CostConstants(
+    # Fitted on this project's 2-core AMD EPYC VM (tests/plan/test_cost_calibration.py, BENCHMARKS.md
+    # "Layout planner"): its fp32 GEMMs reach the measured peak (engine.calibrate, best of square
+    # GEMMs up to 2048 in a 1.5 s budget) already at ~64-wide shapes, and mid-size ones ~10% above
+    # it; what a tiny model pays beyond its FLOPs is per-op dispatch and autograd, ~0.9 ms per
+    # layer and micro-batch (forward + backward) and ~0.5 ms per micro-batch for the rest.
+    max_fraction=1.1,
+    half_size=16.0,
+    attention_fraction=0.2,  # SDPA on a CPU: softmax and the small per-head GEMMs
+    memory_bandwidth_gbps=8.0,
+    elementwise_bytes=40.0,
+    layer_overhead_s=0.9e-3,
+    microbatch_overhead_s=0.5e-3,
+    step_overhead_s=4.0e-3,
+    dp_overlap=0.5,  # gloo's progress thread competes with the rank's own compute threads
+)
+CPU_LINKS: dict[str, float] = {
+    # gloo between processes on one host over loopback. A bare all-reduce between two idle
+    # processes measures ~1.6 GB/s and 200-270 us (`python benchmarks/planner.py --gloo`); inside
+    # the engine a collective also waits for its peer to arrive, and the fit against whole steps
+    # gives ~1 ms per collective. A second CPU host is assumed behind a 10 Gb/s network.
+    "intra_node_bandwidth_gbps": 1.6,
+    "intra_node_latency_us": 1000.0,
+    "inter_node_bandwidth_gbps": 1.0,
+    "inter_node_latency_us": 1500.0,
+}
+"""A CPU pool's links: PoolSpec fields."""
+
+
+def constants_for(pool: PoolSpec) -> CostConstants:
+    return CPU_CONSTANTS if pool.is_cpu else GPU_CONSTANTS
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What besides the layout decides a step's time."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    recompute: str = "none"
+    recompute_every: int = 1
+    distributed_optimizer: bool = True
+    precision: str = "bf16"
+    overlap_grad_reduce: bool = True
+    grad_bucket_elements: int = 40_000_000
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step, in seconds by part; the parts on the critical path add up to step_time_s."""
+
+    step_time_s: float
+    compute_s: float
+    """Every micro-batch through the slowest stage: GEMMs, attention, elementwise, overheads."""
+    recompute_s: float
+    """The part of compute_s that recomputes activations."""
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float
+    """The data-parallel collectives' whole duration."""
+    dp_exposed_s: float
+    """The part of dp_comm_s that backward does not hide."""
+    optimizer_s: float
+    overhead_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    model_flops: float
+    """Useful FLOPs of one step (no recompute), the numerator of MFU."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gemm_efficiency(m: float, k: float, n: float, c: CostConstants) -> float:
+    g = (m * k * n) ** (1.0 / 3.0)
+    return c.max_fraction * g / (g + c.half_size)
+
+
+def ring_time(kind: str, nbytes: float, ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """Seconds of a ring collective over `ranks` on `nbytes` (the whole tensor's size).
+
+    all_reduce moves 2(n-1)/n of it per rank in 2(n-1) steps; all_gather and reduce_scatter half."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    steps = (ranks - 1) * (2 if kind == "all_reduce" else 1)
+    return steps / ranks * nbytes / (bandwidth_gbps * 1e9) + steps * latency_us * 1e-6
+
+
+def _link(pool: PoolSpec, inside_node: bool) -> tuple[float, float]:
+    if inside_node:
+        return pool.intra_node_bandwidth_gbps, pool.intra_node_latency_us
+    return pool.inter_node_bandwidth_gbps, pool.inter_node_latency_us
+
+
+def predict_step(
+    model: ModelShape,
+    layout: Layout,
+    settings: StepSettings,
+    pool: PoolSpec,
+    constants: CostConstants | None = None,
+) -> StepTime:
+    """The predicted time of one training step (see the module docstring for every term)."""
+    c = constants or constants_for(pool)
+    tp, pp, dp, cp, v = layout.tp, layout.pp, layout.dp, layout.cp, layout.virtual_stages
+    sp = layout.sequence_parallel and tp > 1
+    act = 4 if settings.precision == "fp32" else 2
+    peak = pool.peak(settings.precision) * 1e12
+    s, h = model.seq_length, model.hidden_size
+    tokens = settings.micro_batch_size * s / cp  # per rank and micro-batch
+    m = layout.micro_batches(settings.global_batch_size, settings.micro_batch_size)
+
+    def gemm(k: float, n: float) -> float:
+        """Forward seconds of a (tokens × k) @ (k × n) GEMM."""
+        return 2 * tokens * k * n / (peak * gemm_efficiency(tokens, k, n, c))
+
+    # One layer, one micro-batch, forward (backward is twice the GEMMs and the attention core).
+    parts = layer_forward_flops(model, s)
+    fwd_gemms = (
+        gemm(h, (h + 2 * model.kv_size) / tp)
+        + gemm(h / tp, h)
+        + gemm(h, model.fc1_width / tp)
+        + gemm(model.ffn_hidden_size / tp, h)
+    )
+    head_dim = model.head_dim
+    attention_eff = gemm_efficiency(s / cp, s, head_dim, c) * c.attention_fraction
+    fwd_attention = tokens * parts["attention"] / tp / (peak * attention_eff)
+    seq_div = tp if sp else 1
+    elementwise_bytes = tokens * h * c.elementwise_bytes * act / 2 / seq_div
+    elementwise = elementwise_bytes / (c.memory_bandwidth_gbps * 1e9)
+    layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+
+    # Tensor-parallel collectives of one layer and micro-batch (inside a node).
+    bw, lat = _link(pool, True)
+    full = tokens * h * act  # the (tokens, hidden) activation, whole
+    ar = ring_time("all_reduce", full, tp, bw, lat)
+    ag = ring_time("all_gather", full, tp, bw, lat)
+    fwd_tp = 2 * 2 * ag if sp else 2 * ar  # AG + RS per sublayer, or one all-reduce
+    bwd_tp = (6 * ag) if sp else 2 * ar
+    layer_tp = fwd_tp + bwd_tp
+
+    # Recompute: every k-th layer's forward again (full), or the attention core (selective).
+    if settings.recompute == "full":
+        share = 1.0 / settings.recompute_every
+        layer_recompute = share * (fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3)
+        layer_tp += share * fwd_tp
+    elif settings.recompute == "selective":
+        layer_recompute = fwd_attention
+    else:
+        layer_recompute = 0.0
+
+    # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
+    head = 3 * gemm(h, model.vocab_size / tp) + tokens * 4 * model.vocab_size / tp * 3 / (
+        c.memory_bandwidth_gbps * 1e9
+    )  # the head's GEMMs and the fp32 softmax/loss over (tokens, V/t)
+    edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
+    stage_times = []
+    stage_parts = []
+    # The edges (embedding, head) and the stage with the most layers (an uneven split's middle).
+    layers = [layers_on_stage(model.num_layers, pp, st, layout.pipeline_layers) for st in range(pp)]
+    heaviest = max(range(pp), key=lambda st: layers[st])
+    candidates = sorted({0, pp - 1, heaviest})
+    for stage in candidates:
+        n = layers[stage]
+        compute = n * (layer_compute + layer_recompute) + c.microbatch_overhead_s / (1 if pp == 1 else 2)
+        comm = n * layer_tp
+        if stage == pp - 1:
+            compute += head
+            comm += edge_tp / 2
+        if stage == 0:
+            comm += edge_tp / 2
+        stage_times.append(compute + comm)
+        stage_parts.append((compute, n * layer_recompute, comm))
+    worst = max(range(len(stage_times)), key=lambda i: stage_times[i])
+    t_mb = stage_times[worst]
+    compute_mb, recompute_mb, tp_mb = stage_parts[worst]
+
+    compute_s = m * compute_mb
+    tp_comm_s = m * tp_mb
+    bubble_s = (pp - 1) / v * t_mb if pp > 1 else 0.0
+    pp_comm_s = 0.0
+    if pp > 1:
+        bw_pp, lat_pp = _link(pool, layout.world_size <= pool.devices_per_node)
+        p2p = lat_pp * 1e-6 + tokens * h * act / seq_div / (bw_pp * 1e9)
+        pp_comm_s = 2 * p2p * (m * v + pp - 1)
+
+    # Data parallelism over the worst stage's parameters (gradient buffer fp32).
+    params = max(sum(stage_params(model, tp, pp, st, layout.pipeline_layers).values()) for st in candidates)
+    shards = dp * cp
+    dist_opt = settings.distributed_optimizer and shards > 1
+    bw_dp, lat_dp = _link(pool, tp * cp * dp <= pool.devices_per_node)
+    buckets = max(1, math.ceil(params / settings.grad_bucket_elements))
+    grad_bytes = 4.0 * params
+    if dist_opt:
+        reduce_s = ring_time("reduce_scatter", grad_bytes, shards, bw_dp, 0.0)
+        gather_s = ring_time("all_gather", params * act, shards, bw_dp, 0.0)
+        reduce_s += buckets * (shards - 1) * lat_dp * 1e-6
+        gather_s += buckets * (shards - 1) * lat_dp * 1e-6
+    else:
+        reduce_s = ring_time("all_reduce", grad_bytes, shards, bw_dp, 0.0)
+        reduce_s += buckets * 2 * (shards - 1) * lat_dp * 1e-6
+        gather_s = 0.0
+    if settings.overlap_grad_reduce and shards > 1:
+        backward_window = c.dp_overlap * (2 / 3) * (compute_mb - recompute_mb)
+        exposed_reduce = max(reduce_s / buckets, reduce_s - backward_window)
+    else:
+        exposed_reduce = reduce_s
+    dp_exposed_s = exposed_reduce + gather_s
+
+    owned = params / shards if dist_opt else params
+    optimizer_s = (32.0 * owned + 4.0 * params) / (c.memory_bandwidth_gbps * 1e9)
+    overhead_s = c.step_overhead_s
+
+    step = compute_s + tp_comm_s + bubble_s + pp_comm_s + dp_exposed_s + optimizer_s + overhead_s
+    useful = flops_per_iteration(model, settings.global_batch_size, s)
+    world = layout.world_size
+    tflops = useful / step / world / 1e12
+    return StepTime(
+        step_time_s=step,
+        compute_s=compute_s,
+        recompute_s=m * recompute_mb,
+        tp_comm_s=tp_comm_s,
+        pp_comm_s=pp_comm_s,
+        bubble_s=bubble_s,
+        dp_comm_s=reduce_s + gather_s,
+        dp_exposed_s=dp_exposed_s,
+        optimizer_s=optimizer_s,
+        overhead_s=overhead_s,
+        tokens_per_s=settings.global_batch_size * s / step,
+        tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / peak,
+        model_flops=useful,
+    )
+
+
+__all__ = [
+    "CPU_CONSTANTS",
+    "CPU_LINKS",
+    "GPU_CONSTANTS",
+    "CostConstants",
+    "StepSettings",
+    "StepTime",
+    "constants_for",
+    "gemm_efficiency",
+    "predict_step",
+    "ring_time",
+]

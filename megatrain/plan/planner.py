@@ -1,0 +1,372 @@
+"""The layout planner: the fastest layout of a spec on a pool that fits its devices' memory.
+
+`plan(spec, pool, devices)` enumerates tp (divisors of the node's devices, so tp stays inside a
+node), pp, dp (filling the devices), virtual stages, micro-batch size, recompute, the distributed
+optimizer and sequence parallelism; drops every candidate that breaks a layout rule
+(megatrain.plan.layout) or cannot fit (megatrain.plan.memory, with `fits`' headroom); predicts the
+rest's step time (megatrain.plan.cost) and returns the fastest, its runners-up and the rejected
+ones with their reasons. A spec with an explicit `parallelism` gets the prediction for its layout.
+
+Fast by pruning, not by sampling: a model-state lower bound per (tp, pp, distributed optimizer)
+rejects whole families before any activation estimate; the survivors are scored by the cheap cost
+model and only then, fastest first, given the full memory estimate until enough fit; memory grows
+with the micro-batch size and shrinks with recompute, so one miss rules out the bigger batches of
+its family without estimating them.
+
+What it answers (Choice, Plan, Rejection, the JSON) lives in megatrain.plan.result.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from megatrain.plan.cost import StepSettings, StepTime, predict_step
+from megatrain.plan.layout import Layout, batch_problems, model_problems, resolve_layout
+from megatrain.plan.memory import GiB, MemoryEstimate, fits, from_spec, planned_precision
+from megatrain.plan.pool import PoolSpec
+from megatrain.plan.result import (
+    MAX_REJECTED_SHOWN,
+    Choice,
+    Plan,
+    PlanError,
+    Rejection,
+    most_telling,
+    predicted_dict,
+)
+from megatrain.plan.shapes import ModelShape, layer_params, shape_of_spec, stage_params
+from megatrain.spec import JobSpec, ParallelismSpec, SpecError
+
+HEADROOM = 0.9
+"""Plan to use at most this fraction of a device's memory (the allocator and kernels need the rest)."""
+RECOMPUTE_ORDER = ("none", "selective", "full")
+"""Least memory last: a candidate that does not fit rules out the ones before it (same batch)."""
+MAX_VIRTUAL_STAGES = 8
+MAX_RUNNERS_UP = 5
+
+
+def balanced_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...] | None:
+    """Layers per model chunk (chunk c on stage c % pp) when pp·v does not divide num_layers, else
+    None (the even split). The extra layers go to the middle stages first: the first stage also runs
+    the embedding and the last the LM head and the loss (as Llama 3 405B's 126 layers over pp=16)."""
+    chunks = pp * v
+    base, extra = divmod(num_layers, chunks)
+    if not extra:
+        return None
+    order = sorted(range(chunks), key=lambda c: (c % pp == pp - 1, c % pp == 0, c))
+    counts = [base] * chunks
+    for c in order[:extra]:
+        counts[c] += 1
+    return tuple(counts)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+class _Search:
+    """The state of one planning call: the spec's fixed facts and what has been rejected."""
+
+    def __init__(self, spec: JobSpec, pool: PoolSpec, devices: int, vocab: int):
+        self.spec, self.pool, self.devices, self.vocab = spec, pool, devices, vocab
+        self.model: ModelShape = shape_of_spec(spec, vocab)
+        self.accelerator = "cpu" if pool.is_cpu else pool.accelerator
+        self.precision = planned_precision(spec.training.precision, self.accelerator)
+        self.budget = HEADROOM * pool.device_memory_bytes
+        self.rejected: list[Rejection] = []
+        self.counts: Counter[str] = Counter()
+        self.considered = 0
+
+    def reject(self, code: str, message: str, choice: Choice | None = None, **numbers: Any) -> None:
+        self.counts[code] += 1
+        if len(self.rejected) < 4 * MAX_REJECTED_SHOWN:
+            self.rejected.append(Rejection(code, message, choice.as_dict() if choice else None, numbers))
+
+    def settings(self, c: Choice) -> StepSettings:
+        par = self.spec.parallelism if isinstance(self.spec.parallelism, ParallelismSpec) else None
+        return StepSettings(
+            micro_batch_size=c.micro_batch_size,
+            global_batch_size=self.spec.training.global_batch_size,
+            recompute=c.recompute,
+            recompute_every=self.spec.training.recompute_every if par else 1,
+            distributed_optimizer=c.distributed_optimizer,
+            precision=self.precision,
+            overlap_grad_reduce=par.overlap_grad_reduce if par else True,
+            grad_bucket_elements=par.grad_bucket_elements if par else 40_000_000,
+        )
+
+    def memory(self, c: Choice) -> MemoryEstimate:
+        lay = c.layout
+        return from_spec(
+            self.spec,
+            lay,
+            tokenizer_vocab=self.vocab,
+            accelerator=self.accelerator,
+            micro_batch_size=c.micro_batch_size,
+            num_microbatches=lay.micro_batches(self.spec.training.global_batch_size, c.micro_batch_size),
+            recompute=c.recompute,
+            recompute_every=self.settings(c).recompute_every,
+            distributed_optimizer=c.distributed_optimizer,
+            device="cpu" if self.pool.is_cpu else "cuda",
+        )
+
+    def memory_rejection(self, c: Choice, est: MemoryEstimate) -> None:
+        self.reject(
+            "memory",
+            f"needs {est.total_bytes / GiB:,.2f} GiB per device (stage {est.stage}: params "
+            f"{est.params_bytes / GiB:,.2f}, grads {est.grads_bytes / GiB:,.2f}, optimizer "
+            f"{est.optimizer_bytes / GiB:,.2f}, activations {est.activations_bytes / GiB:,.2f}) but "
+            f"{HEADROOM:.0%} of the pool's {self.pool.device_memory_bytes / GiB:,.1f} GiB is "
+            f"{self.budget / GiB:,.2f} GiB",
+            c,
+            memory_per_gpu_bytes=est.total_bytes,
+            budget_bytes=int(self.budget),
+        )
+
+    # -- enumeration ---------------------------------------------------------------------------
+
+    def model_state_floor(self, tp: int, pp: int, dp: int, dist_opt: bool) -> int:
+        """Bytes of params + grads + optimizer on the worst stage: a lower bound of any estimate
+        (whatever the split, some stage holds at least ceil(layers / pp) layers)."""
+        if pp == 1:
+            n = sum(stage_params(self.model, tp, 1, 0).values())
+        else:
+            n = -(-self.model.num_layers // pp) * layer_params(self.model, tp)
+        shard = dp if dist_opt else 1
+        static = (4.0 + 4.0 + 8.0 / shard) if self.precision == "fp32" else (2.0 + 4.0 + 12.0 / shard)
+        return int(n * static)
+
+    def families(self) -> list[tuple[int, int, int]]:
+        """(tp, pp, dp) that multiply to the devices and pass the model's divisibility rules."""
+        m, out = self.model, []
+        for tp in divisors(self.devices):
+            if tp > self.pool.devices_per_node or self.pool.devices_per_node % tp:
+                self.reject(
+                    "tp_exceeds_node",
+                    f"tp={tp} does not divide the {self.pool.devices_per_node} devices of a node "
+                    "(tensor parallelism stays inside a node)",
+                )
+                continue
+            problems = model_problems(
+                Layout(tp=tp),
+                num_attention_heads=m.num_attention_heads,
+                num_query_groups=m.num_query_groups,
+                ffn_hidden_size=m.ffn_hidden_size,
+                vocab_size=m.vocab_size,
+                model="model.",
+                par="",
+            )
+            if problems:
+                self.reject("divisibility", problems[0]["message"], tp=tp)
+                continue
+            for pp in divisors(self.devices // tp):
+                if pp > m.num_layers:  # (uneven splits are planned: see balanced_layers)
+                    self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}")
+                    continue
+                dp = self.devices // (tp * pp)
+                gbs = self.spec.training.global_batch_size
+                if batch_problems(Layout(dp=dp), gbs, 1):
+                    self.reject(
+                        "divisibility",
+                        f"training.global_batch_size={gbs} is not divisible by dp={dp} (tp={tp}, pp={pp})",
+                    )
+                    continue
+                out.append((tp, pp, dp))
+        return out
+
+    def choices(self, tp: int, pp: int, dp: int) -> list[Choice]:
+        tr, m = self.spec.training, self.model
+        out = []
+        per_rank = tr.global_batch_size // dp
+        for dist_opt in (True, False) if dp > 1 else (False,):
+            floor = self.model_state_floor(tp, pp, dp, dist_opt)
+            if floor > self.budget:
+                self.reject(
+                    "model_state",
+                    f"tp={tp} pp={pp} dp={dp} distributed_optimizer={dist_opt}: the weights, gradients and "
+                    f"optimizer state alone need {floor / GiB:,.2f} GiB per device, over the "
+                    f"{self.budget / GiB:,.2f} GiB budget",
+                    memory_per_gpu_bytes=floor,
+                )
+                continue
+            sps = (True, False) if tp > 1 and m.seq_length % tp == 0 else (False,)
+            vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
+            for mbs in divisors(per_rank):
+                n_micro = per_rank // mbs
+                for v in vs:
+                    if v > 1 and n_micro % pp:
+                        continue  # interleaving needs micro-batches in groups of pp (batch_problems)
+                    split = balanced_layers(m.num_layers, pp, v)
+                    for sp in sps:
+                        lay = Layout(
+                            tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp, pipeline_layers=split
+                        )
+                        for rc in RECOMPUTE_ORDER:
+                            out.append(Choice(lay, mbs, rc, dist_opt))
+        return out
+
+    def search(self) -> Plan:
+        scored: list[tuple[float, int, Choice, StepTime]] = []
+        for tp, pp, dp in self.families():
+            for c in self.choices(tp, pp, dp):
+                t = predict_step(self.model, c.layout, self.settings(c), self.pool)
+                scored.append((t.step_time_s, len(scored), c, t))
+        self.considered = len(scored) + sum(self.counts.values())
+        scored.sort(key=lambda x: (x[0], x[1]))
+        # Families whose smallest failing micro-batch is known: (layout, dist_opt, recompute) -> mbs.
+        too_big: dict[tuple[Layout, bool, str], int] = {}
+        fitting: list[tuple[Choice, StepTime, MemoryEstimate]] = []
+        best_miss: tuple[Choice, MemoryEstimate] | None = None
+        for _, _, c, t in scored:
+            key_rc = RECOMPUTE_ORDER.index(c.recompute)
+            known = [
+                too_big.get((c.layout, c.distributed_optimizer, rc))
+                for rc in RECOMPUTE_ORDER[key_rc:]  # less recompute than a miss can only need more
+            ]
+            if any(b is not None and c.micro_batch_size >= b for b in known):
+                self.counts["memory"] += 1
+                continue
+            est = self.memory(c)
+            if fits(est, self.pool.device_memory_bytes, HEADROOM):
+                fitting.append((c, t, est))
+                if len(fitting) > MAX_RUNNERS_UP:
+                    break
+                continue
+            self.memory_rejection(c, est)
+            k = (c.layout, c.distributed_optimizer, c.recompute)
+            too_big[k] = min(too_big.get(k, c.micro_batch_size), c.micro_batch_size)
+            if best_miss is None or est.total_bytes < best_miss[1].total_bytes:
+                best_miss = (c, est)
+        if not fitting:
+            raise self.nothing_fits(best_miss)
+        (c, t, est), runners = fitting[0], fitting[1:]
+        return Plan(
+            choice=c,
+            time=t,
+            memory=est,
+            devices=self.devices,
+            pool=self.pool.name,
+            precision=self.precision,
+            runners_up=runners,
+            rejected=self.rejected,
+            rejected_counts=dict(self.counts),
+            considered=self.considered,
+        )
+
+    def nothing_fits(self, best_miss: tuple[Choice, MemoryEstimate] | None) -> PlanError:
+        """The error when no candidate survives: the closest miss, or every rule that ruled all out."""
+        floors = [r for r in self.rejected if r.code == "model_state"]
+        if best_miss is None and floors:
+            closest = min(floors, key=lambda r: r.numbers["memory_per_gpu_bytes"])
+            message = f"no layout of {self.devices} devices fits: the smallest, {closest.message}"
+        elif best_miss is not None:
+            c, est = best_miss
+            message = (
+                f"no layout of {self.devices} devices fits a {self.pool.device_memory_bytes / GiB:,.1f} "
+                f"GiB device: the smallest, {c.layout.describe()} micro_batch_size={c.micro_batch_size} "
+                f"recompute={c.recompute}, needs {est.total_bytes / GiB:,.2f} GiB of the "
+                f"{self.budget / GiB:,.2f} GiB budget: use more devices or a pool with more memory"
+            )
+        else:
+            rules = list(dict.fromkeys(r.message for r in most_telling(self.rejected)))[:5]
+            message = f"no layout of {self.devices} devices passes the layout rules: " + "; ".join(rules)
+        field_name = "resources.devices" if best_miss is None and not floors else "model"
+        return PlanError(
+            [{"field": field_name, "message": message}],
+            [r.as_dict() for r in self.rejected[:MAX_REJECTED_SHOWN]],
+        )
+
+
+def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
+    if tokenizer_vocab is not None:
+        return tokenizer_vocab
+    if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
+        raise PlanError(
+            [
+                {
+                    "field": "model.vocab_size",
+                    "message": "model.vocab_size is needed to plan with a non-byte tokenizer "
+                    "(the planner does not read tokenizer files)",
+                }
+            ]
+        )
+    return spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
+
+
+def plan(
+    spec: JobSpec, pool: PoolSpec, devices: int | None = None, *, tokenizer_vocab: int | None = None
+) -> Plan:
+    """The fastest layout of `spec` on `devices` of `pool` (default: resources.devices, else the
+    whole pool) that fits its devices; an explicit `parallelism` is predicted as given.
+
+    Raises PlanError (a SpecError: field-named problems) when nothing can run, naming why."""
+    vocab = _vocab(spec, tokenizer_vocab)
+    wanted = devices or spec.resources.devices
+    layout = None
+    if isinstance(spec.parallelism, ParallelismSpec):
+        try:
+            layout = resolve_layout(spec, wanted or pool.total_devices)
+        except SpecError as exc:
+            raise PlanError(exc.errors) from None
+        if wanted is not None and layout.world_size != wanted:
+            raise PlanError(
+                [
+                    {
+                        "field": "parallelism",
+                        "message": f"tp×pp×cp×dp={layout.world_size} processes, but {wanted} devices "
+                        "were asked for",
+                    }
+                ]
+            )
+        wanted = layout.world_size
+    n = wanted or pool.total_devices
+    if n > pool.total_devices:
+        raise PlanError(
+            [
+                {
+                    "field": "resources.devices",
+                    "message": f"{n} devices exceed pool {pool.name!r}'s "
+                    f"{pool.nodes}×{pool.devices_per_node}={pool.total_devices}",
+                }
+            ]
+        )
+    search = _Search(spec, pool, n, vocab)
+    return _explicit(search, layout) if layout is not None else search.search()
+
+
+def _explicit(search: _Search, layout: Layout) -> Plan:
+    spec, pool = search.spec, search.pool
+    par = spec.parallelism
+    assert isinstance(par, ParallelismSpec)
+    if pool.devices_per_node % layout.tp:
+        raise PlanError(
+            [
+                {
+                    "field": "parallelism.tp",
+                    "message": f"parallelism.tp={layout.tp} does not divide the {pool.devices_per_node} "
+                    f"devices of a node in pool {pool.name!r} (tensor parallelism stays inside a node)",
+                }
+            ]
+        )
+    dist_opt = par.distributed_optimizer and layout.dp * layout.cp > 1
+    c = Choice(layout, spec.training.micro_batch_size, spec.training.recompute, dist_opt)
+    est = search.memory(c)
+    if not fits(est, pool.device_memory_bytes, HEADROOM):
+        search.memory_rejection(c, est)
+        message = f"layout {layout.describe()} {search.rejected[-1].message}"
+        raise PlanError([{"field": "parallelism", "message": message}])
+    t = predict_step(search.model, layout, search.settings(c), pool)
+    return Plan(c, t, est, search.devices, pool.name, search.precision, explicit=True)
+
+
+__all__ = [
+    "Choice",
+    "Plan",
+    "PlanError",
+    "Rejection",
+    "balanced_layers",
+    "divisors",
+    "plan",
+    "predicted_dict",
+]

@@ -1,0 +1,152 @@
+"""What the planner answers: a choice (layout + the settings it does not hold), its predicted step
+and memory, the runners-up and the rejected with their reasons (codes and numbers, rendered to a
+message here, per STYLE habit 13), and the JSON that POST /v1/plan returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatrain.plan.cost import StepTime
+from megatrain.plan.layout import Layout
+from megatrain.plan.memory import MemoryEstimate
+from megatrain.spec import JobSpec, SpecError, parse_spec
+
+MAX_REJECTED_SHOWN = 20
+TIME_PARTS = ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
+              "optimizer_s", "overhead_s")  # fmt: skip
+
+
+class PlanError(SpecError):
+    """No layout can run: `errors` are field-named problems (a 422), `rejected` the best tries."""
+
+    def __init__(self, errors: list[dict[str, str]], rejected: list[dict[str, Any]] | None = None):
+        super().__init__(errors)
+        self.rejected = rejected or []
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One point of the search: a layout and the settings the layout does not hold."""
+
+    layout: Layout
+    micro_batch_size: int
+    recompute: str
+    distributed_optimizer: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "cp": lay.cp,
+            "ep": lay.ep,
+            "virtual_stages": lay.virtual_stages,
+            "micro_batch_size": self.micro_batch_size,
+            "recompute": self.recompute,
+            "sequence_parallel": lay.sequence_parallel,
+            "distributed_optimizer": self.distributed_optimizer,
+            "pipeline_schedule": lay.pipeline_schedule,
+            "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
+        }
+
+    def apply(self, spec: JobSpec) -> JobSpec:
+        """`spec` with this choice written in: an explicit parallelism, the micro-batch size and
+        recompute chosen, resources.devices the layout's world (what to store once planned)."""
+        raw = spec.model_dump(mode="json")
+        lay = self.layout
+        par = raw["parallelism"] if isinstance(raw["parallelism"], dict) else {}
+        raw["parallelism"] = {
+            **par,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "virtual_stages": lay.virtual_stages,
+            "sequence_parallel": lay.sequence_parallel,
+            "distributed_optimizer": self.distributed_optimizer,
+            "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
+        }
+        raw["training"].update(micro_batch_size=self.micro_batch_size, recompute=self.recompute)
+        raw["resources"]["devices"] = lay.world_size
+        return parse_spec(raw)
+
+
+@dataclass
+class Rejection:
+    code: str
+    """divisibility | tp_exceeds_node | model_state | memory | devices."""
+    message: str
+    choice: dict[str, Any] | None = None
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "reason": self.message, "layout": self.choice, **self.numbers}
+
+
+@dataclass
+class Plan:
+    choice: Choice
+    time: StepTime
+    memory: MemoryEstimate
+    devices: int
+    pool: str
+    precision: str
+    runners_up: list[tuple[Choice, StepTime, MemoryEstimate]] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    rejected_counts: dict[str, int] = field(default_factory=dict)
+    considered: int = 1
+    explicit: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan's JSON: `layout`, `predicted`, `candidates` (POST /v1/plan's answer)."""
+        return {
+            "layout": self.choice.as_dict(),
+            "predicted": predicted_dict(self.time, self.memory),
+            "candidates": {
+                "considered": self.considered,
+                "runners_up": [
+                    {"layout": c.as_dict(), "predicted": predicted_dict(t, m, brief=True)}
+                    for c, t, m in self.runners_up
+                ],
+                "rejected": [r.as_dict() for r in most_telling(self.rejected)],
+                "rejected_counts": self.rejected_counts,
+            },
+            "devices": self.devices,
+            "pool": self.pool,
+            "precision": self.precision,
+            "explicit_layout": self.explicit,
+        }
+
+
+REJECTION_ORDER = ("memory", "model_state", "divisibility", "tp_exceeds_node")
+
+
+def most_telling(rejected: list[Rejection]) -> list[Rejection]:
+    """The rejections to show: the nearest misses (memory) first, capped."""
+    rank = {code: i for i, code in enumerate(REJECTION_ORDER)}
+    return sorted(rejected, key=lambda r: rank.get(r.code, len(rank)))[:MAX_REJECTED_SHOWN]
+
+
+def predicted_dict(time: StepTime, memory: MemoryEstimate, brief: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "step_time_s": time.step_time_s,
+        "tokens_per_s": time.tokens_per_s,
+        "tflops_per_gpu": time.tflops_per_gpu,
+        "mfu": time.mfu,
+        "memory_per_gpu_bytes": memory.total_bytes,
+    }
+    if brief:
+        return out
+    out["memory_breakdown"] = {
+        "params_bytes": memory.params_bytes,
+        "grads_bytes": memory.grads_bytes,
+        "optimizer_bytes": memory.optimizer_bytes,
+        "activations_bytes": memory.activations_bytes,
+        "worst_stage": memory.stage,
+    }
+    keys = ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s")
+    out["time_breakdown"] = {
+        k: getattr(time, k) for k in (*keys, "dp_exposed_s", "optimizer_s", "overhead_s")
+    }
+    return out

@@ -1,0 +1,97 @@
+"""`megatrain plan SPEC [--pool POOL] [--json]`: offline with a pool file, else through the API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from fixtures.live import LiveApi
+from typer.testing import CliRunner
+
+from megatrain.cli import app
+
+POOL = {
+    "name": "h100",
+    "accelerator": "NVIDIA H100 80GB HBM3",
+    "device_memory_bytes": 80 << 30,
+    "peak_tflops": {"bf16": 989.0},
+    "devices_per_node": 8,
+    "nodes": 4,
+    "intra_node_bandwidth_gbps": 450.0,
+    "inter_node_bandwidth_gbps": 50.0,
+}
+SPEC = {
+    "name": "planned",
+    "model": {"arch": "llama", "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+              "num_query_groups": 8, "seq_length": 4096, "vocab_size": 128256},
+    "data": {"train": [{"dataset": "corpus"}]},
+    "training": {"global_batch_size": 256, "micro_batch_size": 1, "precision": "bf16"},
+    "resources": {"devices": 32},
+}  # fmt: skip
+
+
+def _files(tmp_path: Path, spec: dict[str, Any] = SPEC, pool: dict[str, Any] = POOL) -> tuple[str, str]:
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    return str(tmp_path / "spec.yaml"), str(tmp_path / "pool.yaml")
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def test_offline_plan_shows_the_layout_prediction_and_runners_up(tmp_path: Path) -> None:
+    spec, pool = _files(tmp_path)
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 0, out
+    first = out.splitlines()[0]
+    assert first.startswith("tp=") and "on 32 devices of pool h100 (bf16)" in first
+    assert "predicted:" in out and "tok/s" in out and "MFU" in out and "GiB per device" in out
+    assert "runners-up" in out and "considered" in out
+
+    code, out = _run("plan", spec, "--pool", pool, "--json")
+    assert code == 0, out
+    body = json.loads(out)
+    lay = body["layout"]
+    assert lay["tp"] * lay["pp"] * lay["dp"] == 32 and lay["tp"] <= 8
+    assert {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_bytes"} <= set(
+        body["predicted"]
+    )
+
+
+def test_offline_errors_are_red_lines(tmp_path: Path) -> None:
+    spec, pool = _files(tmp_path, pool={**POOL, "devices_per_node": 0})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 1 and "Traceback" not in out
+    assert "invalid pool" in out and "devices_per_node:" in out
+
+    big = {
+        **SPEC,
+        "model": {**SPEC["model"], "num_layers": 1, "hidden_size": 65536, "num_attention_heads": 64},
+    }
+    spec, pool = _files(tmp_path, spec={**big, "resources": {"devices": 8}})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 1 and "Traceback" not in out
+    assert "cannot plan" in out and "no layout of 8 devices fits" in out
+
+    code, out = _run("plan", str(tmp_path / "missing.yaml"), "--pool", pool)
+    assert code == 1 and "no such file" in out
+
+
+def test_plan_through_the_api(live_api: LiveApi, tmp_path: Path) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(live_api.spec("via-api")))
+    code, out = _run("plan", str(path), "--json")
+    assert code == 0, out
+    body = json.loads(out)
+    assert body["pool"] == "default" and body["devices"] == 1 and body["layout"]["tp"] == 1
+
+    bad = live_api.spec("bad-plan")
+    bad["training"]["global_batch_size"] = 3  # micro_batch_size 2 does not divide it
+    path.write_text(json.dumps(bad))
+    code, out = _run("plan", str(path))
+    assert code == 1 and "Traceback" not in out
+    assert "spec.training.global_batch_size" in out
