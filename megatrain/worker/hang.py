@@ -1,0 +1,169 @@
+"""Hung-attempt detection for the shard runner.
+
+The rule: an attempt is hung when its step counter has not moved for `hang_factor` x the median
+step time the attempt measured (never less than `hang_min_s`). Before the attempt's first step
+(setup, resume) and after a step that is due a checkpoint until that checkpoint is reported saved,
+the allowance is `hang_grace_s` instead: those pauses are legitimately long.
+
+Each engine rank writes OUT/progress.rank{R} (JSON: its last finished step and its pid) so a hang
+names the rank(s) that stopped first; the runner asks those processes for their stacks (SIGUSR1,
+which the engine routes to `faulthandler`; `py-spy dump` too when it is installed) before it ends
+the attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROGRESS_GLOB = "progress.rank*"
+
+
+@dataclass(frozen=True)
+class HangRule:
+    factor: float = 10.0
+    min_s: float = 120.0
+    grace_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    step: int
+    pid: int | None
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What the runner reports: who stopped, where, for how long."""
+
+    ranks: tuple[int, ...]
+    host: str
+    step: int
+    stalled_s: float
+    median_s: float | None
+    pids: tuple[int, ...]
+
+    def reason(self) -> str:
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else "ranks " + ",".join(map(str, self.ranks))
+        median = f"median step {self.median_s:.3g} s" if self.median_s else "before its first step"
+        return (
+            f"hung: {who} on {self.host} stopped at step {self.step} for {self.stalled_s:.0f} s "
+            f"({median}); stacks in the log"
+        )
+
+    def data(self) -> dict[str, Any]:
+        return {
+            "cause": "hung",
+            "ranks": list(self.ranks),
+            "host": self.host,
+            "step": self.step,
+            "stalled_s": round(self.stalled_s, 3),
+            "median_step_s": self.median_s,
+        }
+
+
+def read_progress(out_dir: Path) -> list[RankProgress]:
+    """Every rank's last progress file; unreadable (half-written) ones are skipped."""
+    found = []
+    for path in sorted(out_dir.glob(PROGRESS_GLOB)):
+        try:
+            rank = int(path.name.removeprefix("progress.rank"))
+            row = json.loads(path.read_text())
+            found.append(RankProgress(rank, int(row.get("step") or 0), row.get("pid")))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return found
+
+
+def write_progress(out_dir: Path, rank: int, step: int) -> None:
+    """Atomically record this rank's last finished step (the engine calls this)."""
+    path = out_dir / f"progress.rank{rank}"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+class HangWatch:
+    """Fed every metrics row and event the runner ingests; `check(now)` says whether it is hung."""
+
+    def __init__(self, rule: HangRule, started: float, checkpoint_interval: int = 0):
+        self.rule = rule
+        self.checkpoint_interval = checkpoint_interval
+        self.last_step: int | None = None
+        self.last_move = started
+        self.step_times: list[float] = []
+        self.saved_step = 0
+
+    def observe_metrics(self, rows: list[dict[str, Any]], now: float) -> None:
+        for row in rows:
+            step = row.get("step")
+            if not isinstance(step, int) or (self.last_step is not None and step <= self.last_step):
+                continue
+            self.last_step, self.last_move = step, now
+            t = row.get("iter_time_s")
+            if isinstance(t, (int, float)) and t > 0:
+                self.step_times.append(float(t))
+
+    def observe_events(self, rows: list[dict[str, Any]], now: float) -> None:
+        for row in rows:
+            if row.get("event") == "checkpoint_saved" and isinstance(row.get("step"), int):
+                self.saved_step = max(self.saved_step, row["step"])
+                self.last_move = max(self.last_move, now)  # a save's end restarts the clock
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def allowance_s(self) -> float:
+        """How long the step counter may stand still now."""
+        median = self.median_s
+        if self.last_step is None or median is None:
+            return self.rule.grace_s
+        every = self.checkpoint_interval
+        if every and self.last_step % every == 0 and self.saved_step < self.last_step:
+            return self.rule.grace_s
+        return max(self.rule.min_s, self.rule.factor * median)
+
+    def check(self, now: float, out_dir: Path, host: str) -> Hang | None:
+        stalled = now - self.last_move
+        if stalled <= self.allowance_s():
+            return None
+        progress = read_progress(out_dir)
+        if progress:
+            low = min(p.step for p in progress)
+            stopped = [p for p in progress if p.step == low]
+        else:
+            low, stopped = self.last_step or 0, [RankProgress(0, self.last_step or 0, None)]
+        pids = tuple(p.pid for p in stopped if isinstance(p.pid, int))
+        return Hang(tuple(p.rank for p in stopped), host, low, stalled, self.median_s, pids)
+
+
+def dump_stacks(pids: tuple[int, ...]) -> list[str]:
+    """Ask each process for its Python stacks: SIGUSR1 (the engine's faulthandler writes them to its
+    stderr, i.e. the job's log) and, if installed, `py-spy dump`, whose output is returned."""
+    lines: list[str] = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError as exc:
+            lines.append(f"could not signal pid {pid} for its stacks: {exc}")
+        spy = shutil.which("py-spy")
+        if spy is None:
+            continue
+        try:
+            res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+            lines += [f"py-spy dump of pid {pid}:", *(res.stdout + res.stderr).splitlines()]
+        except (OSError, subprocess.SubprocessError) as exc:
+            lines.append(f"py-spy dump of pid {pid} failed: {exc}")
+    return lines
