@@ -127,7 +127,11 @@ def node_heartbeat(settings: Settings, node_id: str, accelerator: str, slots: in
             update(Node)
             .where(Node.id == node_id)
             # A quarantined node stays so (only an operator lifts it); a lost one comes back.
-            .values(last_seen_at=utcnow(), status=case((Node.status == QUARANTINED, QUARANTINED), else_="ready"), **values)
+            .values(
+                last_seen_at=utcnow(),
+                status=case((Node.status == QUARANTINED, QUARANTINED), else_="ready"),
+                **values,
+            )
             .execution_options(synchronize_session=False)
         )
 

@@ -22,12 +22,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
+from megatrain.db.goodput import quarantine_if_failing, record_attempt
 from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import (
     CANCELLED,
@@ -37,6 +40,7 @@ from megatrain.db.models import (
     SCHEDULED,
     SUCCEEDED,
     Job,
+    JobEvent,
     Node,
     NodePool,
     utcnow,
@@ -44,7 +48,9 @@ from megatrain.db.models import (
 from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.settings import Settings, get_settings
+from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
 from megatrain.worker.procs import die_with_parent, terminate_tree
 
@@ -57,6 +63,7 @@ KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
 """Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
 POLL_S = 0.25
 MAX_REASON_CHARS = 4000
+STACK_DUMP_WAIT_S = 2.0
 
 
 @dataclass
@@ -70,6 +77,15 @@ class _Attempt:
     devices: list[int] | None = None
     """The node's device indices the scheduler placed this attempt on."""
     accelerator: str = "cpu"
+    node_id: str | None = None
+    queued_s: float = 0.0
+    """How long the job waited in the queue before this attempt (for the goodput ledger)."""
+    prev_step: int = 0
+    checkpoint_interval: int = 0
+
+
+def hang_rule(settings: Settings) -> HangRule:
+    return HangRule(settings.hang_factor, settings.hang_min_s, settings.hang_grace_s)
 
 
 def engine_command(num_procs: int, out_dir: Path, checkpoint_url: str) -> list[str]:
@@ -116,6 +132,7 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
         except (KeyError, TypeError, ValueError):
             total_steps = job.total_steps
         now = utcnow()
+        queued_s, prev_step = _queued_s(s, job, now), job.current_step or 0
         ok = transition(
             s,
             job_id,
@@ -143,7 +160,20 @@ def _claim(settings: Settings, job_id: str) -> _Attempt | None:
             out_dir,
             devices=job.devices,
             accelerator=accelerator or "cpu",
+            node_id=job.node_id,
+            queued_s=queued_s,
+            prev_step=prev_step,
+            checkpoint_interval=int((job.spec.get("training") or {}).get("checkpoint_interval") or 0),
         )
+
+
+def _queued_s(s: Session, job: Job, now: datetime) -> float:
+    """Seconds since the job last entered the queue (its creation, or its last requeue)."""
+    since = s.scalar(
+        select(func.max(JobEvent.created_at)).where(JobEvent.job_id == job.id, JobEvent.to_status == QUEUED)
+    )
+    since = since or job.created_at
+    return max((now - since).total_seconds(), 0.0) if since else 0.0
 
 
 def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
@@ -186,6 +216,9 @@ class _Runner:
         self.pending_lines: list[str] = []
         self.next_seq = 0
         self.last_heartbeat = time.monotonic()
+        self.watch = HangWatch(hang_rule(settings), self.last_heartbeat, att.checkpoint_interval)
+        self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
+        self.hang: Hang | None = None
 
     def tick(self, heartbeat: bool) -> str | None:
         """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
@@ -197,8 +230,15 @@ class _Runner:
             seq = append_logs(
                 session, self.att.job_id, self.pending_lines, self.next_seq, self.settings.max_log_lines
             )
-            ingest_metrics(session, self.att.job_id, self.metrics.read())
-            ingest_events(session, self.att.job_id, self.events.read(), self.att.attempt)
+            metrics, events = self.metrics.read(), self.events.read()
+            now = time.monotonic()
+            # Fed before the database: a re-read after a failed transaction is harmless to both.
+            self.watch.observe_metrics(metrics, now)
+            self.watch.observe_events(events, now)
+            self.clock.observe_metrics(metrics, now)
+            self.clock.observe_events(events)
+            ingest_metrics(session, self.att.job_id, metrics)
+            ingest_events(session, self.att.job_id, events, self.att.attempt)
             if heartbeat:
                 owned = session.execute(
                     update(Job)
@@ -241,12 +281,23 @@ class _Runner:
         is one line (its traceback is in the job's log); its ranks' records decide whether it is
         retried: an error of the job's own inputs would only repeat, so it fails the job at once."""
         job_id, att = self.att.job_id, self.att
+        failure = None
         with session_scope(self.url) as s:
             clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
             if outcome == "lost":
                 log.warning("job %s: no longer owned by this runner; engine stopped", job_id)
                 return
-            if outcome == "cancel":
+            # Avoiding the node that failed is a preference: placement still uses it if nothing
+            # else has room.
+            avoid = sorted({*self._avoid_nodes(s), att.node_id}) if att.node_id else None
+            if outcome == "hung" and self.hang is not None:
+                failure = "hung"
+                retrying = retry_allowed(att)
+                reason = self.hang.reason() + ("; retrying from the latest checkpoint" if retrying else "")
+                data = self.hang.data() | {"attempt": att.attempt}
+                to, fields = (QUEUED, clear | {"avoid_nodes": avoid}) if retrying else (FAILED, {})
+                ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+            elif outcome == "cancel":
                 ok = transition(s, job_id, CANCELLED, from_statuses=(RUNNING,), reason="cancelled by request")
             elif outcome == "timeout":
                 reason = f"exceeded max_runtime_s={att.max_runtime_s:g}"
@@ -255,13 +306,32 @@ class _Runner:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
             else:
                 record = pick(read_records(att.out_dir))
-                retrying = (record is None or record.get("kind") not in NOT_RETRIED) and retry_allowed(att)
+                infra = record is None or record.get("kind") not in NOT_RETRIED
+                failure = "infrastructure" if infra else None
+                retrying = infra and retry_allowed(att)
                 reason = attempt_reason(record, rc, att.attempt, retrying)[:MAX_REASON_CHARS]
                 data = event_data(record, rc, att.attempt)
-                to, fields = (QUEUED, clear) if retrying else (FAILED, {})
+                to, fields = (QUEUED, clear | {"avoid_nodes": avoid}) if retrying else (FAILED, {})
                 ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
+                return
+            status = s.scalar(select(Job.status).where(Job.id == job_id)) or outcome
+            self._record_ledger(s, status, failure)
+
+    def _avoid_nodes(self, s: Session) -> list[str]:
+        return list(s.scalar(select(Job.avoid_nodes).where(Job.id == self.att.job_id)) or ())
+
+    def _record_ledger(self, s: Session, outcome: str, failure: str | None) -> None:
+        """The attempt's row in the goodput ledger; an infrastructure failure may quarantine its node."""
+        att = self.att
+        self.clock.hang_s = self.hang.stalled_s if self.hang is not None else 0.0
+        seconds = self.clock.seconds(time.monotonic())
+        record_attempt(s, att.job_id, att.node_id, att.attempt, outcome, failure, seconds)
+        if failure is not None and att.node_id is not None:
+            why = quarantine_if_failing(s, att.node_id, self.settings)
+            if why is not None:
+                log.warning("node %s quarantined: %s", self.host, why)
 
 
 def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
@@ -315,6 +385,9 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
             break
         if verdict is None and now - started > att.max_runtime_s:
             verdict = "timeout"
+        if verdict is None and (hang := runner.watch.check(now, att.out_dir, runner.host)) is not None:
+            verdict = "hung"
+            _report_hang(runner, hang, lines)
         if verdict is not None:
             outcome = verdict
             log.info("job %s: stopping the engine (%s)", job_id, verdict)
@@ -338,6 +411,16 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
             # If this keeps failing the reconciler requeues the job once heartbeats stop.
             log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc
+
+
+def _report_hang(runner: _Runner, hang: Hang, lines: queue.Queue[str | None]) -> None:
+    """Name the hang in the log and collect the stopped ranks' stacks before the attempt ends."""
+    runner.hang = hang
+    log.warning("job %s: %s", runner.att.job_id, hang.reason())
+    runner.pending_lines.append(f"megatrain: {hang.reason()}; dumping the stacks of pids {list(hang.pids)}")
+    runner.pending_lines += dump_stacks(hang.pids)
+    time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes to the engine's stderr: let it arrive
+    _drain(lines, runner)
 
 
 def _drain(lines: queue.Queue[str | None], runner: _Runner) -> None:

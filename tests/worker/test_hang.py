@@ -1,0 +1,120 @@
+"""Hung attempts (worker.hang + the shard runner): an engine whose step counter stops is detected,
+its stacks reach the job's log, the attempt is retried from its checkpoint and the retry finishes;
+repeated infrastructure failures quarantine the node; every attempt adds a goodput ledger row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from megatrain.db.goodput import job_goodput, node_goodput, release_node
+from megatrain.db.jobs import reserve_and_schedule
+from megatrain.db.models import QUARANTINED, QUEUED, SUCCEEDED, AttemptLedger, Job, JobEvent, JobLog, Node
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings, get_settings, reset_settings_cache
+from megatrain.worker.hang import HangRule, HangWatch
+from megatrain.worker.shard import run_shard
+
+
+@pytest.fixture
+def hang_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("MEGATRAIN_HANG_MIN_S", "1.5")
+    monkeypatch.setenv("MEGATRAIN_HANG_GRACE_S", "60")
+    reset_settings_cache()
+    return get_settings()
+
+
+def _reschedule(url: str, job_id: str) -> None:
+    with session_scope(url) as s:
+        node_id = s.scalar(select(Node.id).where(Node.hostname == "testnode"))
+        assert reserve_and_schedule(s, job_id, node_id, "test")
+
+
+def test_a_hung_rank_is_named_its_stacks_logged_and_the_retry_finishes(
+    hang_settings: Settings,
+    make_job: Callable[..., str],
+    fake_engine: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    url = hang_settings.resolved_database_url
+    monkeypatch.setenv("FAKE_ENGINE_HANG_AT", "8")
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_MARKER", str(tmp_path / "hung-once"))
+    job_id = make_job(max_retries=1, train_iters=12, checkpoint_interval=5)
+    run_shard(job_id, hang_settings)
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == QUEUED, job.status_reason
+        assert job.status_reason.startswith("hung: rank 0 on ")
+        assert " stopped at step 7 for " in job.status_reason
+        assert job.status_reason.endswith(
+            "(median step 0.01 s); stacks in the log; retrying from the latest checkpoint"
+        )
+        assert job.avoid_nodes == [s.scalar(select(Node.id).where(Node.hostname == "testnode"))]
+        event = s.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc())
+        ).first()
+        assert event.data["cause"] == "hung" and event.data["ranks"] == [0] and event.data["step"] == 7
+        log = "\n".join(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+    # faulthandler's dump of the stopped rank, naming the frame it is stuck in.
+    assert "most recent call first" in log and "_hang_forever" in log, log[-2000:]
+    _reschedule(url, job_id)
+    assert run_shard(job_id, hang_settings) == 0
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == SUCCEEDED and job.attempt == 2
+        rows = s.scalars(
+            select(AttemptLedger).where(AttemptLedger.job_id == job_id).order_by(AttemptLedger.attempt)
+        ).all()
+        assert [(r.attempt, r.outcome, r.failure) for r in rows] == [
+            (1, QUEUED, "hung"),
+            (2, SUCCEEDED, None),
+        ]
+        assert rows[0].hang_s >= 1.5 and rows[1].hang_s == 0
+        assert rows[1].restart_s > 0  # resumed from step 5 after reaching 7: overhead + 2 steps redone
+        goodput = job_goodput(s, job_id)
+        assert goodput["attempts"] == 2 and goodput["hang_s"] >= 1.5 and 0 < goodput["goodput"] < 1
+        assert node_goodput(s)[rows[0].node_id]["hang_s"] == goodput["hang_s"]
+
+
+def test_repeated_infrastructure_failures_quarantine_the_node_until_released(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEGATRAIN_NODE_QUARANTINE_FAILURES", "2")
+    reset_settings_cache()
+    settings = get_settings()
+    url = settings.resolved_database_url
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_AT", "2")  # fails every time: an infrastructure error
+    job_id = make_job(max_retries=3)
+    run_shard(job_id, settings)
+    with session_scope(url) as s:
+        node = s.scalar(select(Node).where(Node.hostname == "testnode"))
+        assert node.status == "ready"
+    _reschedule(url, job_id)
+    run_shard(job_id, settings)
+    with session_scope(url) as s:
+        node = s.scalar(select(Node).where(Node.hostname == "testnode"))
+        assert node.status == QUARANTINED
+        assert node.quarantine_reason == "2 attempts failed with infrastructure errors within 3600 s"
+        assert release_node(s, node.id) and not release_node(s, node.id)
+    with session_scope(url) as s:
+        assert s.scalar(select(Node.status).where(Node.hostname == "testnode")) == "ready"
+
+
+def test_the_allowance_is_the_factor_times_the_median_with_a_floor_and_a_grace() -> None:
+    watch = HangWatch(HangRule(factor=10, min_s=2, grace_s=100), started=0.0, checkpoint_interval=5)
+    assert watch.allowance_s() == 100  # before the first step
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.5} for s in (1, 2, 3)], now=3.0)
+    assert watch.allowance_s() == 5  # 10 x median 0.5
+    watch.observe_metrics([{"step": 4, "iter_time_s": 0.1}, {"step": 5, "iter_time_s": 0.1}], now=4.0)
+    assert watch.allowance_s() == 100  # step 5 is due a checkpoint, not reported saved yet
+    watch.observe_events([{"event": "checkpoint_saved", "step": 5}], now=9.0)
+    assert watch.allowance_s() == 5 and watch.last_move == 9.0
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.01} for s in range(6, 20)], now=10.0)
+    assert watch.allowance_s() == 2  # the floor
+    assert watch.check(11.9, Path("/nonexistent"), "h") is None
+    hang = watch.check(12.5, Path("/nonexistent"), "h")
+    assert hang is not None and hang.step == 19 and hang.ranks == (0,)
