@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +47,7 @@ from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_lay
 from megatrain.plan.memory import from_spec as memory_from_spec
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
+from megatrain.worker.hang import write_progress
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -251,6 +255,25 @@ def _started_event(
     }
 
 
+def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 1.0) -> None:
+    """Keep OUT/progress.rank{R} at this rank's last finished step (a daemon thread), so a hang names
+    the rank(s) that stopped first (megatrain.worker.hang)."""
+
+    def loop() -> None:
+        last = None
+        while True:
+            step = (activity.step or 1) - 1 if activity.phase == "training" else 0
+            if step != last:
+                try:
+                    write_progress(out, rank, step)
+                    last = step
+                except OSError:
+                    pass  # the folder may not exist yet; the next round retries
+            time.sleep(every_s)
+
+    threading.Thread(target=loop, daemon=True, name="progress").start()
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -280,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # The runner sends SIGUSR1 to a rank it finds hung: every thread's stack goes to the job's log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     out = Path(args.out)
     activity = Activity()
+    _report_progress(out, int(os.environ.get("RANK", "0")), activity)
     try:
         spec, layout = load_job(args.spec, args.layout, int(os.environ.get("WORLD_SIZE", "1")))
     except (SpecError, UnsupportedLayout, LayoutError, OSError, ValueError) as exc:

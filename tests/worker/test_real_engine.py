@@ -16,6 +16,7 @@ from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
+from megatrain.worker.hang import read_progress
 from megatrain.worker.shard import run_shard
 
 pytestmark = pytest.mark.slow
@@ -115,6 +116,9 @@ def test_real_engine_runs_under_the_runner(
         assert data["layout"]["tp"] == (2 if procs == 4 else 1)
     latest = settings.home / "storage" / "jobs" / job_id / "checkpoints" / "latest"
     assert latest.read_text().strip() == "6"
+    # Each rank kept a progress file for hang detection (worker.hang).
+    progress = read_progress(settings.runs_dir / job_id / "attempt-1")
+    assert sorted(p.rank for p in progress) == list(range(procs))
 
 
 @pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
