@@ -167,7 +167,16 @@ class Scheduler:
     # -- recovery --------------------------------------------------------------------------------
 
     def _lost_why(self, job: Job, now: datetime) -> str | None:
-        verdict = self.executor.runner_alive(job)
+        """Why the job's runner is gone, or None. Only a definite answer (the executor's False, or a
+        heartbeat older than heartbeat_timeout_s) ends an attempt: a status query that fails says
+        nothing, so the job is left alone this tick rather than relaunched while it may be healthy."""
+        try:
+            verdict = self.executor.runner_alive(job)
+        except Exception as exc:
+            log.warning(
+                "job %s: could not ask whether its runner is alive (%s); judging it later", job.id, exc
+            )
+            return None
         if verdict is True:
             return None
         if verdict is False:
