@@ -20,6 +20,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,21 +150,34 @@ class HangWatch:
         return Hang(tuple(p.rank for p in stopped), host, low, stalled, self.median_s, pids)
 
 
-def dump_stacks(pids: tuple[int, ...]) -> list[str]:
+def dump_stacks(pids: tuple[int, ...], timeout_s: float = 10.0) -> list[str]:
     """Ask each process for its Python stacks: SIGUSR1 (the engine's faulthandler writes them to its
-    stderr, i.e. the job's log) and, if installed, `py-spy dump`, whose output is returned."""
+    stderr, i.e. the job's log) and, if installed, `py-spy dump`, whose output is returned. The
+    py-spy dumps run at once and are bounded together, so the runner's heartbeat never lapses."""
     lines: list[str] = []
     for pid in pids:
         try:
             os.kill(pid, signal.SIGUSR1)
         except OSError as exc:
             lines.append(f"could not signal pid {pid} for its stacks: {exc}")
-        spy = shutil.which("py-spy")
-        if spy is None:
-            continue
+    spy = shutil.which("py-spy")
+    if spy is None or not pids:
+        return lines
+    procs = {}
+    for pid in pids:
         try:
-            res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
-            lines += [f"py-spy dump of pid {pid}:", *(res.stdout + res.stderr).splitlines()]
-        except (OSError, subprocess.SubprocessError) as exc:
+            procs[pid] = subprocess.Popen(
+                [spy, "dump", "--pid", str(pid)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        except OSError as exc:
             lines.append(f"py-spy dump of pid {pid} failed: {exc}")
+    deadline = time.monotonic() + timeout_s
+    for pid, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            lines += [f"py-spy dump of pid {pid}:", *out.splitlines()]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            lines.append(f"py-spy dump of pid {pid} took over {timeout_s:g} s; skipped")
     return lines

@@ -118,3 +118,35 @@ def test_the_allowance_is_the_factor_times_the_median_with_a_floor_and_a_grace()
     assert watch.check(11.9, Path("/nonexistent"), "h") is None
     hang = watch.check(12.5, Path("/nonexistent"), "h")
     assert hang is not None and hang.step == 19 and hang.ranks == (0,)
+
+
+def test_dump_stacks_asks_a_process_for_its_stacks(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from worker_helpers import wait_for
+
+    from megatrain.worker.hang import dump_stacks
+
+    err = tmp_path / "stderr"
+    code = (
+        "import faulthandler, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "print('ready', flush=True)\n"
+        "def stuck_here():\n    time.sleep(30)\n"
+        "stuck_here()\n"
+    )
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=f, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        lines = dump_stacks((proc.pid,))
+        assert not any("could not signal" in line for line in lines)
+        wait_for(lambda: "stuck_here" in err.read_text(), timeout=10)
+        assert "most recent call first" in err.read_text()
+        assert proc.poll() is None  # asked, not killed
+    finally:
+        proc.kill()
+        proc.wait()
+    gone = dump_stacks((2**22 + 12345,))
+    assert gone and "could not signal pid" in gone[0]
