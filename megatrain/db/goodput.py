@@ -21,6 +21,9 @@ from megatrain.settings import Settings
 LOSSES = ("queued_s", "restart_s", "checkpoint_stall_s", "hang_s")
 """The ways time is lost, besides productive_s, in the API's `goodput` object."""
 FIELDS = ("productive_s", *LOSSES)
+NODE_FAULTS = ("infrastructure", "hung", "runner_lost")
+"""Ledger failures that count toward a node's quarantine. A lost node's attempts ("node_lost") do
+not: the node is out of placement already, and one loss would count once per job it ran."""
 
 
 def record_attempt(
@@ -83,7 +86,7 @@ def quarantine_if_failing(
     count = session.scalar(
         select(func.count(AttemptLedger.id)).where(
             AttemptLedger.node_id == node_id,
-            AttemptLedger.failure.is_not(None),
+            AttemptLedger.failure.in_(NODE_FAULTS),
             AttemptLedger.ended_at >= now - timedelta(seconds=window),
         )
     )
@@ -111,8 +114,33 @@ def release_node(session: Session, node_id: str) -> bool:
     if changed:
         session.execute(
             update(AttemptLedger)
-            .where(AttemptLedger.node_id == node_id, AttemptLedger.failure.is_not(None))
+            .where(AttemptLedger.node_id == node_id, AttemptLedger.failure.in_(NODE_FAULTS))
             .values(failure=None)
             .execution_options(synchronize_session=False)
         )
     return bool(changed)
+
+
+def record_lost_attempt(
+    session: Session,
+    settings: Settings,
+    job: Any,
+    outcome: str,
+    failure: str,
+    now: datetime | None = None,
+) -> str | None:
+    """The ledger row of a running attempt the scheduler ended because its runner or node went
+    silent (the runner wrote none): productive until its last heartbeat, the silence after it lost
+    to the restart. Counts toward its node's quarantine; returns the quarantine reason if it began."""
+    if job.started_at is None:
+        return None  # never started: nothing ran, nothing to count against the node
+    now = now or utcnow()
+    last = job.heartbeat_at or job.started_at
+    seconds = {
+        "productive_s": (last - job.started_at).total_seconds(),
+        "restart_s": (now - last).total_seconds(),
+    }
+    record_attempt(session, job.id, job.node_id, job.attempt, outcome, failure, seconds)
+    if job.node_id is None or failure not in NODE_FAULTS:
+        return None
+    return quarantine_if_failing(session, job.node_id, settings, now)

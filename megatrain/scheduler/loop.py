@@ -14,17 +14,20 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
+from megatrain.db.goodput import record_lost_attempt
 from megatrain.db.jobs import reserve_and_schedule, reserve_gang, retry_allowed, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
     CANCELLED,
     FAILED,
     QUEUED,
+    RUNNING,
     SCHEDULED,
     Job,
     Node,
@@ -45,6 +48,12 @@ log = logging.getLogger(__name__)
 MAX_PASSES = 8
 """Fresh snapshots one tick may take after lost reservation races before it leaves the rest to the
 next tick (several schedulers competing for the same slots)."""
+
+
+def _attempt_facts(job: Job) -> SimpleNamespace:
+    """What the ledger needs of an attempt, read before the transition changes the row."""
+    names = ("id", "node_id", "attempt", "started_at", "heartbeat_at")
+    return SimpleNamespace(**{n: getattr(job, n) for n in names})
 
 
 class Scheduler:
@@ -238,11 +247,14 @@ class Scheduler:
                 data = {"cause": "node_lost", "node_id": v.node_id, "hostname": v.hostname}
                 clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
                 log.warning("job %s: %s", v.id, reason)
+                ran = _attempt_facts(job) if job.status == RUNNING else None
                 if transition(
                     s, v.id, to, from_statuses=(job.status,), reason=reason, data=data,
                     avoid_nodes=avoid, **clear,
                 ):  # fmt: skip
                     changed.append(v.id)
+                    if ran is not None:
+                        record_lost_attempt(s, self.settings, ran, to, "node_lost")
         return changed
 
     def reconcile_once(self) -> list[str]:
@@ -284,8 +296,13 @@ class Scheduler:
                 else:
                     to, reason = FAILED, f"runner lost ({why}) on attempt {job.attempt}; no retries left"
                 log.warning("job %s: %s", job_id, reason)
+                ran = _attempt_facts(job) if job.status == RUNNING else None
                 if transition(s, job_id, to, from_statuses=(job.status,), reason=reason, **clear):
                     changed.append(job_id)
+                    if ran is not None and (
+                        why := record_lost_attempt(s, self.settings, ran, to, "runner_lost")
+                    ):
+                        log.warning("node of job %s quarantined: %s", job_id, why)
         return changed
 
     # -- datasets --------------------------------------------------------------------------------

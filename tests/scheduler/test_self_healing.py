@@ -14,10 +14,20 @@ from sqlalchemy import func, select, update
 
 from megatrain.db.goodput import release_node
 from megatrain.db.jobs import transition
-from megatrain.db.models import QUARANTINED, QUEUED, RUNNING, SCHEDULED, SUCCEEDED, Job, Node, utcnow
+from megatrain.db.models import (
+    QUARANTINED,
+    QUEUED,
+    RUNNING,
+    SCHEDULED,
+    SUCCEEDED,
+    AttemptLedger,
+    Job,
+    Node,
+    utcnow,
+)
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
-from megatrain.settings import Settings
+from megatrain.settings import Settings, get_settings, reset_settings_cache
 from megatrain.worker.executors import StatusUnknown
 
 
@@ -142,3 +152,35 @@ def test_a_quarantined_node_is_not_offered_until_released(
     with session_scope(url) as s:
         assert release_node(s, bad)
     assert sched.schedule_once() == [job]
+
+
+def test_lost_runners_are_ledgered_and_quarantine_their_node(
+    settings: Settings, add_node: Callable, add_job: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEGATRAIN_NODE_QUARANTINE_FAILURES", "2")
+    reset_settings_cache()
+    settings = get_settings()
+    url = settings.resolved_database_url
+    node = add_node(2, hostname="flaky")
+    jobs = [add_job(max_retries=3), add_job(max_retries=3)]
+    ex = RecordingExecutor()
+    sched = Scheduler(settings, ex)
+    assert sorted(sched.schedule_once()) == sorted(jobs)
+    now = utcnow()
+    for j in jobs:
+        with session_scope(url) as s:
+            ago = {"started_at": now - timedelta(seconds=100), "heartbeat_at": now - timedelta(seconds=2)}
+            transition(s, j, RUNNING, from_statuses=(SCHEDULED,), runner_host="flaky", runner_pid=9, **ago)
+    ex.verdicts = {jobs[0]: False}  # its runner is known gone: ended at once
+    assert sched.reconcile_once() == [jobs[0]]
+    with session_scope(url) as s:
+        assert s.get(Node, node).status == "ready"  # one failure: below the limit
+        (row,) = s.scalars(select(AttemptLedger).where(AttemptLedger.job_id == jobs[0])).all()
+        assert (row.node_id, row.attempt, row.outcome, row.failure) == (node, 1, QUEUED, "runner_lost")
+        assert row.productive_s == pytest.approx(98, abs=1) and row.restart_s == pytest.approx(2, abs=2)
+    _set(url, jobs[1], heartbeat_at=utcnow() - timedelta(seconds=settings.heartbeat_timeout_s + 5))
+    assert sched.reconcile_once() == [jobs[1]]
+    with session_scope(url) as s:
+        flaky = s.get(Node, node)
+        assert flaky.status == QUARANTINED and flaky.quarantine_reason.startswith("2 attempts failed")
+    assert sched.schedule_once() == []  # both requeued, nowhere to go
