@@ -49,6 +49,7 @@ from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
+from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
 from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
@@ -346,6 +347,17 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
     att = _claim(settings, job_id)
     if att is None:
         return 0
+    url, interval = settings.resolved_database_url, settings.heartbeat_interval_s
+    heartbeat = Heartbeat(url, job_id, socket.gethostname(), os.getpid(), interval).start()
+    try:
+        return _run_attempt(settings, att, heartbeat)
+    finally:
+        heartbeat.stop()
+
+
+def _run_attempt(settings: Settings, att: _Attempt, heartbeat: Heartbeat) -> int:
+    """Launch the engine, report until it ends, record how the attempt ended; its exit code."""
+    job_id = att.job_id
     _backfill_earlier_attempts(settings, att)
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
     cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url)
@@ -374,6 +386,7 @@ def run_shard(job_id: str, settings: Settings | None = None) -> int:
     started = time.monotonic()
     outcome = "exited"
     while True:
+        heartbeat.touch()
         exited = proc.poll() is not None
         _drain(lines, runner)
         now = time.monotonic()
