@@ -13,7 +13,8 @@ OUT/pids/. Behaviour knobs (environment):
   FAKE_ENGINE_SIGNAL         ... or kill itself with this signal number there
   FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
   FAKE_ENGINE_HANG_AT        rank FAKE_ENGINE_HANG_RANK (default 0) stops making progress before
-                             this step (once, with FAKE_ENGINE_FAIL_MARKER), the others go on
+                             this step (once, with FAKE_ENGINE_FAIL_MARKER); the others stop at
+                             the step after it, as at their next collective with it
 Every rank writes OUT/progress.rank{R} after each step and dumps its stacks on SIGUSR1, as the real
 engine does.
 """
@@ -127,7 +128,12 @@ def main() -> int:
         if fail_at and step == fail_at and _should_fail(marker):
             return _fail(out, rank, step)
         if hang_at and step == hang_at and rank == hang_rank and _should_fail(marker):
+            (out / f"hanging.rank{rank}").write_text(str(step))
             _hang_forever()
+        if hang_at and step == hang_at + 1 and rank != hang_rank:
+            time.sleep(0.5)  # the hung rank has had time to say so
+            if any(out.glob("hanging.rank*")):
+                _hang_forever()
         write_progress(out, rank, step)
         if not lead:
             continue

@@ -150,3 +150,24 @@ def test_dump_stacks_asks_a_process_for_its_stacks(tmp_path: Path) -> None:
         proc.wait()
     gone = dump_stacks((2**22 + 12345,))
     assert gone and "could not signal pid" in gone[0]
+
+
+def test_the_rank_that_stopped_first_is_named(
+    hang_settings: Settings,
+    make_job: Callable[..., str],
+    fake_engine: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_HANG_AT", "6")
+    monkeypatch.setenv("FAKE_ENGINE_HANG_RANK", "1")
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_MARKER", str(tmp_path / "hung-once"))
+    job_id = make_job(procs=2, max_retries=0, train_iters=12, checkpoint_interval=0)
+    run_shard(job_id, hang_settings)
+    with session_scope(hang_settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        # rank 0 stood at step 6 waiting for rank 1, which never finished step 6
+        assert job.status == "failed" and job.status_reason.startswith("hung: rank 1 on "), job.status_reason
+        assert " stopped at step 5 for " in job.status_reason and job.status_reason.endswith(
+            "stacks in the log"
+        )
