@@ -163,7 +163,8 @@ def run(
     )
 
     try:
-        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, checkpointer.poll, activity)
+        poll = _test_hang(checkpointer.poll, activity, ctx.rank)
+        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, poll, activity)
         summary = loop.run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:
@@ -253,6 +254,27 @@ def _started_event(
         "resumed_from": resumed_from,
         "memory_estimate": memory_estimate,
     }
+
+
+def _test_hang(poll: Callable[[], None], activity: Activity, rank: int) -> Callable[[], None]:
+    """Tests only: MEGATRAIN_TEST_HANG_AT_STEP=N makes rank MEGATRAIN_TEST_HANG_RANK (default 0)
+    stand still after step N, as a deadlocked rank would (once, if MEGATRAIN_TEST_HANG_MARKER names
+    a file: it is created, and a later attempt runs through)."""
+    at = int(os.environ.get("MEGATRAIN_TEST_HANG_AT_STEP") or 0)
+    if not at or rank != int(os.environ.get("MEGATRAIN_TEST_HANG_RANK") or 0):
+        return poll
+    marker = os.environ.get("MEGATRAIN_TEST_HANG_MARKER")
+
+    def hanging_poll() -> None:
+        if activity.step == at and not (marker and Path(marker).exists()):
+            if marker:
+                Path(marker).write_text(f"hung at step {at}")
+            print(f"rank {rank}: hanging after step {at} (MEGATRAIN_TEST_HANG_AT_STEP)", flush=True)
+            while True:
+                time.sleep(1)
+        poll()
+
+    return hanging_poll
 
 
 def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 1.0) -> None:

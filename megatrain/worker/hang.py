@@ -144,6 +144,10 @@ class HangWatch:
         if progress:
             low = min(p.step for p in progress)
             stopped = [p for p in progress if p.step == low]
+            if len(stopped) == len(progress):
+                # All stand at the same step: the metrics may know it finished one more (a rank's
+                # file counts only the steps before the one it started last).
+                low = max(low, self.last_step or 0)
         else:
             low, stopped = self.last_step or 0, [RankProgress(0, self.last_step or 0, None)]
         pids = tuple(p.pid for p in stopped if isinstance(p.pid, int))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from megatrain.db.models import FAILED, SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
+from megatrain.db.models import FAILED, QUEUED, SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
 from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
 from megatrain.settings import Settings
@@ -170,3 +170,39 @@ def test_a_data_file_deleted_after_submission_fails_after_one_attempt(
         assert "\n" not in job.status_reason
         assert event.data["failure"]["kind"] == "user" and event.data["failure"]["phase"] == "data"
         assert "Traceback (most recent call last):" in log  # the whole story stays in the log
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+def test_a_real_engine_made_to_hang_is_detected_and_its_retry_finishes(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    monkeypatch.setenv("MEGATRAIN_TEST_HANG_AT_STEP", "5")
+    monkeypatch.setenv("MEGATRAIN_TEST_HANG_MARKER", str(tmp_path / "hung-once"))
+    monkeypatch.setattr(settings, "hang_min_s", 2.0)
+    url = settings.resolved_database_url
+    job_id = _schedule_real_job(settings, make_job, tmp_path, 1)
+    run_shard(job_id, settings)
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        log = "\n".join(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+        assert job.status == QUEUED, f"{job.status_reason}\n{log[-3000:]}"
+        assert (
+            job.status_reason.startswith("hung: rank 0 on ")
+            and " stopped at step 4 for " in job.status_reason
+        )
+    assert "most recent call first" in log and "hanging_poll" in log  # faulthandler's dump
+    from megatrain.db.jobs import reserve_and_schedule
+    from megatrain.db.models import Node
+
+    with session_scope(url) as s:
+        assert reserve_and_schedule(s, job_id, s.scalar(select(Node.id).where(Node.hostname == "testnode")))
+    assert run_shard(job_id, settings) == 0
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == SUCCEEDED and job.attempt == 2
+        resumed = s.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "resumed")
+        ).all()
+        assert [d["resumed_from"] for d in resumed] == [3]
