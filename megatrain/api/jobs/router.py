@@ -102,7 +102,8 @@ def list_jobs(
 def _public_owned_job(session: Session, key: str, job_id: str) -> JobPublic:
     job = _owned_job(session, key, job_id)
     public = service.public_job(job, job_pace(session, job))  # a query only while it runs (its ETA)
-    return public.model_copy(update={"goodput": job_goodput(session, job.id)})
+    goodput = job_goodput(session, job.id)
+    return public.model_copy(update={"goodput": goodput if goodput["attempts"] else None})
 
 
 @router.get("/{job_id}", response_model=JobPublic)
