@@ -45,9 +45,9 @@ from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout
 from megatrain.plan.memory import from_spec as memory_from_spec
+from megatrain.progress_files import write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
-from megatrain.worker.hang import write_progress
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM

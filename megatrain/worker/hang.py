@@ -13,7 +13,6 @@ the attempt.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -25,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from megatrain.progress_files import RankProgress, read_progress
 
-PROGRESS_GLOB = "progress.rank*"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,13 +34,6 @@ class HangRule:
     factor: float = 10.0
     min_s: float = 120.0
     grace_s: float = 900.0
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    rank: int
-    step: int
-    pid: int | None
 
 
 @dataclass(frozen=True)
@@ -72,27 +64,6 @@ class Hang:
             "stalled_s": round(self.stalled_s, 3),
             "median_step_s": self.median_s,
         }
-
-
-def read_progress(out_dir: Path) -> list[RankProgress]:
-    """Every rank's last progress file; unreadable (half-written) ones are skipped."""
-    found = []
-    for path in sorted(out_dir.glob(PROGRESS_GLOB)):
-        try:
-            rank = int(path.name.removeprefix("progress.rank"))
-            row = json.loads(path.read_text())
-            found.append(RankProgress(rank, int(row.get("step") or 0), row.get("pid")))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
-    return found
-
-
-def write_progress(out_dir: Path, rank: int, step: int) -> None:
-    """Atomically record this rank's last finished step (the engine calls this)."""
-    path = out_dir / f"progress.rank{rank}"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "pid": os.getpid()}))
-    os.replace(tmp, path)
 
 
 class HangWatch:

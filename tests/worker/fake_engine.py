@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from megatrain.worker.hang import write_progress
+from megatrain.progress_files import write_progress
 
 
 def _emit(path: Path, row: dict) -> None:

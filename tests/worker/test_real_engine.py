@@ -14,9 +14,9 @@ from sqlalchemy import select
 from megatrain.db.models import FAILED, QUEUED, SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
 from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
+from megatrain.progress_files import read_progress
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
-from megatrain.worker.hang import read_progress
 from megatrain.worker.shard import run_shard
 
 pytestmark = pytest.mark.slow
