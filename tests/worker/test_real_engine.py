@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from megatrain.db.models import FAILED, QUEUED, SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
+from megatrain.db.models import (
+    FAILED,
+    QUEUED,
+    SUCCEEDED,
+    AttemptLedger,
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobLog,
+    JobMetric,
+)
 from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
 from megatrain.progress_files import read_progress
@@ -206,3 +216,10 @@ def test_a_real_engine_made_to_hang_is_detected_and_its_retry_finishes(
             select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "resumed")
         ).all()
         assert [d["resumed_from"] for d in resumed] == [3]
+        # The ledger: the hang and the checkpoint pauses measured, the retry's redone work counted.
+        rows = s.scalars(
+            select(AttemptLedger).where(AttemptLedger.job_id == job_id).order_by(AttemptLedger.attempt)
+        )
+        hung, retry = rows.all()
+        assert hung.failure == "hung" and hung.hang_s >= 2.0
+        assert retry.failure is None and retry.restart_s > 0 and retry.checkpoint_stall_s > 0
