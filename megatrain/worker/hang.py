@@ -67,14 +67,22 @@ class Hang:
 
 
 class HangWatch:
-    """Fed every metrics row and event the runner ingests; `check(now)` says whether it is hung."""
+    """Fed every metrics row and event the runner ingests, and the ranks' progress files at each
+    check; `check(now, …)` says whether the attempt is hung.
+
+    Metrics rows come every log_interval steps, so the allowance scales with the usual gap between
+    logged steps; the progress files (each rank's step, about once a second) see movement between
+    them. A checkpoint is due when the next step, or one since the last logged, is a multiple of
+    checkpoint_interval not reported saved (a resumed attempt's start counts as saved)."""
 
     def __init__(self, rule: HangRule, started: float, checkpoint_interval: int = 0):
         self.rule = rule
         self.checkpoint_interval = checkpoint_interval
         self.last_step: int | None = None
+        self.progress_low: int | None = None
         self.last_move = started
         self.step_times: list[float] = []
+        self.gaps: list[int] = []
         self.saved_step = 0
 
     def observe_metrics(self, rows: list[dict[str, Any]], now: float) -> None:
@@ -82,6 +90,8 @@ class HangWatch:
             step = row.get("step")
             if not isinstance(step, int) or (self.last_step is not None and step <= self.last_step):
                 continue
+            if self.last_step is not None:
+                self.gaps.append(step - self.last_step)
             self.last_step, self.last_move = step, now
             t = row.get("iter_time_s")
             if isinstance(t, (int, float)) and t > 0:
@@ -89,29 +99,51 @@ class HangWatch:
 
     def observe_events(self, rows: list[dict[str, Any]], now: float) -> None:
         for row in rows:
-            if row.get("event") == "checkpoint_saved" and isinstance(row.get("step"), int):
-                self.saved_step = max(self.saved_step, row["step"])
+            event, step = row.get("event"), row.get("step")
+            if event == "started" and isinstance(row.get("resumed_from"), int):
+                self.saved_step = max(self.saved_step, row["resumed_from"])
+            elif event == "checkpoint_saved" and isinstance(step, int):
+                self.saved_step = max(self.saved_step, step)
                 self.last_move = max(self.last_move, now)  # a save's end restarts the clock
+
+    def observe_progress(self, progress: list[RankProgress], now: float) -> None:
+        """The slowest rank's step moving is movement (a hung rank holds it still)."""
+        if not progress:
+            return
+        low = min(p.step for p in progress)
+        if low > self.known_step:
+            self.last_move = now
+        self.progress_low = max(low, self.progress_low or 0)
 
     @property
     def median_s(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
+
+    @property
+    def known_step(self) -> int:
+        return max(self.last_step or 0, self.progress_low or 0)
 
     def allowance_s(self) -> float:
         """How long the step counter may stand still now."""
         median = self.median_s
         if self.last_step is None or median is None:
             return self.rule.grace_s
-        every = self.checkpoint_interval
-        if every and self.last_step % every == 0 and self.saved_step < self.last_step:
-            return self.rule.grace_s
-        return max(self.rule.min_s, self.rule.factor * median)
+        gap = statistics.median_low(self.gaps) if self.gaps else 1
+        every, known = self.checkpoint_interval, self.known_step
+        if every:
+            # The step after the newest known one may be a checkpoint's: its compute and its save
+            # look alike from here (a rank's file holds still through both).
+            boundary = (known + 1) // every * every
+            if boundary > max(self.saved_step, known - gap):
+                return self.rule.grace_s  # a save is due about now and not reported done
+        return max(self.rule.min_s, self.rule.factor * median * gap)
 
     def check(self, now: float, out_dir: Path, host: str) -> Hang | None:
+        progress = read_progress(out_dir)
+        self.observe_progress(progress, now)
         stalled = now - self.last_move
         if stalled <= self.allowance_s():
             return None
-        progress = read_progress(out_dir)
         if progress:
             low = min(p.step for p in progress)
             stopped = [p for p in progress if p.step == low]

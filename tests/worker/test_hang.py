@@ -114,10 +114,34 @@ def test_the_allowance_is_the_factor_times_the_median_with_a_floor_and_a_grace()
     watch.observe_events([{"event": "checkpoint_saved", "step": 5}], now=9.0)
     assert watch.allowance_s() == 5 and watch.last_move == 9.0
     watch.observe_metrics([{"step": s, "iter_time_s": 0.01} for s in range(6, 20)], now=10.0)
-    assert watch.allowance_s() == 2  # the floor
+    assert watch.allowance_s() == 100  # step 20, next, is a checkpoint's: its save may be running
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.01} for s in range(20, 22)], now=10.0)
+    assert watch.allowance_s() == 2  # the floor: training went past step 20's save (async or done)
     assert watch.check(11.9, Path("/nonexistent"), "h") is None
     hang = watch.check(12.5, Path("/nonexistent"), "h")
-    assert hang is not None and hang.step == 19 and hang.ranks == (0,)
+    assert hang is not None and hang.step == 21 and hang.ranks == (0,)
+
+
+def test_sparse_metrics_and_progress_files(tmp_path: Path) -> None:
+    from megatrain.progress_files import write_progress
+
+    # Logged every 10 steps: the allowance is 10 x the median step time x 10 steps between rows.
+    watch = HangWatch(HangRule(factor=10, min_s=1, grace_s=100), started=0.0, checkpoint_interval=1000)
+    watch.observe_events([{"event": "started", "resumed_from": 2000}], now=0.0)
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.5} for s in (2010, 2020, 2030)], now=1.0)
+    assert watch.allowance_s() == 50
+    # The ranks' files show movement between rows; a rank that stops holds the slowest step still.
+    write_progress(tmp_path, 0, 2031)
+    assert watch.check(40.0, tmp_path, "h") is None and watch.last_move == 40.0
+    write_progress(tmp_path, 0, 2035)
+    assert watch.check(80.0, tmp_path, "h") is None and watch.last_move == 80.0
+    hang = watch.check(131.0, tmp_path, "h")
+    assert hang is not None and hang.step == 2035 and hang.stalled_s == 51.0
+    # A resumed attempt's start counts as saved: no grace at step 2000, but at 2999 (3000 is due).
+    assert watch.known_step == 2035
+    write_progress(tmp_path, 0, 2999)
+    watch.check(140.0, tmp_path, "h")
+    assert watch.allowance_s() == 100
 
 
 def test_dump_stacks_asks_a_process_for_its_stacks(tmp_path: Path) -> None:
