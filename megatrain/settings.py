@@ -91,6 +91,16 @@ class Settings(BaseSettings):
     heartbeat every heartbeat_interval_s (the local executor's node every 10 s), so the default
     outlasts many missed beats; a dead node is noticed within node_lost_after_s +
     scheduler_interval_s of its last heartbeat."""
+    hang_factor: float = Field(default=10.0, gt=1)
+    hang_min_s: float = Field(default=120.0, gt=0)
+    hang_grace_s: float = Field(default=900.0, gt=0)
+    """An attempt is hung when its step counter stops for hang_factor x its median step time (at
+    least hang_min_s); before its first step, and while a checkpoint is being saved, it is allowed
+    hang_grace_s (setup, compilation, resuming and saving are slower than a step)."""
+    node_quarantine_failures: int = Field(default=3, ge=1)
+    node_quarantine_window_s: float = Field(default=3600.0, gt=0)
+    """A node on which this many attempts fail with infrastructure errors (crashes, hangs) within
+    the window is quarantined: no job is placed on it until an operator releases it."""
     pools_file: Path | None = None
     """YAML of pool descriptions (one mapping or a list, as `megatrain pools apply` reads) applied
     when the stack or the scheduler starts; None: none."""

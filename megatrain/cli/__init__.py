@@ -19,6 +19,7 @@ from megatrain.cli import (  # noqa: F401
     jobs,
     metrics,
     models,
+    nodes,
     plan,
     pools,
     server,

@@ -15,7 +15,7 @@ from megatrain.client import Client
 
 def _pool_line(pool: dict[str, Any]) -> str:
     kind = pool.get("slot_kind") or "devices"
-    nodes = len(pool.get("nodes", [])) - pool.get("nodes_lost", 0)
+    nodes = len(pool.get("nodes", [])) - pool.get("nodes_lost", 0) - pool.get("nodes_quarantined", 0)
     where = f"on {nodes} node" + ("" if nodes == 1 else "s")
     device = "" if pool.get("accelerator") == "cpu" else f" ({escape(str(pool.get('accelerator')))})"
     return (
@@ -43,6 +43,12 @@ def cluster() -> None:
                 out.print(
                     f"  [bold red]node {escape(node['hostname'])} lost[/bold red] (no heartbeat since "
                     f"{escape(str(node['last_seen_at']))}): its slots are not offered"
+                )
+            elif node["status"] == "quarantined":
+                out.print(
+                    f"  [bold red]node {escape(node['hostname'])} quarantined[/bold red] "
+                    f"({escape(str(node.get('quarantine_reason') or 'repeated failures'))}): its slots "
+                    f"are not offered until `megatrain nodes release {escape(node['hostname'])}`"
                 )
     queue = view.get("queue", [])
     if not queue:

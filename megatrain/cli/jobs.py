@@ -183,6 +183,25 @@ def list_jobs(
     out.print(table, soft_wrap=False)  # soft wrap would let rows run past the width
 
 
+GOODPUT_LOSSES = (
+    ("queued_s", "queued"),
+    ("restart_s", "restarts"),
+    ("checkpoint_stall_s", "checkpoint stalls"),
+    ("hang_s", "hangs"),
+)
+
+
+def goodput_line(goodput: Any) -> str | None:
+    """'92.1% productive (1h02m of 1h07m); lost: restarts 3m10s, hangs 2m' over the ended attempts."""
+    if not isinstance(goodput, dict) or not goodput.get("attempts"):
+        return None
+    total = sum(float(goodput.get(k) or 0) for k in ("productive_s", *(k for k, _ in GOODPUT_LOSSES)))
+    share = "-" if goodput.get("goodput") is None else f"{100 * goodput['goodput']:.1f}%"
+    lost = [f"{name} {duration(float(goodput[k]))}" for k, name in GOODPUT_LOSSES if goodput.get(k)]
+    head = f"{share} productive ({duration(float(goodput.get('productive_s') or 0))} of {duration(total)})"
+    return head + ("; lost: " + ", ".join(lost) if lost else "")
+
+
 @app.command()
 @_user_errors
 def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
@@ -212,6 +231,8 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     )
     if job.layout:
         out.print(f"layout     {escape(layout_text(job.layout, job.num_procs))}")
+    if line := goodput_line(job.raw.get("goodput")):
+        out.print(f"goodput    {line}")
     out.print(f"created    {job.created_at}")
     for ev in events[-10:]:
         when = str(ev.get("created_at", ""))[:19].replace("T", " ")

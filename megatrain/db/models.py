@@ -36,6 +36,9 @@ from megatrain.job_states import (  # noqa: F401 - re-exported for the database'
     TERMINAL_STATES,
 )
 
+QUARANTINED = "quarantined"
+"""Node.status of a node taken out of placement after repeated infrastructure failures."""
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -129,7 +132,9 @@ class Node(Base):
     a node registered before it was recorded, which then refuses nothing at submission."""
     status: Mapped[str] = mapped_column(String(16), default="ready")
     """'ready', or 'lost' once its heartbeats stopped for settings.node_lost_after_s (the
-    scheduler's reconcile marks it; its next heartbeat makes it ready again)."""
+    scheduler's reconcile marks it; its next heartbeat makes it ready again), or 'quarantined'
+    after repeated infrastructure failures (only `megatrain nodes release` lifts it)."""
+    quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     lost_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     """When it was last marked lost (kept after it comes back, for the record)."""
@@ -206,6 +211,27 @@ class JobAllocation(Base):
     slots: Mapped[int] = mapped_column(Integer)
     devices: Mapped[list[int]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class AttemptLedger(Base):
+    """The goodput ledger: one row per ended attempt of a job on a node, in seconds. A job's goodput
+    sums its rows; a node's sums the rows of attempts placed on it. `failure` ('infrastructure' or
+    'hung') marks attempts that count toward the node's quarantine."""
+
+    __tablename__ = "attempt_ledger"
+    __table_args__ = (Index("ix_attempt_ledger_node_ended", "node_id", "ended_at"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("node.id", ondelete="SET NULL"), nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(16))
+    failure: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    productive_s: Mapped[float] = mapped_column(Float, default=0.0)
+    queued_s: Mapped[float] = mapped_column(Float, default=0.0)
+    restart_s: Mapped[float] = mapped_column(Float, default=0.0)
+    checkpoint_stall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    hang_s: Mapped[float] = mapped_column(Float, default=0.0)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class JobEvent(Base):

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +45,7 @@ from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout
 from megatrain.plan.memory import from_spec as memory_from_spec
+from megatrain.progress_files import write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 
@@ -159,7 +163,8 @@ def run(
     )
 
     try:
-        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, checkpointer.poll, activity)
+        poll = _test_hang(checkpointer.poll, activity, ctx.rank)
+        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, poll, activity)
         summary = loop.run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:
@@ -251,6 +256,46 @@ def _started_event(
     }
 
 
+def _test_hang(poll: Callable[[], None], activity: Activity, rank: int) -> Callable[[], None]:
+    """Tests only: MEGATRAIN_TEST_HANG_AT_STEP=N makes rank MEGATRAIN_TEST_HANG_RANK (default 0)
+    stand still after step N, as a deadlocked rank would (once, if MEGATRAIN_TEST_HANG_MARKER names
+    a file: it is created, and a later attempt runs through)."""
+    at = int(os.environ.get("MEGATRAIN_TEST_HANG_AT_STEP") or 0)
+    if not at or rank != int(os.environ.get("MEGATRAIN_TEST_HANG_RANK") or 0):
+        return poll
+    marker = os.environ.get("MEGATRAIN_TEST_HANG_MARKER")
+
+    def hanging_poll() -> None:
+        if activity.step == at and not (marker and Path(marker).exists()):
+            if marker:
+                Path(marker).write_text(f"hung at step {at}")
+            print(f"rank {rank}: hanging after step {at} (MEGATRAIN_TEST_HANG_AT_STEP)", flush=True)
+            while True:
+                time.sleep(1)
+        poll()
+
+    return hanging_poll
+
+
+def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 1.0) -> None:
+    """Keep OUT/progress.rank{R} at this rank's last finished step (a daemon thread), so a hang names
+    the rank(s) that stopped first (megatrain.worker.hang)."""
+
+    def loop() -> None:
+        last = None
+        while True:
+            step = (activity.step or 1) - 1 if activity.phase == "training" else 0
+            if step != last:
+                try:
+                    write_progress(out, rank, step)
+                    last = step
+                except OSError:
+                    pass  # the folder may not exist yet; the next round retries
+            time.sleep(every_s)
+
+    threading.Thread(target=loop, daemon=True, name="progress").start()
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -280,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # The runner sends SIGUSR1 to a rank it finds hung: every thread's stack goes to the job's log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     out = Path(args.out)
     activity = Activity()
+    _report_progress(out, int(os.environ.get("RANK", "0")), activity)
     try:
         spec, layout = load_job(args.spec, args.layout, int(os.environ.get("WORLD_SIZE", "1")))
     except (SpecError, UnsupportedLayout, LayoutError, OSError, ValueError) as exc:

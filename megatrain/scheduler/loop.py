@@ -14,18 +14,21 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Select, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from megatrain.db.goodput import record_lost_attempt
 from megatrain.db.jobs import reserve_and_schedule, reserve_gang, retry_allowed, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
     CANCELLED,
     FAILED,
     QUEUED,
+    RUNNING,
     SCHEDULED,
     Job,
     JobAllocation,
@@ -65,6 +68,12 @@ def _holds(s: Session, job: Job, node_id: str) -> bool:
         return True
     share = select(JobAllocation.id).where(JobAllocation.job_id == job.id, JobAllocation.node_id == node_id)
     return s.scalar(share) is not None
+
+
+def _attempt_facts(job: Job) -> SimpleNamespace:
+    """What the ledger needs of an attempt, read before the transition changes the row."""
+    names = ("id", "node_id", "attempt", "started_at", "heartbeat_at")
+    return SimpleNamespace(**{n: getattr(job, n) for n in names})
 
 
 class Scheduler:
@@ -187,7 +196,16 @@ class Scheduler:
     # -- recovery --------------------------------------------------------------------------------
 
     def _lost_why(self, job: Job, now: datetime) -> str | None:
-        verdict = self.executor.runner_alive(job)
+        """Why the job's runner is gone, or None. Only a definite answer (the executor's False, or a
+        heartbeat older than heartbeat_timeout_s) ends an attempt: a status query that fails says
+        nothing, so the job is left alone this tick rather than relaunched while it may be healthy."""
+        try:
+            verdict = self.executor.runner_alive(job)
+        except Exception as exc:
+            log.warning(
+                "job %s: could not ask whether its runner is alive (%s); judging it later", job.id, exc
+            )
+            return None
         if verdict is True:
             return None
         if verdict is False:
@@ -252,11 +270,14 @@ class Scheduler:
                 data = {"cause": "node_lost", "node_id": v.node_id, "hostname": v.hostname}
                 clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
                 log.warning("job %s: %s", v.id, reason)
+                ran = _attempt_facts(job) if job.status == RUNNING else None
                 if transition(
                     s, v.id, to, from_statuses=(job.status,), reason=reason, data=data,
                     avoid_nodes=avoid, **clear,
                 ):  # fmt: skip
                     changed.append(v.id)
+                    if ran is not None:
+                        record_lost_attempt(s, self.settings, ran, to, "node_lost")
         return changed
 
     def reconcile_once(self) -> list[str]:
@@ -298,8 +319,13 @@ class Scheduler:
                 else:
                     to, reason = FAILED, f"runner lost ({why}) on attempt {job.attempt}; no retries left"
                 log.warning("job %s: %s", job_id, reason)
+                ran = _attempt_facts(job) if job.status == RUNNING else None
                 if transition(s, job_id, to, from_statuses=(job.status,), reason=reason, **clear):
                     changed.append(job_id)
+                    if ran is not None and (
+                        why := record_lost_attempt(s, self.settings, ran, to, "runner_lost")
+                    ):
+                        log.warning("node of job %s quarantined: %s", job_id, why)
         return changed
 
     # -- datasets --------------------------------------------------------------------------------

@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from megatrain.db.models import SCHEDULED, Job, Node, utcnow
+from megatrain.db.models import QUARANTINED, SCHEDULED, Job, Node, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.nodes import ensure_local_pool, local_capacity, record_cached_facts
@@ -133,7 +133,12 @@ def node_heartbeat(settings: Settings, node_id: str, accelerator: str, slots: in
         s.execute(
             update(Node)
             .where(Node.id == node_id)
-            .values(last_seen_at=utcnow(), status="ready", **values)
+            # A quarantined node stays so (only an operator lifts it); a lost one comes back.
+            .values(
+                last_seen_at=utcnow(),
+                status=case((Node.status == QUARANTINED, QUARANTINED), else_="ready"),
+                **values,
+            )
             .execution_options(synchronize_session=False)
         )
 

@@ -61,8 +61,13 @@ class Executor(Protocol):
     def runner_alive(self, job: Job) -> bool | None:
         """For a scheduled or running job: False if its runner is known to be gone (requeue it now),
         True if the job is known to be fine without a heartbeat (e.g. waiting in its node's broker
-        queue), None if there is no evidence here (heartbeat timeouts decide)."""
+        queue), None if there is no evidence here (heartbeat timeouts decide). Raises (e.g.
+        StatusUnknown) when a query failed: the scheduler then leaves the job alone this tick."""
         ...
+
+
+class StatusUnknown(RuntimeError):
+    """runner_alive could not find out (a failed broker or status query): neither alive nor dead."""
 
 
 def runner_env(settings: Settings) -> dict[str, str]:
@@ -248,8 +253,9 @@ class CeleryExecutor:
             # kombu's Redis transport keeps a queue's messages in a list named after it; each
             # message's headers carry the task id as plain JSON.
             return any(tid.encode() in raw for raw in self._redis.lrange(queue, 0, -1))
-        except redis.RedisError:
-            return False
+        except redis.RedisError as exc:
+            # Unknown is not "gone": the scheduler must not relaunch a job it cannot see.
+            raise StatusUnknown(f"broker query failed: {exc}") from exc
 
     def runner_alive(self, job: Job) -> bool | None:
         if job.runner_pid is None and self.waiting_in_broker(job.id):

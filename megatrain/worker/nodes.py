@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from megatrain.db.models import Node, NodePool, utcnow
+from megatrain.db.models import QUARANTINED, Node, NodePool, utcnow
 from megatrain.plan.memory import host_memory_bytes
 from megatrain.settings import Settings
 from megatrain.worker.pool_facts import cached_facts, heartbeat_values, local_facts, pool_spec_dict
@@ -175,7 +175,8 @@ def ensure_local_pool(
         node.slots_total = slots
         node.device_memory_bytes = device_memory(accelerator, slots)
         node.last_seen_at = utcnow()
-        node.status = "ready"
+        if node.status != QUARANTINED:  # only an operator lifts a quarantine
+            node.status = "ready"
         busy = (node.slots_used or 0) if busy is None else busy
         for column, value in heartbeat_values(accelerator, slots, busy).items():
             setattr(node, column, value)

@@ -22,13 +22,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from megatrain.db.goodput import quarantine_if_failing, record_attempt
 from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import (
     CANCELLED,
@@ -38,6 +40,7 @@ from megatrain.db.models import (
     SCHEDULED,
     SUCCEEDED,
     Job,
+    JobEvent,
     Node,
     NodePool,
     utcnow,
@@ -45,7 +48,10 @@ from megatrain.db.models import (
 from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.settings import Settings, get_settings
+from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
+from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
 from megatrain.worker.procs import die_with_parent, terminate_tree
 
@@ -58,6 +64,7 @@ KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
 """Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
 POLL_S = 0.25
 MAX_REASON_CHARS = 4000
+STACK_DUMP_WAIT_S = 2.0
 
 
 @dataclass
@@ -73,6 +80,15 @@ class _Attempt:
     accelerator: str = "cpu"
     rendezvous: Rendezvous | None = None
     """Set for one node's share of a multi-node attempt (a gang)."""
+    node_id: str | None = None
+    queued_s: float = 0.0
+    """How long the job waited in the queue before this attempt (for the goodput ledger)."""
+    prev_step: int = 0
+    checkpoint_interval: int = 0
+
+
+def hang_rule(settings: Settings) -> HangRule:
+    return HangRule(settings.hang_factor, settings.hang_min_s, settings.hang_grace_s)
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,7 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | No
         except (KeyError, TypeError, ValueError):
             total_steps = job.total_steps
         now = utcnow()
+        queued_s, prev_step = _queued_s(s, job, now), job.current_step or 0
         ok = transition(
             s,
             job_id,
@@ -182,6 +199,10 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | No
             out_dir,
             devices=job.devices,
             accelerator=accelerator or "cpu",
+            node_id=job.node_id,
+            queued_s=queued_s,
+            prev_step=prev_step,
+            checkpoint_interval=int((job.spec.get("training") or {}).get("checkpoint_interval") or 0),
         )
         if gang:
             from megatrain.worker.gang import lead
@@ -195,6 +216,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+def _queued_s(s: Session, job: Job, now: datetime) -> float:
+    """Seconds since the job last entered the queue (its creation, or its last requeue)."""
+    since = s.scalar(
+        select(func.max(JobEvent.created_at)).where(JobEvent.job_id == job.id, JobEvent.to_status == QUEUED)
+    )
+    since = since or job.created_at
+    return max((now - since).total_seconds(), 0.0) if since else 0.0
 
 
 def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
@@ -237,6 +267,9 @@ class _Runner:
         self.pending_lines: list[str] = []
         self.next_seq = 0
         self.last_heartbeat = time.monotonic()
+        self.watch = HangWatch(hang_rule(settings), self.last_heartbeat, att.checkpoint_interval)
+        self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
+        self.hang: Hang | None = None
 
     def tick(self, heartbeat: bool) -> str | None:
         """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
@@ -250,8 +283,15 @@ class _Runner:
             seq = append_logs(
                 session, self.att.job_id, self.pending_lines, self.next_seq, self.settings.max_log_lines
             )
-            ingest_metrics(session, self.att.job_id, self.metrics.read())
-            ingest_events(session, self.att.job_id, self.events.read(), self.att.attempt)
+            metrics, events = self.metrics.read(), self.events.read()
+            now = time.monotonic()
+            # Fed before the database: a re-read after a failed transaction is harmless to both.
+            self.watch.observe_metrics(metrics, now)
+            self.watch.observe_events(events, now)
+            self.clock.observe_metrics(metrics, now)
+            self.clock.observe_events(events)
+            ingest_metrics(session, self.att.job_id, metrics)
+            ingest_events(session, self.att.job_id, events, self.att.attempt)
             verdict = self.check(session, heartbeat)
             session.commit()
         except SQLAlchemyError as exc:
@@ -305,11 +345,23 @@ class _Runner:
             from megatrain.worker.gang import silent_shares
 
             silent = silent_shares(self.settings, att)
+        failure = None
+        clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
         with session_scope(self.url) as s:
             if outcome == "lost":
                 log.warning("job %s: no longer owned by this runner; engine stopped", job_id)
                 return
-            if outcome == "cancel":
+            # Avoiding the node that failed is a preference: placement still uses it if nothing
+            # else has room.
+            avoid = sorted({*self._avoid_nodes(s), att.node_id}) if att.node_id else None
+            if outcome == "hung" and self.hang is not None:
+                failure = "hung"
+                retrying = retry_allowed(att)
+                reason = self.hang.reason() + ("; retrying from the latest checkpoint" if retrying else "")
+                data = self.hang.data() | {"attempt": att.attempt}
+                to, fields = (QUEUED, clear | {"avoid_nodes": avoid}) if retrying else (FAILED, {})
+                ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+            elif outcome == "cancel":
                 ok = transition(s, job_id, CANCELLED, from_statuses=(RUNNING,), reason="cancelled by request")
             elif outcome == "timeout":
                 reason = f"exceeded max_runtime_s={att.max_runtime_s:g}"
@@ -317,37 +369,62 @@ class _Runner:
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
             else:
-                ok = end_failed_attempt(s, att, rc, silent)
+                ok, infra = end_failed_attempt(s, att, rc, silent)
+                failure = "infrastructure" if infra else None
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
+                return
+            status = s.scalar(select(Job.status).where(Job.id == job_id)) or outcome
+            self._record_ledger(s, status, failure)
+
+    def _avoid_nodes(self, s: Session) -> list[str]:
+        return list(s.scalar(select(Job.avoid_nodes).where(Job.id == self.att.job_id)) or ())
+
+    def _record_ledger(self, s: Session, outcome: str, failure: str | None) -> None:
+        """The attempt's row in the goodput ledger; an infrastructure failure may quarantine its node."""
+        att = self.att
+        self.clock.hang_s = self.hang.stalled_s if self.hang is not None else 0.0
+        seconds = self.clock.seconds(time.monotonic())
+        record_attempt(s, att.job_id, att.node_id, att.attempt, outcome, failure, seconds)
+        if failure is not None and att.node_id is not None:
+            why = quarantine_if_failing(s, att.node_id, self.settings)
+            if why is not None:
+                log.warning("node %s quarantined: %s", self.host, why)
 
 
 def end_failed_attempt(
     s: Session, att: _Attempt, rc: int, silent: list[tuple[str, str]] | None = None
-) -> bool:
+) -> tuple[bool, bool]:
     """running → queued (retried) or failed, explained by the attempt's failure records: this
     node's, and for a gang every shard's that reported its own (worker.gang.shard_records).
     `silent` (node id, hostname): a gang's nodes whose shard never reported its end (gone with
-    its worker): named in the reason and avoided by the retry."""
+    its worker): named in the reason and avoided by the retry, as is this node after an
+    infrastructure failure. Returns (transitioned, an infrastructure failure)."""
     records = read_records(att.out_dir)
     if att.rendezvous is not None:
         from megatrain.worker.gang import shard_records
 
         records += shard_records(s, att.job_id, att.attempt)
     record = pick(records)
-    retrying = (record is None or record.get("kind") not in NOT_RETRIED) and retry_allowed(att)
+    infra = record is None or record.get("kind") not in NOT_RETRIED
+    retrying = infra and retry_allowed(att)
     reason, suffix = attempt_reason(record, rc, att.attempt, retrying), ""
     data = event_data(record, rc, att.attempt)
     clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
     to, fields = (QUEUED, clear) if retrying else (FAILED, {})
+    avoid = set(s.scalar(select(Job.avoid_nodes).where(Job.id == att.job_id)) or [])
+    if infra and att.node_id:
+        avoid.add(att.node_id)  # a preference: placement still uses it if nothing else has room
     if silent:
         names = ", ".join(name for _, name in silent)
         suffix = f"; no word from the shard on {names}" + (" (avoided next time)" if retrying else "")
-        avoid = s.scalar(select(Job.avoid_nodes).where(Job.id == att.job_id)) or []
-        fields = fields | {"avoid_nodes": sorted({*avoid, *(node_id for node_id, _ in silent)})}
+        avoid.update(node_id for node_id, _ in silent)
         data = data | {"silent_nodes": [name for _, name in silent]}
+    if retrying and avoid:
+        fields = fields | {"avoid_nodes": sorted(avoid)}
     reason = reason[: MAX_REASON_CHARS - len(suffix)] + suffix
-    return transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+    ok = transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+    return ok, infra
 
 
 def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
@@ -363,12 +440,23 @@ def run_shard(job_id: str, settings: Settings | None = None, gang: bool = False)
     att = _claim(settings, job_id, gang)
     if att is None:
         return 0
+    url, interval = settings.resolved_database_url, settings.heartbeat_interval_s
+    heartbeat = Heartbeat(url, job_id, socket.gethostname(), os.getpid(), interval).start()
+    try:
+        return _run_attempt(settings, att, heartbeat)
+    finally:
+        heartbeat.stop()
+
+
+def _run_attempt(settings: Settings, att: _Attempt, heartbeat: Heartbeat) -> int:
+    """Launch the engine, report until it ends, record how the attempt ended; its exit code."""
     _backfill_earlier_attempts(settings, att)
-    return supervise(settings, att, _Runner(settings, att))
+    return supervise(settings, att, _Runner(settings, att), heartbeat)
 
 
-def supervise(settings: Settings, att: _Attempt, runner: _Runner) -> int:
-    """Start the engine for `att` and report it through `runner` until it ends; the engine's exit code."""
+def supervise(settings: Settings, att: _Attempt, runner: _Runner, heartbeat: Heartbeat | None = None) -> int:
+    """Start the engine for `att` and report it through `runner` until it ends; the engine's exit
+    code. `heartbeat`: the job's heartbeat thread (node rank 0's), told each pass that this loop lives."""
     job_id = att.job_id
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
     cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url, att.rendezvous)
@@ -396,6 +484,8 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner) -> int:
     started = time.monotonic()
     outcome = "exited"
     while True:
+        if heartbeat is not None:
+            heartbeat.touch()
         exited = proc.poll() is not None
         _drain(lines, runner)
         now = time.monotonic()
@@ -407,6 +497,9 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner) -> int:
             break
         if verdict is None and now - started > att.max_runtime_s:
             verdict = "timeout"
+        if verdict is None and (hang := runner.watch.check(now, att.out_dir, runner.host)) is not None:
+            verdict = "hung"
+            _report_hang(runner, hang, lines)
         if verdict is not None:
             outcome = verdict
             log.info("job %s: stopping the engine (%s)", job_id, verdict)
@@ -430,6 +523,16 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner) -> int:
             # If this keeps failing the reconciler requeues the job once heartbeats stop.
             log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc
+
+
+def _report_hang(runner: _Runner, hang: Hang, lines: queue.Queue[str | None]) -> None:
+    """Name the hang in the log and collect the stopped ranks' stacks before the attempt ends."""
+    runner.hang = hang
+    log.warning("job %s: %s", runner.att.job_id, hang.reason())
+    runner.pending_lines.append(f"megatrain: {hang.reason()}; dumping the stacks of pids {list(hang.pids)}")
+    runner.pending_lines += dump_stacks(hang.pids)
+    time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes to the engine's stderr: let it arrive
+    _drain(lines, runner)
 
 
 def _drain(lines: queue.Queue[str | None], runner: _Runner) -> None:

@@ -12,12 +12,18 @@ OUT/pids/. Behaviour knobs (environment):
   FAKE_ENGINE_PHASE          ... while this phase (default training: at the step; else at setup)
   FAKE_ENGINE_SIGNAL         ... or kill itself with this signal number there
   FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
+  FAKE_ENGINE_HANG_AT        rank FAKE_ENGINE_HANG_RANK (default 0) stops making progress before
+                             this step (once, with FAKE_ENGINE_FAIL_MARKER); the others stop at
+                             the step after it, as at their next collective with it
+Every rank writes OUT/progress.rank{R} after each step and dumps its stacks on SIGUSR1, as the real
+engine does.
 """
 
 from __future__ import annotations
 
 import argparse
 import builtins
+import faulthandler
 import json
 import os
 import signal
@@ -25,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from megatrain.progress_files import write_progress
 
 
 def _emit(path: Path, row: dict) -> None:
@@ -57,6 +65,13 @@ def _fail(out: Path, rank: int, step: int | None) -> int:
     return int(os.environ.get("FAKE_ENGINE_EXIT_CODE", "3"))
 
 
+def _hang_forever() -> None:
+    """Stand still as a deadlocked collective would (a named frame for the stack dump to show)."""
+    print("fake engine: hanging", flush=True)
+    while True:
+        time.sleep(0.05)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--spec", required=True)
@@ -67,6 +82,9 @@ def main() -> int:
     if os.environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ.get("RANK", "0"))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    hang_at = int(os.environ.get("FAKE_ENGINE_HANG_AT", "0"))
+    hang_rank = int(os.environ.get("FAKE_ENGINE_HANG_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = json.loads(Path(args.layout).read_text())
     if layout["tp"] * layout["pp"] * layout["dp"] * layout["cp"] != world:
@@ -109,6 +127,14 @@ def main() -> int:
         time.sleep(step_s)
         if fail_at and step == fail_at and _should_fail(marker):
             return _fail(out, rank, step)
+        if hang_at and step == hang_at and rank == hang_rank and _should_fail(marker):
+            (out / f"hanging.rank{rank}").write_text(str(step))
+            _hang_forever()
+        if hang_at and step == hang_at + 1 and rank != hang_rank:
+            time.sleep(0.5)  # the hung rank has had time to say so
+            if any(out.glob("hanging.rank*")):
+                _hang_forever()
+        write_progress(out, rank, step)
         if not lead:
             continue
         if step % log_every == 0:

@@ -45,7 +45,7 @@ def test_node_rank_0_leads_and_another_node_joins_its_attempt_once(settings: Set
     # Node rank 0's engine failed and node-b's shard never said why: it is named and avoided.
     assert silent_shares(settings, lead, wait_s=0) == [(b, "node-b")]
     with session_scope(url) as s:
-        assert end_failed_attempt(s, lead, 1, silent_shares(settings, lead, wait_s=0))
+        assert end_failed_attempt(s, lead, 1, silent_shares(settings, lead, wait_s=0))[0]
     with session_scope(url) as s:
         job = s.get(Job, job_id)
         assert job.status == QUEUED and job.avoid_nodes == [b]
@@ -66,7 +66,7 @@ def test_a_shard_that_reported_its_failure_is_not_silent(settings: Settings) -> 
         record_event(s, job_id, SHARD_FAILED_EVENT, "shard on node-b exited 1", data)
     assert silent_shares(settings, lead, wait_s=0) == []
     with session_scope(url) as s:
-        assert end_failed_attempt(s, lead, 1, [])
+        assert end_failed_attempt(s, lead, 1, [])[0]
     with session_scope(url) as s:
         job = s.get(Job, job_id)
         assert job.status == QUEUED and not job.avoid_nodes

@@ -11,9 +11,20 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from megatrain.db.models import FAILED, SUCCEEDED, Checkpoint, Job, JobEvent, JobLog, JobMetric
+from megatrain.db.models import (
+    FAILED,
+    QUEUED,
+    SUCCEEDED,
+    AttemptLedger,
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobLog,
+    JobMetric,
+)
 from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
+from megatrain.progress_files import read_progress
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
 from megatrain.worker.shard import run_shard
@@ -115,6 +126,9 @@ def test_real_engine_runs_under_the_runner(
         assert data["layout"]["tp"] == (2 if procs == 4 else 1)
     latest = settings.home / "storage" / "jobs" / job_id / "checkpoints" / "latest"
     assert latest.read_text().strip() == "6"
+    # Each rank kept a progress file for hang detection (worker.hang).
+    progress = read_progress(settings.runs_dir / job_id / "attempt-1")
+    assert sorted(p.rank for p in progress) == list(range(procs))
 
 
 @pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
@@ -166,3 +180,46 @@ def test_a_data_file_deleted_after_submission_fails_after_one_attempt(
         assert "\n" not in job.status_reason
         assert event.data["failure"]["kind"] == "user" and event.data["failure"]["phase"] == "data"
         assert "Traceback (most recent call last):" in log  # the whole story stays in the log
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="megatrain.engine.train is not there yet")
+def test_a_real_engine_made_to_hang_is_detected_and_its_retry_finishes(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    monkeypatch.setenv("MEGATRAIN_TEST_HANG_AT_STEP", "5")
+    monkeypatch.setenv("MEGATRAIN_TEST_HANG_MARKER", str(tmp_path / "hung-once"))
+    monkeypatch.setattr(settings, "hang_min_s", 2.0)
+    url = settings.resolved_database_url
+    job_id = _schedule_real_job(settings, make_job, tmp_path, 1)
+    run_shard(job_id, settings)
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        log = "\n".join(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+        assert job.status == QUEUED, f"{job.status_reason}\n{log[-3000:]}"
+        assert (
+            job.status_reason.startswith("hung: rank 0 on ")
+            and " stopped at step 4 for " in job.status_reason
+        )
+    assert "most recent call first" in log and "hanging_poll" in log  # faulthandler's dump
+    from megatrain.db.jobs import reserve_and_schedule
+    from megatrain.db.models import Node
+
+    with session_scope(url) as s:
+        assert reserve_and_schedule(s, job_id, s.scalar(select(Node.id).where(Node.hostname == "testnode")))
+    assert run_shard(job_id, settings) == 0
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == SUCCEEDED and job.attempt == 2
+        resumed = s.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "resumed")
+        ).all()
+        assert [d["resumed_from"] for d in resumed] == [3]
+        # The ledger: the hang and the checkpoint pauses measured, the retry's redone work counted.
+        rows = s.scalars(
+            select(AttemptLedger).where(AttemptLedger.job_id == job_id).order_by(AttemptLedger.attempt)
+        )
+        hung, retry = rows.all()
+        assert hung.failure == "hung" and hung.hang_s >= 2.0
+        assert retry.failure is None and retry.restart_s > 0 and retry.checkpoint_stall_s > 0

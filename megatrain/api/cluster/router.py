@@ -15,8 +15,11 @@ router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
 @router.get("")
 def get_cluster(session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
     """`{"pools": [{name, accelerator, slot_kind, slots_total/used/free (ready nodes), nodes_lost,
-    hardware (the pool's description, GET /v1/pools), described_by, nodes: [{hostname, status
-    (ready | lost), slots_*, last_seen_at, lost_at, memory_free_bytes, health, jobs}]}],
+    nodes_quarantined, hardware (the pool's description, GET /v1/pools), described_by, nodes:
+    [{hostname, status (ready | lost | quarantined), slots_*, last_seen_at, lost_at,
+    memory_free_bytes, health, quarantine_reason, goodput (seconds over the attempts placed on it:
+    productive_s, queued_s, restart_s, checkpoint_stall_s, hang_s, attempts, goodput; null before
+    any), jobs}]}],
     "queue": [{position, own, pool, slots, priority, queued_at, reason, id?, name?}]}`, the queue
     in scheduling order (priority, then FIFO). Other tenants' jobs are counted but never named."""
     return cluster_view(session, tenant)

@@ -13,7 +13,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from megatrain.db.models import ACTIVE_STATES, Job, Node, NodePool, Tenant, utcnow
+from megatrain.db.goodput import node_goodput
+from megatrain.db.models import ACTIVE_STATES, QUARANTINED, Job, Node, NodePool, Tenant, utcnow
 from megatrain.scheduler.placement import Decision, place
 from megatrain.scheduler.pools import describe
 from megatrain.scheduler.reasons import FITS_NEXT_TICK, WaitReason, render_wait
@@ -47,6 +48,8 @@ def cluster_view(session: Session, tenant: Tenant, multi_node: bool = False) -> 
             Job.status.in_(ACTIVE_STATES)
         )
     ).all()
+    # Seconds only, summed over every tenant's attempts: no tenant data.
+    goodput = node_goodput(session)
     on_node: dict[str, list[dict[str, Any]]] = {}
     for j in active:
         own = j.tenant_id == tenant.id
@@ -73,10 +76,12 @@ def cluster_view(session: Session, tenant: Tenant, multi_node: bool = False) -> 
                     "devices_idle": n.devices_free,
                     "memory_free_bytes": n.memory_free_bytes,
                     "health": n.health,
+                    "quarantine_reason": n.quarantine_reason,
+                    "goodput": goodput.get(n.id),
                     "jobs": on_node.get(n.id, []),
                 }
             )
-        # A lost node's slots are not offered: the totals count ready nodes only.
+        # A lost or quarantined node's slots are not offered: the totals count ready nodes only.
         ready = [r for r in node_rows if r["status"] == "ready"]
         spec, source = describe(pool, list(members))
         pool_rows.append(
@@ -87,7 +92,8 @@ def cluster_view(session: Session, tenant: Tenant, multi_node: bool = False) -> 
                 "slots_total": sum(r["slots_total"] for r in ready),
                 "slots_used": sum(r["slots_used"] for r in ready),
                 "slots_free": sum(r["slots_free"] for r in ready),
-                "nodes_lost": len(node_rows) - len(ready),
+                "nodes_lost": sum(r["status"] == "lost" for r in node_rows),
+                "nodes_quarantined": sum(r["status"] == QUARANTINED for r in node_rows),
                 "hardware": spec.model_dump(mode="json") if spec is not None else None,
                 "described_by": source,
                 "nodes": node_rows,

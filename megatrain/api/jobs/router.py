@@ -17,6 +17,7 @@ from megatrain.api.jobs.downsample import MIN_POINTS
 from megatrain.api.jobs.progress import job_pace
 from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLinePublic
 from megatrain.api.streams import LOGS, METRICS, Channel, EventStreamResponse, StreamHub, wants_event_stream
+from megatrain.db.goodput import job_goodput
 from megatrain.db.models import Job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -100,7 +101,9 @@ def list_jobs(
 
 def _public_owned_job(session: Session, key: str, job_id: str) -> JobPublic:
     job = _owned_job(session, key, job_id)
-    return service.public_job(job, job_pace(session, job))  # a query only while it runs (its ETA)
+    public = service.public_job(job, job_pace(session, job))  # a query only while it runs (its ETA)
+    goodput = job_goodput(session, job.id)
+    return public.model_copy(update={"goodput": goodput if goodput["attempts"] else None})
 
 
 @router.get("/{job_id}", response_model=JobPublic)

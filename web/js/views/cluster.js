@@ -3,7 +3,7 @@
 
 import { api } from "../api.js";
 import { h, replace } from "../dom.js";
-import { fmtAge } from "../format.js";
+import { fmtAge, fmtPct } from "../format.js";
 
 const REFRESH_MS = 3000;
 const KINDS_MS = 30_000;
@@ -51,25 +51,33 @@ function nodeLine(n) {
   if (n.status === "lost") {
     return h("span", { class: "muted num" }, `no heartbeat since ${fmtAge(n.last_seen_at)}: its slots are not offered, its jobs failed over`);
   }
+  if (n.status === "quarantined") {
+    return h("span", { class: "muted num quarantine" },
+      `${n.quarantine_reason || "repeated failures"}: its slots are not offered until an operator runs \`megatrain nodes release ${n.hostname}\``);
+  }
   const problems = (n.health && n.health.problems) || [];
-  return h("span", { class: "muted num" }, `${n.slots_used}/${n.slots_total} busy · seen ${fmtAge(n.last_seen_at)}${problems.length ? ` · ${problems.join("; ")}` : ""}`);
+  // The node's goodput: the productive share of the attempts placed on it (null before any ended).
+  const good = n.goodput && n.goodput.goodput != null ? ` · goodput ${fmtPct(n.goodput.goodput)} over ${n.goodput.attempts} attempt${n.goodput.attempts === 1 ? "" : "s"}` : "";
+  return h("span", { class: "muted num" }, `${n.slots_used}/${n.slots_total} busy · seen ${fmtAge(n.last_seen_at)}${good}${problems.length ? ` · ${problems.join("; ")}` : ""}`);
 }
 
 function poolCard(pool) {
   const lost = pool.nodes_lost || 0;
+  const held = pool.nodes_quarantined || 0;
   return h("section", { class: "card", dataset: { pool: pool.name } },
     h("div", { class: "page-head", style: { marginBottom: "0.25rem" } },
       h("h2", { style: { margin: 0 } }, pool.name),
       h("span", { class: "muted" }, pool.accelerator)),
     h("p", { class: "num", style: { margin: "0 0 0.5rem" } },
       h("strong", {}, `${pool.slots_used} busy`), ` · ${pool.slots_free} free · ${pool.slots_total} ${pool.slot_kind}`,
-      lost ? h("span", { class: "lost", style: { color: "var(--danger)", fontWeight: 600 } }, ` · ${lost} node${lost === 1 ? "" : "s"} lost`) : null),
+      lost ? h("span", { class: "lost", style: { color: "var(--danger)", fontWeight: 600 } }, ` · ${lost} node${lost === 1 ? "" : "s"} lost`) : null,
+      held ? h("span", { class: "quarantined", style: { color: "var(--danger)", fontWeight: 600 } }, ` · ${held} node${held === 1 ? "" : "s"} quarantined`) : null),
     hardware(pool),
     pool.nodes.length ? pool.nodes.map((n) => h("div", { class: `node ${n.status}`, dataset: { node: n.hostname, status: n.status }, style: { marginTop: "0.6rem" } },
       h("div", { class: "row" }, h("span", { class: "mono" }, n.hostname),
         h("span", { class: `badge ${n.status === "ready" ? "succeeded" : "failed"}` }, n.status),
         nodeLine(n)),
-      n.status === "lost" ? null : slots(n),
+      n.status === "ready" ? slots(n) : null,
       n.jobs.filter((j) => j.own).map((j) => h("div", { class: "hint" }, h("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.name), ` · ${j.status} · ${j.slots} slot${j.slots === 1 ? "" : "s"}`))))
       : h("p", { class: "muted" }, "No nodes registered."));
 }

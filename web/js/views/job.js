@@ -87,6 +87,22 @@ function memoryMeasured(estimate, row) {
   return lines;
 }
 
+// The goodput ledger (GET /v1/jobs/{id}: its ended attempts' seconds): productive time and each loss.
+const GOODPUT_PARTS = [["productive_s", "productive", "--s-succeeded"], ["queued_s", "queued", "--s-queued"],
+  ["restart_s", "restarts", "--s-scheduled"], ["checkpoint_stall_s", "checkpoint stalls", "--chart-2"], ["hang_s", "hangs", "--s-failed"]];
+
+function goodputPanel(g) {
+  if (!g || !g.attempts) return h("p", { class: "hint", id: "goodput-none" }, "The ledger fills in as attempts end.");
+  const total = GOODPUT_PARTS.reduce((sum, [k]) => sum + (g[k] || 0), 0) || 1;
+  const parts = GOODPUT_PARTS.filter(([k]) => g[k] > 0);
+  return h("div", { id: "goodput" },
+    h("h3", { id: "goodput-share" }, `${fmtPct(g.goodput)} productive over ${g.attempts} attempt${g.attempts === 1 ? "" : "s"}`),
+    h("div", { class: "membar", role: "img", "aria-label": parts.map(([k, l]) => `${l} ${fmtDuration(g[k])}`).join(", ") },
+      parts.map(([k, , c]) => h("span", { style: { width: `${(100 * g[k]) / total}%`, background: `var(${c})` } }))),
+    h("div", { class: "legend", id: "goodput-legend" },
+      parts.map(([k, l, c]) => h("span", { dataset: { part: k } }, h("i", { style: { background: `var(${c})` } }), `${l} ${fmtDuration(g[k])}`))));
+}
+
 function memoryPlan(estimate) {
   const value = (k) => estimate[`${k}_bytes`] ?? estimate[k] ?? 0;
   const total = estimate.total_bytes ?? MEMORY_PARTS.reduce((s, [k]) => s + value(k), 0);
@@ -140,6 +156,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     el.logs = h("pre", { class: "logs", id: "logs", tabindex: "0", "aria-label": "Job logs" });
     el.follow = h("input", { type: "checkbox", id: "follow-logs" });
     el.checkpoints = h("div", { id: "checkpoints" });
+    el.goodput = h("div", { id: "goodput-panel" });
     el.spec = h("pre", { class: "mono", style: { overflow: "auto", maxHeight: "360px" } });
     samples = samplePanel(jobId, { signal, showBanner });
     replace(main,
@@ -160,6 +177,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
             h("label", { class: "switch", for: "follow-logs" }, el.follow, "Follow")),
           el.logs),
         h("section", { class: "card", "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h" }, "Checkpoints"), el.checkpoints),
+        h("section", { class: "card", "aria-labelledby": "goodput-h" }, h("h2", { id: "goodput-h" }, "Goodput"), el.goodput),
         samples.el,
         h("details", { class: "card" }, h("summary", {}, "Spec"), el.spec)));
     for (const def of CHARTS) {
@@ -195,6 +213,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       tile("Attempt", `${job.attempt} of ${job.max_retries + 1}`),
       tile("Runtime", runtime),
       tile("Submitted", h("span", { title: fmtTime(job.created_at) }, fmtAge(job.created_at))));
+    replace(el.goodput, goodputPanel(job.goodput));
   }
 
   function drawEvents(events) {

@@ -1,0 +1,190 @@
+"""Hung-attempt detection for the shard runner.
+
+The rule: an attempt is hung when its step counter has not moved for `hang_factor` x the median
+step time the attempt measured (never less than `hang_min_s`). Before the attempt's first step
+(setup, resume) and after a step that is due a checkpoint until that checkpoint is reported saved,
+the allowance is `hang_grace_s` instead: those pauses are legitimately long.
+
+Each engine rank writes OUT/progress.rank{R} (JSON: its last finished step and its pid) so a hang
+names the rank(s) that stopped first; the runner asks those processes for their stacks (SIGUSR1,
+which the engine routes to `faulthandler`; `py-spy dump` too when it is installed) before it ends
+the attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatrain.progress_files import RankProgress, read_progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HangRule:
+    factor: float = 10.0
+    min_s: float = 120.0
+    grace_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What the runner reports: who stopped, where, for how long."""
+
+    ranks: tuple[int, ...]
+    host: str
+    step: int
+    stalled_s: float
+    median_s: float | None
+    pids: tuple[int, ...]
+
+    def reason(self) -> str:
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else "ranks " + ",".join(map(str, self.ranks))
+        median = f"median step {self.median_s:.3g} s" if self.median_s else "before its first step"
+        return (
+            f"hung: {who} on {self.host} stopped at step {self.step} for {self.stalled_s:.0f} s "
+            f"({median}); stacks in the log"
+        )
+
+    def data(self) -> dict[str, Any]:
+        return {
+            "cause": "hung",
+            "ranks": list(self.ranks),
+            "host": self.host,
+            "step": self.step,
+            "stalled_s": round(self.stalled_s, 3),
+            "median_step_s": self.median_s,
+        }
+
+
+class HangWatch:
+    """Fed every metrics row and event the runner ingests, and the ranks' progress files at each
+    check; `check(now, …)` says whether the attempt is hung.
+
+    Metrics rows come every log_interval steps, so the allowance scales with the usual gap between
+    logged steps; the progress files (each rank's step, about once a second) see movement between
+    them. A checkpoint is due when the next step, or one since the last logged, is a multiple of
+    checkpoint_interval not reported saved (a resumed attempt's start counts as saved)."""
+
+    def __init__(self, rule: HangRule, started: float, checkpoint_interval: int = 0):
+        self.rule = rule
+        self.checkpoint_interval = checkpoint_interval
+        self.last_step: int | None = None
+        self.progress_low: int | None = None
+        self.last_move = started
+        self.step_times: list[float] = []
+        self.gaps: list[int] = []
+        self.saved_step = 0
+
+    def observe_metrics(self, rows: list[dict[str, Any]], now: float) -> None:
+        for row in rows:
+            step = row.get("step")
+            if not isinstance(step, int) or (self.last_step is not None and step <= self.last_step):
+                continue
+            if self.last_step is not None:
+                self.gaps.append(step - self.last_step)
+            self.last_step, self.last_move = step, now
+            t = row.get("iter_time_s")
+            if isinstance(t, (int, float)) and t > 0:
+                self.step_times.append(float(t))
+
+    def observe_events(self, rows: list[dict[str, Any]], now: float) -> None:
+        for row in rows:
+            event, step = row.get("event"), row.get("step")
+            if event == "started" and isinstance(row.get("resumed_from"), int):
+                self.saved_step = max(self.saved_step, row["resumed_from"])
+            elif event == "checkpoint_saved" and isinstance(step, int):
+                self.saved_step = max(self.saved_step, step)
+                self.last_move = max(self.last_move, now)  # a save's end restarts the clock
+
+    def observe_progress(self, progress: list[RankProgress], now: float) -> None:
+        """The slowest rank's step moving is movement (a hung rank holds it still)."""
+        if not progress:
+            return
+        low = min(p.step for p in progress)
+        if low > self.known_step:
+            self.last_move = now
+        self.progress_low = max(low, self.progress_low or 0)
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    @property
+    def known_step(self) -> int:
+        return max(self.last_step or 0, self.progress_low or 0)
+
+    def allowance_s(self) -> float:
+        """How long the step counter may stand still now."""
+        median = self.median_s
+        if self.last_step is None or median is None:
+            return self.rule.grace_s
+        gap = statistics.median_low(self.gaps) if self.gaps else 1
+        every, known = self.checkpoint_interval, self.known_step
+        if every:
+            # The step after the newest known one may be a checkpoint's: its compute and its save
+            # look alike from here (a rank's file holds still through both).
+            boundary = (known + 1) // every * every
+            if boundary > max(self.saved_step, known - gap):
+                return self.rule.grace_s  # a save is due about now and not reported done
+        return max(self.rule.min_s, self.rule.factor * median * gap)
+
+    def check(self, now: float, out_dir: Path, host: str) -> Hang | None:
+        progress = read_progress(out_dir)
+        self.observe_progress(progress, now)
+        stalled = now - self.last_move
+        if stalled <= self.allowance_s():
+            return None
+        if progress:
+            low = min(p.step for p in progress)
+            stopped = [p for p in progress if p.step == low]
+            if len(stopped) == len(progress):
+                # All stand at the same step: the metrics may know it finished one more (a rank's
+                # file counts only the steps before the one it started last).
+                low = max(low, self.last_step or 0)
+        else:
+            low, stopped = self.last_step or 0, [RankProgress(0, self.last_step or 0, None)]
+        pids = tuple(p.pid for p in stopped if isinstance(p.pid, int))
+        return Hang(tuple(p.rank for p in stopped), host, low, stalled, self.median_s, pids)
+
+
+def dump_stacks(pids: tuple[int, ...], timeout_s: float = 10.0) -> list[str]:
+    """Ask each process for its Python stacks: SIGUSR1 (the engine's faulthandler writes them to its
+    stderr, i.e. the job's log) and, if installed, `py-spy dump`, whose output is returned. The
+    py-spy dumps run at once and are bounded together, so the runner's heartbeat never lapses."""
+    lines: list[str] = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError as exc:
+            lines.append(f"could not signal pid {pid} for its stacks: {exc}")
+    spy = shutil.which("py-spy")
+    if spy is None or not pids:
+        return lines
+    procs = {}
+    for pid in pids:
+        try:
+            procs[pid] = subprocess.Popen(
+                [spy, "dump", "--pid", str(pid)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        except OSError as exc:
+            lines.append(f"py-spy dump of pid {pid} failed: {exc}")
+    deadline = time.monotonic() + timeout_s
+    for pid, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            lines += [f"py-spy dump of pid {pid}:", *out.splitlines()]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            lines.append(f"py-spy dump of pid {pid} took over {timeout_s:g} s; skipped")
+    return lines
