@@ -413,8 +413,10 @@ def end_failed_attempt(
     clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
     to, fields = (QUEUED, clear) if retrying else (FAILED, {})
     avoid = set(s.scalar(select(Job.avoid_nodes).where(Job.id == att.job_id)) or [])
-    if infra and att.node_id:
-        avoid.add(att.node_id)  # a preference: placement still uses it if nothing else has room
+    if infra and att.node_id and att.rendezvous is None:
+        # A preference: placement still uses it if nothing else has room. A gang's culprit is the
+        # node whose shard went silent (below), not necessarily this one.
+        avoid.add(att.node_id)
     if silent:
         names = ", ".join(name for _, name in silent)
         suffix = f"; no word from the shard on {names}" + (" (avoided next time)" if retrying else "")
