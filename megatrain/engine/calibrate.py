@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import platform
 import socket
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatrain.hostinfo import cpu_model
 from megatrain.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -44,18 +44,6 @@ SLOW_GEMM_S = 0.1
 """A size whose GEMM takes this long is big enough: larger ones would only cost time."""
 BUDGET_S = 1.5
 """Stop growing the size once this much time has gone into measuring."""
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (x86 `model name`, Arm `CPU part`), else platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "CPU part") and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def cache_dir() -> Path:

@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatrain.hostinfo import cpu_model
 from megatrain.settings import Settings, cpu_cores
 
 log = logging.getLogger(__name__)
@@ -52,18 +52,6 @@ MEASURE_TIMEOUT_S = 300.0
 
 _pending: set[str] = set()
 _pending_lock = threading.Lock()
-
-
-def cpu_model() -> str:
-    """The CPU model from /proc/cpuinfo (without torch), else platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "CPU part") and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def cache_dir(settings: Settings) -> Path:
