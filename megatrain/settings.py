@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     """An attempt is hung when its step counter stops for hang_factor x its median step time (at
     least hang_min_s); before its first step, and while a checkpoint is being saved, it is allowed
     hang_grace_s (setup, compilation, resuming and saving are slower than a step)."""
+    preempt_grace_s: float = Field(default=120.0, gt=0)
+    """A preempted job's engine gets this long to checkpoint at its next step boundary and exit
+    before its runner sends SIGTERM (the attempt is requeued either way)."""
     node_quarantine_failures: int = Field(default=3, ge=1)
     node_quarantine_window_s: float = Field(default=3600.0, gt=0)
     """A node on which this many attempts fail with infrastructure errors (crashes, hangs) within

@@ -453,6 +453,9 @@ class ResourcesSpec(_Strict):
     priority: int = Field(0, ge=-1000, le=1000)
     max_runtime_s: int = Field(86400, ge=1, le=30 * 86400)
     max_retries: int = Field(2, ge=0, le=100)
+    preemptible: bool = True
+    """Whether a queued job of strictly higher priority may preempt this one: it is checkpointed at
+    a step boundary, stopped and requeued (not counted as a retry), and resumes from there."""
 
     @model_validator(mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from megatrain.db.models import QUARANTINED, AttemptLedger, Node, utcnow
 from megatrain.settings import Settings
 
-LOSSES = ("queued_s", "restart_s", "checkpoint_stall_s", "hang_s")
+LOSSES = ("queued_s", "restart_s", "checkpoint_stall_s", "hang_s", "preempt_s")
 """The ways time is lost, besides productive_s, in the API's `goodput` object."""
 FIELDS = ("productive_s", *LOSSES)
 NODE_FAULTS = ("infrastructure", "hung", "runner_lost")

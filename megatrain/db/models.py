@@ -173,6 +173,9 @@ class Job(Base):
     """Number of times the job has been started; retries bump it."""
     max_retries: Mapped[int] = mapped_column(Integer, default=2)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    preempt_for: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    """While running: the id of the higher-priority job it is being preempted for (its runner then
+    checkpoints, stops and requeues it); cleared when it goes back to the queue."""
     node_id: Mapped[str | None] = mapped_column(ForeignKey("node.id", ondelete="SET NULL"), nullable=True)
     devices: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
     """While scheduled/running: the node's device indices the job was placed on (CUDA_VISIBLE_DEVICES
@@ -231,6 +234,8 @@ class AttemptLedger(Base):
     restart_s: Mapped[float] = mapped_column(Float, default=0.0)
     checkpoint_stall_s: Mapped[float] = mapped_column(Float, default=0.0)
     hang_s: Mapped[float] = mapped_column(Float, default=0.0)
+    preempt_s: Mapped[float] = mapped_column(Float, default=0.0)
+    """A preempted attempt: from the request to checkpoint and stop to the engine's exit."""
     ended_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

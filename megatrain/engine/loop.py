@@ -69,12 +69,14 @@ class TrainLoop:
         save: Callable[[Progress], None],
         poll: Callable[[], None] = lambda: None,
         activity: Activity | None = None,
+        stop: Callable[[], bool] = lambda: False,
     ):
         """`save(progress)` writes a checkpoint (perhaps in the background); `poll()` is called after
         every step to report background saves that have finished. `activity` is told the step in
-        progress (a failure's record names it)."""
+        progress (a failure's record names it). `stop()` is asked at every step boundary whether the
+        run was preempted: if so it checkpoints there (unless it just did) and returns early."""
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
-        self.poll = poll
+        self.poll, self.stop = poll, stop
         self.activity = activity or Activity()
         train_ds = data["train"]
         assert train_ds is not None
@@ -202,9 +204,16 @@ class TrainLoop:
                 last_eval = self.evaluate()
                 log.metrics.write({"step": step, "val_loss": last_eval})
                 log.say(f"step {step} | validation loss {last_eval:.4f}")
-            if (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final:
+            saved = bool(cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final
+            if saved:
                 self.save(Progress(step, consumed))
             self.poll()
+            if not final and self.stop():
+                # Preempted: checkpoint this boundary so the next attempt redoes no work.
+                if not saved:
+                    self.save(Progress(step, consumed))
+                log.say(f"step {step} | preempted: checkpointed, stopping")
+                return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "preempted": True}
             self._sync()
             window.excluded += time.perf_counter() - paused
         test_loss = None

@@ -53,6 +53,8 @@ EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_OUT_OF_MEMORY = 3
 EXIT_FAILURE = 1
+EXIT_PREEMPTED = 75
+"""Preempted (SIGUSR2): checkpointed at a step boundary and stopped; the runner requeues the job."""
 _EXIT_CODES = {USER: EXIT_USAGE, OUT_OF_MEMORY: EXIT_OUT_OF_MEMORY}
 
 
@@ -164,7 +166,8 @@ def run(
 
     try:
         poll = _test_hang(checkpointer.poll, activity, ctx.rank)
-        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, poll, activity)
+        stop = _preempt_check(ctx)
+        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, poll, activity, stop)
         summary = loop.run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:
@@ -173,7 +176,10 @@ def run(
         for loader in loaders.values():
             if loader is not None:
                 loader.close()
-    log.events.write({"event": "finished", "step": summary["step"]})
+    if summary.get("preempted"):
+        log.events.write({"event": "preempted", "step": summary["step"]})
+    else:
+        log.events.write({"event": "finished", "step": summary["step"]})
     log.close()
     return summary
 
@@ -300,6 +306,28 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+_PREEMPT = threading.Event()
+"""Set by SIGUSR2: the runner asks the run to checkpoint at the next step boundary and stop."""
+
+
+def _on_sigusr2(signum: int, frame: Any) -> None:
+    _PREEMPT.set()
+
+
+def _preempt_check(ctx: Dist) -> Callable[[], bool]:
+    """Whether to stop at this step boundary. Ranks may see the signal a step apart, so with several
+    they agree (MAX over the world) and all stop, and save, at the same step."""
+    if ctx.group is None:
+        return _PREEMPT.is_set
+
+    def agreed() -> bool:
+        flag = torch.tensor([1.0 if _PREEMPT.is_set() else 0.0], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
+        return bool(flag.item())
+
+    return agreed
+
+
 def load_job(spec_path: str, layout_path: str | None, world_size: int) -> tuple[JobSpec, Layout]:
     """The spec and the layout it runs with: the stored one (`--layout`) or the spec's, resolved for
     this world; checked once, here, before any process group exists."""
@@ -325,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGUSR2, _on_sigusr2)
     # The runner sends SIGUSR1 to a rank it finds hung: every thread's stack goes to the job's log.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     out = Path(args.out)
@@ -339,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Dist(rank=int(os.environ.get("RANK", "0")))
     try:
         ctx = init_distributed()
-        run(spec, out, args.checkpoint_url, ctx, layout, activity=activity)
+        summary = run(spec, out, args.checkpoint_url, ctx, layout, activity=activity)
     except Terminated:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
         # Leave at once: a background save in flight is abandoned (never completed: no manifest).
@@ -361,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         # pytest). Everything is written and flushed by now, so leave without finalizing.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(EXIT_PREEMPTED if summary.get("preempted") else 0)
+    return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
 if __name__ == "__main__":
