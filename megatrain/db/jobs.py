@@ -111,6 +111,7 @@ def transition(
     if leaving_active:
         values["node_id"] = None
         values["devices"] = None
+        values["preempt_for"] = None  # a preemption request ends with the attempt it was for
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status == row.status)

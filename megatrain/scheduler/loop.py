@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from megatrain.db.goodput import record_lost_attempt
-from megatrain.db.jobs import reserve_and_schedule, reserve_gang, retry_allowed, transition
+from megatrain.db.jobs import record_event, reserve_and_schedule, reserve_gang, retry_allowed, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
     CANCELLED,
@@ -39,7 +39,8 @@ from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
 from megatrain.scheduler.exports import dispatch_exports, reconcile_exports
 from megatrain.scheduler.placement import Decision, Placement, place
-from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, render_wait
+from megatrain.scheduler.preemption import RunningJob, victims_by_pool
+from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, NO_FREE_SLOTS, render_wait
 from megatrain.scheduler.samples import dispatch_samples, reconcile_samples
 from megatrain.scheduler.snapshot import Snapshot, read_snapshot
 from megatrain.settings import Settings, get_settings
@@ -190,8 +191,76 @@ class Scheduler:
                     submitted.append(d.job_id)
             if not lost_race:
                 self._note_waits(snap.rows, decisions)
+                self._preempt(snap, decisions, multi_node)
                 break
         return submitted
+
+    def _running(self, s: Session) -> list[RunningJob]:
+        """Running jobs as preemption sees them (scheduled ones are left alone: not started yet)."""
+        rows = s.execute(
+            select(
+                Job.id, Job.pool, Job.priority, Job.started_at, Job.node_id, Job.devices, Job.preempt_for,
+                Job.spec["resources"]["preemptible"].as_boolean().label("preemptible"),
+            ).where(Job.status == RUNNING, Job.node_id.is_not(None))
+        ).all()  # fmt: skip
+        shares: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for job_id, node_id, devices in s.execute(
+            select(JobAllocation.job_id, JobAllocation.node_id, JobAllocation.devices).where(
+                JobAllocation.job_id.in_([r.id for r in rows])
+            )
+        ):
+            shares.setdefault(job_id, []).append((node_id, tuple(devices or ())))
+        return [
+            RunningJob(
+                r.id, r.pool, r.priority, r.started_at.timestamp() if r.started_at else 0.0,
+                tuple(shares.get(r.id) or [(r.node_id, tuple(r.devices or ()))]),
+                preemptible=r.preemptible is not False, preempting=r.preempt_for is not None,
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    def _preempt(self, snap: Snapshot, decisions: list[Decision], multi_node: bool) -> list[str]:
+        """Ask lower-priority running jobs to make room for a queued job that does not fit (their
+        runners checkpoint, stop and requeue them; it is placed once the room is free). Returns the
+        victims marked by this call."""
+        waiting = {
+            d.job_id for d in decisions if d.wait is not None and d.wait.code in (NO_FREE_SLOTS, BEHIND_JOB)
+        }
+        if not waiting:
+            return []
+        marked: list[str] = []
+        with session_scope(self.url) as s:
+            plan = victims_by_pool(snap.queue, waiting, snap.pools, self._running(s), multi_node=multi_node)
+            rows = {r.id: r for r in snap.rows}
+            for job_id, victims in plan.items():
+                for victim in victims:
+                    if self._mark_victim(s, victim, rows[job_id]):
+                        marked.append(victim)
+        return marked
+
+    def _mark_victim(self, s: Session, victim_id: str, waiting: Any) -> bool:
+        """Set the victim's preempt_for (once) and tell its owner; the waiting job is named only to
+        its own tenant."""
+        done = s.execute(
+            update(Job)
+            .where(Job.id == victim_id, Job.status == RUNNING, Job.preempt_for.is_(None))
+            .values(preempt_for=waiting.id)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if done != 1:
+            return False
+        owner = s.scalar(select(Job.tenant_id).where(Job.id == victim_id))
+        whom = f"job {waiting.name}" if owner == waiting.tenant_id else "a higher-priority job"
+        data = {"for_job": waiting.id} if owner == waiting.tenant_id else {}
+        record_event(
+            s,
+            victim_id,
+            "preempting",
+            f"preempting: checkpointing and stopping to make room for {whom}",
+            data,
+        )
+        log.info("preempting %s for %s", victim_id, waiting.id)
+        return True
 
     # -- recovery --------------------------------------------------------------------------------
 

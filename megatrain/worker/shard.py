@@ -11,11 +11,13 @@ CLI: `python -m megatrain.worker.shard --job-id ID` (what the local executor spa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -53,7 +55,7 @@ from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
 from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
-from megatrain.worker.procs import die_with_parent, terminate_tree
+from megatrain.worker.procs import descendants, die_with_parent, terminate_tree
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +272,10 @@ class _Runner:
         self.watch = HangWatch(hang_rule(settings), self.last_heartbeat, att.checkpoint_interval)
         self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
         self.hang: Hang | None = None
+        self.preempt_asked: float | None = None
+        """time.monotonic() when the engine was asked to checkpoint and stop (preemption)."""
+        self.preempted_step: int | None = None
+        """The step the engine checkpointed at and stopped on when preempted (its 'preempted' event)."""
 
     def tick(self, heartbeat: bool) -> str | None:
         """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
@@ -290,6 +296,9 @@ class _Runner:
             self.watch.observe_events(events, now)
             self.clock.observe_metrics(metrics, now)
             self.clock.observe_events(events)
+            for row in events:
+                if row.get("event") == "preempted" and isinstance(row.get("step"), int):
+                    self.preempted_step = row["step"]
             ingest_metrics(session, self.att.job_id, metrics)
             ingest_events(session, self.att.job_id, events, self.att.attempt)
             verdict = self.check(session, heartbeat)
@@ -310,7 +319,8 @@ class _Runner:
         return verdict
 
     def check(self, session: Session, heartbeat: bool) -> str | None:
-        """Heartbeat the job this runner owns; 'lost' when it no longer does, 'cancel' when asked."""
+        """Heartbeat the job this runner owns; 'lost' when it no longer does, 'cancel' when asked,
+        'preempt' when the scheduler preempts it for a higher-priority job."""
         verdict = None
         if heartbeat:
             owned = session.execute(
@@ -327,12 +337,16 @@ class _Runner:
             if owned != 1:
                 verdict = "lost"
         row = session.execute(
-            select(Job.status, Job.cancel_requested, Job.runner_pid).where(Job.id == self.att.job_id)
+            select(Job.status, Job.cancel_requested, Job.runner_pid, Job.preempt_for).where(
+                Job.id == self.att.job_id
+            )
         ).first()
         if row is None or row.status != RUNNING or row.runner_pid != self.pid:
             verdict = "lost"
         elif row.cancel_requested:
             verdict = "cancel"
+        elif row.preempt_for is not None:
+            verdict = "preempt"
         return verdict
 
     def finish(self, outcome: str, rc: int) -> None:
@@ -363,6 +377,8 @@ class _Runner:
                 ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
             elif outcome == "cancel":
                 ok = transition(s, job_id, CANCELLED, from_statuses=(RUNNING,), reason="cancelled by request")
+            elif outcome == "preempt" and rc != 0:
+                ok = self._requeue_preempted(s, clear)
             elif outcome == "timeout":
                 reason = f"exceeded max_runtime_s={att.max_runtime_s:g}"
                 ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
@@ -375,7 +391,19 @@ class _Runner:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
                 return
             status = s.scalar(select(Job.status).where(Job.id == job_id)) or outcome
+            if outcome == "preempt" and status == QUEUED:
+                status = "preempted"
             self._record_ledger(s, status, failure)
+
+    def _requeue_preempted(self, s: Session, clear: dict[str, object]) -> bool:
+        """running → queued after a preemption. Not a retry: max_retries grows with the attempt
+        counter, so the job's budget of failed attempts is unchanged."""
+        att, step = self.att, self.preempted_step
+        where = f"step {step}" if step is not None else "its latest checkpoint"
+        reason = f"preempted by a higher-priority job; resumes from {where}"
+        data = {"attempt": att.attempt, "step": step}
+        fields = clear | {"max_retries": att.max_retries + 1}
+        return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
 
     def _avoid_nodes(self, s: Session) -> list[str]:
         return list(s.scalar(select(Job.avoid_nodes).where(Job.id == self.att.job_id)) or ())
@@ -384,7 +412,12 @@ class _Runner:
         """The attempt's row in the goodput ledger; an infrastructure failure may quarantine its node."""
         att = self.att
         self.clock.hang_s = self.hang.stalled_s if self.hang is not None else 0.0
-        seconds = self.clock.seconds(time.monotonic())
+        now = time.monotonic()
+        seconds = self.clock.seconds(now)
+        if self.preempt_asked is not None:
+            # Checkpointing and stopping on request is lost time, not progress.
+            lost = min(max(now - self.preempt_asked, 0.0), seconds["productive_s"])
+            seconds |= {"preempt_s": lost, "productive_s": seconds["productive_s"] - lost}
         record_attempt(s, att.job_id, att.node_id, att.attempt, outcome, failure, seconds)
         if failure is not None and att.node_id is not None:
             why = quarantine_if_failing(s, att.node_id, self.settings)
@@ -495,6 +528,9 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner, heartbeat: Hea
         if beat:
             runner.last_heartbeat = now
         verdict = runner.tick(heartbeat=beat)
+        if verdict == "preempt":
+            verdict = _preempt(settings, proc, att, runner, now)
+            outcome = "preempt"
         if exited:
             break
         if verdict is None and now - started > att.max_runtime_s:
@@ -525,6 +561,34 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner, heartbeat: Hea
             # If this keeps failing the reconciler requeues the job once heartbeats stop.
             log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc
+
+
+def _preempt(
+    settings: Settings, proc: subprocess.Popen, att: _Attempt, runner: _Runner, now: float
+) -> str | None:
+    """Ask the engine to checkpoint at its next step boundary and exit (SIGUSR2 to its ranks, once);
+    'preempt' (stop it) once it has had preempt_grace_s, else None (let it finish the save)."""
+    if runner.preempt_asked is None:
+        runner.preempt_asked = now
+        log.info("job %s: preempted; asking the engine to checkpoint and stop", att.job_id)
+        for pid in _rank_pids(proc, att):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGUSR2)
+        return None
+    return "preempt" if now - runner.preempt_asked > settings.preempt_grace_s else None
+
+
+def _rank_pids(proc: subprocess.Popen, att: _Attempt) -> list[int]:
+    """The engine's ranks: the process itself, or torchrun's children (torchrun itself would die of
+    SIGUSR2, and the ranks' own helper processes have no handler for it)."""
+    if att.num_procs == 1 and att.rendezvous is None:
+        return [proc.pid]
+    children = []
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]) == proc.pid:
+                children.append(pid)
+    return children
 
 
 def _report_hang(runner: _Runner, hang: Hang, lines: queue.Queue[str | None]) -> None:
