@@ -16,7 +16,8 @@ OUT/pids/. Behaviour knobs (environment):
                              this step (once, with FAKE_ENGINE_FAIL_MARKER); the others stop at
                              the step after it, as at their next collective with it
 Every rank writes OUT/progress.rank{R} after each step and dumps its stacks on SIGUSR1, as the real
-engine does.
+engine does. On SIGUSR2 (preemption) it checkpoints at the next step boundary (unless it just did)
+and exits 75 (EXIT_PREEMPTED), as the real engine does.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def main() -> int:
                 "resumed_from": start or None,
             },
         )
+    preempted: list[int] = []
+    signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
     for step in range(start + 1, iters + 1):
         time.sleep(step_s)
         if fail_at and step == fail_at and _should_fail(marker):
@@ -136,6 +139,8 @@ def main() -> int:
                 _hang_forever()
         write_progress(out, rank, step)
         if not lead:
+            if preempted and step < iters:
+                return 75
             continue
         if step % log_every == 0:
             loss = 10.0 / step
@@ -155,7 +160,7 @@ def main() -> int:
                 },
             )
             print(f"step {step} loss {loss:.4f}", flush=True)
-        if ckpt_every and step % ckpt_every == 0:
+        if (ckpt_every and step % ckpt_every == 0) or (preempted and step < iters):
             folder = ckpt / f"iter_{step:07d}"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
@@ -165,6 +170,10 @@ def main() -> int:
                 out / "events.jsonl",
                 {"event": "checkpoint_saved", "step": step, "uri": folder.as_uri(), "size_bytes": 42},
             )
+        if preempted and step < iters:
+            _emit(out / "events.jsonl", {"event": "preempted", "step": step})
+            print(f"fake engine: preempted at step {step}", flush=True)
+            return 75
     if lead:
         _emit(out / "events.jsonl", {"event": "finished", "step": iters})
         print("fake engine: done", flush=True)

@@ -1,0 +1,129 @@
+"""Preemption end to end with the fake engine: a low-priority job runs, a high-priority one arrives,
+the low one is checkpointed, stopped and requeued (not a retry), the high one runs, the low one
+resumes from the checkpoint and finishes with its steps continuous; the ledger keeps the time lost."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from fixtures.cluster import seed_job, seed_node
+from sqlalchemy import select
+from worker_helpers import job_spec, wait_for
+
+from megatrain.db.goodput import job_goodput
+from megatrain.db.models import QUEUED, RUNNING, SUCCEEDED, AttemptLedger, Job, JobEvent, JobMetric
+from megatrain.db.session import session_scope
+from megatrain.scheduler.loop import Scheduler
+from megatrain.settings import Settings
+from megatrain.worker.shard import run_shard
+
+
+class _PlaceOnly:
+    """An executor that runs nothing: the test runs the shards itself."""
+
+    def submit(self, job_id: str) -> None: ...
+
+    def refresh_nodes(self) -> None: ...
+
+    def runner_alive(self, job: Job) -> bool | None:
+        return None
+
+
+def _job(url: str, job_id: str) -> Job:
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        s.expunge(job)
+        return job
+
+
+def test_a_higher_priority_job_preempts_checkpoints_and_the_victim_resumes(
+    settings: Settings, fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    # No periodic checkpoint: the one it resumes from is the one saved on being preempted.
+    low = seed_job(url, 1, pool="solo", priority=0, max_retries=0, spec=job_spec(40, checkpoint_interval=0))
+    assert sched.schedule_once() == [low]
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(run_shard(low, settings)))
+    runner.start()
+    wait_for(lambda: _job(url, low).current_step >= 3)
+
+    high = seed_job(url, 1, pool="solo", priority=5, name="urgent", spec=job_spec(3, checkpoint_interval=0))
+    assert sched.schedule_once() == []  # no room yet: the low job is asked to make it
+    assert _job(url, low).preempt_for == high
+    assert sched.schedule_once() == []  # asked once, not again
+    runner.join(timeout=30)
+    assert codes == [75]
+
+    after = _job(url, low)
+    assert after.status == QUEUED
+    assert after.preempt_for is None
+    assert after.max_retries == 1  # not a retry: the budget of failed attempts is unchanged
+    step = int(after.status_reason.rsplit(" ", 1)[1])
+    assert after.status_reason == f"preempted by a higher-priority job; resumes from step {step}"
+    assert 3 <= step < 40
+    with session_scope(url) as s:
+        kinds = list(s.scalars(select(JobEvent.kind).where(JobEvent.job_id == low).order_by(JobEvent.id)))
+        told = s.scalar(select(JobEvent.reason).where(JobEvent.job_id == low, JobEvent.kind == "preempting"))
+        (row,) = s.scalars(select(AttemptLedger).where(AttemptLedger.job_id == low)).all()
+        assert row.outcome == "preempted" and row.preempt_s > 0
+        assert job_goodput(s, low)["preempt_s"] == row.preempt_s  # what the API's `goodput` serves
+    assert "preempting" in kinds and kinds[-1] == QUEUED
+    assert told == "preempting: checkpointing and stopping to make room for job urgent"  # same tenant
+
+    assert sched.schedule_once() == [high]  # the higher-priority job gets the freed room first
+    assert run_shard(high, settings) == 0
+    assert sched.schedule_once() == [low]
+    assert run_shard(low, settings) == 0
+    assert _job(url, low).status == SUCCEEDED and _job(url, high).status == SUCCEEDED
+    with session_scope(url) as s:
+        steps = list(
+            s.scalars(select(JobMetric.step).where(JobMetric.job_id == low, JobMetric.kind == "train"))
+        )
+        started = s.scalars(
+            select(JobEvent.data)
+            .where(JobEvent.job_id == low, JobEvent.kind == "started")
+            .order_by(JobEvent.id)
+        ).all()
+    assert sorted(steps) == list(range(1, 41))  # continuous: nothing lost, nothing done twice
+    assert started[-1]["resumed_from"] == step
+
+
+def test_a_non_preemptible_job_is_left_alone(
+    settings: Settings, fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    spec = job_spec(20, checkpoint_interval=0)
+    spec["resources"]["preemptible"] = False
+    low = seed_job(url, 1, pool="solo", priority=0, spec=spec)
+    assert sched.schedule_once() == [low]
+    with session_scope(url) as s:
+        s.get(Job, low).status = RUNNING  # as its runner would: preemption looks at running jobs only
+    seed_job(url, 1, pool="solo", priority=5, spec=job_spec(3))
+    assert sched.schedule_once() == []
+    assert _job(url, low).preempt_for is None
+
+
+def test_another_tenants_job_is_not_named_to_the_victim(settings: Settings) -> None:
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    low = seed_job(url, 1, pool="solo", priority=0, spec=job_spec(20))
+    assert sched.schedule_once() == [low]
+    with session_scope(url) as s:
+        s.get(Job, low).status = RUNNING
+    high = seed_job(url, 1, tenant="other", pool="solo", priority=5, name="secret", spec=job_spec(3))
+    assert sched.schedule_once() == []
+    assert _job(url, low).preempt_for == high
+    with session_scope(url) as s:
+        event = s.scalars(select(JobEvent).where(JobEvent.job_id == low, JobEvent.kind == "preempting")).one()
+        assert event.reason == "preempting: checkpointing and stopping to make room for a higher-priority job"
+        assert event.data == {}
