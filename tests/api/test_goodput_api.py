@@ -34,6 +34,7 @@ def test_job_and_node_goodput_and_a_quarantined_node(api: Api) -> None:
         "restart_s": 4.0,
         "checkpoint_stall_s": 1.0,
         "hang_s": 30.0,
+        "preempt_s": 0.0,
         "attempts": 2,
         "goodput": round(160 / 200, 4),
     }
