@@ -11,13 +11,11 @@ CLI: `python -m megatrain.worker.shard --job-id ID` (what the local executor spa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import logging
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -55,7 +53,8 @@ from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
 from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
-from megatrain.worker.procs import descendants, die_with_parent, terminate_tree
+from megatrain.worker.preempt import ask_to_stop
+from megatrain.worker.procs import die_with_parent, terminate_tree
 
 log = logging.getLogger(__name__)
 
@@ -529,7 +528,7 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner, heartbeat: Hea
             runner.last_heartbeat = now
         verdict = runner.tick(heartbeat=beat)
         if verdict == "preempt":
-            verdict = _preempt(settings, proc, att, runner, now)
+            verdict = ask_to_stop(settings, proc, att, runner, now)
             outcome = "preempt"
         if exited:
             break
@@ -561,34 +560,6 @@ def supervise(settings: Settings, att: _Attempt, runner: _Runner, heartbeat: Hea
             # If this keeps failing the reconciler requeues the job once heartbeats stop.
             log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc
-
-
-def _preempt(
-    settings: Settings, proc: subprocess.Popen, att: _Attempt, runner: _Runner, now: float
-) -> str | None:
-    """Ask the engine to checkpoint at its next step boundary and exit (SIGUSR2 to its ranks, once);
-    'preempt' (stop it) once it has had preempt_grace_s, else None (let it finish the save)."""
-    if runner.preempt_asked is None:
-        runner.preempt_asked = now
-        log.info("job %s: preempted; asking the engine to checkpoint and stop", att.job_id)
-        for pid in _rank_pids(proc, att):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGUSR2)
-        return None
-    return "preempt" if now - runner.preempt_asked > settings.preempt_grace_s else None
-
-
-def _rank_pids(proc: subprocess.Popen, att: _Attempt) -> list[int]:
-    """The engine's ranks: the process itself, or torchrun's children (torchrun itself would die of
-    SIGUSR2, and the ranks' own helper processes have no handler for it)."""
-    if att.num_procs == 1 and att.rendezvous is None:
-        return [proc.pid]
-    children = []
-    for pid in descendants(proc.pid):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]) == proc.pid:
-                children.append(pid)
-    return children
 
 
 def _report_hang(runner: _Runner, hang: Hang, lines: queue.Queue[str | None]) -> None:

@@ -12,6 +12,7 @@ OUT/pids/. Behaviour knobs (environment):
   FAKE_ENGINE_PHASE          ... while this phase (default training: at the step; else at setup)
   FAKE_ENGINE_SIGNAL         ... or kill itself with this signal number there
   FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
+  FAKE_ENGINE_IGNORE_SIGUSR2 1: ignore SIGUSR2 (a preempted run that never stops by itself)
   FAKE_ENGINE_HANG_AT        rank FAKE_ENGINE_HANG_RANK (default 0) stops making progress before
                              this step (once, with FAKE_ENGINE_FAIL_MARKER); the others stop at
                              the step after it, as at their next collective with it
@@ -125,7 +126,10 @@ def main() -> int:
             },
         )
     preempted: list[int] = []
-    signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
+    if os.environ.get("FAKE_ENGINE_IGNORE_SIGUSR2") == "1":
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
     for step in range(start + 1, iters + 1):
         time.sleep(step_s)
         if fail_at and step == fail_at and _should_fail(marker):

@@ -127,3 +127,30 @@ def test_another_tenants_job_is_not_named_to_the_victim(settings: Settings) -> N
         event = s.scalars(select(JobEvent).where(JobEvent.job_id == low, JobEvent.kind == "preempting")).one()
         assert event.reason == "preempting: checkpointing and stopping to make room for a higher-priority job"
         assert event.data == {}
+
+
+def test_an_engine_that_does_not_stop_is_terminated_after_the_grace(
+    settings: Settings, fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    monkeypatch.setenv("FAKE_ENGINE_IGNORE_SIGUSR2", "1")
+    monkeypatch.setattr(settings, "preempt_grace_s", 0.5)
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    low = seed_job(url, 1, pool="solo", priority=0, max_retries=0, spec=job_spec(400, checkpoint_interval=5))
+    assert sched.schedule_once() == [low]
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(run_shard(low, settings)))
+    runner.start()
+    wait_for(lambda: _job(url, low).current_step >= 6)
+    seed_job(url, 1, pool="solo", priority=5, spec=job_spec(3))
+    assert sched.schedule_once() == []
+    runner.join(timeout=30)
+    assert codes and codes[0] != 0  # stopped with SIGTERM
+    after = _job(url, low)
+    assert after.status == QUEUED and after.max_retries == 1
+    assert after.status_reason == "preempted by a higher-priority job; resumes from its latest checkpoint"
+    with session_scope(url) as s:
+        (row,) = s.scalars(select(AttemptLedger).where(AttemptLedger.job_id == low)).all()
+    assert row.outcome == "preempted" and row.preempt_s >= 0.5
