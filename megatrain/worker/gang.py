@@ -196,6 +196,8 @@ class _FollowerRunner(_Runner):
             job = s.scalars(select(Job).where(Job.id == att.job_id).with_for_update()).first()
             if job is None or job.status != RUNNING or job.attempt != att.attempt:
                 return
+            if job.preempt_for is not None:
+                return  # preempted: its ranks stopped with node rank 0's, which requeues the job
             rank = att.rendezvous.node_rank if att.rendezvous else None
             data = {"attempt": att.attempt, "node": self.node, "node_rank": rank, "rc": rc}
             data["records"] = records
