@@ -188,6 +188,7 @@ GOODPUT_LOSSES = (
     ("restart_s", "restarts"),
     ("checkpoint_stall_s", "checkpoint stalls"),
     ("hang_s", "hangs"),
+    ("preempt_s", "preemptions"),
 )
 
 

@@ -73,3 +73,5 @@ def test_goodput_line(db_url: str) -> None:
         }
     )
     assert line == "92.3% productive (1h 00m of 1h 05m); lost: restarts 3m, hangs 2m"
+    preempted = goodput_line({"attempts": 2, "productive_s": 3540, "preempt_s": 60, "goodput": 0.983})
+    assert preempted == "98.3% productive (59m of 1h 00m); lost: preemptions 1m"
