@@ -25,6 +25,8 @@ class JobPublic(BaseModel):
     pool: str
     layout: dict[str, Any]
     num_procs: int
+    plan: dict[str, Any] | None = None
+    """The planner's layout and prediction (step time, tokens/s, MFU, memory per device)."""
     attempt: int
     max_retries: int
     cancel_requested: bool
