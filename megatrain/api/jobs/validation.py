@@ -27,6 +27,7 @@ from megatrain.plan.layout import Layout, resolve_layout
 from megatrain.plan.memory import from_spec
 from megatrain.plan.planner import plan
 from megatrain.scheduler.placement import fit_problem, memory_problem
+from megatrain.scheduler.pools import pool_for as stored_pool
 from megatrain.settings import Settings
 from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
 from megatrain.spec_errors import Findings, Problem
@@ -69,21 +70,26 @@ class Submission:
 
 
 def _plan(
-    session: Session, settings: Settings, spec: JobSpec, findings: Findings
+    session: Session, settings: Settings, spec: JobSpec, nodes: list[Any], findings: Findings
 ) -> tuple[JobSpec, dict[str, Any] | None] | None:
     """`spec` with `parallelism: auto` replaced by the planner's fastest layout that fits its pool,
     and the prediction for the layout it runs (an explicit one's too).
 
     Devices: resources.devices when given, else one node of the pool (a job asking for no count gets
     no more than a node: the planner may not spread it over nodes the scheduler would have to gang).
-    A pool with no description and no nodes, or a tokenizer file's vocabulary the planner cannot
+    A pool with no description and no nodes (or none that reported its memory: a guess would refuse
+    jobs that fit), or a tokenizer file's vocabulary the planner cannot
     size (no model.vocab_size), keeps today's auto (tp=pp=1, dp fills the devices). None when the
-    planner finds nothing that fits (its reasons are in `findings`)."""
-    if findings.depends_on_unknown(*LAYOUT_INPUTS, "resources.pool", "data.tokenizer"):
+    planner finds nothing that fits (its reasons are in `findings`). Planning replaces the spec's
+    micro-batch size and recompute too (Choice.apply): a spec that wants its own gives a layout."""
+    if findings.errors:  # a spec the rules refuse is judged as written: no plan to hide its errors
         return spec, None
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
         return spec, None
-    pool = pool_for(session, settings, spec.resources.pool)
+    described = stored_pool(session, spec.resources.pool)
+    if described is None and not any(n.device_memory_bytes for n in nodes):
+        return spec, None
+    pool = described or pool_for(session, settings, spec.resources.pool)
     if pool is None:
         return spec, None
     auto = spec.parallelism == "auto"
@@ -245,13 +251,13 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
     if spec is None:
         findings.raise_if_any()
         raise SpecError([_problem("spec", "not a valid job spec")])  # unreachable: see check_spec
+    pool = _pool_nodes(session, spec, findings)
     prediction = None
-    planned = _plan(session, settings, spec, findings)
+    planned = _plan(session, settings, spec, pool[0] if pool else [], findings)
     if planned is not None:
         spec, prediction = planned
     # A plan that fits nothing leaves no layout to judge: the planner named why.
     layout = _layout(spec, findings) if planned is not None else None
-    pool = _pool_nodes(session, spec, findings)
     if layout is not None and pool is not None:
         # The Celery executor runs a job across several nodes (worker.gang); the local one cannot.
         _fit(spec, layout, *pool, findings, multi_node=settings.executor == "celery")
