@@ -14,7 +14,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
-from megatrain.cli.prediction import planned_line, recent_since, versus_line
+from megatrain.cli.prediction import planned_line, recent_since, submitted_prediction, versus_line
 from megatrain.client import Client, Job, LogLine
 from megatrain.failures import first_line
 from megatrain.job_states import JOB_STATES
@@ -215,7 +215,7 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     with Client() as client:
         job = client.get_job(job_id)
         events = client.events(job_id)
-        predicted = (job.layout or {}).get("predicted")
+        predicted = submitted_prediction(events)
         train = client.metrics(job_id, recent_since(job), kind="train") if predicted else []
     out = _out()
     out.print(f"[bold]{job.id}[/bold]  {escape(job.name)}  ({job.kind})")

@@ -38,6 +38,16 @@ def planned_line(plan: dict[str, Any]) -> str:
     )
 
 
+def submitted_prediction(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The planner's prediction the API stored in the job's `submitted` event, if it planned one."""
+    for ev in events:
+        data = ev.get("data") or {}
+        if ev.get("reason") == "submitted" and isinstance(data.get("plan"), dict):
+            predicted = data["plan"].get("predicted")
+            return predicted if isinstance(predicted, dict) else None
+    return None
+
+
 def recent_since(job: Any) -> int | None:
     """The step after which a job's last RECENT_ROWS train rows lie (one row per log_interval), so
     a long job's status reads a few rows, not its whole history."""

@@ -1,6 +1,7 @@
 """`parallelism: auto` is planned at submission (megatrain.plan.planner on the spec's pool): the
-chosen layout is stored in the spec and the job, the prediction in job.layout and the `submitted`
-event; an explicit layout gets its prediction too; a plan that fits nothing is a 422 with the rest."""
+chosen layout is stored in the spec and the job (job.layout stays the engine's), the prediction in
+the `submitted` event; an explicit layout gets its prediction too; a plan that fits nothing is a
+422 with the rest."""
 
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ def test_auto_is_planned_over_one_node_and_the_prediction_stored(api: Api) -> No
     assert isinstance(stored["parallelism"], dict)  # the plan, written into the spec
     assert (stored["parallelism"]["tp"], stored["parallelism"]["pp"]) == (lay["tp"], lay["pp"])
     assert stored["resources"]["devices"] == world
-    predicted = lay["predicted"]
+    assert "predicted" not in lay  # the engine reads job.layout and accepts layout fields only
+    plan = _submitted(api, job["id"])["plan"]
+    predicted = plan["predicted"]
     assert predicted["step_time_s"] > 0 and predicted["tokens_per_s"] > 0
     assert 0 < predicted["memory_per_gpu_bytes"] < 6 << 30
-    plan = _submitted(api, job["id"])["plan"]
-    assert plan["predicted"] == predicted and not plan["explicit_layout"]
+    assert not plan["explicit_layout"]
     assert plan["layout"]["tp"] == lay["tp"] and plan["devices"] == world and plan["pool"] == "default"
     assert "candidates" not in plan
 
@@ -54,8 +56,8 @@ def test_an_explicit_layout_is_kept_and_predicted(api: Api) -> None:
     _node_memory(api, 6 << 30)
     job = api.submit(api.spec("explicit", parallelism={"pp": 2, "dp": 1}))
     assert (job["layout"]["pp"], job["layout"]["dp"], job["num_procs"]) == (2, 1, 2)
-    assert job["layout"]["predicted"]["step_time_s"] > 0
     plan = _submitted(api, job["id"])["plan"]
+    assert plan["predicted"]["step_time_s"] > 0
     assert plan["explicit_layout"] and plan["layout"]["pp"] == 2
 
 
@@ -77,7 +79,7 @@ def test_a_pool_whose_memory_is_unknown_keeps_todays_auto(api: Api) -> None:
     _node_memory(api, None)
     job = api.submit(api.spec("unplanned"))
     assert (job["layout"]["tp"], job["layout"]["pp"], job["layout"]["dp"]) == (1, 1, 2)
-    assert "predicted" not in job["layout"] and job["spec"]["parallelism"] == "auto"
+    assert job["spec"]["parallelism"] == "auto"
     assert "plan" not in _submitted(api, job["id"])
 
 

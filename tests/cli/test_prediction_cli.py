@@ -33,7 +33,7 @@ def test_validate_prints_the_plan_and_status_compares_it_with_the_metrics(
     assert "planned: predicted step " in out and " tokens/s, MFU " in out and " per device" in out, out
     with Client() as c:
         job = c.submit(live_api.spec("predicted"))
-    predicted = job.layout["predicted"]
+        [predicted] = [e["data"]["plan"]["predicted"] for e in c.events(job.id) if e["reason"] == "submitted"]
     out = run("status", job.id)
     assert "predicted  step " in out and "(not measured yet)" in out, out
     rows = [0.3, 0.2, 0.25, 9.0, 0.2]  # a slow interval (a checkpoint) must not move the median

@@ -152,9 +152,6 @@ def submit_job(
     """(job, created): a new queued job, or the earlier one for a repeated Idempotency-Key."""
     checked = check_submission(session, settings, tenant, data)
     spec, layout = checked.spec, checked.layout
-    # The prediction rides in the layout JSON (the job page and `megatrain status` compare it with
-    # what the job measures) and the submitted event (what was planned, as planned).
-    stored_layout = layout.as_dict() | ({"predicted": checked.plan["predicted"]} if checked.plan else {})
     digest = spec_hash(spec)
     if idempotency_key is not None:
         existing = _replay(session, tenant, idempotency_key, digest)
@@ -172,7 +169,7 @@ def submit_job(
         idempotency_key=idempotency_key,
         priority=spec.resources.priority,
         pool=spec.resources.pool,
-        layout=stored_layout,
+        layout=layout.as_dict(),
         num_procs=layout.world_size,
         max_retries=spec.resources.max_retries,
         total_steps=spec.training.train_iters,
@@ -180,6 +177,8 @@ def submit_job(
     session.add(job)
     try:
         session.flush()  # the job row exists before its event references it
+        # The prediction rides in the submitted event (job.layout is the engine's, which reads no
+        # more): the job page and `megatrain status` set it beside what the job measures.
         event = {"layout": layout.as_dict(), **({"plan": checked.plan} if checked.plan else {})}
         record_event(session, job.id, QUEUED, "submitted", event, to_status=QUEUED)
         session.commit()
