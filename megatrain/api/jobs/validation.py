@@ -27,7 +27,7 @@ from megatrain.plan.layout import Layout, resolve_layout
 from megatrain.plan.memory import from_spec
 from megatrain.plan.planner import plan
 from megatrain.scheduler.placement import fit_problem, memory_problem
-from megatrain.scheduler.pools import pool_for as stored_pool
+from megatrain.scheduler.pools import OPERATOR, describe
 from megatrain.settings import Settings
 from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
 from megatrain.spec_errors import Findings, Problem
@@ -77,8 +77,8 @@ def _plan(
 
     Devices: resources.devices when given, else one node of the pool (a job asking for no count gets
     no more than a node: the planner may not spread it over nodes the scheduler would have to gang).
-    A pool with no description and no nodes (or none that reported its memory: a guess would refuse
-    jobs that fit), or a tokenizer file's vocabulary the planner cannot
+    A pool with no nodes, or none that reported its memory and no operator's description (a guess
+    would refuse jobs that fit), or a tokenizer file's vocabulary the planner cannot
     size (no model.vocab_size), keeps today's auto (tp=pp=1, dp fills the devices). None when the
     planner finds nothing that fits (its reasons are in `findings`). Planning replaces the spec's
     micro-batch size and recompute too (Choice.apply): a spec that wants its own gives a layout."""
@@ -86,9 +86,12 @@ def _plan(
         return spec, None
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
         return spec, None
-    described = stored_pool(session, spec.resources.pool)
-    if described is None and not any(n.device_memory_bytes for n in nodes):
+    row = session.scalar(select(NodePool).where(NodePool.name == spec.resources.pool))
+    if row is None:
         return spec, None
+    described, source = describe(row, list(session.scalars(select(Node).where(Node.pool_id == row.id))))
+    if source != OPERATOR and not any(n.device_memory_bytes for n in nodes):
+        return spec, None  # memory known only from the operator or the nodes themselves
     pool = described or pool_for(session, settings, spec.resources.pool)
     if pool is None:
         return spec, None
