@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
+from megatrain.cli.prediction import planned_line, recent_since, submitted_prediction, versus_line
 from megatrain.client import Client, Job, LogLine
 from megatrain.failures import first_line
 from megatrain.job_states import JOB_STATES
@@ -114,7 +115,12 @@ def validate(spec: Annotated[Path, typer.Argument(help="Job spec file (YAML or J
     with Client() as client:
         check = client.validate(spec)
     layout = layout_text(check.get("layout", {}), check.get("num_procs"))
-    _out().print(f"{escape(str(spec))} is valid: {escape(layout)}")
+    out = _out()
+    out.print(f"{escape(str(spec))} is valid: {escape(layout)}")
+    plan = check.get("plan")
+    if plan:
+        how = "as given" if plan.get("explicit_layout") else "planned"
+        out.print(f"{how}: {escape(planned_line(plan))}")
 
 
 @app.command()
@@ -210,6 +216,8 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     with Client() as client:
         job = client.get_job(job_id)
         events = client.events(job_id)
+        predicted = submitted_prediction(events)
+        train = client.metrics(job_id, recent_since(job), kind="train") if predicted else []
     out = _out()
     out.print(f"[bold]{job.id}[/bold]  {escape(job.name)}  ({job.kind})")
     reason = _one_line(job.status_reason)
@@ -232,6 +240,8 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     )
     if job.layout:
         out.print(f"layout     {escape(layout_text(job.layout, job.num_procs))}")
+    if predicted:
+        out.print(f"predicted  {escape(versus_line(predicted, train))}")
     if line := goodput_line(job.raw.get("goodput")):
         out.print(f"goodput    {line}")
     out.print(f"created    {job.created_at}")

@@ -21,7 +21,8 @@ def _node_memory(api: Api, value: int | None) -> None:
 
 def test_a_spec_that_fits_no_device_is_a_422_naming_estimate_layout_and_device(api: Api) -> None:
     _node_memory(api, 6 << 30)
-    spec = api.spec("huge", model={**api.spec()["model"], **HUGE})
+    # An explicit layout is judged as given (`parallelism: auto` is the planner's: test_autoplan).
+    spec = api.spec("huge", model={**api.spec()["model"], **HUGE}, parallelism={"dp": 2})
     for path in ("/v1/jobs", "/v1/spec/validate"):
         resp = api.client.post(path, json=spec, headers=api.headers)
         assert resp.status_code == 422, resp.text
@@ -39,8 +40,11 @@ def test_what_fits_is_accepted_and_unknown_device_memory_refuses_nothing(api: Ap
     _node_memory(api, 6 << 30)
     assert api.client.post("/v1/jobs", json=api.spec(), headers=api.headers).status_code == 201
     # A model that needs ~1.2 GiB per device: refused on 1 GiB devices, fine on 6 GiB ones.
+    # (explicit dp=2: `parallelism: auto` would be planned into pp=2 and recompute to fit 1 GiB)
     mid = api.spec(
-        "mid", model={**api.spec()["model"], "num_layers": 8, "hidden_size": 1024, "num_attention_heads": 8}
+        "mid",
+        model={**api.spec()["model"], "num_layers": 8, "hidden_size": 1024, "num_attention_heads": 8},
+        parallelism={"dp": 2},
     )
     assert api.client.post("/v1/jobs", json=mid, headers=api.headers).status_code == 201
     _node_memory(api, 1 << 30)

@@ -118,7 +118,9 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("hidden not divisible by heads", {"model": {"hidden_size": 66}}, "model.hidden_size"),
     ("micro batch does not divide global", {"training": {"global_batch_size": 9}},
      "training.global_batch_size"),
-    ("micro·dp does not divide global", {"training": {"global_batch_size": 6}}, "training.global_batch_size"),
+    # An explicit layout: `parallelism: auto` is planned, and the planner picks a micro-batch that fits.
+    ("micro·dp does not divide global", {"training": {"global_batch_size": 6}, "parallelism": {"dp": 2}},
+     "training.global_batch_size"),
     ("seq_length zero", {"model": {"seq_length": 0}}, "model.seq_length"),
     ("seq_length negative", {"model": {"seq_length": -5}}, "model.seq_length"),
     ("lr zero", {"training": {"lr": 0}}, "training.lr"),

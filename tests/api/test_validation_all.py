@@ -40,7 +40,7 @@ def test_a_bad_field_and_a_cross_field_rule_of_the_same_section(api: Api) -> Non
 
 def test_every_rule_of_a_section_not_only_the_first(api: Api) -> None:
     spec = api.spec(training={"global_batch_size": 10, "micro_batch_size": 3, "warmup_iters": 50, "lr": 1e-4,
-                              "min_lr": 1e-3})  # fmt: skip
+                              "min_lr": 1e-3}, parallelism={"dp": 2})  # fmt: skip
     errors = _errors(api, spec)[0]
     assert [e["field"] for e in errors] == [
         "training.global_batch_size",

@@ -124,3 +124,6 @@ class SpecCheck(BaseModel):
     spec: dict[str, Any]
     layout: dict[str, Any]
     num_procs: int
+    plan: dict[str, Any] | None = None
+    """The planner's layout and prediction (`predicted`: step time, tokens/s, MFU, memory per
+    device); null when the spec's pool has no description and no nodes to plan on."""

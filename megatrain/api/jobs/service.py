@@ -20,7 +20,7 @@ from megatrain.api.errors import FieldError
 from megatrain.api.jobs.downsample import minmax_indices
 from megatrain.api.jobs.progress import Pace
 from megatrain.api.jobs.schemas import JobPublic
-from megatrain.api.jobs.validation import JOB_ID_PATTERN, validate_submission
+from megatrain.api.jobs.validation import JOB_ID_PATTERN, check_submission
 from megatrain.db.jobs import record_event, transition
 from megatrain.db.models import (
     ACTIVE_STATES,
@@ -150,7 +150,8 @@ def submit_job(
     session: Session, settings: Settings, tenant: Tenant, data: Any, idempotency_key: str | None
 ) -> tuple[Job, bool]:
     """(job, created): a new queued job, or the earlier one for a repeated Idempotency-Key."""
-    spec, layout = validate_submission(session, settings, tenant, data)
+    checked = check_submission(session, settings, tenant, data)
+    spec, layout = checked.spec, checked.layout
     digest = spec_hash(spec)
     if idempotency_key is not None:
         existing = _replay(session, tenant, idempotency_key, digest)
@@ -176,7 +177,10 @@ def submit_job(
     session.add(job)
     try:
         session.flush()  # the job row exists before its event references it
-        record_event(session, job.id, QUEUED, "submitted", {"layout": layout.as_dict()}, to_status=QUEUED)
+        # The prediction rides in the submitted event (job.layout is the engine's, which reads no
+        # more): the job page and `megatrain status` set it beside what the job measures.
+        event = {"layout": layout.as_dict(), **({"plan": checked.plan} if checked.plan else {})}
+        record_event(session, job.id, QUEUED, "submitted", event, to_status=QUEUED)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the unique (tenant_id, key) race.

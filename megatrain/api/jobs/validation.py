@@ -1,15 +1,17 @@
 """Every check a submission runs, all of them, answered in one 422 listing every error.
 
 The spec's own rules first (megatrain.spec.check_spec: field errors and every cross-field rule),
-then the layout, the pool and its fit, the named datasets, data access, data existence, init_from
-and priority. A check whose inputs are broken is skipped rather than run on a stand-in: a value the
-spec rules dropped (Findings.unknown) is never judged again, and memory fit waits for a valid
-layout, pool and model.
+then the plan (`parallelism: auto` is planned for its pool: megatrain.plan.planner), the layout,
+the pool and its fit, the named datasets, data access, data existence, init_from and priority.
+A check whose inputs are broken is skipped rather than run on a stand-in: a value the spec rules
+dropped (Findings.unknown) is never judged again, and memory fit waits for a valid layout, pool and
+model.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -19,10 +21,13 @@ from megatrain.api.datasets.service import resolve_datasets
 from megatrain.api.jobs.data_access import data_url_problem, data_urls
 from megatrain.api.jobs.data_exists import data_checks, missing_data
 from megatrain.api.jobs.hf_init import fill_model
+from megatrain.api.plan.service import pool_for
 from megatrain.db.models import Job, Node, NodePool, Tenant
 from megatrain.plan.layout import Layout, resolve_layout
 from megatrain.plan.memory import from_spec
+from megatrain.plan.planner import plan
 from megatrain.scheduler.placement import fit_problem, memory_problem
+from megatrain.scheduler.pools import OPERATOR, describe
 from megatrain.settings import Settings
 from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
 from megatrain.spec_errors import Findings, Problem
@@ -51,6 +56,60 @@ MEMORY_INPUTS = ("model", "training", "parallelism")
 
 def _problem(field: str, message: str) -> Problem:
     return {"field": field, "message": message}
+
+
+@dataclass
+class Submission:
+    """A submission that passed every check: the spec to store (planned), its layout, and the
+    planner's prediction for it (`{layout, predicted, devices, pool, precision, explicit_layout}`;
+    None when its pool has no description and no nodes to plan on)."""
+
+    spec: JobSpec
+    layout: Layout
+    plan: dict[str, Any] | None
+
+
+def _plan(
+    session: Session, settings: Settings, spec: JobSpec, nodes: list[Any], findings: Findings
+) -> tuple[JobSpec, dict[str, Any] | None] | None:
+    """`spec` with `parallelism: auto` replaced by the planner's fastest layout that fits its pool,
+    and the prediction for the layout it runs (an explicit one's too).
+
+    Devices: resources.devices when given, else one node of the pool (a job asking for no count gets
+    no more than a node: the planner may not spread it over nodes the scheduler would have to gang).
+    A pool with no nodes, or none that reported its memory and no operator's description (a guess
+    would refuse jobs that fit), or a tokenizer file's vocabulary the planner cannot
+    size (no model.vocab_size), keeps today's auto (tp=pp=1, dp fills the devices). None when the
+    planner finds nothing that fits (its reasons are in `findings`). Planning replaces the spec's
+    micro-batch size and recompute too (Choice.apply): a spec that wants its own gives a layout."""
+    if findings.errors:  # a spec the rules refuse is judged as written: no plan to hide its errors
+        return spec, None
+    if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
+        return spec, None
+    row = session.scalar(select(NodePool).where(NodePool.name == spec.resources.pool))
+    if row is None:
+        return spec, None
+    described, source = describe(row, list(session.scalars(select(Node).where(Node.pool_id == row.id))))
+    if source != OPERATOR and not any(n.device_memory_bytes for n in nodes):
+        return spec, None  # memory known only from the operator or the nodes themselves
+    pool = described or pool_for(session, settings, spec.resources.pool)
+    if pool is None:
+        return spec, None
+    auto = spec.parallelism == "auto"
+    devices = spec.resources.devices or (pool.devices_per_node if auto else None)
+    try:
+        planned = plan(spec, pool, devices)
+    except SpecError as exc:
+        if auto:  # nothing fits: the planner's reasons are the submission's errors
+            findings.add_for_new_fields(exc.errors)
+            return None
+        # An explicit layout's problems are the layout and fit checks' to name (no double report).
+        return spec, None
+    answer = planned.as_dict()
+    answer.pop("candidates")  # the runners-up and rejections are POST /v1/plan's, not the job's
+    if auto:
+        spec = planned.choice.apply(spec)
+    return spec, answer
 
 
 def _layout(spec: JobSpec, findings: Findings) -> Layout | None:
@@ -175,6 +234,13 @@ def validate_submission(
     session: Session, settings: Settings, tenant: Tenant, data: Any
 ) -> tuple[JobSpec, Layout]:
     """The spec and its layout, or SpecError listing every rule the submission breaks."""
+    checked = check_submission(session, settings, tenant, data)
+    return checked.spec, checked.layout
+
+
+def check_submission(session: Session, settings: Settings, tenant: Tenant, data: Any) -> Submission:
+    """The planned spec, its layout and prediction, or SpecError listing every rule the submission
+    breaks."""
     findings = Findings(JOB_SECTIONS)
     try:
         # hf:NAME becomes the registered hf:URL first: the stored spec never depends on the registry.
@@ -188,8 +254,13 @@ def validate_submission(
     if spec is None:
         findings.raise_if_any()
         raise SpecError([_problem("spec", "not a valid job spec")])  # unreachable: see check_spec
-    layout = _layout(spec, findings)
     pool = _pool_nodes(session, spec, findings)
+    prediction = None
+    planned = _plan(session, settings, spec, pool[0] if pool else [], findings)
+    if planned is not None:
+        spec, prediction = planned
+    # A plan that fits nothing leaves no layout to judge: the planner named why.
+    layout = _layout(spec, findings) if planned is not None else None
     if layout is not None and pool is not None:
         # The Celery executor runs a job across several nodes (worker.gang); the local one cannot.
         _fit(spec, layout, *pool, findings, multi_node=settings.executor == "celery")
@@ -201,4 +272,4 @@ def validate_submission(
         findings.add(filter(None, [_priority(spec, tenant)]))
     findings.raise_if_any()
     assert layout is not None  # no error: every check ran, the layout's too
-    return spec, layout
+    return Submission(spec, layout, prediction)

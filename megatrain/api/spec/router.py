@@ -57,14 +57,16 @@ async def validate_spec(
     request: Request, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
 ) -> dict[str, Any]:
     """Run every check POST /v1/jobs runs (spec, layout, pool fit, data access and existence)
-    without creating a job; 200 with the normalised spec and its layout, or the same 422 a
+    without creating a job; 200 with the normalised (planned) spec, its layout and the planner's
+    prediction (`plan`, null when its pool cannot be planned on), or the same 422 a
     submission would get, listing every error at once."""
     raw = await request.body()
     data = await run_in_threadpool(service.parse_body, raw, request.headers.get("content-type", ""))
-    spec, layout = await run_in_threadpool(service.validate_submission, session, settings, tenant, data)
+    checked = await run_in_threadpool(service.check_submission, session, settings, tenant, data)
     return {
         "valid": True,
-        "spec": spec.model_dump(mode="json"),
-        "layout": layout.as_dict(),
-        "num_procs": layout.world_size,
+        "spec": checked.spec.model_dump(mode="json"),
+        "layout": checked.layout.as_dict(),
+        "num_procs": checked.layout.world_size,
+        "plan": checked.plan,
     }

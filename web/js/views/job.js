@@ -4,6 +4,7 @@
 import { api, ApiError, follow } from "../api.js";
 import { LineChart } from "../charts.js";
 import { h, replace } from "../dom.js";
+import { RECENT_ROWS, predictionPanel } from "./prediction.js";
 import { ACTIVE, devicesWord, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
 import { exportActive, exportCell } from "./exports.js";
 import { samplePanel } from "./samples.js";
@@ -135,6 +136,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   let logsFollowing = null;
   let lastSeq = 0;
   let estimate = null;  // the planner's, from the started event
+  let predicted = null;  // the planner's step time, tokens/s, MFU and memory, from the submitted event
   let kinds = new Map();  // pool -> what its slots are called ("GPUs", "CPU slots")
   slotKinds().then((k) => { kinds = k; if (job && !stopped) drawJob(); });
   window.megatrainPerf = { jobId, chartsReadyMs: null, points: 0 };
@@ -231,6 +233,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     box.dataset.drawn = "1";
     box.scrollTop = atEnd ? box.scrollHeight : kept;
     const started = [...events].reverse().find((e) => e.kind === "started");
+    predicted = events.find((e) => e.reason === "submitted")?.data?.plan?.predicted || null;
     drawLayout(started?.data || {});
   }
 
@@ -244,8 +247,18 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     estimate = startedData.memory_estimate || null;
     replace(el.layout,
       h("dl", { class: "kv" }, rows.filter(([, v]) => v !== undefined && v !== null).map(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))])),
-      estimate ? memoryPlan(estimate) : h("p", { class: "hint" }, "The planner's memory breakdown appears here once the engine reports it at start."));
+      estimate ? memoryPlan(estimate) : h("p", { class: "hint" }, "The planner's memory breakdown appears here once the engine reports it at start."),
+      predicted && h("div", { id: "prediction-box" }));
     drawMeasured();
+  }
+
+  function trainRows() {
+    const rows = [];
+    for (let i = store.steps.length - 1; i >= 0 && rows.length < RECENT_ROWS; i--) {
+      const t = store.byStep.get(store.steps[i]).t;
+      if (t) rows.unshift(t);
+    }
+    return rows;
   }
 
   function latestTrain(has = null) {
@@ -259,6 +272,8 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   function drawMeasured() {
     const box = document.getElementById("memory-measured");
     if (box && estimate) replace(box, memoryMeasured(estimate, latestTrain("model_state_bytes")));
+    const pbox = document.getElementById("prediction-box");
+    if (pbox && predicted) replace(pbox, predictionPanel(predicted, trainRows()));
   }
 
   // A checkpoint's or an export's download: a tar through the API, or presigned links from S3.
