@@ -15,8 +15,10 @@ wrote it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
+import io
 import json
 import os
 import signal
@@ -355,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR2, _on_sigusr2)
     # The runner sends SIGUSR1 to a rank it finds hung: every thread's stack goes to the job's log.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # (Not where stderr has no file descriptor: main() called in-process under a capture.)
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     out = Path(args.out)
     activity = Activity()
     _report_progress(out, int(os.environ.get("RANK", "0")), activity)

@@ -87,7 +87,8 @@ def test_a_stored_gpu_pool_is_described_from_its_rows(api: Api) -> None:
     """pool_for: the accelerator's datasheet peaks, the nodes' smallest device memory, the slots of
     the largest node as devices per node, and the node count."""
     with session_scope(api.db_url) as s:
-        s.execute(update(NodePool).values(accelerator="NVIDIA H100 80GB HBM3"))
+        # No description stored (the local worker may have measured its CPU): derived from the rows.
+        s.execute(update(NodePool).values(accelerator="NVIDIA H100 80GB HBM3", spec=None, spec_source=None))
         s.execute(update(Node).values(device_memory_bytes=80 << 30, slots_total=8))
     spec = api.spec("on-gpus", resources={"devices": 8}, training={"precision": "auto"})
     resp = api.client.post("/v1/plan", json={"spec": spec}, headers=api.headers)
