@@ -26,10 +26,11 @@ export function predictionPanel(predicted, rows) {
   ];
   return h("div", { id: "prediction" },
     h("h3", {}, "Predicted vs measured"),
-    h("table", { id: "prediction-table" },
-      h("thead", {}, h("tr", {}, ["", "Predicted", "Measured", "Difference"].map((t) => h("th", { scope: "col" }, t)))),
-      h("tbody", {}, lines.map(([key, label, want, got, fmt]) => h("tr", { dataset: { quantity: key } },
-        h("th", { scope: "row" }, label), h("td", {}, fmt(want)), h("td", {}, fmt(got)), h("td", {}, diff(want, got)))))),
+    h("div", { class: "table-wrap" },  // scrolls inside its card on a phone, never the page
+      h("table", { id: "prediction-table" },
+        h("thead", {}, h("tr", {}, ["", "Predicted", "Measured", "Difference"].map((t) => h("th", { scope: "col" }, t)))),
+        h("tbody", {}, lines.map(([key, label, want, got, fmt]) => h("tr", { dataset: { quantity: key } },
+          h("th", { scope: "row" }, label), h("td", {}, fmt(want)), h("td", {}, fmt(got)), h("td", {}, diff(want, got))))))),
     h("p", { class: "hint" }, recent.length
       ? `Measured: medians of the last ${recent.length} logged intervals; memory is the allocator's peak (GPU only).`
       : "The measured figures appear with the first metrics."));
