@@ -51,6 +51,13 @@ from megatrain.settings import Settings, get_settings
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.worker.launch import (  # noqa: F401  (re-exported)
+    DEFAULT_ENGINE_MODULE,
+    ENGINE_MODULE_ENV,
+    Rendezvous,
+    engine_command,
+    free_port,
+)
 from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
 from megatrain.worker.preempt import ask_to_stop
@@ -58,9 +65,6 @@ from megatrain.worker.procs import die_with_parent, terminate_tree
 
 log = logging.getLogger(__name__)
 
-ENGINE_MODULE_ENV = "MEGATRAIN_ENGINE_MODULE"
-"""Module (or path to a .py script) the runner starts; tests point it at a fake engine."""
-DEFAULT_ENGINE_MODULE = "megatrain.engine.train"
 KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
 """Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
 POLL_S = 0.25
@@ -90,62 +94,6 @@ class _Attempt:
 
 def hang_rule(settings: Settings) -> HangRule:
     return HangRule(settings.hang_factor, settings.hang_min_s, settings.hang_grace_s)
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """How the shards of a multi-node attempt meet: torchrun's c10d rendezvous at node rank 0."""
-
-    node_rank: int
-    nnodes: int
-    endpoint: str
-    """HOST:PORT of node rank 0's rendezvous store."""
-    run_id: str
-    """torchrun's --rdzv-id: one per attempt, so a late shard of an older attempt never joins."""
-    timeout_s: float = 300.0
-
-    def torchrun_args(self) -> list[str]:
-        # Node rank 0 hosts the store (is_host), whatever the hostnames say: two nodes on one
-        # machine would otherwise both try. c10d orders the nodes itself (by address and pid), so
-        # each node's ranks stay contiguous (whole tp×cp groups) but which node holds global
-        # rank 0 is torchrun's choice: every shard reports the metrics and events of its ranks.
-        conf = f"is_host={int(self.node_rank == 0)},join_timeout={int(self.timeout_s)}"
-        return [
-            # No --node-rank: c10d ignores it (with a warning) and orders the nodes itself.
-            f"--nnodes={self.nnodes}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.endpoint}",
-            f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf={conf}",
-            "--max-restarts=0",
-        ]
-
-
-def engine_command(
-    num_procs: int, out_dir: Path, checkpoint_url: str, rendezvous: Rendezvous | None = None
-) -> list[str]:
-    """torchrun for several processes; plain python for one (the engine's contract allows both).
-    A share of a multi-node attempt always runs under torchrun, meeting the others at `rendezvous`.
-
-    The engine reads the job's spec and the layout the API resolved and stored, from the attempt's
-    folder (`_claim` writes both), so it never plans a layout of its own."""
-    engine = os.environ.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
-    target = [engine] if engine.endswith(".py") else ["-m", engine]
-    args = [
-        *("--spec", str(out_dir / "spec.json"), "--layout", str(out_dir / "layout.json")),
-        *("--out", str(out_dir), "--checkpoint-url", checkpoint_url),
-    ]
-    if num_procs == 1 and rendezvous is None:
-        return [sys.executable, "-u", *target, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *(rendezvous.torchrun_args() if rendezvous else ["--standalone"]),
-        f"--nproc-per-node={num_procs}",
-        *target,
-        *args,
-    ]
 
 
 def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | None:
@@ -210,13 +158,6 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | No
 
             lead(s, settings, att, rendezvous_port)
         return att
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (the rendezvous store binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def _queued_s(s: Session, job: Job, now: datetime) -> float:
