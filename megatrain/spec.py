@@ -31,6 +31,7 @@ from megatrain.spec_errors import (
     collecting,
     report_rules,
 )
+from megatrain.spec_moe import MoESpec
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
 MAX_DIM = 1 << 17
@@ -116,8 +117,8 @@ class ModelSpec(_Strict):
     tie_embeddings: bool | None = None
     """None: tied for gpt2, untied for llama."""
     init_method_std: float = Field(0.02, gt=0.0, le=1.0)
-    num_experts: int = Field(0, ge=0, le=0)
-    """Mixture of experts is not supported yet; only 0 is accepted."""
+    moe: MoESpec | None = None
+    """Mixture of experts (megatrain/spec_moe.py); None: every layer has a dense MLP."""
     init_from: str | None = Field(None, max_length=1024)
     """null | checkpoint:JOB_ID[@STEP] | hf:URL (a Hugging Face model folder: config.json and
     safetensors, as file:///abs/path or s3://bucket/prefix)."""
@@ -409,8 +410,12 @@ class ParallelismSpec(_Strict):
     """Pipeline-parallel degree."""
     dp: int | Literal["auto"] = "auto"
     """Data-parallel degree; auto fills resources.devices (or 1)."""
-    cp: int = Field(1, ge=1, le=1)
-    ep: int = Field(1, ge=1, le=1)
+    cp: int = Field(1, ge=1, le=1024)
+    """Context-parallel degree: each sequence split over cp ranks (two mirrored chunks each, for a
+    balanced causal load), attention run as a ring; needs model.seq_length divisible by 2·cp."""
+    ep: int = Field(1, ge=1, le=1024)
+    """Expert-parallel degree: model.moe's experts split over ep ranks carved from dp×cp, tokens
+    exchanged by all-to-all; must divide dp×cp and model.moe.num_experts."""
     virtual_stages: int = Field(1, ge=1, le=64)
     """Model chunks per pipeline stage (interleaved 1F1B); > 1 needs pp > 1 and micro-batches per
     step divisible by pp."""

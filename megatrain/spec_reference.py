@@ -96,8 +96,6 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "training.log_interval": "Report loss, throughput and memory every N steps.",
     "training.eval_iters": "Validation batches per evaluation.",
     "training.seed": "Seeds initialisation, data order and dropout: equal seeds, equal runs.",
-    "parallelism.cp": "Context-parallel degree (only 1 for now).",
-    "parallelism.ep": "Expert-parallel degree (only 1 for now).",
     "parallelism.sequence_parallel": "Split layer norms and dropout along the sequence over the tp ranks "
     "(saves activation memory); needs tp > 1 to do anything.",
     "resources.pool": "The node pool to run on.",

@@ -18,6 +18,30 @@ def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's routing and expert shapes (megatrain.spec_moe.MoESpec, with the
+    expert width resolved)."""
+
+    num_experts: int
+    router_topk: int
+    ffn_hidden_size: int
+    """Each routed expert's MLP width."""
+    layer_freq: int = 1
+    """Layers i with i % layer_freq == 0 are MoE; the others keep the dense MLP."""
+    shared_expert_ffn_hidden_size: int | None = None
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    router_num_groups: int | None = None
+    router_group_topk: int | None = None
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None
+    """None: dropless."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer % self.layer_freq == 0
+
+
+@dataclass(frozen=True)
 class TransformerConfig:
     """Everything `GPTModel` needs; the arch flavour is spelled out as explicit choices
     (FLAVOURS), and `preset()` names the tiny models tests and benchmarks share."""
@@ -50,8 +74,12 @@ class TransformerConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    moe: MoEConfig | None = None
+    """None: a dense model."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from_dict / a checkpoint's model_config
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_query_groups:
@@ -146,6 +174,26 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        moe=moe_config(spec),
+    )
+
+
+def moe_config(spec: JobSpec) -> MoEConfig | None:
+    moe = spec.model.moe
+    if moe is None:
+        return None
+    return MoEConfig(
+        num_experts=moe.num_experts,
+        router_topk=moe.router_topk,
+        ffn_hidden_size=moe.ffn_hidden_size or spec.model.ffn_size,
+        layer_freq=moe.layer_freq,
+        shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size,
+        router_score_function=moe.router_score_function,
+        router_num_groups=moe.router_num_groups,
+        router_group_topk=moe.router_group_topk,
+        aux_loss_coeff=moe.aux_loss_coeff,
+        z_loss_coeff=moe.z_loss_coeff,
+        capacity_factor=moe.capacity_factor,
     )
 
 

@@ -273,7 +273,24 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             par="parallelism.",
         ),
         *batch_problems(layout, tr.global_batch_size, tr.micro_batch_size),
+        *expert_problems(layout, m.moe.num_experts if m.moe is not None else 0),
     ]
+
+
+def expert_problems(layout: Layout, num_experts: int) -> list[Problem]:
+    """Expert parallelism splits the routed experts: it needs some, and a whole number per rank."""
+    if layout.ep == 1:
+        return []
+    if not num_experts:
+        return [_problem("parallelism.ep", f"parallelism.ep={layout.ep} needs model.moe (no experts)")]
+    if num_experts % layout.ep:
+        return [
+            _problem(
+                "model.moe.num_experts",
+                f"model.moe.num_experts={num_experts} is not divisible by parallelism.ep={layout.ep}",
+            )
+        ]
+    return []
 
 
 def resolve_layout(spec: JobSpec, world_size: int | None = None) -> Layout:

@@ -248,6 +248,14 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
         "model.vocab_size",
         "the embedding's 1024 rows are not divisible by parallelism.tp=3",
     ),
+    (with_("parallelism", {"cp": 3}), "model.seq_length", "not divisible by 2×parallelism.cp=6"),
+    (with_("parallelism", {"ep": 2, "dp": 2}), "parallelism.ep", "needs model.moe"),
+    (with_("parallelism", {"ep": 4, "dp": 2}), "parallelism.ep", "does not divide dp×cp=2×1"),
+    (
+        {**BASE, "model": {"moe": {"num_experts": 6}}, "parallelism": {"ep": 4, "dp": 4}},
+        "model.moe.num_experts",
+        "model.moe.num_experts=6 is not divisible by parallelism.ep=4",
+    ),
 ]
 
 
