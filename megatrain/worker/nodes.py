@@ -126,14 +126,16 @@ def record_cached_facts(
     session: Session, settings: Settings, node_id: str, accelerator: str, slots: int
 ) -> bool:
     """Describe the node's pool by this machine's facts once they are measured (a worker's
-    heartbeat asks until then); False while they are not. The caller commits."""
-    if cached_facts(settings, accelerator, slots) is None:
+    heartbeat asks until then); False while they are not, or were measured beside other work
+    (measured again, pool_facts.stale). The caller commits."""
+    facts = cached_facts(settings, accelerator, slots)
+    if facts is None:
         return False
     node = session.get(Node, node_id)
     pool = None if node is None else session.get(NodePool, node.pool_id)
     if node is not None and pool is not None:
         record_measured_spec(pool, settings, accelerator, slots, node.device_memory_bytes, wait=False)
-    return True
+    return not facts.get("contended")
 
 
 def ensure_local_pool(

@@ -13,6 +13,11 @@ measured the same way (two ranks all-reducing 16 MiB and 4 bytes), with CPU_LINK
 orders of magnitude where that fails; across CPU hosts, CPU_LINK's Ethernet figure. A GPU node's
 NVLink figure comes from NVLINK_GBPS by model (PCIe otherwise), unmeasured. An operator's
 description (`megatrain pools apply`) replaces all of it.
+
+A CPU peak measured while other processes kept the cores busy is marked `contended` (see
+megatrain.engine.calibrate): such facts are served but measured again in the background once they
+are REMEASURE_CONTENDED_S old, and the worker keeps re-describing its pool until a quiet figure
+replaces them (a peak taken under load made the planner predict steps ~40% slower than they ran).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatrain.hostinfo import cpu_model
+from megatrain.hostinfo import REMEASURE_CONTENDED_S, cpu_model
 from megatrain.settings import Settings, cpu_cores
 
 log = logging.getLogger(__name__)
@@ -88,6 +93,12 @@ def cached_facts(settings: Settings, accelerator: str, slots: int) -> dict[str, 
     return entry
 
 
+def stale(facts: dict[str, Any]) -> bool:
+    """Whether cached facts were measured beside other work long enough ago to measure again."""
+    age = time.time() - float(facts.get("measured_at", 0))
+    return bool(facts.get("contended")) and age >= REMEASURE_CONTENDED_S
+
+
 def measure_facts(settings: Settings, accelerator: str, slots: int) -> dict[str, Any] | None:
     """Measure in a subprocess (it imports torch), cache and return the facts; None on failure."""
     key = _key(accelerator, slots)
@@ -122,12 +133,14 @@ def local_facts(settings: Settings, accelerator: str, slots: int, wait: bool) ->
     """The cached facts, else measure: now (`wait`) or in a background thread, returning None until
     a later call finds them cached (the scheduler's tick must not stall for seconds)."""
     cached = cached_facts(settings, accelerator, slots)
-    if cached is not None or wait:
-        return cached or measure_facts(settings, accelerator, slots)
+    if cached is None and wait:
+        return measure_facts(settings, accelerator, slots)
+    if cached is not None and not stale(cached):
+        return cached
     name = json.dumps(_key(accelerator, slots), sort_keys=True)
     with _pending_lock:
         if name in _pending:
-            return None
+            return cached
         _pending.add(name)
 
     def measure() -> None:
@@ -138,7 +151,7 @@ def local_facts(settings: Settings, accelerator: str, slots: int, wait: bool) ->
                 _pending.discard(name)
 
     threading.Thread(target=measure, daemon=True, name="measure-node").start()
-    return None
+    return cached  # None on a first measurement; stale facts stand until the new ones land
 
 
 def pool_spec_dict(
@@ -307,15 +320,17 @@ def measure_here(accelerator: str, slots: int) -> dict[str, Any]:
     if accelerator == "cpu":
         import torch
 
-        from megatrain.engine.calibrate import cpu_peak_tflops
+        from megatrain.engine.calibrate import cpu_peak
         from megatrain.engine.runtime import cpu_has_native_bf16
 
         # One device is one rank, which the engine gives its share of the cores (runtime._set_threads).
         threads = max(1, cpu_cores() // max(1, slots))
         torch.set_num_threads(threads)
-        peaks = {"fp32": cpu_peak_tflops("fp32")}
+        measured = {"fp32": cpu_peak("fp32")}
         if cpu_has_native_bf16():  # elsewhere bf16 jobs run in fp32: fp32's peak stands for them
-            peaks["bf16"] = cpu_peak_tflops("bf16")
+            measured["bf16"] = cpu_peak("bf16")
+        peaks = {p: e["tflops"] for p, e in measured.items() if e is not None}
+        contended = any(e is not None and e.get("contended") for e in measured.values())
         gloo = measure_gloo_loopback(threads) if slots > 1 else None
         link = dict(CPU_LINK, source="constant")
         if gloo is not None:
@@ -333,7 +348,9 @@ def measure_here(accelerator: str, slots: int) -> dict[str, Any]:
         nvlink = next((v for k, v in NVLINK_GBPS.items() if k.lower() in accelerator.lower()), None)
         link = {"intra_gbps": nvlink or PCIE_GBPS, "intra_us": 5.0 if nvlink else 10.0, **GPU_INTER_NODE}
         link["source"] = "datasheet"
+        contended = False
     return {
+        "contended": contended,
         "peak_tflops": {p: round(v, 4) for p, v in peaks.items() if v},
         "intra_node_bandwidth_gbps": link["intra_gbps"],
         "intra_node_latency_us": link["intra_us"],

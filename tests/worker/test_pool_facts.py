@@ -98,3 +98,37 @@ def test_an_unlisted_gpu_is_measured() -> None:
     assert facts["peak_tflops"]["bf16"] > 1.0
     name = torch.cuda.get_device_name()
     assert measure_here(name, 1)["peak_tflops"]
+
+
+def test_facts_measured_beside_other_work_are_measured_again_in_the_background(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = settings.model_copy(update={"cache_dir": tmp_path / "cache"})
+    key = pool_facts._key("cpu", 2)
+    path = pool_facts._path(settings, key)
+    path.parent.mkdir(parents=True)
+    now = pool_facts.time.time()
+    old = {"key": key, "peak_tflops": {"fp32": 0.02}, "contended": True, "measured_at": now}
+    path.write_text(json.dumps(old))
+    measured: list[int] = []
+
+    def measure(settings: Settings, accelerator: str, slots: int) -> dict:
+        measured.append(slots)
+        path.write_text(json.dumps(old | {"peak_tflops": {"fp32": 0.05}, "contended": False}))
+        return {}
+
+    monkeypatch.setattr(pool_facts, "measure_facts", measure)
+    # Young contended facts are served as they are.
+    assert pool_facts.local_facts(settings, "cpu", 2, wait=False)["peak_tflops"] == {"fp32": 0.02}
+    assert measured == []
+    # Old ones too, while a background measurement replaces them.
+    path.write_text(json.dumps(old | {"measured_at": now - pool_facts.REMEASURE_CONTENDED_S}))
+    assert pool_facts.local_facts(settings, "cpu", 2, wait=False)["peak_tflops"] == {"fp32": 0.02}
+    for thread in [t for t in pool_facts.threading.enumerate() if t.name == "measure-node"]:
+        thread.join(10)
+    assert measured == [2]
+    fresh = pool_facts.local_facts(settings, "cpu", 2, wait=False)
+    assert fresh["peak_tflops"] == {"fp32": 0.05} and not pool_facts.stale(fresh)
+    assert pool_facts.stale(old | {"measured_at": 0}) and not pool_facts.stale(
+        old | {"contended": False, "measured_at": 0}
+    )
