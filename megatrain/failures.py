@@ -29,6 +29,8 @@ PHASES = {
     "init": "loading the initial weights",
     "resume": "resuming from the checkpoint",
     "training": "training",
+    "evaluation": "evaluating",
+    "checkpoint": "saving a checkpoint",
 }
 """What a rank can be doing, in the words of a reason ("reading the data failed on rank 0 ...")."""
 

@@ -1,4 +1,6 @@
-"""Each engine rank's progress file, OUT/progress.rank{R}: its last finished step and its pid.
+"""Each engine rank's progress file, OUT/progress.rank{R}: its last finished step, its pid and what
+it is doing (megatrain.failures.PHASES: a checkpoint or an evaluation pauses the step counter
+legitimately; the hang watch allows for them by name rather than guessing from the step).
 
 The engine writes it (a daemon thread, megatrain.engine.train); the shard runner reads it to name
 the rank(s) that stopped when an attempt hangs (megatrain.worker.hang). Shared by both sides, so it
@@ -13,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROGRESS_GLOB = "progress.rank*"
+LOOP_PHASES = ("training", "evaluation", "checkpoint")
+"""The phases of the training loop, in which a rank's step counts."""
+PAUSE_PHASES = frozenset({"evaluation", "checkpoint"})
+"""Loop phases that hold the step counter still for longer than a step (the hang grace applies)."""
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,8 @@ class RankProgress:
     rank: int
     step: int
     pid: int | None
+    phase: str | None = None
+    """None from an engine that does not say (the watch then guesses when a save is due)."""
 
 
 def read_progress(out_dir: Path) -> list[RankProgress]:
@@ -29,15 +37,20 @@ def read_progress(out_dir: Path) -> list[RankProgress]:
         try:
             rank = int(path.name.removeprefix("progress.rank"))
             row = json.loads(path.read_text())
-            found.append(RankProgress(rank, int(row.get("step") or 0), row.get("pid")))
+            phase = row.get("phase")
+            phase = phase if isinstance(phase, str) else None
+            found.append(RankProgress(rank, int(row.get("step") or 0), row.get("pid"), phase))
         except (OSError, ValueError, TypeError, AttributeError):
             continue
     return found
 
 
-def write_progress(out_dir: Path, rank: int, step: int) -> None:
-    """Atomically record this rank's last finished step (the engine calls this)."""
+def write_progress(out_dir: Path, rank: int, step: int, phase: str | None = None) -> None:
+    """Atomically record this rank's last finished step and phase (the engine calls this)."""
     path = out_dir / f"progress.rank{rank}"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "pid": os.getpid()}))
+    row: dict[str, object] = {"step": step, "pid": os.getpid()}
+    if phase is not None:
+        row["phase"] = phase
+    tmp.write_text(json.dumps(row))
     os.replace(tmp, path)

@@ -201,17 +201,19 @@ class TrainLoop:
                 window = _Window(window)
             paused = time.perf_counter()
             if self.valid_ds is not None and cfg.eval_interval and (step % cfg.eval_interval == 0 or final):
+                self.activity.phase = "evaluation"  # a pause the hang watch allows for (worker.hang)
                 last_eval = self.evaluate()
+                self.activity.phase = "training"
                 log.metrics.write({"step": step, "val_loss": last_eval})
                 log.say(f"step {step} | validation loss {last_eval:.4f}")
             saved = bool(cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final
             if saved:
-                self.save(Progress(step, consumed))
+                self._save(Progress(step, consumed))
             self.poll()
             if not final and self.stop():
                 # Preempted: checkpoint this boundary so the next attempt redoes no work.
                 if not saved:
-                    self.save(Progress(step, consumed))
+                    self._save(Progress(step, consumed))
                 log.say(f"step {step} | preempted: checkpointed, stopping")
                 return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "preempted": True}
             self._sync()
@@ -222,6 +224,13 @@ class TrainLoop:
             log.metrics.write({"step": step, "test_loss": test_loss})
             log.say(f"step {step} | test loss {test_loss:.4f}")
         return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "test_loss": test_loss}
+
+    def _save(self, progress: Progress) -> None:
+        """A checkpoint, named as this rank's phase while it stalls the loop (the hang watch allows
+        for it; an async save's background write is not a pause)."""
+        self.activity.phase = "checkpoint"
+        self.save(progress)
+        self.activity.phase = "training"
 
     def _log_interval(self, w: _Window, step: int, lr: float, consumed: int) -> None:
         iter_time = (time.perf_counter() - w.start - w.excluded) / w.steps

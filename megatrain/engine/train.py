@@ -47,7 +47,7 @@ from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout
 from megatrain.plan.memory import from_spec as memory_from_spec
-from megatrain.progress_files import write_progress
+from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 
@@ -292,11 +292,12 @@ def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 
     def loop() -> None:
         last = None
         while True:
-            step = (activity.step or 1) - 1 if activity.phase == "training" else 0
-            if step != last:
+            phase = activity.phase
+            step = (activity.step or 1) - 1 if phase in LOOP_PHASES else 0
+            if (step, phase) != last:
                 try:
-                    write_progress(out, rank, step)
-                    last = step
+                    write_progress(out, rank, step, phase)
+                    last = step, phase
                 except OSError:
                     pass  # the folder may not exist yet; the next round retries
             time.sleep(every_s)

@@ -2,8 +2,11 @@
 
 The rule: an attempt is hung when its step counter has not moved for `hang_factor` x the median
 step time the attempt measured (never less than `hang_min_s`). Before the attempt's first step
-(setup, resume) and after a step that is due a checkpoint until that checkpoint is reported saved,
-the allowance is `hang_grace_s` instead: those pauses are legitimately long.
+(setup, resume) and while any rank says it is saving a checkpoint or evaluating (its progress
+file's phase), the allowance is `hang_grace_s` instead: those pauses are legitimately long. A rank
+that hangs in the step before a checkpoint is not one of them. (Progress files without a phase, from
+an older engine, fall back to a guess: the step after the newest known one is due a checkpoint that
+is not yet reported saved.)
 
 Each engine rank writes OUT/progress.rank{R} (JSON: its last finished step and its pid) so a hang
 names the rank(s) that stopped first; the runner asks those processes for their stacks (SIGUSR1,
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatrain.progress_files import RankProgress, read_progress
+from megatrain.progress_files import PAUSE_PHASES, RankProgress, read_progress
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,10 @@ class HangWatch:
         self.step_times: list[float] = []
         self.gaps: list[int] = []
         self.saved_step = 0
+        self.phases_known = False
+        """Whether the ranks' progress files say what they are doing."""
+        self.pausing = False
+        """A rank is saving a checkpoint or evaluating."""
 
     def observe_metrics(self, rows: list[dict[str, Any]], now: float) -> None:
         for row in rows:
@@ -110,6 +117,8 @@ class HangWatch:
         """The slowest rank's step moving is movement (a hung rank holds it still)."""
         if not progress:
             return
+        self.phases_known = all(p.phase is not None for p in progress)
+        self.pausing = any(p.phase in PAUSE_PHASES for p in progress)
         low = min(p.step for p in progress)
         if low > self.known_step:
             self.last_move = now
@@ -126,11 +135,11 @@ class HangWatch:
     def allowance_s(self) -> float:
         """How long the step counter may stand still now."""
         median = self.median_s
-        if self.last_step is None or median is None:
+        if self.last_step is None or median is None or self.pausing:
             return self.rule.grace_s
         gap = statistics.median_low(self.gaps) if self.gaps else 1
         every, known = self.checkpoint_interval, self.known_step
-        if every:
+        if every and not self.phases_known:
             # The step after the newest known one may be a checkpoint's: its compute and its save
             # look alike from here (a rank's file holds still through both).
             boundary = (known + 1) // every * every

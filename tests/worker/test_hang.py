@@ -195,3 +195,25 @@ def test_the_rank_that_stopped_first_is_named(
         assert " stopped at step 5 for " in job.status_reason and job.status_reason.endswith(
             "stacks in the log"
         )
+
+
+def test_the_grace_follows_the_phase_the_ranks_report(tmp_path: Path) -> None:
+    from megatrain.progress_files import write_progress
+
+    watch = HangWatch(HangRule(factor=10, min_s=1, grace_s=100), started=0.0, checkpoint_interval=5)
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.2} for s in (1, 2, 3, 4)], now=1.0)
+    # Step 5 is a checkpoint's, but the ranks say they are training: a rank stuck in step 5's
+    # compute is a hang after the usual allowance, not after the save's grace.
+    write_progress(tmp_path, 0, 4, "training")
+    write_progress(tmp_path, 1, 4, "training")
+    assert watch.check(2.0, tmp_path, "h") is None and watch.allowance_s() == 2
+    hang = watch.check(3.5, tmp_path, "h")
+    assert hang is not None and hang.ranks == (0, 1) and hang.step == 4
+    # One rank saving (or evaluating) pauses the counter legitimately: the grace applies.
+    write_progress(tmp_path, 1, 5, "checkpoint")
+    assert watch.check(4.0, tmp_path, "h") is None and watch.allowance_s() == 100
+    write_progress(tmp_path, 1, 5, "evaluation")
+    assert watch.check(50.0, tmp_path, "h") is None
+    write_progress(tmp_path, 0, 5, "training")
+    write_progress(tmp_path, 1, 5, "training")
+    assert watch.check(51.0, tmp_path, "h") is None and watch.allowance_s() == 2
