@@ -25,7 +25,16 @@ from typing import Any
 
 from megatrain.plan.cost import StepSettings, StepTime, predict_step
 from megatrain.plan.layout import Layout, batch_problems, expert_problems, model_problems, resolve_layout
-from megatrain.plan.memory import GiB, MemoryEstimate, fits, from_spec, planned_precision
+from megatrain.plan.memory import (
+    GiB,
+    MemoryEstimate,
+    chunks_in_flight,
+    fits,
+    from_spec,
+    layer_activations,
+    planned_precision,
+)
+from megatrain.plan.moe_memory import moe_layer_activations
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.result import (
     MAX_REJECTED_SHOWN,
@@ -40,6 +49,8 @@ from megatrain.plan.shapes import (
     ModelShape,
     expert_params,
     layer_params,
+    layers_on_stage,
+    moe_layers_on_stage,
     param_counts,
     shape_of_spec,
     stage_params,
@@ -182,12 +193,14 @@ class _Search:
             cp *= 2
         return out
 
-    def ep_options(self, dp: int, cp: int) -> list[int]:
-        """1 for a dense model; else the divisors of dp·cp that divide the experts (the rest rejected)."""
+    def ep_options(self, tp: int, cp: int, pp: int, dp: int) -> list[int]:
+        """1 for a dense model; else the divisors of dp·cp that divide the experts (the rest rejected),
+        keeping the expert-parallel group inside a node when one that does can hold the model state
+        (its all-to-alls then stay on NVLink); wider groups only when none can."""
         experts = self.model.moe.num_experts if self.model.moe is not None else 0
         if not experts:
             return [1]
-        out = []
+        valid = []
         for ep in divisors(dp * cp):
             if ep > experts:
                 break
@@ -195,8 +208,21 @@ class _Search:
             if problems:
                 self.reject("divisibility", problems[0]["message"], ep=ep, dp=dp, cp=cp)
                 continue
-            out.append(ep)
-        return out
+            valid.append(ep)
+        node = self.pool.devices_per_node
+        inside = [ep for ep in valid if ep * tp * cp <= node]
+        fits_inside = [ep for ep in inside if self.model_state_floor(tp, pp, dp, True, cp, ep) <= self.budget]
+        if not fits_inside:
+            return valid
+        for ep in valid:
+            if ep not in inside:
+                self.reject(
+                    "ep_exceeds_node",
+                    f"ep={ep} would spread each expert-parallel group over {ep * tp * cp // node} nodes "
+                    f"while ep={max(fits_inside)} fits inside one (tp={tp} cp={cp} pp={pp} dp={dp})",
+                    ep=ep,
+                )
+        return inside
 
     def families(self) -> list[tuple[int, int, int, int]]:
         """(tp, cp, pp, dp) that multiply to the devices and pass the model's divisibility rules."""
@@ -243,7 +269,7 @@ class _Search:
 
     def choices(self, tp: int, cp: int, pp: int, dp: int) -> list[Choice]:
         out = []
-        for ep in self.ep_options(dp, cp):
+        for ep in self.ep_options(tp, cp, pp, dp):
             for dist_opt in (True, False) if dp * cp > 1 else (False,):
                 out += self._choices(tp, cp, pp, dp, ep, dist_opt)
         return out
@@ -262,22 +288,48 @@ class _Search:
                 memory_per_gpu_bytes=floor,
             )
             return out
+        every = self.settings(Choice(Layout(), 1, "full", dist_opt)).recompute_every
         sp_ok = tp > 1 and not model_problems(
             Layout(tp=tp, cp=cp, sequence_parallel=True), seq_length=m.seq_length
         )
         sps = (True, False) if sp_ok else (False,)
         vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
+        saved = {sp: self.saved_per_token(tp, sp) for sp in sps}
         for mbs in divisors(per_rank):
             n_micro = per_rank // mbs
             for v in vs:
                 if v > 1 and n_micro % pp:
                     continue  # interleaving needs micro-batches in groups of pp (batch_problems)
                 split = balanced_layers(m.num_layers, pp, v)
+                # What the first stage keeps for its micro-batches in flight: a lower bound of its
+                # activations (megatrain.plan.memory), so hopeless candidates are never scored.
+                tokens = chunks_in_flight("1f1b", pp, 0, n_micro, v) / v * mbs * m.seq_length / cp
+                n = layers_on_stage(m.num_layers, pp, 0, split)
+                n_moe = moe_layers_on_stage(m, pp, 0, split, v)
                 for sp in sps:
                     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v,
                                  sequence_parallel=sp, pipeline_layers=split)  # fmt: skip
                     for rc in RECOMPUTE_ORDER:
+                        per_token = saved[sp][rc]
+                        kept = per_token[0] * -(-n // every) if rc == "full" else (
+                            per_token[0] * (n - n_moe) + per_token[1] * n_moe)  # fmt: skip
+                        if tokens * kept > self.budget:
+                            self.counts["memory"] += 1
+                            continue
                         out.append(Choice(lay, mbs, rc, dist_opt))
+        return out
+
+    def saved_per_token(self, tp: int, sp: bool) -> dict[str, tuple[float, float]]:
+        """Bytes per token a (dense, MoE) layer keeps for backward under each recompute (full: its
+        input only), as megatrain.plan.memory counts them with flash attention."""
+        m, act = self.model, 4 if self.precision == "fp32" else 2
+        out = {"full": (act * m.hidden_size / (tp if sp else 1),) * 2}
+        for rc in ("none", "selective"):
+            terms = layer_activations(
+                m, tp=tp, sp=sp, act=act, mask=1, attention="flash", selective=rc != "none"
+            )
+            moe = moe_layer_activations(m, terms, tp=tp, act=act) if m.moe is not None else terms
+            out[rc] = (sum(terms.values()), sum(moe.values()))
         return out
 
     def search(self) -> Plan:
