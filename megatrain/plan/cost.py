@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 
 from megatrain.plan.flops import flops_per_iteration, layer_forward_flops
 from megatrain.plan.layout import Layout
+from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.shapes import ModelShape, layers_on_stage, moe_layers_on_stage, stage_params
 
@@ -185,46 +186,6 @@ def gemm_efficiency(m: float, k: float, n: float, c: CostConstants) -> float:
     return c.max_fraction * g / (g + c.half_size)
 
 
-def ring_time(kind: str, nbytes: float, ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
-    """Seconds of a ring collective over `ranks` on `nbytes` (the whole tensor's size).
-
-    all_reduce moves 2(n-1)/n of it per rank in 2(n-1) steps; all_gather and reduce_scatter half."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    steps = (ranks - 1) * (2 if kind == "all_reduce" else 1)
-    return steps / ranks * nbytes / (bandwidth_gbps * 1e9) + steps * latency_us * 1e-6
-
-
-def _link(pool: PoolSpec | Links, inside_node: bool) -> tuple[float, float]:
-    if inside_node:
-        return pool.intra_node_bandwidth_gbps, pool.intra_node_latency_us
-    return pool.inter_node_bandwidth_gbps, pool.inter_node_latency_us
-
-
-def all_to_all_time(nbytes: float, ranks: int, per_node: int, pool: PoolSpec | Links) -> float:
-    """Seconds of an all-to-all in which each of `ranks` sends `nbytes` spread evenly over the group:
-    (ranks-1)/ranks of it leaves the rank, the share for the `per_node` - 1 peers on its node over
-    NVLink and the rest across nodes at the same time (the slower decides), plus a latency per
-    doubling of the group (NCCL posts the sends together). Not overlapped with compute."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    local = max(1, min(ranks, per_node))
-    intra_bw, intra_lat = _link(pool, True)
-    inter_bw, inter_lat = _link(pool, False)
-    on_node = nbytes * (local - 1) / ranks / (intra_bw * 1e9)
-    off_node = nbytes * (ranks - local) / ranks / (inter_bw * 1e9)
-    latency = (intra_lat if local == ranks else inter_lat) * 1e-6 * (1 + math.log2(ranks))
-    return max(on_node, off_node) + latency
-
-
-def ep_ranks_per_node(tp: int, cp: int, ep: int, devices_per_node: int) -> int:
-    """Members of an expert-parallel group that share a node: the group's ranks sit tp·cp apart
-    (ep is carved from dp×cp with tp fastest), so a node holds devices_per_node/(tp·cp) of them."""
-    return max(1, min(ep, devices_per_node // (tp * cp)))
-
-
-# The planner scores thousands of layouts of one model: what depends only on the model and the
-# pipeline cut is computed once per planning call (ModelShape is frozen, so hashable).
 @lru_cache(maxsize=4096)
 def _stage_layers(
     model: ModelShape, pp: int, v: int, pipeline_layers: tuple[int, ...] | None
@@ -252,26 +213,6 @@ def _stage_param_counts(
 @lru_cache(maxsize=256)
 def _flops_per_iteration(model: ModelShape, global_batch_size: int) -> float:
     return flops_per_iteration(model, global_batch_size, model.seq_length)
-
-
-class Links(NamedTuple):
-    """A pool's node size and link speeds (PoolSpec's fields), hashable for the cache below."""
-
-    devices_per_node: int
-    intra_node_bandwidth_gbps: float
-    intra_node_latency_us: float
-    inter_node_bandwidth_gbps: float
-    inter_node_latency_us: float
-
-    @classmethod
-    def of(cls, pool: PoolSpec) -> Links:
-        return cls(
-            pool.devices_per_node,
-            pool.intra_node_bandwidth_gbps,
-            pool.intra_node_latency_us,
-            pool.inter_node_bandwidth_gbps,
-            pool.inter_node_latency_us,
-        )
 
 
 class _LayerCosts(NamedTuple):
@@ -324,7 +265,7 @@ def _layer_costs(
     # output and log-sum-exp read and written forward, dK/dV accumulated in fp32 backward).
     layer_cp = 0.0
     if cp > 1:
-        bw_cp, lat_cp = _link(pool, tp * cp <= pool.devices_per_node)
+        bw_cp, lat_cp = link(pool, tp * cp <= pool.devices_per_node)
         kv_bytes = tokens * 2 * model.kv_size * act / tp
         hop = lat_cp * 1e-6 + kv_bytes / (bw_cp * 1e9)
         block = fwd_attention / cp
@@ -333,7 +274,7 @@ def _layer_costs(
 
     # Tensor-parallel collectives of one layer and micro-batch (inside a node): per sublayer an
     # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward.
-    bw, lat = _link(pool, True)
+    bw, lat = link(pool, True)
 
     def tp_sublayer(nbytes: float) -> tuple[float, float]:
         ar = ring_time("all_reduce", nbytes, tp, bw, lat)
@@ -461,7 +402,7 @@ def predict_step(
     bubble_s = (pp - 1) / v * t_mb if pp > 1 else 0.0
     pp_comm_s = 0.0
     if pp > 1:
-        bw_pp, lat_pp = _link(pool, layout.world_size <= pool.devices_per_node)
+        bw_pp, lat_pp = link(pool, layout.world_size <= pool.devices_per_node)
         p2p = lat_pp * 1e-6 + tokens * h * act / seq_div / (bw_pp * 1e9)
         pp_comm_s = 2 * p2p * (m * v + pp - 1)
 
@@ -471,7 +412,7 @@ def predict_step(
     shards = dp * cp
     expert_shards = shards // ep
     dist_opt = settings.distributed_optimizer and shards > 1
-    bw_dp, lat_dp = _link(pool, tp * cp * dp <= pool.devices_per_node)
+    bw_dp, lat_dp = link(pool, tp * cp * dp <= pool.devices_per_node)
     buckets = max(1, math.ceil(params / settings.grad_bucket_elements))
     reduce_s = gather_s = 0.0
     for n_params, ranks in ((params - experts, shards), (experts, expert_shards)):

@@ -244,9 +244,14 @@ class _Search:
                 model="model.",
                 par="",
             )
-            if not problems and m.moe is not None:
-                problems = model_problems(Layout(tp=tp), ffn_hidden_size=m.moe.ffn_hidden_size,
-                                          model="model.moe.", par="")  # fmt: skip
+            if not problems and m.moe is not None:  # experts are split over tp like the dense MLP
+                shared = m.moe.shared_expert_ffn_hidden_size or tp
+                widths = {"ffn_hidden_size": m.moe.ffn_hidden_size, "shared_expert_ffn_hidden_size": shared}
+                problems = [
+                    {"field": f"model.moe.{k}", "message": f"model.moe.{k}={w} is not divisible by tp={tp}"}
+                    for k, w in widths.items()
+                    if w % tp
+                ]
             if problems:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
                 continue
