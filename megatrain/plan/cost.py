@@ -117,6 +117,7 @@ CPU_CONSTANTS = CostConstants(
     microbatch_overhead_s=0.5e-3,
     step_overhead_s=4.0e-3,
     dp_overlap=0.5,  # gloo's progress thread competes with the rank's own compute threads
+    ring_step_overhead_s=0.5e-3,  # not fitted yet: about half a layer's per-op overhead per ring step
 )
 CPU_LINKS: dict[str, float] = {
     # gloo between processes on one host over loopback. A bare all-reduce between two idle
