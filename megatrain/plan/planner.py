@@ -23,18 +23,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from megatrain.plan.bounds import model_state_floor, saved_per_token
 from megatrain.plan.cost import StepSettings, StepTime, predict_step
 from megatrain.plan.layout import Layout, batch_problems, expert_problems, model_problems, resolve_layout
-from megatrain.plan.memory import (
-    GiB,
-    MemoryEstimate,
-    chunks_in_flight,
-    fits,
-    from_spec,
-    layer_activations,
-    planned_precision,
-)
-from megatrain.plan.moe_memory import moe_layer_activations
+from megatrain.plan.memory import GiB, MemoryEstimate, chunks_in_flight, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.result import (
     MAX_REJECTED_SHOWN,
@@ -47,13 +39,10 @@ from megatrain.plan.result import (
 )
 from megatrain.plan.shapes import (
     ModelShape,
-    expert_params,
-    layer_params,
     layers_on_stage,
     moe_layers_on_stage,
     param_counts,
     shape_of_spec,
-    stage_params,
 )
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
@@ -151,25 +140,7 @@ class _Search:
     # -- enumeration ---------------------------------------------------------------------------
 
     def model_state_floor(self, tp: int, pp: int, dp: int, dist_opt: bool, cp: int = 1, ep: int = 1) -> int:
-        """Bytes of params + grads + optimizer on the worst stage: a lower bound of any estimate
-        (whatever the split, some stage holds at least ceil(layers / pp) layers, and some stage at
-        least ceil(MoE layers / pp) MoE layers)."""
-        m = self.model
-
-        def static(shard: int) -> float:
-            return (4.0 + 4.0 + 8.0 / shard) if self.precision == "fp32" else (2.0 + 4.0 + 12.0 / shard)
-
-        shard = dp * cp if dist_opt else 1
-        eshard = shard // ep if dist_opt else 1
-        if pp == 1:
-            parts = stage_params(m, tp, 1, 0, ep=ep)
-            experts = parts.get("experts", 0)
-            return int((sum(parts.values()) - experts) * static(shard) + experts * static(eshard))
-        dense = layer_params(m, tp) * static(shard)
-        if m.moe is None:
-            return int(-(-m.num_layers // pp) * dense)
-        moe = layer_params(m, tp, moe=True) * static(shard) + expert_params(m, tp, ep) * static(eshard)
-        return int(max(-(-m.num_layers // pp) * min(dense, moe), -(-m.num_moe_layers // pp) * moe))
+        return model_state_floor(self.model, self.precision, tp, pp, dp * cp if dist_opt else 1, ep)
 
     def cp_options(self, tp: int) -> list[int]:
         """1, and the powers of two that split every sequence into 2·cp chunks of at least
@@ -299,7 +270,7 @@ class _Search:
         )
         sps = (True, False) if sp_ok else (False,)
         vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
-        saved = {sp: self.saved_per_token(tp, sp) for sp in sps}
+        saved = {sp: saved_per_token(m, self.precision, tp, sp) for sp in sps}
         for mbs in divisors(per_rank):
             n_micro = per_rank // mbs
             for v in vs:
@@ -322,19 +293,6 @@ class _Search:
                             self.counts["memory"] += 1
                             continue
                         out.append(Choice(lay, mbs, rc, dist_opt))
-        return out
-
-    def saved_per_token(self, tp: int, sp: bool) -> dict[str, tuple[float, float]]:
-        """Bytes per token a (dense, MoE) layer keeps for backward under each recompute (full: its
-        input only), as megatrain.plan.memory counts them with flash attention."""
-        m, act = self.model, 4 if self.precision == "fp32" else 2
-        out = {"full": (act * m.hidden_size / (tp if sp else 1),) * 2}
-        for rc in ("none", "selective"):
-            terms = layer_activations(
-                m, tp=tp, sp=sp, act=act, mask=1, attention="flash", selective=rc != "none"
-            )
-            moe = moe_layer_activations(m, terms, tp=tp, act=act) if m.moe is not None else terms
-            out[rc] = (sum(terms.values()), sum(moe.values()))
         return out
 
     def search(self) -> Plan:
