@@ -4,10 +4,16 @@
     python benchmarks/planner.py --repeat 5      # best of 5 calls each
     python benchmarks/planner.py --gloo          # measure all-reduce latency and bandwidth (2 ranks)
 
-The table: for each model (Llama shapes from 1B to 405B) and pool (8-GPU H100 nodes), the number
+The table: for each model (Llama shapes from 1B to 405B, Mixtral 8x7B and a DeepSeek-V3-class MoE)
+and pool (8-GPU H100 nodes; H800 nodes for DeepSeek-V3, whose NVLink is half an H100's), the number
 of candidate layouts considered, the best-of-N wall time of one `plan()` call, and the chosen layout
-with its predicted step time and MFU. The target (issue 16): a 400B-class model on 6,000 GPUs
-planned in under a second.
+with its predicted step time and MFU (active FLOPs for MoE). The target (issue 16): a 400B-class
+model on 6,000 GPUs planned in under a second. A second table predicts the layouts the published
+runs used (explicit `parallelism`), to compare with their reported throughput (BENCHMARKS.md).
+
+DeepSeek-V3 cannot be written exactly: its multi-head latent attention is modelled as 128-head
+MHA of hidden 7168 and its first 3 dense layers as MoE ones (model.moe.layer_freq has no offset),
+which gives 705B total / 38.7B active parameters (published: 671B / 37B).
 
 --gloo times `all_reduce` of 4 KiB to 16 MiB between two gloo processes on this host (one thread
 each) and fits t = 2·latency + bytes / bandwidth, the two-rank ring formula of megatrain.plan.cost
@@ -29,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatrain.plan.planner import plan  # noqa: E402
+from megatrain.plan.planner import PlanError, balanced_layers, plan  # noqa: E402
 from megatrain.plan.pool import PoolSpec  # noqa: E402
 from megatrain.spec import parse_spec  # noqa: E402
 
@@ -42,55 +48,126 @@ MODELS: dict[str, dict[str, Any]] = {
             "ffn_hidden_size": 28672, "seq_length": 8192, "vocab_size": 128256},
     "405B": {"num_layers": 126, "hidden_size": 16384, "num_attention_heads": 128, "num_query_groups": 8,
              "ffn_hidden_size": 53248, "seq_length": 8192, "vocab_size": 128256},
+    "Mixtral-8x7B": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 8,
+                     "ffn_hidden_size": 14336, "seq_length": 4096, "vocab_size": 32000,
+                     "moe": {"num_experts": 8, "router_topk": 2}},
+    "DeepSeek-V3": {"num_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                    "ffn_hidden_size": 18432, "seq_length": 4096, "vocab_size": 129280,
+                    "moe": {"num_experts": 256, "router_topk": 8, "ffn_hidden_size": 2048,
+                            "shared_expert_ffn_hidden_size": 2048, "router_score_function": "sigmoid",
+                            "router_num_groups": 8, "router_group_topk": 4}},
 }  # fmt: skip
 CASES = [("1B", 8, 64), ("8B", 64, 512), ("70B", 512, 1024), ("70B", 2048, 2048), ("405B", 2048, 2048),
-         ("405B", 6000, 2000), ("405B", 16384, 2048)]  # fmt: skip
+         ("405B", 6000, 2000), ("405B", 16384, 2048), ("Mixtral-8x7B", 64, 256),
+         ("DeepSeek-V3", 2048, 15360)]  # fmt: skip
 """(model, GPUs, global batch in sequences)."""
+PUBLISHED = [
+    # Llama 3 405B: Dubey et al. 2024, table 4 (16,384 H100, 8K sequences, 41% MFU).
+    ("405B", 16384, 2048, {"tp": 8, "pp": 16, "dp": 128, "virtual_stages": 7}),
+    # Mixtral 8x7B: Megatron-Core's recipe layout on 64 H100 (tp 1, pp 4, ep 8).
+    ("Mixtral-8x7B", 64, 256, {"tp": 1, "pp": 4, "dp": 16, "ep": 8, "virtual_stages": 8}),
+    # DeepSeek-V3: 2,048 H800, PP16 × EP64 × DP128 (ZeRO-1), no TP (DeepSeek-AI 2024, section 3.2).
+    ("DeepSeek-V3", 2048, 15360, {"tp": 1, "pp": 16, "dp": 128, "ep": 64}),
+]  # fmt: skip
+"""(model, GPUs, global batch, parallelism) of published runs, predicted as given with the least
+recompute that fits (an uneven pipeline split as the planner would cut it)."""
 
 
-def h100_pool(gpus: int) -> PoolSpec:
+def h100_pool(gpus: int, accelerator: str = "NVIDIA H100 80GB HBM3", nvlink_gbps: float = 450.0) -> PoolSpec:
     return PoolSpec(
-        name="h100",
-        accelerator="NVIDIA H100 80GB HBM3",
+        name=accelerator.split()[1].lower(),
+        accelerator=accelerator,
         device_memory_bytes=80 << 30,
         peak_tflops={"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0},
         devices_per_node=8,
         nodes=-(-gpus // 8),
-        intra_node_bandwidth_gbps=450.0,
+        intra_node_bandwidth_gbps=nvlink_gbps,
         inter_node_bandwidth_gbps=50.0,
     )
+
+
+def pool_for(name: str, gpus: int) -> PoolSpec:
+    """H100 nodes, or H800 ones (NVLink 400 GB/s both ways, 8 × 400 Gb/s InfiniBand) for DeepSeek-V3."""
+    if name == "DeepSeek-V3":
+        return h100_pool(gpus, "NVIDIA H800", nvlink_gbps=200.0)
+    return h100_pool(gpus)
+
+
+def _spec(name: str, gpus: int, batch: int, parallelism: dict[str, Any] | None = None,
+          recompute: str = "none") -> Any:  # fmt: skip
+    raw: dict[str, Any] = {
+        "name": name.lower(),
+        "model": {"arch": "llama", **MODELS[name]},
+        "data": {"train": [{"dataset": "corpus"}]},
+        "training": {"global_batch_size": batch, "micro_batch_size": 1, "precision": "bf16",
+                     "recompute": recompute},
+        "resources": {"devices": gpus},
+    }  # fmt: skip
+    if parallelism is not None:
+        raw["parallelism"] = {**parallelism, "sequence_parallel": parallelism["tp"] > 1}
+    return parse_spec(raw)
+
+
+def _layout_text(lay: dict[str, Any]) -> str:
+    extra = "".join(f" {k}={lay[k]}" for k in ("cp", "ep") if lay[k] > 1)
+    flags = (
+        f"{' sp' if lay['sequence_parallel'] else ''}{' dist-opt' if lay['distributed_optimizer'] else ''}"
+    )
+    return (f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}{extra} v={lay['virtual_stages']} "
+            f"mbs={lay['micro_batch_size']} {lay['recompute']}{flags}")  # fmt: skip
+
+
+def _row(name: str, gpus: int, batch: int, d: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": name, "gpus": gpus, "global_batch": batch, "considered": d["candidates"]["considered"],
+        "layout": _layout_text(d["layout"]),
+        "step_s": d["predicted"]["step_time_s"], "mfu": d["predicted"]["mfu"],
+        "tflops": d["predicted"]["tflops_per_gpu"],
+        "tokens_per_gpu": d["predicted"]["tokens_per_s"] / gpus,
+        "gib": d["predicted"]["memory_per_gpu_bytes"] / (1 << 30),
+        "params_b": d["parameters"]["total"] / 1e9, "active_b": d["parameters"]["active"] / 1e9,
+        "time": {k: round(v, 3) for k, v in d["predicted"]["time_breakdown"].items() if v},
+    }  # fmt: skip
 
 
 def plan_latency(repeat: int) -> list[dict[str, Any]]:
     rows = []
     for name, gpus, batch in CASES:
-        spec = parse_spec({
-            "name": f"llama-{name}",
-            "model": {"arch": "llama", **MODELS[name]},
-            "data": {"train": [{"dataset": "corpus"}]},
-            "training": {"global_batch_size": batch, "micro_batch_size": 1, "precision": "bf16"},
-            "resources": {"devices": gpus},
-        })  # fmt: skip
-        pool = h100_pool(gpus)
+        spec, pool = _spec(name, gpus, batch), pool_for(name, gpus)
         times, result = [], None
         for _ in range(repeat):
             start = time.perf_counter()
             result = plan(spec, pool)
             times.append(time.perf_counter() - start)
         assert result is not None
-        d = result.as_dict()
-        lay = d["layout"]
-        rows.append({
-            "model": name, "gpus": gpus, "global_batch": batch, "considered": d["candidates"]["considered"],
-            "plan_ms": min(times) * 1e3,
-            "layout": f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} v={lay['virtual_stages']} "
-                      f"mbs={lay['micro_batch_size']} {lay['recompute']}"
-                      f"{' sp' if lay['sequence_parallel'] else ''}"
-                      f"{' dist-opt' if lay['distributed_optimizer'] else ''}",
-            "step_s": d["predicted"]["step_time_s"], "mfu": d["predicted"]["mfu"],
-            "gib": d["predicted"]["memory_per_gpu_bytes"] / (1 << 30),
-        })  # fmt: skip
+        rows.append({**_row(name, gpus, batch, result.as_dict()), "plan_ms": min(times) * 1e3})
     return rows
+
+
+def published() -> list[dict[str, Any]]:
+    """The published runs' own layouts, predicted as explicit specs."""
+    rows = []
+    for name, gpus, batch, par in PUBLISHED:
+        split = balanced_layers(MODELS[name]["num_layers"], par["pp"], par.get("virtual_stages", 1))
+        par = {**par, "pipeline_layers": list(split) if split else None}
+        for rc in ("none", "selective", "full"):
+            try:
+                result = plan(_spec(name, gpus, batch, par, rc), pool_for(name, gpus))
+            except PlanError:
+                continue
+            rows.append(_row(name, gpus, batch, result.as_dict()))
+            break
+    return rows
+
+
+def print_published(rows: list[dict[str, Any]]) -> None:
+    print("\n| published run | GPUs | layout | params (B, total/active) | step (s) | tokens/s/GPU "
+          "| TFLOP/s/GPU | MFU | GiB/GPU |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['gpus']:,} | {r['layout']} | {r['params_b']:.1f} / {r['active_b']:.1f} | "
+              f"{r['step_s']:.2f} | {r['tokens_per_gpu']:,.0f} | {r['tflops']:.0f} | {r['mfu']:.1%} | "
+              f"{r['gib']:.1f} |")  # fmt: skip
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -169,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     result: Any = gloo_links() if args.gloo else plan_latency(args.repeat)
     if not args.gloo:
         print_table(result)
+        runs = published()
+        print_published(runs)
+        result = result + [{**r, "published": True} for r in runs]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

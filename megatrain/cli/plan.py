@@ -50,6 +50,7 @@ def _offline(spec_path: Path, pool_path: Path, devices: int | None) -> dict[str,
 
 def _layout_text(layout: dict[str, Any]) -> str:
     parts = [f"tp={layout['tp']}", f"pp={layout['pp']}", f"dp={layout['dp']}"]
+    parts += [f"{axis}={layout[axis]}" for axis in ("cp", "ep") if layout.get(axis, 1) > 1]
     if layout.get("virtual_stages", 1) > 1:
         parts.append(f"v={layout['virtual_stages']}")
     parts.append(f"mbs={layout['micro_batch_size']}")
@@ -75,6 +76,11 @@ def _show(result: dict[str, Any]) -> None:
         f"{pred['tflops_per_gpu']:.3g} TFLOP/s per device | MFU {pred['mfu']:.1%} | "
         f"{pred['memory_per_gpu_bytes'] / GiB:,.2f} GiB per device"
     )
+    params = result.get("parameters") or {}
+    if params:
+        active = params["active"]
+        sparse = f", {active / 1e9:,.2f}B active per token" if active != params["total"] else ""
+        out.print(f"parameters: {params['total'] / 1e9:,.2f}B{sparse}")
     mem = pred.get("memory_breakdown", {})
     if mem:
         out.print(

@@ -29,6 +29,19 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   that backward is exposed, and never less than the last bucket.
 - **Optimizer**: Adam reads and writes ~32 bytes per parameter this rank owns (sharded by the
   distributed optimizer) at the memory bandwidth, plus a fixed per-step cost.
+- **Context parallelism**: a rank holds seq/cp tokens of each sequence (two mirrored chunks, so the
+  causal work is balanced: every rank does 1/cp of it). Ring attention passes this rank's K and V
+  cp-1 times forward and K, V, dK, dV cp-1 times backward, over NVLink when the tp·cp ranks fit a
+  node; each pass overlaps one block's attention, so each ring step costs the slower of the two and
+  only the excess is added (cp_comm_s). Gradients are reduced over dp·cp.
+- **Mixture of experts**: an MoE layer runs the router, the rank's num_experts/ep experts (each a
+  GEMM of tokens·topk·ep/num_experts rows: the tokens routed to it from the ep group, at the lower
+  efficiency of that smaller shape) and the shared expert in place of the MLP, and permutes the
+  routed tokens through memory. Expert parallelism adds two all-to-alls of topk·tokens·hidden per
+  MoE layer forward (dispatch, combine) and two backward (ep_comm_s), not overlapped, at NVLink for
+  the peers on the node and the inter-node link for the rest. Routed experts' gradients are reduced
+  over their expert-data-parallel group (dp·cp/ep ranks) and their optimizer state sharded over it.
+  Useful FLOPs, and so MFU, are the active ones (megatrain.plan.flops).
 
 Two sets of constants: GPU defaults (H100-class, sane for A100/B200) and this project's CPU hosts,
 calibrated by tests/plan/test_cost_calibration.py against the engine running under torchrun/gloo
@@ -39,12 +52,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 from megatrain.plan.flops import flops_per_iteration, layer_forward_flops
 from megatrain.plan.layout import Layout
+from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
 from megatrain.plan.pool import PoolSpec
-from megatrain.plan.shapes import ModelShape, layers_on_stage, stage_params
+from megatrain.plan.shapes import ModelShape, layers_on_stage, moe_layers_on_stage, stage_params
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,8 @@ class CostConstants:
     """Fixed cost of a step (optimizer launch, gradient clipping, the loss's reduction)."""
     dp_overlap: float = 1.0
     """The fraction of backward compute that can hide data-parallel communication (1: all of it)."""
+    ring_step_overhead_s: float = 30e-6
+    """Fixed cost of one ring-attention step forward + backward (its block kernels and merge launches)."""
 
 
 GPU_CONSTANTS = CostConstants(
@@ -100,6 +117,7 @@ CPU_CONSTANTS = CostConstants(
     microbatch_overhead_s=0.5e-3,
     step_overhead_s=4.0e-3,
     dp_overlap=0.5,  # gloo's progress thread competes with the rank's own compute threads
+    ring_step_overhead_s=0.5e-3,  # not fitted yet: about half a layer's per-op overhead per ring step
 )
 CPU_LINKS: dict[str, float] = {
     # gloo between processes on one host over loopback. A bare all-reduce between two idle
@@ -154,7 +172,11 @@ class StepTime:
     tflops_per_gpu: float
     mfu: float
     model_flops: float
-    """Useful FLOPs of one step (no recompute), the numerator of MFU."""
+    """Useful FLOPs of one step (no recompute), the numerator of MFU: active FLOPs for MoE."""
+    cp_comm_s: float = 0.0
+    """Ring attention's K/V passes that block attention does not hide."""
+    ep_comm_s: float = 0.0
+    """The MoE layers' all-to-alls (dispatch and combine, forward, backward, recomputed)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,20 +187,166 @@ def gemm_efficiency(m: float, k: float, n: float, c: CostConstants) -> float:
     return c.max_fraction * g / (g + c.half_size)
 
 
-def ring_time(kind: str, nbytes: float, ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
-    """Seconds of a ring collective over `ranks` on `nbytes` (the whole tensor's size).
+@lru_cache(maxsize=4096)
+def _stage_layers(
+    model: ModelShape, pp: int, v: int, pipeline_layers: tuple[int, ...] | None
+) -> tuple[list[int], list[int], list[int]]:
+    """The stages worth timing (the edges and the heaviest), and every stage's layers and MoE layers."""
+    layers = [layers_on_stage(model.num_layers, pp, st, pipeline_layers) for st in range(pp)]
+    moes = [moe_layers_on_stage(model, pp, st, pipeline_layers, v) for st in range(pp)]
+    heaviest = max(range(pp), key=lambda st: (layers[st], moes[st]))
+    return sorted({0, pp - 1, heaviest}), layers, moes
 
-    all_reduce moves 2(n-1)/n of it per rank in 2(n-1) steps; all_gather and reduce_scatter half."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    steps = (ranks - 1) * (2 if kind == "all_reduce" else 1)
-    return steps / ranks * nbytes / (bandwidth_gbps * 1e9) + steps * latency_us * 1e-6
+
+@lru_cache(maxsize=4096)
+def _stage_param_counts(
+    model: ModelShape, tp: int, pp: int, ep: int, v: int, pipeline_layers: tuple[int, ...] | None,
+    stages: tuple[int, ...],
+) -> tuple[int, int]:  # fmt: skip
+    """(parameters, routed-expert parameters) of the rank of `stages` holding the most."""
+    counts = max(
+        (stage_params(model, tp, pp, st, pipeline_layers, ep, v) for st in stages),
+        key=lambda p: sum(p.values()),
+    )
+    return sum(counts.values()), counts.get("experts", 0)
 
 
-def _link(pool: PoolSpec, inside_node: bool) -> tuple[float, float]:
-    if inside_node:
-        return pool.intra_node_bandwidth_gbps, pool.intra_node_latency_us
-    return pool.inter_node_bandwidth_gbps, pool.inter_node_latency_us
+@lru_cache(maxsize=256)
+def _flops_per_iteration(model: ModelShape, global_batch_size: int) -> float:
+    return flops_per_iteration(model, global_batch_size, model.seq_length)
+
+
+class _LayerCosts(NamedTuple):
+    """Seconds of one layer (dense, MoE) and of the edges for one micro-batch on one rank."""
+
+    layer_compute: float
+    layer_recompute: float
+    layer_tp: float
+    layer_cp: float
+    moe_compute: float
+    moe_recompute: float
+    moe_tp: float
+    moe_ep: float
+    head: float
+    edge_tp: float
+
+
+@lru_cache(maxsize=16384)
+def _layer_costs(
+    model: ModelShape, tp: int, cp: int, ep: int, sp: bool, micro_batch_size: int, recompute: str,
+    recompute_every: int, act: int, peak: float, pool: Links, c: CostConstants,
+) -> _LayerCosts:  # fmt: skip
+    """Per layer and micro-batch: what thousands of layouts of one planning call share."""
+    s, h = model.seq_length, model.hidden_size
+    tokens = micro_batch_size * s / cp  # per rank and micro-batch
+    bandwidth = c.memory_bandwidth_gbps * 1e9
+    seq_div = tp if sp else 1
+
+    def gemm(k: float, n: float, rows: float = tokens) -> float:
+        """Forward seconds of a (rows × k) @ (k × n) GEMM."""
+        return 2 * rows * k * n / (peak * gemm_efficiency(rows, k, n, c))
+
+    # One layer, one micro-batch, forward (backward is twice the GEMMs and the attention core).
+    parts = layer_forward_flops(model, s)
+    fwd_attn_gemms = gemm(h, (h + 2 * model.kv_size) / tp) + gemm(h / tp, h)
+    fwd_mlp = gemm(h, model.fc1_width / tp) + gemm(model.ffn_hidden_size / tp, h)
+    head_dim = model.head_dim
+    # Under cp each ring step computes a (s/cp × s/cp) block; balanced causal chunks give every
+    # rank the same share of the attention work (1/cp of it, `tokens` queries against s keys).
+    attention_eff = gemm_efficiency(s / cp, s / cp, head_dim, c) * c.attention_fraction
+    fwd_attention = tokens * parts["attention"] / tp / (peak * attention_eff)
+    elementwise = tokens * h * c.elementwise_bytes * act / 2 / seq_div / bandwidth
+    fwd_gemms = fwd_attn_gemms + fwd_mlp
+    layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+
+    # Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
+    # and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
+    # (ring attention overlaps them), so a step costs the slower of the two.
+    # Every extra step also merges its partial output into the running one (online softmax: fp32
+    # output and log-sum-exp read and written forward, dK/dV accumulated in fp32 backward).
+    layer_cp = 0.0
+    if cp > 1:
+        bw_cp, lat_cp = link(pool, tp * cp <= pool.devices_per_node)
+        kv_bytes = tokens * 2 * model.kv_size * act / tp
+        hop = lat_cp * 1e-6 + kv_bytes / (bw_cp * 1e9)
+        block = fwd_attention / cp
+        merge = tokens * (h + 2 * model.kv_size) / tp * 12 / bandwidth + c.ring_step_overhead_s
+        layer_cp = (cp - 1) * (max(hop, block) - block + max(2 * hop, 2 * block) - 2 * block + merge)
+
+    # Tensor-parallel collectives of one layer and micro-batch (inside a node): per sublayer an
+    # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward.
+    bw, lat = link(pool, True)
+
+    def tp_sublayer(nbytes: float) -> tuple[float, float]:
+        ar = ring_time("all_reduce", nbytes, tp, bw, lat)
+        ag = ring_time("all_gather", nbytes, tp, bw, lat)
+        return (2 * ag, 3 * ag) if sp else (ar, ar)
+
+    full = tokens * h * act  # the (tokens, hidden) activation, whole
+    sub_fwd, sub_bwd = tp_sublayer(full)
+    ar = ring_time("all_reduce", full, tp, bw, lat)
+    ag = ring_time("all_gather", full, tp, bw, lat)
+    fwd_tp = 2 * sub_fwd
+    layer_tp = fwd_tp + 2 * sub_bwd
+
+    # Recompute: every k-th layer's forward again (full), or the attention core (selective).
+    share = 1.0 / recompute_every if recompute == "full" else 0.0
+    if recompute == "full":
+        layer_recompute = share * (fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3)
+        layer_tp += share * fwd_tp
+    elif recompute == "selective":
+        layer_recompute = fwd_attention
+    else:
+        layer_recompute = 0.0
+
+    # An MoE layer: the router, this rank's num_experts/ep experts (each a GEMM of the tokens routed
+    # to it from the ep group: tokens·topk·ep/num_experts rows, smaller and slower than the dense
+    # MLP's) and the shared expert replace the MLP; the tokens are permuted and exchanged by two
+    # all-to-alls forward (dispatch, combine) and two backward over the ep group, not overlapped.
+    moe_compute = moe_recompute = moe_tp = moe_ep = 0.0
+    if model.moe is not None:
+        moe = model.moe
+        routed = tokens * moe.router_topk * (moe.capacity_factor or 1.0)  # rows at this rank's experts
+        local = moe.num_experts // ep
+        rows = routed / local
+        fe = moe.ffn_hidden_size
+        fwd_moe = gemm(h, moe.num_experts) + local * (
+            gemm(h, model.mlp_fc1_width(fe) / tp, rows) + gemm(fe / tp, h, rows)
+        )
+        if moe.shared_expert_ffn_hidden_size:
+            fs = moe.shared_expert_ffn_hidden_size
+            fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp) + gemm(fs / tp, h)
+        permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
+        moe_compute = layer_compute + 3 * (fwd_moe - fwd_mlp) + permute
+        routed_bytes = routed * h * act / seq_div
+        a2a = all_to_all_time(routed_bytes, ep, ep_ranks_per_node(tp, cp, ep, pool.devices_per_node), pool)
+        moe_sub_fwd, moe_sub_bwd = tp_sublayer(routed * h * act)  # experts see the tp group's tokens
+        moe_tp = layer_tp - sub_fwd - sub_bwd + moe_sub_fwd + moe_sub_bwd
+        moe_ep = 4 * a2a
+        if recompute == "full":
+            moe_recompute = share * (fwd_gemms - fwd_mlp + fwd_moe + fwd_attention + elementwise / 3)
+            moe_recompute += share * c.layer_overhead_s / 3
+            moe_tp += share * (moe_sub_fwd - sub_fwd)
+            moe_ep += share * 2 * a2a
+        else:
+            moe_recompute = layer_recompute
+
+    # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
+    head = 3 * gemm(h, model.vocab_size / tp) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
+    # (the head's GEMMs and the fp32 softmax/loss over (tokens, V/t))
+    edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
+    return _LayerCosts(
+        layer_compute,
+        layer_recompute,
+        layer_tp,
+        layer_cp,
+        moe_compute,
+        moe_recompute,
+        moe_tp,
+        moe_ep,
+        head,
+        edge_tp,
+    )
 
 
 def predict_step(
@@ -190,104 +358,76 @@ def predict_step(
 ) -> StepTime:
     """The predicted time of one training step (see the module docstring for every term)."""
     c = constants or constants_for(pool)
-    tp, pp, dp, cp, v = layout.tp, layout.pp, layout.dp, layout.cp, layout.virtual_stages
+    tp, pp, dp, cp, ep, v = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.virtual_stages
     sp = layout.sequence_parallel and tp > 1
     act = 4 if settings.precision == "fp32" else 2
     peak = pool.peak(settings.precision) * 1e12
     s, h = model.seq_length, model.hidden_size
     tokens = settings.micro_batch_size * s / cp  # per rank and micro-batch
     m = layout.micro_batches(settings.global_batch_size, settings.micro_batch_size)
-
-    def gemm(k: float, n: float) -> float:
-        """Forward seconds of a (tokens × k) @ (k × n) GEMM."""
-        return 2 * tokens * k * n / (peak * gemm_efficiency(tokens, k, n, c))
-
-    # One layer, one micro-batch, forward (backward is twice the GEMMs and the attention core).
-    parts = layer_forward_flops(model, s)
-    fwd_gemms = (
-        gemm(h, (h + 2 * model.kv_size) / tp)
-        + gemm(h / tp, h)
-        + gemm(h, model.fc1_width / tp)
-        + gemm(model.ffn_hidden_size / tp, h)
-    )
-    head_dim = model.head_dim
-    attention_eff = gemm_efficiency(s / cp, s, head_dim, c) * c.attention_fraction
-    fwd_attention = tokens * parts["attention"] / tp / (peak * attention_eff)
+    bandwidth = c.memory_bandwidth_gbps * 1e9
     seq_div = tp if sp else 1
-    elementwise_bytes = tokens * h * c.elementwise_bytes * act / 2 / seq_div
-    elementwise = elementwise_bytes / (c.memory_bandwidth_gbps * 1e9)
-    layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+    links = Links.of(pool)
+    lc = _layer_costs(
+        model, tp, cp, ep, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
+        act, peak, links, c,
+    )  # fmt: skip
 
-    # Tensor-parallel collectives of one layer and micro-batch (inside a node).
-    bw, lat = _link(pool, True)
-    full = tokens * h * act  # the (tokens, hidden) activation, whole
-    ar = ring_time("all_reduce", full, tp, bw, lat)
-    ag = ring_time("all_gather", full, tp, bw, lat)
-    fwd_tp = 2 * 2 * ag if sp else 2 * ar  # AG + RS per sublayer, or one all-reduce
-    bwd_tp = (6 * ag) if sp else 2 * ar
-    layer_tp = fwd_tp + bwd_tp
-
-    # Recompute: every k-th layer's forward again (full), or the attention core (selective).
-    if settings.recompute == "full":
-        share = 1.0 / settings.recompute_every
-        layer_recompute = share * (fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3)
-        layer_tp += share * fwd_tp
-    elif settings.recompute == "selective":
-        layer_recompute = fwd_attention
-    else:
-        layer_recompute = 0.0
-
-    # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
-    head = 3 * gemm(h, model.vocab_size / tp) + tokens * 4 * model.vocab_size / tp * 3 / (
-        c.memory_bandwidth_gbps * 1e9
-    )  # the head's GEMMs and the fp32 softmax/loss over (tokens, V/t)
-    edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
+    layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]
+    moe_compute, moe_recompute, moe_tp, moe_ep, head, edge_tp = lc[4:]
     stage_times = []
     stage_parts = []
     # The edges (embedding, head) and the stage with the most layers (an uneven split's middle).
-    layers = [layers_on_stage(model.num_layers, pp, st, layout.pipeline_layers) for st in range(pp)]
-    heaviest = max(range(pp), key=lambda st: layers[st])
-    candidates = sorted({0, pp - 1, heaviest})
+    candidates, layers, moes = _stage_layers(model, pp, v, layout.pipeline_layers)
     for stage in candidates:
-        n = layers[stage]
-        compute = n * (layer_compute + layer_recompute) + c.microbatch_overhead_s / (1 if pp == 1 else 2)
-        comm = n * layer_tp
+        n_moe = moes[stage]
+        n = layers[stage] - n_moe
+        recompute = n * layer_recompute + n_moe * moe_recompute
+        compute = n * layer_compute + n_moe * moe_compute + recompute
+        compute += c.microbatch_overhead_s / (1 if pp == 1 else 2)
+        comm = n * layer_tp + n_moe * moe_tp
+        cp_ep = (n + n_moe) * layer_cp + n_moe * moe_ep
         if stage == pp - 1:
             compute += head
             comm += edge_tp / 2
         if stage == 0:
             comm += edge_tp / 2
-        stage_times.append(compute + comm)
-        stage_parts.append((compute, n * layer_recompute, comm))
+        stage_times.append(compute + comm + cp_ep)
+        stage_parts.append((compute, recompute, comm, (n + n_moe) * layer_cp, n_moe * moe_ep))
     worst = max(range(len(stage_times)), key=lambda i: stage_times[i])
     t_mb = stage_times[worst]
-    compute_mb, recompute_mb, tp_mb = stage_parts[worst]
+    compute_mb, recompute_mb, tp_mb, cp_mb, ep_mb = stage_parts[worst]
 
     compute_s = m * compute_mb
     tp_comm_s = m * tp_mb
     bubble_s = (pp - 1) / v * t_mb if pp > 1 else 0.0
     pp_comm_s = 0.0
     if pp > 1:
-        bw_pp, lat_pp = _link(pool, layout.world_size <= pool.devices_per_node)
+        bw_pp, lat_pp = link(pool, layout.world_size <= pool.devices_per_node)
         p2p = lat_pp * 1e-6 + tokens * h * act / seq_div / (bw_pp * 1e9)
         pp_comm_s = 2 * p2p * (m * v + pp - 1)
 
-    # Data parallelism over the worst stage's parameters (gradient buffer fp32).
-    params = max(sum(stage_params(model, tp, pp, st, layout.pipeline_layers).values()) for st in candidates)
+    # Data parallelism over the worst stage's parameters (gradient buffer fp32): dense ones over
+    # dp·cp ranks, routed experts over their expert-data-parallel group of dp·cp/ep.
+    params, experts = _stage_param_counts(model, tp, pp, ep, v, layout.pipeline_layers, tuple(candidates))
     shards = dp * cp
+    expert_shards = shards // ep
     dist_opt = settings.distributed_optimizer and shards > 1
-    bw_dp, lat_dp = _link(pool, tp * cp * dp <= pool.devices_per_node)
+    bw_dp, lat_dp = link(pool, tp * cp * dp <= pool.devices_per_node)
     buckets = max(1, math.ceil(params / settings.grad_bucket_elements))
-    grad_bytes = 4.0 * params
-    if dist_opt:
-        reduce_s = ring_time("reduce_scatter", grad_bytes, shards, bw_dp, 0.0)
-        gather_s = ring_time("all_gather", params * act, shards, bw_dp, 0.0)
-        reduce_s += buckets * (shards - 1) * lat_dp * 1e-6
-        gather_s += buckets * (shards - 1) * lat_dp * 1e-6
-    else:
-        reduce_s = ring_time("all_reduce", grad_bytes, shards, bw_dp, 0.0)
-        reduce_s += buckets * 2 * (shards - 1) * lat_dp * 1e-6
-        gather_s = 0.0
+    reduce_s = gather_s = 0.0
+    for n_params, ranks in ((params - experts, shards), (experts, expert_shards)):
+        if ranks <= 1 or n_params <= 0:
+            continue
+        n_buckets = max(1, round(buckets * n_params / params))
+        if dist_opt:
+            reduce_s += ring_time("reduce_scatter", 4.0 * n_params, ranks, bw_dp, 0.0)
+            gather_s += ring_time("all_gather", n_params * act, ranks, bw_dp, 0.0)
+            reduce_s += n_buckets * (ranks - 1) * lat_dp * 1e-6
+            gather_s += n_buckets * (ranks - 1) * lat_dp * 1e-6
+        else:
+            reduce_s += ring_time("all_reduce", 4.0 * n_params, ranks, bw_dp, 0.0)
+            reduce_s += n_buckets * 2 * (ranks - 1) * lat_dp * 1e-6
     if settings.overlap_grad_reduce and shards > 1:
         backward_window = c.dp_overlap * (2 / 3) * (compute_mb - recompute_mb)
         exposed_reduce = max(reduce_s / buckets, reduce_s - backward_window)
@@ -295,12 +435,14 @@ def predict_step(
         exposed_reduce = reduce_s
     dp_exposed_s = exposed_reduce + gather_s
 
-    owned = params / shards if dist_opt else params
-    optimizer_s = (32.0 * owned + 4.0 * params) / (c.memory_bandwidth_gbps * 1e9)
+    owned = (params - experts) / shards + experts / expert_shards if dist_opt else params
+    optimizer_s = (32.0 * owned + 4.0 * params) / bandwidth
     overhead_s = c.step_overhead_s
 
-    step = compute_s + tp_comm_s + bubble_s + pp_comm_s + dp_exposed_s + optimizer_s + overhead_s
-    useful = flops_per_iteration(model, settings.global_batch_size, s)
+    cp_comm_s, ep_comm_s = m * cp_mb, m * ep_mb
+    step = compute_s + tp_comm_s + cp_comm_s + ep_comm_s + bubble_s + pp_comm_s + dp_exposed_s
+    step += optimizer_s + overhead_s
+    useful = _flops_per_iteration(model, settings.global_batch_size)
     world = layout.world_size
     tflops = useful / step / world / 1e12
     return StepTime(
@@ -318,6 +460,8 @@ def predict_step(
         tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / peak,
         model_flops=useful,
+        cp_comm_s=cp_comm_s,
+        ep_comm_s=ep_comm_s,
     )
 
 
@@ -328,7 +472,9 @@ __all__ = [
     "CostConstants",
     "StepSettings",
     "StepTime",
+    "all_to_all_time",
     "constants_for",
+    "ep_ranks_per_node",
     "gemm_efficiency",
     "predict_step",
     "ring_time",

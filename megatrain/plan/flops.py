@@ -8,8 +8,14 @@ head is included. Recomputation is not useful work, so it is never counted here 
 adds it to the time, not to the useful FLOPs). For the standard GPT (MHA, 4h GELU MLP) this reduces
 to the paper's 72·B·s·l·h²·(1 + s/6h + V/12lh).
 
-`model` is anything with hidden_size, num_layers, vocab_size, kv_size, ffn_hidden_size, activation
-and seq_length: the engine's TransformerConfig or the planner's ModelShape.
+Mixture of experts: FLOPs are the active ones, as Megatron and DeepSeek report them. An MoE layer
+(every moe.layer_freq-th, from layer 0) counts its router (h × num_experts), router_topk routed
+experts of moe.ffn_hidden_size and the shared expert per token, in place of the dense MLP; tokens a
+capacity factor drops are still counted (the formula does not know the routing).
+
+`model` is anything with hidden_size, num_layers, vocab_size, kv_size, ffn_hidden_size, activation,
+seq_length and optionally moe (num_experts, router_topk, ffn_hidden_size, layer_freq,
+shared_expert_ffn_hidden_size): the engine's TransformerConfig or the planner's ModelShape.
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ def layer_forward_flops(model: Any, seq_length: int | None = None) -> dict[str, 
     }
 
 
+def moe_mlp_forward_flops(model: Any) -> float:
+    """Forward FLOPs of one MoE layer's router and experts for one token (what replaces "mlp")."""
+    moe, h = model.moe, model.hidden_size
+    mlp_matmuls = 3 if model.activation == "swiglu" else 2
+    experts = moe.router_topk * (moe.ffn_hidden_size or model.ffn_hidden_size)
+    experts += moe.shared_expert_ffn_hidden_size or 0
+    return 2.0 * h * moe.num_experts + mlp_matmuls * 2.0 * h * experts
+
+
+def num_moe_layers(model: Any) -> int:
+    """Layers 0, k, 2k, ... (k = moe.layer_freq) are MoE layers; none without model.moe."""
+    moe = getattr(model, "moe", None)
+    return 0 if moe is None else -(-model.num_layers // moe.layer_freq)
+
+
 def head_forward_flops(model: Any) -> float:
     """Forward FLOPs of the LM head for one token."""
     return 2.0 * model.hidden_size * model.vocab_size
@@ -63,8 +84,12 @@ def head_forward_flops(model: Any) -> float:
 
 def flops_per_token(model: Any, seq_length: int | None = None) -> float:
     """Forward + backward model FLOPs for one token at sequence length s."""
-    layer = sum(layer_forward_flops(model, seq_length).values())
+    parts = layer_forward_flops(model, seq_length)
+    layer = sum(parts.values())
     forward = model.num_layers * layer + head_forward_flops(model)
+    n_moe = num_moe_layers(model)
+    if n_moe:
+        forward += n_moe * (moe_mlp_forward_flops(model) - parts["mlp"])
     return 3.0 * forward  # backward = 2 × forward
 
 

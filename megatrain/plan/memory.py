@@ -9,7 +9,13 @@ Model state follows Megatron's mixed-precision layout (bytes per parameter held 
     fp32          4        4         (alias)         8         16  (8 + 8/dp)
 
 Gradients accumulate in an fp32 buffer of the full (unsharded) size even with the distributed
-optimizer, which shards only the main params and Adam moments over the data-parallel ranks.
+optimizer, which shards only the main params and Adam moments over the data-parallel ranks: dp·cp
+of them for dense parameters, the expert-data-parallel group dp·cp/ep for routed experts (whose
+weights are split over ep and tp, megatrain.plan.shapes).
+
+Context parallelism divides every per-token tensor by cp (a rank holds seq_length/cp tokens of each
+sequence); ring attention adds only transient K/V blocks. MoE layers' activations follow
+megatrain.plan.moe_memory (routed tokens × router_topk, bounded by the capacity factor when set).
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"): per layer and micro-batch sbh(34 + 5as/h) bytes at 16 bits, tensor-parallel parts divided
@@ -40,7 +46,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
-from megatrain.plan.shapes import ModelShape, layer_params, layers_on_stage, shape_of_spec, stage_params
+from megatrain.plan.moe_memory import moe_backward_peak, moe_dispatch_transient, moe_layer_activations
+from megatrain.plan.shapes import (
+    ModelShape,
+    layer_params,
+    layers_on_stage,
+    moe_layers_on_stage,
+    shape_of_spec,
+    stage_params,
+)
 from megatrain.spec import ParallelismSpec
 
 if TYPE_CHECKING:
@@ -169,6 +183,7 @@ def estimate_memory(
     pp: int = 1,
     dp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     sequence_parallel: bool = False,
     micro_batch_size: int = 1,
     num_microbatches_in_flight: int | None = None,
@@ -197,14 +212,18 @@ def estimate_memory(
     fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
     device: only the dropout masks differ (bool on CUDA, the model dtype on CPU).
     fused_loss: the LM head and cross-entropy fused over token chunks (GPTModel.loss; tp = 1 only).
+    cp: the sequence split over cp ranks; ep: an MoE model's routed experts split over ep ranks
+    (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     """
     m = ModelShape.of(model)
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r} must be fp32, bf16 or fp16")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
-    if min(tp, pp, dp, cp, micro_batch_size, recompute_every) < 1:
+    if min(tp, pp, dp, cp, ep, micro_batch_size, recompute_every) < 1:
         raise ValueError("parallel degrees, micro_batch_size and recompute_every must be >= 1")
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} must divide dp×cp={dp}×{cp}")
     sp = sequence_parallel and tp > 1
     if fused_loss and tp > 1:
         raise ValueError("fused_loss needs tp=1: a tensor-parallel head uses the vocab-parallel loss")
@@ -228,11 +247,14 @@ def estimate_memory(
         m, tp=tp, sp=sp, act=act, mask=mask, attention=attention, selective=recompute == "selective"
     )
     layer_bytes = tokens * sum(per_layer.values())
+    per_moe_layer = moe_layer_activations(m, per_layer, tp=tp, act=act) if m.moe is not None else {}
+    moe_layer_bytes = tokens * sum(per_moe_layer.values())
     # Checkpointed layers keep their input (the residual stream, sharded with sp).
     checkpointed_bytes = tokens * act * h / seq_div
 
     # Model state bytes per parameter.
     shard = dp * cp if distributed_optimizer else 1
+    expert_shard = shard // ep if distributed_optimizer else 1  # the expert-data-parallel group
     if precision == "fp32":
         param_b, grad_b, optim_b = 4.0, 4.0, 8.0 / shard  # main params alias the params
     else:
@@ -241,17 +263,21 @@ def estimate_memory(
     stages: list[MemoryEstimate] = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
-        parts = stage_params(m, tp, pp, stage, pipeline_layers)
+        parts = stage_params(m, tp, pp, stage, pipeline_layers, ep, virtual_stages)
         n_params = sum(parts.values())
+        n_experts = parts.get("experts", 0)
         in_flight: float = max(1, in_flight_first - stage)
         if num_microbatches is not None:
             chunks = chunks_in_flight(pipeline_schedule, pp, stage, num_microbatches, virtual_stages)
             in_flight = chunks / virtual_stages  # in whole-stage micro-batches
         n_layers = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
         n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
+        n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
+        # Checkpointed layers are taken as dense and MoE in the stage's proportion.
+        mean_layer = ((n_layers - n_moe) * layer_bytes + n_moe * moe_layer_bytes) / max(1, n_layers)
 
         stored: dict[str, float] = {}
-        stored["layers"] = in_flight * (n_ckpt * checkpointed_bytes + (n_layers - n_ckpt) * layer_bytes)
+        stored["layers"] = in_flight * (n_ckpt * checkpointed_bytes + (n_layers - n_ckpt) * mean_layer)
         if first and m.hidden_dropout > 0:
             stored["embedding_dropout_mask"] = in_flight * tokens * mask * h / seq_div
         transients: dict[str, float] = {}
@@ -293,7 +319,8 @@ def estimate_memory(
             # and its weight-grad temporary, the MLP's saved tensors freed by then). A recomputed
             # layer first rebuilds its own activations. The loss's tensors are freed by then.
             fw, f = m.fc1_width, m.ffn_hidden_size
-            rebuilt = layer_bytes if n_ckpt else 0.0
+            rebuilt = max(layer_bytes if n_layers > n_moe else 0.0, moe_layer_bytes if n_moe else 0.0)
+            rebuilt = rebuilt if n_ckpt else 0.0
             mlp_saved = tokens * per_layer["mlp"] if n_ckpt else 0.0
             # (Grads of the full-width hidden states are whole on every tensor-parallel rank.)
             fc2_backward = tokens * act * (f / tp + h) + act * f * h / tp + rebuilt
@@ -303,20 +330,30 @@ def estimate_memory(
             )
             head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
                                                         "log_probs", "fused_loss_grads"))  # fmt: skip
-            peak = max(fc2_backward, act_backward, fc1_backward)
+            peak = max(fc2_backward, act_backward, fc1_backward) if n_layers > n_moe else 0.0
+            if n_moe:
+                # As fc1's backward above: a recomputed layer's expert tensors are freed by the peak.
+                experts_saved = tokens * per_moe_layer["moe_experts"] if n_ckpt else 0.0
+                moe_peak = moe_backward_peak(m, tokens, tp=tp, ep=ep, act=act) + rebuilt - experts_saved
+                peak = max(peak, moe_peak)
+                transients["moe_dispatch"] = moe_dispatch_transient(m, tokens, act=act)
             if m.tie_embeddings and first and last:
                 # A tied weight's two gradients are summed before accumulation: the LM head's waits
                 # in autograd's input buffer until the embedding's arrives at the end of backward.
                 peak += act * v * h / tp
             transients["layer_backward"] = max(0.0, peak - head_freed)
+        if cp > 1 and n_layers:
+            # Ring attention's backward: the K/V block in use and the next, and fp32 dK/dV (tp-split heads).
+            transients["ring_attention"] = tokens * m.kv_size * (4 * act + 8) / tp
         stored_total = sum(stored.values())
         transient = max(transients.values(), default=0.0)
         activations = int(stored_total + transient)
 
         params_bytes = int(n_params * param_b)
         grads_bytes = int(n_params * grad_b)
-        optimizer_bytes = int(n_params * optim_b)
-        optimizer_workspace = 0 if fused_optimizer else int(4 * n_params / shard)
+        optimizer_bytes = int(optim_b * (n_params - n_experts) + optim_b * shard / expert_shard * n_experts)
+        owned = (n_params - n_experts) / shard + n_experts / expert_shard
+        optimizer_workspace = 0 if fused_optimizer else int(4 * owned)
         total = params_bytes + grads_bytes + optimizer_bytes + max(activations, optimizer_workspace)
         breakdown = {f"params_{k}": int(n * param_b) for k, n in parts.items()}
         breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
@@ -383,6 +420,7 @@ def from_spec(
         "pp": layout.pp,
         "dp": layout.dp,
         "cp": layout.cp,
+        "ep": layout.ep,
         "sequence_parallel": layout.sequence_parallel,
         "micro_batch_size": tr.micro_batch_size,
         "num_microbatches": accum,

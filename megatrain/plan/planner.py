@@ -1,17 +1,19 @@
 """The layout planner: the fastest layout of a spec on a pool that fits its devices' memory.
 
 `plan(spec, pool, devices)` enumerates tp (divisors of the node's devices, so tp stays inside a
-node), pp, dp (filling the devices), virtual stages, micro-batch size, recompute, the distributed
-optimizer and sequence parallelism; drops every candidate that breaks a layout rule
-(megatrain.plan.layout) or cannot fit (megatrain.plan.memory, with `fits`' headroom); predicts the
-rest's step time (megatrain.plan.cost) and returns the fastest, its runners-up and the rejected
-ones with their reasons. A spec with an explicit `parallelism` gets the prediction for its layout.
+node), cp (powers of two leaving at least MIN_CP_CHUNK tokens of a sequence per rank), pp, dp
+(filling the devices), ep for an MoE model (divisors of its experts that divide dp·cp), virtual
+stages, micro-batch size, recompute, the distributed optimizer and sequence parallelism; drops
+every candidate that breaks a layout rule (megatrain.plan.layout) or cannot fit
+(megatrain.plan.memory, with `fits`' headroom); predicts the rest's step time (megatrain.plan.cost)
+and returns the fastest, its runners-up and the rejected ones with their reasons. A spec with an
+explicit `parallelism` gets the prediction for its layout.
 
-Fast by pruning, not by sampling: a model-state lower bound per (tp, pp, distributed optimizer)
-rejects whole families before any activation estimate; the survivors are scored by the cheap cost
-model and only then, fastest first, given the full memory estimate until enough fit; memory grows
-with the micro-batch size and shrinks with recompute, so one miss rules out the bigger batches of
-its family without estimating them.
+Fast by pruning, not by sampling: a model-state lower bound per (tp, cp, pp, ep, distributed
+optimizer) rejects whole families before any activation estimate; the survivors are scored by the
+cheap cost model and only then, fastest first, given the full memory estimate until enough fit;
+memory grows with the micro-batch size and shrinks with recompute, so one miss rules out the bigger
+batches of its family without estimating them.
 
 What it answers (Choice, Plan, Rejection, the JSON) lives in megatrain.plan.result.
 """
@@ -21,9 +23,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from megatrain.plan.bounds import model_state_floor, saved_per_token
 from megatrain.plan.cost import StepSettings, StepTime, predict_step
-from megatrain.plan.layout import Layout, batch_problems, model_problems, resolve_layout
-from megatrain.plan.memory import GiB, MemoryEstimate, fits, from_spec, planned_precision
+from megatrain.plan.layout import Layout, batch_problems, expert_problems, model_problems, resolve_layout
+from megatrain.plan.memory import GiB, MemoryEstimate, chunks_in_flight, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.result import (
     MAX_REJECTED_SHOWN,
@@ -34,7 +37,13 @@ from megatrain.plan.result import (
     most_telling,
     predicted_dict,
 )
-from megatrain.plan.shapes import ModelShape, layer_params, shape_of_spec, stage_params
+from megatrain.plan.shapes import (
+    ModelShape,
+    layers_on_stage,
+    moe_layers_on_stage,
+    param_counts,
+    shape_of_spec,
+)
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
 HEADROOM = 0.9
@@ -42,6 +51,10 @@ HEADROOM = 0.9
 RECOMPUTE_ORDER = ("none", "selective", "full")
 """Least memory last: a candidate that does not fit rules out the ones before it (same batch)."""
 MAX_VIRTUAL_STAGES = 8
+MIN_CP_CHUNK = 4096
+"""Tokens of a sequence per context-parallel rank below which cp is not tried: its GEMMs shrink and
+its ring hops grow relative to block attention, while a shorter sequence's activations rarely
+need splitting (Megatron uses cp from 8K-token sequences up)."""
 MAX_RUNNERS_UP = 5
 
 
@@ -126,19 +139,64 @@ class _Search:
 
     # -- enumeration ---------------------------------------------------------------------------
 
-    def model_state_floor(self, tp: int, pp: int, dp: int, dist_opt: bool) -> int:
-        """Bytes of params + grads + optimizer on the worst stage: a lower bound of any estimate
-        (whatever the split, some stage holds at least ceil(layers / pp) layers)."""
-        if pp == 1:
-            n = sum(stage_params(self.model, tp, 1, 0).values())
-        else:
-            n = -(-self.model.num_layers // pp) * layer_params(self.model, tp)
-        shard = dp if dist_opt else 1
-        static = (4.0 + 4.0 + 8.0 / shard) if self.precision == "fp32" else (2.0 + 4.0 + 12.0 / shard)
-        return int(n * static)
+    def model_state_floor(self, tp: int, pp: int, dp: int, dist_opt: bool, cp: int = 1, ep: int = 1) -> int:
+        return model_state_floor(self.model, self.precision, tp, pp, dp * cp if dist_opt else 1, ep)
 
-    def families(self) -> list[tuple[int, int, int]]:
-        """(tp, pp, dp) that multiply to the devices and pass the model's divisibility rules."""
+    def cp_options(self, tp: int) -> list[int]:
+        """1, and the powers of two that split every sequence into 2·cp chunks of at least
+        MIN_CP_CHUNK/2 tokens and divide the devices left by tp; the rest rejected with why."""
+        s, out = self.model.seq_length, [1]
+        cp = 2
+        while tp * cp <= self.devices:
+            if (self.devices // tp) % cp == 0:
+                problems = model_problems(Layout(tp=tp, cp=cp), seq_length=s, model="model.", par="")
+                if problems:
+                    self.reject("divisibility", problems[0]["message"], cp=cp)
+                elif s // cp < MIN_CP_CHUNK:
+                    self.reject(
+                        "cp_chunk",
+                        f"cp={cp} would leave {s // cp} tokens of each {s}-token sequence per rank, under "
+                        f"{MIN_CP_CHUNK} (context parallelism pays off only for long sequences)",
+                        cp=cp,
+                    )
+                else:
+                    out.append(cp)
+            cp *= 2
+        return out
+
+    def ep_options(self, tp: int, cp: int, pp: int, dp: int) -> list[int]:
+        """1 for a dense model; else the divisors of dp·cp that divide the experts (the rest rejected),
+        keeping the expert-parallel group inside a node when one that does can hold the model state
+        (its all-to-alls then stay on NVLink); wider groups only when none can."""
+        experts = self.model.moe.num_experts if self.model.moe is not None else 0
+        if not experts:
+            return [1]
+        valid = []
+        for ep in divisors(dp * cp):
+            if ep > experts:
+                break
+            problems = expert_problems(Layout(dp=dp, cp=cp, ep=ep), experts)
+            if problems:
+                self.reject("divisibility", problems[0]["message"], ep=ep, dp=dp, cp=cp)
+                continue
+            valid.append(ep)
+        node = self.pool.devices_per_node
+        inside = [ep for ep in valid if ep * tp * cp <= node]
+        fits_inside = [ep for ep in inside if self.model_state_floor(tp, pp, dp, True, cp, ep) <= self.budget]
+        if not fits_inside:
+            return valid
+        for ep in valid:
+            if ep not in inside:
+                self.reject(
+                    "ep_exceeds_node",
+                    f"ep={ep} would spread each expert-parallel group over {ep * tp * cp // node} nodes "
+                    f"while ep={max(fits_inside)} fits inside one (tp={tp} cp={cp} pp={pp} dp={dp})",
+                    ep=ep,
+                )
+        return inside
+
+    def families(self) -> list[tuple[int, int, int, int]]:
+        """(tp, cp, pp, dp) that multiply to the devices and pass the model's divisibility rules."""
         m, out = self.model, []
         for tp in divisors(self.devices):
             if tp > self.pool.devices_per_node or self.pool.devices_per_node % tp:
@@ -157,59 +215,90 @@ class _Search:
                 model="model.",
                 par="",
             )
+            if not problems and m.moe is not None:  # experts are split over tp like the dense MLP
+                shared = m.moe.shared_expert_ffn_hidden_size or tp
+                widths = {"ffn_hidden_size": m.moe.ffn_hidden_size, "shared_expert_ffn_hidden_size": shared}
+                problems = [
+                    {"field": f"model.moe.{k}", "message": f"model.moe.{k}={w} is not divisible by tp={tp}"}
+                    for k, w in widths.items()
+                    if w % tp
+                ]
             if problems:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
                 continue
-            for pp in divisors(self.devices // tp):
-                if pp > m.num_layers:  # (uneven splits are planned: see balanced_layers)
-                    self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}")
-                    continue
-                dp = self.devices // (tp * pp)
-                gbs = self.spec.training.global_batch_size
-                if batch_problems(Layout(dp=dp), gbs, 1):
-                    self.reject(
-                        "divisibility",
-                        f"training.global_batch_size={gbs} is not divisible by dp={dp} (tp={tp}, pp={pp})",
-                    )
-                    continue
-                out.append((tp, pp, dp))
+            for cp in self.cp_options(tp):
+                for pp in divisors(self.devices // (tp * cp)):
+                    if pp > m.num_layers:  # (uneven splits are planned: see balanced_layers)
+                        self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}")
+                        continue
+                    dp = self.devices // (tp * cp * pp)
+                    gbs = self.spec.training.global_batch_size
+                    if batch_problems(Layout(dp=dp), gbs, 1):
+                        self.reject(
+                            "divisibility",
+                            f"training.global_batch_size={gbs} is not divisible by dp={dp} "
+                            f"(tp={tp}, cp={cp}, pp={pp})",
+                        )
+                        continue
+                    out.append((tp, cp, pp, dp))
         return out
 
-    def choices(self, tp: int, pp: int, dp: int) -> list[Choice]:
-        tr, m = self.spec.training, self.model
+    def choices(self, tp: int, cp: int, pp: int, dp: int) -> list[Choice]:
         out = []
+        for ep in self.ep_options(tp, cp, pp, dp):
+            for dist_opt in (True, False) if dp * cp > 1 else (False,):
+                out += self._choices(tp, cp, pp, dp, ep, dist_opt)
+        return out
+
+    def _choices(self, tp: int, cp: int, pp: int, dp: int, ep: int, dist_opt: bool) -> list[Choice]:
+        tr, m = self.spec.training, self.model
+        out: list[Choice] = []
         per_rank = tr.global_batch_size // dp
-        for dist_opt in (True, False) if dp > 1 else (False,):
-            floor = self.model_state_floor(tp, pp, dp, dist_opt)
-            if floor > self.budget:
-                self.reject(
-                    "model_state",
-                    f"tp={tp} pp={pp} dp={dp} distributed_optimizer={dist_opt}: the weights, gradients and "
-                    f"optimizer state alone need {floor / GiB:,.2f} GiB per device, over the "
-                    f"{self.budget / GiB:,.2f} GiB budget",
-                    memory_per_gpu_bytes=floor,
-                )
-                continue
-            sps = (True, False) if tp > 1 and m.seq_length % tp == 0 else (False,)
-            vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
-            for mbs in divisors(per_rank):
-                n_micro = per_rank // mbs
-                for v in vs:
-                    if v > 1 and n_micro % pp:
-                        continue  # interleaving needs micro-batches in groups of pp (batch_problems)
-                    split = balanced_layers(m.num_layers, pp, v)
-                    for sp in sps:
-                        lay = Layout(
-                            tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp, pipeline_layers=split
-                        )
-                        for rc in RECOMPUTE_ORDER:
-                            out.append(Choice(lay, mbs, rc, dist_opt))
+        floor = self.model_state_floor(tp, pp, dp, dist_opt, cp, ep)
+        if floor > self.budget:
+            self.reject(
+                "model_state",
+                f"tp={tp} cp={cp} pp={pp} dp={dp} ep={ep} distributed_optimizer={dist_opt}: the weights, "
+                f"gradients and optimizer state alone need {floor / GiB:,.2f} GiB per device, over the "
+                f"{self.budget / GiB:,.2f} GiB budget",
+                memory_per_gpu_bytes=floor,
+            )
+            return out
+        every = self.settings(Choice(Layout(), 1, "full", dist_opt)).recompute_every
+        sp_ok = tp > 1 and not model_problems(
+            Layout(tp=tp, cp=cp, sequence_parallel=True), seq_length=m.seq_length
+        )
+        sps = (True, False) if sp_ok else (False,)
+        vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
+        saved = {sp: saved_per_token(m, self.precision, tp, sp) for sp in sps}
+        for mbs in divisors(per_rank):
+            n_micro = per_rank // mbs
+            for v in vs:
+                if v > 1 and n_micro % pp:
+                    continue  # interleaving needs micro-batches in groups of pp (batch_problems)
+                split = balanced_layers(m.num_layers, pp, v)
+                # What the first stage keeps for its micro-batches in flight: a lower bound of its
+                # activations (megatrain.plan.memory), so hopeless candidates are never scored.
+                tokens = chunks_in_flight("1f1b", pp, 0, n_micro, v) / v * mbs * m.seq_length / cp
+                n = layers_on_stage(m.num_layers, pp, 0, split)
+                n_moe = moe_layers_on_stage(m, pp, 0, split, v)
+                for sp in sps:
+                    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v,
+                                 sequence_parallel=sp, pipeline_layers=split)  # fmt: skip
+                    for rc in RECOMPUTE_ORDER:
+                        per_token = saved[sp][rc]
+                        kept = per_token[0] * -(-n // every) if rc == "full" else (
+                            per_token[0] * (n - n_moe) + per_token[1] * n_moe)  # fmt: skip
+                        if tokens * kept > self.budget:
+                            self.counts["memory"] += 1
+                            continue
+                        out.append(Choice(lay, mbs, rc, dist_opt))
         return out
 
     def search(self) -> Plan:
         scored: list[tuple[float, int, Choice, StepTime]] = []
-        for tp, pp, dp in self.families():
-            for c in self.choices(tp, pp, dp):
+        for tp, cp, pp, dp in self.families():
+            for c in self.choices(tp, cp, pp, dp):
                 t = predict_step(self.model, c.layout, self.settings(c), self.pool)
                 scored.append((t.step_time_s, len(scored), c, t))
         self.considered = len(scored) + sum(self.counts.values())
@@ -252,6 +341,7 @@ class _Search:
             rejected=self.rejected,
             rejected_counts=dict(self.counts),
             considered=self.considered,
+            parameters=param_counts(self.model),
         )
 
     def nothing_fits(self, best_miss: tuple[Choice, MemoryEstimate] | None) -> PlanError:
@@ -357,7 +447,8 @@ def _explicit(search: _Search, layout: Layout) -> Plan:
         message = f"layout {layout.describe()} {search.rejected[-1].message}"
         raise PlanError([{"field": "parallelism", "message": message}])
     t = predict_step(search.model, layout, search.settings(c), pool)
-    return Plan(c, t, est, search.devices, pool.name, search.precision, explicit=True)
+    return Plan(c, t, est, search.devices, pool.name, search.precision, explicit=True,
+                parameters=param_counts(search.model))  # fmt: skip
 
 
 __all__ = [

@@ -13,8 +13,8 @@ from megatrain.plan.memory import MemoryEstimate
 from megatrain.spec import JobSpec, SpecError, parse_spec
 
 MAX_REJECTED_SHOWN = 20
-TIME_PARTS = ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
-              "optimizer_s", "overhead_s")  # fmt: skip
+TIME_PARTS = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s",
+              "dp_comm_s", "dp_exposed_s", "optimizer_s", "overhead_s")  # fmt: skip
 
 
 class PlanError(SpecError):
@@ -62,6 +62,8 @@ class Choice:
             "tp": lay.tp,
             "pp": lay.pp,
             "dp": lay.dp,
+            "cp": lay.cp,
+            "ep": lay.ep,
             "virtual_stages": lay.virtual_stages,
             "sequence_parallel": lay.sequence_parallel,
             "distributed_optimizer": self.distributed_optimizer,
@@ -75,7 +77,7 @@ class Choice:
 @dataclass
 class Rejection:
     code: str
-    """divisibility | tp_exceeds_node | model_state | memory | devices."""
+    """divisibility | tp_exceeds_node | ep_exceeds_node | cp_chunk | model_state | memory | devices."""
     message: str
     choice: dict[str, Any] | None = None
     numbers: dict[str, Any] = field(default_factory=dict)
@@ -97,6 +99,8 @@ class Plan:
     rejected_counts: dict[str, int] = field(default_factory=dict)
     considered: int = 1
     explicit: bool = False
+    parameters: dict[str, int] = field(default_factory=dict)
+    """The model's parameter counts: total, and active per token (megatrain.plan.shapes.param_counts)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's JSON: `layout`, `predicted`, `candidates` (POST /v1/plan's answer)."""
@@ -116,10 +120,11 @@ class Plan:
             "pool": self.pool,
             "precision": self.precision,
             "explicit_layout": self.explicit,
+            "parameters": self.parameters,
         }
 
 
-REJECTION_ORDER = ("memory", "model_state", "divisibility", "tp_exceeds_node")
+REJECTION_ORDER = ("memory", "model_state", "divisibility", "ep_exceeds_node", "cp_chunk", "tp_exceeds_node")
 
 
 def most_telling(rejected: list[Rejection]) -> list[Rejection]:
@@ -145,8 +150,5 @@ def predicted_dict(time: StepTime, memory: MemoryEstimate, brief: bool = False) 
         "activations_bytes": memory.activations_bytes,
         "worst_stage": memory.stage,
     }
-    keys = ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s")
-    out["time_breakdown"] = {
-        k: getattr(time, k) for k in (*keys, "dp_exposed_s", "optimizer_s", "overhead_s")
-    }
+    out["time_breakdown"] = {k: getattr(time, k) for k in TIME_PARTS}
     return out

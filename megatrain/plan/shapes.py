@@ -1,5 +1,10 @@
 """The shapes that decide a model's memory and where its parameters sit: per layer, per pipeline stage
-and tensor-parallel rank. Pure (no torch), shared by the memory estimate and the planner."""
+and tensor/expert-parallel rank. Pure (no torch), shared by the memory estimate and the planner.
+
+A mixture-of-experts layer (every moe.layer_freq-th, from layer 0) replaces the dense MLP with a
+router (a bias-free h → num_experts linear, replicated over tp), num_experts routed experts (each an
+MLP of moe.ffn_hidden_size, split over tp like the dense MLP and over ep by whole experts) and an
+optional shared expert (an MLP of shared_expert_ffn_hidden_size, split over tp, on every token)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,35 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from megatrain.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The expert shapes of an MoE model (ffn_hidden_size resolved, as MoEConfig has it)."""
+
+    num_experts: int
+    router_topk: int
+    ffn_hidden_size: int
+    """Each routed expert's MLP width."""
+    layer_freq: int = 1
+    shared_expert_ffn_hidden_size: int | None = None
+    capacity_factor: float | None = None
+    """None: dropless (every routed token computed); else each expert's buffer bound, × tokens·topk/E."""
+
+    @classmethod
+    def of(cls, moe: Any, dense_ffn: int) -> MoEShape | None:
+        """From a MoESpec, MoEConfig, dict or MoEShape (None stays None); a None width is the dense one."""
+        if moe is None or isinstance(moe, MoEShape):
+            return moe
+        get = moe.get if isinstance(moe, dict) else lambda k, d=None: getattr(moe, k, d)
+        return cls(
+            num_experts=get("num_experts"),
+            router_topk=get("router_topk", 2),
+            ffn_hidden_size=get("ffn_hidden_size") or dense_ffn,
+            layer_freq=get("layer_freq", 1),
+            shared_expert_ffn_hidden_size=get("shared_expert_ffn_hidden_size"),
+            capacity_factor=get("capacity_factor"),
+        )
 
 
 @dataclass(frozen=True)
@@ -31,6 +65,12 @@ class ModelShape:
     """None: layernorm with GELU (GPT-2), rmsnorm with SwiGLU (Llama)."""
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    moe: MoEShape | None = None
+    """None: every layer has the dense MLP."""
+
+    def __post_init__(self) -> None:
+        if self.moe is not None and not isinstance(self.moe, MoEShape):  # a dict, MoESpec or MoEConfig
+            object.__setattr__(self, "moe", MoEShape.of(self.moe, self.ffn_hidden_size))
 
     @classmethod
     def of(cls, model: Any) -> ModelShape:
@@ -59,7 +99,18 @@ class ModelShape:
 
     @property
     def fc1_width(self) -> int:
-        return 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+        return self.mlp_fc1_width(self.ffn_hidden_size)
+
+    def mlp_fc1_width(self, ffn: int) -> int:
+        """fc1's output width for an MLP of width `ffn`: [gate; up] under SwiGLU."""
+        return 2 * ffn if self.activation == "swiglu" else ffn
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer % self.moe.layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return 0 if self.moe is None else -(-self.num_layers // self.moe.layer_freq)
 
 
 def shape_of_spec(spec: JobSpec, tokenizer_vocab: int) -> ModelShape:
@@ -81,28 +132,60 @@ def shape_of_spec(spec: JobSpec, tokenizer_vocab: int) -> ModelShape:
         normalization="layernorm" if gpt2 else "rmsnorm",
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        moe=MoEShape.of(m.moe, m.ffn_size),
     )
 
 
-def layer_params(m: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on a tensor-parallel rank (column/row splits of the linears)."""
-    h, kv, f, fw = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width
-    weights = (h * (h + 2 * kv) + h * h + h * fw + f * h) // tp
+def mlp_params(m: ModelShape, ffn: int, tp: int) -> int:
+    """One MLP of width `ffn` on a tensor-parallel rank: fc1 column-parallel (its bias split), fc2
+    row-parallel (its bias replicated)."""
+    h, fw = m.hidden_size, m.mlp_fc1_width(ffn)
+    return (h * fw + ffn * h) // tp + ((fw // tp + h) if m.add_bias else 0)
+
+
+def layer_params(m: ModelShape, tp: int, moe: bool = False) -> int:
+    """One transformer layer's parameters on a tensor-parallel rank (column/row splits of the
+    linears), the routed experts excepted (expert_params): attention, norms and the dense MLP, or
+    for an MoE layer (moe=True) its router and shared expert instead of the MLP."""
+    h, kv = m.hidden_size, m.kv_size
+    attention = (h * (h + 2 * kv) + h * h) // tp
     norms = 2 * h * (2 if m.norm == "layernorm" else 1)  # replicated over tp
-    biases = 0
     if m.add_bias:
-        # Column-parallel biases (qkv, fc1) are split; row-parallel ones (proj, fc2) are replicated.
-        biases = (h + 2 * kv + fw) // tp + 2 * h
-    return weights + norms + biases
+        # Column-parallel biases (qkv) are split; row-parallel ones (proj) are replicated.
+        attention += (h + 2 * kv) // tp + h
+    if not moe or m.moe is None:
+        return attention + norms + mlp_params(m, m.ffn_hidden_size, tp)
+    shared = m.moe.shared_expert_ffn_hidden_size
+    router = h * m.moe.num_experts  # replicated over tp and ep
+    return attention + norms + router + (mlp_params(m, shared, tp) if shared else 0)
+
+
+def expert_params(m: ModelShape, tp: int, ep: int) -> int:
+    """One MoE layer's routed experts on a (tensor, expert)-parallel rank: num_experts/ep whole
+    experts, each split over tp like the dense MLP."""
+    if m.moe is None:
+        return 0
+    return m.moe.num_experts // ep * mlp_params(m, m.moe.ffn_hidden_size, tp)
 
 
 def stage_params(
-    m: ModelShape, tp: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
+    m: ModelShape,
+    tp: int,
+    pp: int,
+    stage: int,
+    pipeline_layers: Sequence[int] | None = None,
+    ep: int = 1,
+    virtual_stages: int = 1,
 ) -> dict[str, int]:
-    """Parameters of one pipeline stage's tensor-parallel rank, by part."""
+    """Parameters of one pipeline stage's (tensor, expert)-parallel rank, by part: "experts" holds
+    the routed experts (sharded over ep, their gradients reduced over dp·cp/ep), the rest dp·cp's."""
     h, v = m.hidden_size, m.vocab_size
     first, last = stage == 0, stage == pp - 1
-    parts = {"layers": layers_on_stage(m.num_layers, pp, stage, pipeline_layers) * layer_params(m, tp)}
+    n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
+    n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
+    parts = {"layers": (n - n_moe) * layer_params(m, tp) + n_moe * layer_params(m, tp, moe=True)}
+    if n_moe:
+        parts["experts"] = n_moe * expert_params(m, tp, ep)
     if first:
         parts["embedding"] = v * h // tp
         if m.position_embedding == "learned":
@@ -116,6 +199,17 @@ def stage_params(
     return parts
 
 
+def param_counts(m: ModelShape) -> dict[str, int]:
+    """The model's parameters: total, and active (those one token runs through: the routed experts
+    it is not sent to left out), as MoE models are described (Mixtral 8x7B: 46.7B total, 12.9B active)."""
+    total = sum(stage_params(m, 1, 1, 0).values())
+    idle = 0
+    if m.moe is not None:
+        idle = m.num_moe_layers * (m.moe.num_experts - m.moe.router_topk)
+        idle *= mlp_params(m, m.moe.ffn_hidden_size, 1)
+    return {"total": total, "active": total - idle}
+
+
 def layers_on_stage(
     num_layers: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
 ) -> int:
@@ -126,3 +220,26 @@ def layers_on_stage(
         return sum(pipeline_layers[stage::pp])
     base, extra = divmod(num_layers, pp)
     return base + (1 if stage < extra else 0)
+
+
+def moe_layers_on_stage(
+    m: ModelShape, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None, virtual_stages: int = 1
+) -> int:
+    """How many of a stage's layers are MoE layers (layer i is when i % layer_freq == 0); the stage's
+    model chunks hold contiguous layer ranges, chunk c on stage c % pp."""
+    if m.moe is None:
+        return 0
+    L, f = m.num_layers, m.moe.layer_freq
+    if pipeline_layers is not None:
+        counts = list(pipeline_layers)
+    elif virtual_stages > 1 and L % (pp * virtual_stages) == 0:
+        counts = [L // (pp * virtual_stages)] * (pp * virtual_stages)
+    else:
+        base, extra = divmod(L, pp)
+        counts = [base + (1 if i < extra else 0) for i in range(pp)]
+    out, start = 0, 0
+    for c, n in enumerate(counts):
+        if c % pp == stage:
+            out += -(-(start + n) // f) - -(-start // f)  # multiples of f in [start, start + n)
+        start += n
+    return out

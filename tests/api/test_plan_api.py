@@ -99,3 +99,16 @@ def test_a_stored_gpu_pool_is_described_from_its_rows(api: Api) -> None:
     assert (described["devices_per_node"], described["nodes"]) == (8, 1)
     assert described["device_memory_bytes"] == 80 << 30
     assert body["precision"] == "bf16" and body["devices"] == 8
+
+
+def test_plan_of_an_moe_with_cp_and_ep_returns_them_and_its_parameters(api: Api) -> None:
+    model = {**api.spec()["model"], "moe": {"num_experts": 4, "router_topk": 2}}
+    spec = api.spec("moe", model=model, resources={"devices": 8}, training={"precision": "bf16"})
+    spec["parallelism"] = {"cp": 2, "dp": 4, "ep": 2}
+    resp = api.client.post("/v1/plan", json={"spec": spec, "pool": H100_POOL}, headers=api.headers)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert (body["layout"]["cp"], body["layout"]["ep"], body["layout"]["dp"]) == (2, 2, 4)
+    params = body["parameters"]
+    assert 0 < params["active"] < params["total"]  # 2 of 4 experts per token
+    assert {"cp_comm_s", "ep_comm_s"} <= set(body["predicted"]["time_breakdown"])

@@ -60,6 +60,21 @@ def test_offline_plan_shows_the_layout_prediction_and_runners_up(tmp_path: Path)
     assert {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_bytes"} <= set(
         body["predicted"]
     )
+    assert body["parameters"]["total"] == body["parameters"]["active"] > 0  # dense: every weight is active
+
+
+def test_offline_plan_of_an_moe_shows_ep_and_active_parameters(tmp_path: Path) -> None:
+    model = {**SPEC["model"], "num_layers": 8, "moe": {"num_experts": 8, "router_topk": 2}}
+    spec, pool = _files(tmp_path, spec={**SPEC, "model": model})
+    code, out = _run("plan", spec, "--pool", pool, "--json")
+    assert code == 0, out
+    body = json.loads(out)
+    lay, params = body["layout"], body["parameters"]
+    assert lay["tp"] * lay["pp"] * lay["dp"] * lay["cp"] == 32 and 8 % lay["ep"] == 0
+    assert (lay["dp"] * lay["cp"]) % lay["ep"] == 0
+    assert 0 < params["active"] < params["total"] / 2
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 0 and "B active per token" in out, out
 
 
 def test_offline_errors_are_red_lines(tmp_path: Path) -> None:

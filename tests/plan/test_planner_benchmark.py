@@ -24,3 +24,7 @@ def test_the_planner_benchmark_prints_its_table_and_meets_the_target(tmp_path: P
     big = next(r for r in rows if r["model"] == "405B" and r["gpus"] == 6000)
     assert big["plan_ms"] < 1000 and big["layout"].startswith("tp=8")
     assert all(0 < r["mfu"] < 1 and r["gib"] <= 80 for r in rows)
+    # The MoE rows plan with expert parallelism and report their active parameters.
+    for model in ("Mixtral-8x7B", "DeepSeek-V3"):
+        row = next(r for r in rows if r["model"] == model and not r.get("published"))
+        assert " ep=" in row["layout"] and row["active_b"] < row["params_b"] / 3

@@ -1,0 +1,44 @@
+"""Lower bounds of a candidate layout's memory, cheap enough to prune the planner's search before
+the cost model or the full estimate (megatrain.plan.memory) sees a candidate. Pure arithmetic."""
+
+from __future__ import annotations
+
+from megatrain.plan.memory import layer_activations
+from megatrain.plan.moe_memory import moe_layer_activations
+from megatrain.plan.shapes import ModelShape, expert_params, layer_params, stage_params
+
+
+def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: int, ep: int = 1) -> int:
+    """Bytes of params + grads + optimizer on the worst stage, optimizer state sharded over `shard`
+    ranks (dp·cp with the distributed optimizer, else 1) and the routed experts' over shard/ep: a
+    lower bound of any estimate (whatever the split, some stage holds at least ceil(layers / pp)
+    layers, and some stage at least ceil(MoE layers / pp) MoE layers)."""
+
+    def static(ranks: int) -> float:
+        return (4.0 + 4.0 + 8.0 / ranks) if precision == "fp32" else (2.0 + 4.0 + 12.0 / ranks)
+
+    expert_shard = max(1, shard // ep)
+    if pp == 1:
+        parts = stage_params(m, tp, 1, 0, ep=ep)
+        experts = parts.get("experts", 0)
+        return int((sum(parts.values()) - experts) * static(shard) + experts * static(expert_shard))
+    dense = layer_params(m, tp) * static(shard)
+    if m.moe is None:
+        return int(-(-m.num_layers // pp) * dense)
+    moe = layer_params(m, tp, moe=True) * static(shard) + expert_params(m, tp, ep) * static(expert_shard)
+    return int(max(-(-m.num_layers // pp) * min(dense, moe), -(-m.num_moe_layers // pp) * moe))
+
+
+def saved_per_token(m: ModelShape, precision: str, tp: int, sp: bool) -> dict[str, tuple[float, float]]:
+    """Bytes per token a (dense, MoE) layer keeps for backward under each recompute (full: its input
+    only), as megatrain.plan.memory counts them with flash attention (the least any backend keeps)."""
+    act = 4 if precision == "fp32" else 2
+    out = {"full": (act * m.hidden_size / (tp if sp else 1),) * 2}
+    for rc in ("none", "selective"):
+        terms = layer_activations(m, tp=tp, sp=sp, act=act, mask=1, attention="flash", selective=rc != "none")
+        moe = moe_layer_activations(m, terms, tp=tp, act=act) if m.moe is not None else terms
+        out[rc] = (sum(terms.values()), sum(moe.values()))
+    return out
+
+
+__all__ = ["model_state_floor", "saved_per_token"]
