@@ -232,3 +232,20 @@ def test_tiny_moe_model_learns() -> None:
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bf16_model_routes_in_fp32_and_tracks_fp32() -> None:
+    torch.manual_seed(0)
+    model = GPTModel(config(aux_loss_coeff=1e-2))
+    tokens = torch.randint(0, 128, (2, 16))
+    ref = model.loss(tokens, tokens)
+    low = GPTModel(config(aux_loss_coeff=1e-2))
+    low.load_state_dict(model.state_dict())
+    low.to(torch.bfloat16)
+    loss = low.loss(tokens, tokens)
+    loss.backward()
+    assert abs(loss.item() - ref.item()) < 0.05 * ref.item()
+    router = low.layers[0].mlp.router
+    probs, _ = router(torch.randn(5, 32, dtype=torch.bfloat16))
+    assert probs.dtype == torch.float32 and router.gate.weight.grad.dtype == torch.bfloat16
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in low.parameters())
