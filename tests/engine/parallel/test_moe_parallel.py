@@ -1,5 +1,6 @@
 """An MoE model trained by the engine (build_model, make_trainable, TrainLoop.step) under tp=2,
-tp=2 with sequence parallelism, pp=2 and dp=2 equals one process on the same seed and data: losses,
+tp=2 with sequence parallelism, pp=2 (with full recompute) and dp=2 equals one process on the same
+seed and data: losses,
 gradient norms and the router statistics over 10 steps.
 
 One spawn of 2 gloo ranks runs the four layouts in turn; the reference runs in this process. The
@@ -23,7 +24,7 @@ STEPS = 10
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tp": 2, "dp": 1},
     "tp2-sp": {"tp": 2, "dp": 1, "sequence_parallel": True},
-    "pp2": {"pp": 2, "dp": 1},
+    "pp2": {"pp": 2, "dp": 1, "recompute": "full"},  # recompute: the router stats count once
     "dp2": {"dp": 2},
 }
 
@@ -48,6 +49,8 @@ class Windows:
 
 
 def moe_spec(parallelism: dict[str, Any], world: int) -> dict[str, Any]:
+    parallelism = dict(parallelism)
+    recompute = parallelism.pop("recompute", "none")
     return {
         "name": "moe",
         "model": {
@@ -77,6 +80,7 @@ def moe_spec(parallelism: dict[str, Any], world: int) -> dict[str, Any]:
             "lr": 1e-2,
             "warmup_iters": 1,
             "precision": "fp32",
+            "recompute": recompute,
             "seed": 3,
         },
         "parallelism": {**parallelism, "distributed_optimizer": False},
