@@ -48,12 +48,29 @@ def _compare(backend: str, inputs: list, counts: list[int], activation: str, dty
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
-@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [1, 2], [0, 0, 4]])
+# [4, 3, 4, 2] and [1, 2] take the torch backend's padded bmm (little padding), the others its loop.
+@pytest.mark.parametrize("counts", [[4, 3, 4, 2], [3, 0, 5, 1], [1, 2], [0, 0, 4]])
 def test_torch_backend_against_reference(
     counts: list[int], activation: str, bias: bool, dtype: torch.dtype
 ) -> None:
     inputs = _inputs(counts, 12, 8, activation == "swiglu", bias, dtype)
     _compare("torch", inputs, counts, activation, dtype)
+
+
+def test_torch_backend_pads_only_balanced_groups() -> None:
+    from megatrain.kernels import grouped_mlp as module
+
+    calls: list[str] = []
+    padded, loop = module._padded, module.grouped_mlp_loop
+    try:
+        module._padded = lambda *a: calls.append("padded") or padded(*a)  # type: ignore[assignment]
+        module.grouped_mlp_loop = lambda *a: calls.append("loop") or loop(*a)  # type: ignore[assignment]
+        for counts in ([4, 3, 4, 2], [3, 0, 5, 1]):
+            x, w1, w2, _, _ = _inputs(counts, 6, 4, True, False, torch.float32)
+            module.grouped_mlp(x, counts, w1, w2)
+    finally:
+        module._padded, module.grouped_mlp_loop = padded, loop
+    assert calls == ["padded", "loop"]  # 4·4 <= 1.5·13; 4·5 > 1.5·9
 
 
 def test_reference_is_each_expert_mlp_on_its_rows() -> None:
