@@ -146,8 +146,10 @@ def grouped_mlp_grouped_mm(
     fc2_bias: torch.Tensor | None = None,
     activation: str = "swiglu",
 ) -> torch.Tensor:
-    """Both matmuls as torch._grouped_mm over every expert at once (bf16 on CUDA; else the loop)."""
-    if x.dtype != torch.bfloat16 or x.shape[0] == 0:
+    """Both matmuls as torch._grouped_mm over every expert at once (bf16 on CUDA, every width a
+    multiple of 8 elements: the 16-byte strides it needs; else the loop)."""
+    widths = (x.shape[1], fc1_weight.shape[1], fc2_weight.shape[2])
+    if x.dtype != torch.bfloat16 or x.shape[0] == 0 or any(w % 8 for w in widths):
         return grouped_mlp_loop(x, tokens_per_expert, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation)
     counts = torch.tensor(tokens_per_expert, device=x.device)
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's group

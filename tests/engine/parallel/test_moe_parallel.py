@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from ._launch import run_distributed
 
@@ -89,13 +90,13 @@ def moe_spec(parallelism: dict[str, Any], world: int) -> dict[str, Any]:
 
 
 def train_layout(parallelism: dict[str, Any], world: int) -> dict[str, Any]:
-    """STEPS engine steps under `parallelism`: per-step loss and grad norm, and the router figures."""
-    import torch
-
+    """STEPS engine steps under `parallelism`: per-step loss and grad norm, the router figures, and
+    layer 0's MoE weights gathered into the single-device layout (without a pipeline)."""
     from megatrain.engine.build import build_model, make_trainable
     from megatrain.engine.config import train_config, transformer_config
     from megatrain.engine.loop import Rates, TrainLoop, reduce_mean
     from megatrain.engine.moe_metrics import moe_metrics
+    from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
     from megatrain.engine.parallel.state import ParallelState
     from megatrain.plan.layout import resolve_layout
     from megatrain.spec import parse_spec
@@ -122,8 +123,15 @@ def train_layout(parallelism: dict[str, Any], world: int) -> dict[str, Any]:
         losses.append(reduce_mean(loss, state))
         norms.append(result.grad_norm)
     figures = moe_metrics(train.model.module, mcfg.moe, state)
-    torch.distributed.barrier() if torch.distributed.is_initialized() else None
-    return {"losses": losses, "norms": norms, "moe": figures}
+    experts: dict[str, torch.Tensor] = {}
+    if layout.pp == 1:  # the stacked experts gathered from their tp shards, and sliced back again
+        module = train.model.module
+        full = full_state_dict(module, state)
+        before = {n: p.detach().clone() for n, p in module.named_parameters()}
+        load_full_state_dict(module, full, state)
+        assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+        experts = {n: t for n, t in full.items() if ".mlp." in n and "layers.0." in n}
+    return {"losses": losses, "norms": norms, "moe": figures, "experts": experts}
 
 
 def _layouts_rank(rank: int, world: int) -> dict[str, Any]:
@@ -147,3 +155,7 @@ def test_moe_layouts_match_single_process() -> None:
         assert moe["moe_tokens_per_expert"] == figures["moe_tokens_per_expert"], name
         for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_fraction"):
             assert moe[key] == pytest.approx(figures[key], rel=1e-4), (name, key)
+        for key, t in run["experts"].items():  # router, stacked experts, shared expert of layer 0
+            assert t.shape == ref["experts"][key].shape, key
+            torch.testing.assert_close(t, ref["experts"][key], rtol=1e-3, atol=1e-5, msg=f"{name} {key}")
+    assert {"layers.0.mlp.experts.fc1_weight", "layers.0.mlp.router.gate.weight"} <= set(ref["experts"])
