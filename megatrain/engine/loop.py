@@ -20,6 +20,8 @@ from megatrain.engine.device_stats import device_monitor
 from megatrain.engine.memory_stats import memory_row
 from megatrain.engine.metrics import throughput
 from megatrain.engine.microbatch import MicroBatch, loss_denominator, mean_loss_tokens, token_share
+from megatrain.engine.models.moe import moe_layers
+from megatrain.engine.moe_metrics import moe_metrics, set_microbatch_aux_scale
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
@@ -86,6 +88,9 @@ class TrainLoop:
         # Per-phase times; on a GPU only the log steps synchronise (and are the ones averaged).
         self.timers = StepTimers(self.device)
         self.monitor = device_monitor(self.device)  # gpu_util (NVML) or cpu_util, and device memory
+        model = train.model
+        self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
+        self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
 
     def _micro_ids(self, start: int) -> list[list[int]]:
         c, s = self.cfg, self.state
@@ -118,6 +123,9 @@ class TrainLoop:
                 scale_loss=optimizer.scale_loss,
                 # Gradient buckets are reduced only during this stage's last backward.
                 before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
+                before_forward=lambda mb: set_microbatch_aux_scale(
+                    self.moe_layers, mb, denominator, optimizer.loss_scale
+                ),
             )
             timers.add("forward", pipeline.times.forward_s - fwd0)
             timers.add("backward", pipeline.times.backward_s - bwd0)
@@ -126,6 +134,7 @@ class TrainLoop:
                 # Gradient buckets are reduced only during the last micro-batch's backward.
                 last = m == len(batches) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
+                    set_microbatch_aux_scale(self.moe_layers, mb, denominator, optimizer.loss_scale)
                     with timers("forward"):
                         loss = token_share(lm_loss(ddp, mb, self.state), mb.num_loss_tokens, denominator)
                     with timers("backward"):
@@ -253,6 +262,7 @@ class TrainLoop:
         }
         if w.loss_scale is not None:
             row["loss_scale"] = w.loss_scale
+        row.update(moe_metrics(self.train.model.module, self.moe, self.state))  # {} when dense
         bubble = ""
         pipeline = self.train.pipeline
         if pipeline is not None:
@@ -263,6 +273,8 @@ class TrainLoop:
         self.timers.reset()
         mfu = f"{rates['mfu']:.1%}" if rates["mfu"] is not None else "n/a"
         skipped = f" | skipped {w.skipped} (loss scale {w.loss_scale:g})" if w.skipped else ""
+        if "moe_aux_loss" in row:
+            skipped += f" | moe aux {row['moe_aux_loss']:.4g} imbalance {row['moe_load_imbalance']:.2f}"
         self.log.say(
             f"step {step}/{self.cfg.train_iters} | loss {loss_mean:.4f} | lr {lr:.3e} | grad_norm "
             f"{w.grad_norm:.3f} | {rates['tokens_per_s']:.0f} tok/s | "

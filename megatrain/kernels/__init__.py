@@ -125,6 +125,7 @@ def _builtin() -> None:
         ("linear_cross_entropy", "linear_cross_entropy", "linear_cross_entropy"),
         ("linear", "grad_accumulation", "linear"),
         ("embedding", "grad_accumulation", "embedding"),
+        ("grouped_mlp", "grouped_mlp", "grouped_mlp"),
     ):
         register(kernel, "torch", f"{pkg}.{module}:{fn}", priority=10)
         register(kernel, "reference", f"{pkg}.{module}:{fn}_reference")
@@ -139,6 +140,22 @@ def _builtin() -> None:
         available=_flash_attn_available,
         priority=20,
     )
+
+    # Mixture-of-experts: torch._grouped_mm on CUDA where this torch has it.
+    register(
+        "grouped_mlp",
+        "grouped_mm",
+        f"{pkg}.grouped_mlp:grouped_mlp_grouped_mm",
+        devices=("cuda",),
+        available=_grouped_mm_available,
+        priority=20,
+    )
+
+
+def _grouped_mm_available() -> bool:
+    from megatrain.kernels.grouped_mlp import grouped_mm_available
+
+    return grouped_mm_available()
 
 
 def _flash_attn_available() -> bool:

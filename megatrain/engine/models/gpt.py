@@ -18,6 +18,7 @@ Parameter names (per layer i), for mapping Hugging Face checkpoints:
   layers.i.mlp_norm                ln_2 / post_attention_layernorm
   layers.i.mlp.fc1                 c_fc / [gate_proj; up_proj]
   layers.i.mlp.fc2                 c_proj / down_proj
+  layers.i.mlp.router.gate, .experts.fc{1,2}_weight, .shared_expert.fc{1,2}   MoE layers (moe.py)
   final_norm, lm_head              ln_f / norm, lm_head (absent from the state dict when tied)
 """
 
@@ -267,12 +268,18 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_moe_layer(layer):
+            from megatrain.engine.models.moe import MoELayer  # moe imports this module (MLP)
+
+            self.mlp = MoELayer(cfg)
+        else:
+            self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.recompute = False
         """Full recompute of this block in backward (set by GPTModel.set_recompute)."""
@@ -296,7 +303,7 @@ class GPTModel(nn.Module):
             Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
         )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.position_embedding == "rope":
@@ -310,12 +317,15 @@ class GPTModel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """normal(0, std) everywhere; output projections (attn.proj, mlp.fc2) by std/sqrt(2·layers)."""
+        """normal(0, std) everywhere; output projections (attn.proj, mlp.fc2, an MoE layer's
+        experts' and shared expert's fc2) by std/sqrt(2·layers)."""
         std = self.config.init_method_std
         out_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                scaled = name.endswith("attn.proj") or name.endswith("mlp.fc2")
+            if name.endswith("mlp.experts"):
+                module.reset_parameters(std, out_std)  # type: ignore[operator]  # moe.GroupedExperts
+            elif isinstance(module, nn.Linear):
+                scaled = name.endswith(("attn.proj", "mlp.fc2", "shared_expert.fc2"))
                 nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)

@@ -12,6 +12,7 @@ Replacements, per block: attn.qkv and mlp.fc1 -> ColumnParallelLinear, attn.proj
 RowParallelLinear, attention head/group counts -> H/tp and G/tp (the group-by-group qkv layout hands
 each rank whole groups); embed -> VocabParallelEmbedding; lm_head -> ColumnParallelLinear over the
 vocabulary, output left sharded (the loss is vocab-parallel), sharing the embedding's shard when tied.
+An MoE layer's experts are split per expert the same way (parallel.moe_tensor).
 
 With sequence parallelism the residual stream between blocks is a sequence shard (B, T/tp, C): the
 embedding reduce-scatters along T, learned positions are looked up for the local slice, qkv/fc1/
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from megatrain.engine.models.gpt import GPTModel, lm_loss
+from megatrain.engine.models.moe import MoELayer
 from megatrain.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatrain.engine.parallel.layers import (
     ColumnParallelLinear,
@@ -46,6 +48,7 @@ from megatrain.engine.parallel.mappings import (
     mark_sequence_parallel,
     shard_tensor,
 )
+from megatrain.engine.parallel.moe_tensor import parallelize_moe_layer
 from megatrain.engine.parallel.random import MODEL_PARALLEL, RNGStatesTracker, TrackedDropout
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.plan.layout import LayoutError, model_problems
@@ -87,9 +90,12 @@ def parallelize_model(
         attn.proj = RowParallelLinear.from_linear(attn.proj, state)
         attn.num_heads //= tp
         attn.num_groups //= tp
-        # fc1 rows are [gate; up]: each rank needs its slice of both (stride 2), not a contiguous chunk.
-        mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, state, stride=2 if swiglu else 1)
-        mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, state)
+        if isinstance(mlp, MoELayer):
+            parallelize_moe_layer(mlp, state, swiglu)  # experts split per expert, like fc1/fc2
+        else:
+            # fc1 rows are [gate; up]: each rank needs its slice of both (stride 2), not a contiguous chunk.
+            mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, state, stride=2 if swiglu else 1)
+            mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, state)
         if sp:
             _mark_norm(block.attn_norm)
             _mark_norm(block.mlp_norm)

@@ -358,9 +358,11 @@ class PipelineSchedule:
         *,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
         before_backward: Callable[[bool], None] | None = None,
+        before_forward: Callable[[MicroBatch], None] | None = None,
     ) -> torch.Tensor:
         """One step over `batches` (one per micro-batch; a (tokens, labels) pair is a MicroBatch of
-        them); the sum of the losses on the last stage, else 0."""
+        them); the sum of the losses on the last stage, else 0. before_forward(micro-batch) is called
+        before each of its chunks' forwards (the MoE aux-loss scale is set per micro-batch)."""
         batches = _microbatches(batches)
         actions = schedule_actions(self.schedule, self.pp, self.state.pp_rank, len(batches), self.v)
         slots: dict[tuple[int, int], _Slot] = {}
@@ -369,6 +371,8 @@ class PipelineSchedule:
         for i, a in enumerate(actions):
             if a.kind == "F":
                 slot = slots.setdefault((a.chunk, a.microbatch), _Slot())
+                if before_forward is not None:
+                    before_forward(batches[a.microbatch])
                 self._forward(a, batches, slot, loss_fn, grad=True)
                 if slot.loss is not None:
                     total += slot.loss.detach().float()

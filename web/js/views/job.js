@@ -41,6 +41,12 @@ const CHARTS = [
   { id: "utilization", title: "GPU utilization", titleOf: (t) => (onCpu(t) ? "CPU utilization" : "GPU utilization"),
     series: [{ label: "utilization" }], optional: true,
     values: (t) => [t ? utilization(t) : null], format: (x) => fmtPct(x / 100) },
+  // Mixture-of-experts runs only (megatrain.engine.moe_metrics): the routers' losses and balance.
+  { id: "moe_aux_loss", title: "Router losses", optional: true,
+    series: [{ label: "aux (load balancing)" }, { label: "z-loss", color: "--chart-2" }],
+    values: (t) => [t?.moe_aux_loss ?? null, t?.moe_z_loss ?? null], format: (x) => fmtNum(x, 4) },
+  { id: "moe_load_imbalance", title: "Expert load imbalance (max / mean tokens)", optional: true,
+    series: [{ label: "imbalance" }], values: (t) => [t?.moe_load_imbalance ?? null], format: (x) => fmtNum(x, 3) },
 ];
 
 const EVENT_LABELS = {
