@@ -26,6 +26,8 @@ GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 """GPT-2's activations that equal our tanh-approximated GELU."""
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}  # fmt: skip
+DEFAULT_THETA = {"mixtral": 1e6}
+"""rope_theta where a config.json names none, as transformers' config class defaults it (else 1e4)."""
 MOE_TRAINING_FIELDS = ("aux_loss_coeff", "z_loss_coeff", "capacity_factor")
 """model.moe fields that say how a model trains, not what it computes: a spec's own choice."""
 
@@ -106,7 +108,7 @@ def _llama_fields(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     heads = _require(config, "num_attention_heads")
     if config.get("head_dim") not in (None, hidden // heads):
         raise HFConfigError("head_dim", f"{config['head_dim']} is not hidden_size / num_attention_heads")
-    theta, scaling = _rope(config)
+    theta, scaling = _rope(config, DEFAULT_THETA.get(model_type, 10000.0))
     return {
         "arch": "llama",
         "num_layers": _require(config, "num_hidden_layers"),
@@ -187,7 +189,7 @@ def _qwen_layer_freq(config: Mapping[str, Any], num_layers: int) -> int:
     )
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(config: Mapping[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
     """rope_theta and our rope_scaling ({"type", "factor", ...}) from either config dialect."""
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     params = dict(config.get(key) or {})
@@ -196,7 +198,7 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # As transformers resolves it: the rope dict's own theta, else the top-level key.
     v5_params = config.get("rope_parameters") or {}
     theta = float(
-        params.get("rope_theta") or config.get("rope_theta") or v5_params.get("rope_theta") or 10000.0
+        params.get("rope_theta") or config.get("rope_theta") or v5_params.get("rope_theta") or default_theta
     )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":

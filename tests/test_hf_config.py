@@ -91,6 +91,38 @@ def test_mixtral_and_qwen2_moe_fields() -> None:
         assert moe_config(spec) == MoEConfig(**config["moe"])
 
 
+# Hub configs as published (transformers 4.x keys), trimmed of keys we do not read.
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
+                "rope_theta": 1e6, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.02, "output_router_logits": False, "vocab_size": 32000,
+                "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+QWEN15_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+              "intermediate_size": 5632, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632,
+              "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+              "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 1e6,
+              "use_sliding_window": False, "sliding_window": 8192, "max_window_layers": 21,
+              "router_aux_loss_coef": 0.001, "vocab_size": 151936, "hidden_act": "silu",
+              "tie_word_embeddings": False}  # fmt: skip
+
+
+def test_hub_moe_configs() -> None:
+    mixtral = model_fields_from_hf(MIXTRAL_8X7B, seq_length=4096)
+    assert (mixtral["moe"]["num_experts"], mixtral["moe"]["ffn_hidden_size"], mixtral["rope_theta"]) == (
+        8, 14336, 1e6)  # fmt: skip
+    qwen = model_fields_from_hf(QWEN15_MOE)
+    assert (qwen["moe"]["num_experts"], qwen["moe"]["router_topk"], qwen["seq_length"]) == (60, 4, 8192)
+    for fields in (mixtral, qwen):
+        ModelSpec.model_validate(fields)
+    # Without a theta, as transformers' MixtralConfig defaults it.
+    bare = {k: v for k, v in MIXTRAL_8X7B.items() if k != "rope_theta"}
+    theirs = MixtralConfig(**{k: v for k, v in bare.items() if k not in ("architectures", "model_type")})
+    assert model_fields_from_hf(bare)["rope_theta"] == theirs.rope_parameters["rope_theta"] == 1e6
+
+
 def test_rope_scaling_in_both_dialects() -> None:
     fields = model_fields_from_hf(LLAMA31, seq_length=8192)
     llama3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
