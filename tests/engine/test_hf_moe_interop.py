@@ -111,10 +111,11 @@ def test_our_random_moe_model_exports_to_transformers(name: str, tmp_path: Path)
         assert back.config.mlp_only_layers == [1] and hasattr(back.model.layers[1].mlp, "gate_proj")
 
 
-def test_import_accepts_transformers_fused_expert_tensors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe"])
+def test_import_accepts_transformers_fused_expert_tensors(case: str, tmp_path: Path) -> None:
     """A folder holding transformers' in-memory names (mlp.gate, mlp.experts.gate_up_proj (E, 2F, C),
     mlp.experts.down_proj (E, C, F)) instead of the Hub's per-expert ones."""
-    ref = hf_model(CASES["mixtral"]())
+    ref = hf_model(CASES[case]())
     ref.save_pretrained(tmp_path / "hf")
     state = {k: v.contiguous() for k, v in ref.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.gate.weight" in state
