@@ -27,9 +27,16 @@ class MoESpec(BaseModel):
     """MoE on every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP."""
     shared_expert_ffn_hidden_size: int | None = Field(None, ge=1, le=1 << 20)
     """Width of an always-on shared expert beside the routed ones (DeepSeek, Qwen-MoE); None: none."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output per token by sigmoid(g·x), g a learned (1, hidden) gate
+    (Qwen2-MoE; Megatron's --moe-shared-expert-gate)."""
     router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     """softmax over all experts (Mixtral) or a sigmoid per expert, renormalised over the chosen top-k
     (DeepSeek-V3)."""
+    router_pre_softmax: bool = False
+    """softmax scoring only. False (Megatron's default; Mixtral): the chosen top-k probabilities are
+    renormalised to sum to 1 (a softmax over their logits). True (--moe-router-pre-softmax; Qwen2-MoE
+    without norm_topk_prob): they are used as the softmax over all experts gave them."""
     router_num_groups: int | None = Field(None, ge=1, le=4096)
     """Group-limited routing: experts split into this many groups (e.g. one per node) ..."""
     router_group_topk: int | None = Field(None, ge=1, le=4096)
@@ -54,6 +61,13 @@ class MoESpec(BaseModel):
                 "router_topk",
                 f"model.moe.router_topk={self.router_topk} exceeds model.moe.num_experts={self.num_experts}",
             )
+        if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
+            rule(
+                "shared_expert_gate",
+                "model.moe.shared_expert_gate needs a shared expert (shared_expert_ffn_hidden_size)",
+            )
+        if self.router_pre_softmax and self.router_score_function != "softmax":
+            rule("router_pre_softmax", "model.moe.router_pre_softmax is for router_score_function softmax")
         groups, group_topk = self.router_num_groups, self.router_group_topk
         if (groups is None) != (group_topk is None):
             rule(

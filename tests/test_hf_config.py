@@ -11,9 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+)
 
-from megatrain.engine.config import TransformerConfig
+from megatrain.engine.config import MoEConfig, TransformerConfig, moe_config
 from megatrain.hf_config import (
     HFConfigError,
     check_spec_against_hf,
@@ -57,6 +65,62 @@ def test_llama_mistral_qwen2_and_gpt2_fields() -> None:
                     "norm_eps": 1e-5, "tie_embeddings": True}  # fmt: skip
     for fields in (qwen, mistral, gpt2):
         ModelSpec.model_validate(fields)  # every field is a valid model.* field
+
+
+_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
+MOE_FIELDS = {"num_experts": 8, "router_topk": 2, "router_score_function": "softmax", "aux_loss_coeff": 0.02}
+
+
+def test_mixtral_and_qwen2_moe_fields() -> None:
+    mixtral = model_fields_from_hf(MixtralConfig(**_SHAPE, **_MOE, num_local_experts=8).to_dict())
+    assert mixtral == {**LLAMA_FIELDS, "norm_eps": 1e-5, "rope_theta": 1e6, "seq_length": 512, "moe": {
+        **MOE_FIELDS, "ffn_hidden_size": 128, "layer_freq": 1, "router_pre_softmax": False}}  # fmt: skip
+    qwen = Qwen2MoeConfig(
+        **_SHAPE, **_MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=96
+    )
+    assert model_fields_from_hf(qwen.to_dict()) == {**LLAMA_FIELDS, "qkv_bias": True, "moe": {
+        **MOE_FIELDS, "ffn_hidden_size": 32, "layer_freq": 1, "shared_expert_ffn_hidden_size": 96,
+        "shared_expert_gate": True, "router_pre_softmax": True}}  # fmt: skip
+    # norm_topk_prob renormalises as Mixtral does; mlp_only_layers [1] of 3 leaves experts on layers 0 and 2.
+    qwen = Qwen2MoeConfig(**_SHAPE, norm_topk_prob=True, mlp_only_layers=[1], qkv_bias=False).to_dict()
+    fields = model_fields_from_hf(qwen)
+    moe = fields["moe"]
+    assert (moe["router_pre_softmax"], moe["layer_freq"], fields["qkv_bias"]) == (False, 2, False)
+    for config in (mixtral, fields):
+        spec = ModelSpec.model_validate(config)
+        assert moe_config(spec) == MoEConfig(**config["moe"])
+
+
+# Hub configs as published (transformers 4.x keys), trimmed of keys we do not read.
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
+                "rope_theta": 1e6, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.02, "output_router_logits": False, "vocab_size": 32000,
+                "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+QWEN15_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+              "intermediate_size": 5632, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632,
+              "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+              "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 1e6,
+              "use_sliding_window": False, "sliding_window": 8192, "max_window_layers": 21,
+              "router_aux_loss_coef": 0.001, "vocab_size": 151936, "hidden_act": "silu",
+              "tie_word_embeddings": False}  # fmt: skip
+
+
+def test_hub_moe_configs() -> None:
+    mixtral = model_fields_from_hf(MIXTRAL_8X7B, seq_length=4096)
+    assert (mixtral["moe"]["num_experts"], mixtral["moe"]["ffn_hidden_size"], mixtral["rope_theta"]) == (
+        8, 14336, 1e6)  # fmt: skip
+    qwen = model_fields_from_hf(QWEN15_MOE)
+    assert (qwen["moe"]["num_experts"], qwen["moe"]["router_topk"], qwen["seq_length"]) == (60, 4, 8192)
+    for fields in (mixtral, qwen):
+        ModelSpec.model_validate(fields)
+    # Without a theta, as transformers' MixtralConfig defaults it.
+    bare = {k: v for k, v in MIXTRAL_8X7B.items() if k != "rope_theta"}
+    theirs = MixtralConfig(**{k: v for k, v in bare.items() if k not in ("architectures", "model_type")})
+    assert model_fields_from_hf(bare)["rope_theta"] == theirs.rope_parameters["rope_theta"] == 1e6
 
 
 def test_rope_scaling_in_both_dialects() -> None:
@@ -104,6 +168,14 @@ BAD: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
      "scale_attn_by_inverse_layer_idx"),
     ("missing layers", {k: v for k, v in LLAMA31.items() if k != "num_hidden_layers"}, {},
      "num_hidden_layers"),
+    ("mixtral jitter", MixtralConfig(**_SHAPE, router_jitter_noise=0.1).to_dict(), {}, "router_jitter_noise"),
+    ("mixtral window", MixtralConfig(**_SHAPE, sliding_window=128).to_dict(), {"seq_length": 256},
+     "sliding_window"),
+    # Experts on layers 1 (of 0, 1, 2): our layer_freq always includes layer 0.
+    ("qwen sparse step", Qwen2MoeConfig(**_SHAPE, decoder_sparse_step=2).to_dict(), {},
+     "decoder_sparse_step"),
+    ("qwen dense layer 0", Qwen2MoeConfig(**_SHAPE, mlp_only_layers=[0]).to_dict(), {}, "mlp_only_layers"),
+    ("qwen no experts", Qwen2MoeConfig(**_SHAPE, num_experts=0).to_dict(), {}, "num_experts"),
 ]  # fmt: skip
 
 
@@ -131,6 +203,37 @@ def test_spec_checked_against_the_config() -> None:
                                             "model.rope_theta", "model.arch", "model.qkv_bias"]  # fmt: skip
     assert errors[0]["message"] == "model.hidden_size=2048 disagrees with the checkpoint's config (4096)"
     assert "exceeds the checkpoint's maximum (8192)" in errors[1]["message"]
+    moe = {"moe": {"num_experts": 8}}
+    assert [e["field"] for e in check_spec_against_hf(moe, fields)] == ["model.moe"]  # a dense checkpoint
+
+
+def test_moe_spec_checked_against_the_config_and_parsed() -> None:
+    """How the experts compute must agree with the checkpoint; how they train is the spec's choice."""
+    config = Qwen2MoeConfig(
+        **_SHAPE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=96
+    )
+    fields = model_fields_from_hf(config.to_dict(), seq_length=256)
+    spec = {"init_from": "hf:/models/qwen-moe", "moe": {"num_experts": 8, "router_pre_softmax": True,
+            "capacity_factor": 1.25, "aux_loss_coeff": 0.01, "z_loss_coeff": None}}  # fmt: skip
+    assert check_spec_against_hf(spec, fields) == []
+    model = spec_model_with_hf(spec, fields)
+    parsed = parse_spec({"name": "x", "model": model, "data": {"train": [{"path": "/d"}]}}).model.moe
+    assert parsed is not None
+    assert (parsed.num_experts, parsed.ffn_hidden_size, parsed.shared_expert_ffn_hidden_size) == (8, 32, 96)
+    assert (parsed.shared_expert_gate, parsed.router_pre_softmax, parsed.router_topk) == (True, True, 4)
+    assert (parsed.capacity_factor, parsed.aux_loss_coeff) == (1.25, 0.01)
+    bad = {
+        "moe": {
+            "num_experts": 4,
+            "shared_expert_gate": False,
+            "layer_freq": 1,
+            "router_score_function": "sigmoid",
+        }
+    }
+    errors = check_spec_against_hf(bad, fields)
+    assert [e["field"] for e in errors] == ["model.moe.num_experts", "model.moe.shared_expert_gate",
+                                            "model.moe.router_score_function"]  # fmt: skip
+    assert errors[0]["message"] == "model.moe.num_experts=4 disagrees with the checkpoint's config (8)"
 
 
 EXPORTS = {
@@ -140,6 +243,12 @@ EXPORTS = {
         "original_max_position_embeddings": 8}),
     "llama-linear": TransformerConfig.preset("tiny-llama", rope_scaling={"type": "linear", "factor": 2.0}),
     "qwen2": TransformerConfig.preset("tiny-llama", qkv_bias=True, tie_embeddings=True),
+    "mixtral": TransformerConfig.preset("tiny-llama", moe=MoEConfig(num_experts=4, router_topk=2,
+                                        ffn_hidden_size=24, aux_loss_coeff=0.02)),
+    # Experts on layers 0 and 2 of 3: mlp_only_layers [1].
+    "qwen2_moe": TransformerConfig.preset("tiny-llama", num_layers=3, qkv_bias=True, moe=MoEConfig(
+        num_experts=4, router_topk=2, ffn_hidden_size=24, layer_freq=2, shared_expert_ffn_hidden_size=40,
+        shared_expert_gate=True, router_pre_softmax=True)),
 }  # fmt: skip
 
 
@@ -164,6 +273,7 @@ def test_exported_config_reads_back_in_transformers(name: str, tmp_path: Path) -
     assert (fields["num_query_groups"], fields["tie_embeddings"], fields["seq_length"]) == (
         cfg.num_query_groups, cfg.tie_embeddings, cfg.seq_length)  # fmt: skip
     assert fields.get("rope_scaling") == cfg.rope_scaling and fields.get("qkv_bias", True) == cfg.has_qkv_bias
+    assert moe_config(ModelSpec.model_validate(fields)) == cfg.moe
 
 
 def test_export_refuses_models_transformers_cannot_express() -> None:
@@ -175,6 +285,28 @@ def test_export_refuses_models_transformers_cannot_express() -> None:
     biased_llama = TransformerConfig.preset("tiny-llama", add_bias=True)
     with pytest.raises(HFConfigError, match="add_bias"):
         hf_config_from_model(biased_llama.to_dict())
+
+
+MOE_EXPORT_REFUSED = [
+    ({"router_score_function": "sigmoid"}, {}, "moe.router_score_function"),
+    ({"capacity_factor": 1.0}, {}, "moe.capacity_factor"),
+    ({"shared_expert_ffn_hidden_size": 16}, {}, "moe.shared_expert_gate"),  # Qwen2-MoE gates it
+    ({}, {"qkv_bias": True}, "qkv_bias"),  # Mixtral: no biases, no shared expert
+    ({"router_pre_softmax": True}, {}, "moe.router_pre_softmax"),
+    ({"layer_freq": 2}, {}, "moe.layer_freq"),
+    ({}, {"position_embedding": "learned"}, "moe"),
+]
+
+
+@pytest.mark.parametrize(("moe", "model", "key"), MOE_EXPORT_REFUSED)
+def test_moe_export_refuses_what_mixtral_and_qwen2_moe_cannot_express(
+    moe: dict[str, Any], model: dict[str, Any], key: str
+) -> None:
+    fields = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 24, **moe}
+    cfg = TransformerConfig.preset("tiny-llama", moe=MoEConfig(**fields), **model)
+    with pytest.raises(HFConfigError) as err:
+        hf_config_from_model(cfg.to_dict())
+    assert err.value.key == key
 
 
 SPEC_RULES = [

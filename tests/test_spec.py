@@ -77,6 +77,13 @@ RULES: list[tuple[str, Any, str, str]] = [
         "not divisible",
     ),
     ("model.moe", {"num_experts": 8, "router_num_groups": 4}, "model.moe.router_group_topk", "go together"),
+    ("model.moe", {"num_experts": 4, "shared_expert_gate": True}, "model.moe.shared_expert_gate", "a shared"),
+    (
+        "model.moe",
+        {"num_experts": 4, "router_score_function": "sigmoid", "router_pre_softmax": True},
+        "model.moe.router_pre_softmax",
+        "softmax",
+    ),
     ("model.init_from", "hf:gpt2", "model.init_from", "checkpoint:JOB_ID"),
     ("model.hidden_dropout", 1.0, "model.hidden_dropout", "less than 1"),
     ("model.norm_eps", 0, "model.norm_eps", "greater than 0"),

@@ -29,7 +29,11 @@ class MoEConfig:
     layer_freq: int = 1
     """Layers i with i % layer_freq == 0 are MoE; the others keep the dense MLP."""
     shared_expert_ffn_hidden_size: int | None = None
+    shared_expert_gate: bool = False
+    """The shared expert's output scaled by sigmoid(gate(x)) (Qwen2-MoE)."""
     router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    router_pre_softmax: bool = False
+    """softmax only: the top-k probabilities as they are (True) or renormalised over the k (False)."""
     router_num_groups: int | None = None
     router_group_topk: int | None = None
     aux_loss_coeff: float = 1e-2
@@ -174,21 +178,24 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
-        moe=moe_config(spec),
+        moe=moe_config(m),
     )
 
 
-def moe_config(spec: JobSpec) -> MoEConfig | None:
-    moe = spec.model.moe
+def moe_config(model: ModelSpec) -> MoEConfig | None:
+    """The model's MoE slice (also for a Hugging Face config's fields: interop.hf)."""
+    moe = model.moe
     if moe is None:
         return None
     return MoEConfig(
         num_experts=moe.num_experts,
         router_topk=moe.router_topk,
-        ffn_hidden_size=moe.ffn_hidden_size or spec.model.ffn_size,
+        ffn_hidden_size=moe.ffn_hidden_size or model.ffn_size,
         layer_freq=moe.layer_freq,
         shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size,
+        shared_expert_gate=moe.shared_expert_gate,
         router_score_function=moe.router_score_function,
+        router_pre_softmax=moe.router_pre_softmax,
         router_num_groups=moe.router_num_groups,
         router_group_topk=moe.router_group_topk,
         aux_loss_coeff=moe.aux_loss_coeff,

@@ -58,6 +58,30 @@ def test_every_mismatching_model_field_is_named(api: Api) -> None:
     assert "64" in {e["field"]: e["message"] for e in resp.json()["detail"]}["model.hidden_size"]
 
 
+def test_moe_fields_are_filled_and_checked(api: Api) -> None:
+    """A Qwen2-MoE folder fills model.moe; its experts must agree, its training coefficients are free."""
+    folder = api.data_root / "qwen-moe"
+    shape = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=300, max_position_embeddings=64,
+    )  # fmt: skip
+    experts = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
+    )
+    transformers.Qwen2MoeConfig(**shape, **experts).save_pretrained(folder)
+    model = {"init_from": f"hf:{folder.as_uri()}", "seq_length": 32, "moe": {"capacity_factor": 2.0}}
+    resp = _post(api, model)
+    assert resp.status_code == 201, resp.text
+    moe = api.client.get(f"/v1/jobs/{resp.json()['id']}", headers=api.headers).json()["spec"]["model"]["moe"]
+    expected = {
+        "num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32, "shared_expert_gate": True,
+        "shared_expert_ffn_hidden_size": 64, "router_pre_softmax": True, "capacity_factor": 2.0,
+    }  # fmt: skip
+    assert {k: moe[k] for k in expected} == expected
+    resp = _post(api, {**model, "moe": {"num_experts": 8, "router_topk": 2}})
+    assert _fields(resp) == ["model.moe.num_experts"]
+
+
 @pytest.mark.parametrize("case", ["missing", "outside", "not-json", "unsupported", "relative"])
 def test_unusable_folders_are_init_from_errors(api: Api, tmp_path: Path, case: str) -> None:
     folder = api.data_root / "m"

@@ -43,14 +43,19 @@ def router_with_logits(logits: torch.Tensor, **moe) -> tuple[TopKRouter, torch.T
     return router, logits.clone().requires_grad_()
 
 
-def test_softmax_topk_keeps_softmax_probabilities() -> None:
+@pytest.mark.parametrize("pre_softmax", [True, False])
+def test_softmax_topk_probabilities(pre_softmax: bool) -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.5, -1.0, 2.0]])
-    router, x = router_with_logits(logits, router_topk=2)
+    router, x = router_with_logits(logits, router_topk=2, router_pre_softmax=pre_softmax)
     probs, routing_map = router(x)
     soft = logits.softmax(-1)
     expected_map = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
     assert torch.equal(routing_map, expected_map)
-    torch.testing.assert_close(probs, soft * expected_map)  # not renormalised over the k
+    if pre_softmax:  # the softmax over all experts, not renormalised over the k
+        torch.testing.assert_close(probs, soft * expected_map)
+    else:  # Megatron's default: the softmax over the chosen k logits
+        chosen = logits.masked_fill(~expected_map, float("-inf")).softmax(-1)
+        torch.testing.assert_close(probs, chosen)
 
 
 def test_sigmoid_scores_renormalised_over_topk() -> None:
@@ -78,7 +83,8 @@ def test_group_limited_routing_picks_within_best_groups() -> None:
 def test_capacity_drops_lowest_probability_tokens() -> None:
     # 4 tokens, E = 2, k = 1, capacity factor 1: each expert keeps ceil(1·4·1/2) = 2 tokens.
     logits = torch.tensor([[2.0, 0.0], [3.0, 0.0], [1.0, 0.0], [0.0, 0.5]])
-    router, x = router_with_logits(logits, router_topk=1, capacity_factor=1.0)
+    # pre-softmax: top-1 weights renormalised over k = 1 would all be 1, leaving nothing to rank by.
+    router, x = router_with_logits(logits, router_topk=1, capacity_factor=1.0, router_pre_softmax=True)
     assert router.capacity(4) == 2
     probs, routing_map = router(x)
     # Expert 0 was chosen by tokens 0, 1, 2: token 2 has the lowest probability and is dropped.
@@ -172,7 +178,10 @@ def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
             y = y + probs[t, e] * h
         out.append(y)
     y = torch.stack(out).view_as(x)
-    return y + layer.shared_expert(x) if layer.shared_expert is not None else y
+    if layer.shared_expert is None:
+        return y
+    gate = torch.sigmoid(layer.shared_expert_gate(x)) if layer.shared_expert_gate is not None else 1.0
+    return y + gate * layer.shared_expert(x)
 
 
 @pytest.mark.parametrize(
@@ -182,8 +191,9 @@ def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         {"activation": "gelu", "add_bias": True},
         {"router_score_function": "sigmoid", "shared_expert_ffn_hidden_size": 16},
         {"capacity_factor": 1.0, "router_topk": 1},
+        {"router_pre_softmax": True, "shared_expert_ffn_hidden_size": 16, "shared_expert_gate": True},
     ],
-    ids=["swiglu", "gelu-bias", "sigmoid-shared", "capacity"],
+    ids=["swiglu", "gelu-bias", "sigmoid-shared", "capacity", "pre-softmax-gated-shared"],
 )
 def test_layer_matches_per_token_loop(kw: dict) -> None:
     torch.manual_seed(0)
@@ -250,9 +260,3 @@ def test_bf16_model_routes_in_fp32_and_tracks_fp32() -> None:
     assert probs.dtype == torch.float32 and router.gate.weight.grad.dtype == torch.bfloat16
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in low.parameters())
 
-
-def test_hugging_face_export_refuses_moe(tmp_path) -> None:
-    from megatrain.engine.interop.hf import export_model_hf
-
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        export_model_hf(GPTModel(config()), tmp_path / "hf")

@@ -9,6 +9,7 @@ each canonical tensor is asked for through `get_tensor` (a sharded checkpoint re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tempfile
@@ -22,10 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain.engine.checkpoint import CheckpointReader
-from megatrain.engine.config import FLAVOURS, TransformerConfig
+from megatrain.engine.config import FLAVOURS, MoEConfig, TransformerConfig, moe_config
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
 from megatrain.engine.models.gpt import GPTModel, rope_tables
-from megatrain.hf_config import hf_config_from_model, model_fields_from_hf
+from megatrain.hf_config import MOE_TRAINING_FIELDS, hf_config_from_model, model_fields_from_hf
 from megatrain.spec import VOCAB_PAD_MULTIPLE, ModelSpec
 from megatrain.storage import FileStore, Store, open_store
 
@@ -115,7 +116,23 @@ def config_mismatches(fields: dict[str, Any], cfg: TransformerConfig) -> list[st
         out.append(f"norm_eps: checkpoint {spec.norm_eps}, model {cfg.norm_eps}")
     if fields["vocab_size"] > cfg.vocab_size:
         out.append(f"vocab_size: checkpoint {fields['vocab_size']}, model rows {cfg.vocab_size}")
+    ours_moe, theirs_moe = _moe_shape(cfg.moe), _moe_shape(moe_config(spec))
+    if (ours_moe is None) != (theirs_moe is None):
+        out.append(f"moe: checkpoint {theirs_moe}, model {ours_moe}")
+    elif ours_moe is not None and theirs_moe is not None:
+        out += [
+            f"moe.{k}: checkpoint {theirs_moe[k]!r}, model {v!r}"
+            for k, v in ours_moe.items()
+            if v != theirs_moe[k]
+        ]
     return out
+
+
+def _moe_shape(moe: MoEConfig | None) -> dict[str, Any] | None:
+    """What an MoE config computes (its training coefficients aside)."""
+    if moe is None:
+        return None
+    return {k: v for k, v in dataclasses.asdict(moe).items() if k not in MOE_TRAINING_FIELDS}
 
 
 def load_hf_state(url: str | Path, cfg: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -132,17 +149,19 @@ def load_hf_state(url: str | Path, cfg: TransformerConfig) -> dict[str, torch.Te
         # Older GPT-2 checkpoints name tensors without the "transformer." prefix.
         prefix = "transformer." if any(n.startswith("transformer.") for n in reader.files) else ""
         rules = rules_for(cfg, config["model_type"], gpt2_prefix=prefix)
-        used = {name for rule in rules for name in rule.hf}
+        used = {name for rule in rules for spelling in rule.spellings() for name in spelling.hf}
         unknown = [n for n in reader.files if n not in used and not _ignorable(n, cfg)]
         if unknown:
             raise ValueError(
                 f"the Hugging Face model at {url} has tensors this model cannot hold: {unknown[:8]}"
             )
         for rule in rules:
-            missing = [n for n in rule.hf if n not in reader.files]
-            if missing:
-                raise ValueError(f"the Hugging Face model at {url} lacks {missing}")
-            out[rule.name] = rule.from_hf(*(reader.get(n) for n in rule.hf)).contiguous()
+            # The Hub's names, else the first other spelling the folder holds whole.
+            found = [r for r in rule.spellings() if all(n in reader.files for n in r.hf)]
+            if not found:
+                missing = [n for n in rule.hf if n not in reader.files]
+                raise ValueError(f"the Hugging Face model at {url} lacks {missing[:8]}")
+            out[rule.name] = found[0].from_hf(*(reader.get(n) for n in found[0].hf)).contiguous()
     return out
 
 
@@ -172,6 +191,7 @@ def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None)
         rope_theta=spec.rope_theta,
         rope_scaling=spec.rope_scaling.model_dump(exclude_none=True) if spec.rope_scaling else None,
         init_method_std=float(config.get("initializer_range", 0.02)),
+        moe=moe_config(spec),
     )
 
 

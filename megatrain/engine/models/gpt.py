@@ -18,7 +18,7 @@ Parameter names (per layer i), for mapping Hugging Face checkpoints:
   layers.i.mlp_norm                ln_2 / post_attention_layernorm
   layers.i.mlp.fc1                 c_fc / [gate_proj; up_proj]
   layers.i.mlp.fc2                 c_proj / down_proj
-  layers.i.mlp.router.gate, .experts.fc{1,2}_weight, .shared_expert.fc{1,2}   MoE layers (moe.py)
+  layers.i.mlp.router.gate, .experts.fc{1,2}_weight, .shared_expert.fc{1,2}, .shared_expert_gate  (moe.py)
   final_norm, lm_head              ln_f / norm, lm_head (absent from the state dict when tied)
 """
 

@@ -100,8 +100,9 @@ class RouterStats:
 class TopKRouter(nn.Module):
     """x (N, C) -> probs (N, E) fp32 (0 where not routed), routing_map (N, E) bool.
 
-    softmax: softmax over all experts, then the top-k, whose probabilities are the weights (not
-    renormalised). sigmoid: a sigmoid per expert, the top-k, weights renormalised over the chosen k.
+    softmax: softmax over all experts, then the top-k, whose probabilities are the weights,
+    renormalised to sum to 1 over the k (Mixtral) unless router_pre_softmax (Qwen2-MoE).
+    sigmoid: a sigmoid per expert, the top-k, weights renormalised over the chosen k.
     Group-limited routing: experts in router_num_groups contiguous groups, each group scored by the
     sum of its top (k / router_group_topk) scores, the token's experts chosen within its best
     router_group_topk groups. Capacity: each expert keeps its ceil(capacity_factor·N·k/E) most
@@ -142,6 +143,8 @@ class TopKRouter(nn.Module):
         top, idx = candidates.topk(k, dim=-1)  # (N, k)
         if moe.router_score_function == "sigmoid":
             top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        elif not moe.router_pre_softmax:
+            top = top / top.sum(-1, keepdim=True)  # = softmax over the k logits (as transformers divides)
         return idx, top
 
     def capacity(self, num_tokens: int) -> int:
@@ -289,6 +292,10 @@ class MoELayer(nn.Module):
         if moe.shared_expert_ffn_hidden_size is not None:
             shared = dataclasses.replace(cfg, ffn_hidden_size=moe.shared_expert_ffn_hidden_size, moe=None)
             self.shared_expert = MLP(shared)
+        # Qwen2-MoE: the shared expert's output scaled per token by sigmoid(x · gate) (weight (1, C)).
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # Around the routed part: tensor parallelism enters its region here and leaves it after.
         self.enter: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.leave: Callable[[torch.Tensor], torch.Tensor] = _identity
@@ -306,7 +313,10 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.routed(x)
         if self.shared_expert is not None:
-            y = y + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # (B, T, 1) * (B, T, C)
+            y = y + shared
         return y
 
 
