@@ -259,4 +259,3 @@ def test_bf16_model_routes_in_fp32_and_tracks_fp32() -> None:
     probs, _ = router(torch.randn(5, 32, dtype=torch.bfloat16))
     assert probs.dtype == torch.float32 and router.gate.weight.grad.dtype == torch.bfloat16
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in low.parameters())
-
