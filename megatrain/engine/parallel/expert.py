@@ -104,6 +104,10 @@ class AllToAllDispatcher:
         self._local = PermuteDispatcher()
         self._splits: tuple[list[int], list[int]] | None = None
         self._order: torch.Tensor | None = None
+        self.rows_sent = 0
+        """Rows the last dispatch sent to other ranks (combine sends back those it received): the
+        exchange's volume, for benchmarks and metrics."""
+        self.rows_received = 0
 
     @classmethod
     def for_state(cls, num_experts: int, state: ParallelState) -> AllToAllDispatcher:
@@ -126,6 +130,8 @@ class AllToAllDispatcher:
         received = table[:, self.rank]  # (P, L): rows from each source for each of my experts
         output_splits = received.sum(1).tolist()
         self._splits = (output_splits, input_splits)
+        self.rows_sent = sum(input_splits) - input_splits[self.rank]
+        self.rows_received = sum(output_splits) - output_splits[self.rank]
         rows = all_to_all(permuted, self.group, p, output_splits, input_splits)  # (R, C) (source, expert)
         if n_local == 1:
             self._order = None

@@ -304,6 +304,10 @@ def all_workers(rank: int, world_size: int, runs: list[dict[str, Any] | str]) ->
     return out
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max())
+
+
 def exchange_worker(rank: int, world_size: int) -> dict[str, float]:
     """The all-to-all Function and the dispatcher against references built from gathered tensors."""
     layout = Layout(dp=world_size, ep=world_size)
@@ -319,7 +323,7 @@ def exchange_worker(rank: int, world_size: int) -> dict[str, float]:
     x = sent[rank].clone().requires_grad_()
     out = all_to_all(x, group, size, [splits[s][rank] for s in range(size)], splits[rank])
     chunks = [list(t.split(splits[s])) for s, t in enumerate(sent)]
-    errors["a2a_forward"] = float((out - torch.cat([chunks[s][rank] for s in range(size)])).abs().max())
+    errors["a2a_forward"] = _max_diff(out, torch.cat([chunks[s][rank] for s in range(size)]))
     out.backward(upstream[rank])
     # Row block (me -> d) of my input receives d's upstream gradient for the rows that came from me.
     back = [list(upstream[d].split([splits[s][d] for s in range(size)])) for d in range(size)]
@@ -336,7 +340,7 @@ def exchange_worker(rank: int, world_size: int) -> dict[str, float]:
     weight = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(21 + rank))
     xs = [tokens.clone().requires_grad_() for _ in range(2)]
     y_full, y_ep = full(xs[0]), local(xs[1])
-    errors["layer_forward"] = float((y_full - y_ep).abs().max())
+    errors["layer_forward"] = _max_diff(y_full, y_ep)
     (y_full * weight).sum().backward()
     (y_ep * weight).sum().backward()
     errors["layer_input_grad"] = float((xs[0].grad - xs[1].grad).abs().max())
