@@ -33,7 +33,7 @@ from megatrain.engine.optimizer import MixedPrecisionOptimizer
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import all_to_all, gather_experts, parallelize_experts
 from megatrain.engine.parallel.mappings import is_expert_parallel
-from megatrain.engine.parallel.parallelize import full_state_dict
+from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads, pipeline_full_state_dict
 from megatrain.engine.parallel.schedules import PipelineSchedule, pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
@@ -351,4 +351,12 @@ def exchange_worker(rank: int, world_size: int) -> dict[str, float]:
         n = ref.shape[0] // size
         got = getattr(local.experts, name).grad
         errors[f"{name}_grad"] = float((ref[rank * n : (rank + 1) * n] - got).abs().max())
+
+    # Full weights in (each rank keeps its experts' rows) and out again (gathered over ep).
+    model = build_model(MODELS["llama"], state, 5, "cpu").module
+    full = {k: torch.randn(v.shape, generator=g) for k, v in full_state_dict(model, state).items()}
+    load_full_state_dict(model, full, state)
+    mine, n = model.layers[0].mlp.experts.fc2_weight, MOE.num_experts // size
+    errors["load_slice"] = _max_diff(mine, full["layers.0.mlp.experts.fc2_weight"][rank * n : (rank + 1) * n])
+    errors["round_trip"] = max(_max_diff(t, full[k]) for k, t in full_state_dict(model, state).items())
     return errors

@@ -59,11 +59,12 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"exchange": [r[0] for r in ranks], "trained": [r[1] for r in ranks], "url": url, "opts": opts}
 
 
-def test_all_to_all_and_dispatcher_match_the_gathered_reference(two_ranks: dict[str, Any]) -> None:
+def test_all_to_all_dispatcher_and_full_weights_match_gathered_references(two_ranks: dict[str, Any]) -> None:
     for rank, errors in enumerate(two_ranks["exchange"]):
         assert errors["a2a_forward"] == 0 and errors["a2a_backward"] == 0, (rank, errors)
         for key in ("layer_forward", "layer_input_grad", "router_grad", "fc1_weight_grad", "fc2_weight_grad"):
             assert errors[key] < 1e-6, (rank, key, errors[key])
+        assert errors["load_slice"] == 0 and errors["round_trip"] == 0, (rank, errors)
 
 
 def test_ep2_dp2_matches_one_process(two_ranks: dict[str, Any]) -> None:
