@@ -55,7 +55,7 @@ STACK_DIM = 16
 DEFAULTS: dict[str, Any] = {
     "model": "llama",
     "seed": 1234,
-    "steps": 6,
+    "steps": 10,
     "global_batch": 8,
     "micro_batch": 2,
     "lr": 1e-2,

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.distributed
 
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 PARAM_TOL = {"rtol": 1e-4, "atol": 5e-5}
-SAVE_AT = 3
+SAVE_AT = 5
 
 
 @pytest.fixture
