@@ -25,16 +25,21 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from megatrain.engine.checkpoint.sharded import open_folder
+from megatrain.engine.checkpoint.shards import global_shape, param_boxes, slice_boxes
 from megatrain.engine.checkpoint.training import load_training_state
+from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import _chunk_order
+from megatrain.engine.parallel.mappings import is_expert_parallel, mark_expert_parallel, mark_tensor_parallel
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.train import run
+from megatrain.plan.layout import Layout
 from megatrain.spec import parse_spec
 
 from ..helpers import read_jsonl, tiny_spec
-from ._ep_common import all_workers, options, reference_run, train_steps, trainable
+from ._ep_common import Stack, all_workers, options, reference_run, train_steps, trainable
 from ._launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -68,6 +73,49 @@ def test_chunk_order_regroups_source_major_rows_expert_major() -> None:
     labels = [(s, e) for s in range(2) for e in range(3) for _ in range(int(sizes[s, e]))]
     order = _chunk_order(sizes).tolist()
     assert [labels[i] for i in order] == sorted(labels, key=lambda se: (se[1], se[0]))
+
+
+def _state(layout: Layout, rank: int) -> ParallelState:
+    """A rank's state without process groups (nothing here runs a collective)."""
+    return ParallelState(layout, rank, torch.device("cpu"), {a: None for a in ("tp", "cp", "dp", "pp", "mp")})
+
+
+def test_expert_boxes_sit_at_their_ep_ranks_experts() -> None:
+    # ep=2 × dp=2: rank 1 holds experts 2..3 of 4; tp=2 on top splits fc1's [gate; up] rows.
+    p = nn.Parameter(torch.zeros(2, 6, 5))
+    mark_expert_parallel(p)
+    state = _state(Layout(dp=2, ep=2), 1)
+    assert global_shape(p, state) == (4, 6, 5)
+    assert [b.offsets for b in param_boxes(p, p.detach(), state)] == [(2, 0, 0)]
+    mark_tensor_parallel(p, 1, stride=2)  # local [gate_r; up_r], 3 rows each, of [gate; up] (12 rows)
+    state = _state(Layout(tp=2, dp=2, ep=2), 3)  # tp rank 1, ep rank 1
+    assert global_shape(p, state) == (4, 12, 5)
+    assert [b.offsets for b in param_boxes(p, p.detach(), state)] == [(2, 3, 0), (2, 9, 0)]
+    # A flat range of the distributed optimizer, local expert 1's rows 2..5 (gate row 2, up rows 0..2),
+    # is placed the same way: global expert 3, gate rows 3 + 2, up rows 9..11.
+    boxes = slice_boxes(p, 40, torch.zeros(20), state)
+    assert [(b.offsets, tuple(b.data.shape)) for b in boxes] == [
+        ((3, 5, 0), (1, 1, 5)),
+        ((3, 9, 0), (1, 3, 5)),
+    ]
+
+
+def test_expert_buckets_are_reduced_and_sharded_over_edp() -> None:
+    # dp=4, ep=2: dense buckets over dp (4 ranks), expert buckets over edp (2 ranks), never mixed.
+    torch.manual_seed(0)
+    model = Stack()
+    state = _state(Layout(dp=4, ep=2), 2)  # ep rank 0, edp rank 1
+    for name in ("fc1_weight", "fc2_weight"):
+        mark_expert_parallel(getattr(model.moe.experts, name))
+    ddp = DataParallel(model, state, bucket_elements=10_000_000, use_distributed_optimizer=True)
+    kinds = [(b.expert, b.size, b.rank, b.numel % b.size) for b in ddp.buckets]
+    assert kinds == [(False, 4, 2, 0), (True, 2, 1, 0), (False, 4, 2, 0)]
+    assert all(is_expert_parallel(p) == b.expert for b in ddp.buckets for p in b.params)
+    # The expert bucket is [fc2 (4·16·24 = 1536), fc1 (4·48·16 = 3072)] in backward order; edp rank 1
+    # updates its second half, elements [2304, 4608): none of fc2, fc1's elements [768, 3072).
+    owned = {id(s.param): (s.start, s.end) for s in ddp.owned_slices()}
+    assert id(model.moe.experts.fc2_weight) not in owned
+    assert owned[id(model.moe.experts.fc1_weight)] == (768, 3072)
 
 
 @pytest.fixture(scope="module")
