@@ -17,6 +17,7 @@ from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.data import DataParallel
+from megatrain.engine.parallel.expert import parallelize_experts
 from megatrain.engine.parallel.parallelize import load_full_state_dict, parallel_lm_loss, parallelize_model
 from megatrain.engine.parallel.pipeline import (
     StageModule,
@@ -71,6 +72,7 @@ def build_model(mcfg: TransformerConfig, state: ParallelState, seed: int, device
     num_params = model.num_parameters()
     tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
+    parallelize_experts(model, state)  # this ep rank's experts, the all-to-all dispatcher
     if state.pp_size == 1:
         return RankModel(model, [], tracker, num_params, state)
     chunks = build_stage_modules(model, state)

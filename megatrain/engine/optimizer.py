@@ -10,7 +10,9 @@ Megatron's MixedPrecisionOptimizer / DistributedOptimizer in one class:
 - fp16: the caller multiplies the loss by `loss_scale`; step() unscales, checks for inf/nan on every
   rank (dp and model-parallel groups), skips the step everywhere if any, and lets the
   DynamicLossScaler back off or grow. bf16 and fp32 use no scaling and never skip.
-- The gradient norm is global over tp, pp and dp (see `global_grad_norm`), then clipped.
+- The gradient norm is global over tp, pp and dp (see `global_grad_norm`), then clipped; an
+  expert-parallel parameter (parallel.expert) counts once: its squares are summed over ep too, and its
+  state is sharded over edp (DataParallel's expert buckets), not dp.
 
 Per step, in this order:
     optimizer.zero_grad()                                # zeroes the DataParallel buffer
@@ -37,6 +39,7 @@ from torch import nn
 
 from megatrain.engine.config import TrainConfig
 from megatrain.engine.parallel.data import DataParallel, OwnedSlice
+from megatrain.engine.parallel.mappings import is_expert_parallel
 from megatrain.engine.parallel.state import Group, ParallelState
 
 
@@ -111,11 +114,25 @@ def _all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dis
         dist.all_reduce(t, op=op, group=group)
 
 
+def _sum_of_squares(
+    grads_with_flags: Iterable[tuple[torch.Tensor, bool]], state: ParallelState
+) -> torch.Tensor:
+    tp_rank = state.tp_rank
+    counted = [g for g, tensor_parallel in grads_with_flags if tensor_parallel or tp_rank == 0]
+    device = counted[0].device if counted else state.device
+    if not counted:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in counted])
+    return torch.stack(norms).pow(2).sum()
+
+
 def global_grad_norm(
     grads_with_flags: Iterable[tuple[torch.Tensor, bool]],
     state: ParallelState,
     *,
     shard_group: Group = None,
+    expert_grads_with_flags: Iterable[tuple[torch.Tensor, bool]] = (),
+    expert_shard_group: Group = None,
 ) -> float:
     """L2 norm of the whole model's gradient, computed on every rank.
 
@@ -123,16 +140,20 @@ def global_grad_norm(
     and counts on each; a replicated one has the same value on every tp rank and counts on tp rank 0
     only. Squares are summed over the model-parallel group (tp×pp: each pipeline stage holds other
     layers) and, when each rank holds only a shard of the grads (distributed optimizer), over
-    `shard_group` (the dp group) too.
+    `shard_group` (the dp group) too. Expert-parallel grads (each ep rank holds other experts) are
+    summed over ep, and over `expert_shard_group` (edp) when sharded, before joining the rest.
     """
-    tp_rank = state.tp_rank
-    counted = [g for g, tensor_parallel in grads_with_flags if tensor_parallel or tp_rank == 0]
-    device = counted[0].device if counted else state.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    if counted:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in counted])
-        total = torch.stack(norms).pow(2).sum()
+    total = _sum_of_squares(grads_with_flags, state)
     _all_reduce(total, shard_group)
+    expert = list(expert_grads_with_flags)
+    if state.layout.ep > 1:
+        # Every rank takes part (the same collectives everywhere), with or without expert grads.
+        experts = _sum_of_squares(expert, state).to(total.device)
+        _all_reduce(experts, expert_shard_group)
+        _all_reduce(experts, state.ep_group)
+        total = total + experts
+    elif expert:
+        total = total + _sum_of_squares(expert, state).to(total.device)
     _all_reduce(total, state.group("mp"))
     return float(total.sqrt())
 
@@ -265,13 +286,19 @@ class MixedPrecisionOptimizer:
                 self.scaler.update(skipped)
                 if skipped:
                     return StepResult(math.nan, True, self.scaler.scale)
-            flags = [
-                (g, bool(getattr(sl.param, "tensor_parallel", False)))
-                for g, sl in zip(grads, self._slices, strict=True)
+            flags: dict[bool, list[tuple[torch.Tensor, bool]]] = {False: [], True: []}
+            for g, sl in zip(grads, self._slices, strict=True):
                 # A pipeline stage's copy of a weight another stage owns (Megatron's `shared`).
-                if not getattr(sl.param, "shared", False)
-            ]
-            norm = global_grad_norm(flags, self.state, shard_group=self._shard_group())
+                if not getattr(sl.param, "shared", False):
+                    tensor_parallel = bool(getattr(sl.param, "tensor_parallel", False))
+                    flags[is_expert_parallel(sl.param)].append((g, tensor_parallel))
+            norm = global_grad_norm(
+                flags[False],
+                self.state,
+                shard_group=self._shard_group(),
+                expert_grads_with_flags=flags[True],
+                expert_shard_group=self.ddp.edp_group if self.distributed else None,
+            )
             if self.clip_grad > 0 and math.isfinite(norm):
                 coeff = self.clip_grad / (norm + 1e-6)
                 if coeff < 1.0 and grads:

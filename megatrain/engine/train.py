@@ -65,14 +65,14 @@ class Terminated(Exception):
 
 
 class UnsupportedLayout(Exception):
-    """A layout this engine cannot run (context or expert parallelism, or the wrong world size)."""
+    """A layout this engine cannot run (context parallelism, or the wrong world size)."""
 
 
 def check_runnable(layout: Layout, world_size: int) -> None:
-    if layout.cp > 1 or layout.ep > 1:
+    if layout.cp > 1:
         raise UnsupportedLayout(
-            f"layout cp={layout.cp} ep={layout.ep} needs context/expert parallelism, which this engine "
-            "does not run yet; it runs tensor (+sequence), pipeline and data parallelism (cp=ep=1)"
+            f"layout cp={layout.cp} needs context parallelism, which this engine "
+            "does not run yet; it runs tensor (+sequence), pipeline, data and expert parallelism (cp=1)"
         )
     if layout.world_size != world_size:
         raise UnsupportedLayout(

@@ -10,6 +10,12 @@ Ranks are laid out tp fastest, then cp, then dp, then pp (Megatron's order): ran
 tensor-parallel group are neighbours, so on a multi-GPU node they share the fastest links.
 
     rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank))
+
+Expert parallelism carves ep out of dp×cp (Megatron's expert order: tp, then the dp×cp index split
+into ep fastest and expert-data-parallel (edp) next, then pp), so an ep group is consecutive dp×cp
+indices (neighbouring ranks) and edp = dp·cp/ep replicas of each expert hold the same experts:
+
+    i = cp_rank + cp·dp_rank;  ep_rank = i % ep;  edp_rank = i // ep
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
 AXES = ("tp", "cp", "dp", "pp")
 """Mesh axes, fastest-varying first."""
+
+EXPERT_AXES = ("ep", "edp")
+"""The expert axes, both carved from dp×cp: expert-parallel and expert-data-parallel."""
 
 SCHEDULES = ("1f1b", "all_forward_all_backward")
 
@@ -100,6 +109,32 @@ class Layout:
             groups.setdefault(tuple(getattr(c, a) for a in fixed), []).append(rank)
         return [groups[k] for k in sorted(groups)]
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the replicas of each expert (dp·cp/ep)."""
+        return self.dp * self.cp // self.ep
+
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """(ep_rank, edp_rank) of `rank`: its dp×cp index split into ep (fastest) and edp."""
+        c = self.coords(rank)
+        i = c.cp + self.cp * c.dp
+        return i % self.ep, i // self.ep
+
+    def expert_group_ranks(self, axis: str) -> list[list[int]]:
+        """Every ep or edp group (same tp and pp coordinate, the other expert coordinate fixed), in a
+        fixed order that all ranks share. Assumes ep divides dp×cp (model_problems checks it)."""
+        if axis not in EXPERT_AXES:
+            raise LayoutError(f"unknown expert axis {axis!r}; choose from {EXPERT_AXES}")
+        if (self.dp * self.cp) % self.ep:
+            raise LayoutError(f"ep={self.ep} does not divide dp×cp={self.dp}×{self.cp}")
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            ep_rank, edp_rank = self.expert_coords(rank)
+            other = edp_rank if axis == "ep" else ep_rank
+            groups.setdefault((c.pp, other, c.tp), []).append(rank)
+        return [groups[k] for k in sorted(groups)]
+
     def chunk_layers(self, num_layers: int) -> list[tuple[int, int]]:
         """[start, end) layer ranges of the pp·virtual_stages model chunks, in chunk order
         (chunk c = v·pp + stage lives on stage c % pp). Assumes the layout passed its rules."""
@@ -117,7 +152,8 @@ class Layout:
 
     def describe(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
-        return f"tp={self.tp}{sp} cp={self.cp} dp={self.dp} pp={self.pp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp}{sp} cp={self.cp} dp={self.dp} pp={self.pp}{ep}"
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON data (what the job row stores and the engine reads back)."""
@@ -357,6 +393,7 @@ def check_layout(spec: JobSpec, layout: Layout, world_size: int | None = None) -
 
 __all__: Sequence[str] = [
     "AXES",
+    "EXPERT_AXES",
     "Coords",
     "Layout",
     "LayoutError",

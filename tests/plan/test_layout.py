@@ -47,6 +47,40 @@ def test_groups_partition_the_world() -> None:
         d.group_ranks("ep")
 
 
+def test_expert_groups_are_carved_from_dp_cp_in_megatrons_order() -> None:
+    # dp=4, ep=2: ep groups are neighbouring dp ranks, edp the ranks holding the same experts.
+    d = Layout(dp=4, ep=2)
+    assert d.expert_group_ranks("ep") == [[0, 1], [2, 3]]
+    assert d.expert_group_ranks("edp") == [[0, 2], [1, 3]]
+    assert [d.expert_coords(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert d.edp == 2
+    # tp=2: each tp rank has its own ep groups (tp stays fastest); pp repeats them per stage.
+    d = Layout(tp=2, dp=2, pp=2, ep=2)
+    assert d.expert_group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.expert_group_ranks("edp") == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    # cp is the fastest part of the dp×cp index: ep=2 over cp=2 pairs the cp ranks first.
+    d = Layout(cp=2, dp=2, ep=2)
+    assert d.expert_group_ranks("ep") == [[0, 1], [2, 3]]
+    assert d.expert_group_ranks("edp") == [[0, 2], [1, 3]]
+    d = Layout(tp=2, cp=2, dp=2, ep=4)
+    assert d.expert_group_ranks("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.edp == 1
+    for layout in (Layout(dp=8, ep=4), Layout(tp=2, cp=2, dp=2, pp=2, ep=2), Layout(dp=2)):
+        ep, edp = layout.expert_group_ranks("ep"), layout.expert_group_ranks("edp")
+        for groups, size in ((ep, layout.ep), (edp, layout.edp)):
+            assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
+            assert all(len(g) == size for g in groups)
+        # Expert groups stay inside one dp×cp group (same tp and pp coordinate).
+        dp_cp = {r: i for i, g in enumerate(layout.group_ranks("cp", "dp")) for r in g}
+        assert all(len({dp_cp[r] for r in g}) == 1 for g in ep + edp)
+        # An ep group and an edp group meet in exactly one rank.
+        assert all(len(set(a) & set(b)) == 1 for a in ep for b in edp if dp_cp[a[0]] == dp_cp[b[0]])
+    with pytest.raises(LayoutError, match="does not divide"):
+        Layout(dp=3, ep=2).expert_group_ranks("ep")
+    with pytest.raises(LayoutError, match="unknown expert axis"):
+        Layout().expert_group_ranks("dp")
+
+
 def test_model_rules_name_every_broken_one() -> None:
     problems = model_problems(Layout(tp=4, dp=2), num_attention_heads=6, num_query_groups=2, vocab_size=258)
     messages = [p["message"] for p in problems]

@@ -10,6 +10,8 @@ boxes this rank now holds: that is resharding, across tp, pp, dp and the distrib
 
 - A tensor-parallel shard is `stride` boxes along its partition dim (SwiGLU fc1's [gate_r; up_r] lies
   in two places of [gate; up]); anything else is one box at offset 0.
+- An expert-parallel parameter (E/ep experts of the stacked (E, ...) weights) is moved along dim 0 to
+  ep_rank·E/ep, after any tensor-parallel placement (experts are never tp-split along dim 0).
 - The distributed optimizer owns a flat range [start, end) of a parameter's local shard: a range is
   cut into contiguous boxes (a partial row, whole rows, a partial row), each then placed like a shard.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatrain.engine.parallel.mappings import is_tensor_parallel
+from megatrain.engine.parallel.mappings import is_expert_parallel, is_tensor_parallel
 from megatrain.engine.parallel.state import ParallelState
 
 OPTIM_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -96,13 +98,35 @@ def global_shape(p: nn.Parameter, state: ParallelState) -> tuple[int, ...]:
     shape = list(p.shape)
     if is_tensor_parallel(p) and state.tp_size > 1:
         shape[p.partition_dim] *= state.tp_size  # type: ignore[attr-defined]
+    if _expert_split(p, state):
+        shape[0] *= state.ep_size
     return tuple(shape)
+
+
+def _expert_split(p: nn.Parameter, state: ParallelState) -> bool:
+    if not (is_expert_parallel(p) and state.ep_size > 1):
+        return False
+    if is_tensor_parallel(p) and state.tp_size > 1 and p.partition_dim == 0:  # type: ignore[attr-defined]
+        raise ValueError("an expert-parallel parameter cannot also be tensor-parallel along dim 0")
+    return True
 
 
 def place(
     p: nn.Parameter, local_offsets: tuple[int, ...], data: torch.Tensor, state: ParallelState
 ) -> Iterator[Box]:
-    """A box of p's local shard in global coordinates: cut where it crosses the shard's stride parts."""
+    """A box of p's local shard in global coordinates: cut where it crosses the shard's stride parts,
+    and moved to this ep rank's experts."""
+    if not _expert_split(p, state):
+        yield from _place_tp(p, local_offsets, data, state)
+        return
+    first = state.ep_rank * p.shape[0]  # the global index of this rank's first expert
+    for box in _place_tp(p, local_offsets, data, state):
+        yield Box((box.offsets[0] + first, *box.offsets[1:]), box.data)
+
+
+def _place_tp(
+    p: nn.Parameter, local_offsets: tuple[int, ...], data: torch.Tensor, state: ParallelState
+) -> Iterator[Box]:
     if not (is_tensor_parallel(p) and state.tp_size > 1):
         yield Box(tuple(local_offsets), data)
         return

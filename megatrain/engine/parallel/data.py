@@ -24,6 +24,11 @@ shards are all-gathered bucket by bucket straight into the parameters.
 
 A parameter used twice (GPT-2's tied embedding) is one Parameter: it has one slot and one hook, and
 autograd accumulates both uses before the hook runs.
+
+Expert-parallel parameters (`expert_parallel`, parallel.expert) are replicated only over the
+expert-data-parallel group edp (dp·cp/ep ranks): their buckets hold no other parameter and are
+reduced (and sharded, with the distributed optimizer) over edp. They are scaled by the same 1/(dp·cp):
+each rank's expert gradient already sums its whole ep group's losses (Megatron's expert buffers).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatrain.engine.parallel.mappings import is_expert_parallel
 from megatrain.engine.parallel.state import Group, ParallelState
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
@@ -75,6 +81,12 @@ class Bucket:
     """id() of the parameters whose gradient arrived in this synchronised backward."""
     handle: Any = None
     launched: bool = False
+    group: Group = None
+    """The ranks holding the same parameters: dp (dp×cp under cp), or edp for experts."""
+    size: int = 1
+    rank: int = 0
+    """This rank's index in `group` (which shard it owns with the distributed optimizer)."""
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -142,19 +154,28 @@ class DataParallel(nn.Module):
             )
         self.param_dtype = params[0].dtype
         device = params[0].device
-        pad = self.dp_size if use_distributed_optimizer else 1
+        # Experts are replicated over edp only; with ep = 1 nothing is marked and edp would be dp.
+        self.edp_group, self.edp_size, self.edp_rank = self.dp_group, self.dp_size, self.dp_rank
+        if state.layout.ep > 1:
+            self.edp_group, self.edp_size, self.edp_rank = state.edp_group, state.edp_size, state.edp_rank
 
-        # Lay out buckets: consecutive params (in backward order) until a bucket reaches bucket_elements.
-        layout: list[tuple[list[nn.Parameter], int, int]] = []
+        # Lay out buckets: consecutive params (in backward order) until a bucket reaches bucket_elements;
+        # a bucket holds experts only or none (they reduce over another group).
+        layout: list[tuple[list[nn.Parameter], int, int, bool]] = []
         self._offset: dict[int, int] = {}  # id(param) -> flat offset
         cursor, current, bucket_start = 0, [], 0
         for i, p in enumerate(self.params):
             self._offset[id(p)] = cursor
             cursor += p.numel()
             current.append(p)
-            if cursor - bucket_start >= bucket_elements or i == len(self.params) - 1:
-                cursor = -(-cursor // pad) * pad  # pad the bucket so it splits evenly over dp
-                layout.append((current, bucket_start, cursor))
+            expert = is_expert_parallel(p) and state.layout.ep > 1
+            last = i == len(self.params) - 1
+            switch = not last and expert != (is_expert_parallel(self.params[i + 1]) and state.layout.ep > 1)
+            if cursor - bucket_start >= bucket_elements or last or switch:
+                # Pad the bucket so it splits evenly over the ranks that shard it.
+                pad = (self.edp_size if expert else self.dp_size) if use_distributed_optimizer else 1
+                cursor = -(-cursor // pad) * pad
+                layout.append((current, bucket_start, cursor, expert))
                 current, bucket_start = [], cursor
         self.numel = cursor
 
@@ -166,8 +187,13 @@ class DataParallel(nn.Module):
             self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
-        for index, (bucket_params, start, end) in enumerate(layout):
-            bucket = Bucket(index, bucket_params, start, end, self.grad_buffer[start:end])
+        for index, (bucket_params, start, end, expert) in enumerate(layout):
+            bucket = Bucket(index, bucket_params, start, end, self.grad_buffer[start:end], expert=expert)
+            bucket.group, bucket.size, bucket.rank = (
+                (self.edp_group, self.edp_size, self.edp_rank)
+                if expert
+                else (self.dp_group, self.dp_size, self.dp_rank)
+            )
             if self.param_buffer is not None:
                 bucket.param_data = self.param_buffer[start:end]
             self.buckets.append(bucket)
@@ -245,14 +271,17 @@ class DataParallel(nn.Module):
         bucket.launched = True
         if self.dp_size == 1:
             return
-        bucket.grad.mul_(1.0 / self.dp_size)  # average before the SUM: see the module docstring
+        # Average before the SUM (see the module docstring); experts too, though they sum over edp.
+        bucket.grad.mul_(1.0 / self.dp_size)
+        if bucket.size == 1:
+            return
         if self.use_distributed_optimizer:
-            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            lo, hi = bucket.shard(bucket.rank, bucket.size)
             # In place: this rank's shard of the bucket receives the reduced values.
             shard = self.grad_buffer[lo:hi]
-            bucket.handle = _reduce_scatter_flat(shard, bucket.grad, group=self.dp_group, async_op=True)
+            bucket.handle = _reduce_scatter_flat(shard, bucket.grad, group=bucket.group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
+            bucket.handle = dist.all_reduce(bucket.grad, group=bucket.group, async_op=True)
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -293,7 +322,7 @@ class DataParallel(nn.Module):
             return [OwnedSlice(p, 0, p.numel(), self._offset[id(p)]) for p in self.params]
         out = []
         for bucket in self.buckets:
-            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            lo, hi = bucket.shard(bucket.rank, bucket.size)
             for p in bucket.params:
                 start = self._offset[id(p)]
                 a, b = max(lo, start), min(hi, start + p.numel())
@@ -308,10 +337,12 @@ class DataParallel(nn.Module):
             return
         handles = []
         for bucket in self.buckets:
-            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            if bucket.size == 1:
+                continue
+            lo, hi = bucket.shard(bucket.rank, bucket.size)
             handles.append(
                 _all_gather_flat(
-                    flat[bucket.start : bucket.end], flat[lo:hi], group=self.dp_group, async_op=True
+                    flat[bucket.start : bucket.end], flat[lo:hi], group=bucket.group, async_op=True
                 )
             )
         for h in handles:
@@ -327,9 +358,11 @@ class DataParallel(nn.Module):
         if not self.use_distributed_optimizer or self.dp_size == 1:
             return
         bucket = self._bucket_of[id(param)]
-        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        if bucket.size == 1:
+            return
+        lo, hi = bucket.shard(bucket.rank, bucket.size)
         _all_gather_flat(
-            self.grad_buffer[bucket.start : bucket.end], self.grad_buffer[lo:hi], group=self.dp_group
+            self.grad_buffer[bucket.start : bucket.end], self.grad_buffer[lo:hi], group=bucket.group
         )
 
     def gather_params(self) -> None:

@@ -22,6 +22,8 @@ Parameter attributes (Megatron's): a sharded parameter has `tensor_parallel = Tr
 full tensor has: 2 for SwiGLU's [gate; up]). A replicated parameter whose gradient comes from a
 sequence shard only (norms, RowParallel bias, positions under sequence parallelism) has
 `sequence_parallel = True`; `allreduce_sequence_parallel_grads` sums those gradients over tp.
+An expert-parallel parameter (parallel.expert) has `expert_parallel = True`: it holds this ep rank's
+experts (dim 0 of the stacked (E, ...) weights) and is reduced over the edp group, not dp.
 """
 
 from __future__ import annotations
@@ -264,6 +266,14 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int, stride: int = 1) -> None
 
 def mark_sequence_parallel(param: nn.Parameter) -> None:
     param.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def mark_expert_parallel(param: nn.Parameter) -> None:
+    param.expert_parallel = True  # type: ignore[attr-defined]
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:

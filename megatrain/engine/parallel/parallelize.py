@@ -22,7 +22,8 @@ sums their gradients over tp) and hidden dropout draws per-rank masks from the t
 hold different tokens.
 
 full_state_dict gathers the shards back into GPTModel's names and layout (inspection, tests) and
-load_full_state_dict slices canonical tensors into this rank's shards (Hugging Face imports);
+load_full_state_dict slices canonical tensors into this rank's shards (Hugging Face imports), experts
+over ep too (parallel.expert);
 checkpoints never gather: each rank writes its own shards (megatrain.engine.checkpoint).
 """
 
@@ -36,6 +37,7 @@ from torch import nn
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.engine.models.moe import MoELayer
 from megatrain.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatrain.engine.parallel.expert import gather_experts, shard_experts
 from megatrain.engine.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -44,6 +46,7 @@ from megatrain.engine.parallel.layers import (
 )
 from megatrain.engine.parallel.mappings import (
     gather_shards,
+    is_expert_parallel,
     is_tensor_parallel,
     mark_sequence_parallel,
     shard_tensor,
@@ -156,9 +159,10 @@ def _canonical_keys(model: GPTModel) -> list[str]:
 def full_state_dict(model: GPTModel, state: ParallelState, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
     """The single-device state dict of a (possibly) tensor-parallel model: shards all-gathered over tp.
 
-    Collective over the tp group (every tp rank must call it). Same keys and layouts as
-    checkpoint.model_state_for_save(GPTModel): a tied lm_head is omitted. Tensors are detached copies,
-    moved to CPU one at a time when to_cpu, so the device never holds more than one gathered tensor.
+    Collective over the tp group (every tp rank must call it), and over ep for the experts (gathered
+    along dim 0 too). Same keys and layouts as checkpoint.model_state_for_save(GPTModel): a tied
+    lm_head is omitted. Tensors are detached copies, moved to CPU one at a time when to_cpu, so the
+    device never holds more than one gathered tensor.
     """
     params = model.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
@@ -169,6 +173,8 @@ def full_state_dict(model: GPTModel, state: ParallelState, *, to_cpu: bool = Tru
             t = gather_shards(t, p.partition_dim, p.partition_stride, state.tp_group, state.tp_size)
         else:
             t = t.clone()
+        if is_expert_parallel(p):
+            t = gather_experts(t, state)
         out[name] = t.cpu() if to_cpu else t.contiguous()
     return out
 
@@ -189,6 +195,8 @@ def load_full_state_dict(model: GPTModel, full: dict[str, torch.Tensor], state: 
         raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
     for name in keys:
         p, src = params[name], full[name]
+        if is_expert_parallel(p):
+            src = shard_experts(src, state)
         if is_tensor_parallel(p):
             src = shard_tensor(src, p.partition_dim, state.tp_rank, state.tp_size, p.partition_stride)
         if src.shape != p.shape:

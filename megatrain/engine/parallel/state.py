@@ -25,7 +25,8 @@ class ParallelState:
     groups: dict[str, Group] = field(default_factory=dict)
     """tp, cp, dp, pp, and mp (tp×pp: the model-parallel group); None where the size is 1. With pp > 1
     also pp_bwd (the pp ranks again: pipeline gradients travel apart from activations) and embd (the
-    first and last stage of each pipeline: the tied embedding's two copies)."""
+    first and last stage of each pipeline: the tied embedding's two copies). With ep > 1 also ep and
+    edp (expert-parallel and expert-data-parallel, carved from dp×cp: Layout.expert_group_ranks)."""
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -61,6 +62,13 @@ class ParallelState:
                 embd = dist.new_group([ranks[0], ranks[-1]])
                 if rank in ranks:
                     groups["pp_bwd"], groups["embd"] = bwd, embd
+        if layout.ep > 1:
+            for axis in ("ep", "edp"):
+                groups[axis] = None
+                for ranks in layout.expert_group_ranks(axis):
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if rank in ranks:
+                        groups[axis] = group
         return cls(layout, rank, torch.device(device), groups)
 
     @property
@@ -117,6 +125,32 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.coords.pp
+
+    # Expert parallelism: ep and edp split the dp×cp ranks. Their groups exist only with ep > 1 (with
+    # ep = 1 no parameter is an expert-parallel one and nothing asks for them).
+    @property
+    def ep_group(self) -> Group:
+        return self.groups.get("ep")
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[0]
+
+    @property
+    def edp_group(self) -> Group:
+        return self.groups.get("edp")
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.edp
+
+    @property
+    def edp_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[1]
 
     @property
     def sequence_parallel(self) -> bool:
