@@ -140,6 +140,27 @@ def _builtin() -> None:
         priority=20,
     )
 
+    # One attention block with its log-sum-exp (ring attention's unit of work, forward and backward).
+    for kernel, fn in (
+        ("attention_block", "attention_block"),
+        ("attention_block_backward", "attention_block_backward"),
+    ):
+        register(kernel, "reference", f"{pkg}.attention_block:{fn}_reference")
+        register(
+            kernel,
+            "sdpa_efficient",
+            f"{pkg}.attention_block:{fn}_efficient",
+            devices=("cuda",),
+            available=_cuda_available,
+            priority=10,
+        )
+
+
+def _cuda_available() -> bool:
+    from megatrain.kernels.attention_block import efficient_available
+
+    return efficient_available()
+
 
 def _flash_attn_available() -> bool:
     from megatrain.kernels.attention import flash_attn_available

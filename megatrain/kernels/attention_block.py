@@ -1,0 +1,167 @@
+"""One block of attention with its log-sum-exp, forward and backward: the `attention_block` and
+`attention_block_backward` kernels that ring attention (megatrain.engine.parallel.context) calls once
+per K/V block.
+
+    out, lse = kernels.get("attention_block", dev)(q, k, v, causal, mask, scale)
+    dq, dk, dv = kernels.get("attention_block_backward", dev)(dout, q, k, v, out, lse, causal, mask, scale)
+
+q (B, H, Tq, hd), k and v (B, G, Tk, hd) with G dividing H (grouped-query attention). `causal`: query
+i sees keys j <= i (Tq == Tk, both in the same order); `mask` (B, 1, Tq, Tk) bool or None: the pairs
+allowed (packed documents), and-ed with the causal rule. out (B, H, Tq, hd) and lse (B, H, Tq) are
+fp32 so that blocks merge exactly; a row with no allowed key has out 0 and lse -inf.
+
+The backward is flash-attention's: given the *merged* out and lse of a query row over every block,
+P = exp(S - lse) is that row's final attention to this block's keys, and
+dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)); so each block's gradients are exact on their own and only add up.
+
+Backends: "reference" (fp32 PyTorch, materialising the (Tq, Tk) scores: the CPU path and the twin)
+and "sdpa_efficient" (torch's memory-efficient SDPA kernel on CUDA, which returns the log-sum-exp and
+takes an attention bias).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, G, T, hd) -> (B, H, T, hd): query head h reads group h // (H/G)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H, T, hd) gradients -> (B, G, T, hd): a group's K/V gradient sums over its query heads."""
+    b, h, t, hd = x.shape
+    return x if h == groups else x.view(b, groups, h // groups, t, hd).sum(2)
+
+
+def _allowed(
+    tq: int, tk: int, causal: bool, mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """(Tq, Tk) or (B, 1, Tq, Tk) bool, or None when every pair is allowed."""
+    allowed = mask
+    if causal:
+        tril = torch.ones(tq, tk, dtype=torch.bool, device=device).tril()
+        allowed = tril if allowed is None else allowed & tril
+    return allowed
+
+
+def _probs(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Masked fp32 scores (B, H, Tq, Tk), -inf where not allowed."""
+    s = (q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    allowed = _allowed(q.shape[2], k.shape[2], causal, mask, q.device)
+    return s if allowed is None else s.masked_fill(~allowed, _NEG_INF)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # A row with no allowed key has lse -inf; subtract 0 there instead (exp(-inf - 0) = 0, no NaN).
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def attention_block_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ·scale + mask) v over this block's keys, and the rows' log-sum-exp, in fp32."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = _probs(q, k, causal, mask, scale)  # (B, H, Tq, Tk)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return p @ _expand(v, q.shape[1]).float(), lse
+
+
+def attention_block_backward_reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 dq (B, H, Tq, hd), dk and dv (B, G, Tk, hd) of this block, from the merged out and lse."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    heads, groups = q.shape[1], k.shape[1]
+    p = torch.exp(_probs(q, k, causal, mask, scale) - _finite(lse).float().unsqueeze(-1))  # (B, H, Tq, Tk)
+    do = dout.float()
+    dv = p.transpose(-1, -2) @ do  # (B, H, Tk, hd)
+    dp = do @ _expand(v, heads).float().transpose(-1, -2)  # (B, H, Tq, Tk)
+    delta = (do * out.float()).sum(-1, keepdim=True)  # (B, H, Tq, 1)
+    ds = p * (dp - delta) * scale
+    dq = ds @ _expand(k, heads).float()
+    dk = ds.transpose(-1, -2) @ q.float()
+    return dq, _fold(dk, groups), _fold(dv, groups)
+
+
+def _bias(mask: torch.Tensor | None, causal: bool, q: torch.Tensor, tk: int) -> torch.Tensor | None:
+    """The additive bias SDPA's efficient kernel takes (B, H, Tq, Tk) in q's dtype, or None."""
+    allowed = _allowed(q.shape[2], tk, causal, mask, q.device)
+    if allowed is None:
+        return None
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, _NEG_INF)
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], tk)
+
+
+def attention_block_efficient(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's memory-efficient attention kernel (CUDA): out in fp32, lse (B, H, Tq) fp32."""
+    heads, tq = q.shape[1], q.shape[2]
+    kk, vv = _expand(k, heads), _expand(v, heads)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, kk, vv, _bias(mask, causal, q, k.shape[2]), True, 0.0, False, scale=scale
+    )
+    lse = lse[..., :tq].float()  # the kernel pads the rows to a multiple of its tile
+    # Empty rows come back with a finite lse and zero out on some builds: make them -inf, as the twin.
+    allowed = _allowed(tq, k.shape[2], causal, mask, q.device)
+    if allowed is not None:
+        empty = ~allowed.any(-1)  # (Tq,) or (B, 1, Tq)
+        lse = lse.masked_fill(empty, _NEG_INF)
+    return out.float(), lse
+
+
+def attention_block_backward_efficient(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The efficient kernel's backward with the merged out and lse (padded back to its tile)."""
+    heads, groups, tq = q.shape[1], k.shape[1], q.shape[2]
+    kk, vv = _expand(k, heads), _expand(v, heads)
+    padded = -(-tq // 32) * 32
+    lse_in = torch.full((*lse.shape[:-1], padded), _NEG_INF, dtype=torch.float32, device=q.device)
+    lse_in[..., :tq] = _finite(lse)
+    bias = _bias(mask, causal, q, k.shape[2])
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype).contiguous(), q, kk, vv, bias, out.to(q.dtype).contiguous(), lse_in,
+        seed, offset, 0.0, [True, True, True, False], False, scale=scale,
+    )  # fmt: skip
+    return dq.float(), _fold(dk.float(), groups), _fold(dv.float(), groups)
+
+
+def efficient_available() -> bool:
+    return torch.cuda.is_available()
