@@ -65,14 +65,14 @@ class Terminated(Exception):
 
 
 class UnsupportedLayout(Exception):
-    """A layout this engine cannot run (context or expert parallelism, or the wrong world size)."""
+    """A layout this engine cannot run (expert parallelism, or the wrong world size)."""
 
 
 def check_runnable(layout: Layout, world_size: int) -> None:
-    if layout.cp > 1 or layout.ep > 1:
+    if layout.ep > 1:
         raise UnsupportedLayout(
-            f"layout cp={layout.cp} ep={layout.ep} needs context/expert parallelism, which this engine "
-            "does not run yet; it runs tensor (+sequence), pipeline and data parallelism (cp=ep=1)"
+            f"layout ep={layout.ep} needs expert parallelism, which this engine does not run yet; it runs "
+            "tensor (+sequence), context, pipeline and data parallelism (ep=1)"
         )
     if layout.world_size != world_size:
         raise UnsupportedLayout(
