@@ -2,7 +2,8 @@
 the torchrun entry point.
 
 Runs as one process, or as N ranks under `torchrun --nproc-per-node N` (gloo on CPU, nccl on CUDA)
-with the job's layout: tensor parallelism (+ sequence parallelism), pipeline parallelism (1F1B,
+with the job's layout: tensor parallelism (+ sequence parallelism), context parallelism (ring
+attention over load-balanced sequence chunks), pipeline parallelism (1F1B,
 interleaved with virtual stages, or all-forward-all-backward) and data parallelism with bucketed,
 overlapped gradient reduction and optionally the distributed optimizer (ZeRO-1), in fp32, bf16 or
 fp16 (dynamic loss scaling), with optional activation recompute. The layout is the one the control
