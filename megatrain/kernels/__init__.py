@@ -148,8 +148,8 @@ def _builtin() -> None:
         register(kernel, "reference", f"{pkg}.attention_block:{fn}_reference")
         register(
             kernel,
-            "sdpa_efficient",
-            f"{pkg}.attention_block:{fn}_efficient",
+            "sdpa",
+            f"{pkg}.attention_block:{fn}_sdpa",
             devices=("cuda",),
             available=_cuda_available,
             priority=10,
@@ -157,9 +157,9 @@ def _builtin() -> None:
 
 
 def _cuda_available() -> bool:
-    from megatrain.kernels.attention_block import efficient_available
+    from megatrain.kernels.attention_block import sdpa_available
 
-    return efficient_available()
+    return sdpa_available()
 
 
 def _flash_attn_available() -> bool:

@@ -15,8 +15,8 @@ P = exp(S - lse) is that row's final attention to this block's keys, and
 dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)); so each block's gradients are exact on their own and only add up.
 
 Backends: "reference" (fp32 PyTorch, materialising the (Tq, Tk) scores: the CPU path and the twin)
-and "sdpa_efficient" (torch's memory-efficient SDPA kernel on CUDA, which returns the log-sum-exp and
-takes an attention bias).
+and "sdpa" (CUDA only: torch's fused SDPA kernels, which return the log-sum-exp; flash for 16-bit
+blocks without a mask, memory-efficient with an additive bias otherwise).
 """
 
 from __future__ import annotations
@@ -105,16 +105,24 @@ def attention_block_backward_reference(
     return dq, _fold(dk, groups), _fold(dv, groups)
 
 
-def _bias(mask: torch.Tensor | None, causal: bool, q: torch.Tensor, tk: int) -> torch.Tensor | None:
-    """The additive bias SDPA's efficient kernel takes (B, H, Tq, Tk) in q's dtype, or None."""
-    allowed = _allowed(q.shape[2], tk, causal, mask, q.device)
-    if allowed is None:
-        return None
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, _NEG_INF)
-    return bias.expand(q.shape[0], q.shape[1], q.shape[2], tk)
+def _bias(mask: torch.Tensor | None, causal: bool, q: torch.Tensor, tk: int) -> torch.Tensor:
+    """The additive bias the efficient kernel takes: (B, H, Tq, Tk) in q's dtype, 0 or -inf, stored
+    with its rows padded to a multiple of 16 elements (the kernel's alignment), as SDPA does."""
+    b, h, tq = q.shape[0], q.shape[1], q.shape[2]
+    allowed = _allowed(tq, tk, causal, mask, q.device)
+    padded = torch.zeros(b, h, tq, -(-tk // 16) * 16, dtype=q.dtype, device=q.device)
+    bias = padded[..., :tk]
+    if allowed is not None:
+        bias.masked_fill_(~allowed.expand(b, h, tq, tk), _NEG_INF)
+    return bias
 
 
-def attention_block_efficient(
+def _flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """torch's flash kernel: 16-bit inputs and no mask (it takes only the causal flag)."""
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def attention_block_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -122,22 +130,26 @@ def attention_block_efficient(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's memory-efficient attention kernel (CUDA): out in fp32, lse (B, H, Tq) fp32."""
-    heads, tq = q.shape[1], q.shape[2]
+    """torch's fused SDPA kernels on CUDA (flash for 16-bit unmasked blocks, memory-efficient with
+    a bias otherwise): out in fp32, lse (B, H, Tq) fp32, -inf on rows with no allowed key."""
+    heads, tq, tk = q.shape[1], q.shape[2], k.shape[2]
     kk, vv = _expand(k, heads), _expand(v, heads)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, kk, vv, _bias(mask, causal, q, k.shape[2]), True, 0.0, False, scale=scale
-    )
-    lse = lse[..., :tq].float()  # the kernel pads the rows to a multiple of its tile
-    # Empty rows come back with a finite lse and zero out on some builds: make them -inf, as the twin.
-    allowed = _allowed(tq, k.shape[2], causal, mask, q.device)
-    if allowed is not None:
-        empty = ~allowed.any(-1)  # (Tq,) or (B, 1, Tq)
-        lse = lse.masked_fill(empty, _NEG_INF)
-    return out.float(), lse
+    if _flash(q, mask):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, kk, vv, 0.0, causal, False, scale=scale
+        )[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, kk, vv, _bias(mask, causal, q, tk), True, 0.0, False, scale=scale
+        )[:2]
+    lse = lse[..., :tq].float()  # the efficient kernel pads the rows to a multiple of its tile
+    allowed = _allowed(tq, tk, causal, mask, q.device)
+    if allowed is not None:  # rows with no allowed key: the twin's convention
+        lse = lse.masked_fill(~allowed.any(-1), _NEG_INF)
+    return out.float().masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0), lse
 
 
-def attention_block_backward_efficient(
+def attention_block_backward_sdpa(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -148,20 +160,27 @@ def attention_block_backward_efficient(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The efficient kernel's backward with the merged out and lse (padded back to its tile)."""
-    heads, groups, tq = q.shape[1], k.shape[1], q.shape[2]
+    """The fused kernels' backward, fed the merged out and lse (flash-attention's recomputation)."""
+    heads, groups, tq, tk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     kk, vv = _expand(k, heads), _expand(v, heads)
-    padded = -(-tq // 32) * 32
-    lse_in = torch.full((*lse.shape[:-1], padded), _NEG_INF, dtype=torch.float32, device=q.device)
-    lse_in[..., :tq] = _finite(lse)
-    bias = _bias(mask, causal, q, k.shape[2])
-    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.to(q.dtype).contiguous(), q, kk, vv, bias, out.to(q.dtype).contiguous(), lse_in,
-        seed, offset, 0.0, [True, True, True, False], False, scale=scale,
-    )  # fmt: skip
+    do, o = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    if _flash(q, mask):
+        cum = torch.empty(0, dtype=torch.int32, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, kk, vv, o, lse.float().contiguous(), cum, cum, tq, tk, 0.0, causal, zero, zero, scale=scale
+        )
+    else:
+        lse_in = torch.full(
+            (*lse.shape[:-1], -(-tq // 32) * 32), _NEG_INF, dtype=torch.float32, device=q.device
+        )
+        lse_in[..., :tq] = _finite(lse)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, kk, vv, _bias(mask, causal, q, tk), o, lse_in, zero, zero, 0.0,
+            [True, True, True, False], False, scale=scale,
+        )  # fmt: skip
     return dq.float(), _fold(dk.float(), groups), _fold(dv.float(), groups)
 
 
-def efficient_available() -> bool:
+def sdpa_available() -> bool:
     return torch.cuda.is_available()

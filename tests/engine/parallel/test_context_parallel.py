@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatrain import kernels
 from megatrain.engine.data.batch import Batch
 from megatrain.engine.microbatch import context_parallel_batch, context_parallel_index
 from megatrain.engine.parallel.context import Ring, ring_attention, skipped_blocks
@@ -24,7 +25,7 @@ from megatrain.kernels.attention_block import (
     attention_block_backward_reference,
     attention_block_reference,
 )
-from megatrain.plan.layout import Layout
+from megatrain.plan.layout import Layout, context_problems, model_problems
 
 from ._launch import run_distributed
 
@@ -183,3 +184,43 @@ def test_ring_of_one_is_plain_attention() -> None:
     torch.testing.assert_close(ring_attention(q, k, v, ring=ring), attention_reference(q, k, v))
     with pytest.raises(ValueError, match="attention_dropout"):
         ring_attention(q, k, v, None, 0.1, ring=ring)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout rules (the 422's words) and the CUDA backend.
+
+
+def test_layout_rules_name_the_fields() -> None:
+    sp = Layout(tp=2, cp=2, sequence_parallel=True)
+    assert model_problems(sp, seq_length=16) == []
+    [problem] = model_problems(sp, seq_length=12, model="model.", par="parallelism.")
+    assert problem["field"] == "model.seq_length"
+    assert "not divisible by 2×parallelism.cp×parallelism.tp=8" in problem["message"]
+    [problem] = context_problems(Layout(cp=2), attention_dropout=0.1)
+    assert problem["field"] == "model.attention_dropout" and "parallelism.cp=2" in problem["message"]
+    assert context_problems(Layout(), attention_dropout=0.1) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_block_kernel_matches_the_twin(dtype: torch.dtype, causal: bool, packed: bool) -> None:
+    """The fused SDPA backend (flash or memory-efficient) against the fp32 twin on the same inputs,
+    forward (out, lse) and backward from a merged out/lse; bf16 at the 2^-8 output rounding."""
+    assert kernels.backends("attention_block")[0] == "sdpa"
+    fwd, bwd = kernels.get("attention_block", "cuda"), kernels.get("attention_block_backward", "cuda")
+    q, k, v, do = (x.to("cuda", dtype) for x in _qkv(2, 4, 2, 40, hd=64))
+    mask = Segments(_segments(2, 40).cuda()).mask if packed else None
+    out, lse = fwd(q, k, v, causal, mask, 0.125)
+    ref_out, ref_lse = attention_block_reference(q, k, v, causal, mask, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=0, atol=tol)
+    got = bwd(do, q, k, v, ref_out.to(dtype), ref_lse, causal, mask, 0.125)
+    want = attention_block_backward_reference(do, q, k, v, ref_out.to(dtype), ref_lse, causal, mask, 0.125)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-3 if dtype == torch.float32 else 5e-2)
