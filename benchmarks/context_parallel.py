@@ -1,0 +1,209 @@
+"""Context parallelism on gloo CPU ranks: ring attention's time and activation memory per rank
+against one process holding the whole sequence, and the block work load balancing skips.
+
+    python benchmarks/context_parallel.py                       # seq 1024 2048 4096, cp 2 and 4
+    python benchmarks/context_parallel.py --seq 512 1024 --cp 2 --repeats 2
+
+Attention table: per sequence length T, one process runs causal attention over (B, H, T, hd)
+forward + backward twice, with the registry's `attention` kernel (SDPA) and with the block kernel
+ring attention uses (on CPU its fp32 reference: the like-for-like baseline); then cp ranks (one
+thread each) run ring attention over their T/cp tokens. Time: median over repeats of the slowest
+rank. Peak bytes: LiveTensorBytes (every tensor ops return during forward + backward, the inputs
+excluded), the largest over the ranks.
+
+Model table: the peak activation bytes per rank of a whole Llama-flavour GPTModel step (forward,
+loss, backward; parameters and gradients excluded) at cp = 1, 2, 4: the reason cp exists, target
+~1/cp.
+
+Skipped blocks: under load balancing each rank computes 3 chunk × chunk blocks at step 0 (two
+causal diagonals, one full) and 2 at each later step, out of the 4·cp pairs it would compute passing
+the whole K/V around; computed here from the ring's own plan and checked against the formula.
+
+Ranks beyond the machine's cores time-share (cp=4 on 2 cores runs at half speed), so ring times read
+high there; the table says how many cores there were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatrain import kernels  # noqa: E402
+from megatrain.engine.config import TransformerConfig  # noqa: E402
+from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
+from megatrain.engine.microbatch import context_parallel_index  # noqa: E402
+from megatrain.engine.models.gpt import GPTModel  # noqa: E402
+from megatrain.engine.parallel.context import Ring, _plan, parallelize_context, skipped_blocks  # noqa: E402
+from megatrain.engine.parallel.state import ParallelState  # noqa: E402
+from megatrain.kernels.attention_block import attention_block_reference  # noqa: E402
+from megatrain.plan.layout import Layout  # noqa: E402
+
+
+def _qkv(args: argparse.Namespace, t: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    b, h, grp, hd = args.batch, args.heads, args.groups, args.head_dim
+    return [torch.randn(b, n, t, hd, generator=g) for n in (h, grp, grp, h)]
+
+
+def _measure(fn: Any, inputs: list[torch.Tensor], repeats: int, sync: Any = None) -> tuple[float, int]:
+    """(median seconds, peak bytes) of forward + backward of fn(q, k, v) with dout."""
+    times, peak = [], 0
+    for _ in range(repeats + 1):  # the first is a warm-up
+        q, k, v = (x.clone().requires_grad_() for x in inputs[:3])
+        if sync:
+            sync()
+        with LiveTensorBytes(ignore=[q, k, v, inputs[3]]) as mem:
+            t0 = time.perf_counter()
+            fn(q, k, v).backward(inputs[3])
+            elapsed = time.perf_counter() - t0
+        times.append(elapsed)
+        peak = max(peak, mem.peak)
+    return statistics.median(times[1:]), peak
+
+
+def _full_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One process through the ring's own block kernel (fp32 reference) with autograd's backward."""
+    return attention_block_reference(q, k, v, True)[0]
+
+
+def _model_config(args: argparse.Namespace, t: int) -> TransformerConfig:
+    cfg = TransformerConfig.preset("tiny-llama")
+    return replace(
+        cfg, hidden_size=args.heads * args.head_dim, num_attention_heads=args.heads,
+        num_query_groups=args.groups, ffn_hidden_size=4 * args.heads * args.head_dim, seq_length=t,
+        num_layers=2, vocab_size=256,
+    )  # fmt: skip
+
+
+def _model_peak(cfg: TransformerConfig, state: ParallelState, t: int) -> int:
+    """Peak activation bytes of one forward + loss + backward at this rank's T/cp tokens."""
+    torch.manual_seed(0)
+    model = parallelize_context(GPTModel(cfg), state)
+    idx = torch.as_tensor(context_parallel_index(t, state.cp_rank, state.cp_size))
+    tokens = torch.randint(0, cfg.vocab_size, (1, t + 1), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1][:, idx], tokens[:, 1:][:, idx]
+    pos = idx.unsqueeze(0)
+    with LiveTensorBytes(ignore=tensors_of(model, x, y, pos)) as mem:
+        model.loss(x, y, position_ids=pos).backward()
+    return mem.peak
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    state = ParallelState.build(Layout(cp=world))
+    ring = Ring.of(state)
+    rows = []
+    for t in args.seq:
+        q, k, v, do = _qkv(args, t)
+        idx = torch.as_tensor(context_parallel_index(t, rank, world))
+        local = [x[:, :, idx].contiguous() for x in (q, k, v, do)]
+
+        def ring_fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return kernels.get("attention", "cpu")(a, b, c) if world == 1 else _ring(a, b, c, ring)
+
+        seconds, peak = _measure(ring_fn, local, args.repeats, sync=lambda: torch.distributed.barrier())
+        rows.append({"kind": "attn", "t": t, "cp": world, "s": seconds, "peak": peak})
+        rows.append(
+            {"kind": "model", "t": t, "cp": world, "peak": _model_peak(_model_config(args, t), state, t)}
+        )
+    return rows
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    from megatrain.engine.parallel.context import ring_attention
+
+    return ring_attention(q, k, v, ring=ring)
+
+
+def _plan_counts(cp: int) -> tuple[int, int]:
+    """Chunk-pair blocks one rank computes per attention call, from the ring's plan (every rank)."""
+    counts = set()
+    for rank in range(cp):
+        n = 0
+        for step in range(cp):
+            s = _plan(step, rank, cp, 1)
+            rows = 2 if s.rows == slice(None) else 1
+            cols = 2 if s.cols == slice(None) else 1
+            n += rows * cols - (1 if s.causal else 0)  # a causal 2×2 block skips its upper pair
+        counts.add(n)
+    assert len(counts) == 1, f"ranks do unequal work: {counts}"
+    computed = counts.pop()
+    return computed, 4 * cp - computed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine" / "parallel"))
+    from _launch import run_distributed
+
+    torch.set_num_threads(1)
+    cores = len(os.sched_getaffinity(0))
+    print(f"# context parallelism (gloo CPU ranks, 1 thread each, {cores} cores)")
+    print(f"# attention: B={args.batch} H={args.heads} G={args.groups} hd={args.head_dim}, fp32, fwd+bwd")
+    base = {}
+    for t in args.seq:
+        inputs = _qkv(args, t)
+        sdpa = _measure(lambda q, k, v: kernels.get("attention", "cpu")(q, k, v), inputs, args.repeats)
+        block = _measure(_full_block, inputs, args.repeats)
+        cfg = _model_config(args, t)
+        base[t] = (sdpa, block, _model_peak(cfg, ParallelState.single(), t))
+    rows = [
+        r
+        for cp in args.cp
+        for rank_rows in run_distributed(worker, cp, args, timeout=3600)
+        for r in rank_rows
+    ]
+
+    print("\n| T | cp | full SDPA (s) | full block kernel (s) | ring, slowest rank (s) | ring / full block |"
+          " full peak (MiB) | ring peak per rank (MiB) | ratio |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    mib = 2**20
+    for t in args.seq:
+        (s_sdpa, _), (s_block, p_block), _ = base[t]
+        for cp in args.cp:
+            mine = [r for r in rows if r["kind"] == "attn" and r["t"] == t and r["cp"] == cp]
+            s, p = max(r["s"] for r in mine), max(r["peak"] for r in mine)
+            print(f"| {t} | {cp} | {s_sdpa:.3f} | {s_block:.3f} | {s:.3f} | {s / s_block:.2f} | "
+                  f"{p_block / mib:.1f} | {p / mib:.1f} | {p / p_block:.2f} |")  # fmt: skip
+
+    heads = " | ".join(f"cp={cp} per rank (MiB) | ratio" for cp in args.cp)
+    print(f"\n| T | model activations cp=1 (MiB) | {heads} |")
+    print("|---:|---:|" + "---:|---:|" * len(args.cp))
+    for t in args.seq:
+        one = base[t][2]
+        cells = []
+        for cp in args.cp:
+            p = max(r["peak"] for r in rows if r["kind"] == "model" and r["t"] == t and r["cp"] == cp)
+            cells.append(f"{p / mib:.1f} | {p / one:.2f}")
+        print(f"| {t} | {one / mib:.1f} | {' | '.join(cells)} |")
+
+    print("\n| cp | chunk-pair blocks computed per rank | skipped (fully masked) | of 4·cp |")
+    print("|---:|---:|---:|---:|")
+    for cp in sorted({1, *args.cp}):
+        computed, skipped = _plan_counts(cp)
+        assert (computed, skipped) == skipped_blocks(cp)
+        print(f"| {cp} | {computed} | {skipped} | {4 * cp} |")
+
+
+if __name__ == "__main__":
+    main()
