@@ -111,7 +111,8 @@ def make_trainable(
         state,
         bucket_elements=par.grad_bucket_elements,
         overlap_grad_reduce=par.overlap_grad_reduce,
-        use_distributed_optimizer=par.distributed_optimizer and state.dp_size > 1,
+        # Sharded over the weight replicas: dp×cp ranks (cp ranks hold the same weights).
+        use_distributed_optimizer=par.distributed_optimizer and state.dp_cp_size > 1,
     )
     optimizer = build_optimizer(ddp, cfg)
     pipeline, loss = None, None

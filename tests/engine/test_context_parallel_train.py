@@ -51,7 +51,9 @@ def test_cp2_run_matches_one_process_and_checkpoints_cross_cp(tmp_path: Path, co
     val = [r["val_loss"] for r in read_jsonl(tmp_path / "cp2" / "metrics.jsonl") if "val_loss" in r]
     val_ref = [r["val_loss"] for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if "val_loss" in r]
     assert len(val) == 2 and val == pytest.approx(val_ref, rel=1e-4)
-    assert read_jsonl(tmp_path / "cp2" / "events.jsonl")[0]["layout"]["cp"] == 2
+    started = read_jsonl(tmp_path / "cp2" / "events.jsonl")[0]
+    # cp ranks are weight replicas: the distributed optimizer shards over them (dp×cp = 2).
+    assert started["layout"]["cp"] == 2 and started["distributed_optimizer"] is True
     mine, _ = read_weights(tmp_path / "cp2" / "checkpoints" / "iter_0000006")
     theirs, _ = read_weights(tmp_path / "single" / "checkpoints" / "iter_0000006")
     assert mine.keys() == theirs.keys()
