@@ -146,6 +146,7 @@ def _builtin() -> None:
         ("attention_block_backward", "attention_block_backward"),
     ):
         register(kernel, "reference", f"{pkg}.attention_block:{fn}_reference")
+        register(kernel, "torch", f"{pkg}.attention_block:{fn}_cpu", devices=("cpu",), priority=10)
         register(
             kernel,
             "sdpa",

@@ -14,9 +14,11 @@ The backward is flash-attention's: given the *merged* out and lse of a query row
 P = exp(S - lse) is that row's final attention to this block's keys, and
 dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)); so each block's gradients are exact on their own and only add up.
 
-Backends: "reference" (fp32 PyTorch, materialising the (Tq, Tk) scores: the CPU path and the twin)
-and "sdpa" (CUDA only: torch's fused SDPA kernels, which return the log-sum-exp; flash for 16-bit
-blocks without a mask, memory-efficient with an additive bias otherwise).
+Backends: "reference" (fp32 PyTorch, materialising the (Tq, Tk) scores: the twin), "torch" (CPU:
+torch's tiled flash kernel for CPU, which returns the log-sum-exp and takes an additive mask) and
+"sdpa" (CUDA: torch's fused SDPA kernels; flash for 16-bit blocks without a mask, memory-efficient
+with an additive bias otherwise). The fused ones never hold a block's (Tq, Tk) scores, so a rank's
+attention memory stays linear in its tokens.
 """
 
 from __future__ import annotations
@@ -103,6 +105,59 @@ def attention_block_backward_reference(
     dq = ds @ _expand(k, heads).float()
     dk = ds.transpose(-1, -2) @ q.float()
     return dq, _fold(dk, groups), _fold(dv, groups)
+
+
+def _empty_rows(
+    out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused kernel's (out, lse) in the twin's convention: fp32, and out 0 / lse -inf on rows with no
+    allowed key (the kernels return a finite lse, or NaN, there)."""
+    out, lse = out.float(), lse[..., : out.shape[2]].float()  # some kernels pad lse's rows to a tile
+    if mask is not None:
+        allowed = _allowed(out.shape[2], mask.shape[-1], causal, mask, out.device)
+        assert allowed is not None
+        empty = ~allowed.any(-1)  # (B, 1, Tq)
+        lse = lse.masked_fill(empty, _NEG_INF)
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def attention_block_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused flash kernel for CPU (tiled: no (Tq, Tk) scores held), which returns the lse."""
+    heads = q.shape[1]
+    bias = None if mask is None else _bias(mask, causal, q, k.shape[2])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expand(k, heads), _expand(v, heads), 0.0, causal and mask is None, attn_mask=bias, scale=scale
+    )
+    return _empty_rows(out, lse, causal, mask)
+
+
+def attention_block_backward_cpu(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's backward, fed the merged out and lse."""
+    heads, groups = q.shape[1], k.shape[1]
+    bias = None if mask is None else _bias(mask, causal, q, k.shape[2])
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype).contiguous(), q, _expand(k, heads), _expand(v, heads), out.to(q.dtype).contiguous(),
+        _finite(lse).float().contiguous(), 0.0, causal and mask is None, attn_mask=bias, scale=scale,
+    )  # fmt: skip
+    return dq.float(), _fold(dk.float(), groups), _fold(dv.float(), groups)
 
 
 def _bias(mask: torch.Tensor | None, causal: bool, q: torch.Tensor, tk: int) -> torch.Tensor:
