@@ -5,11 +5,11 @@ against one process holding the whole sequence, and the block work load balancin
     python benchmarks/context_parallel.py --seq 512 1024 --cp 2 --repeats 2
 
 Attention table: per sequence length T, one process runs causal attention over (B, H, T, hd)
-forward + backward twice, with the registry's `attention` kernel (SDPA) and with the block kernel
-ring attention uses (on CPU its fp32 reference: the like-for-like baseline); then cp ranks (one
-thread each) run ring attention over their T/cp tokens. Time: median over repeats of the slowest
-rank. Peak bytes: LiveTensorBytes (every tensor ops return during forward + backward, the inputs
-excluded), the largest over the ranks.
+forward + backward with the registry's `attention` kernel (SDPA, on CPU torch's tiled flash kernel);
+then cp ranks (one thread each) run ring attention over their T/cp tokens, whose blocks run the
+`attention_block` kernel (on CPU the same flash kernel, returning the lse). Time: median over
+repeats of the slowest rank. Peak bytes: LiveTensorBytes (every tensor ops return during forward +
+backward, the inputs excluded), the largest over the ranks.
 
 Model table: the peak activation bytes per rank of a whole Llama-flavour GPTModel step (forward,
 loss, backward; parameters and gradients excluded) at cp = 1, 2, 4: the reason cp exists, target
@@ -45,7 +45,6 @@ from megatrain.engine.microbatch import context_parallel_index  # noqa: E402
 from megatrain.engine.models.gpt import GPTModel  # noqa: E402
 from megatrain.engine.parallel.context import Ring, _plan, parallelize_context, skipped_blocks  # noqa: E402
 from megatrain.engine.parallel.state import ParallelState  # noqa: E402
-from megatrain.kernels.attention_block import attention_block_reference  # noqa: E402
 from megatrain.plan.layout import Layout  # noqa: E402
 
 
@@ -69,11 +68,6 @@ def _measure(fn: Any, inputs: list[torch.Tensor], repeats: int, sync: Any = None
         times.append(elapsed)
         peak = max(peak, mem.peak)
     return statistics.median(times[1:]), peak
-
-
-def _full_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One process through the ring's own block kernel (fp32 reference) with autograd's backward."""
-    return attention_block_reference(q, k, v, True)[0]
 
 
 def _model_config(args: argparse.Namespace, t: int) -> TransformerConfig:
@@ -164,9 +158,8 @@ def main() -> None:
     for t in args.seq:
         inputs = _qkv(args, t)
         sdpa = _measure(lambda q, k, v: kernels.get("attention", "cpu")(q, k, v), inputs, args.repeats)
-        block = _measure(_full_block, inputs, args.repeats)
         cfg = _model_config(args, t)
-        base[t] = (sdpa, block, _model_peak(cfg, ParallelState.single(), t))
+        base[t] = (sdpa, _model_peak(cfg, ParallelState.single(), t))
     rows = [
         r
         for cp in args.cp
@@ -174,23 +167,23 @@ def main() -> None:
         for r in rank_rows
     ]
 
-    print("\n| T | cp | full SDPA (s) | full block kernel (s) | ring, slowest rank (s) | ring / full block |"
+    print("\n| T | cp | full attention (s) | ring, slowest rank (s) | time ratio |"
           " full peak (MiB) | ring peak per rank (MiB) | ratio |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     mib = 2**20
     for t in args.seq:
-        (s_sdpa, _), (s_block, p_block), _ = base[t]
+        (s_full, p_full), _ = base[t]
         for cp in args.cp:
             mine = [r for r in rows if r["kind"] == "attn" and r["t"] == t and r["cp"] == cp]
             s, p = max(r["s"] for r in mine), max(r["peak"] for r in mine)
-            print(f"| {t} | {cp} | {s_sdpa:.3f} | {s_block:.3f} | {s:.3f} | {s / s_block:.2f} | "
-                  f"{p_block / mib:.1f} | {p / mib:.1f} | {p / p_block:.2f} |")  # fmt: skip
+            print(f"| {t} | {cp} | {s_full:.3f} | {s:.3f} | {s / s_full:.2f} | "
+                  f"{p_full / mib:.1f} | {p / mib:.1f} | {p / p_full:.2f} |")  # fmt: skip
 
     heads = " | ".join(f"cp={cp} per rank (MiB) | ratio" for cp in args.cp)
     print(f"\n| T | model activations cp=1 (MiB) | {heads} |")
     print("|---:|---:|" + "---:|---:|" * len(args.cp))
     for t in args.seq:
-        one = base[t][2]
+        one = base[t][1]
         cells = []
         for cp in args.cp:
             p = max(r["peak"] for r in rows if r["kind"] == "model" and r["t"] == t and r["cp"] == cp)
