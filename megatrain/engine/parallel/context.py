@@ -92,12 +92,12 @@ def _mask(seg: torch.Tensor | None, kv_seg: torch.Tensor | None, s: _Step) -> to
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, bo: torch.Tensor, bl: torch.Tensor) -> None:
     """Fold a block's out (B, H, R, hd) and lse (B, H, R) into the running ones for `rows`, in place
     (online softmax): both rescaled to the merged log-sum-exp."""
-    old_out, old_lse = out[:, :, rows], lse[:, :, rows]
+    old_out, old_lse = out[:, :, rows], lse[:, :, rows]  # views: updated in place
     new_lse = torch.logaddexp(old_lse, bl)
     ref = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)  # rows with no key yet stay 0
-    old_w, new_w = torch.exp(old_lse - ref).unsqueeze(-1), torch.exp(bl - ref).unsqueeze(-1)
-    out[:, :, rows] = old_out * old_w + bo * new_w
-    lse[:, :, rows] = new_lse
+    old_out.mul_(torch.exp(old_lse - ref).unsqueeze(-1))
+    old_out.add_(bo.mul_(torch.exp(bl - ref).unsqueeze(-1)))
+    old_lse.copy_(new_lse)
 
 
 class RingAttention(torch.autograd.Function):
@@ -116,7 +116,8 @@ class RingAttention(torch.autograd.Function):
         kv_seg = seg
         for i in range(ring.size):
             if i + 1 < ring.size:
-                nxt, works = ring.shift([kv] if seg is None else [kv, seg if kv_seg is None else kv_seg])
+                # The next block's transfer overlaps this block's compute.
+                nxt, works = ring.shift([kv] if kv_seg is None else [kv, kv_seg])
             s = _plan(i, ring.rank, ring.size, c)
             b_out, b_lse = block(
                 q[:, :, s.rows],
@@ -129,7 +130,7 @@ class RingAttention(torch.autograd.Function):
             _merge(out, lse, s.rows, b_out, b_lse)
             if i + 1 < ring.size:
                 _wait(works)
-                kv, kv_seg = nxt[0], (nxt[1] if seg is not None else None)
+                kv, kv_seg = nxt[0], (nxt[1] if kv_seg is not None else None)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, seg)
         ctx.ring, ctx.scale = ring, scale
@@ -147,7 +148,7 @@ class RingAttention(torch.autograd.Function):
         dkv_next: list[torch.Tensor] = []
         for i in range(ring.size):
             if i + 1 < ring.size:
-                nxt, works = ring.shift([kv] if seg is None else [kv, kv_seg])
+                nxt, works = ring.shift([kv] if kv_seg is None else [kv, kv_seg])
             s = _plan(i, ring.rank, ring.size, c)
             r = s.rows
             b_dq, b_dk, b_dv = grad(
@@ -167,7 +168,7 @@ class RingAttention(torch.autograd.Function):
             dkv_next, dkv_works = ring.shift([dkv])
             if i + 1 < ring.size:
                 _wait(works)
-                kv, kv_seg = nxt[0], (nxt[1] if seg is not None else None)
+                kv, kv_seg = nxt[0], (nxt[1] if kv_seg is not None else None)
         _wait(dkv_works)
         dkv = dkv_next[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
