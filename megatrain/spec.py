@@ -412,7 +412,8 @@ class ParallelismSpec(_Strict):
     """Data-parallel degree; auto fills resources.devices (or 1)."""
     cp: int = Field(1, ge=1, le=1024)
     """Context-parallel degree: each sequence split over cp ranks (two mirrored chunks each, for a
-    balanced causal load), attention run as a ring; needs model.seq_length divisible by 2·cp."""
+    balanced causal load), attention run as a ring; needs model.seq_length divisible by 2·cp (2·cp·tp
+    with sequence_parallel) and model.attention_dropout 0."""
     ep: int = Field(1, ge=1, le=1024)
     """Expert-parallel degree: model.moe's experts split over ep ranks carved from dp×cp, tokens
     exchanged by all-to-all; must divide dp×cp and model.moe.num_experts."""

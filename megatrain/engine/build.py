@@ -16,6 +16,7 @@ from megatrain.engine.config import TrainConfig, TransformerConfig
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import parallelize_experts
 from megatrain.engine.parallel.parallelize import load_full_state_dict, parallel_lm_loss, parallelize_model
@@ -73,6 +74,7 @@ def build_model(mcfg: TransformerConfig, state: ParallelState, seed: int, device
     tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
     parallelize_experts(model, state)  # this ep rank's experts, the all-to-all dispatcher
+    model = parallelize_context(model, state)
     if state.pp_size == 1:
         return RankModel(model, [], tracker, num_params, state)
     chunks = build_stage_modules(model, state)
@@ -111,12 +113,14 @@ def make_trainable(
         state,
         bucket_elements=par.grad_bucket_elements,
         overlap_grad_reduce=par.overlap_grad_reduce,
-        use_distributed_optimizer=par.distributed_optimizer and state.dp_size > 1,
+        # Sharded over the weight replicas: dp×cp ranks (cp ranks hold the same weights).
+        use_distributed_optimizer=par.distributed_optimizer and state.dp_cp_size > 1,
     )
     optimizer = build_optimizer(ddp, cfg)
     pipeline, loss = None, None
     if model.chunks:
-        seq = mcfg.seq_length // (state.tp_size if state.sequence_parallel else 1)
+        # The residual between stages: (B, T/cp, C), and T/(cp·tp) under sequence parallelism.
+        seq = mcfg.seq_length // state.cp_size // (state.tp_size if state.sequence_parallel else 1)
         pipeline = PipelineSchedule(
             model.chunks,
             state,

@@ -19,7 +19,13 @@ from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
 from megatrain.engine.memory_stats import memory_row
 from megatrain.engine.metrics import throughput
-from megatrain.engine.microbatch import MicroBatch, loss_denominator, mean_loss_tokens, token_share
+from megatrain.engine.microbatch import (
+    MicroBatch,
+    context_parallel_batch,
+    loss_denominator,
+    mean_loss_tokens,
+    token_share,
+)
 from megatrain.engine.models.moe import moe_layers
 from megatrain.engine.moe_metrics import moe_metrics, set_microbatch_aux_scale
 from megatrain.engine.optimizer import lr_at
@@ -43,19 +49,26 @@ class Rates:
 
 
 def reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
-    """Mean over data-parallel ranks of the last pipeline stage's value (tensor-parallel ranks already
-    hold the same loss; other stages hold zero and receive it)."""
+    """Mean over the weight replicas (dp×cp ranks) of the last pipeline stage's value (tensor-parallel
+    ranks already hold the same loss; other stages hold zero and receive it)."""
     value = pipeline_loss(value, state)
-    if state.dp_group is not None:
+    group, size = state.dp_cp_group, state.dp_cp_size
+    if group is not None:
         value = value.clone()
-        dist.all_reduce(value, group=state.dp_group)
-        value /= state.dp_size
+        dist.all_reduce(value, group=group)
+        value /= size
     return float(value.item())
 
 
-def batch_of(dataset: SampleDataset | Loader, ids: list[int], device: str) -> MicroBatch:
-    """The micro-batch of samples `ids` on `device`."""
-    return MicroBatch.from_batch(dataset.batch(ids), device)  # (B, T) tensors
+def batch_of(
+    dataset: SampleDataset | Loader, ids: list[int], device: str, state: ParallelState | None = None
+) -> MicroBatch:
+    """The micro-batch of samples `ids` on `device`: (B, T) tensors, or with context parallelism
+    this cp rank's (B, T/cp) part of every row (microbatch.context_parallel_batch)."""
+    batch = dataset.batch(ids)
+    if state is not None:
+        batch = context_parallel_batch(batch, state.cp_rank, state.cp_size)
+    return MicroBatch.from_batch(batch, device)
 
 
 class TrainLoop:
@@ -111,7 +124,7 @@ class TrainLoop:
         micro_ids = self._micro_ids(consumed)
         loss_sum = torch.zeros((), device=self.device)
         with timers("data"):
-            batches = [batch_of(self.train_ds, ids, self.device) for ids in micro_ids]
+            batches = [batch_of(self.train_ds, ids, self.device, self.state) for ids in micro_ids]
             denominator = loss_denominator(batches, self.state)
         if pipeline is not None:
             loss_fn = train.loss
@@ -162,7 +175,7 @@ class TrainLoop:
         count, masked = 0, False
         for it in range(self.cfg.eval_iters):
             ids = self._micro_ids(it * self.cfg.global_batch_size)
-            batches = [batch_of(dataset, i, self.device) for i in ids]
+            batches = [batch_of(dataset, i, self.device, self.state) for i in ids]
             if pipeline is not None:
                 total += pipeline.forward_only(batches, self._summed_loss)
             else:

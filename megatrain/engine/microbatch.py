@@ -10,8 +10,9 @@ mean divided by the number of micro-batches: exactly the plain mean of before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,6 +76,45 @@ class MicroBatch:
         return [MicroBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
 
 
+def context_parallel_index(seq_length: int, rank: int, size: int) -> np.ndarray:
+    """The positions context-parallel rank `rank` of `size` keeps of a sequence: the sequence cut in
+    2·size equal chunks, chunks `rank` and 2·size-1-rank, in order (Megatron's causal load
+    balancing: under a causal mask an early chunk attends to little and a late one to much, so
+    every rank pairing one of each does the same work). (2·T/(2·size),) int64."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"context-parallel rank {rank} is outside cp={size}")
+    if seq_length % (2 * size):
+        raise ValueError(f"a sequence of {seq_length} tokens does not split into 2×cp={2 * size} chunks")
+    c = seq_length // (2 * size)
+    first, second = rank * c, (2 * size - 1 - rank) * c
+    return np.concatenate([np.arange(first, first + c), np.arange(second, second + c)])
+
+
+def context_parallel_batch(batch: Batch, rank: int, size: int) -> Batch:
+    """This cp rank's part of every row (see context_parallel_index): tokens, labels, loss_mask,
+    segment_ids (B, T) -> (B, T/cp), and position_ids made explicit, so that positions (RoPE, learned)
+    stay the kept tokens' true ones. size 1: the batch itself."""
+    if size == 1:
+        return batch
+    b, t = batch.tokens.shape
+    index = context_parallel_index(t, rank, size)
+    positions = (
+        batch.position_ids if batch.position_ids is not None else np.broadcast_to(np.arange(t), (b, t))
+    )
+
+    def keep(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[:, index])
+
+    return replace(
+        batch,
+        tokens=keep(batch.tokens),
+        labels=keep(batch.labels),
+        loss_mask=keep(batch.loss_mask),
+        position_ids=keep(positions),
+        segment_ids=keep(batch.segment_ids),
+    )
+
+
 def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
     """This rank's share of the global batch's loss-token count (see `mean_loss_tokens`)."""
     masked = any(b.loss_mask is not None for b in batches)
@@ -82,17 +122,19 @@ def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
 
 
 def mean_loss_tokens(local: int, masked: bool, state: ParallelState) -> float:
-    """The mean over data-parallel ranks of their loss-token counts (the global count over dp, since
-    DataParallel averages gradients): one all-reduce of one number when the batches carry masks.
+    """The mean over the weight replicas (dp×cp ranks) of their loss-token counts (the global count
+    over dp·cp, since DataParallel averages gradients over them; a cp rank counts the tokens of its
+    part of each sequence): one all-reduce of one number when the batches carry masks.
 
     Whether batches carry a loss mask is their dataset's kind (pretraining samples never do,
     fine-tuning samples always do), the same on every rank; unmasked, every rank counts the same
     B·T per micro-batch, so pretraining steps need no collective and no host sync for it."""
-    if state.dp_group is None or state.dp_size == 1 or not masked:
+    group, size = state.dp_cp_group, state.dp_cp_size
+    if group is None or size == 1 or not masked:
         return float(local)
     count = torch.tensor([float(local)], dtype=torch.float64, device=state.device)
-    dist.all_reduce(count, group=state.dp_group)
-    return float(count.item()) / state.dp_size
+    dist.all_reduce(count, group=group)
+    return float(count.item()) / size
 
 
 def token_share(mean: torch.Tensor, num_loss_tokens: int, denominator: float) -> torch.Tensor:

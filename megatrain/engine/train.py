@@ -2,7 +2,8 @@
 the torchrun entry point.
 
 Runs as one process, or as N ranks under `torchrun --nproc-per-node N` (gloo on CPU, nccl on CUDA)
-with the job's layout: tensor parallelism (+ sequence parallelism), pipeline parallelism (1F1B,
+with the job's layout: tensor parallelism (+ sequence parallelism), context parallelism (ring
+attention over load-balanced sequence chunks), pipeline parallelism (1F1B,
 interleaved with virtual stages, or all-forward-all-backward) and data parallelism with bucketed,
 overlapped gradient reduction and optionally the distributed optimizer (ZeRO-1), in fp32, bf16 or
 fp16 (dynamic loss scaling), with optional activation recompute. The layout is the one the control
@@ -65,15 +66,10 @@ class Terminated(Exception):
 
 
 class UnsupportedLayout(Exception):
-    """A layout this engine cannot run (context parallelism, or the wrong world size)."""
+    """A layout this engine cannot run (the wrong world size)."""
 
 
 def check_runnable(layout: Layout, world_size: int) -> None:
-    if layout.cp > 1:
-        raise UnsupportedLayout(
-            f"layout cp={layout.cp} needs context parallelism, which this engine "
-            "does not run yet; it runs tensor (+sequence), pipeline, data and expert parallelism (cp=1)"
-        )
     if layout.world_size != world_size:
         raise UnsupportedLayout(
             f"the spec's layout needs {layout.world_size} processes but {world_size} were started"

@@ -150,12 +150,34 @@ def _builtin() -> None:
         available=_grouped_mm_available,
         priority=20,
     )
+    # One attention block with its log-sum-exp (ring attention's unit of work, forward and backward).
+    for kernel, fn in (
+        ("attention_block", "attention_block"),
+        ("attention_block_backward", "attention_block_backward"),
+    ):
+        register(kernel, "reference", f"{pkg}.attention_block:{fn}_reference")
+        register(kernel, "torch", f"{pkg}.attention_block:{fn}_cpu", devices=("cpu",), priority=10)
+        register(
+            kernel,
+            "sdpa",
+            f"{pkg}.attention_block:{fn}_sdpa",
+            devices=("cuda",),
+            available=_cuda_available,
+            priority=10,
+        )
+
 
 
 def _grouped_mm_available() -> bool:
     from megatrain.kernels.grouped_mlp import grouped_mm_available
 
     return grouped_mm_available()
+
+
+def _cuda_available() -> bool:
+    from megatrain.kernels.attention_block import sdpa_available
+
+    return sdpa_available()
 
 
 def _flash_attn_available() -> bool:
@@ -165,3 +187,4 @@ def _flash_attn_available() -> bool:
 
 
 _builtin()
+

@@ -219,6 +219,20 @@ def model_problems(
                 f"{model}seq_length={seq_length} is not divisible by 2×{par}cp={2 * layout.cp}",
             )
         )
+    elif (
+        seq_length is not None
+        and layout.cp > 1
+        and layout.sequence_parallel
+        and seq_length % (2 * layout.cp * layout.tp)
+    ):
+        # Each cp rank's 2 chunks are then cut again over tp.
+        out.append(
+            _problem(
+                f"{model}seq_length",
+                f"{model}seq_length={seq_length} is not divisible by 2×{par}cp×{par}tp="
+                f"{2 * layout.cp * layout.tp} (context with sequence parallelism)",
+            )
+        )
     if (layout.dp * layout.cp) % layout.ep:
         out.append(_problem(f"{par}ep", f"{par}ep={layout.ep} does not divide dp×cp={layout.dp}×{layout.cp}"))
     if num_layers is not None:
@@ -310,7 +324,21 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
         ),
         *batch_problems(layout, tr.global_batch_size, tr.micro_batch_size),
         *expert_problems(layout, m.moe.num_experts if m.moe is not None else 0),
+        *context_problems(layout, m.attention_dropout),
     ]
+
+
+def context_problems(layout: Layout, attention_dropout: float) -> list[Problem]:
+    """Ring attention (context parallelism) merges exact softmax blocks: it runs no attention dropout."""
+    if layout.cp > 1 and attention_dropout > 0:
+        return [
+            _problem(
+                "model.attention_dropout",
+                f"model.attention_dropout={attention_dropout} is not supported with parallelism.cp="
+                f"{layout.cp} (ring attention runs without dropout); set it to 0",
+            )
+        ]
+    return []
 
 
 def expert_problems(layout: Layout, num_experts: int) -> list[Problem]:
@@ -399,6 +427,7 @@ __all__: Sequence[str] = [
     "LayoutError",
     "batch_problems",
     "check_layout",
+    "context_problems",
     "layout_problems",
     "model_problems",
     "resolve_layout",

@@ -196,6 +196,9 @@ class Attention(nn.Module):
         # context that restores the tracker's streams when the core is recomputed.
         self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
+        # Context parallelism installs ring attention here (the `attention` kernel's signature); None:
+        # the kernel registry's attention over the whole local sequence.
+        self.core_attention: Callable[..., torch.Tensor] | None = None
         out = (self.num_heads + 2 * self.num_groups) * self.head_dim
         self.qkv = Linear(cfg.hidden_size, out, bias=cfg.has_qkv_bias)
         self.proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias)
@@ -217,7 +220,8 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         with self.core_rng_context():
             # Causal (is_causal) without segments; block-diagonal causal over packed documents.
-            return kernels.get("attention", q.device.type)(q, k, v, segments, dropout)
+            attend = self.core_attention or kernels.get("attention", q.device.type)
+            return attend(q, k, v, segments, dropout)
 
     def forward(
         self,

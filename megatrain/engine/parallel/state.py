@@ -16,6 +16,9 @@ from megatrain.plan.layout import AXES, Coords, Layout, LayoutError
 
 Group = dist.ProcessGroup | None
 
+_JOINT = {"mp": ("tp", "pp"), "dp_cp": ("cp", "dp")}
+"""Groups spanning several axes: the model-parallel ranks, and the weight replicas (dp×cp)."""
+
 
 @dataclass
 class ParallelState:
@@ -23,21 +26,23 @@ class ParallelState:
     rank: int
     device: torch.device
     groups: dict[str, Group] = field(default_factory=dict)
-    """tp, cp, dp, pp, and mp (tp×pp: the model-parallel group); None where the size is 1. With pp > 1
-    also pp_bwd (the pp ranks again: pipeline gradients travel apart from activations) and embd (the
-    first and last stage of each pipeline: the tied embedding's two copies). With ep > 1 also ep and
-    edp (expert-parallel and expert-data-parallel, carved from dp×cp: Layout.expert_group_ranks)."""
+    """tp, cp, dp, pp, mp (tp×pp: the model-parallel group) and dp_cp (dp×cp: the ranks holding the
+    same weights, over which gradients are averaged; the dp group itself when cp = 1); None where the
+    size is 1. With pp > 1 also pp_bwd (the pp ranks again: pipeline gradients travel apart from
+    activations) and embd (the first and last stage of each pipeline: the tied embedding's two copies).
+    With ep > 1 also ep and edp (expert-parallel and expert-data-parallel, carved from dp×cp:
+    Layout.expert_group_ranks)."""
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
-        return cls(Layout(), 0, torch.device(device), {a: None for a in (*AXES, "mp")})
+        return cls(Layout(), 0, torch.device(device), {a: None for a in (*AXES, *_JOINT)})
 
     @classmethod
     def build(cls, layout: Layout, device: torch.device | str = "cpu") -> ParallelState:
         """Create every group (collective: all ranks must call this with the same layout)."""
         if not dist.is_initialized():
             if layout.world_size == 1:
-                return cls(layout, 0, torch.device(device), {a: None for a in (*AXES, "mp")})
+                return cls(layout, 0, torch.device(device), {a: None for a in (*AXES, *_JOINT)})
             raise LayoutError(f"{layout.describe()} needs {layout.world_size} processes; none is initialised")
         world = dist.get_world_size()
         if world != layout.world_size:
@@ -47,7 +52,10 @@ class ParallelState:
             )
         rank = dist.get_rank()
         groups: dict[str, Group] = {}
-        for name, along in [*((d, (d,)) for d in AXES), ("mp", ("tp", "pp"))]:
+        for name, along in [*((d, (d,)) for d in AXES), *_JOINT.items()]:
+            if name == "dp_cp" and layout.cp == 1:
+                groups[name] = groups["dp"]  # the same ranks: no second group
+                continue
             mine: Group = None
             for ranks in layout.group_ranks(*along):
                 # new_group is collective over the world: every rank creates every group.
@@ -79,14 +87,16 @@ class ParallelState:
         return self.groups[dim]
 
     def size(self, dim: str) -> int:
-        if dim == "mp":
-            return self.layout.tp * self.layout.pp
+        if dim in _JOINT:
+            return self.layout.size(_JOINT[dim][0]) * self.layout.size(_JOINT[dim][1])
         return self.layout.size(dim)
 
     def local_rank_in(self, dim: str) -> int:
         c = self.coords
         if dim == "mp":
             return c.tp + self.layout.tp * c.pp
+        if dim == "dp_cp":
+            return c.cp + self.layout.cp * c.dp  # the group's ranks are ordered cp fastest
         return getattr(c, dim)
 
     # Shorthands the layers use most.
@@ -113,6 +123,27 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self.coords.dp
+
+    @property
+    def cp_group(self) -> Group:
+        return self.groups["cp"]
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def dp_cp_group(self) -> Group:
+        """Weight replicas: gradients, the loss and its token count are averaged over dp×cp."""
+        return self.groups.get("dp_cp", self.groups.get("dp"))
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.layout.dp * self.layout.cp
 
     @property
     def pp_group(self) -> Group:
