@@ -167,7 +167,6 @@ def _builtin() -> None:
         )
 
 
-
 def _grouped_mm_available() -> bool:
     from megatrain.kernels.grouped_mlp import grouped_mm_available
 
@@ -187,4 +186,3 @@ def _flash_attn_available() -> bool:
 
 
 _builtin()
-
