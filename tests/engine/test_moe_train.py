@@ -47,6 +47,13 @@ def test_moe_run_logs_router_figures_and_resumes_exactly(tmp_path: Path, corpus:
         assert r["moe_z_loss"] > 0 and 0 <= r["moe_dropped_fraction"] < 0.5
         assert r["moe_load_imbalance"] >= 1.0
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # The planner's estimate counts the experts: the measured model state (parameters, gradients,
+    # optimizer state of the real tensors) agrees with it, as for dense models.
+    started = next(e for e in read_jsonl(tmp_path / "a" / "events.jsonl") if e["event"] == "started")
+    est = started["memory_estimate"]
+    assert rows[-1]["measured_params_bytes"] == pytest.approx(est["params_bytes"], rel=0.05)
+    planned = est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"]
+    assert rows[-1]["model_state_bytes"] == pytest.approx(planned, rel=0.05)
     # Resumed at step 3 in a fresh folder: steps 4-6 are the same numbers.
     _resume_at(tmp_path / "a", tmp_path / "b", 3)
     run(parse_spec(raw), tmp_path / "b")
