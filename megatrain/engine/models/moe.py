@@ -118,6 +118,10 @@ class TopKRouter(nn.Module):
         """The aux losses' gradient weight: the micro-batch's token share × the fp16 loss scale."""
         self.aux_grad_fraction = 1.0
         """This replica's part of that gradient (1/tp where tp ranks each add theirs to a sum)."""
+        self.sequence_shards = 1
+        """Ranks the micro-batch's sequences are split over (context parallelism sets it, with
+        `sum_counts`, a sum of the per-expert counts over them): the aux loss balances the whole."""
+        self.sum_counts: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.stats = RouterStats(moe.num_experts)
 
     def scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,9 +192,13 @@ class TopKRouter(nn.Module):
             return scores.new_zeros(())
         if moe.router_score_function == "sigmoid":
             scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-        fraction = tokens.float() / (n * moe.router_topk)  # (E,) no gradient: counts
-        mean_prob = scores.mean(0)  # (E,)
-        return moe.aux_loss_coeff * moe.num_experts * (fraction * mean_prob).sum()
+        # Over the whole micro-batch when its sequences are split over ranks: global counts, this
+        # rank's scores over the global token count; × shards, so that the ranks' mean (the gradient
+        # and the logged figure are averaged over them) is the whole micro-batch's aux loss.
+        shards, total = self.sequence_shards, n * self.sequence_shards
+        fraction = self.sum_counts(tokens).float() / (total * moe.router_topk)  # (E,) no gradient
+        mean_prob = scores.sum(0) / total  # (E,) this rank's part of the mean
+        return shards * moe.aux_loss_coeff * moe.num_experts * (fraction * mean_prob).sum()
 
     def z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """ST-MoE's z-loss × z_loss_coeff: the mean over tokens of logsumexp(logits)²."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from megatrain import kernels
 from megatrain.engine.models.gpt import Attention
+from megatrain.engine.models.moe import TopKRouter
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.kernels.attention import Segments
 
@@ -212,7 +213,18 @@ def parallelize_context(model: nn.Module, state: ParallelState) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Attention):
             module.core_attention = attend
+        elif isinstance(module, TopKRouter):
+            # Each rank routes its chunks of the sequences; the aux loss balances all of them.
+            module.sequence_shards = state.cp_size
+            module.sum_counts = functools.partial(_sum_over, group=state.group("cp"))
     return model
+
+
+def _sum_over(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts summed over `group` (no gradient: they are counts)."""
+    total = counts.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
 
 
 def skipped_blocks(size: int) -> tuple[int, int]:

@@ -176,15 +176,17 @@ def test_four_rank_layouts_match_one_process(four_ranks: dict[str, dict[str, Any
     _matches(four_ranks[name], reference_run(FOUR_RANKS[name]))
 
 
-def test_the_engine_runs_ep2_like_one_process(tmp_path: Path, corpus: Path, one_thread: None) -> None:
-    """torchrun with dp=2 × ep=2 (build_model, the distributed optimizer, the training loop) gives the
-    one-process run's losses and grad norms. The aux loss is off: the loop does not yet weight its
-    gradient by each micro-batch's share (TopKRouter.aux_loss_scale stays 1), so one process (4
-    micro-batches) and two ranks (2 each) would weight it differently. Measured: equal to ~1e-7."""
+@pytest.mark.parametrize("layout", [{"dp": 2, "ep": 2}, {"cp": 2, "ep": 2}], ids=["dp2-ep2", "cp2-ep2"])
+def test_the_engine_runs_ep2_like_one_process(
+    tmp_path: Path, corpus: Path, one_thread: None, layout: dict[str, int]
+) -> None:
+    """torchrun with ep=2 carved from dp=2, or from cp=2 (the ranks hold halves of every sequence and
+    exchange them with the experts), through build_model, the distributed optimizer and the training
+    loop, aux loss on: the one-process run's losses and grad norms."""
     raw = tiny_spec(corpus, train_iters=4, warmup_iters=1, checkpoint_interval=0, eval_interval=0)
-    raw["model"]["moe"] = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.0}
+    raw["model"]["moe"] = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32}
     run(parse_spec(raw), tmp_path / "single")
-    raw["parallelism"], raw["resources"] = {"dp": 2, "ep": 2}, {"devices": 2}
+    raw["parallelism"], raw["resources"] = layout, {"devices": 2}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
     spec, out = str(tmp_path / "spec.json"), str(tmp_path / "ep")
@@ -198,3 +200,6 @@ def test_the_engine_runs_ep2_like_one_process(tmp_path: Path, corpus: Path, one_
     for a, b in zip(ref, got, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        # Under cp each rank routes half of every sequence; the aux loss still balances the whole
+        # (counts summed over cp, as Megatron does), so it and its gradient equal one process's.
+        assert b["moe_aux_loss"] == pytest.approx(a["moe_aux_loss"], rel=1e-5)
