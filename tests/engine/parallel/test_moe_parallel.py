@@ -71,6 +71,9 @@ def moe_spec(parallelism: dict[str, Any], world: int) -> dict[str, Any]:
                 "aux_loss_coeff": 0.1,
                 "z_loss_coeff": 1e-2,
                 "capacity_factor": 1.25,
+                # Softmax weights as they come: renormalised top-2 weights sit near each other, so
+                # capacity drops that rank by them flip on fp32 reduction-order noise after a few steps.
+                "router_pre_softmax": True,
             },
         },
         "data": {"train": [{"path": "file:///unused"}]},
