@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from megatrain.cli.common import _fail, _fmt, _out, _status, _still_running, _user_errors, app
+from megatrain.cli.common import _err, _fail, _fmt, _out, _status, _still_running, _user_errors, app
 from megatrain.cli.prediction import planned_line, recent_since, submitted_prediction, versus_line
 from megatrain.client import Client, Job, LogLine
 from megatrain.failures import first_line
@@ -261,6 +261,8 @@ def logs(
     """Print a job's log lines."""
     with Client() as client:
         lines = client.follow_logs(job_id, after_seq) if follow else _all_logs(client, job_id, after_seq)
+        if follow:  # on stderr: stdout stays the log alone, for pipes
+            _err().print(f"following the log of job {job_id} (Ctrl-C stops following; the job keeps running)")
         try:
             for line in lines:
                 typer.echo(line.line)

@@ -57,7 +57,7 @@ def test_ctrl_c_while_following_says_the_job_keeps_running(live_api: LiveApi, tm
 
     for args, ready in (
         (["follow", job_id], "queued"),
-        (["logs", job_id, "--follow"], ""),
+        (["logs", job_id, "--follow"], "following the log of job"),
         (["metrics", job_id, "--follow"], "STEP"),
     ):
         code, out = _interrupt(args, ready, tmp_path)
