@@ -176,21 +176,27 @@ def test_four_rank_layouts_match_one_process(four_ranks: dict[str, dict[str, Any
     _matches(four_ranks[name], reference_run(FOUR_RANKS[name]))
 
 
-@pytest.mark.parametrize("layout", [{"dp": 2, "ep": 2}, {"cp": 2, "ep": 2}], ids=["dp2-ep2", "cp2-ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"dp": 2, "ep": 2}, {"cp": 2, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2, "sequence_parallel": True}],
+    ids=["dp2-ep2", "cp2-ep2", "tp2sp-dp2-ep2"],
+)
 def test_the_engine_runs_ep2_like_one_process(
     tmp_path: Path, corpus: Path, one_thread: None, layout: dict[str, int]
 ) -> None:
     """torchrun with ep=2 carved from dp=2, or from cp=2 (the ranks hold halves of every sequence and
-    exchange them with the experts), through build_model, the distributed optimizer and the training
+    exchange them with the experts), or beside tp=2 with sequence parallelism (each tp rank holds its
+    slice of its ep rank's experts), through build_model, the distributed optimizer and the training
     loop, aux loss on: the one-process run's losses and grad norms."""
     raw = tiny_spec(corpus, train_iters=4, warmup_iters=1, checkpoint_interval=0, eval_interval=0)
     raw["model"]["moe"] = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32}
     run(parse_spec(raw), tmp_path / "single")
-    raw["parallelism"], raw["resources"] = layout, {"devices": 2}
+    world = 4 if "tp" in layout else 2
+    raw["parallelism"], raw["resources"] = layout, {"devices": world}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
     spec, out = str(tmp_path / "spec.json"), str(tmp_path / "ep")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "megatrain.engine.train", "--spec", spec, "--out", out]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
