@@ -197,7 +197,7 @@ def test_a_registered_backend_is_picked_where_it_runs_and_is_usable(registry: No
 
 def test_unknown_names_are_errors_naming_what_exists(registry: None, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(
-        KeyError, match="no kernel named 'layer_norm'; known: apply_rope, attention, embedding"
+        KeyError, match="no kernel named 'layer_norm'; known: apply_rope, attention, attention_block, "
     ):
         kernels.get("layer_norm")
     with pytest.raises(KeyError, match="has no backend 'triton'; it has: torch, reference"):
