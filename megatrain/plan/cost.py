@@ -44,7 +44,7 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   Useful FLOPs, and so MFU, are the active ones (megatrain.plan.flops).
 
 Two sets of constants: GPU defaults (H100-class, sane for A100/B200) and this project's CPU hosts,
-calibrated by tests/plan/test_cost_calibration.py against the engine running under torchrun/gloo
+calibrated by benchmarks/planner_engine.py against the engine running under torchrun/gloo
 (see BENCHMARKS.md "Layout planner" for the figures).
 """
 
@@ -103,7 +103,7 @@ GPU_CONSTANTS = CostConstants(
     dp_overlap=1.0,
 )
 CPU_CONSTANTS = CostConstants(
-    # Fitted on this project's 2-core AMD EPYC VM (tests/plan/test_cost_calibration.py, BENCHMARKS.md
+    # Fitted on this project's 2-core AMD EPYC VM (benchmarks/planner_engine.py, BENCHMARKS.md
     # "Layout planner"): its fp32 GEMMs reach the measured peak (engine.calibrate, best of square
     # GEMMs up to 2048 in a 1.5 s budget) already at ~64-wide shapes, and mid-size ones ~10% above
     # it; what a tiny model pays beyond its FLOPs is per-op dispatch and autograd, ~0.9 ms per

@@ -16,9 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatrain.spec_errors import SpecError, format_validation_errors
+from megatrain.spec_layout import NAME_PATTERN
 
 PoolPrecision = Literal["fp32", "bf16", "fp16", "fp8"]
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
 class PoolSpec(BaseModel):

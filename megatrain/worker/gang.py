@@ -27,8 +27,10 @@ from megatrain.db.models import RUNNING, SCHEDULED, Job, JobAllocation, JobEvent
 from megatrain.db.session import session_scope
 from megatrain.failures import read_records
 from megatrain.settings import Settings
+from megatrain.worker.attempt import Attempt, end_failed_attempt
+from megatrain.worker.launch import Rendezvous
 from megatrain.worker.nodes import node_name
-from megatrain.worker.shard import Rendezvous, _Attempt, _Runner, end_failed_attempt, supervise
+from megatrain.worker.shard import _Runner, supervise
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def _share_row(s: Session, job_id: str, node_rank: int) -> Any:
     ).first()
 
 
-def lead(s: Session, settings: Settings, att: _Attempt, port: int) -> None:
+def lead(s: Session, settings: Settings, att: Attempt, port: int) -> None:
     """Make `att` (just claimed by node rank 0's shard, in session `s`) this node's share of the
     gang and publish where the other shards meet it."""
     count = len(s.scalars(select(JobAllocation.id).where(JobAllocation.job_id == att.job_id)).all())
@@ -91,7 +93,7 @@ def shard_records(s: Session, job_id: str, attempt: int) -> list[dict[str, Any]]
 
 
 def silent_shares(
-    settings: Settings, att: _Attempt, wait_s: float = SHARD_REPORT_WAIT_S
+    settings: Settings, att: Attempt, wait_s: float = SHARD_REPORT_WAIT_S
 ) -> list[tuple[str, str]]:
     """(node id, hostname) of the other shards of node rank 0's failed attempt that have not
     reported their end within wait_s; none once the attempt has ended otherwise (a shard ended it)."""
@@ -113,7 +115,7 @@ def silent_shares(
         time.sleep(WAIT_POLL_S)
 
 
-def _await_leader(settings: Settings, job_id: str, share: Share) -> _Attempt | None:
+def _await_leader(settings: Settings, job_id: str, share: Share) -> Attempt | None:
     """This node's share of the attempt once node rank 0 runs it; None when the attempt is over
     (or never ran) before it did, or the wait outlasts rendezvous_timeout_s."""
     deadline = time.monotonic() + settings.rendezvous_timeout_s
@@ -147,7 +149,7 @@ def _await_leader(settings: Settings, job_id: str, share: Share) -> _Attempt | N
                     run_id(job_id, share.attempt),
                     settings.rendezvous_timeout_s,
                 )
-                return _Attempt(
+                return Attempt(
                     job_id,
                     share.attempt,
                     job.max_retries,
@@ -167,7 +169,7 @@ class _FollowerRunner(_Runner):
     """A non-zero node rank's reporting: its logs (prefixed with its node), the metrics and events
     of its ranks, and no ownership of the job: it stops when the attempt is no longer running."""
 
-    def __init__(self, settings: Settings, att: _Attempt):
+    def __init__(self, settings: Settings, att: Attempt):
         super().__init__(settings, att)
         self.node = node_name(settings)
 

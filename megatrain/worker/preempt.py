@@ -19,13 +19,13 @@ from megatrain.settings import Settings
 from megatrain.worker.procs import descendants
 
 if TYPE_CHECKING:
-    from megatrain.worker.shard import _Attempt, _Runner
+    from megatrain.worker.shard import Attempt, _Runner
 
 log = logging.getLogger(__name__)
 
 
 def ask_to_stop(
-    settings: Settings, proc: subprocess.Popen, att: _Attempt, runner: _Runner, now: float
+    settings: Settings, proc: subprocess.Popen, att: Attempt, runner: _Runner, now: float
 ) -> str | None:
     """Ask the engine to checkpoint at its next step boundary and exit (SIGUSR2 to its ranks, once);
     'preempt' (stop it) once it has had preempt_grace_s, else None (let it finish the save)."""
@@ -39,7 +39,7 @@ def ask_to_stop(
     return "preempt" if now - runner.preempt_asked > settings.preempt_grace_s else None
 
 
-def rank_pids(proc: subprocess.Popen, att: _Attempt) -> list[int]:
+def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
     """The engine's ranks: the process itself, or torchrun's children (torchrun itself would die of
     SIGUSR2, and the ranks' own helper processes have no handler for it)."""
     if att.num_procs == 1 and att.rendezvous is None:

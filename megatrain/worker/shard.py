@@ -21,9 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import IO
 
 from sqlalchemy import func, select, update
@@ -46,8 +44,8 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
-from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.settings import Settings, get_settings
+from megatrain.worker.attempt import Attempt, end_failed_attempt
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
@@ -68,35 +66,14 @@ log = logging.getLogger(__name__)
 KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
 """Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
 POLL_S = 0.25
-MAX_REASON_CHARS = 4000
 STACK_DUMP_WAIT_S = 2.0
-
-
-@dataclass
-class _Attempt:
-    job_id: str
-    attempt: int
-    max_retries: int
-    num_procs: int
-    max_runtime_s: float
-    out_dir: Path
-    devices: list[int] | None = None
-    """The node's device indices the scheduler placed this attempt on."""
-    accelerator: str = "cpu"
-    rendezvous: Rendezvous | None = None
-    """Set for one node's share of a multi-node attempt (a gang)."""
-    node_id: str | None = None
-    queued_s: float = 0.0
-    """How long the job waited in the queue before this attempt (for the goodput ledger)."""
-    prev_step: int = 0
-    checkpoint_interval: int = 0
 
 
 def hang_rule(settings: Settings) -> HangRule:
     return HangRule(settings.hang_factor, settings.hang_min_s, settings.hang_grace_s)
 
 
-def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | None:
+def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | None:
     """scheduled → running, owned by this process; None when there is nothing (more) to do.
 
     For a multi-node job (`gang`) this process is node rank 0's shard: it owns the attempt, runs its
@@ -139,7 +116,7 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> _Attempt | No
         accelerator = s.scalar(
             select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
         )
-        att = _Attempt(
+        att = Attempt(
             job_id,
             job.attempt,
             job.max_retries,
@@ -169,7 +146,7 @@ def _queued_s(s: Session, job: Job, now: datetime) -> float:
     return max((now - since).total_seconds(), 0.0) if since else 0.0
 
 
-def _backfill_earlier_attempts(settings: Settings, att: _Attempt) -> None:
+def _backfill_earlier_attempts(settings: Settings, att: Attempt) -> None:
     """Ingest what earlier attempts on this host wrote after their runner's last tick (a runner
     killed with -9 leaves such lines behind); the inserts are idempotent, so re-reading is safe."""
     for n in range(1, att.attempt):
@@ -198,7 +175,7 @@ def _pump(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
 class _Runner:
     """One attempt's reporting loop; all database work happens in short transactions per tick."""
 
-    def __init__(self, settings: Settings, att: _Attempt):
+    def __init__(self, settings: Settings, att: Attempt):
         self.settings = settings
         self.att = att
         self.url = settings.resolved_database_url
@@ -365,44 +342,7 @@ class _Runner:
                 log.warning("node %s quarantined: %s", self.host, why)
 
 
-def end_failed_attempt(
-    s: Session, att: _Attempt, rc: int, silent: list[tuple[str, str]] | None = None
-) -> tuple[bool, bool]:
-    """running → queued (retried) or failed, explained by the attempt's failure records: this
-    node's, and for a gang every shard's that reported its own (worker.gang.shard_records).
-    `silent` (node id, hostname): a gang's nodes whose shard never reported its end (gone with
-    its worker): named in the reason and avoided by the retry, as is this node after an
-    infrastructure failure. Returns (transitioned, an infrastructure failure)."""
-    records = read_records(att.out_dir)
-    if att.rendezvous is not None:
-        from megatrain.worker.gang import shard_records
-
-        records += shard_records(s, att.job_id, att.attempt)
-    record = pick(records)
-    infra = record is None or record.get("kind") not in NOT_RETRIED
-    retrying = infra and retry_allowed(att)
-    reason, suffix = attempt_reason(record, rc, att.attempt, retrying), ""
-    data = event_data(record, rc, att.attempt)
-    clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
-    to, fields = (QUEUED, clear) if retrying else (FAILED, {})
-    avoid = set(s.scalar(select(Job.avoid_nodes).where(Job.id == att.job_id)) or [])
-    if infra and att.node_id and att.rendezvous is None:
-        # A preference: placement still uses it if nothing else has room. A gang's culprit is the
-        # node whose shard went silent (below), not necessarily this one.
-        avoid.add(att.node_id)
-    if silent:
-        names = ", ".join(name for _, name in silent)
-        suffix = f"; no word from the shard on {names}" + (" (avoided next time)" if retrying else "")
-        avoid.update(node_id for node_id, _ in silent)
-        data = data | {"silent_nodes": [name for _, name in silent]}
-    if retrying and avoid:
-        fields = fields | {"avoid_nodes": sorted(avoid)}
-    reason = reason[: MAX_REASON_CHARS - len(suffix)] + suffix
-    ok = transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
-    return ok, infra
-
-
-def runner_env_for(att: _Attempt, job_id: str) -> dict[str, str]:
+def runner_env_for(att: Attempt, job_id: str) -> dict[str, str]:
     """The engine's environment: this process's, plus the devices the attempt was placed on."""
     env = os.environ | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
     return env | device_env(att.devices, att.accelerator, os.environ)
@@ -423,13 +363,13 @@ def run_shard(job_id: str, settings: Settings | None = None, gang: bool = False)
         heartbeat.stop()
 
 
-def _run_attempt(settings: Settings, att: _Attempt, heartbeat: Heartbeat) -> int:
+def _run_attempt(settings: Settings, att: Attempt, heartbeat: Heartbeat) -> int:
     """Launch the engine, report until it ends, record how the attempt ended; its exit code."""
     _backfill_earlier_attempts(settings, att)
     return supervise(settings, att, _Runner(settings, att), heartbeat)
 
 
-def supervise(settings: Settings, att: _Attempt, runner: _Runner, heartbeat: Heartbeat | None = None) -> int:
+def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Heartbeat | None = None) -> int:
     """Start the engine for `att` and report it through `runner` until it ends; the engine's exit
     code. `heartbeat`: the job's heartbeat thread (node rank 0's), told each pass that this loop lives."""
     job_id = att.job_id

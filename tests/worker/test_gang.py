@@ -12,8 +12,9 @@ from megatrain.db.jobs import record_event, reserve_gang
 from megatrain.db.models import QUEUED, RUNNING, Job, JobEvent
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
+from megatrain.worker.attempt import end_failed_attempt
 from megatrain.worker.gang import SHARD_FAILED_EVENT, Share, _await_leader, silent_shares
-from megatrain.worker.shard import _claim, end_failed_attempt
+from megatrain.worker.shard import _claim
 
 
 def test_node_rank_0_leads_and_another_node_joins_its_attempt_once(settings: Settings) -> None:

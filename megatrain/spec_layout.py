@@ -1,0 +1,87 @@
+"""A spec's parallel layout (`parallelism`) and what it asks of the cluster (`resources`), apart from
+spec.py to keep it short. The rules between these fields and the model (tp divides the heads, ep the
+experts) live in megatrain.plan.layout (`resolve_layout`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+"""Job, pool and tenant names: what a URL path, a file name and a Slurm job name all accept."""
+
+
+class ParallelismSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    tp: int = Field(1, ge=1, le=1024)
+    """Tensor-parallel degree."""
+    pp: int = Field(1, ge=1, le=1024)
+    """Pipeline-parallel degree."""
+    dp: int | Literal["auto"] = "auto"
+    """Data-parallel degree; auto fills resources.devices (or 1)."""
+    cp: int = Field(1, ge=1, le=1024)
+    """Context-parallel degree: each sequence split over cp ranks (two mirrored chunks each, for a
+    balanced causal load), attention run as a ring; needs model.seq_length divisible by 2·cp (2·cp·tp
+    with sequence_parallel) and model.attention_dropout 0."""
+    ep: int = Field(1, ge=1, le=1024)
+    """Expert-parallel degree: model.moe's experts split over ep ranks carved from dp×cp, tokens
+    exchanged by all-to-all; must divide dp×cp and model.moe.num_experts."""
+    virtual_stages: int = Field(1, ge=1, le=64)
+    """Model chunks per pipeline stage (interleaved 1F1B); > 1 needs pp > 1 and micro-batches per
+    step divisible by pp."""
+    pipeline_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    """Explicit layers per model chunk (pp × virtual_stages entries, chunk v·pp + stage), summing to
+    model.num_layers; default an even split, which needs num_layers divisible by pp × virtual_stages."""
+    pipeline_schedule: Literal["1f1b", "all_forward_all_backward"] = "1f1b"
+    """1f1b (interleaved when virtual_stages > 1) keeps at most pp micro-batches in flight;
+    all_forward_all_backward (GPipe) keeps all of them."""
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    """Shard fp32 main weights and Adam states over dp (ZeRO-1); gradients are reduce-scattered."""
+    overlap_grad_reduce: bool = True
+    """Reduce each gradient bucket as soon as backward fills it."""
+    grad_bucket_elements: int = Field(40_000_000, ge=1, le=1 << 40)
+    """Elements per data-parallel gradient bucket."""
+
+    @field_validator("dp", mode="before")
+    @classmethod
+    def _dp(cls, v: object) -> object:
+        # One message for every bad value, instead of one per branch of the int | 'auto' union.
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]")
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]") from None
+        if not 1 <= n <= 65536:
+            raise ValueError("parallelism.dp must be 'auto' or an integer in [1, 65536]")
+        return n
+
+
+class ResourcesSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    pool: str = Field("default", pattern=NAME_PATTERN)
+    devices: int | None = Field(None, ge=1, le=65536, validation_alias=AliasChoices("devices", "gpus"))
+    """Processes the job asks for, one per device (a GPU, or a CPU slot on a CPU pool); None means
+    tp·pp·cp·dp."""
+    priority: int = Field(0, ge=-1000, le=1000)
+    max_runtime_s: int = Field(86400, ge=1, le=30 * 86400)
+    max_retries: int = Field(2, ge=0, le=100)
+    preemptible: bool = True
+    """Whether a queued job of strictly higher priority may preempt this one: it is checkpointed at
+    a step boundary, stopped and requeued (not counted as a retry), and resumes from there."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_devices(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "devices" in data and "gpus" in data:
+            raise ValueError(
+                "resources.devices is given twice, also as resources.gpus (its older name): give one"
+            )
+        return data

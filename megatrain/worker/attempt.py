@@ -1,0 +1,81 @@
+"""One attempt of a job: what a runner claimed (`Attempt`), and how a failed one ends.
+
+`end_failed_attempt` decides between a retry (running → queued, resumed from the latest
+checkpoint) and the end (→ failed) from the attempt's failure records, for a single-node attempt
+and for every shard of a gang (megatrain.worker.gang), and names the nodes to avoid next time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.db.jobs import retry_allowed, transition
+from megatrain.db.models import FAILED, QUEUED, RUNNING, Job
+from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
+from megatrain.worker.launch import Rendezvous
+
+MAX_REASON_CHARS = 4000
+"""A job event's reason is cut to this (the tail of an engine's traceback can be long)."""
+
+
+@dataclass
+class Attempt:
+    """One attempt of a job, as a runner claimed it (a whole job, or one node's share of a gang)."""
+
+    job_id: str
+    attempt: int
+    max_retries: int
+    num_procs: int
+    max_runtime_s: float
+    out_dir: Path
+    devices: list[int] | None = None
+    """The node's device indices the scheduler placed this attempt on."""
+    accelerator: str = "cpu"
+    rendezvous: Rendezvous | None = None
+    """Set for one node's share of a multi-node attempt (a gang)."""
+    node_id: str | None = None
+    queued_s: float = 0.0
+    """How long the job waited in the queue before this attempt (for the goodput ledger)."""
+    prev_step: int = 0
+    checkpoint_interval: int = 0
+
+
+def end_failed_attempt(
+    s: Session, att: Attempt, rc: int, silent: list[tuple[str, str]] | None = None
+) -> tuple[bool, bool]:
+    """running → queued (retried) or failed, explained by the attempt's failure records: this
+    node's, and for a gang every shard's that reported its own (worker.gang.shard_records).
+    `silent` (node id, hostname): a gang's nodes whose shard never reported its end (gone with
+    its worker): named in the reason and avoided by the retry, as is this node after an
+    infrastructure failure. Returns (transitioned, an infrastructure failure)."""
+    records = read_records(att.out_dir)
+    if att.rendezvous is not None:
+        from megatrain.worker.gang import shard_records
+
+        records += shard_records(s, att.job_id, att.attempt)
+    record = pick(records)
+    infra = record is None or record.get("kind") not in NOT_RETRIED
+    retrying = infra and retry_allowed(att)
+    reason, suffix = attempt_reason(record, rc, att.attempt, retrying), ""
+    data = event_data(record, rc, att.attempt)
+    clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
+    to, fields = (QUEUED, clear) if retrying else (FAILED, {})
+    avoid = set(s.scalar(select(Job.avoid_nodes).where(Job.id == att.job_id)) or [])
+    if infra and att.node_id and att.rendezvous is None:
+        # A preference: placement still uses it if nothing else has room. A gang's culprit is the
+        # node whose shard went silent (below), not necessarily this one.
+        avoid.add(att.node_id)
+    if silent:
+        names = ", ".join(name for _, name in silent)
+        suffix = f"; no word from the shard on {names}" + (" (avoided next time)" if retrying else "")
+        avoid.update(node_id for node_id, _ in silent)
+        data = data | {"silent_nodes": [name for _, name in silent]}
+    if retrying and avoid:
+        fields = fields | {"avoid_nodes": sorted(avoid)}
+    reason = reason[: MAX_REASON_CHARS - len(suffix)] + suffix
+    ok = transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+    return ok, infra
