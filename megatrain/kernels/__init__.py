@@ -122,6 +122,9 @@ def _builtin() -> None:
         ("rms_norm", "rms_norm", "rms_norm"),
         ("swiglu", "swiglu", "swiglu"),
         ("apply_rope", "rope", "apply_rope"),
+        ("apply_rope_qk", "rope", "apply_rope_qk"),
+        ("layer_norm", "layer_norm", "layer_norm"),
+        ("geglu", "geglu", "geglu"),
         ("linear_cross_entropy", "linear_cross_entropy", "linear_cross_entropy"),
         ("linear", "grad_accumulation", "linear"),
         ("embedding", "grad_accumulation", "embedding"),
@@ -167,6 +170,37 @@ def _builtin() -> None:
         )
 
 
+# -- Triton kernels (issue 18): norms, RoPE, gated activations ---------------------------------
+def _triton() -> None:
+    """On CUDA where triton is installed, above the "torch" twins; MEGATRAIN_KERNELS=<kernel>=triton
+    forces one (the CPU tests run them under Triton's interpreter)."""
+    for kernel, module in (
+        ("rms_norm", "rms_norm"),
+        ("layer_norm", "layer_norm"),
+        ("apply_rope", "rope"),
+        ("apply_rope_qk", "rope"),
+        ("swiglu", "glu"),
+        ("geglu", "glu"),
+    ):
+        register(
+            kernel,
+            "triton",
+            f"megatrain.kernels.triton.{module}:{kernel}",
+            devices=("cuda",),
+            available=_triton_usable,
+            priority=20,
+        )
+
+
+def _triton_usable() -> bool:
+    from megatrain.kernels.triton import triton_usable
+
+    return triton_usable()
+
+
+# -- end of the Triton kernels -----------------------------------------------------------------
+
+
 def _grouped_mm_available() -> bool:
     from megatrain.kernels.grouped_mlp import grouped_mm_available
 
@@ -186,3 +220,4 @@ def _flash_attn_available() -> bool:
 
 
 _builtin()
+_triton()

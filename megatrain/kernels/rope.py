@@ -49,3 +49,18 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (fp32_at_least(x) * fp32_at_least(cos) + fp32_at_least(rotated) * fp32_at_least(sin)).to(x.dtype)
+
+
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, T, hd) and k (B, G, T, hd) rotated alike (the `apply_rope_qk` kernel: Triton
+    rotates both in one launch)."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def apply_rope_qk_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference twin of apply_rope_qk."""
+    return apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)

@@ -1,0 +1,141 @@
+"""The Triton kernels (megatrain.kernels.triton) against their PyTorch twins, forward and every
+gradient over shapes × dtypes, run by Triton's interpreter on a CPU (tests/kernels/conftest.py
+turns it on); and the tiny model trained with them against the twins."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain import kernels
+from megatrain.engine.models.gpt import rope_tables
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# Hidden 48 runs in a block of 64 (masked lanes); 7 and 9 rows split unevenly over 4 programs.
+NORM_SHAPES = [(7, 48), (3, 3, 32)]
+TRITON_KERNELS = "rms_norm=triton,layer_norm=triton,apply_rope_qk=triton,swiglu=triton,geglu=triton"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _leaf(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def _run(fn: Callable[..., object], inputs: list[torch.Tensor], *extra: object) -> list[torch.Tensor]:
+    """Outputs and the gradient of every input under a fixed, non-uniform upstream gradient."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*xs, *extra)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    loss = sum(
+        (o.float() * torch.randn(o.shape, generator=torch.Generator().manual_seed(99 + i)).to(o.device)).sum()
+        for i, o in enumerate(outs)
+    )
+    loss.backward()  # type: ignore[union-attr]
+    return [o.detach() for o in outs] + [x.grad for x in xs]  # type: ignore[misc]
+
+
+def _against_twin(kernel: str, inputs: list[torch.Tensor], *extra: object, dtype: torch.dtype) -> None:
+    got = _run(kernels.get(kernel, DEVICE, backend="triton"), inputs, *extra)
+    want = _run(kernels.get(kernel, DEVICE, backend="reference"), inputs, *extra)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        _close(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x, w = _leaf(shape, dtype, 0), 1 + _leaf(shape[-1:], dtype, 1, 0.3)
+    _against_twin("rms_norm", [x, w], 1e-5, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_layer_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    # An offset input: a variance computed without centring the padding lanes would be wrong.
+    x = _leaf(shape, dtype, 0) + 3
+    w, b = 1 + _leaf(shape[-1:], dtype, 1, 0.3), _leaf(shape[-1:], dtype, 2, 0.3)
+    _against_twin("layer_norm", [x, w, b], 1e-5, dtype=dtype)
+
+
+def test_layer_norm_without_bias() -> None:
+    x, w = _leaf((5, 48), torch.float32, 0), 1 + _leaf((48,), torch.float32, 1, 0.3)
+    _against_twin("layer_norm", [x, w], None, 1e-5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("shape", [(5, 2 * 24), (2, 3, 2 * 1500)])  # f = 1500: two 1024-wide blocks
+@pytest.mark.parametrize("kernel", ["swiglu", "geglu"])
+def test_gated_activations(kernel: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    _against_twin(kernel, [_leaf(shape, dtype, 3, 2.0)], dtype=dtype)
+
+
+def _qk(batch: int, heads: int, groups: int, seq: int, hd: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """q and k as split_qkv makes them: strided views of one (B, T, ·) projection."""
+    qkv = _leaf((batch, seq, (heads + groups) * hd), dtype, 4)
+    q = qkv[..., : heads * hd].reshape(batch, seq, heads, hd).transpose(1, 2)
+    k = qkv[..., heads * hd :].reshape(batch, seq, groups, hd).transpose(1, 2)
+    return [q, k]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize(("batch", "heads", "groups", "seq", "hd"), [(1, 2, 2, 5, 8), (2, 6, 2, 7, 12)])
+def test_apply_rope_qk(batch: int, heads: int, groups: int, seq: int, hd: int, dtype: torch.dtype) -> None:
+    cos, sin = rope_tables(seq, hd, 10000.0)
+    qk = _qk(batch, heads, groups, seq, hd, dtype)
+    _against_twin("apply_rope_qk", qk, cos.to(DEVICE, dtype), sin.to(DEVICE, dtype), dtype=dtype)
+    _against_twin("apply_rope", qk[:1], cos.to(DEVICE, dtype), sin.to(DEVICE, dtype), dtype=dtype)
+
+
+def test_apply_rope_qk_with_per_row_positions() -> None:
+    """(B, 1, T, hd) tables (packed documents' position ids): each row its own positions."""
+    cos, sin = rope_tables(16, 8, 10000.0)
+    positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
+    cos_b, sin_b = cos[positions].unsqueeze(1).to(DEVICE), sin[positions].unsqueeze(1).to(DEVICE)
+    _against_twin("apply_rope_qk", _qk(2, 4, 2, 5, 8, torch.float32), cos_b, sin_b, dtype=torch.float32)
+
+
+def test_the_registry_picks_triton_on_cuda_and_the_twins_on_a_cpu() -> None:
+    from megatrain.kernels.rms_norm import rms_norm
+    from megatrain.kernels.triton import rms_norm as triton_rms_norm
+
+    assert kernels.backends("layer_norm") == ["triton", "torch", "reference"]
+    assert kernels.get("rms_norm", "cpu") is rms_norm
+    assert kernels.get("rms_norm", "cuda") is triton_rms_norm.rms_norm  # the interpreter, or a GPU
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_model_trains_alike_with_the_triton_kernels(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatrain.engine.train import run
+    from megatrain.spec import parse_spec
+    from tests.engine.helpers import read_jsonl, tiny_spec, write_corpus
+
+    raw = tiny_spec(write_corpus(tmp_path / "corpus.jsonl", num_docs=20), train_iters=3, global_batch_size=2,
+                    eval_interval=0, checkpoint_interval=0)  # fmt: skip
+    raw["model"]["seq_length"] = 16
+    if arch == "gpt2":  # LayerNorm and GELU; GeGLU for the gated activation
+        raw["model"].update(arch="gpt2", num_query_groups=None)
+    else:
+        raw["model"]["activation"] = "geglu"
+    losses = {}
+    for name, forced in (("twins", "torch"), ("triton", TRITON_KERNELS)):
+        monkeypatch.setenv(kernels.ENV, forced)
+        run(parse_spec(raw), tmp_path / name)
+        losses[name] = [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
+    assert len(losses["twins"]) == 3
+    assert losses["triton"] == pytest.approx(losses["twins"], rel=1e-4)
