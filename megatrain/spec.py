@@ -116,6 +116,10 @@ class ModelSpec(_Strict):
     tie_embeddings: bool | None = None
     """None: tied for gpt2, untied for llama."""
     init_method_std: float = Field(0.02, gt=0.0, le=1.0)
+    activation: Literal["gelu", "swiglu", "geglu"] | None = None
+    """The MLP's activation; None: the arch's (gelu for gpt2, swiglu for llama). swiglu and geglu
+    (tanh-approximated GELU gate, as Gemma's) fuse gate and up in fc1 (2·ffn_hidden_size wide);
+    geglu is for dense models (experts run swiglu or gelu)."""
     moe: MoESpec | None = None
     """Mixture of experts (megatrain/spec_moe.py); None: every layer has a dense MLP."""
     init_from: str | None = Field(None, max_length=1024)
@@ -149,6 +153,13 @@ class ModelSpec(_Strict):
                     "model.rope_scaling is only for arch llama (gpt2 has learned positions)",
                 )
             )
+        if self.activation == "geglu" and self.moe is not None:
+            out.append(
+                _rule(
+                    "model.activation",
+                    "model.activation geglu is for dense models (experts run swiglu or gelu)",
+                )
+            )
         if self.init_from is not None and not _valid_init_from(self.init_from):
             out.append(
                 _rule(
@@ -175,6 +186,11 @@ class ModelSpec(_Strict):
         if self.arch == "gpt2":
             return 4 * self.hidden_size
         return ((8 * self.hidden_size // 3) + 63) // 64 * 64
+
+    @property
+    def mlp_activation(self) -> str:
+        """The activation the model runs: the spec's, else the arch's."""
+        return self.activation or ("gelu" if self.arch == "gpt2" else "swiglu")
 
     @property
     def tied(self) -> bool:

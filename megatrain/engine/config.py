@@ -64,7 +64,7 @@ class TransformerConfig:
     are padding. None: vocab_size."""
     position_embedding: Literal["learned", "rope"] = "rope"
     normalization: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    activation: Literal["gelu", "swiglu"] = "swiglu"
+    activation: Literal["gelu", "swiglu", "geglu"] = "swiglu"
     add_bias: bool = False
     """Biases on every Linear (GPT-2) or none (Llama)."""
     qkv_bias: bool | None = None
@@ -90,6 +90,8 @@ class TransformerConfig:
             raise ValueError("num_attention_heads must be divisible by num_query_groups")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError("rotary embeddings need an even head dimension")
+        if self.activation == "geglu" and self.moe is not None:
+            raise ValueError("geglu is for dense models: experts run swiglu or gelu")
         if self.vocab_size_unpadded is not None and not 0 < self.vocab_size_unpadded <= self.vocab_size:
             raise ValueError(f"vocab_size_unpadded={self.vocab_size_unpadded} must be in [1, vocab_size]")
         if self.rope_scaling is not None:
@@ -106,6 +108,11 @@ class TransformerConfig:
     def real_vocab_size(self) -> int:
         """The vocabulary without padding rows."""
         return self.vocab_size_unpadded or self.vocab_size
+
+    @property
+    def gated_mlp(self) -> bool:
+        """fc1 computes [gate; up] (2·ffn_hidden_size wide): SwiGLU and GeGLU."""
+        return self.activation in ("swiglu", "geglu")
 
     @property
     def head_dim(self) -> int:
@@ -160,7 +167,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig:
     """The model slice of a spec, with the vocabulary padded for the tokenizer in use."""
     m = spec.model
-    flavour = {**FLAVOURS[m.arch], "tie_embeddings": m.tied}
+    flavour = {**FLAVOURS[m.arch], "tie_embeddings": m.tied, "activation": m.mlp_activation}
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

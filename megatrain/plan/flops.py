@@ -53,7 +53,8 @@ def layer_forward_flops(model: Any, seq_length: int | None = None) -> dict[str, 
     and the attention core (QK^T and attention·V over all s keys, all heads)."""
     s = seq_length or model.seq_length
     h = model.hidden_size
-    mlp_matmuls = 3 if model.activation == "swiglu" else 2  # gate, up, down vs fc1, fc2
+    # gate, up, down (SwiGLU, GeGLU) vs fc1, fc2
+    mlp_matmuls = 3 if model.activation in ("swiglu", "geglu") else 2
     return {
         "qkv": 2.0 * h * (h + 2 * model.kv_size),  # fused Q, K, V (K, V narrower under GQA)
         "attention": 2.0 * 2 * s * h,

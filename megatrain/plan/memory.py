@@ -163,8 +163,8 @@ def layer_activations(
     else:
         # Output (laid out (B, T, H, hd), so proj reads it without a copy) + fp32 log-sum-exp.
         terms["attention"] = (act * h + 4 * heads) / tp
-    if m.activation == "swiglu":
-        terms["mlp"] = act * (fw + f) / tp  # fc1 out [gate; up], silu(gate)·up (silu recomputed)
+    if m.activation in ("swiglu", "geglu"):
+        terms["mlp"] = act * (fw + f) / tp  # fc1 out [gate; up], act(gate)·up (act recomputed)
     else:
         terms["mlp"] = act * 2 * f / tp  # fc1 out, gelu out
     if m.hidden_dropout > 0:

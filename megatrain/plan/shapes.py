@@ -57,7 +57,7 @@ class ModelShape:
     vocab_size: int
     """Padded embedding rows."""
     seq_length: int
-    activation: Literal["gelu", "swiglu"] = "swiglu"
+    activation: Literal["gelu", "swiglu", "geglu"] = "swiglu"
     tie_embeddings: bool = False
     add_bias: bool = False
     position_embedding: Literal["learned", "rope"] = "rope"
@@ -102,8 +102,8 @@ class ModelShape:
         return self.mlp_fc1_width(self.ffn_hidden_size)
 
     def mlp_fc1_width(self, ffn: int) -> int:
-        """fc1's output width for an MLP of width `ffn`: [gate; up] under SwiGLU."""
-        return 2 * ffn if self.activation == "swiglu" else ffn
+        """fc1's output width for an MLP of width `ffn`: [gate; up] under SwiGLU and GeGLU."""
+        return 2 * ffn if self.activation in ("swiglu", "geglu") else ffn
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer % self.moe.layer_freq == 0
@@ -125,7 +125,7 @@ def shape_of_spec(spec: JobSpec, tokenizer_vocab: int) -> ModelShape:
         ffn_hidden_size=m.ffn_size,
         vocab_size=m.padded_vocab(tokenizer_vocab),
         seq_length=m.seq_length,
-        activation="gelu" if gpt2 else "swiglu",
+        activation=m.mlp_activation,
         tie_embeddings=m.tied,
         add_bias=gpt2,
         position_embedding="learned" if gpt2 else "rope",

@@ -4,6 +4,7 @@ turns it on); and the tiny model trained with them against the twins."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # Hidden 48 runs in a block of 64 (masked lanes); 7 and 9 rows split unevenly over 4 programs.
 NORM_SHAPES = [(7, 48), (3, 3, 32)]
+LAUNCHERS = {"rms_norm": "rms_norm_forward", "layer_norm": "layer_norm_forward", "rope": "rope_launch",
+             "glu": "glu_forward"}  # fmt: skip
+"""Each Triton module's forward launcher (what the training test counts)."""
 TRITON_KERNELS = "rms_norm=triton,layer_norm=triton,apply_rope_qk=triton,swiglu=triton,geglu=triton"
 
 
@@ -117,9 +121,19 @@ def test_the_registry_picks_triton_on_cuda_and_the_twins_on_a_cpu() -> None:
     assert kernels.get("rms_norm", "cuda") is triton_rms_norm.rms_norm  # the interpreter, or a GPU
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def _counting(fn: Callable[..., object], name: str, calls: dict[str, int]) -> Callable[..., object]:
+    def counted(*args: object, **kw: object) -> object:
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kw)
+
+    return counted
+
+
+@pytest.mark.parametrize(
+    ("arch", "launched"), [("llama", {"rms_norm", "rope", "glu"}), ("gpt2", {"layer_norm"})]
+)
 def test_the_model_trains_alike_with_the_triton_kernels(
-    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arch: str, launched: set[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from megatrain.engine.train import run
     from megatrain.spec import parse_spec
@@ -128,14 +142,21 @@ def test_the_model_trains_alike_with_the_triton_kernels(
     raw = tiny_spec(write_corpus(tmp_path / "corpus.jsonl", num_docs=20), train_iters=3, global_batch_size=2,
                     eval_interval=0, checkpoint_interval=0)  # fmt: skip
     raw["model"]["seq_length"] = 16
-    if arch == "gpt2":  # LayerNorm and GELU; GeGLU for the gated activation
+    if arch == "gpt2":  # LayerNorm (and GELU, learned positions)
         raw["model"].update(arch="gpt2", num_query_groups=None)
-    else:
+    else:  # RMSNorm, RoPE and the GeGLU option
         raw["model"]["activation"] = "geglu"
+    # Count the Triton launches, so a silent fallback to the twins cannot pass.
+    calls: dict[str, int] = {}
+    for name, launcher in LAUNCHERS.items():
+        module = importlib.import_module(f"megatrain.kernels.triton.{name}")
+
+        monkeypatch.setattr(module, launcher, _counting(getattr(module, launcher), name, calls))
     losses = {}
     for name, forced in (("twins", "torch"), ("triton", TRITON_KERNELS)):
         monkeypatch.setenv(kernels.ENV, forced)
         run(parse_spec(raw), tmp_path / name)
         losses[name] = [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
-    assert len(losses["twins"]) == 3
+    assert set(calls) == launched
+    assert len(losses["twins"]) == 3 and losses["twins"][0] != losses["twins"][-1]
     assert losses["triton"] == pytest.approx(losses["twins"], rel=1e-4)

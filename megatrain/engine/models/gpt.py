@@ -69,9 +69,16 @@ class RMSNorm(nn.Module):
         return kernels.get("rms_norm", x.device.type)(x, self.weight, self.eps)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (its parameters, state-dict keys and init) through the `layer_norm` kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.get("layer_norm", x.device.type)(x, self.weight, self.bias, self.eps)
+
+
 def make_norm(cfg: TransformerConfig) -> nn.Module:
     if cfg.normalization == "layernorm":
-        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        return LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
     return RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
@@ -239,8 +246,7 @@ class Attention(nn.Module):
             cos, sin = rope
             if cos.dim() == 2:  # positions 0..T-1: the tables' first T rows
                 cos, sin = cos[:t], sin[:t]
-            rope_fn = kernels.get("apply_rope", q.device.type)
-            q, k = rope_fn(q, cos, sin), rope_fn(k, cos, sin)
+            q, k = kernels.get("apply_rope_qk", q.device.type)(q, k, cos, sin)
         if kv_cache is not None:
             y = kv_cache.attend(self, q, k, v, self.dropout if self.training else 0.0)
         elif self.recompute_core and self.training:
@@ -253,19 +259,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU MLP, or SwiGLU with gate and up fused in fc1 (output rows: [gate; up])."""
+    """GELU MLP, or SwiGLU / GeGLU with gate and up fused in fc1 (output rows: [gate; up])."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
-        width = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
+        self.gated = cfg.activation if cfg.gated_mlp else None  # the kernel: swiglu or geglu
+        width = 2 * cfg.ffn_hidden_size if self.gated else cfg.ffn_hidden_size
         self.fc1 = Linear(cfg.hidden_size, width, bias=cfg.add_bias)
         self.fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        if self.swiglu:
-            h = kernels.get("swiglu", h.device.type)(h)
+        if self.gated:
+            h = kernels.get(self.gated, h.device.type)(h)
         else:
             h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
         return self.fc2(h)

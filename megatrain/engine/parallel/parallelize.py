@@ -85,7 +85,7 @@ def parallelize_model(
         raise ValueError("tensor parallelism with dropout needs an rng_tracker (see parallel.random)")
     if rng_tracker is not None and MODEL_PARALLEL not in rng_tracker.names:
         raise ValueError(f"the rng_tracker has no {MODEL_PARALLEL!r} stream")
-    swiglu = cfg.activation == "swiglu"
+    swiglu = cfg.activation == "swiglu"  # the experts' activation (MoE runs swiglu or gelu)
 
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
@@ -97,7 +97,7 @@ def parallelize_model(
             parallelize_moe_layer(mlp, state, swiglu)  # experts split per expert, like fc1/fc2
         else:
             # fc1 rows are [gate; up]: each rank needs its slice of both (stride 2), not a contiguous chunk.
-            mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, state, stride=2 if swiglu else 1)
+            mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, state, stride=2 if cfg.gated_mlp else 1)
             mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, state)
         if sp:
             _mark_norm(block.attn_norm)
