@@ -154,6 +154,11 @@ CROSS_RULES: list[tuple[dict[str, Any], str, str]] = [
         "model.init_from",
         "required when kind is 'finetune'",
     ),
+    (
+        {"model": {"activation": "geglu", "moe": {"num_experts": 4}}},
+        "model.activation",
+        "geglu is for dense models",
+    ),
 ]
 
 
@@ -176,6 +181,7 @@ def test_the_same_values_pass_when_the_rule_is_met() -> None:
     )
     assert isinstance(ok.parallelism, ParallelismSpec) and ok.parallelism.dp == 2
     assert parse_spec(with_("parallelism", {"dp": "3"})).parallelism.dp == 3  # type: ignore[union-attr]
+    assert parse_spec(with_("model.activation", "geglu")).model.mlp_activation == "geglu"  # dense: allowed
     assert parse_spec(with_("parallelism", {"dp": "auto"})).parallelism.dp == "auto"  # type: ignore[union-attr]
 
 

@@ -106,3 +106,21 @@ def test_recompute_gives_same_gradients(mode: str) -> None:
     lm_loss(model(tokens), tokens).backward()
     for r, p in zip(ref, model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-7)
+
+
+def test_geglu_mlp_fuses_gate_and_up_and_plans_like_swiglu() -> None:
+    from megatrain.plan.flops import layer_forward_flops
+    from megatrain.plan.memory import estimate_memory
+
+    torch.manual_seed(0)
+    cfg = make_config(activation="geglu")
+    mlp = GPTModel(cfg).layers[0].mlp
+    assert mlp.fc1.weight.shape == (2 * 48, cfg.hidden_size)  # [gate; up]
+    x = torch.randn(2, 5, cfg.hidden_size)
+    gate, up = mlp.fc1(x).chunk(2, dim=-1)
+    want = mlp.fc2(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    torch.testing.assert_close(mlp(x), want)
+    # The planner counts it as SwiGLU: three GEMMs and the same saved activations; GELU differs.
+    swiglu, gelu = make_config(activation="swiglu"), make_config(activation="gelu")
+    assert layer_forward_flops(cfg) == layer_forward_flops(swiglu) != layer_forward_flops(gelu)
+    assert estimate_memory(cfg) == estimate_memory(swiglu) != estimate_memory(gelu)
