@@ -87,29 +87,65 @@ def test_gated_activations(kernel: str, shape: tuple[int, ...], dtype: torch.dty
     _against_twin(kernel, [_leaf(shape, dtype, 3, 2.0)], dtype=dtype)
 
 
-def _qk(batch: int, heads: int, groups: int, seq: int, hd: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """q and k as split_qkv makes them: strided views of one (B, T, ·) projection."""
+def _split_rope(kernel: str, heads: int, hd: int, backend: str) -> Callable[..., object]:
+    """The kernel applied to q and k as split_qkv makes them: strided views of one (B, T, ·)
+    projection (the gradient reaches that projection through them)."""
+    rope = kernels.get(kernel, DEVICE, backend=backend)
+
+    def apply(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> object:
+        b, t, _ = qkv.shape
+        q = qkv[..., : heads * hd].reshape(b, t, heads, hd).transpose(1, 2)  # (B, H, T, hd)
+        k = qkv[..., heads * hd :].reshape(b, t, -1, hd).transpose(1, 2)  # (B, G, T, hd)
+        return rope(q, k, cos, sin) if kernel == "apply_rope_qk" else rope(q, cos, sin)
+
+    return apply
+
+
+def _rope_against_twin(
+    kernel: str,
+    shape: tuple[int, int, int, int, int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:
+    batch, heads, groups, seq, hd = shape
     qkv = _leaf((batch, seq, (heads + groups) * hd), dtype, 4)
-    q = qkv[..., : heads * hd].reshape(batch, seq, heads, hd).transpose(1, 2)
-    k = qkv[..., heads * hd :].reshape(batch, seq, groups, hd).transpose(1, 2)
-    return [q, k]
+    cos, sin = cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)
+    got = _run(_split_rope(kernel, heads, hd, "triton"), [qkv], cos, sin)
+    want = _run(_split_rope(kernel, heads, hd, "reference"), [qkv], cos, sin)
+    for g, w in zip(got, want, strict=True):
+        _close(g, w, dtype)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
-@pytest.mark.parametrize(("batch", "heads", "groups", "seq", "hd"), [(1, 2, 2, 5, 8), (2, 6, 2, 7, 12)])
-def test_apply_rope_qk(batch: int, heads: int, groups: int, seq: int, hd: int, dtype: torch.dtype) -> None:
-    cos, sin = rope_tables(seq, hd, 10000.0)
-    qk = _qk(batch, heads, groups, seq, hd, dtype)
-    _against_twin("apply_rope_qk", qk, cos.to(DEVICE, dtype), sin.to(DEVICE, dtype), dtype=dtype)
-    _against_twin("apply_rope", qk[:1], cos.to(DEVICE, dtype), sin.to(DEVICE, dtype), dtype=dtype)
+@pytest.mark.parametrize("shape", [(1, 2, 2, 5, 8), (2, 6, 2, 7, 12)])  # (B, H, G, T, hd)
+@pytest.mark.parametrize("kernel", ["apply_rope_qk", "apply_rope"])
+def test_rope(kernel: str, shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> None:
+    cos, sin = rope_tables(shape[3], shape[4], 10000.0)
+    _rope_against_twin(kernel, shape, cos, sin, dtype)
 
 
-def test_apply_rope_qk_with_per_row_positions() -> None:
+def test_rope_with_per_row_positions() -> None:
     """(B, 1, T, hd) tables (packed documents' position ids): each row its own positions."""
     cos, sin = rope_tables(16, 8, 10000.0)
     positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
-    cos_b, sin_b = cos[positions].unsqueeze(1).to(DEVICE), sin[positions].unsqueeze(1).to(DEVICE)
-    _against_twin("apply_rope_qk", _qk(2, 4, 2, 5, 8, torch.float32), cos_b, sin_b, dtype=torch.float32)
+    cos_b, sin_b = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    _rope_against_twin("apply_rope_qk", (2, 4, 2, 5, 8), cos_b, sin_b, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_kernels_at_model_sizes(dtype: torch.dtype) -> None:
+    """Compiled (not interpreted) at a 7B layer's widths: hidden 4096, ffn 11008, 32 heads of 128."""
+    rows, h, f = 2048, 4096, 11008
+    x, w = _leaf((rows, h), dtype, 0), 1 + _leaf((h,), dtype, 1, 0.3)
+    _against_twin("rms_norm", [x, w], 1e-5, dtype=dtype)
+    _against_twin("layer_norm", [x, w, _leaf((h,), dtype, 2, 0.3)], 1e-5, dtype=dtype)
+    _against_twin("swiglu", [_leaf((rows, 2 * f), dtype, 3)], dtype=dtype)
+    _against_twin("geglu", [_leaf((rows, 2 * f), dtype, 3)], dtype=dtype)
+    cos, sin = rope_tables(512, 128, 10000.0)
+    _rope_against_twin("apply_rope_qk", (2, 32, 8, 512, 128), cos, sin, dtype)
 
 
 def test_the_registry_picks_triton_on_cuda_and_the_twins_on_a_cpu() -> None:
@@ -129,6 +165,7 @@ def _counting(fn: Callable[..., object], name: str, calls: dict[str, int]) -> Ca
     return counted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "launched"), [("llama", {"rms_norm", "rope", "glu"}), ("gpt2", {"layer_norm"})]
 )
