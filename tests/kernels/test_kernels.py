@@ -65,6 +65,20 @@ def test_swiglu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(6, 2 * 16), (2, 3, 2 * 40)])
+def test_geglu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    _against_reference("geglu", [_leaf(shape, dtype, 2)], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(7, 32), (2, 5, 48)])
+def test_layer_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = _leaf(shape, dtype, 0)
+    w, b = _leaf(shape[-1:], dtype, 1, 0.5), _leaf(shape[-1:], dtype, 2, 0.5)
+    _against_reference("layer_norm", [x, w, b], 1e-5, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("batch", "heads", "seq", "head_dim"), [(1, 2, 5, 8), (2, 3, 9, 16)])
 def test_apply_rope(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype) -> None:
     cos, sin = rope_tables(seq, head_dim, 10000.0)
