@@ -133,6 +133,21 @@ def test_rope_with_per_row_positions() -> None:
     _rope_against_twin("apply_rope_qk", (2, 4, 2, 5, 8), cos_b, sin_b, torch.float32)
 
 
+def test_rope_launch_rotates_in_place_and_back() -> None:
+    from megatrain.kernels.triton.rope import rope_launch
+
+    cos, sin = (t.to(DEVICE) for t in rope_tables(7, 12, 10000.0))
+    q, k = _leaf((2, 6, 7, 12), torch.float32, 5), _leaf((2, 2, 7, 12), torch.float32, 6)
+    q0, k0 = q.clone(), k.clone()
+    want_q, want_k = kernels.get("apply_rope_qk", DEVICE, backend="reference")(q0, k0, cos, sin)
+    rope_launch(q, k, cos, sin, q, k)
+    _close(q, want_q, torch.float32)
+    _close(k, want_k, torch.float32)
+    rope_launch(q, k, cos, sin, q, k, backward=True)  # the rotation by -θ undoes it
+    _close(q, q0, torch.float32)
+    _close(k, k0, torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,9 +1,10 @@
 """Rotary position embedding (rotate-half layout) in Triton: q and k rotated in one launch, one
 program per (batch row, position) covering every head, against megatrain.kernels.rope's twins.
 
-Forward reads q and k where they lie (the strided views split_qkv makes: no .contiguous() copy)
-and writes fresh tensors; backward rotates the incoming gradients by -θ in place (a rotation's
-transpose) where their layout allows, else into fresh tensors.
+Both directions read q and k (or their gradients) where they lie, whatever their strides (the
+views split_qkv makes: no .contiguous() copy), and write fresh contiguous tensors; backward is the
+rotation by -θ (a rotation's transpose). rope_launch can rotate in place (out = in), but the autograd
+Function does not: a gradient tensor may be shared with another branch of the graph.
 
 Launch: grid (B·T,), a block of (next power of two of heads) × (next power of two of hd/2),
 num_warps 4. Computes in fp32; returns the inputs' dtype.
@@ -88,7 +89,8 @@ def rope_launch(
     backward: bool = False,
 ) -> None:
     """Rotate q (B, H, T, hd) and k (B, G, T, hd) into q_out and k_out (which may be q and k:
-    in place); cos/sin (T, hd) or (B, 1, T, hd) with equal halves (only the first is read)."""
+    each program reads a position before writing it); cos/sin (T, hd) or (B, 1, T, hd) with equal
+    halves (only the first is read)."""
     batch, heads, seq, hd = q.shape
     half = hd // 2
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
@@ -105,13 +107,6 @@ def rope_launch(
     )  # fmt: skip
 
 
-def _writable(grad: torch.Tensor) -> bool:
-    """Whether a gradient may be rotated in place: no stride-0 (broadcast) dims, last dim dense."""
-    return grad.stride(-1) == 1 and all(
-        st != 0 or n == 1 for st, n in zip(grad.stride(), grad.shape, strict=True)
-    )
-
-
 class _TritonRoPE(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -125,24 +120,16 @@ class _TritonRoPE(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        ctx: Any, dq: torch.Tensor, dk: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
         cos, sin = ctx.saved_tensors
-        if dq is None:  # only k's output was used: q's gradient is zero
-            return None, _rotate_alone(dk, cos, sin), None, None
-        dq = dq if _writable(dq) else dq.contiguous()
-        if dk is not None:
-            dk = dk if _writable(dk) else dk.contiguous()
-        rope_launch(dq, dk, cos, sin, dq, dk, backward=True)
-        return dq, dk, None, None
-
-
-def _rotate_alone(grad: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    if grad is None:
-        return None
-    grad = grad if _writable(grad) else grad.contiguous()
-    rope_launch(grad, None, cos, sin, grad, None, backward=True)
-    return grad
+        # Into fresh tensors, not in place: autograd may hand this same gradient tensor to another
+        # branch too (an add's backward passes one tensor to both inputs). dk is None only when no
+        # k was given (autograd materialises an unused output's gradient as zeros).
+        dq_out = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
+        dk_out = torch.empty(dk.shape, dtype=dk.dtype, device=dk.device) if dk is not None else None
+        rope_launch(dq, dk, cos, sin, dq_out, dk_out, backward=True)
+        return dq_out, dk_out, None, None
 
 
 def apply_rope_qk(
