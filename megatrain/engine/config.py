@@ -65,6 +65,7 @@ class TransformerConfig:
     position_embedding: Literal["learned", "rope"] = "rope"
     normalization: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     activation: Literal["gelu", "swiglu", "geglu"] = "swiglu"
+    """swiglu and geglu (gated_mlp) fuse gate and up in fc1; geglu's gate is tanh-approximated GELU."""
     add_bias: bool = False
     """Biases on every Linear (GPT-2) or none (Llama)."""
     qkv_bias: bool | None = None

@@ -2,6 +2,7 @@
 
 GPT-2: learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
 Llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, untied LM head.
+Either may run a GELU, SwiGLU or GeGLU MLP instead (model.activation).
 
 Plain single-device nn.Module: no process groups, no globals. Every Linear is its own named
 submodule (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, lm_head) so tensor-parallel layers can replace them;
