@@ -98,6 +98,11 @@ def te_available() -> bool:
     return True
 
 
+def te_supports(q: torch.Tensor) -> bool:
+    """Whether TE's fused attention takes q: fp16/bf16 on CUDA (it picks a kernel for the head dim)."""
+    return q.is_cuda and q.dtype in _HALF
+
+
 @functools.lru_cache(maxsize=64)
 def _te_attention(heads: int, groups: int, head_dim: int, dropout_p: float, packed: bool) -> Any:
     """One DotProductAttention per shape and mask kind (it holds no weights, only its choices)."""
@@ -122,7 +127,7 @@ def attention_te(
 ) -> torch.Tensor:
     """Transformer Engine's fused attention (cuDNN or its flash kernels, as TE picks): bshd causal,
     or thd with cumulative sequence lengths over packed documents."""
-    if not (q.is_cuda and q.dtype in _HALF) or (segments is not None and not segments.contiguous):
+    if not te_supports(q) or (segments is not None and not segments.contiguous):
         return attention(q, k, v, segments, dropout_p)
     b, h, t, hd = q.shape
     core = _te_attention(h, k.shape[1], hd, dropout_p, segments is not None)
