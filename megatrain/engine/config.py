@@ -79,7 +79,7 @@ class TransformerConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_backend: str = "auto"
-    """The `attention` kernel's backend (megatrain.kernels.attention_support): auto, sdpa, flash, te or
+    """The `attention` kernel's backend (megatrain.spec_attention): auto, sdpa, flash, te or
     flex; MEGATRAIN_KERNELS overrides it."""
     moe: MoEConfig | None = None
     """None: a dense model."""

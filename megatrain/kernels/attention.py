@@ -12,7 +12,7 @@ fp32, the twin the tests compare against), and in their own modules "flash" and 
 (megatrain.kernels.attention_flash: flash-attn and Transformer Engine on CUDA, where installed; packed
 documents become one ragged batch described by cumulative sequence lengths, so no (T, T) mask exists)
 and "flex" (megatrain.kernels.attention_flex: a block mask). A model picks one through
-model.attention_backend (megatrain.kernels.attention_support). A Segments object is built once per
+model.attention_backend (megatrain.spec_attention). A Segments object is built once per
 forward and caches what each backend derives from the ids, so every layer reuses one mask, one
 cu_seqlens or one block mask.
 """

@@ -65,6 +65,8 @@ def _flex_eager(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse fp32 (B, H, T)) from the unfused implementation (no autograd)."""
+    # Detached: torch refuses flex on CPU inputs that require grad (it has no backward there).
+    q, k, v = q.detach(), k.detach(), v.detach()
     with warnings.catch_warnings():
         # Eager flex is the intended path off CUDA: its advice to compile is for GPUs.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -91,8 +93,7 @@ class _FlexEager(torch.autograd.Function):
         block_mask: BlockMask,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        # Detached: torch refuses flex on CPU inputs that require grad (it has no backward there).
-        out, lse = _flex_eager(q.detach(), k.detach(), v.detach(), block_mask)
+        out, lse = _flex_eager(q, k, v, block_mask)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
 
@@ -120,7 +121,7 @@ def attention_flex(
     if q.is_cuda:
         out: torch.Tensor = _compiled()(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
         return out
-    if not torch.is_grad_enabled() or not any(x.requires_grad for x in (q, k, v)):
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
         return _flex_eager(q, k, v, block_mask)[0]
     mask = None if segments is None else segments.mask
     result: torch.Tensor = _FlexEager.apply(q, k, v, block_mask, mask)
