@@ -1,13 +1,18 @@
 """model.attention_backend through the engine (megatrain/engine/train.py): a run with flex trains to
 the losses of one with SDPA over packed documents, and a worker that cannot run the named backend
-fails before building the model, with the API's words."""
+fails before building the model, with the API's words; ring attention refuses a backend it would
+not run."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from megatrain.engine.config import TransformerConfig
+from megatrain.engine.models.gpt import GPTModel
+from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.train import run
 from megatrain.spec import SpecError, parse_spec
 
@@ -38,3 +43,9 @@ def test_a_backend_this_worker_cannot_run_fails_before_the_model(
         run(parse_spec(raw), tmp_path / "out")
     metrics = tmp_path / "out" / "metrics.jsonl"
     assert not metrics.exists() or read_jsonl(metrics) == []  # no step ran
+
+
+def test_ring_attention_refuses_a_named_backend_it_would_not_run() -> None:
+    model = GPTModel(TransformerConfig.preset("tiny-llama", attention_backend="flex"))
+    with pytest.raises(ValueError, match=r"attention_backend='flex' is not used with parallelism.cp=2"):
+        parallelize_context(model, SimpleNamespace(cp_size=2))  # type: ignore[arg-type]
