@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from megatrain.spec_attention import AttentionBackend, dropout_problem, precision_problem
 from megatrain.spec_errors import (
     Findings,
     Problem,
@@ -107,6 +108,12 @@ class ModelSpec(_Strict):
     LM head have it rounded up to a multiple of 128 rows."""
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_backend: AttentionBackend = "auto"
+    """The attention kernel. auto: flash-attn where installed and usable (a CUDA GPU, fp16/bf16, head
+    dim a multiple of 8 up to 256), else torch's SDPA. sdpa: torch's scaled_dot_product_attention.
+    flash: flash-attn 2 (or 3), dense causal and varlen over packed documents. te: Transformer Engine's
+    fused attention. flex: torch's flex_attention with a causal / per-document block mask. flash and te
+    need the gpu extra (`pip install megatrain[gpu]`) on the workers."""
     norm_eps: float = Field(1e-5, gt=0.0, le=1e-1)
     rope_theta: float = Field(10000.0, gt=0.0, le=1e9)
     rope_scaling: RopeScalingSpec | None = None
@@ -160,6 +167,9 @@ class ModelSpec(_Strict):
                     "model.activation geglu is for dense models (experts run swiglu or gelu)",
                 )
             )
+        attention = dropout_problem(self.attention_backend, self.attention_dropout)
+        if attention:
+            out.append(_rule("model.attention_backend", attention))
         if self.init_from is not None and not _valid_init_from(self.init_from):
             out.append(
                 _rule(
@@ -433,6 +443,13 @@ class JobSpec(_Strict):
             report_rules(
                 info, [_rule("model.init_from", "model.init_from is required when kind is 'finetune'")]
             )
+        return self
+
+    @model_validator(mode="after")
+    def _attention_precision(self, info: ValidationInfo) -> JobSpec:
+        problem = precision_problem(self.model.attention_backend, self.training.precision)
+        if problem:
+            report_rules(info, [_rule("model.attention_backend", problem)])
         return self
 
     @property

@@ -292,6 +292,10 @@ RULES: tuple[Rule, ...] = (
          {"model.rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}}),
     Rule("model.rope_scaling.high_freq_factor", "high_freq_factor exceeds low_freq_factor",
          {"model.rope_scaling": {**_LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0}}),
+    Rule("model.attention_backend", "attention_backend flex runs no attention dropout",
+         {"model.attention_backend": "flex", "model.attention_dropout": 0.1}),
+    Rule("model.attention_backend", "attention_backend flash or te needs training.precision other than fp32",
+         {"model.attention_backend": "flash", "training.precision": "fp32"}),
     Rule("model.init_from", "init_from is null, checkpoint:JOB_ID[@STEP], hf:NAME (registered) or "
          "hf:URL (file:///abs/path or s3://bucket/prefix)", {"model.init_from": "gpt2"}),
     Rule("model.init_from", "kind finetune needs model.init_from", {"kind": "finetune"}),
@@ -334,6 +338,8 @@ RULES: tuple[Rule, ...] = (
           "parallelism.sequence_parallel": True}, "layout"),
     Rule("model.attention_dropout", "cp > 1 runs no attention dropout (ring attention)",
          {"model.attention_dropout": 0.1, "parallelism.cp": 2}, "layout"),
+    Rule("model.attention_backend", "cp > 1 runs ring attention: attention_backend auto or sdpa",
+         {"model.attention_backend": "flex", "parallelism.cp": 2}, "layout"),
     Rule("parallelism.pp", "pp ≤ num_layers", {"parallelism.pp": 8}, "layout"),
     Rule("parallelism.virtual_stages", "virtual_stages > 1 needs pp > 1", {"parallelism.virtual_stages": 2},
          "layout"),
@@ -367,6 +373,8 @@ SUBMISSION_CHECKS: tuple[tuple[str, str], ...] = (
     ("model.*", "with an hf: init_from, every model field given agrees with the folder's config.json "
      "(the others are filled from it)"),
     ("resources.priority", "at most the tenant's priority cap"),
+    ("model.attention_backend", "flash and te need their package installed (flash-attn, "
+     "transformer-engine: `pip install megatrain[gpu]`)"),
 )  # fmt: skip
 
 

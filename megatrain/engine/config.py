@@ -79,6 +79,9 @@ class TransformerConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    attention_backend: str = "auto"
+    """The `attention` kernel's backend (megatrain.spec_attention): auto, sdpa, flash, te or
+    flex; MEGATRAIN_KERNELS overrides it."""
     moe: MoEConfig | None = None
     """None: a dense model."""
 
@@ -186,6 +189,7 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        attention_backend=m.attention_backend,
         moe=moe_config(m),
     )
 

@@ -51,6 +51,7 @@ from megatrain.plan.memory import from_spec as memory_from_spec
 from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
+from megatrain.spec_attention import runtime_problem as attention_runtime_problem
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -112,6 +113,10 @@ def run(
     tokenizer = build_tokenizer(spec.data.tokenizer)
     activity.phase = "setup"
     mcfg = transformer_config(spec, tokenizer.vocab_size)
+    # A backend this worker cannot run (its package missing, no GPU, fp32) fails before the model.
+    problem = attention_runtime_problem(mcfg.attention_backend, torch.device(ctx.device).type, precision)
+    if problem:
+        raise SpecError([{"field": "model.attention_backend", "message": problem}])
     state = ParallelState.build(layout, ctx.device)
     activity.phase = "data"
     datasets = build_datasets(spec, tokenizer, mcfg.seq_length)

@@ -47,7 +47,7 @@ class Backend:
 
 
 _BACKENDS: dict[str, list[Backend]] = {}
-_CHOSEN: dict[tuple[str, str, str | None, str], Callable[..., Any]] = {}
+_CHOSEN: dict[tuple[str, str, str | None, str | None, str], Callable[..., Any]] = {}
 
 
 def register(
@@ -91,20 +91,23 @@ def forced_backends(value: str | None = None) -> dict[str, str]:
     return forced
 
 
-def get(kernel: str, device_type: str = "cpu", backend: str | None = None) -> Callable[..., Any]:
+def get(
+    kernel: str, device_type: str = "cpu", backend: str | None = None, prefer: str | None = None
+) -> Callable[..., Any]:
     """The function of `kernel` for `device_type` ("cpu", "cuda"): `backend` if given (or forced by
-    MEGATRAIN_KERNELS), else the usable backend of highest priority."""
-    key = (kernel, device_type, backend, os.environ.get(ENV, ""))
+    MEGATRAIN_KERNELS), else `prefer` (a model's own choice, e.g. its attention backend, which
+    MEGATRAIN_KERNELS overrides for debugging), else the usable backend of highest priority."""
+    key = (kernel, device_type, backend, prefer, os.environ.get(ENV, ""))
     fn = _CHOSEN.get(key)
     if fn is None:
-        fn = _CHOSEN[key] = _choose(kernel, device_type, backend).load()
+        fn = _CHOSEN[key] = _choose(kernel, device_type, backend, prefer).load()
     return fn
 
 
-def _choose(kernel: str, device_type: str, backend: str | None) -> Backend:
+def _choose(kernel: str, device_type: str, backend: str | None, prefer: str | None = None) -> Backend:
     entries = _entries(kernel)
     forced = forced_backends()
-    wanted = backend or forced.get(kernel) or forced.get("*")
+    wanted = backend or forced.get(kernel) or forced.get("*") or prefer
     if wanted is not None:
         for b in entries:
             if b.name == wanted:
@@ -132,17 +135,22 @@ def _builtin() -> None:
     ):
         register(kernel, "torch", f"{pkg}.{module}:{fn}", priority=10)
         register(kernel, "reference", f"{pkg}.{module}:{fn}_reference")
-    # Attention: SDPA everywhere, flash-attn's varlen kernel for packed documents on CUDA where installed.
-    register("attention", "torch", f"{pkg}.attention:attention", priority=10)
+    # Attention (model.attention_backend names one; auto: the highest priority usable here): SDPA
+    # everywhere, flash-attn on CUDA where installed; Transformer Engine and flex only when asked for.
+    register("attention", "sdpa", f"{pkg}.attention:attention", priority=10)
     register("attention", "reference", f"{pkg}.attention:attention_reference")
     register(
         "attention",
-        "flash_varlen",
-        f"{pkg}.attention:attention_flash_varlen",
+        "flash",
+        f"{pkg}.attention_flash:attention_flash",
         devices=("cuda",),
         available=_flash_attn_available,
         priority=20,
     )
+    register(
+        "attention", "te", f"{pkg}.attention_flash:attention_te", devices=("cuda",), available=_te_available
+    )
+    register("attention", "flex", f"{pkg}.attention_flex:attention_flex")
 
     # Mixture-of-experts: torch._grouped_mm on CUDA where this torch has it.
     register(
@@ -214,9 +222,15 @@ def _cuda_available() -> bool:
 
 
 def _flash_attn_available() -> bool:
-    from megatrain.kernels.attention import flash_attn_available
+    from megatrain.kernels.attention_flash import flash_attn_available
 
     return flash_attn_available()
+
+
+def _te_available() -> bool:
+    from megatrain.kernels.attention_flash import te_available
+
+    return te_available()
 
 
 _builtin()

@@ -7,17 +7,21 @@ q (B, H, T, hd), k and v (B, G, T, hd) with G dividing H (grouped-query attentio
 unpacked batch), or a `Segments` of packed documents: a token then attends only to earlier tokens of
 its own segment (a block-diagonal causal mask, Megatron's reset_attention_mask).
 
-Backends: "torch" (SDPA; a boolean mask when packed), "reference" (the softmax written out in fp32,
-the twin the tests compare against) and "flash_varlen" (flash-attn's varlen kernel on CUDA, when
-installed: the packed documents become one ragged batch described by cumulative sequence lengths, so
-no (T, T) mask exists and masked blocks cost nothing). A Segments object is built once per forward
-and caches what each backend derives from the ids, so every layer reuses one mask or one cu_seqlens.
+Backends: "sdpa" (here: SDPA; a boolean mask when packed), "reference" (the softmax written out in
+fp32, the twin the tests compare against), and in their own modules "flash" and "te"
+(megatrain.kernels.attention_flash: flash-attn and Transformer Engine on CUDA, where installed; packed
+documents become one ragged batch described by cumulative sequence lengths, so no (T, T) mask exists)
+and "flex" (megatrain.kernels.attention_flex: a block mask). A model picks one through
+model.attention_backend (megatrain.spec_attention). A Segments object is built once per
+forward and caches what each backend derives from the ids, so every layer reuses one mask, one
+cu_seqlens or one block mask.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,14 @@ class Segments:
         self.ids = ids
         self._mask: torch.Tensor | None = None
         self._varlen: tuple[torch.Tensor, int, bool] | None = None
+        self._derived: dict[str, Any] = {}
+
+    def derived(self, key: str, build: Callable[[Segments], Any]) -> Any:
+        """`build(self)`, computed on the first call with `key` and kept (a backend's own form of the
+        ids, e.g. flex attention's block mask)."""
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]
 
     @property
     def mask(self) -> torch.Tensor:
@@ -121,34 +133,3 @@ def attention_reference(
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return (probs @ v.float()).to(q.dtype)
-
-
-def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-
-
-def attention_flash_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: Segments | None = None,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
-    """flash-attn's varlen kernel over the packed documents (fp16/bf16 on CUDA); SDPA otherwise,
-    and for plain causal attention, where SDPA already runs a flash kernel."""
-    if segments is None or q.dtype not in (torch.float16, torch.bfloat16) or not segments.contiguous:
-        return attention(q, k, v, segments, dropout_p)
-    from flash_attn import flash_attn_varlen_func
-
-    b, h, t, hd = q.shape
-    cu, max_len = segments.varlen
-
-    def tokens_first(x: torch.Tensor) -> torch.Tensor:  # (B, heads, T, hd) -> (B·T, heads, hd)
-        return x.transpose(1, 2).reshape(b * t, x.shape[1], hd)
-
-    # flash-attn handles grouped K/V itself (heads_k dividing heads) and masks causally per sequence.
-    out = flash_attn_varlen_func(
-        tokens_first(q), tokens_first(k), tokens_first(v), cu, cu, max_len, max_len,
-        dropout_p=dropout_p, causal=True,
-    )  # fmt: skip
-    return out.reshape(b, t, h, hd).transpose(1, 2)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
+from megatrain.spec_attention import context_parallel_problem
 
 AXES = ("tp", "cp", "dp", "pp")
 """Mesh axes, fastest-varying first."""
@@ -324,21 +325,28 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
         ),
         *batch_problems(layout, tr.global_batch_size, tr.micro_batch_size),
         *expert_problems(layout, m.moe.num_experts if m.moe is not None else 0),
-        *context_problems(layout, m.attention_dropout),
+        *context_problems(layout, m.attention_dropout, m.attention_backend),
     ]
 
 
-def context_problems(layout: Layout, attention_dropout: float) -> list[Problem]:
-    """Ring attention (context parallelism) merges exact softmax blocks: it runs no attention dropout."""
+def context_problems(
+    layout: Layout, attention_dropout: float, attention_backend: str = "auto"
+) -> list[Problem]:
+    """Ring attention (context parallelism) merges exact softmax blocks: it runs no attention dropout,
+    and its own attention blocks whatever model.attention_backend names."""
+    out = []
     if layout.cp > 1 and attention_dropout > 0:
-        return [
+        out.append(
             _problem(
                 "model.attention_dropout",
                 f"model.attention_dropout={attention_dropout} is not supported with parallelism.cp="
                 f"{layout.cp} (ring attention runs without dropout); set it to 0",
             )
-        ]
-    return []
+        )
+    backend = context_parallel_problem(attention_backend, layout.cp)
+    if backend:
+        out.append(_problem("model.attention_backend", backend))
+    return out
 
 
 def expert_problems(layout: Layout, num_experts: int) -> list[Problem]:

@@ -25,7 +25,14 @@ from typing import Any
 
 from megatrain.plan.bounds import model_state_floor, saved_per_token
 from megatrain.plan.cost import StepSettings, StepTime, predict_step
-from megatrain.plan.layout import Layout, batch_problems, expert_problems, model_problems, resolve_layout
+from megatrain.plan.layout import (
+    Layout,
+    batch_problems,
+    context_problems,
+    expert_problems,
+    model_problems,
+    resolve_layout,
+)
 from megatrain.plan.memory import GiB, MemoryEstimate, chunks_in_flight, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.result import (
@@ -146,12 +153,17 @@ class _Search:
         """1, and the powers of two that split every sequence into 2·cp chunks of at least
         MIN_CP_CHUNK/2 tokens and divide the devices left by tp; the rest rejected with why."""
         s, out = self.model.seq_length, [1]
+        m = self.spec.model
         cp = 2
         while tp * cp <= self.devices:
             if (self.devices // tp) % cp == 0:
                 problems = model_problems(Layout(tp=tp, cp=cp), seq_length=s, model="model.", par="")
+                # Ring attention runs no dropout and only its own attention blocks.
+                unsupported = context_problems(Layout(tp=tp, cp=cp), m.attention_dropout, m.attention_backend)
                 if problems:
                     self.reject("divisibility", problems[0]["message"], cp=cp)
+                elif unsupported:
+                    self.reject("cp_unsupported", unsupported[0]["message"], cp=cp)
                 elif s // cp < MIN_CP_CHUNK:
                     self.reject(
                         "cp_chunk",

@@ -77,7 +77,8 @@ class Choice:
 @dataclass
 class Rejection:
     code: str
-    """divisibility | tp_exceeds_node | ep_exceeds_node | cp_chunk | model_state | memory | devices."""
+    """divisibility | tp_exceeds_node | ep_exceeds_node | cp_chunk | cp_unsupported | model_state | memory |
+    devices."""
     message: str
     choice: dict[str, Any] | None = None
     numbers: dict[str, Any] = field(default_factory=dict)
@@ -124,7 +125,15 @@ class Plan:
         }
 
 
-REJECTION_ORDER = ("memory", "model_state", "divisibility", "ep_exceeds_node", "cp_chunk", "tp_exceeds_node")
+REJECTION_ORDER = (
+    "memory",
+    "model_state",
+    "divisibility",
+    "ep_exceeds_node",
+    "cp_chunk",
+    "cp_unsupported",
+    "tp_exceeds_node",
+)
 
 
 def most_telling(rejected: list[Rejection]) -> list[Rejection]:

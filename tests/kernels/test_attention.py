@@ -37,7 +37,8 @@ def _run(backend: str, inputs: list[torch.Tensor], segments: Segments | None) ->
 
 
 def _usable_backends() -> list[str]:
-    return [b for b in kernels.backends("attention") if b != "flash_varlen" or torch.cuda.is_available()]
+    """Every backend that runs here (flash and te need CUDA and their package)."""
+    return [b for b in kernels.backends("attention") if b not in ("flash", "te") or torch.cuda.is_available()]
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -96,44 +97,3 @@ def test_cuda_backends_match_the_reference(dtype: torch.dtype) -> None:
     out, grads = _run(kernels._choose("attention", "cuda", None).name, inputs, segments)
     for got, want in zip([out, *grads], [ref_out, *ref_grads], strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
-
-
-def test_the_varlen_backend_lays_out_tokens_as_flash_attn_expects(monkeypatch: pytest.MonkeyPatch) -> None:
-    """flash-attn needs CUDA; here a stand-in with its documented contract (tokens-first (total, heads,
-    hd) tensors, int32 cu_seqlens, causal within each sequence, fewer K/V heads allowed) checks our
-    side: the layout in and out, the boundaries, and the fallbacks."""
-    import sys
-    import types
-
-    import torch.nn.functional as F
-
-    calls = []
-
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=False):  # noqa: ANN001, ANN202
-        calls.append((cu_q.tolist(), max_q, causal))
-        assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and max_q == max_k and causal
-        out = torch.empty_like(q)
-        bounds = cu_q.tolist()
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            qs, ks, vs = (x[lo:hi].transpose(0, 1) for x in (q, k, v))  # (heads, n, hd)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            out[lo:hi] = o.transpose(0, 1)
-        return out
-
-    monkeypatch.setitem(
-        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
-    )
-    from megatrain.kernels.attention import attention_flash_varlen, attention_reference
-
-    q, k, v = _qkv(2, 4, 2, 10, 8, torch.bfloat16)
-    segments = Segments(_segments(2, 10, seed=4))
-    got = attention_flash_varlen(q, k, v, segments)
-    assert len(calls) == 1 and calls[0][0] == segments.varlen[0].tolist()
-    torch.testing.assert_close(
-        got.float(), attention_reference(q, k, v, segments).float(), rtol=3e-2, atol=3e-2
-    )
-    # No segments, fp32, or a segment that comes back after a gap: the SDPA path, flash-attn untouched.
-    attention_flash_varlen(q, k, v, None)
-    attention_flash_varlen(q.float(), k.float(), v.float(), segments)
-    attention_flash_varlen(q, k, v, Segments(torch.tensor([[0] * 5 + [1] * 3 + [0] * 2] * 2)))
-    assert len(calls) == 1

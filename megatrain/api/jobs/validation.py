@@ -2,7 +2,8 @@
 
 The spec's own rules first (megatrain.spec.check_spec: field errors and every cross-field rule),
 then the plan (`parallelism: auto` is planned for its pool: megatrain.plan.planner), the layout,
-the pool and its fit, the named datasets, data access, data existence, init_from and priority.
+the pool and its fit, the named datasets, data access, data existence, init_from, priority and the
+attention backend's package.
 A check whose inputs are broken is skipped rather than run on a stand-in: a value the spec rules
 dropped (Findings.unknown) is never judged again, and memory fit waits for a valid layout, pool and
 model.
@@ -30,6 +31,7 @@ from megatrain.scheduler.placement import fit_problem, memory_problem
 from megatrain.scheduler.pools import OPERATOR, describe
 from megatrain.settings import Settings
 from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
+from megatrain.spec_attention import missing_package
 from megatrain.spec_errors import Findings, Problem
 
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
@@ -230,6 +232,14 @@ def _priority(spec: JobSpec, tenant: Tenant) -> Problem | None:
     )
 
 
+def _attention_backend(spec: JobSpec) -> Problem | None:
+    """flash and te need their package (the gpu extra): checked here, where the deployment's images
+    share one set of packages, so that a job never lands on a worker that fails on the import (the
+    engine checks again before building the model)."""
+    problem = missing_package(spec.model.attention_backend)
+    return _problem("model.attention_backend", problem) if problem else None
+
+
 def validate_submission(
     session: Session, settings: Settings, tenant: Tenant, data: Any
 ) -> tuple[JobSpec, Layout]:
@@ -270,6 +280,8 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         findings.add(filter(None, [_init_from(session, spec, tenant)]))
     if not findings.depends_on_unknown("resources.priority"):
         findings.add(filter(None, [_priority(spec, tenant)]))
+    if not findings.depends_on_unknown("model.attention_backend"):
+        findings.add(filter(None, [_attention_backend(spec)]))
     findings.raise_if_any()
     assert layout is not None  # no error: every check ran, the layout's too
     return Submission(spec, layout, prediction)

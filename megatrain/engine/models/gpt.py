@@ -198,6 +198,8 @@ class Attention(nn.Module):
         self.num_groups = cfg.num_query_groups
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attention_dropout
+        # The `attention` kernel's backend this model asked for (None: the registry's choice).
+        self.attention_backend = None if cfg.attention_backend == "auto" else cfg.attention_backend
         self.recompute_core = False
         # Hooks that stay no-ops on one device. Tensor parallelism installs an RNG-tracker fork around
         # the core (ranks hold different heads, so their dropout masks must differ) and a checkpoint
@@ -228,7 +230,9 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         with self.core_rng_context():
             # Causal (is_causal) without segments; block-diagonal causal over packed documents.
-            attend = self.core_attention or kernels.get("attention", q.device.type)
+            attend = self.core_attention or kernels.get(
+                "attention", q.device.type, prefer=self.attention_backend
+            )
             return attend(q, k, v, segments, dropout)
 
     def forward(

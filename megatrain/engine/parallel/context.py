@@ -33,6 +33,7 @@ from megatrain.engine.models.gpt import Attention
 from megatrain.engine.models.moe import TopKRouter
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.kernels.attention import Segments
+from megatrain.spec_attention import context_parallel_problem
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,9 @@ def parallelize_context(model: nn.Module, state: ParallelState) -> nn.Module:
             f"model.attention_dropout={cfg.attention_dropout} is not supported with parallelism.cp="
             f"{state.cp_size} (ring attention has no dropout); set it to 0"
         )
+    backend = context_parallel_problem(cfg.attention_backend, state.cp_size) if cfg is not None else None
+    if backend:
+        raise ValueError(backend)
     attend = functools.partial(ring_attention, ring=Ring.of(state))
     for module in model.modules():
         if isinstance(module, Attention):
