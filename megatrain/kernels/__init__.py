@@ -123,6 +123,11 @@ def _builtin() -> None:
         ("swiglu", "swiglu", "swiglu"),
         ("apply_rope", "rope", "apply_rope"),
         ("linear_cross_entropy", "linear_cross_entropy", "linear_cross_entropy"),
+        (
+            "vocab_parallel_linear_cross_entropy",
+            "vocab_parallel_linear_cross_entropy",
+            "vocab_parallel_linear_cross_entropy",
+        ),
         ("linear", "grad_accumulation", "linear"),
         ("embedding", "grad_accumulation", "embedding"),
         ("grouped_mlp", "grouped_mlp", "grouped_mlp"),
@@ -140,6 +145,17 @@ def _builtin() -> None:
         available=_flash_attn_available,
         priority=20,
     )
+
+    # The fused LM head + loss: each chunk's cross-entropy in Triton on CUDA (GEMMs stay in torch).
+    for kernel in ("linear_cross_entropy", "vocab_parallel_linear_cross_entropy"):
+        register(
+            kernel,
+            "triton",
+            f"{pkg}.triton.cross_entropy:{kernel}",
+            devices=("cuda",),
+            available=_triton_usable,
+            priority=20,
+        )
 
     # Mixture-of-experts: torch._grouped_mm on CUDA where this torch has it.
     register(
@@ -165,6 +181,12 @@ def _builtin() -> None:
             available=_cuda_available,
             priority=10,
         )
+
+
+def _triton_usable() -> bool:
+    from megatrain.kernels.triton import triton_usable
+
+    return triton_usable()
 
 
 def _grouped_mm_available() -> bool:
