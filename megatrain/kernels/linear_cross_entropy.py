@@ -140,7 +140,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weights[start : start + rows]
             if vocab == 0:  # a shard of padding only: it joins the collectives, adds nothing
                 empty = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-                _all_reduce_lse(torch.full_like(empty, float("-inf")), empty, empty, group)
+                lse, target = _all_reduce_lse(torch.full_like(empty, float("-inf")), empty, empty, group)
+                loss_sum += ((lse - target) * w).sum()
                 if grad_hidden is not None:
                     grad_hidden[start : start + rows].zero_()
                 continue
@@ -236,7 +237,9 @@ def fused_linear_cross_entropy(
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
     weights = token_weights(y, _flat_mask(loss_mask, y.shape[0]), ignore_index)
-    return _LinearCrossEntropy.apply(h, weight, y, weights, chunk_tokens, vocab_limit, ops, group, vocab_start)
+    return _LinearCrossEntropy.apply(
+        h, weight, y, weights, chunk_tokens, vocab_limit, ops, group, vocab_start
+    )
 
 
 def _flat_mask(loss_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -260,7 +263,13 @@ def linear_cross_entropy(
     keeps (all without one; 0 when none is kept); hidden (..., h), labels and loss_mask (...).
     Only the first vocab_limit rows of weight are classes (the rest is padding: zero gradient)."""
     return fused_linear_cross_entropy(
-        hidden, weight, labels, TORCH_OPS, chunk_tokens=chunk_tokens, loss_mask=loss_mask, vocab_limit=vocab_limit
+        hidden,
+        weight,
+        labels,
+        TORCH_OPS,
+        chunk_tokens=chunk_tokens,
+        loss_mask=loss_mask,
+        vocab_limit=vocab_limit,
     )
 
 

@@ -83,7 +83,9 @@ def vocab_parallel_linear_cross_entropy_reference(
     shifted = logits - top.unsqueeze(1)
     local = y - vocab_start
     outside = (local < 0) | (local >= local_v)
-    target = shifted.gather(1, local.masked_fill(outside, 0).unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+    target = (
+        shifted.gather(1, local.masked_fill(outside, 0).unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+    )
     sum_exp = _sum_forward_only(shifted.exp().sum(dim=1), group)
     per_token = sum_exp.log() - _sum_forward_only(target, group)
     keep = (y != ignore_index).float()
@@ -91,4 +93,3 @@ def vocab_parallel_linear_cross_entropy_reference(
     if mask is not None:
         keep = keep * mask.float()
     return (per_token * keep).sum() / keep.sum().clamp_min(1.0)
-

@@ -65,7 +65,9 @@ def test_stats_and_grad_kernels(dtype: torch.dtype) -> None:
     torch.testing.assert_close(target, x.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0))
     lse = torch.logsumexp(x, 1) + torch.rand(6, generator=g)  # as if other shards added mass
     weights = torch.rand(6, generator=g)
-    want = ((x - lse[:, None]).exp() - F.one_hot(labels.clamp_min(0), 40) * (labels >= 0)[:, None]) * weights[:, None]
+    want = ((x - lse[:, None]).exp() - F.one_hot(labels.clamp_min(0), 40) * (labels >= 0)[:, None]) * weights[
+        :, None
+    ]
     got = cross_entropy_grad_(logits.clone(), labels, top, lse, weights)
     _close(got, want, dtype, grad=True)
 
@@ -83,7 +85,13 @@ def _loss_and_grads(fn, hidden, weight, labels, **kw):  # noqa: ANN001, ANN003, 
     [(16, 32, 48, None, False, None), (13, 32, 64, 5, True, None), (10, 16, 40, 4, True, 33)],
 )
 def test_linear_cross_entropy_matches_reference(
-    tokens: int, hidden_size: int, vocab: int, chunk: int | None, masked: bool, limit: int | None, dtype: torch.dtype
+    tokens: int,
+    hidden_size: int,
+    vocab: int,
+    chunk: int | None,
+    masked: bool,
+    limit: int | None,
+    dtype: torch.dtype,
 ) -> None:
     g = torch.Generator().manual_seed(tokens + vocab)
     hidden = torch.randn(tokens, hidden_size, generator=g).to(dtype)

@@ -113,7 +113,14 @@ def cross_entropy_rows_(
     if rows:
         w = weights if weights is not None else loss  # not read without HAS_GRAD
         _cross_entropy_kernel[(rows,)](
-            logits, logits.stride(0), labels, w, loss, n_cols, HAS_GRAD=weights is not None, BLOCK=_block(n_cols)
+            logits,
+            logits.stride(0),
+            labels,
+            w,
+            loss,
+            n_cols,
+            HAS_GRAD=weights is not None,
+            BLOCK=_block(n_cols),
         )
     return loss
 
@@ -140,9 +147,7 @@ def cross_entropy_grad_(
     _check(logits, labels)
     rows, n_cols = logits.shape
     if rows:
-        _grad_kernel[(rows,)](
-            logits, logits.stride(0), labels, lse, weights, n_cols, BLOCK=_block(n_cols)
-        )
+        _grad_kernel[(rows,)](logits, logits.stride(0), labels, lse, weights, n_cols, BLOCK=_block(n_cols))
     return logits
 
 
@@ -162,7 +167,13 @@ def linear_cross_entropy(
     """megatrain.kernels.linear_cross_entropy.linear_cross_entropy with the chunks' loss and
     gradient in Triton."""
     return fused_linear_cross_entropy(
-        hidden, weight, labels, TRITON_OPS, chunk_tokens=chunk_tokens, loss_mask=loss_mask, vocab_limit=vocab_limit
+        hidden,
+        weight,
+        labels,
+        TRITON_OPS,
+        chunk_tokens=chunk_tokens,
+        loss_mask=loss_mask,
+        vocab_limit=vocab_limit,
     )
 
 
