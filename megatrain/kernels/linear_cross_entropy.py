@@ -37,8 +37,9 @@ class ChunkOps:
     """(logits, labels) -> each row's max, Σ exp(x - max) and logit[label] (0 for -1), fp32 (rows,).
     May leave the logits in a state only its own grad_ reads."""
     grad_: Callable[..., torch.Tensor]
-    """(logits, labels, max, lse, weights) -> the logits overwritten with (softmax - onehot) · weights,
-    after stats gave `max` and the ranks agreed on each row's log-sum-exp `lse`."""
+    """(logits, labels, max, global max, global Σ exp, weights) -> the logits overwritten with
+    (softmax - onehot) · weights, after stats gave `max` and the ranks agreed on the row's max and
+    Σ exp(x - global max)."""
     rows_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     """(logits, labels, weights) -> each row's lse - logit[label], on one rank's whole vocabulary;
     with weights, the logits become their gradient as grad_ makes it."""
@@ -59,10 +60,16 @@ def _torch_stats(
 
 
 def _torch_grad_(
-    logits: torch.Tensor, labels: torch.Tensor, top: torch.Tensor, lse: torch.Tensor, weights: torch.Tensor
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    top: torch.Tensor,
+    top_all: torch.Tensor,
+    total_all: torch.Tensor,
+    weights: torch.Tensor,
 ) -> torch.Tensor:
-    # exp(x - top) · exp(top - lse) = softmax; then minus the weight at each row's label (if here).
-    logits.mul_((top - lse).exp_().mul_(weights).unsqueeze(1))
+    # exp(x - top) · exp(top - top_all) / Σ = softmax (the factor exactly 1/Σ where this shard holds
+    # the row's max, and always on one rank); then minus the weight at each row's label (if here).
+    logits.mul_((top - top_all).exp_().div_(total_all).mul_(weights).unsqueeze(1))
     inside = labels >= 0
     logits.scatter_add_(1, labels.clamp_min(0).unsqueeze(1), (-weights * inside).unsqueeze(1))
     return logits
@@ -70,27 +77,27 @@ def _torch_grad_(
 
 def _torch_rows_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     top, total, target = _torch_stats(logits, labels)
-    lse = total.log_().add_(top)
     if weights is not None:
-        _torch_grad_(logits, labels, top, lse, weights)
-    return lse - target
+        _torch_grad_(logits, labels, top, top, total, weights)
+    return total.log() + top - target
 
 
 TORCH_OPS = ChunkOps(stats=_torch_stats, grad_=_torch_grad_, rows_=_torch_rows_, fp32_logits=True)
 
 
-def _all_reduce_lse(
+def _all_reduce_stats(
     top: torch.Tensor, total: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's log-sum-exp and target logit over the vocab shards, as Megatron's vocab-parallel
-    cross-entropy agrees on them: the max first, then Σ exp and the (one owner's) target in one sum."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's max, Σ exp(x - max) and target logit over the vocab shards, as Megatron's
+    vocab-parallel cross-entropy agrees on them: the max first, then Σ exp and the (one owner's)
+    target in one sum."""
     top_all = top.clone()
     dist.all_reduce(top_all, op=dist.ReduceOp.MAX, group=group)
     # A rank whose shard is all padding has max -inf and Σ exp 0: it adds nothing.
     scaled = torch.where(total > 0, total * (top - top_all).exp(), torch.zeros_like(total))
     sums = torch.stack([scaled, target])
     dist.all_reduce(sums, group=group)
-    return sums[0].log() + top_all, sums[1]
+    return top_all, sums[0], sums[1]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -140,8 +147,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weights[start : start + rows]
             if vocab == 0:  # a shard of padding only: it joins the collectives, adds nothing
                 empty = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-                lse, target = _all_reduce_lse(torch.full_like(empty, float("-inf")), empty, empty, group)
-                loss_sum += ((lse - target) * w).sum()
+                top_all, total, target = _all_reduce_stats(
+                    torch.full_like(empty, float("-inf")), empty, empty, group
+                )
+                loss_sum += ((total.log() + top_all - target) * w).sum()
                 if grad_hidden is not None:
                     grad_hidden[start : start + rows].zero_()
                 continue
@@ -155,10 +164,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 row_loss = ops.rows_(logits, y, w if want_grad else None)
             else:
                 top, total, target = ops.stats(logits, y)
-                lse, target = _all_reduce_lse(top, total, target, group)
-                row_loss = lse - target
+                top_all, total_all, target = _all_reduce_stats(top, total, target, group)
+                row_loss = total_all.log() + top_all - target
                 if want_grad:
-                    ops.grad_(logits, y, top, lse, w)
+                    ops.grad_(logits, y, top, top_all, total_all, w)
             loss_sum += (row_loss * w).sum()
             if not want_grad:
                 del logits

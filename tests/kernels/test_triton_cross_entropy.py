@@ -54,7 +54,7 @@ def test_rows_kernel_loss_and_gradient(rows: int, vocab: int, dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stats_and_grad_kernels(dtype: torch.dtype) -> None:
-    """The vocab-parallel halves: row statistics of a shard, then its gradient from a given lse."""
+    """The vocab-parallel halves: row statistics of a shard, then its gradient from the rows' global max and Σ exp."""
     g = torch.Generator().manual_seed(3)
     logits = (3 * torch.randn(6, 40, generator=g)).to(dtype)
     labels = torch.tensor([0, 39, -1, 7, -1, 20])
@@ -63,12 +63,13 @@ def test_stats_and_grad_kernels(dtype: torch.dtype) -> None:
     torch.testing.assert_close(top, x.amax(1))
     _close(total, (x - x.amax(1, keepdim=True)).exp().sum(1), dtype)
     torch.testing.assert_close(target, x.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0))
-    lse = torch.logsumexp(x, 1) + torch.rand(6, generator=g)  # as if other shards added mass
+    # As if other shards held a larger max and added to Σ exp.
+    top_all = top + torch.rand(6, generator=g)
+    total_all = (x - top_all[:, None]).exp().sum(1) + torch.rand(6, generator=g)
     weights = torch.rand(6, generator=g)
-    want = ((x - lse[:, None]).exp() - F.one_hot(labels.clamp_min(0), 40) * (labels >= 0)[:, None]) * weights[
-        :, None
-    ]
-    got = cross_entropy_grad_(logits.clone(), labels, top, lse, weights)
+    softmax = (x - top_all[:, None]).exp() / total_all[:, None]
+    want = (softmax - F.one_hot(labels.clamp_min(0), 40) * (labels >= 0)[:, None]) * weights[:, None]
+    got = cross_entropy_grad_(logits.clone(), labels, top, top_all, total_all, weights)
     _close(got, want, dtype, grad=True)
 
 

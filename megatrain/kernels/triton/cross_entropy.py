@@ -52,13 +52,15 @@ def _row_target(x_ptr, y):
 
 
 @triton.jit
-def _row_grad(x_ptr, y, lse, w, n_cols, BLOCK: tl.constexpr):
-    """Overwrite the row with (exp(x - lse) - onehot(y)) · w, in the logits' dtype."""
+def _row_grad(x_ptr, y, m, d, w, n_cols, BLOCK: tl.constexpr):
+    """Overwrite the row with (exp(x - m) / d - onehot(y)) · w, in the logits' dtype (m the row's max
+    and d its Σ exp(x - m): exp, then a division, as torch's softmax rounds)."""
+    scale = w / d
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         keep = cols < n_cols
         x = tl.load(x_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        g = tl.exp(x - lse) * w
+        g = tl.exp(x - m) * scale
         g = tl.where(cols == y, g - w, g)
         tl.store(x_ptr + cols, g.to(x_ptr.dtype.element_ty), mask=keep)
 
@@ -69,10 +71,9 @@ def _cross_entropy_kernel(X, stride, Y, W, LOSS, n_cols, HAS_GRAD: tl.constexpr,
     x_ptr = X + row * stride
     y = tl.load(Y + row)
     m, d = _row_lse(x_ptr, n_cols, BLOCK)
-    lse = m + tl.log(d)
-    tl.store(LOSS + row, lse - _row_target(x_ptr, y))  # read before the gradient overwrites it
+    tl.store(LOSS + row, tl.log(d) + m - _row_target(x_ptr, y))  # read before the gradient overwrites it
     if HAS_GRAD:
-        _row_grad(x_ptr, y, lse, tl.load(W + row), n_cols, BLOCK)
+        _row_grad(x_ptr, y, m, d, tl.load(W + row), n_cols, BLOCK)
 
 
 @triton.jit
@@ -86,9 +87,10 @@ def _stats_kernel(X, stride, Y, TOP, TOTAL, TARGET, n_cols, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _grad_kernel(X, stride, Y, LSE, W, n_cols, BLOCK: tl.constexpr):
+def _grad_kernel(X, stride, Y, TOP, TOTAL, W, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    _row_grad(X + row * stride, tl.load(Y + row), tl.load(LSE + row), tl.load(W + row), n_cols, BLOCK)
+    y, m, d, w = tl.load(Y + row), tl.load(TOP + row), tl.load(TOTAL + row), tl.load(W + row)
+    _row_grad(X + row * stride, y, m, d, w, n_cols, BLOCK)
 
 
 def _block(n_cols: int) -> int:
@@ -140,14 +142,22 @@ def cross_entropy_stats(
 
 
 def cross_entropy_grad_(
-    logits: torch.Tensor, labels: torch.Tensor, top: torch.Tensor, lse: torch.Tensor, weights: torch.Tensor
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    top: torch.Tensor,
+    top_all: torch.Tensor,
+    total_all: torch.Tensor,
+    weights: torch.Tensor,
 ) -> torch.Tensor:
-    """The logits overwritten with (exp(logits - lse) - onehot) · weights; returns them. (`top` is
-    the twin's: its stats leave exp(x - top) behind, these leave the logits as they were.)"""
+    """The logits overwritten with (exp(logits - top_all) / total_all - onehot) · weights, the
+    softmax over every shard given the rows' global max and Σ exp; returns them. (`top` is the
+    twin's: its stats leave exp(x - top) behind, these leave the logits as they were.)"""
     _check(logits, labels)
     rows, n_cols = logits.shape
     if rows:
-        _grad_kernel[(rows,)](logits, logits.stride(0), labels, lse, weights, n_cols, BLOCK=_block(n_cols))
+        _grad_kernel[(rows,)](
+            logits, logits.stride(0), labels, top_all, total_all, weights, n_cols, BLOCK=_block(n_cols)
+        )
     return logits
 
 
