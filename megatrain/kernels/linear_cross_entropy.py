@@ -12,6 +12,11 @@ to three.
 Gradients are computed in the forward pass (the loss is the graph's end, so its incoming gradient
 is a scalar that backward applies by scaling). Under torch.no_grad (evaluation) only the loss is
 computed.
+
+The chunk loop (fused_linear_cross_entropy) is shared: a chunk's cross-entropy comes from ChunkOps,
+the torch ops here or Triton's (megatrain.kernels.triton.cross_entropy, the CUDA backend), and with
+a process group the weight is one vocab shard whose row statistics the ranks all-reduce per chunk
+(megatrain.kernels.vocab_parallel_linear_cross_entropy).
 """
 
 from __future__ import annotations
