@@ -19,6 +19,7 @@ from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import parallelize_experts
+from megatrain.engine.parallel.fused_loss import fused_parallel_lm_loss
 from megatrain.engine.parallel.parallelize import load_full_state_dict, parallel_lm_loss, parallelize_model
 from megatrain.engine.parallel.pipeline import (
     StageModule,
@@ -134,26 +135,29 @@ def make_trainable(
 
 def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.Tensor:
     """The LM loss without a pipeline, the mean over the micro-batch's loss tokens: the head fused
-    with the cross-entropy on one tensor-parallel rank (GPTModel.loss), the vocab-parallel loss on
-    the logits' shards otherwise."""
-    if state.tp_size == 1:
-        # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
-        plain = model.module if isinstance(model, DataParallel) else model
-        return plain.loss(batch.tokens, batch.labels, batch.loss_mask, **batch.model_inputs)
-    logits = model(batch.tokens, **batch.model_inputs)
+    with the cross-entropy over token chunks, on one tensor-parallel rank (GPTModel.loss) or on the
+    head's vocab shards (fused_parallel_lm_loss); the logits are never materialised."""
+    # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
     plain = model.module if isinstance(model, DataParallel) else model
+    if state.tp_size == 1:
+        return plain.loss(batch.tokens, batch.labels, batch.loss_mask, **batch.model_inputs)
+    hidden = plain.hidden_states(batch.tokens, **batch.model_inputs)  # (B, T, C), T/tp under sp
     limit = plain.config.real_vocab_size
-    return parallel_lm_loss(logits, batch.labels, state, batch.loss_mask, vocab_limit=limit)
+    return fused_parallel_lm_loss(hidden, plain.lm_head, batch.labels, batch.loss_mask, vocab_limit=limit)
 
 
 def _pipeline_loss(chunks: list[StageModule], state: ParallelState, vocab: int) -> LossFn:
-    """The loss a pipeline's last chunk feeds: fused with the LM head at tp = 1, as without a
-    pipeline; the vocab-parallel loss on the logits' shards otherwise; over the first `vocab` ids
-    (the rest is padding). Other ranks never call it."""
+    """The loss a pipeline's last chunk feeds: its final norm's output, fused with the LM head over
+    token chunks as without a pipeline (on one tensor-parallel rank, or on the head's vocab shards);
+    over the first `vocab` ids (the rest is padding). Other ranks never call it."""
     last = chunks[-1] if chunks and chunks[-1].is_last else None
-    if last is not None and state.tp_size == 1:
-        last.return_hidden = True
+    if last is None:
+        return lambda out, mb: parallel_lm_loss(out, mb.labels, state, mb.loss_mask, vocab_limit=vocab)
+    last.return_hidden = True
+    if state.tp_size == 1:
         return lambda hidden, mb: kernels.get("linear_cross_entropy", hidden.device.type)(
             hidden, last.lm_head.weight, mb.labels, loss_mask=mb.loss_mask, vocab_limit=vocab
         )
-    return lambda logits, mb: parallel_lm_loss(logits, mb.labels, state, mb.loss_mask, vocab_limit=vocab)
+    return lambda hidden, mb: fused_parallel_lm_loss(
+        hidden, last.lm_head, mb.labels, mb.loss_mask, vocab_limit=vocab
+    )

@@ -129,6 +129,11 @@ def _builtin() -> None:
         ("layer_norm", "layer_norm", "layer_norm"),
         ("geglu", "geglu", "geglu"),
         ("linear_cross_entropy", "linear_cross_entropy", "linear_cross_entropy"),
+        (
+            "vocab_parallel_linear_cross_entropy",
+            "vocab_parallel_linear_cross_entropy",
+            "vocab_parallel_linear_cross_entropy",
+        ),
         ("linear", "grad_accumulation", "linear"),
         ("embedding", "grad_accumulation", "embedding"),
         ("grouped_mlp", "grouped_mlp", "grouped_mlp"),
@@ -151,6 +156,17 @@ def _builtin() -> None:
         "attention", "te", f"{pkg}.attention_flash:attention_te", devices=("cuda",), available=_te_available
     )
     register("attention", "flex", f"{pkg}.attention_flex:attention_flex")
+
+    # The fused LM head + loss: each chunk's cross-entropy in Triton on CUDA (GEMMs stay in torch).
+    for kernel in ("linear_cross_entropy", "vocab_parallel_linear_cross_entropy"):
+        register(
+            kernel,
+            "triton",
+            f"{pkg}.triton.cross_entropy:{kernel}",
+            devices=("cuda",),
+            available=_triton_usable,
+            priority=20,
+        )
 
     # Mixture-of-experts: torch._grouped_mm on CUDA where this torch has it.
     register(

@@ -12,15 +12,97 @@ to three.
 Gradients are computed in the forward pass (the loss is the graph's end, so its incoming gradient
 is a scalar that backward applies by scaling). Under torch.no_grad (evaluation) only the loss is
 computed.
+
+The chunk loop (fused_linear_cross_entropy) is shared: a chunk's cross-entropy comes from ChunkOps,
+the torch ops here or Triton's (megatrain.kernels.triton.cross_entropy, the CUDA backend), and with
+a process group the weight is one vocab shard whose row statistics the ranks all-reduce per chunk
+(megatrain.kernels.vocab_parallel_linear_cross_entropy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatrain.kernels.grad_accumulation import add_to_main_grad, fusable
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
+
+
+@dataclass(frozen=True)
+class ChunkOps:
+    """The cross-entropy of one chunk of logits (rows, V'), V' this rank's usable columns; labels are
+    column ids, -1 where the row's label is no column here. The torch ops below, or Triton's
+    (megatrain.kernels.triton.cross_entropy)."""
+
+    stats: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(logits, labels) -> each row's max, Σ exp(x - max) and logit[label] (0 for -1), fp32 (rows,).
+    May leave the logits in a state only its own grad_ reads."""
+    grad_: Callable[..., torch.Tensor]
+    """(logits, labels, max, global max, global Σ exp, weights) -> the logits overwritten with
+    (softmax - onehot) · weights, after stats gave `max` and the ranks agreed on the row's max and
+    Σ exp(x - global max)."""
+    rows_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    """(logits, labels, weights) -> each row's lse - logit[label], on one rank's whole vocabulary;
+    with weights, the logits become their gradient as grad_ makes it."""
+    fp32_logits: bool
+    """Whether 16-bit logits are cast to fp32 first (torch's ops) or read as they are (Triton's)."""
+
+
+def _torch_stats(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inside = labels >= 0
+    target = logits.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+    # The log-sum-exp by hand, in the logits' own storage (torch.logsumexp would allocate a second
+    # (rows, V) block): the logits become exp(logits - max).
+    top = logits.amax(dim=1)
+    logits.sub_(top.unsqueeze(1)).exp_()
+    return top, logits.sum(dim=1), target
+
+
+def _torch_grad_(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    top: torch.Tensor,
+    top_all: torch.Tensor,
+    total_all: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    # exp(x - top) · exp(top - top_all) / Σ = softmax (the factor exactly 1/Σ where this shard holds
+    # the row's max, and always on one rank); then minus the weight at each row's label (if here).
+    logits.mul_((top - top_all).exp_().div_(total_all).mul_(weights).unsqueeze(1))
+    inside = labels >= 0
+    logits.scatter_add_(1, labels.clamp_min(0).unsqueeze(1), (-weights * inside).unsqueeze(1))
+    return logits
+
+
+def _torch_rows_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    top, total, target = _torch_stats(logits, labels)
+    if weights is not None:
+        _torch_grad_(logits, labels, top, top, total, weights)
+    return total.log() + top - target
+
+
+TORCH_OPS = ChunkOps(stats=_torch_stats, grad_=_torch_grad_, rows_=_torch_rows_, fp32_logits=True)
+
+
+def _all_reduce_stats(
+    top: torch.Tensor, total: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's max, Σ exp(x - max) and target logit over the vocab shards, as Megatron's
+    vocab-parallel cross-entropy agrees on them: the max first, then Σ exp and the (one owner's)
+    target in one sum."""
+    top_all = top.clone()
+    dist.all_reduce(top_all, op=dist.ReduceOp.MAX, group=group)
+    # A rank whose shard is all padding has max -inf and Σ exp 0: it adds nothing.
+    scaled = torch.where(total > 0, total * (top - top_all).exp(), torch.zeros_like(total))
+    sums = torch.stack([scaled, target])
+    dist.all_reduce(sums, group=group)
+    return top_all, sums[0], sums[1]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -30,17 +112,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
+        weights: torch.Tensor,
         chunk_tokens: int | None,
-        loss_mask: torch.Tensor | None,
         vocab_limit: int | None,
+        ops: ChunkOps,
+        group: dist.ProcessGroup | None,
+        vocab_start: int,
     ) -> torch.Tensor:
         param = weight  # the Parameter itself: its main_grad takes the fused weight gradient
         # Rows from vocab_limit on are padding: out of the softmax, zero gradient (the Parameter is
         # still what the gradient goes to, so fusion into main_grad keeps working).
-        weight = weight[:vocab_limit] if vocab_limit is not None and vocab_limit < weight.shape[0] else weight
-        n, vocab = hidden.shape[0], weight.shape[0]
+        vocab = weight.shape[0]
+        if vocab_limit is not None:
+            vocab = max(0, min(vocab, vocab_limit - vocab_start))
+        weight = weight[:vocab]
+        n = hidden.shape[0]
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        rows = linear_cross_entropy_chunk_rows(n, vocab, chunk_tokens)
+        rows = linear_cross_entropy_chunk_rows(n, max(vocab, 1), chunk_tokens)
+        # Column ids on this shard; -1 where the label is another shard's (or padding, or ignored).
+        local = labels - vocab_start
+        local = local.masked_fill((local < 0) | (local >= vocab), -1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = grad_param = None
@@ -48,48 +139,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_param = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             grad_param[vocab:].zero_()
             grad_weight = grad_param[:vocab]  # rows first: a contiguous view
+            if vocab == 0:
+                grad_param.zero_()
         # fp32: every chunk's logits land in one block (fewer fresh pages than a block per chunk);
-        # 16-bit: each chunk's fp32 cast is its own block, freed before the next.
+        # 16-bit: each chunk's logits (or their fp32 cast) are their own block, freed before the next.
         block = None
-        if weight.dtype == torch.float32:
+        if weight.dtype == torch.float32 and vocab:
             block = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
-        inv_n = 1.0 / n
-        # With a mask, row i's loss and gradient are weighted by mask_i / Σ mask (a tensor: no host
-        # sync); 0 throughout when no token counts.
-        weights = None
-        if loss_mask is not None:
-            mask = loss_mask.float()
-            weights = (mask / mask.sum().clamp_min(1.0)).unsqueeze(1)  # (n, 1)
         for start in range(0, n, rows):
             h = hidden[start : start + rows]
-            y = labels[start : start + rows]
-            w = weights[start : start + rows] if weights is not None else None
+            y = local[start : start + rows]
+            w = weights[start : start + rows]
+            if vocab == 0:  # a shard of padding only: it joins the collectives, adds nothing
+                empty = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+                top_all, total, target = _all_reduce_stats(
+                    torch.full_like(empty, float("-inf")), empty, empty, group
+                )
+                loss_sum += ((total.log() + top_all - target) * w).sum()
+                if grad_hidden is not None:
+                    grad_hidden[start : start + rows].zero_()
+                continue
             if block is not None:
                 logits = torch.mm(h, weight.t(), out=block[: h.shape[0]])  # (rows, V)
             else:
-                logits = (h @ weight.t()).float()
-            target = logits.gather(1, y.unsqueeze(1))
-            # The log-sum-exp by hand, in the logits' own storage (torch.logsumexp would allocate
-            # a second (rows, V) block): logits become exp(logits - max), then the softmax.
-            top = logits.amax(dim=1, keepdim=True)
-            logits.sub_(top).exp_()
-            total = logits.sum(dim=1, keepdim=True)
-            if w is None:
-                loss_sum += (total.log() + top - target).sum()
+                logits = h @ weight.t()
+                if ops.fp32_logits:
+                    logits = logits.float()
+            if group is None:
+                row_loss = ops.rows_(logits, y, w if want_grad else None)
             else:
-                loss_sum += ((total.log() + top - target) * w).sum()
+                top, total, target = ops.stats(logits, y)
+                top_all, total_all, target = _all_reduce_stats(top, total, target, group)
+                row_loss = total_all.log() + top_all - target
+                if want_grad:
+                    ops.grad_(logits, y, top, top_all, total_all, w)
+            loss_sum += (row_loss * w).sum()
             if not want_grad:
                 del logits
                 continue
-            # d(mean CE)/d logits = (softmax - onehot) / n, or · mask_i / Σ mask per row.
-            if w is None:
-                logits.mul_(total.reciprocal_().mul_(inv_n))
-                logits.scatter_add_(1, y.unsqueeze(1), torch.full_like(target, -inv_n))
-            else:
-                logits.mul_(total.reciprocal_().mul_(w))
-                logits.scatter_add_(1, y.unsqueeze(1), -w)
-            g = logits.to(hidden.dtype)
-            if grad_hidden is not None:
+            g = logits.to(hidden.dtype)  # d loss / d logits, this shard's columns
+            if grad_hidden is not None:  # this shard's part: the caller sums it over the shards
                 torch.mm(g, weight, out=grad_hidden[start : start + rows])
             if grad_weight is not None:
                 if g.dtype != torch.float32:  # 16-bit GEMM, accumulated over chunks in fp32
@@ -105,15 +194,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(g.t(), h)
             del logits, g  # before the next chunk's logits: one 16-bit block alive, not two
         ctx.save_for_backward(grad_hidden, grad_param)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype = param.dtype
         # Under DataParallel the weight gradient is added straight into main_grad in backward.
         ctx.weight = param if grad_param is not None and fusable(param) else None
-        return loss_sum * inv_n if weights is None else loss_sum
+        return loss_sum
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, ...]:
         # Scaled in place: the gradients were made for this one backward (no retain_graph reuse).
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
@@ -123,7 +212,48 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = add_to_main_grad(ctx.weight, grad_weight, grad_loss)
             else:
                 grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def token_weights(
+    labels: torch.Tensor, loss_mask: torch.Tensor | None, ignore_index: int | None = None
+) -> torch.Tensor:
+    """Each token's share of the mean loss, fp32 (n,): 1/n, or keep_i / Σ keep where keep is the
+    loss mask (0/1) and the label not ignore_index (a tensor: no host sync; 0 when nothing is kept)."""
+    if loss_mask is None and ignore_index is None:
+        return torch.full(labels.shape, 1.0 / max(labels.shape[0], 1), device=labels.device)
+    keep = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+    if loss_mask is not None:
+        keep = keep * loss_mask.float()
+    if ignore_index is not None:
+        keep = keep * (labels != ignore_index)
+    return keep / keep.sum().clamp_min(1.0)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ops: ChunkOps,
+    *,
+    chunk_tokens: int | None = None,
+    loss_mask: torch.Tensor | None = None,
+    vocab_limit: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    ignore_index: int | None = None,
+) -> torch.Tensor:
+    """The chunk loop both kernels share. With a group, `weight` is this rank's vocab shard (ids
+    vocab_start onwards) and the hidden states' gradient is this shard's part (the caller sums it
+    over the group); without one, the whole vocabulary."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
+    weights = token_weights(y, _flat_mask(loss_mask, y.shape[0]), ignore_index)
+    return _LinearCrossEntropy.apply(
+        h, weight, y, weights, chunk_tokens, vocab_limit, ops, group, vocab_start
+    )
 
 
 def _flat_mask(loss_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -146,12 +276,15 @@ def linear_cross_entropy(
     """Mean cross-entropy of (hidden @ weight.T) against labels over the tokens loss_mask (0/1)
     keeps (all without one; 0 when none is kept); hidden (..., h), labels and loss_mask (...).
     Only the first vocab_limit rows of weight are classes (the rest is padding: zero gradient)."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    if h.shape[0] != y.shape[0]:
-        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
-    mask = _flat_mask(loss_mask, y.shape[0])
-    return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens, mask, vocab_limit)
+    return fused_linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        TORCH_OPS,
+        chunk_tokens=chunk_tokens,
+        loss_mask=loss_mask,
+        vocab_limit=vocab_limit,
+    )
 
 
 def linear_cross_entropy_reference(

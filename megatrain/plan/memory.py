@@ -32,8 +32,9 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
   backward: 3f vs GELU's 2f.
 - Our RMSNorm (megatrain.kernels.rms_norm) saves its input and an fp32 1/rms per row, recomputing
   the normalised tensor in backward; nn.LayerNorm saves its input and two fp32 stats.
-- The loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more fp32
-  (tokens × V) gradients, which for large vocabularies is the step's memory peak.
+- The unfused loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more
+  fp32 (tokens × V) gradients, which for large vocabularies is the step's memory peak. The engine
+  fuses the head with the loss at every tp (fused_loss): one chunk of fp32 logits at a time.
 - Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
 """
 
@@ -211,7 +212,8 @@ def estimate_memory(
     attention: "flash" for SDPA's flash/memory-efficient/cuDNN kernels, "math" for the fallback.
     fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
     device: only the dropout masks differ (bool on CUDA, the model dtype on CPU).
-    fused_loss: the LM head and cross-entropy fused over token chunks (GPTModel.loss; tp = 1 only).
+    fused_loss: the LM head and cross-entropy fused over token chunks (GPTModel.loss at tp = 1,
+    the vocab-parallel fused loss at tp > 1: megatrain.kernels.vocab_parallel_linear_cross_entropy).
     cp: the sequence split over cp ranks; ep: an MoE model's routed experts split over ep ranks
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     """
@@ -225,8 +227,6 @@ def estimate_memory(
     if (dp * cp) % ep:
         raise ValueError(f"ep={ep} must divide dp×cp={dp}×{cp}")
     sp = sequence_parallel and tp > 1
-    if fused_loss and tp > 1:
-        raise ValueError("fused_loss needs tp=1: a tensor-parallel head uses the vocab-parallel loss")
     fused = fused_loss
     in_flight_first = pp if num_microbatches_in_flight is None else num_microbatches_in_flight
     act = _act_bytes(precision)
@@ -282,17 +282,23 @@ def estimate_memory(
             stored["embedding_dropout_mask"] = in_flight * tokens * mask * h / seq_div
         transients: dict[str, float] = {}
         if last and fused:
-            # The fused head + loss (megatrain.kernels.linear_cross_entropy): the head's input is not
-            # kept; the loss's forward leaves the hidden states' gradient and an fp32 weight gradient
-            # for backward, and at its peak holds
-            # one chunk of fp32 logits (plus, for a 16-bit model, their cast and the chunk's
-            # weight-gradient GEMM output before it is accumulated in fp32).
+            # The fused head + loss (megatrain.kernels.linear_cross_entropy, and its vocab-parallel
+            # variant over V/t columns): the head's input is not kept; the loss's forward leaves the
+            # hidden states' gradient (every token's, a partial sum at tp > 1) and an fp32 weight
+            # gradient for backward, and at its peak holds one chunk of fp32 logits (plus, for a
+            # 16-bit model, their cast and the chunk's weight-gradient GEMM output before it is
+            # accumulated in fp32) next to, under sp, the all-gathered head input.
+            vt = v / tp
             stored["final_norm"] = tokens * _norm_saved(m, act) / seq_div
-            stored["fused_loss_grads"] = tokens * act * h + 4 * v * h
-            rows = linear_cross_entropy_chunk_rows(int(tokens), v)
-            transients["loss_forward"] = rows * v * 4 + (rows * v * act + act * v * h if act != 4 else 0)
-            # Backward scales both in place; a 16-bit weight gradient is cast once.
-            transients["loss_backward"] = act * v * h if act != 4 else 0.0
+            stored["fused_loss_grads"] = tokens * act * h + 4 * vt * h
+            rows = linear_cross_entropy_chunk_rows(int(tokens), int(vt))
+            gathered = tokens * act * h if sp else 0.0
+            transients["loss_forward"] = (
+                gathered + rows * vt * 4 + (rows * vt * act + act * vt * h if act != 4 else 0)
+            )
+            # Backward scales both in place; a 16-bit weight gradient is cast once; under sp the
+            # hidden gradient is reduce-scattered to the rank's tokens.
+            transients["loss_backward"] = (act * vt * h if act != 4 else 0.0) + gathered / tp
         elif last:
             # Final norm, its output (the LM head's input) and the loss's fp32 (tokens, V/t) tensor:
             # log-probs for F.cross_entropy, the softmax for the vocab-parallel loss (tp > 1).
@@ -431,8 +437,8 @@ def from_spec(
         "distributed_optimizer": par.distributed_optimizer and layout.dp * layout.cp > 1,
         "recompute": tr.recompute,
         "recompute_every": tr.recompute_every,
-        # The engine fuses the LM head with the loss whenever the head is not tensor-parallel.
-        "fused_loss": layout.tp == 1,
+        # The engine fuses the LM head with the loss at every tp (megatrain.engine.build.lm_loss).
+        "fused_loss": True,
     }
     settings.update(kwargs)
     return estimate_memory(model, **settings)

@@ -125,8 +125,6 @@ def test_estimate_matches_measured_step_with_fused_loss(flavour: str, recompute:
     assert stored_activations(est) == pytest.approx(measured["stored"], rel=0.05)
     assert est.activations_bytes == pytest.approx(measured["peak"], rel=0.15)
     assert est.activations_bytes < unfused.activations_bytes  # what the fusion is for
-    with pytest.raises(ValueError, match="fused_loss needs tp=1"):
-        estimate_memory(cfg, tp=2, fused_loss=True)
 
 
 @pytest.mark.parametrize(
@@ -325,6 +323,7 @@ def test_from_spec_matches_explicit_arguments() -> None:
         precision="bf16",
         distributed_optimizer=True,
         recompute="selective",
+        fused_loss=True,  # the engine's loss at every tp
     )
     assert est == explicit
 
@@ -369,8 +368,9 @@ def test_estimate_matches_cuda_peak(recompute: str) -> None:
 
 
 def _tensor_parallel_rank(
-    rank: int, world_size: int, flavour: str, sp: bool, recompute: str, micro_batch_size: int
+    rank: int, world_size: int, flavour: str, sp: bool, recompute: str, micro_batch_size: int, fused: bool
 ) -> dict[str, int]:
+    from megatrain.engine.parallel.fused_loss import fused_parallel_lm_loss
     from megatrain.engine.parallel.parallelize import parallel_lm_loss, parallelize_model
     from megatrain.engine.parallel.random import manual_seed
     from megatrain.engine.parallel.state import ParallelState
@@ -384,11 +384,17 @@ def _tensor_parallel_rank(
     x = torch.randint(
         0, cfg.vocab_size, (micro_batch_size, cfg.seq_length), generator=torch.Generator().manual_seed(1)
     )
-    parallel_lm_loss(model(x), x, state).backward()
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        if fused:  # the engine's loss at tp > 1 (megatrain.engine.build.lm_loss)
+            return fused_parallel_lm_loss(model.hidden_states(x), model.lm_head, x)
+        return parallel_lm_loss(model(x), x, state)
+
+    loss_of(x).backward()
     for p in model.parameters():
         p.grad.zero_()  # persistent gradients, as the engine's buffer
     with LiveTensorBytes(tensors_of(model, x)) as tracker_bytes:
-        loss = parallel_lm_loss(model(x), x, state)
+        loss = loss_of(x)
         stored = tracker_bytes.current
         loss.backward()
     return {"stored": stored, "peak": tracker_bytes.peak}
@@ -403,23 +409,25 @@ TP_FLAVOURS = {
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("flavour", "sp", "recompute", "micro_batch_size"),
+    ("flavour", "sp", "recompute", "micro_batch_size", "fused"),
     [
-        ("gpt2", False, "none", 2),
-        ("llama", False, "none", 2),
-        ("llama", True, "none", 2),
-        ("gpt2", True, "full", 2),
-        ("gpt2", True, "selective", 1),
+        ("gpt2", False, "none", 2, False),
+        ("llama", False, "none", 2, False),
+        ("llama", True, "none", 2, False),
+        ("gpt2", True, "full", 2, False),
+        ("gpt2", True, "selective", 1, False),
+        ("llama", False, "none", 2, True),
+        ("gpt2", True, "full", 2, True),
     ],
 )
 def test_estimate_matches_tensor_parallel_ranks(
-    flavour: str, sp: bool, recompute: str, micro_batch_size: int
+    flavour: str, sp: bool, recompute: str, micro_batch_size: int, fused: bool
 ) -> None:
     """tp=2 on gloo: each rank's saved and peak activation bytes against the estimate. With sequence
     parallelism the column-parallel linears keep 1/tp of their input (their shard) for backward."""
     from .parallel._launch import run_distributed
 
-    results = run_distributed(_tensor_parallel_rank, 2, flavour, sp, recompute, micro_batch_size)
+    results = run_distributed(_tensor_parallel_rank, 2, flavour, sp, recompute, micro_batch_size, fused)
     est = estimate_memory(
         TP_FLAVOURS[flavour],
         tp=2,
@@ -428,6 +436,7 @@ def test_estimate_matches_tensor_parallel_ranks(
         precision="fp32",
         recompute=recompute,
         device="cpu",
+        fused_loss=fused,
     )
     for measured in results:
         assert stored_activations(est) == pytest.approx(measured["stored"], rel=0.05)
