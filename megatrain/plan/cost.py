@@ -235,21 +235,26 @@ class _LayerCosts(NamedTuple):
 def _layer_costs(
     model: ModelShape, tp: int, cp: int, ep: int, sp: bool, micro_batch_size: int, recompute: str,
     recompute_every: int, act: int, peak: float, pool: Links, c: CostConstants,
+    linear_peak: float | None = None,
 ) -> _LayerCosts:  # fmt: skip
-    """Per layer and micro-batch: what thousands of layouts of one planning call share."""
+    """Per layer and micro-batch: what thousands of layouts of one planning call share.
+    `linear_peak`: the dense transformer linears' GEMMs' peak where it differs (fp8's float8 GEMMs;
+    the attention core, LM head and MoE router and experts stay at `peak`, bf16's)."""
     s, h = model.seq_length, model.hidden_size
     tokens = micro_batch_size * s / cp  # per rank and micro-batch
     bandwidth = c.memory_bandwidth_gbps * 1e9
     seq_div = tp if sp else 1
 
-    def gemm(k: float, n: float, rows: float = tokens) -> float:
-        """Forward seconds of a (rows × k) @ (k × n) GEMM."""
-        return 2 * rows * k * n / (peak * gemm_efficiency(rows, k, n, c))
+    def gemm(k: float, n: float, rows: float = tokens, at: float = peak) -> float:
+        """Forward seconds of a (rows × k) @ (k × n) GEMM at peak `at`."""
+        return 2 * rows * k * n / (at * gemm_efficiency(rows, k, n, c))
+
+    lp = linear_peak or peak
 
     # One layer, one micro-batch, forward (backward is twice the GEMMs and the attention core).
     parts = layer_forward_flops(model, s)
-    fwd_attn_gemms = gemm(h, (h + 2 * model.kv_size) / tp) + gemm(h / tp, h)
-    fwd_mlp = gemm(h, model.fc1_width / tp) + gemm(model.ffn_hidden_size / tp, h)
+    fwd_attn_gemms = gemm(h, (h + 2 * model.kv_size) / tp, at=lp) + gemm(h / tp, h, at=lp)
+    fwd_mlp = gemm(h, model.fc1_width / tp, at=lp) + gemm(model.ffn_hidden_size / tp, h, at=lp)
     head_dim = model.head_dim
     # Under cp each ring step computes a (s/cp × s/cp) block; balanced causal chunks give every
     # rank the same share of the attention work (1/cp of it, `tokens` queries against s keys).
@@ -315,7 +320,7 @@ def _layer_costs(
         )
         if moe.shared_expert_ffn_hidden_size:
             fs = moe.shared_expert_ffn_hidden_size
-            fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp) + gemm(fs / tp, h)
+            fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=lp) + gemm(fs / tp, h, at=lp)
         permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
         moe_compute = layer_compute + 3 * (fwd_moe - fwd_mlp) + permute
         routed_bytes = routed * h * act / seq_div
@@ -361,7 +366,10 @@ def predict_step(
     tp, pp, dp, cp, ep, v = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.virtual_stages
     sp = layout.sequence_parallel and tp > 1
     act = 4 if settings.precision == "fp32" else 2
-    peak = pool.peak(settings.precision) * 1e12
+    # fp8: the transformer linears' GEMMs at the pool's fp8 peak, everything else at bf16's.
+    fp8 = settings.precision == "fp8"
+    peak = pool.peak("bf16" if fp8 else settings.precision) * 1e12
+    linear_peak = pool.peak("fp8") * 1e12 if fp8 else None
     s, h = model.seq_length, model.hidden_size
     tokens = settings.micro_batch_size * s / cp  # per rank and micro-batch
     m = layout.micro_batches(settings.global_batch_size, settings.micro_batch_size)
@@ -370,7 +378,7 @@ def predict_step(
     links = Links.of(pool)
     lc = _layer_costs(
         model, tp, cp, ep, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
-        act, peak, links, c,
+        act, peak, links, c, linear_peak,
     )  # fmt: skip
 
     layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]

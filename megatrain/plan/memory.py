@@ -6,6 +6,7 @@ Model state follows Megatron's mixed-precision layout (bytes per parameter held 
 
     precision   params  main grads  main params  Adam m, v     total (distributed optimizer)
     bf16/fp16     2        4            4            8         18  (6 + 12/dp)
+    fp8           2        4            4            8         18  (bf16 weights, float8 per GEMM)
     fp32          4        4         (alias)         8         16  (8 + 8/dp)
 
 Gradients accumulate in an fp32 buffer of the full (unsharded) size even with the distributed
@@ -34,6 +35,12 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
   the normalised tensor in backward; nn.LayerNorm saves its input and two fp32 stats.
 - The loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more fp32
   (tokens × V) gradients, which for large vocabularies is the step's memory peak.
+- fp8 (torchao's dynamic tensorwise/rowwise recipes, megatrain.kernels.fp8_linear) saves what
+  bf16 saves: each float8 linear keeps its bf16 input and weight and casts them again in backward.
+  It adds only transient float8 copies (1 byte per element), counted where a layer's backward
+  peaks: an MLP linear's backward holds its output gradient cast twice (for the input and the weight
+  gradient), its weight and its input, each once, until both GEMMs are done. The forward's casts
+  (input and weight of one linear) are smaller than that and not counted.
 - Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
 """
 
@@ -61,7 +68,7 @@ if TYPE_CHECKING:
     from megatrain.plan.layout import Layout
     from megatrain.spec import JobSpec
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "selective", "full"]
 
 GiB = 1 << 30
@@ -216,8 +223,8 @@ def estimate_memory(
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     """
     m = ModelShape.of(model)
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={precision!r} must be fp32, bf16 or fp16")
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ValueError(f"precision={precision!r} must be fp32, bf16, fp16 or fp8")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
     if min(tp, pp, dp, cp, ep, micro_batch_size, recompute_every) < 1:
@@ -328,6 +335,10 @@ def estimate_memory(
             fc1_backward = (
                 tokens * act * (fw / tp + h) + act * h * fw / tp + regathered(fw) + rebuilt - mlp_saved
             )
+            if precision == "fp8":
+                # float8 copies (1 byte): the output gradient twice, the weight and the input once.
+                fc2_backward += tokens * (2 * h + f / tp) + f * h / tp
+                fc1_backward += tokens * (2 * fw / tp + h) + h * fw / tp
             head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
                                                         "log_probs", "fused_loss_grads"))  # fmt: skip
             peak = max(fc2_backward, act_backward, fc1_backward) if n_layers > n_moe else 0.0
@@ -388,8 +399,8 @@ def planned_precision(precision: str, accelerator: str | None) -> Precision:
     on_cpu = accelerator == "cpu"
     if precision == "auto":
         return "fp32" if on_cpu else "bf16"
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={precision!r} must be auto, fp32, bf16 or fp16")
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ValueError(f"precision={precision!r} must be auto, fp32, bf16, fp16 or fp8")
     return cast(Precision, precision)
 
 

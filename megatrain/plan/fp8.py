@@ -1,0 +1,79 @@
+"""What `training.precision: fp8` asks of a spec and its layout (torch-free, like the rest of plan/).
+
+The float8 GEMMs (torch._scaled_mm, which torchao calls) need every dimension of both operands
+divisible by 16. A linear layer's three GEMMs multiply over its input width (forward), its output
+width (input gradient) and the tokens of a micro-batch (weight gradient), so each transformer
+linear's in and out features on one tensor-parallel shard, and the tokens one rank multiplies, must
+be multiples of 16. The embedding, LM head and MoE router/experts stay bf16 and are not checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatrain.plan.layout import Layout
+    from megatrain.spec import JobSpec
+    from megatrain.spec_errors import Problem
+
+FP8_MULTIPLE = 16
+"""torch._scaled_mm's alignment: every GEMM dimension a multiple of 16 bytes of float8."""
+FP8_PACKAGE = "torchao"
+
+
+def torchao_installed() -> bool:
+    """Whether torchao can be imported here (checked without importing it, or torch)."""
+    return importlib.util.find_spec(FP8_PACKAGE) is not None
+
+
+def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
+    """{what: width} of every transformer linear's in/out features on one tensor-parallel shard."""
+    m = spec.model
+    head_dim = m.head_dim
+    heads, groups = m.num_attention_heads, m.query_groups
+    gated = m.arch != "gpt2"  # SwiGLU: fc1 holds [gate; up]
+    return {
+        "model.hidden_size (the linear layers' model-side width)": m.hidden_size,
+        "the qkv projection's width per tp shard": (heads + 2 * groups) * head_dim // tp,
+        "the attention output's width per tp shard": heads * head_dim // tp,
+        "the MLP's fc1 width per tp shard": (2 if gated else 1) * m.ffn_size // tp,
+        "model.ffn_hidden_size per tp shard": m.ffn_size // tp,
+    }
+
+
+def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
+    """Every rule precision fp8 breaks for `spec` on `layout` (none for another precision)."""
+    t = spec.training
+    if t.precision != "fp8":
+        return []
+    out: list[Problem] = []
+    if not torchao_installed():
+        out.append(
+            {
+                "field": "training.precision",
+                "message": f"training.precision=fp8 needs the {FP8_PACKAGE!r} package, which is not "
+                f"installed (pip install {FP8_PACKAGE})",
+            }
+        )
+    tp = f"parallelism.tp={layout.tp}"
+    for what, width in fp8_linear_widths(spec, layout.tp).items():
+        if width % FP8_MULTIPLE:
+            out.append(
+                {
+                    "field": "training.precision",
+                    "message": f"training.precision=fp8 needs {what} divisible by {FP8_MULTIPLE} "
+                    f"(float8 GEMMs); it is {width} with {tp}",
+                }
+            )
+    tokens = t.micro_batch_size * spec.model.seq_length // layout.cp
+    if tokens % FP8_MULTIPLE:
+        out.append(
+            {
+                "field": "training.precision",
+                "message": f"training.precision=fp8 needs the tokens of a micro-batch per context "
+                f"rank (micro_batch_size×seq_length/cp = {tokens}) divisible by {FP8_MULTIPLE} "
+                "(the weight gradient's float8 GEMM multiplies over them)",
+            }
+        )
+    return out
