@@ -42,6 +42,22 @@ def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
     }
 
 
+def fp8_width_problems(spec: JobSpec, tp: int, par: str = "") -> list[Problem]:
+    """The transformer linears' widths on one of `tp` shards that float8 GEMMs cannot multiply
+    (none for another precision); `par` prefixes tp in messages ("parallelism.")."""
+    if spec.training.precision != "fp8":
+        return []
+    return [
+        {
+            "field": "training.precision",
+            "message": f"training.precision=fp8 needs {what} divisible by {FP8_MULTIPLE} "
+            f"(float8 GEMMs); it is {width} with {par}tp={tp}",
+        }
+        for what, width in fp8_linear_widths(spec, tp).items()
+        if width % FP8_MULTIPLE
+    ]
+
+
 def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     """Every rule precision fp8 breaks for `spec` on `layout` (none for another precision)."""
     t = spec.training
@@ -56,16 +72,7 @@ def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
                 f"installed (pip install {FP8_PACKAGE})",
             }
         )
-    tp = f"parallelism.tp={layout.tp}"
-    for what, width in fp8_linear_widths(spec, layout.tp).items():
-        if width % FP8_MULTIPLE:
-            out.append(
-                {
-                    "field": "training.precision",
-                    "message": f"training.precision=fp8 needs {what} divisible by {FP8_MULTIPLE} "
-                    f"(float8 GEMMs); it is {width} with {tp}",
-                }
-            )
+    out += fp8_width_problems(spec, layout.tp, "parallelism.")
     tokens = t.micro_batch_size * spec.model.seq_length // layout.cp
     if tokens % FP8_MULTIPLE:
         out.append(
