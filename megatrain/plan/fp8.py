@@ -33,13 +33,18 @@ def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
     head_dim = m.head_dim
     heads, groups = m.num_attention_heads, m.query_groups
     gated = m.arch != "gpt2"  # SwiGLU: fc1 holds [gate; up]
-    return {
+    widths = {
         "model.hidden_size (the linear layers' model-side width)": m.hidden_size,
         "the qkv projection's width per tp shard": (heads + 2 * groups) * head_dim // tp,
         "the attention output's width per tp shard": heads * head_dim // tp,
         "the MLP's fc1 width per tp shard": (2 if gated else 1) * m.ffn_size // tp,
         "model.ffn_hidden_size per tp shard": m.ffn_size // tp,
     }
+    shared = m.moe.shared_expert_ffn_hidden_size if m.moe is not None else None
+    if shared:  # the shared expert is a dense MLP (the routed experts stay bf16)
+        widths["model.moe.shared_expert_ffn_hidden_size per tp shard"] = shared // tp
+        widths["the shared expert's fc1 width per tp shard"] = (2 if gated else 1) * shared // tp
+    return widths
 
 
 def fp8_width_problems(spec: JobSpec, tp: int, par: str = "") -> list[Problem]:

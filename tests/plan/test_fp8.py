@@ -49,6 +49,10 @@ def test_fp8_spec_rules() -> None:
     # The weight gradient's GEMM multiplies over a micro-batch's tokens.
     tokens = _problems({"seq_length": 1000})
     assert tokens and "micro_batch_size×seq_length/cp = 1000" in tokens[0]
+    # An MoE model's shared expert is a dense MLP in float8 too (the routed experts stay bf16).
+    moe = {"moe": {"num_experts": 4, "router_topk": 2, "shared_expert_ffn_hidden_size": 200}}
+    shared = _problems(moe)
+    assert shared and all("shared" in m for m in shared) and "it is 200" in shared[0]
     # Other precisions know nothing of these rules.
     assert resolve_layout(spec({"hidden_size": 1000, "num_attention_heads": 8}, precision="bf16"))
 
