@@ -107,7 +107,7 @@ def make_trainable(
     dtype = PARAM_DTYPES[precision]
     model.module.to(dtype=dtype)
     if precision == "fp8":
-        enable_fp8(model.module, cfg.fp8_recipe)
+        enable_fp8(model.module, cfg.fp8_recipe, cfg.fp8_backend)
     for part in model.chunks or [model.module]:
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)
         if cfg.compile:

@@ -19,12 +19,16 @@ if TYPE_CHECKING:
 
 FP8_MULTIPLE = 16
 """torch._scaled_mm's alignment: every GEMM dimension a multiple of 16 bytes of float8."""
-FP8_PACKAGE = "torchao"
+FP8_PACKAGES = {
+    "torchao": ("torchao", "torchao"),
+    "te": ("transformer_engine", "transformer_engine[pytorch]"),
+}
+"""training.fp8_backend -> (the module it imports, what pip installs)."""
 
 
-def torchao_installed() -> bool:
-    """Whether torchao can be imported here (checked without importing it, or torch)."""
-    return importlib.util.find_spec(FP8_PACKAGE) is not None
+def installed(module: str) -> bool:
+    """Whether `module` can be imported here (checked without importing it, or torch)."""
+    return importlib.util.find_spec(module) is not None
 
 
 def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
@@ -69,12 +73,21 @@ def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     if t.precision != "fp8":
         return []
     out: list[Problem] = []
-    if not torchao_installed():
+    module, pip_name = FP8_PACKAGES[t.fp8_backend]
+    if not installed(module):
         out.append(
             {
-                "field": "training.precision",
-                "message": f"training.precision=fp8 needs the {FP8_PACKAGE!r} package, which is not "
-                f"installed (pip install {FP8_PACKAGE})",
+                "field": "training.fp8_backend" if t.fp8_backend != "torchao" else "training.precision",
+                "message": f"training.precision=fp8 with fp8_backend {t.fp8_backend} needs the "
+                f"{module!r} package, which is not installed (pip install {pip_name})",
+            }
+        )
+    if t.fp8_backend == "te" and t.fp8_recipe != "tensorwise":
+        out.append(
+            {
+                "field": "training.fp8_recipe",
+                "message": f"training.fp8_recipe={t.fp8_recipe} is torchao's; fp8_backend te runs "
+                "tensorwise (Float8CurrentScaling)",
             }
         )
     out += fp8_width_problems(spec, layout.tp, "parallelism.")

@@ -3,6 +3,8 @@ suit float8 GEMMs, else a 422 naming the missing package or the width."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from api_handle import Api
 
@@ -32,3 +34,14 @@ def test_fp8_submissions(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     assert resp.status_code == 422, resp.text
     assert [d["field"] for d in resp.json()["detail"]] == ["training.precision"]
     assert "'torchao' package" in resp.json()["detail"][0]["message"]
+
+
+def test_an_fp8_backend_that_is_not_installed(api: Api) -> None:
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    fp8 = {"precision": "fp8", "fp8_backend": "te"}
+    resp = api.client.post("/v1/jobs", json=api.spec("te", training=fp8), headers=api.headers)
+    assert resp.status_code == 422, resp.text
+    (problem,) = resp.json()["detail"]
+    assert problem["field"] == "training.fp8_backend"
+    assert "'transformer_engine' package" in problem["message"], problem

@@ -71,7 +71,8 @@ def test_fp8_linear_equals_torchaos_float8_linear(recipe: str, bias: bool, fused
 
 
 def test_registry_and_untagged_weights() -> None:
-    assert kernels.backends("linear_fp8") == ["torchao", "reference"]
+    assert kernels.backends("linear_fp8") == ["torchao", "te", "reference"]
+    assert kernels.get("linear_fp8", "cpu") is kernels.get("linear_fp8", "cpu", "torchao")  # te: CUDA only
     x, w = torch.randn(4, 32), torch.randn(16, 32)
     # A weight precision fp8 did not tag (the LM head's) multiplies as before.
     assert torch.equal(kernels.get("linear", "cpu")(x, w), torch.nn.functional.linear(x, w))
@@ -134,3 +135,28 @@ def test_a_short_fp8_run_tracks_bf16(tmp_path: Path, corpus: Path, monkeypatch: 
         assert fp8 != bf16  # the float8 GEMMs ran
         assert max(abs(a - b) for a, b in zip(fp8, bf16, strict=True)) < 0.05, (recipe, fp8, bf16)
         assert fp8[-1] < fp8[0] - 1.0  # and it learns
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_transformer_engine_backend_agrees_with_torchao() -> None:
+    """fp8_backend te (Float8CurrentScaling) against torchao's tensorwise on the same GPU: the same
+    recipe (per-tensor current scales, e4m3 forward, e5m2 gradients), so outputs and gradients
+    agree to the GEMMs' accumulation order (bf16 outputs: 2e-2 relative)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 GEMMs need compute capability 8.9+")
+    torch.manual_seed(0)
+    w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16) / 11
+    x = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for backend in ("torchao", "te"):
+        wb = torch.nn.Parameter(w.clone())
+        wb.fp8 = Fp8Linear("tensorwise", backend)  # type: ignore[attr-defined]
+        xb = x.clone().requires_grad_()
+        y = kernels.get("linear", "cuda")(xb, wb)
+        y.float().square().mean().backward()
+        grads[backend] = (y.detach(), xb.grad, wb.grad)
+    for ours, theirs in zip(grads["te"], grads["torchao"], strict=True):
+        assert ours is not None and theirs is not None
+        assert ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item() < 2e-2

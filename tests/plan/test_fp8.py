@@ -5,6 +5,7 @@ float8 copies)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 from plan_cases import gpu_pool, spec
@@ -61,6 +62,18 @@ def test_fp8_needs_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("megatrain.plan.fp8.importlib.util.find_spec", lambda name: None)
     problems = _problems()
     assert problems and "'torchao' package" in problems[0] and "pip install torchao" in problems[0]
+
+
+def test_fp8_backend_te_rules() -> None:
+    """Transformer Engine: its package (not installed on the CI machine) and tensorwise only."""
+    s = spec(precision="fp8", fp8_backend="te", fp8_recipe="rowwise")
+    with pytest.raises(SpecError) as exc:
+        resolve_layout(s)
+    by_field = {e["field"]: e["message"] for e in exc.value.errors}
+    assert "tensorwise" in by_field["training.fp8_recipe"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "'transformer_engine' package" in by_field["training.fp8_backend"]
+        assert "pip install transformer_engine[pytorch]" in by_field["training.fp8_backend"]
 
 
 def test_the_planner_skips_tp_degrees_fp8_cannot_split() -> None:
