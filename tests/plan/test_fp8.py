@@ -130,3 +130,13 @@ def test_fp8_memory_is_bf16s_plus_the_float8_copies() -> None:
     s = spec(precision="fp8")
     est = from_spec(s, resolve_layout(s), accelerator="NVIDIA H100 80GB HBM3")
     assert est.params_bytes == 2 * est.num_params and est.optimizer_bytes == 12 * est.num_params
+
+
+def test_fp8_with_sequence_parallelism_saves_the_gathered_inputs() -> None:
+    """Under sp the float8 linears (qkv, fc1) run on the all-gathered input and save it, where the
+    bf16 ones save the shard and gather it again in backward (megatrain.engine.parallel.layers)."""
+    model, kw = dataclasses.replace(MODEL, vocab_size=1024), {"tp": 4, "sequence_parallel": True}
+    bf16, fp8 = estimate_memory(model, precision="bf16", **kw), estimate_memory(model, precision="fp8", **kw)
+    tokens, h = 2048, 2048
+    per_layer = fp8.breakdown["per_layer_linear_inputs"] - bf16.breakdown["per_layer_linear_inputs"]
+    assert per_layer == pytest.approx(tokens * 2 * 2 * h * (1 - 1 / 4), abs=2)  # two inputs, bf16
