@@ -12,6 +12,9 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   (norms, RoPE, SwiGLU, residuals) moves `elementwise_bytes` per token and hidden unit through
   memory; every layer and micro-batch also pays a fixed `layer_overhead_s` (kernel launches,
   autograd, Python: what dominates a tiny model on a CPU).
+- **fp8**: the transformer linears' GEMMs run at the pool's fp8 peak (the attention core, LM head
+  and MoE router and experts at bf16's); their float8 casts stream through memory
+  (`fp8_cast_bytes`). MFU stays against the bf16 peak, as the engine reports it.
 - **Recompute**: full adds each recomputed layer's forward again (its tp collectives too);
   selective adds the attention core's forward.
 - **Tensor parallelism**: per layer and micro-batch, 2 all-reduces forward and 2 backward of the
@@ -231,6 +234,18 @@ class _LayerCosts(NamedTuple):
     edge_tp: float
 
 
+def fp8_cast_bytes(model: ModelShape, tp: int, tokens: float) -> float:
+    """Memory traffic of one layer's float8 casts per micro-batch (torchao's dynamic scaling): each
+    operand is read twice in 16 bits (its absolute maximum, then the cast) and written in 8, i.e. 5
+    bytes per element. Inputs and weights are cast forward and again backward, output gradients
+    twice in backward (for the input and the weight gradient)."""
+    h, f, fw, kv = model.hidden_size, model.ffn_hidden_size, model.fc1_width, model.kv_size
+    inputs = h + h / tp + h + f / tp  # qkv, proj, fc1, fc2 (a column-parallel input is whole)
+    grads = (h + 2 * kv) / tp + h + fw / tp + h
+    weights = h * (h + 2 * kv) / tp + h * h / tp + h * fw / tp + f * h / tp
+    return 5.0 * (tokens * 2 * (inputs + grads) + 2 * weights)
+
+
 @lru_cache(maxsize=16384)
 def _layer_costs(
     model: ModelShape, tp: int, cp: int, ep: int, sp: bool, micro_batch_size: int, recompute: str,
@@ -263,6 +278,8 @@ def _layer_costs(
     elementwise = tokens * h * c.elementwise_bytes * act / 2 / seq_div / bandwidth
     fwd_gemms = fwd_attn_gemms + fwd_mlp
     layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+    if linear_peak is not None:
+        layer_compute += fp8_cast_bytes(model, tp, tokens) / bandwidth
 
     # Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
     # and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
