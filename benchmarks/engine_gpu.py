@@ -9,6 +9,9 @@ around them:
   engine's fp32 DataParallel buffer (`param.main_grad`), MixedPrecisionOptimizer's fused AdamW on
   fp32 main parameters copied back to bf16 after the step: 2 + 4 + 12 bytes per parameter.
 - --precision autocast: fp32 parameters under torch.autocast(bf16), plain fused AdamW.
+- --fp8 tensorwise|rowwise (with bf16): also ours in precision fp8, the transformer linears' GEMMs in
+  float8 (megatrain.engine.fp8; --fp8-backend torchao or te), as variant "ours+fp8". Its MFU is
+  against the bf16 peak, as the engine reports it. Three models live at once: add --no-hf at 1B.
 
 Steps run interleaved (A B A B …, order rotating per round), warm-up excluded, median of the rounds.
 Throughput uses megatrain.engine.metrics for both models (Narayanan et al.'s FLOPs, no recompute
@@ -35,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engine_common import Shape, build_pair, interleaved_medians  # noqa: E402
 
+from megatrain.engine.fp8 import enable_fp8  # noqa: E402
 from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops  # noqa: E402
 from megatrain.engine.models.gpt import lm_loss  # noqa: E402
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2, help="micro-batch size (both models live at once)")
     p.add_argument("--precision", choices=["bf16", "autocast"], default="bf16")
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None, help="also ours in fp8")
+    p.add_argument("--fp8-backend", choices=["torchao", "te"], default="torchao")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd model+loss (both)")
@@ -181,10 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     trainers: dict[str, Trainer] = {}
     for name, (model, loss_fn) in models.items():
         trainers[name] = Trainer(model, loss_fn, args.precision, device, x, y)
+    if args.fp8 and args.precision == "bf16":
+        fp8_model, _ = build_pair("llama", shape, seed=args.seed)  # the same weights again
+        trainers["ours+fp8"] = Trainer(fp8_model, ours_loss, "bf16", device, x, y)
+        enable_fp8(trainers["ours+fp8"].model, args.fp8, args.fp8_backend)
     with torch.no_grad():  # same weights, same function: the first losses must agree (bf16 rounding)
         first = {n: float(t.forward_loss(x, y)) for n, t in trainers.items()}
-    if "hf" in first and abs(first["ours"] - first["hf"]) > 2e-2 * max(1.0, abs(first["ours"])):
-        raise RuntimeError(f"first losses differ: {first}")
+    for other in ("hf", "ours+fp8"):  # float8 rounds more, but not 2% of the loss
+        if other in first and abs(first["ours"] - first[other]) > 2e-2 * max(1.0, abs(first["ours"])):
+            raise RuntimeError(f"first losses differ: {first}")
     if args.compile:
         for name in list(trainers):
             base = trainers[name]
@@ -217,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{device_name or 'CPU'} | torch {torch.__version__} | Llama {cfg.num_layers}L h{cfg.hidden_size} "
         f"{cfg.num_attention_heads}/{cfg.num_query_groups} heads ffn {cfg.ffn_hidden_size} V{cfg.vocab_size} "
         f"| seq {shape.seq} × micro-batch {shape.batch} | {ours.num_parameters() / 1e9:.3f}B params "
-        f"| {args.precision} | peak {peak} TFLOP/s | median of {args.rounds} rounds"
+        f"| {args.precision}{f' (+fp8 {args.fp8}, {args.fp8_backend})' if args.fp8 else ''} "
+        f"| peak {peak} TFLOP/s | median of {args.rounds} rounds"
     )
     print(f"\n{'variant':14s} {'ms/step':>8s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'vs hf':>6s}")
     base = rows.get("hf", {}).get("median_s")
@@ -238,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": shape.as_dict(),
             "num_params": ours.num_parameters(),
             "precision": args.precision,
+            "fp8": {"recipe": args.fp8, "backend": args.fp8_backend} if args.fp8 else None,
             "peak_tflops": peak,
             "flops_per_iteration": iter_flops,
             "first_loss": first,

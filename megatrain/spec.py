@@ -362,9 +362,21 @@ class TrainingSpec(_Strict):
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
     clip_grad: float = Field(1.0, ge=0.0, le=1e6)
     """Global gradient-norm clip; 0 disables it."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     """bf16/fp16 keep low-precision model weights and fp32 main weights in the optimizer. auto: bf16
-    where the device runs it natively (a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32."""
+    where the device runs it natively (a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32.
+    fp8 is bf16 with the transformer layers' linear GEMMs (forward and both backward) in float8
+    with dynamic scaling, through torchao (real float8 GEMMs on GPUs of compute capability 8.9+,
+    emulated elsewhere); the embedding, LM head, MoE router and experts stay bf16. Needs the
+    linear layers' widths per tensor-parallel shard divisible by 16 and the torchao package (or
+    transformer_engine: fp8_backend)."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """precision fp8 only: torchao's scaling recipe. tensorwise: one scale per tensor (fastest);
+    rowwise: one per row, e4m3 gradients, power-of-two scales (more accurate, slower)."""
+    fp8_backend: Literal["torchao", "te"] = "torchao"
+    """precision fp8 only: torchao's float8 training (any device; emulated off GPUs of compute
+    capability 8.9+), or NVIDIA Transformer Engine's te.Linear (CUDA; the transformer_engine
+    package; tensorwise only, as Float8CurrentScaling)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: selective (the attention core) or full (whole transformer layers)."""
     recompute_every: int = Field(1, ge=1, le=100_000)

@@ -34,7 +34,7 @@ def test_every_field_is_listed_with_its_type_default_and_bounds() -> None:
     info = ModelSpec.model_fields["num_layers"]
     assert (layers.type, layers.default) == ("int", str(info.default))
     assert layers.bounds == "≥ 1, ≤ 1024"
-    assert rows["training.precision"].type == '"auto" | "fp32" | "bf16" | "fp16"'
+    assert rows["training.precision"].type == '"auto" | "fp32" | "bf16" | "fp16" | "fp8"'
     assert rows["training.precision"].default == f'"{TrainingSpec.model_fields["precision"].default}"'
     assert rows["data.train"].default == "required" and "length ≥ 1" in rows["data.train"].bounds
     assert rows["parallelism.dp"].type == 'int | "auto"'

@@ -13,6 +13,7 @@ from torch import nn
 
 from megatrain import kernels
 from megatrain.engine.config import TrainConfig, TransformerConfig
+from megatrain.engine.fp8 import enable_fp8
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
@@ -32,7 +33,8 @@ from megatrain.engine.parallel.schedules import PipelineSchedule
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.spec import ParallelismSpec
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""The model weights' dtype per precision: fp8 keeps bf16 weights (cast to float8 per GEMM)."""
 
 LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """(last stage's output, micro-batch) -> the mean loss over the micro-batch's loss tokens."""
@@ -105,6 +107,8 @@ def make_trainable(
     state = model.state
     dtype = PARAM_DTYPES[precision]
     model.module.to(dtype=dtype)
+    if precision == "fp8":
+        enable_fp8(model.module, cfg.fp8_recipe, cfg.fp8_backend)
     for part in model.chunks or [model.module]:
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)
         if cfg.compile:

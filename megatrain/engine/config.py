@@ -236,8 +236,10 @@ class TrainConfig:
     adam_beta2: float
     adam_eps: float
     clip_grad: float
-    precision: Literal["auto", "fp32", "bf16", "fp16"]
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"]
     """As the spec asks; the engine resolves auto (runtime.effective_precision) before building."""
+    fp8_recipe: Literal["tensorwise", "rowwise"]
+    fp8_backend: Literal["torchao", "te"]
     recompute: Literal["none", "selective", "full"]
     recompute_every: int
     compile: bool
@@ -279,6 +281,8 @@ def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
         adam_eps=t.adam_eps,
         clip_grad=t.clip_grad,
         precision=t.precision,
+        fp8_recipe=t.fp8_recipe,
+        fp8_backend=t.fp8_backend,
         recompute=t.recompute,
         recompute_every=t.recompute_every,
         compile=t.compile,

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -67,7 +67,9 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
+            # A tensor subclass wrapping others (torchao's float8 tensors) has no storage of its
+            # own: its inner tensors came through here already.
+            if not isinstance(t, torch.Tensor) or is_traceable_wrapper_subclass(t):
                 continue
             storage = t.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()

@@ -13,7 +13,12 @@ from megatrain.plan.flops import GPU_PEAK_TFLOPS, flops_per_iteration, flops_per
 def peak_tflops(device_name: str | None, precision: str) -> float | None:
     """Per-device peak for MFU: the GPU's datasheet figure, or on a CPU (name None) this host's
     measured matmul peak (calibrate.py: about a second the first time, then cached). None when
-    unknown, so MFU is reported as n/a rather than against an invented figure."""
+    unknown, so MFU is reported as n/a rather than against an invented figure.
+
+    fp8 reports against the bf16 peak (Megatron's and torchtitan's convention): only the linear
+    layers' GEMMs run in float8, and one scale makes an fp8 run's MFU comparable with its bf16 run's
+    (a faster step shows as a higher MFU; it may then exceed what bf16 alone could reach)."""
+    precision = "bf16" if precision == "fp8" else precision
     if device_name is None:
         from megatrain.engine.calibrate import cpu_peak_tflops
 

@@ -51,13 +51,18 @@ def native_bf16(device: str) -> bool:
 
 def effective_precision(precision: str, device: str) -> str:
     """The precision a run uses: auto resolved (bf16 where `device` runs it natively, else fp32),
-    and bf16/fp16 asked for on a CPU that only emulates them run in fp32.
+    and bf16/fp16 asked for on a CPU that only emulates them run in fp32. fp8 is bf16 with float8
+    GEMMs: on a CPU it follows bf16's rule (and its GEMMs are emulated: the tests' path); on a GPU
+    without float8 GEMMs (compute capability < 8.9) it runs bf16.
 
     Emulated bf16 measured ~25× slower than fp32 on this project's 2-core AVX2 machine, so there
     such jobs run in fp32 unless MEGATRAIN_CPU_LOW_PRECISION=1 asks for the real thing.
     """
     if precision == "auto":
         return "bf16" if native_bf16(device) else "fp32"
+    if precision == "fp8" and device.startswith("cuda"):
+        # Emulated float8 GEMMs on an older GPU would be slower than bf16, for bf16's accuracy or worse.
+        return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "bf16"
     if precision == "fp32" or device.startswith("cuda"):
         return precision
     if cpu_has_native_bf16() or get_settings().cpu_low_precision:

@@ -103,6 +103,11 @@ def run(
     if cfg.precision == "auto":
         why = "runs bf16 natively" if precision == "bf16" else "has no native bf16"
         log.say(f"precision auto: {precision} (this device {why})")
+    elif precision == "bf16" and cfg.precision == "fp8":
+        log.say(
+            "precision fp8 requested; this GPU has no float8 GEMMs (compute capability < 8.9), "
+            "so running bf16"
+        )
     elif precision != cfg.precision:
         log.say(
             f"precision {cfg.precision} requested; this CPU has no native bf16, so running fp32 "

@@ -225,6 +225,40 @@ def _triton_usable() -> bool:
 # -- end of the Triton kernels -----------------------------------------------------------------
 
 
+# --- fp8 (precision: fp8) ------------------------------------------------------------------------
+def _register_fp8() -> None:
+    """`linear_fp8`: the transformer layers' linear layers under precision fp8 (the `linear` kernel
+    sends weights tagged `fp8` here). torchao's float8 training on any device (emulated off CUDA SM
+    8.9+); the reference twin is torchao's Float8Linear function itself, gradients in `.grad`.
+    Transformer Engine on CUDA where installed, below torchao: only a spec's fp8_backend te picks it."""
+    pkg = "megatrain.kernels.fp8_linear"
+    register("linear_fp8", "torchao", f"{pkg}:linear_fp8", available=_torchao_available, priority=10)
+    register(
+        "linear_fp8",
+        "te",
+        "megatrain.kernels.fp8_te:linear_fp8_te",
+        devices=("cuda",),
+        available=_te_linear_available,
+        priority=5,
+    )
+    register("linear_fp8", "reference", f"{pkg}:linear_fp8_reference", available=_torchao_available)
+
+
+def _torchao_available() -> bool:
+    from megatrain.kernels.fp8_linear import torchao_available
+
+    return torchao_available()
+
+
+def _te_linear_available() -> bool:
+    from megatrain.kernels.fp8_te import te_available
+
+    return te_available()
+
+
+# --- end fp8 -------------------------------------------------------------------------------------
+
+
 def _grouped_mm_available() -> bool:
     from megatrain.kernels.grouped_mlp import grouped_mm_available
 
@@ -251,3 +285,4 @@ def _te_available() -> bool:
 
 _builtin()
 _triton()
+_register_fp8()  # fp8

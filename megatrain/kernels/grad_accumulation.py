@@ -90,8 +90,19 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         return grad_x, placeholder(ctx.param), grad_bias
 
 
+def _linear_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The `linear_fp8` kernel for a weight that precision fp8 tagged (megatrain.kernels.fp8_linear)."""
+    from megatrain import kernels
+
+    fp8 = weight.fp8  # type: ignore[attr-defined]
+    return kernels.get("linear_fp8", x.device.type, fp8.backend)(x, weight, bias, fp8.recipe)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose weight gradient accumulates into weight.main_grad when there is one."""
+    """F.linear whose weight gradient accumulates into weight.main_grad when there is one; in float8
+    where the weight is tagged `fp8` (precision fp8)."""
+    if getattr(weight, "fp8", None) is not None:
+        return _linear_fp8(x, weight, bias)
     if not (torch.is_grad_enabled() and weight.requires_grad and fusable(weight)):
         return F.linear(x, weight, bias)
     return _LinearWithGradAccumulation.apply(x, weight, bias)
@@ -122,7 +133,10 @@ def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain F.linear: its gradient lands in `.grad`, which DataParallel's hook adds to main_grad."""
+    """Plain F.linear: its gradient lands in `.grad`, which DataParallel's hook adds to main_grad
+    (a weight tagged `fp8` still multiplies in float8: the precision is the run's, not the kernel's)."""
+    if getattr(weight, "fp8", None) is not None:
+        return _linear_fp8(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

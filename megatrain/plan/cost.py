@@ -12,6 +12,9 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   (norms, RoPE, SwiGLU, residuals) moves `elementwise_bytes` per token and hidden unit through
   memory; every layer and micro-batch also pays a fixed `layer_overhead_s` (kernel launches,
   autograd, Python: what dominates a tiny model on a CPU).
+- **fp8**: the transformer linears' GEMMs run at the pool's fp8 peak (the attention core, LM head
+  and MoE router and experts at bf16's); their float8 casts stream through memory
+  (`fp8_cast_bytes`). MFU stays against the bf16 peak, as the engine reports it.
 - **Recompute**: full adds each recomputed layer's forward again (its tp collectives too);
   selective adds the attention core's forward.
 - **Tensor parallelism**: per layer and micro-batch, 2 all-reduces forward and 2 backward of the
@@ -231,25 +234,42 @@ class _LayerCosts(NamedTuple):
     edge_tp: float
 
 
+def fp8_cast_bytes(model: ModelShape, tp: int, tokens: float) -> float:
+    """Memory traffic of one layer's float8 casts per micro-batch (torchao's dynamic scaling): each
+    operand is read twice in 16 bits (its absolute maximum, then the cast) and written in 8, i.e. 5
+    bytes per element. Inputs and weights are cast forward and again backward, output gradients
+    twice in backward (for the input and the weight gradient)."""
+    h, f, fw, kv = model.hidden_size, model.ffn_hidden_size, model.fc1_width, model.kv_size
+    inputs = h + h / tp + h + f / tp  # qkv, proj, fc1, fc2 (a column-parallel input is whole)
+    grads = (h + 2 * kv) / tp + h + fw / tp + h
+    weights = h * (h + 2 * kv) / tp + h * h / tp + h * fw / tp + f * h / tp
+    return 5.0 * (tokens * 2 * (inputs + grads) + 2 * weights)
+
+
 @lru_cache(maxsize=16384)
 def _layer_costs(
     model: ModelShape, tp: int, cp: int, ep: int, sp: bool, micro_batch_size: int, recompute: str,
     recompute_every: int, act: int, peak: float, pool: Links, c: CostConstants,
+    linear_peak: float | None = None,
 ) -> _LayerCosts:  # fmt: skip
-    """Per layer and micro-batch: what thousands of layouts of one planning call share."""
+    """Per layer and micro-batch: what thousands of layouts of one planning call share.
+    `linear_peak`: the dense transformer linears' GEMMs' peak where it differs (fp8's float8 GEMMs;
+    the attention core, LM head and MoE router and experts stay at `peak`, bf16's)."""
     s, h = model.seq_length, model.hidden_size
     tokens = micro_batch_size * s / cp  # per rank and micro-batch
     bandwidth = c.memory_bandwidth_gbps * 1e9
     seq_div = tp if sp else 1
 
-    def gemm(k: float, n: float, rows: float = tokens) -> float:
-        """Forward seconds of a (rows × k) @ (k × n) GEMM."""
-        return 2 * rows * k * n / (peak * gemm_efficiency(rows, k, n, c))
+    def gemm(k: float, n: float, rows: float = tokens, at: float = peak) -> float:
+        """Forward seconds of a (rows × k) @ (k × n) GEMM at peak `at`."""
+        return 2 * rows * k * n / (at * gemm_efficiency(rows, k, n, c))
+
+    lp = linear_peak or peak
 
     # One layer, one micro-batch, forward (backward is twice the GEMMs and the attention core).
     parts = layer_forward_flops(model, s)
-    fwd_attn_gemms = gemm(h, (h + 2 * model.kv_size) / tp) + gemm(h / tp, h)
-    fwd_mlp = gemm(h, model.fc1_width / tp) + gemm(model.ffn_hidden_size / tp, h)
+    fwd_attn_gemms = gemm(h, (h + 2 * model.kv_size) / tp, at=lp) + gemm(h / tp, h, at=lp)
+    fwd_mlp = gemm(h, model.fc1_width / tp, at=lp) + gemm(model.ffn_hidden_size / tp, h, at=lp)
     head_dim = model.head_dim
     # Under cp each ring step computes a (s/cp × s/cp) block; balanced causal chunks give every
     # rank the same share of the attention work (1/cp of it, `tokens` queries against s keys).
@@ -258,6 +278,8 @@ def _layer_costs(
     elementwise = tokens * h * c.elementwise_bytes * act / 2 / seq_div / bandwidth
     fwd_gemms = fwd_attn_gemms + fwd_mlp
     layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+    if linear_peak is not None:
+        layer_compute += fp8_cast_bytes(model, tp, tokens) / bandwidth
 
     # Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
     # and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
@@ -315,7 +337,7 @@ def _layer_costs(
         )
         if moe.shared_expert_ffn_hidden_size:
             fs = moe.shared_expert_ffn_hidden_size
-            fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp) + gemm(fs / tp, h)
+            fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=lp) + gemm(fs / tp, h, at=lp)
         permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
         moe_compute = layer_compute + 3 * (fwd_moe - fwd_mlp) + permute
         routed_bytes = routed * h * act / seq_div
@@ -361,7 +383,10 @@ def predict_step(
     tp, pp, dp, cp, ep, v = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.virtual_stages
     sp = layout.sequence_parallel and tp > 1
     act = 4 if settings.precision == "fp32" else 2
-    peak = pool.peak(settings.precision) * 1e12
+    # fp8: the transformer linears' GEMMs at the pool's fp8 peak, everything else at bf16's.
+    fp8 = settings.precision == "fp8"
+    peak = pool.peak("bf16" if fp8 else settings.precision) * 1e12
+    linear_peak = pool.peak("fp8") * 1e12 if fp8 else None
     s, h = model.seq_length, model.hidden_size
     tokens = settings.micro_batch_size * s / cp  # per rank and micro-batch
     m = layout.micro_batches(settings.global_batch_size, settings.micro_batch_size)
@@ -370,7 +395,7 @@ def predict_step(
     links = Links.of(pool)
     lc = _layer_costs(
         model, tp, cp, ep, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
-        act, peak, links, c,
+        act, peak, links, c, linear_peak,
     )  # fmt: skip
 
     layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]

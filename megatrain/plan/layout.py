@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from megatrain.plan.fp8 import fp8_problems
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 from megatrain.spec_attention import context_parallel_problem
 
@@ -326,6 +327,7 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
         *batch_problems(layout, tr.global_batch_size, tr.micro_batch_size),
         *expert_problems(layout, m.moe.num_experts if m.moe is not None else 0),
         *context_problems(layout, m.attention_dropout, m.attention_backend),
+        *fp8_problems(spec, layout),
     ]
 
 

@@ -6,6 +6,7 @@ Model state follows Megatron's mixed-precision layout (bytes per parameter held 
 
     precision   params  main grads  main params  Adam m, v     total (distributed optimizer)
     bf16/fp16     2        4            4            8         18  (6 + 12/dp)
+    fp8           2        4            4            8         18  (bf16 weights, float8 per GEMM)
     fp32          4        4         (alias)         8         16  (8 + 8/dp)
 
 Gradients accumulate in an fp32 buffer of the full (unsharded) size even with the distributed
@@ -35,6 +36,13 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
 - The unfused loss keeps fp32 log-probabilities (4·V per token); its backward briefly holds two more
   fp32 (tokens × V) gradients, which for large vocabularies is the step's memory peak. The engine
   fuses the head with the loss at every tp (fused_loss): one chunk of fp32 logits at a time.
+- fp8 (torchao's dynamic tensorwise/rowwise recipes, megatrain.kernels.fp8_linear) saves what
+  bf16 saves: each float8 linear keeps its bf16 input and weight and casts them again in backward;
+  under sequence parallelism qkv and fc1 keep their all-gathered input (not the shard).
+  It adds only transient float8 copies (1 byte per element), counted where a layer's backward
+  peaks: an MLP linear's backward holds its output gradient cast twice (for the input and the weight
+  gradient), its weight and its input, each once, until both GEMMs are done. The forward's casts
+  (input and weight of one linear) are smaller than that and not counted.
 - Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
 """
 
@@ -62,7 +70,7 @@ if TYPE_CHECKING:
     from megatrain.plan.layout import Layout
     from megatrain.spec import JobSpec
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "selective", "full"]
 
 GiB = 1 << 30
@@ -130,8 +138,10 @@ def layer_activations(
     mask: int,
     attention: str,
     selective: bool,
+    gathered_inputs: bool = False,
 ) -> dict[str, float]:
-    """Bytes per token (of the rank's micro-batch, before any sequence split) one layer saves for backward."""
+    """Bytes per token (of the rank's micro-batch, before any sequence split) one layer saves for backward.
+    gathered_inputs: with sp, qkv and fc1 save their all-gathered input instead of the shard (fp8)."""
     h, kv, f, fw, s = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width, m.seq_length
     heads = m.num_attention_heads
     seq_div = tp if sp else 1  # parts outside the tensor-parallel region shard only with sp
@@ -142,7 +152,7 @@ def layer_activations(
     # With sp these are sequence shards: the column-parallel linears keep the shard and all-gather
     # it again in backward (megatrain.engine.parallel.layers, as Megatron does).
     terms["norms"] = 2 * _norm_saved(m, act) / seq_div
-    terms["linear_inputs"] = 2 * act * h / seq_div
+    terms["linear_inputs"] = 2 * act * h / (1 if gathered_inputs else seq_div)
     # The fused qkv output (h + 2kv wide) stays alive: SDPA saves K and V as views into it.
     qkv = act * (h + 2 * kv)
     # Q is a separate tensor after RoPE, or after regrouping GQA heads (a reshape that copies).
@@ -218,8 +228,8 @@ def estimate_memory(
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     """
     m = ModelShape.of(model)
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={precision!r} must be fp32, bf16 or fp16")
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ValueError(f"precision={precision!r} must be fp32, bf16, fp16 or fp8")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
     if min(tp, pp, dp, cp, ep, micro_batch_size, recompute_every) < 1:
@@ -235,6 +245,10 @@ def estimate_memory(
     h, v = m.hidden_size, m.vocab_size
     seq_div = tp if sp else 1
 
+    # fp8 under sp: a float8 linear saves its all-gathered input (no re-gather in backward; the
+    # LM head, bf16, still re-gathers).
+    fp8 = precision == "fp8"
+
     def regathered(out: int) -> float:
         """What a column-parallel linear's backward adds under sp: its input all-gathered again
         and, for more than one sequence per micro-batch, a reorder copy of the narrower of its
@@ -244,8 +258,9 @@ def estimate_memory(
         return tokens * act * (h + (min(out / tp, h) if micro_batch_size > 1 else 0))
 
     per_layer = layer_activations(
-        m, tp=tp, sp=sp, act=act, mask=mask, attention=attention, selective=recompute == "selective"
-    )
+        m, tp=tp, sp=sp, act=act, mask=mask, attention=attention, selective=recompute == "selective",
+        gathered_inputs=fp8,
+    )  # fmt: skip
     layer_bytes = tokens * sum(per_layer.values())
     per_moe_layer = moe_layer_activations(m, per_layer, tp=tp, act=act) if m.moe is not None else {}
     moe_layer_bytes = tokens * sum(per_moe_layer.values())
@@ -332,8 +347,16 @@ def estimate_memory(
             fc2_backward = tokens * act * (f / tp + h) + act * f * h / tp + rebuilt
             act_backward = tokens * act * (fw + f) / tp + rebuilt
             fc1_backward = (
-                tokens * act * (fw / tp + h) + act * h * fw / tp + regathered(fw) + rebuilt - mlp_saved
+                tokens * act * (fw / tp + h)
+                + act * h * fw / tp
+                + (0 if fp8 else regathered(fw))
+                + rebuilt
+                - mlp_saved
             )
+            if precision == "fp8":
+                # float8 copies (1 byte): the output gradient twice, the weight and the input once.
+                fc2_backward += tokens * (2 * h + f / tp) + f * h / tp
+                fc1_backward += tokens * (2 * fw / tp + h) + h * fw / tp
             head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
                                                         "log_probs", "fused_loss_grads"))  # fmt: skip
             peak = max(fc2_backward, act_backward, fc1_backward) if n_layers > n_moe else 0.0
@@ -394,8 +417,8 @@ def planned_precision(precision: str, accelerator: str | None) -> Precision:
     on_cpu = accelerator == "cpu"
     if precision == "auto":
         return "fp32" if on_cpu else "bf16"
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={precision!r} must be auto, fp32, bf16 or fp16")
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ValueError(f"precision={precision!r} must be auto, fp32, bf16, fp16 or fp8")
     return cast(Precision, precision)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from megatrain.plan.bounds import model_state_floor, saved_per_token
 from megatrain.plan.cost import StepSettings, StepTime, predict_step
+from megatrain.plan.fp8 import fp8_width_problems
 from megatrain.plan.layout import (
     Layout,
     batch_problems,
@@ -235,6 +236,7 @@ class _Search:
                     for k, w in widths.items()
                     if w % tp
                 ]
+            problems = problems or fp8_width_problems(self.spec, tp)
             if problems:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
                 continue

@@ -16,8 +16,9 @@ def test_planned_precision() -> None:
     assert planned_precision("auto", None) == "bf16"
     assert planned_precision("bf16", "cpu") == "bf16"
     assert planned_precision("fp16", "NVIDIA A100") == "fp16"
-    with pytest.raises(ValueError, match="must be auto, fp32, bf16 or fp16"):
-        planned_precision("fp8", "cpu")
+    assert planned_precision("fp8", "NVIDIA H100 80GB HBM3") == "fp8"
+    with pytest.raises(ValueError, match="must be auto, fp32, bf16, fp16 or fp8"):
+        planned_precision("fp4", "cpu")
 
 
 def test_auto_spec_is_estimated_for_the_pool() -> None:

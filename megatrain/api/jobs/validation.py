@@ -47,6 +47,7 @@ LAYOUT_INPUTS = (
     "model.seq_length",
     "training.global_batch_size",
     "training.micro_batch_size",
+    "training.precision",  # fp8's width rules (megatrain.plan.fp8)
     "parallelism",
     "resources.gpus",
     "resources.devices",  # the device-neutral name of resources.gpus

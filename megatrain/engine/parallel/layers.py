@@ -26,6 +26,7 @@ from megatrain.engine.parallel.mappings import (
     all_gather_dim0,
     check_group,
     copy_to_tp,
+    gather_from_sequence,
     gather_from_tp,
     mark_sequence_parallel,
     mark_tensor_parallel,
@@ -144,6 +145,10 @@ def sequence_parallel_linear(
     if size == 1:
         return kernels.get("linear", x.device.type)(x, weight, bias)
     check_group(group, size)
+    if getattr(weight, "fp8", None) is not None:
+        # precision fp8: the float8 GEMMs are the linear kernel's, on the gathered input (which it
+        # saves: the overlapped gather above is a bf16 GEMM's).
+        return kernels.get("linear", x.device.type)(gather_from_sequence(x, group, size), weight, bias)
     return _SequenceParallelLinear.apply(x, weight, bias, group, size)
 
 

@@ -1,0 +1,104 @@
+"""What `training.precision: fp8` asks of a spec and its layout (torch-free, like the rest of plan/).
+
+The float8 GEMMs (torch._scaled_mm, which torchao calls) need every dimension of both operands
+divisible by 16. A linear layer's three GEMMs multiply over its input width (forward), its output
+width (input gradient) and the tokens of a micro-batch (weight gradient), so each transformer
+linear's in and out features on one tensor-parallel shard, and the tokens one rank multiplies, must
+be multiples of 16. The embedding, LM head and MoE router/experts stay bf16 and are not checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatrain.plan.layout import Layout
+    from megatrain.spec import JobSpec
+    from megatrain.spec_errors import Problem
+
+FP8_MULTIPLE = 16
+"""torch._scaled_mm's alignment: every GEMM dimension a multiple of 16 bytes of float8."""
+FP8_PACKAGES = {
+    "torchao": ("torchao", "torchao"),
+    "te": ("transformer_engine", "transformer_engine[pytorch]"),
+}
+"""training.fp8_backend -> (the module it imports, what pip installs)."""
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported here (checked without importing it, or torch)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
+    """{what: width} of every transformer linear's in/out features on one tensor-parallel shard."""
+    m = spec.model
+    head_dim = m.head_dim
+    heads, groups = m.num_attention_heads, m.query_groups
+    gated = m.arch != "gpt2"  # SwiGLU: fc1 holds [gate; up]
+    widths = {
+        "model.hidden_size (the linear layers' model-side width)": m.hidden_size,
+        "the qkv projection's width per tp shard": (heads + 2 * groups) * head_dim // tp,
+        "the attention output's width per tp shard": heads * head_dim // tp,
+        "the MLP's fc1 width per tp shard": (2 if gated else 1) * m.ffn_size // tp,
+        "model.ffn_hidden_size per tp shard": m.ffn_size // tp,
+    }
+    shared = m.moe.shared_expert_ffn_hidden_size if m.moe is not None else None
+    if shared:  # the shared expert is a dense MLP (the routed experts stay bf16)
+        widths["model.moe.shared_expert_ffn_hidden_size per tp shard"] = shared // tp
+        widths["the shared expert's fc1 width per tp shard"] = (2 if gated else 1) * shared // tp
+    return widths
+
+
+def fp8_width_problems(spec: JobSpec, tp: int, par: str = "") -> list[Problem]:
+    """The transformer linears' widths on one of `tp` shards that float8 GEMMs cannot multiply
+    (none for another precision); `par` prefixes tp in messages ("parallelism.")."""
+    if spec.training.precision != "fp8":
+        return []
+    return [
+        {
+            "field": "training.precision",
+            "message": f"training.precision=fp8 needs {what} divisible by {FP8_MULTIPLE} "
+            f"(float8 GEMMs); it is {width} with {par}tp={tp}",
+        }
+        for what, width in fp8_linear_widths(spec, tp).items()
+        if width % FP8_MULTIPLE
+    ]
+
+
+def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
+    """Every rule precision fp8 breaks for `spec` on `layout` (none for another precision)."""
+    t = spec.training
+    if t.precision != "fp8":
+        return []
+    out: list[Problem] = []
+    module, pip_name = FP8_PACKAGES[t.fp8_backend]
+    if not installed(module):
+        out.append(
+            {
+                "field": "training.fp8_backend" if t.fp8_backend != "torchao" else "training.precision",
+                "message": f"training.precision=fp8 with fp8_backend {t.fp8_backend} needs the "
+                f"{module!r} package, which is not installed (pip install {pip_name})",
+            }
+        )
+    if t.fp8_backend == "te" and t.fp8_recipe != "tensorwise":
+        out.append(
+            {
+                "field": "training.fp8_recipe",
+                "message": f"training.fp8_recipe={t.fp8_recipe} is torchao's; fp8_backend te runs "
+                "tensorwise (Float8CurrentScaling)",
+            }
+        )
+    out += fp8_width_problems(spec, layout.tp, "parallelism.")
+    tokens = t.micro_batch_size * spec.model.seq_length // layout.cp
+    if tokens % FP8_MULTIPLE:
+        out.append(
+            {
+                "field": "training.precision",
+                "message": f"training.precision=fp8 needs the tokens of a micro-batch per context "
+                f"rank (micro_batch_size×seq_length/cp = {tokens}) divisible by {FP8_MULTIPLE} "
+                "(the weight gradient's float8 GEMM multiplies over them)",
+            }
+        )
+    return out
