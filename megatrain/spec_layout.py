@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
-"""Job, pool and tenant names: what a URL path, a file name and a Slurm job name all accept."""
+from megatrain.spec_base import NAME_PATTERN, Strict
 
 
-class ParallelismSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class ParallelismSpec(Strict):
     tp: int = Field(1, ge=1, le=1024)
     """Tensor-parallel degree."""
     pp: int = Field(1, ge=1, le=1024)
@@ -63,9 +60,7 @@ class ParallelismSpec(BaseModel):
         return n
 
 
-class ResourcesSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class ResourcesSpec(Strict):
     pool: str = Field("default", pattern=NAME_PATTERN)
     devices: int | None = Field(None, ge=1, le=65536, validation_alias=AliasChoices("devices", "gpus"))
     """Processes the job asks for, one per device (a GPU, or a CPU slot on a CPU pool); None means

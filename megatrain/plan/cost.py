@@ -58,85 +58,19 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from megatrain.plan.cost_constants import (  # noqa: F401  (re-exported)
+    CPU_CONSTANTS,
+    CPU_LINKS,
+    GPU_CONSTANTS,
+    CostConstants,
+    constants_for,
+    gemm_efficiency,
+)
 from megatrain.plan.flops import flops_per_iteration, layer_forward_flops
 from megatrain.plan.layout import Layout
 from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.shapes import ModelShape, layers_on_stage, moe_layers_on_stage, stage_params
-
-
-@dataclass(frozen=True)
-class CostConstants:
-    """What a pool's hardware does besides its datasheet peaks and link speeds."""
-
-    max_fraction: float
-    """The fraction of peak the largest GEMMs reach."""
-    half_size: float
-    """The geometric-mean GEMM dimension at which half of max_fraction is reached."""
-    attention_fraction: float
-    """The attention core's efficiency relative to a GEMM of the same size."""
-    memory_bandwidth_gbps: float
-    """Device memory bandwidth that elementwise work and the optimizer reach, GB/s."""
-    elementwise_bytes: float
-    """Bytes moved per token and hidden unit per layer, forward + backward, at 2-byte activations."""
-    layer_overhead_s: float
-    """Fixed cost of one layer's forward + backward on one micro-batch (launches, autograd)."""
-    microbatch_overhead_s: float
-    """Fixed cost of a micro-batch besides its layers (embedding, loss, schedule bookkeeping)."""
-    step_overhead_s: float
-    """Fixed cost of a step (optimizer launch, gradient clipping, the loss's reduction)."""
-    dp_overlap: float = 1.0
-    """The fraction of backward compute that can hide data-parallel communication (1: all of it)."""
-    ring_step_overhead_s: float = 30e-6
-    """Fixed cost of one ring-attention step forward + backward (its block kernels and merge launches)."""
-
-
-GPU_CONSTANTS = CostConstants(
-    # H100-class: cuBLAS bf16 reaches ~650-750 of 989 TFLOP/s on training-sized GEMMs, flash
-    # attention forward + backward ~40% of peak; the rest (norms, RoPE, SwiGLU, residuals, dropout)
-    # streams through HBM3 (3.35 TB/s, ~2/3 of it reached).
-    max_fraction=0.72,
-    half_size=160.0,
-    attention_fraction=0.6,
-    memory_bandwidth_gbps=2200.0,
-    elementwise_bytes=60.0,
-    layer_overhead_s=100e-6,
-    microbatch_overhead_s=500e-6,
-    step_overhead_s=20e-3,
-    dp_overlap=1.0,
-)
-CPU_CONSTANTS = CostConstants(
-    # Fitted on this project's 2-core AMD EPYC VM (benchmarks/planner_engine.py, BENCHMARKS.md
-    # "Layout planner"): its fp32 GEMMs reach the measured peak (engine.calibrate, best of square
-    # GEMMs up to 2048 in a 1.5 s budget) already at ~64-wide shapes, and mid-size ones ~10% above
-    # it; what a tiny model pays beyond its FLOPs is per-op dispatch and autograd, ~0.9 ms per
-    # layer and micro-batch (forward + backward) and ~0.5 ms per micro-batch for the rest.
-    max_fraction=1.1,
-    half_size=16.0,
-    attention_fraction=0.2,  # SDPA on a CPU: softmax and the small per-head GEMMs
-    memory_bandwidth_gbps=8.0,
-    elementwise_bytes=40.0,
-    layer_overhead_s=0.9e-3,
-    microbatch_overhead_s=0.5e-3,
-    step_overhead_s=4.0e-3,
-    dp_overlap=0.5,  # gloo's progress thread competes with the rank's own compute threads
-    ring_step_overhead_s=0.5e-3,  # not fitted yet: about half a layer's per-op overhead per ring step
-)
-CPU_LINKS: dict[str, float] = {
-    # gloo between processes on one host over loopback. A bare all-reduce between two idle
-    # processes measures ~1.6 GB/s and 200-270 us (`python benchmarks/planner.py --gloo`); inside
-    # the engine a collective also waits for its peer to arrive, and the fit against whole steps
-    # gives ~1 ms per collective. A second CPU host is assumed behind a 10 Gb/s network.
-    "intra_node_bandwidth_gbps": 1.6,
-    "intra_node_latency_us": 1000.0,
-    "inter_node_bandwidth_gbps": 1.0,
-    "inter_node_latency_us": 1500.0,
-}
-"""A CPU pool's links: PoolSpec fields."""
-
-
-def constants_for(pool: PoolSpec) -> CostConstants:
-    return CPU_CONSTANTS if pool.is_cpu else GPU_CONSTANTS
 
 
 @dataclass(frozen=True)
@@ -183,11 +117,6 @@ class StepTime:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def gemm_efficiency(m: float, k: float, n: float, c: CostConstants) -> float:
-    g = (m * k * n) ** (1.0 / 3.0)
-    return c.max_fraction * g / (g + c.half_size)
 
 
 @lru_cache(maxsize=4096)

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from megatrain.spec_base import NAME_PATTERN
 from megatrain.spec_errors import SpecError, format_validation_errors
-from megatrain.spec_layout import NAME_PATTERN
 
 PoolPrecision = Literal["fp32", "bf16", "fp16", "fp8"]
 
