@@ -13,8 +13,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
 def test_kernels_benchmark_rates_each_cpu_backend(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     kernels = ["rms_norm", "apply_rope_qk", "attention"]
-    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--kernels", *kernels, "--repeat", "1", "--warmup", "0",
-           "--json", str(out)]  # fmt: skip
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--kernels", *kernels,
+           "--repeat", "1", "--warmup", "0", "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
