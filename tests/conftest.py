@@ -16,6 +16,23 @@ import pytest
 
 from megatrain.settings import reset_settings_cache
 
+
+def _triton_interpreter_without_cuda() -> None:
+    """Triton picks its CPU interpreter when `triton.jit` decorates a kernel, that is when a module of
+    megatrain.kernels.triton is first imported, by whichever test module (or rank) comes first: so it
+    is chosen here, before any test module is collected. On a CUDA host the kernels compile."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interpreter_without_cuda()
+
 pytest_plugins = ["fixtures.cluster", "fixtures.live"]
 
 POSTGRES_URL = os.environ.get(

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatrain.engine.config import TransformerConfig
@@ -395,6 +396,9 @@ def _tensor_parallel_rank(
         p.grad.zero_()  # persistent gradients, as the engine's buffer
     with LiveTensorBytes(tensors_of(model, x)) as tracker_bytes:
         loss = loss_of(x)
+        # gloo's worker thread drops its hold on a collective's buffers after the op completes: wait
+        # for every op of the forward, so a loaded host does not count an all-gather's buffer as saved.
+        dist.barrier(group=state.tp_group)
         stored = tracker_bytes.current
         loss.backward()
     return {"stored": stored, "peak": tracker_bytes.peak}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatrain.kernels.linear_cross_entropy import linear_cross_entropy_reference
 
 pytest.importorskip("triton", reason="triton is not installed")
-# tests/kernels/conftest.py has set TRITON_INTERPRET=1 where there is no CUDA: the kernels run on CPU.
+# tests/conftest.py has set TRITON_INTERPRET=1 where there is no CUDA: the kernels run on CPU.
 from megatrain.kernels.triton.cross_entropy import (  # noqa: E402
     cross_entropy_grad_,
     cross_entropy_rows_,

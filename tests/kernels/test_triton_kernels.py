@@ -1,5 +1,5 @@
 """The Triton kernels (megatrain.kernels.triton) against their PyTorch twins, forward and every
-gradient over shapes × dtypes, run by Triton's interpreter on a CPU (tests/kernels/conftest.py
+gradient over shapes × dtypes, run by Triton's interpreter on a CPU (tests/conftest.py
 turns it on); and the tiny model trained with them against the twins."""
 
 from __future__ import annotations

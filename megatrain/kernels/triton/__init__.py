@@ -3,7 +3,7 @@ PyTorch twin in megatrain.kernels), registered in megatrain.kernels for CUDA dev
 
 Triton compiles for GPUs only; on a CPU its interpreter runs the same kernels op by op in numpy
 (TRITON_INTERPRET=1). The interpreter is chosen when `triton.jit` decorates a kernel, that is when a
-kernel module is first imported, so the variable must be set before then: tests/kernels/conftest.py
+kernel module is first imported, so the variable must be set before then: tests/conftest.py
 sets it when no CUDA device is present. Production code never sets it (a GPU host must compile).
 A launcher given tensors that neither compiled Triton nor the interpreter can run (CPU tensors with
 the interpreter off) falls back to the "torch" twin, as flash_varlen falls back to SDPA.

@@ -71,7 +71,8 @@ def _train_config(dp: int, opts: dict[str, Any], seq: int) -> TrainConfig:
         train_iters=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
         data_parallel_size=dp, seq_length=seq, lr=1e-2, min_lr=1e-3, lr_schedule="constant",
         warmup_iters=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6,
-        clip_grad=0.5, precision=opts["precision"], recompute=opts["recompute"], recompute_every=1,
+        clip_grad=0.5, precision=opts["precision"], fp8_recipe="tensorwise", fp8_backend="torchao",
+        recompute=opts["recompute"], recompute_every=1,
         compile=False, initial_loss_scale=2.0**16, min_loss_scale=1.0, loss_scale_window=1000,
         hysteresis=2, checkpoint_interval=0, log_interval=1, eval_interval=0, eval_iters=0, seed=SEED,
     )  # fmt: skip
