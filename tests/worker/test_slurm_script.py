@@ -17,6 +17,7 @@ from megatrain.worker.slurm.script import (
     render_sbatch,
     slurm_time,
     split_world,
+    stop_signal_lead_s,
 )
 
 
@@ -112,7 +113,8 @@ def test_environment_is_quoted_and_rendezvous_is_the_first_host() -> None:
     assert "export MEGATRAIN_STORAGE_URL='s3://b/it'\"'\"'s'" in script
     assert "export MEGATRAIN_JOB_ID=job-abc" in script and "export MEGATRAIN_ATTEMPT=2" in script
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
-    assert f'export {RDZV_ENDPOINT_ENV}="$head:29555"' in script
+    assert 'scontrol show node "$head"' in script
+    assert f'export {RDZV_ENDPOINT_ENV}="${{addr:-$head}}:29555"' in script
 
 
 def test_script_is_valid_bash() -> None:
@@ -133,3 +135,9 @@ def test_request_refuses_nonsense() -> None:
         _request(0, 1)
     with pytest.raises(ValueError):
         _request(1, 1, time_limit_s=0)
+
+
+def test_stop_signal_lead_fits_short_limits() -> None:
+    assert stop_signal_lead_s(86400) == STOP_SIGNAL_LEAD_S
+    assert stop_signal_lead_s(60) == 30  # one granted minute: stop half way, not at once
+    assert _sbatch(render_sbatch(_request(1, 1, time_limit_s=30)))["signal"] == "B:TERM@30"

@@ -36,7 +36,8 @@ class SlurmRequest:
     time_limit_s: int
     """The spec's resources.max_runtime_s."""
     log_dir: Path
-    """Where each node's output goes: node-{N}.log, N being the node's rank in the allocation."""
+    """Where each node's output goes: node-{N}.log, N being the node's rank in the allocation. On a
+    filesystem the nodes share, and made before submitting (Slurm opens batch.log first)."""
     python: str
     """The interpreter on the cluster's nodes (the same environment as the scheduler's)."""
     partition: str | None = None
@@ -46,6 +47,7 @@ class SlurmRequest:
     env: dict[str, str] = field(default_factory=dict)
     """MEGATRAIN_* settings the runners need (database, storage, ...), exported by the script."""
     rdzv_port: int = DEFAULT_RDZV_PORT
+    runner_module: str = NODE_RUNNER_MODULE
     requeue: bool = False
     """Whether Slurm may requeue the job itself (after a node failure or preemption). Off by default:
     the product's retry owns attempts, and a requeue would reuse this attempt's number."""
@@ -77,6 +79,13 @@ def slurm_time(seconds: int) -> str:
     return f"{days}-{hours:02d}:{minutes:02d}:00"
 
 
+def stop_signal_lead_s(time_limit_s: int) -> int:
+    """Seconds before the time limit that the stop signal comes: STOP_SIGNAL_LEAD_S, or half a short
+    limit (a lead as long as the limit would stop the job as it starts)."""
+    limit = max(1, math.ceil(time_limit_s / 60)) * 60  # what --time grants
+    return min(STOP_SIGNAL_LEAD_S, limit // 2)
+
+
 def job_name(job_id: str, attempt: int) -> str:
     """The Slurm job name of an attempt: how a restarted scheduler finds its jobs in squeue."""
     return f"megatrain-{job_id}-{attempt}"
@@ -99,7 +108,7 @@ def render_sbatch(req: SlurmRequest) -> str:
     lines += [
         f"#SBATCH --time={slurm_time(req.time_limit_s)}",
         # B: to the batch shell only, which forwards it to srun (and srun to the runners).
-        f"#SBATCH --signal=B:TERM@{STOP_SIGNAL_LEAD_S}",
+        f"#SBATCH --signal=B:TERM@{stop_signal_lead_s(req.time_limit_s)}",
         "#SBATCH --requeue" if req.requeue else "#SBATCH --no-requeue",
         f"#SBATCH --output={log / 'batch.log'}",
         "#SBATCH --open-mode=append",
@@ -112,9 +121,11 @@ def render_sbatch(req: SlurmRequest) -> str:
         f"export MEGATRAIN_ATTEMPT={req.attempt}",
         f"export MEGATRAIN_NNODES={req.nodes}",
         f"export MEGATRAIN_PROCS_PER_NODE={req.procs_per_node}",
-        # The first host of the allocation hosts torchrun's c10d store.
+        # The allocation's first node hosts torchrun's c10d store, at its NodeAddr (a node's Slurm
+        # name need not resolve).
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'export {RDZV_ENDPOINT_ENV}="$head:{req.rdzv_port}"',
+        "addr=$(scontrol show node \"$head\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
+        f'export {RDZV_ENDPOINT_ENV}="${{addr:-$head}}:{req.rdzv_port}"',
         f"mkdir -p {shlex.quote(str(log))}",
         "",
         # srun in the background and `wait`: bash runs a trap only between commands, so the
@@ -130,7 +141,7 @@ def render_sbatch(req: SlurmRequest) -> str:
                 shlex.quote(req.python),
                 "-u",
                 "-m",
-                NODE_RUNNER_MODULE,
+                req.runner_module,
                 f"--job-id={shlex.quote(req.job_id)}",
                 f"--attempt={req.attempt}",
                 "&",
