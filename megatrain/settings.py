@@ -41,8 +41,20 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     """Endpoint for S3-compatible stores (MinIO, moto); None means AWS."""
 
-    executor: Literal["local", "celery"] = "local"
+    executor: Literal["local", "celery", "slurm"] = "local"
     redis_url: str = "redis://127.0.0.1:6379/0"
+
+    # The slurm executor (worker.slurm): where its sbatch jobs go. runs_dir must be on a filesystem
+    # the cluster's nodes share (each node's log is written there).
+    slurm_partition: str | None = None
+    slurm_account: str | None = None
+    slurm_qos: str | None = None
+    slurm_bin_dir: str | None = None
+    """Folder of sbatch, squeue, sacct, scancel and sinfo; None: found on PATH."""
+    slurm_python: str | None = None
+    """The interpreter (with megatrain installed) on the cluster's nodes; None: this one."""
+    slurm_requeue: bool = False
+    """Let Slurm requeue a job after a node failure or preemption itself (else the product retries)."""
 
     api_url: str = "http://127.0.0.1:8000"
     """Where the CLI and SDK find the API (MEGATRAIN_API_URL)."""
@@ -155,6 +167,11 @@ class Settings(BaseSettings):
     def resolved_cpu_slots(self) -> int:
         """cpu_slots as configured, else this machine's usable cores."""
         return self.cpu_slots if self.cpu_slots is not None else cpu_cores()
+
+    @property
+    def multi_node_executor(self) -> bool:
+        """Whether the executor runs one job over several nodes (a gang): all but `local`."""
+        return self.executor != "local"
 
     @property
     def resolved_database_url(self) -> str:

@@ -1,8 +1,9 @@
 """Executors hand a scheduled job to something that runs `run_shard` for it.
 
 `local` spawns a detached runner process on this machine; `celery` sends a task to the queue of
-the node the job was placed on. The scheduler knows only this interface: `submit` a placed job,
-`refresh_nodes` once per tick, and ask `runner_alive` before it declares a runner lost.
+the node the job was placed on; `slurm` (worker.slurm) submits one sbatch job per attempt. The
+scheduler knows only this interface: `submit` a placed job, `refresh_nodes` once per tick, and ask
+`runner_alive` before it declares a runner lost.
 """
 
 from __future__ import annotations
@@ -267,4 +268,8 @@ def get_executor(settings: Settings) -> Executor:
     """The executor MEGATRAIN_EXECUTOR names."""
     if settings.executor == "celery":
         return CeleryExecutor(settings)
+    if settings.executor == "slurm":
+        from megatrain.worker.slurm.executor import SlurmExecutor
+
+        return SlurmExecutor(settings)
     return LocalExecutor(settings)

@@ -274,7 +274,7 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
     layout = _layout(spec, findings) if planned is not None else None
     if layout is not None and pool is not None:
         # The Celery executor runs a job across several nodes (worker.gang); the local one cannot.
-        _fit(spec, layout, *pool, findings, multi_node=settings.executor == "celery")
+        _fit(spec, layout, *pool, findings, multi_node=settings.multi_node_executor)
     _datasets(session, spec, tenant, findings)
     _data(spec, settings, tenant, findings)
     if not findings.depends_on_unknown("model.init_from"):

@@ -1,0 +1,258 @@
+"""The slurm executor: one sbatch job per attempt of a placed job, followed with squeue/sacct.
+
+`submit` renders the attempt's script (worker.slurm.script) from the job's placement and the Slurm
+settings and submits it; the Slurm job id is recorded as a 'slurm_submitted' event naming the
+attempt, so a second submit of the same attempt (a restarted scheduler) finds it and submits
+nothing. `runner_alive` maps the Slurm job's state onto the scheduler's recovery: waiting in Slurm's
+queue is alive, an ended Slurm job whose attempt is still active in the database is gone (the
+scheduler retries it, resuming from the checkpoint). `refresh_nodes`, once per scheduler tick,
+reads every active attempt's Slurm state (`follow`: state changes and Slurm's reasons become events,
+a cancel asked of a job still in Slurm's queue becomes an scancel) and registers the partition's
+nodes from sinfo as the pool's nodes; Slurm keeps the final say on which hosts run.
+Datasets, exports and samples run on this host as with the local executor.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from megatrain.db.jobs import record_event
+from megatrain.db.models import (
+    QUARANTINED,
+    RUNNING,
+    SCHEDULED,
+    Job,
+    JobAllocation,
+    JobEvent,
+    Node,
+    NodePool,
+    utcnow,
+)
+from megatrain.db.session import session_scope
+from megatrain.settings import Settings
+from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env
+from megatrain.worker.slurm.commands import SlurmCli, SlurmCommands, SlurmError, SlurmNode
+from megatrain.worker.slurm.script import SlurmRequest, render_sbatch
+from megatrain.worker.slurm.states import SlurmState
+
+SUBMITTED_EVENT = "slurm_submitted"
+STATE_EVENT = "slurm_state"
+NODE_REFRESH_S = 30.0
+"""How often sinfo is asked for the partition's nodes."""
+ENV_PREFIXES = ("MEGATRAIN_",)
+ENV_KEEP = (
+    "PYTHONPATH",
+    "PATH",
+    "HOME",
+    "HF_HOME",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_REGION",
+)
+"""What of the scheduler's environment the runners get: its settings, and what finds Python and the
+object store. Slurm propagates the submitter's environment by default too; naming it makes the
+script self-contained (and readable in the run folder)."""
+
+
+def runner_settings_env(settings: Settings, environ: dict[str, str]) -> dict[str, str]:
+    """The variables the script exports: every MEGATRAIN_* setting and the kept few."""
+    return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_KEEP}
+
+
+class SlurmExecutor:
+    """Runs each attempt as one Slurm job over its gang's nodes (see the module's docstring)."""
+
+    multi_node = True
+
+    def __init__(self, settings: Settings, commands: SlurmCommands | None = None):
+        self.settings = settings
+        self.commands = commands or SlurmCli(bin_dir=settings.slurm_bin_dir)
+        self._local = LocalExecutor(settings)
+        self._refreshed_at = float("-inf")
+        self._states: dict[str, SlurmState] = {}
+        """Slurm id → state, as follow() read them this tick."""
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    def request(self, s: Session, job: Job) -> SlurmRequest:
+        """The Slurm request of the job's current attempt, from its placement."""
+        shares = s.scalars(
+            select(JobAllocation.slots)
+            .where(JobAllocation.job_id == job.id)
+            .order_by(JobAllocation.node_rank)
+        ).all()
+        # A single-node job has no allocation rows: the job row holds its one share.
+        nodes, per_node = (len(shares), shares[0]) if shares else (1, job.num_procs)
+        accelerator = s.scalar(
+            select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
+        )
+        resources = job.spec.get("resources") or {}
+        return SlurmRequest(
+            job_id=job.id,
+            attempt=job.attempt,
+            nodes=nodes,
+            procs_per_node=per_node,
+            gpus=(accelerator or "cpu").lower() != "cpu",
+            time_limit_s=int(resources.get("max_runtime_s") or 86400),
+            log_dir=self.log_dir(job.id, job.attempt),
+            python=self.settings.slurm_python or sys.executable,
+            partition=self.settings.slurm_partition,
+            account=self.settings.slurm_account,
+            qos=self.settings.slurm_qos,
+            env=runner_settings_env(self.settings, runner_env(self.settings)),
+            requeue=self.settings.slurm_requeue,
+        )
+
+    def log_dir(self, job_id: str, attempt: int) -> Any:
+        return self.settings.runs_dir / job_id / f"attempt-{attempt}" / "slurm"
+
+    def submit(self, job_id: str) -> None:
+        with session_scope(self.settings.resolved_database_url) as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise LookupError(f"job {job_id} does not exist")
+            if slurm_id_of(s, job_id, job.attempt) is not None:
+                return  # this attempt is in Slurm already (a restarted scheduler submits again)
+            req = self.request(s, job)
+        req.log_dir.mkdir(parents=True, exist_ok=True)
+        script = render_sbatch(req)
+        (req.log_dir / "job.sbatch").write_text(script)
+        slurm_id = self.commands.submit(script)
+        with session_scope(self.settings.resolved_database_url) as s:
+            data = {"attempt": req.attempt, "slurm_id": slurm_id, "nodes": req.nodes}
+            record_event(s, job_id, SUBMITTED_EVENT, f"attempt {req.attempt} is Slurm job {slurm_id}", data)
+
+    def runner_alive(self, job: Job) -> bool | None:
+        # Read-only: the scheduler holds the job's row locked while it asks (an event written
+        # here would wait on that lock). follow() records what changed, once per tick.
+        with session_scope(self.settings.resolved_database_url) as s:
+            slurm_id = slurm_id_of(s, job.id, job.attempt)
+        if slurm_id is None:
+            return None  # not submitted (yet): the scheduled-too-long timeout judges it
+        state = self._states.get(slurm_id)
+        if state is None:
+            try:
+                state = self.commands.status([slurm_id]).get(slurm_id)
+            except SlurmError as exc:
+                raise StatusUnknown(str(exc)) from exc
+        if state is None:
+            return None  # Slurm forgot it and keeps no accounting: heartbeats decide
+        if state.terminal:
+            # The runner did not end the attempt itself (else it would not be active): it was killed
+            # (time limit, node failure, preemption, scancel) or never started.
+            return False
+        if state.phase == "pending" or job.status == SCHEDULED:
+            return True  # waiting in Slurm's queue, or started and about to claim the attempt
+        return None  # running: its heartbeats say whether it is well
+
+    def follow(self) -> None:
+        """Once per tick: read every active attempt's Slurm state in one query, record the changed
+        ones (with Slurm's reason) as events, and scancel the attempts asked to cancel while still in
+        Slurm's queue (no runner there to honour it). runner_alive answers from what it read."""
+        self._states = {}
+        with session_scope(self.settings.resolved_database_url) as s:
+            active = s.execute(
+                select(Job.id, Job.attempt, Job.status, Job.cancel_requested).where(
+                    Job.status.in_((SCHEDULED, RUNNING))
+                )
+            ).all()
+            ids = {r.id: (r, slurm_id_of(s, r.id, r.attempt)) for r in active}
+        ids = {job_id: v for job_id, v in ids.items() if v[1] is not None}
+        if not ids:
+            return
+        try:
+            states = self.commands.status([sid for _, sid in ids.values() if sid])
+        except SlurmError:
+            return  # runner_alive asks again, and says it does not know
+        self._states = states
+        for job_id, (row, slurm_id) in ids.items():
+            state = states.get(slurm_id or "")
+            if state is None:
+                continue
+            self._note(job_id, row.attempt, state)
+            if row.cancel_requested and row.status == SCHEDULED and not state.terminal:
+                self.commands.cancel(state.slurm_id)
+
+    def _note(self, job_id: str, attempt: int, state: SlurmState) -> None:
+        """Record the Slurm state (and its reason) as an event when either changed."""
+        with session_scope(self.settings.resolved_database_url) as s:
+            last = last_state(s, job_id, attempt)
+            if last is not None and (last.get("state"), last.get("reason")) == (state.state, state.reason):
+                return
+            data = {"attempt": attempt, **state.event_data()}
+            text = f"Slurm job {state.slurm_id}: {state.state}" + (
+                f" ({state.reason})" if state.reason else ""
+            )
+            record_event(s, job_id, STATE_EVENT, text, data)
+
+    # -- nodes -------------------------------------------------------------------------------------
+
+    def refresh_nodes(self) -> None:
+        """Follow the active attempts in Slurm (every tick), and register the partition's usable
+        nodes (from sinfo) as the pool's ready nodes at most every NODE_REFRESH_S; a node sinfo no
+        longer shows usable goes unseen and is marked lost."""
+        self.follow()
+        if time.monotonic() - self._refreshed_at < NODE_REFRESH_S:
+            return
+        try:
+            nodes = self.commands.capacity(self.settings.slurm_partition)
+        except SlurmError:
+            return  # unseen nodes turn lost after node_lost_after_s: a long outage stops placement
+        with session_scope(self.settings.resolved_database_url) as s:
+            register_nodes(s, self.settings.pool_name, [n for n in nodes if n.usable])
+        self._refreshed_at = time.monotonic()
+
+    # -- the rest runs here ------------------------------------------------------------------------
+
+    def submit_dataset(self, dataset_id: str) -> None:
+        self._local.submit_dataset(dataset_id)
+
+    def submit_export(self, export_id: str) -> None:
+        self._local.submit_export(export_id)
+
+    def submit_sample(self, sample_id: str) -> None:
+        self._local.submit_sample(sample_id)
+
+
+def _attempt_events(s: Session, job_id: str, kind: str, attempt: int) -> list[dict[str, Any]]:
+    rows = s.scalars(
+        select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == kind).order_by(JobEvent.id)
+    )
+    return [d for d in rows if isinstance(d, dict) and d.get("attempt") == attempt]
+
+
+def slurm_id_of(s: Session, job_id: str, attempt: int) -> str | None:
+    """The Slurm job id of an attempt, once submitted."""
+    events = _attempt_events(s, job_id, SUBMITTED_EVENT, attempt)
+    return str(events[-1]["slurm_id"]) if events else None
+
+
+def last_state(s: Session, job_id: str, attempt: int) -> dict[str, Any] | None:
+    events = _attempt_events(s, job_id, STATE_EVENT, attempt)
+    return events[-1] if events else None
+
+
+def register_nodes(s: Session, pool_name: str, nodes: list[SlurmNode]) -> None:
+    """Upsert `nodes` as ready nodes of `pool_name`: a GPU node's slots are its GPUs, a CPU node's
+    its CPUs. The pool is created on first sight (accelerator 'cpu' unless the nodes have GPUs)."""
+    pool = s.scalar(select(NodePool).where(NodePool.name == pool_name))
+    if pool is None:
+        pool = NodePool(name=pool_name, accelerator="gpu" if any(n.gpus for n in nodes) else "cpu")
+        s.add(pool)
+        s.flush()
+    now = utcnow()
+    for n in nodes:
+        node = s.scalar(select(Node).where(Node.pool_id == pool.id, Node.hostname == n.name))
+        if node is None:
+            node = Node(pool_id=pool.id, hostname=n.name, slots_total=n.gpus or n.cpus)
+            s.add(node)
+        node.slots_total = n.gpus or n.cpus
+        node.last_seen_at = now
+        if node.status != QUARANTINED:  # only an operator lifts a quarantine
+            node.status = "ready"
+    s.flush()

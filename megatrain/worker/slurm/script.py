@@ -1,0 +1,163 @@
+"""The sbatch script of one attempt of a placed job: pure text from a SlurmRequest, no subprocess.
+
+One Slurm job runs a whole gang: `--nodes=N --ntasks-per-node=1`, and `srun` starts one shard runner
+per node. The runners meet through torchrun's c10d rendezvous on the allocation's first host, which
+the script names (from `scontrol show hostnames`) before srun starts, so every node sees the same
+endpoint without asking the database for it.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NODE_RUNNER_MODULE = "megatrain.worker.slurm.node"
+"""What srun starts on every node: one node's share of the attempt (its rank from SLURM_NODEID)."""
+RDZV_ENDPOINT_ENV = "MEGATRAIN_SLURM_RDZV_ENDPOINT"
+DEFAULT_RDZV_PORT = 29400
+STOP_SIGNAL_LEAD_S = 120
+"""Slurm sends SIGTERM to the batch shell this long before the time limit, so the runner can
+save a checkpoint and stop rather than be killed mid-step."""
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """What one attempt of a placed job asks of Slurm (the executor builds it from the job row, its
+    layout and the pool's Slurm settings)."""
+
+    job_id: str
+    attempt: int
+    nodes: int
+    procs_per_node: int
+    """Ranks on each node: one device each (GPUs), or one CPU slot each on a CPU pool."""
+    gpus: bool
+    time_limit_s: int
+    """The spec's resources.max_runtime_s."""
+    log_dir: Path
+    """Where each node's output goes: node-{N}.log, N being the node's rank in the allocation. On a
+    filesystem the nodes share, and made before submitting (Slurm opens batch.log first)."""
+    python: str
+    """The interpreter on the cluster's nodes (the same environment as the scheduler's)."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    cpus_per_proc: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    """MEGATRAIN_* settings the runners need (database, storage, ...), exported by the script."""
+    rdzv_port: int = DEFAULT_RDZV_PORT
+    runner_module: str = NODE_RUNNER_MODULE
+    requeue: bool = False
+    """Whether Slurm may requeue the job itself (after a node failure or preemption). Off by default:
+    the product's retry owns attempts, and a requeue would reuse this attempt's number."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.procs_per_node < 1:
+            raise ValueError("a Slurm job needs at least one node and one rank per node")
+        if self.time_limit_s < 1:
+            raise ValueError("time_limit_s must be positive")
+
+
+def split_world(world_size: int, devices_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of a layout's world on a pool: as few nodes as hold it, the ranks
+    shared evenly (the planner only places gangs of whole, equal shares)."""
+    if world_size < 1 or devices_per_node < 1:
+        raise ValueError("world_size and devices_per_node must be positive")
+    nodes = math.ceil(world_size / devices_per_node)
+    if world_size % nodes:
+        raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
+    return nodes, world_size // nodes
+
+
+def slurm_time(seconds: int) -> str:
+    """Slurm's --time as days-hours:minutes:seconds, rounded up to whole minutes (Slurm's
+    granularity: it would round a bare count of seconds up anyway)."""
+    minutes = max(1, math.ceil(seconds / 60))
+    days, minutes = divmod(minutes, 24 * 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:00"
+
+
+def stop_signal_lead_s(time_limit_s: int) -> int:
+    """Seconds before the time limit that the stop signal comes: STOP_SIGNAL_LEAD_S, or half a short
+    limit (a lead as long as the limit would stop the job as it starts)."""
+    limit = max(1, math.ceil(time_limit_s / 60)) * 60  # what --time grants
+    return min(STOP_SIGNAL_LEAD_S, limit // 2)
+
+
+def job_name(job_id: str, attempt: int) -> str:
+    """The Slurm job name of an attempt: how a restarted scheduler finds its jobs in squeue."""
+    return f"megatrain-{job_id}-{attempt}"
+
+
+def render_sbatch(req: SlurmRequest) -> str:
+    """The batch script for `req`, to be fed to `sbatch --parsable` on stdin."""
+    log = req.log_dir
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name(req.job_id, req.attempt)}",
+        f"#SBATCH --nodes={req.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        # The one task per node is the shard runner; it starts every rank of its node.
+        f"#SBATCH --cpus-per-task={req.procs_per_node * req.cpus_per_proc}",
+    ]
+    if req.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={req.procs_per_node}")
+    lines += [f"#SBATCH --{opt}={val}" for opt, val in _placement(req) if val]
+    lines += [
+        f"#SBATCH --time={slurm_time(req.time_limit_s)}",
+        # B: to the batch shell only, which forwards it to srun (and srun to the runners).
+        f"#SBATCH --signal=B:TERM@{stop_signal_lead_s(req.time_limit_s)}",
+        "#SBATCH --requeue" if req.requeue else "#SBATCH --no-requeue",
+        f"#SBATCH --output={log / 'batch.log'}",
+        "#SBATCH --open-mode=append",
+        "",
+        "set -euo pipefail",
+    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(req.env.items())]
+    lines += [
+        f"export MEGATRAIN_JOB_ID={shlex.quote(req.job_id)}",
+        f"export MEGATRAIN_ATTEMPT={req.attempt}",
+        f"export MEGATRAIN_NNODES={req.nodes}",
+        f"export MEGATRAIN_PROCS_PER_NODE={req.procs_per_node}",
+        # The allocation's first node hosts torchrun's c10d store, at its NodeAddr (a node's Slurm
+        # name need not resolve).
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "addr=$(scontrol show node \"$head\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
+        f'export {RDZV_ENDPOINT_ENV}="${{addr:-$head}}:{req.rdzv_port}"',
+        f"mkdir -p {shlex.quote(str(log))}",
+        "",
+        # srun in the background and `wait`: bash runs a trap only between commands, so the
+        # SIGTERM Slurm sends before the time limit reaches srun (and the runners) at once.
+        " ".join(
+            [
+                "srun",
+                f"--nodes={req.nodes}",
+                "--ntasks-per-node=1",
+                f"--cpus-per-task={req.procs_per_node * req.cpus_per_proc}",
+                "--kill-on-bad-exit=1",
+                f"--output={shlex.quote(str(log / 'node-%n.log'))}",
+                shlex.quote(req.python),
+                "-u",
+                "-m",
+                req.runner_module,
+                f"--job-id={shlex.quote(req.job_id)}",
+                f"--attempt={req.attempt}",
+                "&",
+            ]
+        ),
+        "srun_pid=$!",
+        "trap 'kill -TERM $srun_pid 2>/dev/null' TERM",
+        "set +e",
+        'wait "$srun_pid"; rc=$?',
+        # A wait cut short by the trap returns >128 while srun is still stopping: wait for it.
+        'if [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null; then wait "$srun_pid"; rc=$?; fi',
+        'exit "$rc"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _placement(req: SlurmRequest) -> list[tuple[str, str | None]]:
+    return [("partition", req.partition), ("account", req.account), ("qos", req.qos)]

@@ -1,0 +1,146 @@
+"""The slurm executor's decisions without a cluster (worker.slurm.executor, worker.slurm.node): the
+request it builds from a placement, how Slurm's end states reach the scheduler's retry, and that a
+Slurm job of an old attempt runs nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fixtures.cluster import seed_job, seed_node
+from sqlalchemy import select
+from worker_helpers import job_spec
+
+from megatrain.db.jobs import reserve_gang
+from megatrain.db.models import QUEUED, SCHEDULED, Job, JobEvent, Node, NodePool
+from megatrain.db.session import session_scope
+from megatrain.scheduler.loop import Scheduler
+from megatrain.settings import Settings
+from megatrain.worker.slurm.commands import SlurmError, SlurmNode
+from megatrain.worker.slurm.executor import STATE_EVENT, SlurmExecutor
+from megatrain.worker.slurm.node import run_node
+from megatrain.worker.slurm.states import SlurmState
+
+
+class FakeSlurm:
+    """SlurmCommands answering from `states`, recording what was submitted and cancelled."""
+
+    def __init__(self) -> None:
+        self.scripts: list[str] = []
+        self.states: dict[str, SlurmState] = {}
+        self.cancelled: list[str] = []
+        self.fail = False
+
+    def submit(self, script: str) -> str:
+        self.scripts.append(script)
+        sid = str(100 + len(self.scripts))
+        self.states[sid] = SlurmState(sid, "PENDING", "Priority")
+        return sid
+
+    def status(self, slurm_ids: Sequence[str]) -> dict[str, SlurmState]:
+        if self.fail:
+            raise SlurmError("squeue failed (1): Unable to contact slurm controller")
+        return {i: self.states[i] for i in slurm_ids if i in self.states}
+
+    def cancel(self, slurm_id: str, signal: str | None = None) -> None:
+        self.cancelled.append(slurm_id)
+
+    def capacity(self, partition: str | None = None) -> list[SlurmNode]:
+        return [SlurmNode("c1", 4, 0, "idle", "p"), SlurmNode("c2", 4, 0, "drain", "p")]
+
+
+def _executor(settings: Settings) -> tuple[SlurmExecutor, FakeSlurm]:
+    fake = FakeSlurm()
+    slurm = settings.model_copy(update={"executor": "slurm", "slurm_partition": "p", "slurm_account": "ml"})
+    return SlurmExecutor(slurm, commands=fake), fake
+
+
+def _job(settings: Settings, job_id: str) -> Job:
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        s.expunge(job)
+        return job
+
+
+def test_a_gang_becomes_one_slurm_job_over_its_nodes(settings: Settings) -> None:
+    url = settings.resolved_database_url
+    nodes = [seed_node(url, 2, "gangpool", f"g{i}") for i in range(2)]
+    job_id = seed_job(url, 4, spec=job_spec(max_runtime_s=7200), pool="gangpool")
+    with session_scope(url) as s:
+        assert reserve_gang(s, job_id, [(nodes[0], [0, 1]), (nodes[1], [0, 1])], "test")
+    ex, fake = _executor(settings)
+    ex.submit(job_id)
+    script = fake.scripts[0]
+    for line in ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2", "--partition=p", "--account=ml"):
+        assert f"#SBATCH {line}" in script
+    assert "#SBATCH --time=0-02:00:00" in script and "#SBATCH --gpus-per-node" not in script
+    assert "\nexport MEGATRAIN_DATABASE_URL=" in script  # the runners reach the same database
+
+
+def test_slurm_time_limit_reaches_the_scheduler_retry(
+    settings: Settings, make_job: Callable[..., str]
+) -> None:
+    url = settings.resolved_database_url
+    ex, fake = _executor(settings)
+    job_id = make_job(procs=1, max_retries=2)
+    ex.submit(job_id)
+    scheduler = Scheduler(ex.settings, executor=ex)
+    scheduler.reconcile_once()  # pending in Slurm: alive, its reason recorded once
+    scheduler.reconcile_once()
+    assert _job(settings, job_id).status == SCHEDULED
+    with session_scope(url) as s:
+        noted = s.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == STATE_EVENT)
+        ).all()
+    assert [(d["state"], d["reason"]) for d in noted] == [("PENDING", "Priority")]
+
+    # Slurm killed it at its time limit before the runner could end the attempt itself.
+    fake.states["101"] = SlurmState("101", "TIMEOUT", None)
+    assert scheduler.reconcile_once() == [job_id]
+    job = _job(settings, job_id)
+    assert job.status == QUEUED and "retrying" in job.status_reason
+
+
+def test_a_failed_status_query_leaves_the_job_alone(settings: Settings, make_job: Callable[..., str]) -> None:
+    ex, fake = _executor(settings)
+    job_id = make_job(procs=1)
+    ex.submit(job_id)
+    fake.fail = True
+    assert Scheduler(ex.settings, executor=ex).reconcile_once() == []
+    assert _job(settings, job_id).status == SCHEDULED
+
+
+def test_cancel_of_a_queued_slurm_job_is_an_scancel(settings: Settings, make_job: Callable[..., str]) -> None:
+    url = settings.resolved_database_url
+    ex, fake = _executor(settings)
+    job_id = make_job(procs=1)
+    ex.submit(job_id)
+    with session_scope(url) as s:
+        s.get(Job, job_id).cancel_requested = True  # type: ignore[union-attr]
+    ex.follow()
+    assert fake.cancelled == ["101"]
+
+
+def test_refresh_registers_usable_slurm_nodes(settings: Settings) -> None:
+    ex, _ = _executor(settings.model_copy(update={"pool_name": "slurmpool"}))
+    ex.refresh_nodes()
+    with session_scope(settings.resolved_database_url) as s:
+        rows = s.execute(
+            select(Node.hostname, Node.slots_total, Node.status)
+            .join(NodePool)
+            .where(NodePool.name == "slurmpool")
+        ).all()
+    assert [tuple(r) for r in rows] == [("c1", 4, "ready")]  # the drained node is not offered
+
+
+def test_a_slurm_job_of_an_old_attempt_runs_nothing(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    job_id = make_job(procs=1)
+    attempt = _job(settings, job_id).attempt
+    # Slurm requeued (or a lost scheduler resubmitted) the previous attempt's job: node rank 0 of it
+    # must neither claim the current attempt nor count as one.
+    assert run_node(job_id, attempt - 1, settings, {"SLURM_NODEID": "0", "MEGATRAIN_NNODES": "1"}) == 0
+    job = _job(settings, job_id)
+    assert (job.status, job.attempt) == (SCHEDULED, attempt)
