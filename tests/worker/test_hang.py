@@ -156,8 +156,9 @@ def test_dump_stacks_asks_a_process_for_its_stacks(tmp_path: Path) -> None:
     code = (
         "import faulthandler, signal, time\n"
         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-        "print('ready', flush=True)\n"
-        "def stuck_here():\n    time.sleep(30)\n"
+        # 'ready' from inside the frame the dump must show: printed before it, the signal could land
+        # while the module was still defining the function (it did, on a loaded host).
+        "def stuck_here():\n    print('ready', flush=True)\n    time.sleep(30)\n"
         "stuck_here()\n"
     )
     with open(err, "w") as f:
