@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     slurm_partition: str | None = None
     slurm_account: str | None = None
     slurm_qos: str | None = None
+    slurm_time_limit_s: int | None = Field(default=None, ge=60)
+    """The longest one Slurm job may run (the partition's MaxTime, a QoS's MaxWall); None: no limit
+    but the job's max_runtime_s. A job that needs longer runs as a chain of Slurm jobs, each
+    checkpointing before its limit and the next resuming there."""
     slurm_bin_dir: str | None = None
     """Folder of sbatch, squeue, sacct, scancel and sinfo; None: found on PATH."""
     slurm_python: str | None = None

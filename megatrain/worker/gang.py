@@ -30,6 +30,7 @@ from megatrain.settings import Settings
 from megatrain.worker.attempt import Attempt, end_failed_attempt
 from megatrain.worker.launch import Rendezvous
 from megatrain.worker.nodes import node_name
+from megatrain.worker.preempt import TimeLimit
 from megatrain.worker.shard import _Runner, supervise
 
 log = logging.getLogger(__name__)
@@ -169,8 +170,8 @@ class _FollowerRunner(_Runner):
     """A non-zero node rank's reporting: its logs (prefixed with its node), the metrics and events
     of its ranks, and no ownership of the job: it stops when the attempt is no longer running."""
 
-    def __init__(self, settings: Settings, att: Attempt):
-        super().__init__(settings, att)
+    def __init__(self, settings: Settings, att: Attempt, stop: TimeLimit | None = None):
+        super().__init__(settings, att, stop)
         self.node = node_name(settings)
 
     def tick(self, heartbeat: bool) -> str | None:
@@ -192,6 +193,8 @@ class _FollowerRunner(_Runner):
         attempt (guarded: if node rank 0 already did, nothing changes)."""
         if outcome != "exited" or rc == 0:
             return
+        if self.stop is not None and self.stop.reached():
+            return  # its ranks stopped at the time limit with node rank 0's, which ends the attempt
         att = self.att
         records = read_records(att.out_dir)
         with session_scope(self.url) as s:
@@ -209,10 +212,10 @@ class _FollowerRunner(_Runner):
             end_failed_attempt(s, att, rc)
 
 
-def run_follower(job_id: str, share: Share, settings: Settings) -> int:
+def run_follower(job_id: str, share: Share, settings: Settings, stop: TimeLimit | None = None) -> int:
     """Run node `share.node_rank`'s part of a multi-node attempt to its end; the engine's exit code
-    (0 when there was nothing to run)."""
+    (0 when there was nothing to run). `stop`: the allocation's time limit, as in run_shard."""
     att = _await_leader(settings, job_id, share)
     if att is None:
         return 0
-    return supervise(settings, att, _FollowerRunner(settings, att))
+    return supervise(settings, att, _FollowerRunner(settings, att, stop))

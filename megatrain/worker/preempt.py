@@ -1,8 +1,10 @@
-"""Preemption on the runner's side: ask the engine's ranks to checkpoint at their next step boundary
-and exit (SIGUSR2; the engine's answer is EXIT_PREEMPTED), and stop them after a bounded grace.
+"""Stopping on request on the runner's side: ask the engine's ranks to checkpoint at their next step
+boundary and exit (SIGUSR2; the engine's answer is EXIT_PREEMPTED), and stop them after a bounded grace.
 
-The scheduler marks the job (`job.preempt_for`); the runner's check() sees it and the supervise loop
-calls `ask_to_stop` each tick until the engine has exited or the grace is over.
+Two things ask: the scheduler preempting the job for a higher-priority one (`job.preempt_for`, seen by
+the runner's check()), and a cluster scheduler warning that the allocation's time limit is near
+(`TimeLimit`: Slurm's --signal, turned into a flag file by the batch script). Either way the supervise
+loop calls `ask_to_stop` each tick until the engine has exited or the grace is over.
 """
 
 from __future__ import annotations
@@ -12,31 +14,51 @@ import logging
 import os
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sqlalchemy.orm import Session
+
+from megatrain.db.jobs import transition
+from megatrain.db.models import FAILED, QUEUED, RUNNING
 from megatrain.settings import Settings
 from megatrain.worker.procs import descendants
 
 if TYPE_CHECKING:
-    from megatrain.worker.shard import Attempt, _Runner
+    from megatrain.worker.attempt import Attempt
+    from megatrain.worker.shard import _Runner
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TimeLimit:
+    """The allocation an attempt runs in ends at a time limit, and `flag` appears some time before
+    it (Slurm's `--signal=B:USR1@lead`, the batch script's trap touching the file): then the attempt
+    checkpoints and stops. `limit_s`: the allocation's limit, shorter than the job's max_runtime_s
+    when the job runs as a chain of allocations."""
+
+    flag: Path
+    limit_s: float
+
+    def reached(self) -> bool:
+        return self.flag.exists()
+
+
 def ask_to_stop(
-    settings: Settings, proc: subprocess.Popen, att: Attempt, runner: _Runner, now: float
-) -> str | None:
+    settings: Settings, proc: subprocess.Popen, att: Attempt, runner: _Runner, now: float, why: str
+) -> bool:
     """Ask the engine to checkpoint at its next step boundary and exit (SIGUSR2 to its ranks, once);
-    'preempt' (stop it) once it has had preempt_grace_s, else None (let it finish the save)."""
+    True (stop it now) once it has had preempt_grace_s, else False (let it finish the save)."""
     if runner.preempt_asked is None:
         runner.preempt_asked = now
-        log.info("job %s: preempted; asking the engine to checkpoint and stop", att.job_id)
+        log.info("job %s: %s; asking the engine to checkpoint and stop", att.job_id, why)
         for pid in rank_pids(proc, att):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGUSR2)
-        return None
-    return "preempt" if now - runner.preempt_asked > settings.preempt_grace_s else None
+        return False
+    return now - runner.preempt_asked > settings.preempt_grace_s
 
 
 def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
@@ -50,3 +72,33 @@ def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
             if int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]) == proc.pid:
                 children.append(pid)
     return children
+
+
+def requeue_preempted(s: Session, att: Attempt, step: int | None, clear: dict[str, object]) -> bool:
+    """running → queued after a preemption. Not a retry: max_retries grows with the attempt
+    counter, so the job's budget of failed attempts is unchanged."""
+    reason = f"preempted by a higher-priority job; resumes from {_where(step)}"
+    data = {"attempt": att.attempt, "step": step}
+    fields = clear | {"max_retries": att.max_retries + 1}
+    return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+
+
+def end_at_time_limit(
+    s: Session, att: Attempt, step: int | None, stop: TimeLimit, clear: dict[str, object]
+) -> bool:
+    """The attempt checkpointed (at `step`) and stopped before its allocation's time limit. Shorter
+    than the job's max_runtime_s, the limit splits a long job into a chain: queued again, resuming
+    there, and not a retry (as a preemption). Otherwise it is the job's own max_runtime_s: failed, as
+    the local executor fails a job that exceeds it (with its progress saved)."""
+    data = {"attempt": att.attempt, "step": step, "time_limit_s": stop.limit_s}
+    if stop.limit_s < att.max_runtime_s:
+        reason = f"reached the allocation's time limit ({stop.limit_s:g}s); resumes from {_where(step)}"
+        fields = clear | {"max_retries": att.max_retries + 1}
+        return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+    saved = f"; checkpointed at step {step}" if step is not None else ""
+    reason = f"exceeded max_runtime_s={att.max_runtime_s:g}{saved}"
+    return transition(s, att.job_id, FAILED, from_statuses=(RUNNING,), reason=reason, data=data)
+
+
+def _where(step: int | None) -> str:
+    return f"step {step}" if step is not None else "its latest checkpoint"

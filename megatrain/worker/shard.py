@@ -58,7 +58,7 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
 )
 from megatrain.worker.ledger import AttemptClock
 from megatrain.worker.nodes import device_env
-from megatrain.worker.preempt import ask_to_stop
+from megatrain.worker.preempt import TimeLimit, ask_to_stop, end_at_time_limit, requeue_preempted
 from megatrain.worker.procs import die_with_parent, terminate_tree
 
 log = logging.getLogger(__name__)
@@ -175,9 +175,11 @@ def _pump(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
 class _Runner:
     """One attempt's reporting loop; all database work happens in short transactions per tick."""
 
-    def __init__(self, settings: Settings, att: Attempt):
+    def __init__(self, settings: Settings, att: Attempt, stop: TimeLimit | None = None):
         self.settings = settings
         self.att = att
+        self.stop = stop
+        """Where the allocation's time limit comes from, on a cluster that has one (Slurm)."""
         self.url = settings.resolved_database_url
         self.host = socket.gethostname()
         self.pid = os.getpid()
@@ -295,7 +297,9 @@ class _Runner:
             elif outcome == "cancel":
                 ok = transition(s, job_id, CANCELLED, from_statuses=(RUNNING,), reason="cancelled by request")
             elif outcome == "preempt" and rc != 0:
-                ok = self._requeue_preempted(s, clear)
+                ok = requeue_preempted(s, att, self.preempted_step, clear)
+            elif outcome == "time_limit" and rc != 0 and self.stop is not None:
+                ok = end_at_time_limit(s, att, self.preempted_step, self.stop, clear)
             elif outcome == "timeout":
                 reason = f"exceeded max_runtime_s={att.max_runtime_s:g}"
                 ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
@@ -308,19 +312,9 @@ class _Runner:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
                 return
             status = s.scalar(select(Job.status).where(Job.id == job_id)) or outcome
-            if outcome == "preempt" and status == QUEUED:
-                status = "preempted"
+            if outcome in ("preempt", "time_limit") and status == QUEUED:
+                status = "preempted" if outcome == "preempt" else "continued"
             self._record_ledger(s, status, failure)
-
-    def _requeue_preempted(self, s: Session, clear: dict[str, object]) -> bool:
-        """running → queued after a preemption. Not a retry: max_retries grows with the attempt
-        counter, so the job's budget of failed attempts is unchanged."""
-        att, step = self.att, self.preempted_step
-        where = f"step {step}" if step is not None else "its latest checkpoint"
-        reason = f"preempted by a higher-priority job; resumes from {where}"
-        data = {"attempt": att.attempt, "step": step}
-        fields = clear | {"max_retries": att.max_retries + 1}
-        return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
 
     def _avoid_nodes(self, s: Session) -> list[str]:
         return list(s.scalar(select(Job.avoid_nodes).where(Job.id == self.att.job_id)) or ())
@@ -348,9 +342,12 @@ def runner_env_for(att: Attempt, job_id: str) -> dict[str, str]:
     return env | device_env(att.devices, att.accelerator, os.environ)
 
 
-def run_shard(job_id: str, settings: Settings | None = None, gang: bool = False) -> int:
+def run_shard(
+    job_id: str, settings: Settings | None = None, gang: bool = False, stop: TimeLimit | None = None
+) -> int:
     """Run one attempt of a scheduled job to its end; returns the engine's exit code (0 if skipped).
-    `gang`: the job spans several nodes and this is node rank 0's shard (worker.gang)."""
+    `gang`: the job spans several nodes and this is node rank 0's shard (worker.gang). `stop`: the
+    allocation's time limit (Slurm), before which the attempt checkpoints and stops."""
     settings = settings or get_settings()
     att = _claim(settings, job_id, gang)
     if att is None:
@@ -358,15 +355,10 @@ def run_shard(job_id: str, settings: Settings | None = None, gang: bool = False)
     url, interval = settings.resolved_database_url, settings.heartbeat_interval_s
     heartbeat = Heartbeat(url, job_id, socket.gethostname(), os.getpid(), interval).start()
     try:
-        return _run_attempt(settings, att, heartbeat)
+        _backfill_earlier_attempts(settings, att)
+        return supervise(settings, att, _Runner(settings, att, stop), heartbeat)
     finally:
         heartbeat.stop()
-
-
-def _run_attempt(settings: Settings, att: Attempt, heartbeat: Heartbeat) -> int:
-    """Launch the engine, report until it ends, record how the attempt ended; its exit code."""
-    _backfill_earlier_attempts(settings, att)
-    return supervise(settings, att, _Runner(settings, att), heartbeat)
 
 
 def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Heartbeat | None = None) -> int:
@@ -408,9 +400,12 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
         if beat:
             runner.last_heartbeat = now
         verdict = runner.tick(heartbeat=beat)
-        if verdict == "preempt":
-            verdict = ask_to_stop(settings, proc, att, runner, now)
-            outcome = "preempt"
+        if verdict is None and runner.stop is not None and runner.stop.reached():
+            verdict = "time_limit"
+        if verdict in ("preempt", "time_limit"):
+            outcome = verdict
+            why = "preempted" if verdict == "preempt" else "the allocation's time limit is near"
+            verdict = verdict if ask_to_stop(settings, proc, att, runner, now, why) else None
         if exited:
             break
         if verdict is None and now - started > att.max_runtime_s:

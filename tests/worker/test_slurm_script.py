@@ -3,7 +3,9 @@ places, and that bash accepts it."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ from megatrain.worker.slurm.script import (
     NODE_RUNNER_MODULE,
     RDZV_ENDPOINT_ENV,
     STOP_SIGNAL_LEAD_S,
+    TIME_LIMIT_ENV,
+    TIME_LIMIT_FLAG,
+    TIME_LIMIT_FLAG_ENV,
     SlurmRequest,
     job_name,
     render_sbatch,
@@ -85,7 +90,7 @@ def test_script_names_attempt_partition_time_and_signal() -> None:
     assert opts["job-name"] == job_name("job-abc", 2) == "megatrain-job-abc-2"
     assert (opts["partition"], opts["account"], opts["qos"]) == ("gpu", "ml", "high")
     assert opts["time"] == "1-01:02:00"  # 90061 s rounds up to 25 h 2 min
-    assert opts["signal"] == f"B:TERM@{STOP_SIGNAL_LEAD_S}"
+    assert opts["signal"] == f"B:USR1@{STOP_SIGNAL_LEAD_S}"
     assert "no-requeue" in opts and "requeue" not in opts
     assert opts["output"] == "/runs/job-abc/attempt-2/slurm/batch.log"
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
@@ -140,4 +145,31 @@ def test_request_refuses_nonsense() -> None:
 def test_stop_signal_lead_fits_short_limits() -> None:
     assert stop_signal_lead_s(86400) == STOP_SIGNAL_LEAD_S
     assert stop_signal_lead_s(60) == 30  # one granted minute: stop half way, not at once
-    assert _sbatch(render_sbatch(_request(1, 1, time_limit_s=30)))["signal"] == "B:TERM@30"
+    assert _sbatch(render_sbatch(_request(1, 1, time_limit_s=30)))["signal"] == "B:USR1@30"
+
+
+def test_slurm_warning_leaves_the_flag_and_the_script_waits_for_srun(tmp_path: Path) -> None:
+    # Stand-ins for scontrol and srun: srun runs until the flag appears, then exits 7.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho n1\n")
+    (bin_dir / "srun").write_text(
+        f'#!/bin/sh\nwhile [ ! -e "${TIME_LIMIT_FLAG_ENV}" ]; do sleep 0.05; done\n'
+        f'echo "limit ${TIME_LIMIT_ENV}"\nexit 7\n'
+    )
+    for exe in bin_dir.iterdir():
+        exe.chmod(0o755)
+    log_dir = tmp_path / "slurm"
+    (log_dir).mkdir()
+    (log_dir / TIME_LIMIT_FLAG).write_text("")  # a stale flag is removed at start
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(_request(1, 1, gpus=False, log_dir=log_dir, time_limit_s=150)))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "n1"}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    assert proc.poll() is None, "srun ended before the warning"
+    proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal=B:USR1@lead sends
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 7  # srun's own exit code, after the trap cut the first wait short
+    assert (log_dir / TIME_LIMIT_FLAG).exists()
+    assert out.strip() == "limit 180"  # what --time grants: whole minutes

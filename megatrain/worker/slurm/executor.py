@@ -92,13 +92,16 @@ class SlurmExecutor:
             select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
         )
         resources = job.spec.get("resources") or {}
+        limit = int(resources.get("max_runtime_s") or 86400)
+        if self.settings.slurm_time_limit_s is not None:
+            limit = min(limit, self.settings.slurm_time_limit_s)
         return SlurmRequest(
             job_id=job.id,
             attempt=job.attempt,
             nodes=nodes,
             procs_per_node=per_node,
             gpus=(accelerator or "cpu").lower() != "cpu",
-            time_limit_s=int(resources.get("max_runtime_s") or 86400),
+            time_limit_s=limit,
             log_dir=self.log_dir(job.id, job.attempt),
             python=self.settings.slurm_python or sys.executable,
             partition=self.settings.slurm_partition,

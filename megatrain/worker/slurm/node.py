@@ -3,8 +3,11 @@
 `python -m megatrain.worker.slurm.node --job-id ID --attempt N`. The node's rank is Slurm's
 SLURM_NODEID. Node rank 0 runs the shard runner that owns the attempt (claims it, publishes the
 rendezvous at the first node's address, decides the outcome); the others run followers that meet
-it there (worker.gang). A Slurm job of an attempt that is no longer the job's current one (a
-requeue of an old attempt) runs nothing, so an attempt is never counted twice.
+it there (worker.gang). When Slurm's warning before the time limit comes (the batch script's flag
+file), every node asks its ranks to checkpoint at the next step boundary and stop; node rank 0 then
+queues the job again to resume there (worker.preempt.end_at_time_limit). A Slurm job of an attempt
+that is no longer the job's current one (a requeue of an old attempt) runs nothing, so an attempt is
+never counted twice.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from megatrain.db.models import SCHEDULED, Job
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
-from megatrain.worker.slurm.script import RDZV_ENDPOINT_ENV
+from megatrain.worker.preempt import TimeLimit
+from megatrain.worker.slurm.script import RDZV_ENDPOINT_ENV, TIME_LIMIT_ENV, TIME_LIMIT_FLAG_ENV
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +42,9 @@ def run_node(job_id: str, attempt: int, settings: Settings, environ: dict[str, s
     nnodes = int(environ.get("MEGATRAIN_NNODES") or environ.get("SLURM_JOB_NUM_NODES") or "1")
     # The node's Slurm name labels its log lines and events.
     settings = settings.model_copy(update={"node_name": environ.get("SLURMD_NODENAME") or settings.node_name})
+    stop = time_limit(environ)
     if node_rank > 0:
-        return run_follower(job_id, Share(node_rank, nnodes, attempt), settings)
+        return run_follower(job_id, Share(node_rank, nnodes, attempt), settings, stop)
     if not _current(settings, job_id, attempt):
         log.info("job %s: attempt %d is not the scheduled one; nothing to run", job_id, attempt)
         return 0
@@ -46,7 +52,15 @@ def run_node(job_id: str, attempt: int, settings: Settings, environ: dict[str, s
         # Publish the address the script found for the first node: its Slurm name need not resolve.
         host = (environ.get(RDZV_ENDPOINT_ENV) or "").rpartition(":")[0]
         settings = settings.model_copy(update={"node_address": host or settings.node_address})
-    return run_shard(job_id, settings, gang=nnodes > 1)
+    return run_shard(job_id, settings, gang=nnodes > 1, stop=stop)
+
+
+def time_limit(environ: dict[str, str]) -> TimeLimit | None:
+    """The allocation's time limit as the batch script exported it (its flag file and seconds)."""
+    flag, limit = environ.get(TIME_LIMIT_FLAG_ENV), environ.get(TIME_LIMIT_ENV)
+    if not flag or not limit:
+        return None
+    return TimeLimit(Path(flag), float(limit))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,9 +16,13 @@ from pathlib import Path
 NODE_RUNNER_MODULE = "megatrain.worker.slurm.node"
 """What srun starts on every node: one node's share of the attempt (its rank from SLURM_NODEID)."""
 RDZV_ENDPOINT_ENV = "MEGATRAIN_SLURM_RDZV_ENDPOINT"
+TIME_LIMIT_FLAG_ENV = "MEGATRAIN_SLURM_TIME_LIMIT_FLAG"
+TIME_LIMIT_ENV = "MEGATRAIN_SLURM_TIME_LIMIT_S"
+TIME_LIMIT_FLAG = "time-limit"
+"""The file (in the attempt's log folder) the batch shell creates when Slurm's warning comes."""
 DEFAULT_RDZV_PORT = 29400
 STOP_SIGNAL_LEAD_S = 120
-"""Slurm sends SIGTERM to the batch shell this long before the time limit, so the runner can
+"""Slurm sends SIGUSR1 to the batch shell this long before the time limit, so the runner can
 save a checkpoint and stop rather than be killed mid-step."""
 
 
@@ -34,7 +38,8 @@ class SlurmRequest:
     """Ranks on each node: one device each (GPUs), or one CPU slot each on a CPU pool."""
     gpus: bool
     time_limit_s: int
-    """The spec's resources.max_runtime_s."""
+    """The spec's resources.max_runtime_s, or the cluster's limit on one job where that is shorter
+    (the job then runs as a chain of Slurm jobs, each resuming from the last one's checkpoint)."""
     log_dir: Path
     """Where each node's output goes: node-{N}.log, N being the node's rank in the allocation. On a
     filesystem the nodes share, and made before submitting (Slurm opens batch.log first)."""
@@ -79,11 +84,15 @@ def slurm_time(seconds: int) -> str:
     return f"{days}-{hours:02d}:{minutes:02d}:00"
 
 
+def granted_s(time_limit_s: int) -> int:
+    """What --time grants for a limit of `time_limit_s`: whole minutes."""
+    return max(1, math.ceil(time_limit_s / 60)) * 60
+
+
 def stop_signal_lead_s(time_limit_s: int) -> int:
     """Seconds before the time limit that the stop signal comes: STOP_SIGNAL_LEAD_S, or half a short
     limit (a lead as long as the limit would stop the job as it starts)."""
-    limit = max(1, math.ceil(time_limit_s / 60)) * 60  # what --time grants
-    return min(STOP_SIGNAL_LEAD_S, limit // 2)
+    return min(STOP_SIGNAL_LEAD_S, granted_s(time_limit_s) // 2)
 
 
 def job_name(job_id: str, attempt: int) -> str:
@@ -107,8 +116,9 @@ def render_sbatch(req: SlurmRequest) -> str:
     lines += [f"#SBATCH --{opt}={val}" for opt, val in _placement(req) if val]
     lines += [
         f"#SBATCH --time={slurm_time(req.time_limit_s)}",
-        # B: to the batch shell only, which forwards it to srun (and srun to the runners).
-        f"#SBATCH --signal=B:TERM@{stop_signal_lead_s(req.time_limit_s)}",
+        # B: to the batch shell only: Slurm would signal every process of a step (torchrun and the
+        # ranks too); the shell's trap leaves a flag the runners read, and they stop the ranks.
+        f"#SBATCH --signal=B:USR1@{stop_signal_lead_s(req.time_limit_s)}",
         "#SBATCH --requeue" if req.requeue else "#SBATCH --no-requeue",
         f"#SBATCH --output={log / 'batch.log'}",
         "#SBATCH --open-mode=append",
@@ -127,6 +137,10 @@ def render_sbatch(req: SlurmRequest) -> str:
         "addr=$(scontrol show node \"$head\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
         f'export {RDZV_ENDPOINT_ENV}="${{addr:-$head}}:{req.rdzv_port}"',
         f"mkdir -p {shlex.quote(str(log))}",
+        f"flag={shlex.quote(str(log / TIME_LIMIT_FLAG))}",
+        'rm -f "$flag"',
+        f'export {TIME_LIMIT_FLAG_ENV}="$flag"',
+        f"export {TIME_LIMIT_ENV}={granted_s(req.time_limit_s)}",
         "",
         # srun in the background and `wait`: bash runs a trap only between commands, so the
         # SIGTERM Slurm sends before the time limit reaches srun (and the runners) at once.
@@ -148,11 +162,12 @@ def render_sbatch(req: SlurmRequest) -> str:
             ]
         ),
         "srun_pid=$!",
+        "trap 'touch \"$flag\"' USR1",
         "trap 'kill -TERM $srun_pid 2>/dev/null' TERM",
         "set +e",
         'wait "$srun_pid"; rc=$?',
-        # A wait cut short by the trap returns >128 while srun is still stopping: wait for it.
-        'if [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null; then wait "$srun_pid"; rc=$?; fi',
+        # A wait cut short by a trap returns >128 while srun still runs: wait again.
+        'while [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; rc=$?; done',
         'exit "$rc"',
         "",
     ]

@@ -1,0 +1,90 @@
+"""An allocation's time limit (Slurm's warning before it, worker.preempt.TimeLimit) with the fake
+engine: the attempt checkpoints and stops; a limit shorter than the job's max_runtime_s chains the job
+(queued again, not a retry, resuming with its steps continuous), the job's own max_runtime_s fails it
+with its progress saved."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from fixtures.cluster import seed_job, seed_node
+from sqlalchemy import select
+from test_preempt import _job, _PlaceOnly
+from worker_helpers import job_spec, wait_for
+
+from megatrain.db.models import FAILED, QUEUED, SUCCEEDED, AttemptLedger, JobEvent, JobMetric
+from megatrain.db.session import session_scope
+from megatrain.scheduler.loop import Scheduler
+from megatrain.settings import Settings
+from megatrain.worker.preempt import TimeLimit
+from megatrain.worker.shard import run_shard
+
+
+def _run_until_warned(settings: Settings, job_id: str, stop: TimeLimit) -> list[int]:
+    """Run the attempt; once it has made progress, the warning comes (the flag appears)."""
+    url = settings.resolved_database_url
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(run_shard(job_id, settings, stop=stop)))
+    runner.start()
+    wait_for(lambda: _job(url, job_id).current_step >= 3)
+    stop.flag.write_text("")
+    runner.join(timeout=30)
+    return codes
+
+
+def test_a_job_longer_than_the_allocation_runs_as_a_chain(
+    settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    job = seed_job(
+        url, 1, pool="solo", max_retries=0, spec=job_spec(40, checkpoint_interval=0, max_runtime_s=600)
+    )
+    assert sched.schedule_once() == [job]
+    assert _run_until_warned(settings, job, TimeLimit(tmp_path / "time-limit", 120.0)) == [75]
+
+    after = _job(url, job)
+    assert after.status == QUEUED
+    assert after.max_retries == 1  # not a retry: the job's budget of failed attempts is unchanged
+    step = int(after.status_reason.rsplit(" ", 1)[1])
+    assert after.status_reason == f"reached the allocation's time limit (120s); resumes from step {step}"
+    assert 3 <= step < 40
+    with session_scope(url) as s:
+        (row,) = s.scalars(select(AttemptLedger).where(AttemptLedger.job_id == job)).all()
+        assert row.outcome == "continued" and row.preempt_s > 0  # checkpoint-and-stop time is lost time
+
+    assert sched.schedule_once() == [job]
+    assert run_shard(job, settings, stop=TimeLimit(tmp_path / "next-flag", 120.0)) == 0
+    assert _job(url, job).status == SUCCEEDED
+    with session_scope(url) as s:
+        steps = s.scalars(select(JobMetric.step).where(JobMetric.job_id == job, JobMetric.kind == "train"))
+        started = s.scalars(
+            select(JobEvent.data)
+            .where(JobEvent.job_id == job, JobEvent.kind == "started")
+            .order_by(JobEvent.id)
+        ).all()
+        assert sorted(steps) == list(range(1, 41))  # continuous: nothing lost, nothing done twice
+    assert started[-1]["resumed_from"] == step
+
+
+def test_a_limit_that_is_the_jobs_own_max_runtime_fails_it_with_progress_saved(
+    settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    job = seed_job(
+        url, 1, pool="solo", max_retries=2, spec=job_spec(40, checkpoint_interval=0, max_runtime_s=120)
+    )
+    assert sched.schedule_once() == [job]
+    assert _run_until_warned(settings, job, TimeLimit(tmp_path / "time-limit", 120.0)) == [75]
+    after = _job(url, job)
+    assert after.status == FAILED
+    step = int(after.status_reason.rsplit(" ", 1)[1])
+    assert after.status_reason == f"exceeded max_runtime_s=120; checkpointed at step {step}"
+    assert 3 <= step < 40
