@@ -49,15 +49,17 @@ class TimeLimit:
 def ask_to_stop(
     settings: Settings, proc: subprocess.Popen, att: Attempt, runner: _Runner, now: float, why: str
 ) -> bool:
-    """Ask the engine to checkpoint at its next step boundary and exit (SIGUSR2 to its ranks, once);
-    True (stop it now) once it has had preempt_grace_s, else False (let it finish the save)."""
+    """Ask the engine to checkpoint at its next step boundary and exit (SIGUSR2 to its ranks, once,
+    when they have started: before, the signal would kill a rank still importing, with nothing
+    saved); True (stop it now) once it has had preempt_grace_s, else False (let it save)."""
     if runner.preempt_asked is None:
         runner.preempt_asked = now
         log.info("job %s: %s; asking the engine to checkpoint and stop", att.job_id, why)
+    if runner.engine_started and not runner.stop_sent:
+        runner.stop_sent = True
         for pid in rank_pids(proc, att):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGUSR2)
-        return False
     return now - runner.preempt_asked > settings.preempt_grace_s
 
 

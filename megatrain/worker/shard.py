@@ -195,6 +195,9 @@ class _Runner:
         """time.monotonic() when the engine was asked to checkpoint and stop (preemption)."""
         self.preempted_step: int | None = None
         """The step the engine checkpointed at and stopped on when preempted (its 'preempted' event)."""
+        self.engine_started = False
+        """Whether the engine said it started (its ranks' signal handlers are in place by then)."""
+        self.stop_sent = False
 
     def tick(self, heartbeat: bool) -> str | None:
         """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
@@ -218,6 +221,7 @@ class _Runner:
             for row in events:
                 if row.get("event") == "preempted" and isinstance(row.get("step"), int):
                     self.preempted_step = row["step"]
+                self.engine_started |= row.get("event") == "started"
             ingest_metrics(session, self.att.job_id, metrics)
             ingest_events(session, self.att.job_id, events, self.att.attempt)
             verdict = self.check(session, heartbeat)

@@ -111,6 +111,12 @@ def main() -> int:
     lead = rank == 0
     if os.environ.get("FAKE_ENGINE_PHASE", "training") != "training" and _should_fail(marker):
         return _fail(out, rank, None)
+    # Before 'started', as the engine: the runner signals only a started engine.
+    preempted: list[int] = []
+    if os.environ.get("FAKE_ENGINE_IGNORE_SIGUSR2") == "1":
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
     if lead:
         print(f"fake engine: world={world} resuming from {start or None}", flush=True)
         _emit(
@@ -125,11 +131,6 @@ def main() -> int:
                 "resumed_from": start or None,
             },
         )
-    preempted: list[int] = []
-    if os.environ.get("FAKE_ENGINE_IGNORE_SIGUSR2") == "1":
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
     for step in range(start + 1, iters + 1):
         time.sleep(step_s)
         if fail_at and step == fail_at and _should_fail(marker):

@@ -88,3 +88,21 @@ def test_a_limit_that_is_the_jobs_own_max_runtime_fails_it_with_progress_saved(
     step = int(after.status_reason.rsplit(" ", 1)[1])
     assert after.status_reason == f"exceeded max_runtime_s=120; checkpointed at step {step}"
     assert 3 <= step < 40
+
+
+def test_a_warning_before_the_engine_started_waits_for_it(
+    settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slurm may warn up to a minute early: with a short limit, before the ranks have their handlers.
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    job = seed_job(url, 1, pool="solo", spec=job_spec(40, checkpoint_interval=0, max_runtime_s=600))
+    assert Scheduler(settings, _PlaceOnly()).schedule_once() == [job]
+    flag = tmp_path / "time-limit"
+    flag.write_text("")
+    assert run_shard(job, settings, stop=TimeLimit(flag, 60.0)) == 75  # checkpointed, not killed
+    after = _job(url, job)
+    assert after.status == QUEUED
+    step = int(after.status_reason.rsplit(" ", 1)[1])
+    assert 1 <= step < 40
