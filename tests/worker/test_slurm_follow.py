@@ -4,18 +4,22 @@ Slurm job of an old attempt runs nothing."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pytest
 from fixtures.cluster import seed_job, seed_node
 from sqlalchemy import select
 from worker_helpers import job_spec
 
 from megatrain.db.jobs import reserve_gang
-from megatrain.db.models import QUEUED, SCHEDULED, Job, JobEvent, Node, NodePool
+from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Job, JobEvent, Node, NodePool
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
+from megatrain.worker.shard import KILL_GRACE_S
+from megatrain.worker.slurm import executor as executor_module
 from megatrain.worker.slurm.commands import SlurmError, SlurmNode
 from megatrain.worker.slurm.executor import STATE_EVENT, SlurmExecutor
 from megatrain.worker.slurm.node import run_node
@@ -120,6 +124,26 @@ def test_cancel_of_a_queued_slurm_job_is_an_scancel(settings: Settings, make_job
         s.get(Job, job_id).cancel_requested = True  # type: ignore[union-attr]
     ex.follow()
     assert fake.cancelled == ["101"]
+
+
+def test_a_running_slurm_job_asked_to_cancel_is_scancelled_if_its_runner_does_not_end_it(
+    settings: Settings, make_job: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = settings.resolved_database_url
+    ex, fake = _executor(settings)
+    job_id = make_job(procs=1)
+    ex.submit(job_id)
+    fake.states["101"] = SlurmState("101", "RUNNING")
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.status, job.cancel_requested = RUNNING, True
+    ex.follow()
+    assert fake.cancelled == []  # its runner stops the engine and ends the attempt itself
+    later = time.monotonic() + KILL_GRACE_S + settings.heartbeat_timeout_s + 1
+    monkeypatch.setattr(executor_module.time, "monotonic", lambda: later)
+    ex.follow()
+    assert fake.cancelled == ["101"]  # it did not: the nodes are freed anyway
 
 
 def test_refresh_registers_usable_slurm_nodes(settings: Settings) -> None:

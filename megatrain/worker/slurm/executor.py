@@ -14,6 +14,7 @@ Datasets, exports and samples run on this host as with the local executor.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any
@@ -36,9 +37,12 @@ from megatrain.db.models import (
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env
+from megatrain.worker.shard import KILL_GRACE_S
 from megatrain.worker.slurm.commands import SlurmCli, SlurmCommands, SlurmError, SlurmNode
 from megatrain.worker.slurm.script import SlurmRequest, render_sbatch
 from megatrain.worker.slurm.states import SlurmState
+
+log = logging.getLogger(__name__)
 
 SUBMITTED_EVENT = "slurm_submitted"
 STATE_EVENT = "slurm_state"
@@ -76,6 +80,8 @@ class SlurmExecutor:
         self._refreshed_at = float("-inf")
         self._states: dict[str, SlurmState] = {}
         """Slurm id → state, as follow() read them this tick."""
+        self._cancel_seen: dict[str, float] = {}
+        """Job id → when follow() first saw a cancel asked of it while it ran (time.monotonic())."""
 
     # -- jobs --------------------------------------------------------------------------------------
 
@@ -173,13 +179,27 @@ class SlurmExecutor:
         except SlurmError:
             return  # runner_alive asks again, and says it does not know
         self._states = states
+        now = time.monotonic()
+        self._cancel_seen = {k: v for k, v in self._cancel_seen.items() if k in ids}
         for job_id, (row, slurm_id) in ids.items():
             state = states.get(slurm_id or "")
             if state is None:
                 continue
             self._note(job_id, row.attempt, state)
-            if row.cancel_requested and row.status == SCHEDULED and not state.terminal:
-                self.commands.cancel(state.slurm_id)
+            if row.cancel_requested and not state.terminal and self._cancel_due(job_id, row.status, now):
+                try:
+                    self.commands.cancel(state.slurm_id)
+                except SlurmError as exc:
+                    log.warning("job %s: scancel %s failed (%s); asking again", job_id, state.slurm_id, exc)
+
+    def _cancel_due(self, job_id: str, status: str, now: float) -> bool:
+        """Whether to scancel a job asked to cancel: at once while it waits in Slurm's queue (no
+        runner there to honour it); while it runs, once its runner has had the time to stop the
+        engine and end the attempt itself (a runner that hangs still frees the nodes)."""
+        if status == SCHEDULED:
+            return True
+        seen = self._cancel_seen.setdefault(job_id, now)
+        return now - seen > KILL_GRACE_S + self.settings.heartbeat_timeout_s
 
     def _note(self, job_id: str, attempt: int, state: SlurmState) -> None:
         """Record the Slurm state (and its reason) as an event when either changed."""
