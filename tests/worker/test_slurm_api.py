@@ -1,0 +1,174 @@
+"""Jobs through the API on a real Slurm (tests/fixtures/slurm.py), with the real engine: one runs to
+success with its loss charted; one longer than Slurm's time limit checkpoints before it, is queued
+again (not a retry) and resumes there in a second Slurm job, which the product then cancels."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from fixtures.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from sqlalchemy import select
+from worker_helpers import wait_for
+
+from megatrain.api.app import create_app
+from megatrain.api.auth import create_api_key
+from megatrain.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job, JobEvent
+from megatrain.db.session import session_scope
+from megatrain.scheduler.loop import Scheduler
+from megatrain.settings import get_settings, reset_settings_cache
+from megatrain.worker.slurm.commands import SlurmCli
+from megatrain.worker.slurm.executor import SUBMITTED_EVENT, SlurmExecutor
+
+pytestmark = pytest.mark.slow
+POOL = "slurm"
+
+
+@pytest.fixture
+def slurm_api(
+    db_url: str,
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[TestClient, dict[str, str], Scheduler, Path]]:
+    """The API and a scheduler with the slurm executor, on PostgreSQL (as in production; the runners
+    reach it from the Slurm nodes); a corpus in an allowed data root."""
+    pytest.importorskip("torch")
+    if db_url.startswith("sqlite"):
+        pytest.skip("one database is enough for these long runs: PostgreSQL, as in production")
+    monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
+    for name, value in {
+        "ALLOWED_DATA_ROOTS": tmp_path.as_uri(),
+        "EXECUTOR": "slurm",
+        "POOL_NAME": POOL,
+        "SLURM_PARTITION": slurm_cluster.partition,
+        "SLURM_TIME_LIMIT_S": "60",  # the shortest Slurm grants: a chain after ~30 s
+        "HEARTBEAT_INTERVAL_S": "0.5",
+    }.items():
+        monkeypatch.setenv(f"MEGATRAIN_{name}", value)
+    reset_settings_cache()
+    settings = get_settings()
+    corpus = tmp_path / "corpus.jsonl"
+    text = "def add(a, b):\n    return a + b\n" * 40
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
+    with session_scope(db_url) as s:
+        key = create_api_key(s, "acme", "test")
+    scheduler = Scheduler(settings, executor=SlurmExecutor(settings, SlurmCli(env=slurm_cluster.env)))
+    scheduler.reconcile_once()  # the pool's nodes, from sinfo
+    with TestClient(create_app(settings)) as client:
+        yield client, {"Authorization": f"Bearer {key}"}, scheduler, corpus
+
+
+def _spec(corpus: Path, train_iters: int, **training: Any) -> dict[str, Any]:
+    return {
+        "name": "on-slurm",
+        "model": {
+            "arch": "llama",
+            "num_layers": 1,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "seq_length": 32,
+        },
+        "data": {"tokenizer": {"type": "byte"}, "train": [{"path": corpus.as_uri()}], "split": "90,10,0"},
+        "training": {
+            "train_iters": train_iters,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "precision": "fp32",
+            "log_interval": 1,
+            "eval_interval": 0,
+            "warmup_iters": 0,
+            **training,
+        },
+        "resources": {"pool": POOL, "devices": 1, "max_runtime_s": 600},
+    }
+
+
+def _drive(scheduler: Scheduler, url: str, job_id: str, until: Callable[[Job], bool], timeout: float) -> Job:
+    """Tick the scheduler (follow Slurm, place, submit) until the job satisfies `until`."""
+
+    def check() -> Job | None:
+        scheduler.reconcile_once()
+        scheduler.schedule_once()
+        with session_scope(url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            s.expunge(job)
+        return job if until(job) else None
+
+    return wait_for(check, timeout, 1.0)
+
+
+def _events(url: str, job_id: str, kind: str) -> list[JobEvent]:
+    with session_scope(url) as s:
+        rows = s.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == kind).order_by(JobEvent.id)
+        )
+        events = list(rows)
+        s.expunge_all()
+        return events
+
+
+def test_a_job_submitted_through_the_api_runs_on_slurm_with_its_loss_charted(
+    slurm_api: tuple[TestClient, dict[str, str], Scheduler, Path],
+) -> None:
+    client, headers, scheduler, corpus = slurm_api
+    url = scheduler.url
+    r = client.post("/v1/jobs", json=_spec(corpus, 6, checkpoint_interval=3), headers=headers)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    job = _drive(scheduler, url, job_id, lambda j: j.status in (SUCCEEDED, FAILED, CANCELLED), 180)
+    logs = [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs?tail=40", headers=headers).json()]
+    assert job.status == SUCCEEDED, job.status_reason + "\n" + "\n".join(logs)
+    assert job.attempt == 1
+
+    # What the job page charts: a finite loss at every step.
+    metrics = client.get(f"/v1/jobs/{job_id}/metrics?kind=train&max_points=100", headers=headers).json()
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
+    events = client.get(f"/v1/jobs/{job_id}/events", headers=headers).json()
+    kinds = [e["kind"] for e in events]
+    assert SUBMITTED_EVENT in kinds and "started" in kinds
+    (submitted,) = _events(url, job_id, SUBMITTED_EVENT)
+    assert (scheduler.executor.log_dir(job_id, 1) / "job.sbatch").exists()  # type: ignore[attr-defined]
+    cli: SlurmCli = scheduler.executor.commands  # type: ignore[attr-defined]
+    sid = submitted.data["slurm_id"]
+    # The runner ends the attempt, then exits: Slurm's job completes just after.
+    assert wait_for(lambda: (s := cli.status([sid])[sid]).terminal and s, 30, 0.5).state == "COMPLETED"
+
+
+def test_a_job_longer_than_slurms_time_limit_resumes_in_a_second_slurm_job_then_is_cancelled(
+    slurm_api: tuple[TestClient, dict[str, str], Scheduler, Path],
+) -> None:
+    client, headers, scheduler, corpus = slurm_api
+    url = scheduler.url
+    spec = _spec(corpus, 100_000, checkpoint_interval=0, log_interval=10)  # saves only when told to stop
+    r = client.post("/v1/jobs", json=spec, headers=headers)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    # Slurm warns (USR1) before its 60 s limit; the attempt checkpoints and the job is queued again.
+    job = _drive(scheduler, url, job_id, lambda j: j.attempt == 2 and j.status == RUNNING, 150)
+    assert job.max_retries == 2 + 1  # a link of a chain is not a retry
+    requeued = [e for e in _events(url, job_id, "queued") if "time limit" in (e.reason or "")]
+    assert len(requeued) == 1, [e.reason for e in _events(url, job_id, "queued")]
+    step = int(requeued[0].reason.rsplit(" ", 1)[1])
+    assert requeued[0].reason == f"reached the allocation's time limit (60s); resumes from step {step}"
+    assert step >= 1
+    wait_for(lambda: len(_events(url, job_id, "started")) == 2, 60, 0.5)
+    assert _events(url, job_id, "started")[-1].data["resumed_from"] == step
+    first, second = (e.data["slurm_id"] for e in _events(url, job_id, SUBMITTED_EVENT))
+    assert first != second  # the next link is a new Slurm job
+
+    # The product's cancel ends the second Slurm job.
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=headers).status_code == 200
+    job = _drive(scheduler, url, job_id, lambda j: j.status in (CANCELLED, FAILED, SUCCEEDED), 60)
+    assert job.status == CANCELLED, job.status_reason
+    cli: SlurmCli = scheduler.executor.commands  # type: ignore[attr-defined]
+    wait_for(lambda: all(s.terminal for s in cli.status([first, second]).values()), 60, 0.5)
+    assert cli.status([first])[first].state != "TIMEOUT"  # it stopped before Slurm's limit
