@@ -122,6 +122,11 @@ def test_a_job_submitted_through_the_api_runs_on_slurm_with_its_loss_charted(
     r = client.post("/v1/jobs", json=_spec(corpus, 6, checkpoint_interval=3), headers=headers)
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
+    _drive(scheduler, url, job_id, lambda j: j.status in (RUNNING, SUCCEEDED, FAILED, CANCELLED), 120)
+    # The scheduler restarts while the job runs in Slurm: the new one follows it, submits nothing.
+    scheduler = Scheduler(
+        scheduler.settings, executor=SlurmExecutor(scheduler.settings, scheduler.executor.commands)
+    )  # type: ignore[attr-defined]
     job = _drive(scheduler, url, job_id, lambda j: j.status in (SUCCEEDED, FAILED, CANCELLED), 180)
     logs = [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs?tail=40", headers=headers).json()]
     assert job.status == SUCCEEDED, job.status_reason + "\n" + "\n".join(logs)
@@ -134,7 +139,7 @@ def test_a_job_submitted_through_the_api_runs_on_slurm_with_its_loss_charted(
     events = client.get(f"/v1/jobs/{job_id}/events", headers=headers).json()
     kinds = [e["kind"] for e in events]
     assert SUBMITTED_EVENT in kinds and "started" in kinds
-    (submitted,) = _events(url, job_id, SUBMITTED_EVENT)
+    (submitted,) = _events(url, job_id, SUBMITTED_EVENT)  # one Slurm job, restart or not
     assert (scheduler.executor.log_dir(job_id, 1) / "job.sbatch").exists()  # type: ignore[attr-defined]
     cli: SlurmCli = scheduler.executor.commands  # type: ignore[attr-defined]
     sid = submitted.data["slurm_id"]
@@ -172,3 +177,42 @@ def test_a_job_longer_than_slurms_time_limit_resumes_in_a_second_slurm_job_then_
     cli: SlurmCli = scheduler.executor.commands  # type: ignore[attr-defined]
     wait_for(lambda: all(s.terminal for s in cli.status([first, second]).values()), 60, 0.5)
     assert cli.status([first])[first].state != "TIMEOUT"  # it stopped before Slurm's limit
+
+
+def test_a_slurm_node_failure_is_retried_and_resumes_from_the_checkpoint(
+    slurm_api: tuple[TestClient, dict[str, str], Scheduler, Path],
+    slurm_cluster: SlurmCluster,  # noqa: F811
+) -> None:
+    client, headers, scheduler, corpus = slurm_api
+    url = scheduler.url
+    r = client.post(
+        "/v1/jobs", json=_spec(corpus, 100_000, checkpoint_interval=10, log_interval=5), headers=headers
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    job = _drive(scheduler, url, job_id, lambda j: j.status == RUNNING and (j.current_step or 0) >= 15, 120)
+    (submitted,) = _events(url, job_id, SUBMITTED_EVENT)
+    cli: SlurmCli = scheduler.executor.commands  # type: ignore[attr-defined]
+    out = slurm_cluster.client("squeue", "-h", "-j", submitted.data["slurm_id"], "-o", "%N")
+    node = out.stdout.strip()
+    assert node in slurm_cluster.node_names, out
+    try:
+        # An operator (or Slurm's health check) takes the node down under the job: NODE_FAIL.
+        down = slurm_cluster.client("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=test")
+        assert down.returncode == 0, down.stderr
+        job = _drive(scheduler, url, job_id, lambda j: j.attempt == 2, 120)
+        states = [e.data for e in _events(url, job_id, "slurm_state") if e.data.get("attempt") == 1]
+        assert states[-1]["state"] == "NODE_FAIL" and states[-1]["cause"] == "slurm_node_fail"
+        assert job.max_retries == 2  # a retry: counted against the job's budget
+        requeued = _events(url, job_id, "queued")[-1]
+        assert "retrying, will resume from checkpoint" in (requeued.reason or ""), requeued.reason
+        wait_for(lambda: len(_events(url, job_id, "started")) == 2, 90, 0.5)
+        resumed = _events(url, job_id, "started")[-1].data["resumed_from"]
+        assert resumed is not None and resumed >= 10 and resumed % 10 == 0  # the periodic checkpoint
+    finally:
+        slurm_cluster.client("scontrol", "update", f"NodeName={node}", "State=RESUME")
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=headers).status_code == 200
+    job = _drive(scheduler, url, job_id, lambda j: j.status in (CANCELLED, FAILED, SUCCEEDED), 60)
+    assert job.status == CANCELLED, job.status_reason
+    first, second = (e.data["slurm_id"] for e in _events(url, job_id, SUBMITTED_EVENT))
+    wait_for(lambda: all(s.terminal for s in cli.status([first, second]).values()), 60, 0.5)
