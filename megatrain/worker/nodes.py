@@ -90,23 +90,24 @@ def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str
     """The variables that give a job's ranks exactly the devices it was placed on.
 
     `devices` index the node's GPUs in nvidia-smi (PCI bus) order, hence CUDA_DEVICE_ORDER; where
-    the worker itself was given CUDA_VISIBLE_DEVICES, the indices count within that list. On a CPU
-    node (or for a job placed before devices were recorded) nothing changes.
+    the worker itself was given CUDA_VISIBLE_DEVICES, the indices count within that list. Inside a
+    Slurm step given GPUs (SLURM_STEP_GPUS) Slurm chose them and set CUDA_VISIBLE_DEVICES itself: the
+    scheduler's indices (a capacity plan there) are not applied. On a CPU node (or for a job placed
+    before devices were recorded) nothing changes.
     """
     if not devices or accelerator == "cpu":
         return {}
+    # One hardware work queue per device: kernels start in the order they are launched, so a
+    # sequence-parallel all-gather launched before the GEMM it overlaps does run beside it
+    # (Megatron-LM requires the same for its communication overlap).
+    queues = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    if env.get("SLURM_STEP_GPUS"):
+        return queues
     visible = _visible(env)
     names = [str(d) for d in devices]
     if visible is not None and all(d < len(visible) for d in devices):
         names = [visible[d] for d in devices]
-    return {
-        "CUDA_VISIBLE_DEVICES": ",".join(names),
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        # One hardware work queue per device: kernels start in the order they are launched, so a
-        # sequence-parallel all-gather launched before the GEMM it overlaps does run beside it
-        # (Megatron-LM requires the same for its communication overlap).
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-    }
+    return {"CUDA_VISIBLE_DEVICES": ",".join(names), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"} | queues
 
 
 def record_measured_spec(

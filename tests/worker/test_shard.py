@@ -284,3 +284,10 @@ def test_device_env_counts_within_the_workers_own_devices() -> None:
     assert device_env([0], "NVIDIA A100", {})["CUDA_VISIBLE_DEVICES"] == "0"
     assert device_env([0], "NVIDIA A100", {})["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert device_env([0, 1], "cpu", {}) == {} and device_env(None, "NVIDIA A100", {}) == {}
+
+
+def test_inside_a_slurm_step_slurms_gpus_stand() -> None:
+    # The scheduler planned devices 2,3 of some node; Slurm gave the step GPUs 5,6 (renumbered 0,1
+    # where it constrains devices): its CUDA_VISIBLE_DEVICES is kept as it is.
+    slurm = {"SLURM_STEP_GPUS": "5,6", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert device_env([2, 3], "NVIDIA H100", slurm) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

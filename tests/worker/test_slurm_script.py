@@ -95,13 +95,15 @@ def test_script_names_attempt_partition_time_and_signal() -> None:
     assert opts["output"] == "/runs/job-abc/attempt-2/slurm/batch.log"
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--nodes=2" in srun and "--ntasks-per-node=1" in srun and "--kill-on-bad-exit=1" in srun
+    assert "--gpus-per-node=4" in srun  # the step gets the job's GPUs: Slurm names them to the ranks
     assert "--output=/runs/job-abc/attempt-2/slurm/node-%n.log" in srun
     assert f"/opt/venv/bin/python -u -m {NODE_RUNNER_MODULE} --job-id=job-abc --attempt=2" in srun
 
 
 def test_cpu_pool_asks_for_cpus_not_gpus_and_omits_unset_placement() -> None:
-    opts = _sbatch(render_sbatch(_request(1, 3, gpus=False, cpus_per_proc=2)))
-    assert "gpus-per-node" not in opts
+    script = render_sbatch(_request(1, 3, gpus=False, cpus_per_proc=2))
+    opts = _sbatch(script)
+    assert "gpus-per-node" not in opts and "--gpus-per-node" not in script
     assert opts["cpus-per-task"] == "6"
     assert not {"partition", "account", "qos"} & set(opts)
 

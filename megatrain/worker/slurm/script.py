@@ -150,6 +150,8 @@ def render_sbatch(req: SlurmRequest) -> str:
                 f"--nodes={req.nodes}",
                 "--ntasks-per-node=1",
                 f"--cpus-per-task={req.procs_per_node * req.cpus_per_proc}",
+                # The step's GPUs, named by Slurm in CUDA_VISIBLE_DEVICES (worker.nodes.device_env).
+                *([f"--gpus-per-node={req.procs_per_node}"] if req.gpus else []),
                 "--kill-on-bad-exit=1",
                 f"--output={shlex.quote(str(log / 'node-%n.log'))}",
                 shlex.quote(req.python),
