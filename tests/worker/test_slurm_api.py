@@ -216,3 +216,23 @@ def test_a_slurm_node_failure_is_retried_and_resumes_from_the_checkpoint(
     assert job.status == CANCELLED, job.status_reason
     first, second = (e.data["slurm_id"] for e in _events(url, job_id, SUBMITTED_EVENT))
     wait_for(lambda: all(s.terminal for s in cli.status([first, second]).values()), 60, 0.5)
+
+
+def test_a_slurm_job_that_never_started_a_runner_shows_why_in_the_jobs_log(
+    slurm_api: tuple[TestClient, dict[str, str], Scheduler, Path],
+) -> None:
+    client, headers, scheduler, corpus = slurm_api
+    url = scheduler.url
+    broken = scheduler.settings.model_copy(update={"slurm_python": "/nonexistent/bin/python3"})
+    commands = scheduler.executor.commands  # type: ignore[attr-defined]
+    scheduler = Scheduler(broken, executor=SlurmExecutor(broken, commands))
+    spec = _spec(corpus, 2)
+    spec["resources"]["max_retries"] = 0
+    r = client.post("/v1/jobs", json=spec, headers=headers)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    job = _drive(scheduler, url, job_id, lambda j: j.status in (SUCCEEDED, FAILED, CANCELLED), 90)
+    assert job.status == FAILED
+    logs = [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs", headers=headers).json()]
+    slurm_lines = [line for line in logs if line.startswith("[slurm ")]
+    assert any("/nonexistent/bin/python3" in line for line in slurm_lines), logs

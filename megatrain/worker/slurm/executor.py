@@ -37,6 +37,7 @@ from megatrain.db.models import (
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env
+from megatrain.worker.ingest import append_logs, next_log_seq
 from megatrain.worker.shard import KILL_GRACE_S
 from megatrain.worker.slurm.commands import SlurmCli, SlurmCommands, SlurmError, SlurmNode
 from megatrain.worker.slurm.script import SlurmRequest, render_sbatch
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 SUBMITTED_EVENT = "slurm_submitted"
 STATE_EVENT = "slurm_state"
+LOG_TAIL_LINES = 40
+"""Lines of each Slurm output file (batch.log, node-N.log) put in the job's log when Slurm ends an
+attempt its runners did not."""
 NODE_REFRESH_S = 30.0
 """How often sinfo is asked for the partition's nodes."""
 ENV_PREFIXES = ("MEGATRAIN_",)
@@ -212,6 +216,23 @@ class SlurmExecutor:
                 f" ({state.reason})" if state.reason else ""
             )
             record_event(s, job_id, STATE_EVENT, text, data)
+            if state.terminal:
+                self._collect_logs(s, job_id, attempt)
+
+    def _collect_logs(self, s: Session, job_id: str, attempt: int) -> None:
+        """Put the tails of the Slurm job's own output (the batch shell's, each node's runner's) in
+        the job's log: a Slurm job that ended while its attempt was still active was killed, or
+        never got a runner to the database (a wrong interpreter, a node that cannot import), and
+        its output there is all anyone has to tell why."""
+        lines: list[str] = []
+        for path in sorted(self.log_dir(job_id, attempt).glob("*.log")):
+            try:
+                tail = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            except OSError as exc:
+                tail = [f"(unreadable: {exc})"]
+            lines += [f"[slurm {path.stem}] {line}" for line in tail]
+        if lines:
+            append_logs(s, job_id, lines, next_log_seq(s, job_id), self.settings.max_log_lines)
 
     # -- nodes -------------------------------------------------------------------------------------
 
