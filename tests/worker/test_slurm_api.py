@@ -236,3 +236,37 @@ def test_a_slurm_job_that_never_started_a_runner_shows_why_in_the_jobs_log(
     logs = [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs", headers=headers).json()]
     slurm_lines = [line for line in logs if line.startswith("[slurm ")]
     assert any("/nonexistent/bin/python3" in line for line in slurm_lines), logs
+
+
+def test_a_requeue_by_slurm_is_one_retry_and_never_runs_the_attempt_twice(
+    slurm_api: tuple[TestClient, dict[str, str], Scheduler, Path],
+    slurm_cluster: SlurmCluster,  # noqa: F811
+) -> None:
+    client, headers, scheduler, corpus = slurm_api
+    url = scheduler.url
+    requeue = scheduler.settings.model_copy(update={"slurm_requeue": True})
+    scheduler = Scheduler(requeue, executor=SlurmExecutor(requeue, scheduler.executor.commands))  # type: ignore[attr-defined]
+    r = client.post(
+        "/v1/jobs", json=_spec(corpus, 100_000, checkpoint_interval=10, log_interval=5), headers=headers
+    )
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    _drive(scheduler, url, job_id, lambda j: j.status == RUNNING and (j.current_step or 0) >= 5, 120)
+    (submitted,) = _events(url, job_id, SUBMITTED_EVENT)
+    first = submitted.data["slurm_id"]
+    assert "#SBATCH --requeue" in (scheduler.executor.log_dir(job_id, 1) / "job.sbatch").read_text()  # type: ignore[attr-defined]
+    out = slurm_cluster.client("scontrol", "requeue", first)  # what Slurm does on a node failure
+    assert out.returncode == 0, out.stderr
+
+    job = _drive(scheduler, url, job_id, lambda j: j.attempt == 2 and j.status == RUNNING, 120)
+    assert job.max_retries == 2  # one retry of the job's budget: the requeue is not counted twice
+    cli: SlurmCli = scheduler.executor.commands  # type: ignore[attr-defined]
+    assert wait_for(lambda: (s := cli.status([first])[first]).terminal and s, 60, 0.5).state == "CANCELLED"
+    with session_scope(url) as s:
+        claims = s.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == RUNNING)
+        ).all()
+    assert [d["attempt"] for d in claims] == [1, 2]  # attempt 1 ran once, the requeued Slurm job never
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=headers).status_code == 200
+    job = _drive(scheduler, url, job_id, lambda j: j.status in (CANCELLED, FAILED, SUCCEEDED), 60)
+    assert job.status == CANCELLED, job.status_reason

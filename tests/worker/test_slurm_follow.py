@@ -146,6 +146,24 @@ def test_a_running_slurm_job_asked_to_cancel_is_scancelled_if_its_runner_does_no
     assert fake.cancelled == ["101"]  # it did not: the nodes are freed anyway
 
 
+def test_a_requeue_by_slurm_becomes_one_retry_and_the_requeued_job_is_scancelled(
+    settings: Settings, make_job: Callable[..., str]
+) -> None:
+    url = settings.resolved_database_url
+    ex, fake = _executor(settings)
+    job_id = make_job(procs=1, max_retries=2)
+    ex.submit(job_id)
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.status = RUNNING  # its runner claimed it; then Slurm requeued the Slurm job under it
+    fake.states["101"] = SlurmState("101", "PENDING", "BeginTime")
+    assert Scheduler(ex.settings, executor=ex).reconcile_once() == [job_id]
+    job = _job(settings, job_id)
+    assert (job.status, job.attempt, job.max_retries) == (QUEUED, 1, 2)  # the retry comes next
+    assert fake.cancelled == ["101"]  # the requeued Slurm job will not run the attempt again
+
+
 def test_refresh_registers_usable_slurm_nodes(settings: Settings) -> None:
     ex, _ = _executor(settings.model_copy(update={"pool_name": "slurmpool"}))
     ex.refresh_nodes()

@@ -159,6 +159,11 @@ class SlurmExecutor:
             # The runner did not end the attempt itself (else it would not be active): it was killed
             # (time limit, node failure, preemption, scancel) or never started.
             return False
+        if state.phase == "pending" and job.status == RUNNING:
+            # Slurm requeued the Slurm job (node failure or preemption, MEGATRAIN_SLURM_REQUEUE): the
+            # runner is gone. The product's retry is the next attempt; follow() scancels the requeued
+            # job, so one failure is counted once and nothing runs twice.
+            return False
         if state.phase == "pending" or job.status == SCHEDULED:
             return True  # waiting in Slurm's queue, or started and about to claim the attempt
         return None  # running: its heartbeats say whether it is well
@@ -190,11 +195,16 @@ class SlurmExecutor:
             if state is None:
                 continue
             self._note(job_id, row.attempt, state)
-            if row.cancel_requested and not state.terminal and self._cancel_due(job_id, row.status, now):
-                try:
-                    self.commands.cancel(state.slurm_id)
-                except SlurmError as exc:
-                    log.warning("job %s: scancel %s failed (%s); asking again", job_id, state.slurm_id, exc)
+            if row.status == RUNNING and state.phase == "pending":
+                self._cancel(job_id, state.slurm_id)  # requeued by Slurm: see runner_alive
+            elif row.cancel_requested and not state.terminal and self._cancel_due(job_id, row.status, now):
+                self._cancel(job_id, state.slurm_id)
+
+    def _cancel(self, job_id: str, slurm_id: str) -> None:
+        try:
+            self.commands.cancel(slurm_id)
+        except SlurmError as exc:
+            log.warning("job %s: scancel %s failed (%s); asking again next tick", job_id, slurm_id, exc)
 
     def _cancel_due(self, job_id: str, status: str, now: float) -> bool:
         """Whether to scancel a job asked to cancel: at once while it waits in Slurm's queue (no
