@@ -10,6 +10,7 @@ import pytest
 from megatrain.worker.slurm.commands import (
     SlurmCli,
     SlurmError,
+    parse_duration,
     parse_sacct,
     parse_sbatch_parsable,
     parse_sinfo,
@@ -48,17 +49,17 @@ def test_sacct_rows_last_run_wins_and_flags_stripped() -> None:
 
 def test_sinfo_nodes() -> None:
     text = (
-        "gpu001|64|gpu:h100:8(S:0-1)|mix|gpu*\n"
-        "gpu002|64|gpu:8|drain*|gpu*\n"
-        "cpu001|128|(null)|idle|cpu\n"
-        "gpu003|64|gpu:a:4,gpu:b:2|alloc|gpu*\n"
+        "gpu001|64|gpu:h100:8(S:0-1)|mix|1-00:00:00|gpu*\n"
+        "gpu002|64|gpu:8|drain*|1-00:00:00|gpu*\n"
+        "cpu001|128|(null)|idle|infinite|cpu\n"
+        "gpu003|64|gpu:a:4,gpu:b:2|alloc|4:00:00|gpu*\n"
     )
     nodes = parse_sinfo(text)
-    assert [(n.name, n.cpus, n.gpus, n.state, n.partition) for n in nodes] == [
-        ("gpu001", 64, 8, "mix", "gpu"),
-        ("gpu002", 64, 8, "drain", "gpu"),
-        ("cpu001", 128, 0, "idle", "cpu"),
-        ("gpu003", 64, 6, "alloc", "gpu"),
+    assert [(n.name, n.cpus, n.gpus, n.state, n.partition, n.max_time_s) for n in nodes] == [
+        ("gpu001", 64, 8, "mix", "gpu", 86400),
+        ("gpu002", 64, 8, "drain", "gpu", 86400),
+        ("cpu001", 128, 0, "idle", "cpu", None),
+        ("gpu003", 64, 6, "alloc", "gpu", 4 * 3600),
     ]
     assert [n.usable for n in nodes] == [True, False, True, True]
 
@@ -124,6 +125,24 @@ def test_cancel_and_signal() -> None:
 
 
 def test_capacity_of_a_partition() -> None:
-    run = Recorder({"sinfo": (0, "n1|2|(null)|idle|debug*\n", "")})
+    run = Recorder({"sinfo": (0, "n1|2|(null)|idle|infinite|debug*\n", "")})
     nodes = SlurmCli(run=run).capacity("debug")
     assert nodes[0].name == "n1" and "--partition=debug" in run.calls[0][0]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 1800),  # a bare number is minutes
+        ("30:15", 1815),
+        ("2:00:00", 7200),
+        ("1-00:00:00", 86400),
+        ("1-12", 129600),  # after a day count, hours
+        ("1-12:30", 131400),
+        ("infinite", None),
+        ("UNLIMITED", None),
+        ("n/a", None),
+    ],
+)
+def test_slurm_durations(text: str, seconds: int | None) -> None:
+    assert parse_duration(text) == seconds

@@ -34,6 +34,7 @@ class FakeSlurm:
         self.states: dict[str, SlurmState] = {}
         self.cancelled: list[str] = []
         self.fail = False
+        self.max_time_s: int | None = None
 
     def submit(self, script: str) -> str:
         self.scripts.append(script)
@@ -50,7 +51,7 @@ class FakeSlurm:
         self.cancelled.append(slurm_id)
 
     def capacity(self, partition: str | None = None) -> list[SlurmNode]:
-        return [SlurmNode("c1", 4, 0, "idle", "p"), SlurmNode("c2", 4, 0, "drain", "p")]
+        return [SlurmNode("c1", 4, 0, "idle", "p", self.max_time_s), SlurmNode("c2", 4, 0, "drain", "p")]
 
 
 def _executor(settings: Settings) -> tuple[SlurmExecutor, FakeSlurm]:
@@ -80,6 +81,35 @@ def test_a_gang_becomes_one_slurm_job_over_its_nodes(settings: Settings) -> None
         assert f"#SBATCH {line}" in script
     assert "#SBATCH --time=0-02:00:00" in script and "#SBATCH --gpus-per-node" not in script
     assert "\nexport MEGATRAIN_DATABASE_URL=" in script  # the runners reach the same database
+
+
+@pytest.mark.parametrize(
+    ("max_runtime_s", "setting", "partition", "time"),
+    [
+        (7200, None, None, "0-02:00:00"),
+        (7200, 3600, None, "0-01:00:00"),  # the site's cap on one Slurm job
+        (7200, None, 1800, "0-00:30:00"),  # the partition's MaxTime, from sinfo
+        (600, 3600, 1800, "0-00:10:00"),  # the job's own limit, when shortest
+    ],
+)
+def test_each_slurm_job_asks_for_the_shortest_limit(
+    settings: Settings,
+    make_job: Callable[..., str],
+    max_runtime_s: int,
+    setting: int | None,
+    partition: int | None,
+    time: str,
+) -> None:
+    ex, fake = _executor(settings.model_copy(update={"slurm_time_limit_s": setting}))
+    fake.max_time_s = partition
+    ex.refresh_nodes()
+    job_id = make_job(procs=1, max_runtime_s=max_runtime_s)
+    ex.submit(job_id)
+    assert f"#SBATCH --time={time}\n" in fake.scripts[0]
+    assert (
+        f"export MEGATRAIN_SLURM_TIME_LIMIT_S={int(time[2:4]) * 3600 + int(time[5:7]) * 60}\n"
+        in fake.scripts[0]
+    )
 
 
 def test_slurm_time_limit_reaches_the_scheduler_retry(

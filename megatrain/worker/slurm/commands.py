@@ -19,8 +19,9 @@ COMMAND_TIMEOUT_S = 30.0
 SQUEUE_FORMAT = "%i|%T|%r"
 """Job id, extended state (PENDING, RUNNING, ...), reason: '|' never occurs in the first two."""
 SACCT_FIELDS = "JobIDRaw,State,ExitCode,Reason"
-SINFO_FORMAT = "%N|%c|%G|%t|%P"
-"""Node name, CPUs, generic resources (gpu:4), compact state (idle, mix, alloc, drain*...), partition."""
+SINFO_FORMAT = "%N|%c|%G|%t|%l|%P"
+"""Node name, CPUs, generic resources (gpu:4), compact state (idle, mix, alloc, drain*...), the
+partition's time limit (MaxTime), partition."""
 
 
 class SlurmError(RuntimeError):
@@ -37,6 +38,8 @@ class SlurmNode:
     state: str
     """sinfo's compact state without its flag suffix (idle, mix, alloc, drain, down, ...)."""
     partition: str
+    max_time_s: int | None = None
+    """The partition's limit on one job's run time (MaxTime); None: none (or not known)."""
 
     @property
     def usable(self) -> bool:
@@ -184,10 +187,32 @@ def _gpu_count(gres: str) -> int:
 
 
 def parse_sinfo(text: str) -> list[SlurmNode]:
-    """Rows of `sinfo -h -N --format='%N|%c|%G|%t|%P'`; a default partition's name ends in '*'."""
+    """Rows of `sinfo -h -N --format='%N|%c|%G|%t|%l|%P'`; a default partition's name ends in '*'."""
     nodes = []
-    for name, cpus, gres, state, partition in _rows(text, 5):
+    for name, cpus, gres, state, limit, partition in _rows(text, 6):
         nodes.append(
-            SlurmNode(name, int(cpus), _gpu_count(gres), state.rstrip("*~#!%$@^-"), partition.rstrip("*"))
+            SlurmNode(
+                name,
+                int(cpus),
+                _gpu_count(gres),
+                state.rstrip("*~#!%$@^-"),
+                partition.rstrip("*"),
+                parse_duration(limit),
+            )
         )
     return nodes
+
+
+def parse_duration(text: str) -> int | None:
+    """Seconds in a Slurm time ('30' minutes, 'MM:SS', 'HH:MM:SS', 'D-HH', 'D-HH:MM', 'D-HH:MM:SS');
+    None for 'infinite', 'UNLIMITED', 'n/a' or anything else unreadable (no limit known)."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if not all(p.isdigit() for p in parts) or (days and not days.isdigit()) or len(parts) > 3:
+        return None
+    nums = [int(p) for p in parts]
+    if days:  # after a day count the first field is hours
+        h, m, s = (nums + [0, 0])[:3]
+    else:
+        h, m, s = ([0, 0] + nums)[-3:] if len(nums) > 1 else (0, nums[0], 0)
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s

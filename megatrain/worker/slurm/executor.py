@@ -84,6 +84,8 @@ class SlurmExecutor:
         self._refreshed_at = float("-inf")
         self._states: dict[str, SlurmState] = {}
         """Slurm id → state, as follow() read them this tick."""
+        self._max_time_s: int | None = None
+        """The partition's MaxTime, as sinfo last said (the shortest where its nodes differ)."""
         self._cancel_seen: dict[str, float] = {}
         """Job id → when follow() first saw a cancel asked of it while it ran (time.monotonic())."""
 
@@ -102,9 +104,9 @@ class SlurmExecutor:
             select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
         )
         resources = job.spec.get("resources") or {}
-        limit = int(resources.get("max_runtime_s") or 86400)
-        if self.settings.slurm_time_limit_s is not None:
-            limit = min(limit, self.settings.slurm_time_limit_s)
+        # Slurm would hold a job asking for more than its partition allows: such a job runs as a chain.
+        caps = (self.settings.slurm_time_limit_s, self._max_time_s)
+        limit = min([int(resources.get("max_runtime_s") or 86400), *(c for c in caps if c is not None)])
         return SlurmRequest(
             job_id=job.id,
             attempt=job.attempt,
@@ -257,6 +259,8 @@ class SlurmExecutor:
             nodes = self.commands.capacity(self.settings.slurm_partition)
         except SlurmError:
             return  # unseen nodes turn lost after node_lost_after_s: a long outage stops placement
+        limits = [n.max_time_s for n in nodes if n.max_time_s is not None]
+        self._max_time_s = min(limits) if limits else None
         with session_scope(self.settings.resolved_database_url) as s:
             register_nodes(s, self.settings.pool_name, [n for n in nodes if n.usable])
         self._refreshed_at = time.monotonic()
