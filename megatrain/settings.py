@@ -7,6 +7,7 @@ the local executor. Production swaps settings, never code.
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -49,6 +50,10 @@ class Settings(BaseSettings):
     slurm_partition: str | None = None
     slurm_account: str | None = None
     slurm_qos: str | None = None
+    slurm_pools: str = ""
+    """Pools filled from Slurm partitions, 'POOL=PARTITION,…' (e.g. 'h100=gpu-h100,cpu=debug'): each
+    partition's nodes (sinfo) become its pool's, and a job placed on a pool is submitted to its
+    partition. Empty: one pool, pool_name, from slurm_partition (or every partition)."""
     slurm_time_limit_s: int | None = Field(default=None, ge=60)
     """The longest one Slurm job may run (the partition's MaxTime, a QoS's MaxWall); None: no limit
     but the job's max_runtime_s. A job that needs longer runs as a chain of Slurm jobs, each
@@ -153,6 +158,12 @@ class Settings(BaseSettings):
     def _expand_pools_file(cls, v: object) -> object:
         return Path(os.path.expanduser(str(v))) if v else None
 
+    @field_validator("slurm_pools")
+    @classmethod
+    def _check_slurm_pools(cls, v: str) -> str:
+        parse_slurm_pools(v)
+        return v
+
     @field_validator("cache_dir", mode="before")
     @classmethod
     def _expand_cache_dir(cls, v: object) -> object:
@@ -166,6 +177,11 @@ class Settings(BaseSettings):
             if not self.storage_url.startswith("s3://"):
                 raise ValueError("MEGATRAIN_STORAGE_URL must be s3://… in production")
         return self
+
+    @property
+    def slurm_pool_partitions(self) -> dict[str, str | None]:
+        """Pool → the Slurm partition it is filled from (None: Slurm's default partition)."""
+        return parse_slurm_pools(self.slurm_pools) or {self.pool_name: self.slurm_partition}
 
     @property
     def resolved_cpu_slots(self) -> int:
@@ -209,3 +225,18 @@ def get_settings() -> Settings:
 def reset_settings_cache() -> None:
     """Tests change MEGATRAIN_* variables; this makes the next get_settings() read them again."""
     get_settings.cache_clear()
+
+
+def parse_slurm_pools(text: str) -> dict[str, str | None]:
+    """'POOL=PARTITION,…' as {pool: partition}; ValueError naming the item and the rule broken."""
+    pools: dict[str, str | None] = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        pool, sep, partition = (s.strip() for s in item.partition("="))
+        if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", pool) or not partition:
+            raise ValueError(f"slurm_pools item {item!r} must be POOL=PARTITION (e.g. 'h100=gpu-h100')")
+        if pool in pools:
+            raise ValueError(f"slurm_pools names pool {pool!r} twice")
+        pools[pool] = partition
+    return pools

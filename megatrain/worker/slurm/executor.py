@@ -84,8 +84,10 @@ class SlurmExecutor:
         self._refreshed_at = float("-inf")
         self._states: dict[str, SlurmState] = {}
         """Slurm id → state, as follow() read them this tick."""
-        self._max_time_s: int | None = None
-        """The partition's MaxTime, as sinfo last said (the shortest where its nodes differ)."""
+        self.partitions = settings.slurm_pool_partitions
+        """Pool → the partition it is filled from and its jobs are submitted to."""
+        self._max_time_s: dict[str, int | None] = {}
+        """Pool → its partition's MaxTime, as sinfo last said (the shortest where its nodes differ)."""
         self._cancel_seen: dict[str, float] = {}
         """Job id → when follow() first saw a cancel asked of it while it ran (time.monotonic())."""
 
@@ -100,12 +102,15 @@ class SlurmExecutor:
         ).all()
         # A single-node job has no allocation rows: the job row holds its one share.
         nodes, per_node = (len(shares), shares[0]) if shares else (1, job.num_procs)
-        accelerator = s.scalar(
-            select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
-        )
+        pool = s.execute(
+            select(NodePool.name, NodePool.accelerator)
+            .join(Node, Node.pool_id == NodePool.id)
+            .where(Node.id == job.node_id)
+        ).first()
+        pool_name, accelerator = (pool.name, pool.accelerator) if pool else (self.settings.pool_name, None)
         resources = job.spec.get("resources") or {}
         # Slurm would hold a job asking for more than its partition allows: such a job runs as a chain.
-        caps = (self.settings.slurm_time_limit_s, self._max_time_s)
+        caps = (self.settings.slurm_time_limit_s, self._max_time_s.get(pool_name))
         limit = min([int(resources.get("max_runtime_s") or 86400), *(c for c in caps if c is not None)])
         return SlurmRequest(
             job_id=job.id,
@@ -116,7 +121,7 @@ class SlurmExecutor:
             time_limit_s=limit,
             log_dir=self.log_dir(job.id, job.attempt),
             python=self.settings.slurm_python or sys.executable,
-            partition=self.settings.slurm_partition,
+            partition=self.partitions.get(pool_name, self.settings.slurm_partition),
             account=self.settings.slurm_account,
             qos=self.settings.slurm_qos,
             env=runner_settings_env(self.settings, runner_env(self.settings)),
@@ -249,20 +254,23 @@ class SlurmExecutor:
     # -- nodes -------------------------------------------------------------------------------------
 
     def refresh_nodes(self) -> None:
-        """Follow the active attempts in Slurm (every tick), and register the partition's usable
-        nodes (from sinfo) as the pool's ready nodes at most every NODE_REFRESH_S; a node sinfo no
+        """Follow the active attempts in Slurm (every tick), and register each partition's usable
+        nodes (from sinfo) as its pool's ready nodes at most every NODE_REFRESH_S; a node sinfo no
         longer shows usable goes unseen and is marked lost."""
         self.follow()
         if time.monotonic() - self._refreshed_at < NODE_REFRESH_S:
             return
-        try:
-            nodes = self.commands.capacity(self.settings.slurm_partition)
-        except SlurmError:
-            return  # unseen nodes turn lost after node_lost_after_s: a long outage stops placement
-        limits = [n.max_time_s for n in nodes if n.max_time_s is not None]
-        self._max_time_s = min(limits) if limits else None
-        with session_scope(self.settings.resolved_database_url) as s:
-            register_nodes(s, self.settings.pool_name, [n for n in nodes if n.usable])
+        for pool, partition in self.partitions.items():
+            try:
+                nodes = self.commands.capacity(partition)
+            except SlurmError as exc:
+                # Unseen nodes turn lost after node_lost_after_s: a long outage stops placement.
+                log.warning("pool %s: sinfo of partition %s failed (%s)", pool, partition, exc)
+                continue
+            limits = [n.max_time_s for n in nodes if n.max_time_s is not None]
+            self._max_time_s[pool] = min(limits) if limits else None
+            with session_scope(self.settings.resolved_database_url) as s:
+                register_nodes(s, pool, [n for n in nodes if n.usable])
         self._refreshed_at = time.monotonic()
 
     # -- the rest runs here ------------------------------------------------------------------------
