@@ -118,6 +118,8 @@ def test_sbatch_options_until_the_first_command() -> None:
     ]
     with pytest.raises(SlurmError, match="not understood"):
         sbatch_options("#!/bin/bash\n#SBATCH --job-name=a b\n")
+    with pytest.raises(SlurmError, match="without a value"):
+        sbatch_options("#!/bin/bash\n#SBATCH --partition\n")
 
 
 def test_rendered_script_becomes_the_job_object(tmp_path: Path) -> None:

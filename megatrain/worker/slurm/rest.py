@@ -25,7 +25,7 @@ import signal as signals
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -114,17 +114,23 @@ def sbatch_options(script: str) -> list[tuple[str, str | None]]:
             continue
         words = iter(shlex.split(text[len("#SBATCH") :], comments=True))
         for word in words:
-            if word.startswith("--"):
+            if word.startswith("--"):  # --name=value, --name value, --flag
                 name, eq, value = word[2:].partition("=")
-                if not eq and name not in _FLAGS:
-                    value = next(words, "")
-                options.append((name, value if eq or name not in _FLAGS else None))
-            elif word.startswith("-") and len(word) >= 2 and word[1] in _SHORT:
-                name = _SHORT[word[1]]
-                value = word[2:] or ("" if name in _FLAGS else next(words, ""))
-                options.append((name, value or None if name in _FLAGS else value))
+                attached = bool(eq)
+            elif word.startswith("-") and word[1:2] in _SHORT:  # -Nvalue, -N value, -H
+                name, value = _SHORT[word[1]], word[2:]
+                attached = bool(value)
             else:
                 raise SlurmError(f"#SBATCH line not understood: {line.strip()!r}")
+            if not attached and name in _FLAGS:
+                options.append((name, None))
+                continue
+            if not attached:
+                following = next(words, None)
+                if following is None:
+                    raise SlurmError(f"#SBATCH --{name} without a value: {line.strip()!r}")
+                value = following
+            options.append((name, value))
     return options
 
 
@@ -322,10 +328,10 @@ class SlurmRest:
             raise SlurmError(f"{what} failed (HTTP {response.status_code}): {response.text.strip()[:500]}")
         return response.status_code, body
 
-    def _raise(self, what: str, status: int, errors: list[tuple[int | None, str]]) -> None:
+    def _raise(self, what: str, status: int, errors: list[tuple[int | None, str]]) -> NoReturn:
         words = "; ".join(text for _, text in errors) or "no reason given"
         if errors and all(number in AUTH_SUSPECT_ERRORS for number, _ in errors):
-            words += " (slurmctld refused the request: an invalid or expired X-SLURM-USER-TOKEN reads so)"
+            words += " (what slurmctld answers an invalid or expired X-SLURM-USER-TOKEN with)"
         raise SlurmError(f"{what} failed (HTTP {status}): {words}")
 
     def submit(self, script: str) -> str:
