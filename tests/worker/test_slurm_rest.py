@@ -12,15 +12,21 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from fixtures.slurm import slurm_cluster  # noqa: F401  (slurm_rest's cluster)
 from fixtures.slurm_rest import Slurmrestd, slurm_rest  # noqa: F401  (the fixture)
+from sqlalchemy import select
+from worker_helpers import wait_for
 
+from megatrain.db.models import SUCCEEDED, Job
+from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.slurm.commands import SlurmCli, SlurmError
+from megatrain.worker.slurm.executor import SlurmExecutor
 from megatrain.worker.slurm.rest import (
     SlurmRest,
     TokenFile,
@@ -390,3 +396,34 @@ def test_real_wrong_token_names_the_auth_failure(slurm_rest: Slurmrestd) -> None
         _client(slurm_rest, forged).capacity()
     with pytest.raises(SlurmError, match="invalid or expired X-SLURM-USER-TOKEN"):
         _client(slurm_rest, forged).submit("#!/bin/bash\ntrue\n")
+
+
+@pytest.mark.slow
+def test_real_executor_runs_a_placed_job_through_slurmrestd(
+    slurm_rest: Slurmrestd,  # noqa: F811
+    settings: Settings,
+    fake_engine: Path,
+    make_job: Callable[..., str],
+) -> None:
+    # The executor as the lead wires it (`commands or slurm_commands(settings)`), with the REST settings.
+    slurm = settings.model_copy(
+        update={
+            "executor": "slurm",
+            "slurm_partition": slurm_rest.cluster.partition,
+            "slurm_rest_url": slurm_rest.url,
+            "slurm_user": slurm_rest.user,
+            "slurm_jwt": slurm_rest.token,
+        }
+    )
+    executor = SlurmExecutor(slurm, commands=slurm_commands(slurm))
+    url = slurm.resolved_database_url
+    job_id = make_job(procs=1, train_iters=10)
+    executor.submit(job_id)
+
+    def ended() -> str | None:
+        with session_scope(url) as s:
+            status = s.scalar(select(Job.status).where(Job.id == job_id))
+        return status if status not in ("scheduled", "running") else None
+
+    assert wait_for(ended, 60, 0.5) == SUCCEEDED, (executor.log_dir(job_id, 1) / "batch.log").read_text()
+    assert (executor.log_dir(job_id, 1) / "node-0.log").exists()
