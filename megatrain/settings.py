@@ -64,6 +64,15 @@ class Settings(BaseSettings):
     """The interpreter (with megatrain installed) on the cluster's nodes; None: this one."""
     slurm_requeue: bool = False
     """Let Slurm requeue a job after a node failure or preemption itself (else the product retries)."""
+    slurm_rest_url: str | None = None
+    """slurmrestd's address ("http://host:6820"): when set, the executor talks to Slurm through it
+    (worker.slurm.rest) instead of the CLI tools, for a scheduler host that is not a login node."""
+    slurm_user: str | None = None
+    """The Slurm user slurmrestd acts as (X-SLURM-USER-NAME); None: this process's user."""
+    slurm_jwt: str | None = None
+    """The JWT slurmrestd passes to slurmctld (X-SLURM-USER-TOKEN), e.g. from `scontrol token`."""
+    slurm_jwt_file: str | None = None
+    """A file holding the JWT instead, re-read when it changes, so an operator can rotate it."""
 
     api_url: str = "http://127.0.0.1:8000"
     """Where the CLI and SDK find the API (MEGATRAIN_API_URL)."""
