@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,15 +36,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TimeLimit:
     """The allocation an attempt runs in ends at a time limit, and `flag` appears some time before
-    it (Slurm's `--signal=B:USR1@lead`, the batch script's trap touching the file): then the attempt
-    checkpoints and stops. `limit_s`: the allocation's limit, shorter than the job's max_runtime_s
-    when the job runs as a chain of allocations."""
+    it (Slurm's `--signal=B:USR1@lead`, the batch script's trap touching the file), or `stop_at`
+    (Unix time) passes, whichever comes first: then the attempt checkpoints and stops. `limit_s`:
+    the allocation's limit, shorter than the job's max_runtime_s when the job runs as a chain."""
 
     flag: Path
     limit_s: float
+    stop_at: float | None = None
 
     def reached(self) -> bool:
-        return self.flag.exists()
+        return self.flag.exists() or (self.stop_at is not None and time.time() >= self.stop_at)
 
 
 def ask_to_stop(

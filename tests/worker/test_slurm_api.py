@@ -47,7 +47,6 @@ def slurm_api(
         "EXECUTOR": "slurm",
         "POOL_NAME": POOL,
         "SLURM_PARTITION": slurm_cluster.partition,
-        "SLURM_TIME_LIMIT_S": "60",  # the shortest Slurm grants: a chain after ~30 s
         "HEARTBEAT_INTERVAL_S": "0.5",
     }.items():
         monkeypatch.setenv(f"MEGATRAIN_{name}", value)
@@ -152,6 +151,8 @@ def test_a_job_longer_than_slurms_time_limit_resumes_in_a_second_slurm_job_then_
 ) -> None:
     client, headers, scheduler, corpus = slurm_api
     url = scheduler.url
+    limited = scheduler.settings.model_copy(update={"slurm_time_limit_s": 60})  # the shortest Slurm grants
+    scheduler = Scheduler(limited, executor=SlurmExecutor(limited, scheduler.executor.commands))  # type: ignore[attr-defined]
     spec = _spec(corpus, 100_000, checkpoint_interval=0, log_interval=10)  # saves only when told to stop
     r = client.post("/v1/jobs", json=spec, headers=headers)
     assert r.status_code == 201, r.text

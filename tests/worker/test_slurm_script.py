@@ -13,6 +13,7 @@ import pytest
 from megatrain.worker.slurm.script import (
     NODE_RUNNER_MODULE,
     RDZV_ENDPOINT_ENV,
+    STOP_AT_ENV,
     STOP_SIGNAL_LEAD_S,
     TIME_LIMIT_ENV,
     TIME_LIMIT_FLAG,
@@ -157,7 +158,7 @@ def test_slurm_warning_leaves_the_flag_and_the_script_waits_for_srun(tmp_path: P
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho n1\n")
     (bin_dir / "srun").write_text(
         f'#!/bin/sh\nwhile [ ! -e "${TIME_LIMIT_FLAG_ENV}" ]; do sleep 0.05; done\n'
-        f'echo "limit ${TIME_LIMIT_ENV}"\nexit 7\n'
+        f'echo "limit ${TIME_LIMIT_ENV} stop ${STOP_AT_ENV}"\nexit 7\n'
     )
     for exe in bin_dir.iterdir():
         exe.chmod(0o755)
@@ -167,6 +168,7 @@ def test_slurm_warning_leaves_the_flag_and_the_script_waits_for_srun(tmp_path: P
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(_request(1, 1, gpus=False, log_dir=log_dir, time_limit_s=150)))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "n1"}
+    started = time.time()
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
     time.sleep(1.0)
     assert proc.poll() is None, "srun ended before the warning"
@@ -174,4 +176,7 @@ def test_slurm_warning_leaves_the_flag_and_the_script_waits_for_srun(tmp_path: P
     out, _ = proc.communicate(timeout=10)
     assert proc.returncode == 7  # srun's own exit code, after the trap cut the first wait short
     assert (log_dir / TIME_LIMIT_FLAG).exists()
-    assert out.strip() == "limit 180"  # what --time grants: whole minutes
+    limit, stop_at = out.split()[1::2]
+    assert limit == "180"  # what --time grants: whole minutes
+    # The deadline (for where the warning cannot come): the warning's moment, 90 s before the limit.
+    assert started + 90 - 2 <= int(stop_at) <= time.time() + 90

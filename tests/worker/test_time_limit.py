@@ -6,6 +6,7 @@ with its progress saved."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,19 @@ def test_a_warning_before_the_engine_started_waits_for_it(
     assert after.status == QUEUED
     step = int(after.status_reason.rsplit(" ", 1)[1])
     assert 1 <= step < 40
+
+
+def test_the_deadline_stops_the_attempt_where_no_warning_comes(
+    settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Through slurmrestd Slurm's warning cannot reach the batch shell: the exported deadline stands in.
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    job = seed_job(url, 1, pool="solo", spec=job_spec(400, checkpoint_interval=0, max_runtime_s=600))
+    assert Scheduler(settings, _PlaceOnly()).schedule_once() == [job]
+    stop = TimeLimit(tmp_path / "never-touched", 120.0, stop_at=time.time() + 2.0)
+    assert run_shard(job, settings, stop=stop) == 75
+    after = _job(url, job)
+    assert after.status == QUEUED and "reached the allocation's time limit (120s)" in after.status_reason
+    assert 1 <= after.current_step < 400

@@ -1,4 +1,5 @@
-"""The slurm executor: one sbatch job per attempt of a placed job, followed with squeue/sacct.
+"""The slurm executor: one sbatch job per attempt of a placed job, followed with squeue/sacct (or
+through slurmrestd, worker.slurm.rest).
 
 `submit` renders the attempt's script (worker.slurm.script) from the job's placement and the Slurm
 settings and submits it; the Slurm job id is recorded as a 'slurm_submitted' event naming the
@@ -39,7 +40,8 @@ from megatrain.settings import Settings
 from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env
 from megatrain.worker.ingest import append_logs, next_log_seq
 from megatrain.worker.shard import KILL_GRACE_S
-from megatrain.worker.slurm.commands import SlurmCli, SlurmCommands, SlurmError, SlurmNode
+from megatrain.worker.slurm.commands import SlurmCommands, SlurmError, SlurmNode
+from megatrain.worker.slurm.rest import slurm_commands
 from megatrain.worker.slurm.script import SlurmRequest, render_sbatch
 from megatrain.worker.slurm.states import SlurmState
 
@@ -79,7 +81,7 @@ class SlurmExecutor:
 
     def __init__(self, settings: Settings, commands: SlurmCommands | None = None):
         self.settings = settings
-        self.commands = commands or SlurmCli(bin_dir=settings.slurm_bin_dir)
+        self.commands = commands or slurm_commands(settings)
         self._local = LocalExecutor(settings)
         self._refreshed_at = float("-inf")
         self._states: dict[str, SlurmState] = {}

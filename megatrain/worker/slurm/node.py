@@ -22,7 +22,12 @@ from megatrain.db.models import SCHEDULED, Job
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.preempt import TimeLimit
-from megatrain.worker.slurm.script import RDZV_ENDPOINT_ENV, TIME_LIMIT_ENV, TIME_LIMIT_FLAG_ENV
+from megatrain.worker.slurm.script import (
+    RDZV_ENDPOINT_ENV,
+    STOP_AT_ENV,
+    TIME_LIMIT_ENV,
+    TIME_LIMIT_FLAG_ENV,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +62,10 @@ def run_node(job_id: str, attempt: int, settings: Settings, environ: dict[str, s
 
 def time_limit(environ: dict[str, str]) -> TimeLimit | None:
     """The allocation's time limit as the batch script exported it (its flag file and seconds)."""
-    flag, limit = environ.get(TIME_LIMIT_FLAG_ENV), environ.get(TIME_LIMIT_ENV)
+    flag, limit, stop_at = (environ.get(k) for k in (TIME_LIMIT_FLAG_ENV, TIME_LIMIT_ENV, STOP_AT_ENV))
     if not flag or not limit:
         return None
-    return TimeLimit(Path(flag), float(limit))
+    return TimeLimit(Path(flag), float(limit), float(stop_at) if stop_at else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -146,11 +146,11 @@ def job_properties(
         key = _PROPERTIES.get(name)
         if key is None:
             raise SlurmError(f"#SBATCH --{name} has no slurmrestd {API_VERSION} equivalent here")
-        if name == "signal" and value:
-            # 22.05 refuses B: ("Invalid SIGNAL specification"): the signal goes to the job's steps
-            # instead of its batch shell, i.e. to srun's tasks (the runners) rather than through
-            # the script's trap; the runners get it either way.
-            value = value.removeprefix("B:")
+        if name == "signal" and value and value.startswith("B:"):
+            # 22.05 refuses B: ("Invalid SIGNAL specification"), and without it Slurm would signal
+            # every process of the step (torchrun, data workers) with a signal they do not expect.
+            # Not sent: the runners stop at the deadline the script exports (worker.preempt.TimeLimit).
+            continue
         if name in ("requeue", "no-requeue"):
             job.pop("requeue", None)
             job.pop("no_requeue", None)  # the last of the two wins, as with sbatch

@@ -18,6 +18,8 @@ NODE_RUNNER_MODULE = "megatrain.worker.slurm.node"
 RDZV_ENDPOINT_ENV = "MEGATRAIN_SLURM_RDZV_ENDPOINT"
 TIME_LIMIT_FLAG_ENV = "MEGATRAIN_SLURM_TIME_LIMIT_FLAG"
 TIME_LIMIT_ENV = "MEGATRAIN_SLURM_TIME_LIMIT_S"
+STOP_AT_ENV = "MEGATRAIN_SLURM_STOP_AT"
+"""When (Unix time) the runners stop if Slurm's warning has not come by then."""
 TIME_LIMIT_FLAG = "time-limit"
 """The file (in the attempt's log folder) the batch shell creates when Slurm's warning comes."""
 DEFAULT_RDZV_PORT = 29400
@@ -102,7 +104,7 @@ def job_name(job_id: str, attempt: int) -> str:
 
 def render_sbatch(req: SlurmRequest) -> str:
     """The batch script for `req`, to be fed to `sbatch --parsable` on stdin."""
-    log = req.log_dir
+    log, granted = req.log_dir, granted_s(req.time_limit_s)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name(req.job_id, req.attempt)}",
@@ -140,7 +142,9 @@ def render_sbatch(req: SlurmRequest) -> str:
         f"flag={shlex.quote(str(log / TIME_LIMIT_FLAG))}",
         'rm -f "$flag"',
         f'export {TIME_LIMIT_FLAG_ENV}="$flag"',
-        f"export {TIME_LIMIT_ENV}={granted_s(req.time_limit_s)}",
+        f"export {TIME_LIMIT_ENV}={granted}",
+        # The same moment as a deadline, for where Slurm's warning does not come (slurmrestd).
+        f"export {STOP_AT_ENV}=$(( $(date +%s) + {granted - stop_signal_lead_s(req.time_limit_s)} ))",
         "",
         # srun in the background and `wait`: bash runs a trap only between commands, so the
         # SIGTERM Slurm sends before the time limit reaches srun (and the runners) at once.
