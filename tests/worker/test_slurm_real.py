@@ -11,7 +11,7 @@ import pytest
 from fixtures.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
 
 from megatrain.worker.slurm.commands import SlurmCli
-from megatrain.worker.slurm.script import RDZV_ENDPOINT_ENV, SlurmRequest, render_sbatch
+from megatrain.worker.slurm.script import HEAD_ADDR_ENV, SlurmRequest, render_sbatch
 from megatrain.worker.slurm.states import SlurmState
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def test_rendered_script_runs_one_runner_per_node(slurm_cluster: SlurmCluster, t
     (tmp_path / "echo_runner.py").write_text(
         "import os, sys\n"
         "print('node', os.environ['SLURM_NODEID'], 'of', os.environ['MEGATRAIN_NNODES'],\n"
-        f"      os.environ['{RDZV_ENDPOINT_ENV}'], os.environ['MEGATRAIN_MARK'], ' '.join(sys.argv[1:]))\n"
+        f"      os.environ['{HEAD_ADDR_ENV}'], os.environ['MEGATRAIN_MARK'], ' '.join(sys.argv[1:]))\n"
     )
     nodes = len(slurm_cluster.node_names)
     log_dir = tmp_path / "logs"
@@ -85,4 +85,4 @@ def test_rendered_script_runs_one_runner_per_node(slurm_cluster: SlurmCluster, t
     for rank, name in enumerate(slurm_cluster.node_names):
         line = (log_dir / f"node-{rank}.log").read_text().strip()
         # Every node meets at the first node's address (NodeAddr 127.0.0.1 here).
-        assert line == f"node {rank} of {nodes} 127.0.0.1:29400 a b --job-id=job-x --attempt=3", name
+        assert line == f"node {rank} of {nodes} 127.0.0.1 a b --job-id=job-x --attempt=3", name

@@ -39,7 +39,7 @@ from megatrain.worker.slurm.rest import (
     signal_name,
     slurm_commands,
 )
-from megatrain.worker.slurm.script import RDZV_ENDPOINT_ENV, SlurmRequest, render_sbatch
+from megatrain.worker.slurm.script import HEAD_ADDR_ENV, SlurmRequest, render_sbatch
 from megatrain.worker.slurm.states import SlurmState
 
 META = {
@@ -358,7 +358,7 @@ def test_real_rendered_script_runs_with_its_options(slurm_rest: Slurmrestd, tmp_
     (tmp_path / "echo_runner.py").write_text(
         "import os, sys\n"
         "print('node', os.environ['SLURM_NODEID'], 'of', os.environ['MEGATRAIN_NNODES'],\n"
-        f"      os.environ['{RDZV_ENDPOINT_ENV}'], os.environ['MEGATRAIN_MARK'], ' '.join(sys.argv[1:]))\n"
+        f"      os.environ['{HEAD_ADDR_ENV}'], os.environ['MEGATRAIN_MARK'], ' '.join(sys.argv[1:]))\n"
     )
     cluster = slurm_rest.cluster
     nodes = len(cluster.node_names)
@@ -383,7 +383,7 @@ def test_real_rendered_script_runs_with_its_options(slurm_rest: Slurmrestd, tmp_
     assert state.state == "COMPLETED", (log_dir / "batch.log").read_text()
     for rank in range(nodes):
         line = (log_dir / f"node-{rank}.log").read_text().strip()
-        assert line == f"node {rank} of {nodes} 127.0.0.1:29400 a b --job-id=job-r --attempt=2"
+        assert line == f"node {rank} of {nodes} 127.0.0.1 a b --job-id=job-r --attempt=2"
     # The #SBATCH options applied: name, node count, time limit, no requeue (scontrol's view).
     shown = cluster.client("scontrol", "show", "job", slurm_id).stdout
     for field in ("JobName=megatrain-job-r-2", f"NumNodes={nodes}", "TimeLimit=00:02:00", "Requeue=0"):

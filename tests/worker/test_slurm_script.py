@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatrain.worker.slurm.script import (
+    HEAD_ADDR_ENV,
     NODE_RUNNER_MODULE,
-    RDZV_ENDPOINT_ENV,
     STOP_AT_ENV,
     STOP_SIGNAL_LEAD_S,
     TIME_LIMIT_ENV,
@@ -116,13 +116,13 @@ def test_requeue_when_asked() -> None:
 
 def test_environment_is_quoted_and_rendezvous_is_the_first_host() -> None:
     env = {"MEGATRAIN_DATABASE_URL": "postgresql+psycopg://u:p@db/x", "MEGATRAIN_STORAGE_URL": "s3://b/it's"}
-    script = render_sbatch(_request(2, 2, env=env, rdzv_port=29555))
+    script = render_sbatch(_request(2, 2, env=env))
     assert "export MEGATRAIN_DATABASE_URL=postgresql+psycopg://u:p@db/x" in script
     assert "export MEGATRAIN_STORAGE_URL='s3://b/it'\"'\"'s'" in script
     assert "export MEGATRAIN_JOB_ID=job-abc" in script and "export MEGATRAIN_ATTEMPT=2" in script
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert 'scontrol show node "$head"' in script
-    assert f'export {RDZV_ENDPOINT_ENV}="${{addr:-$head}}:29555"' in script
+    assert f'export {HEAD_ADDR_ENV}="${{addr:-$head}}"' in script
 
 
 def test_script_is_valid_bash() -> None:

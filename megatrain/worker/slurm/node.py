@@ -23,7 +23,7 @@ from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.preempt import TimeLimit
 from megatrain.worker.slurm.script import (
-    RDZV_ENDPOINT_ENV,
+    HEAD_ADDR_ENV,
     STOP_AT_ENV,
     TIME_LIMIT_ENV,
     TIME_LIMIT_FLAG_ENV,
@@ -55,7 +55,7 @@ def run_node(job_id: str, attempt: int, settings: Settings, environ: dict[str, s
         return 0
     if nnodes > 1:
         # Publish the address the script found for the first node: its Slurm name need not resolve.
-        host = (environ.get(RDZV_ENDPOINT_ENV) or "").rpartition(":")[0]
+        host = environ.get(HEAD_ADDR_ENV)
         settings = settings.model_copy(update={"node_address": host or settings.node_address})
     return run_shard(job_id, settings, gang=nnodes > 1, stop=stop)
 

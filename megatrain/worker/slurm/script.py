@@ -1,9 +1,9 @@
 """The sbatch script of one attempt of a placed job: pure text from a SlurmRequest, no subprocess.
 
 One Slurm job runs a whole gang: `--nodes=N --ntasks-per-node=1`, and `srun` starts one shard runner
-per node. The runners meet through torchrun's c10d rendezvous on the allocation's first host, which
-the script names (from `scontrol show hostnames`) before srun starts, so every node sees the same
-endpoint without asking the database for it.
+per node. The runners meet through torchrun's c10d rendezvous on the allocation's first node: the
+script names its address (from `scontrol`), node rank 0's runner publishes the endpoint there with a
+port it found free (worker.gang), and the followers read it from the job's events.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from pathlib import Path
 
 NODE_RUNNER_MODULE = "megatrain.worker.slurm.node"
 """What srun starts on every node: one node's share of the attempt (its rank from SLURM_NODEID)."""
-RDZV_ENDPOINT_ENV = "MEGATRAIN_SLURM_RDZV_ENDPOINT"
+HEAD_ADDR_ENV = "MEGATRAIN_SLURM_HEAD_ADDR"
+"""The allocation's first node's address: node rank 0 publishes its rendezvous there (a port it
+picks free), so followers on nodes whose Slurm names do not resolve still reach it."""
 TIME_LIMIT_FLAG_ENV = "MEGATRAIN_SLURM_TIME_LIMIT_FLAG"
 TIME_LIMIT_ENV = "MEGATRAIN_SLURM_TIME_LIMIT_S"
 STOP_AT_ENV = "MEGATRAIN_SLURM_STOP_AT"
 """When (Unix time) the runners stop if Slurm's warning has not come by then."""
 TIME_LIMIT_FLAG = "time-limit"
 """The file (in the attempt's log folder) the batch shell creates when Slurm's warning comes."""
-DEFAULT_RDZV_PORT = 29400
 STOP_SIGNAL_LEAD_S = 120
 """Slurm sends SIGUSR1 to the batch shell this long before the time limit, so the runner can
 save a checkpoint and stop rather than be killed mid-step."""
@@ -53,7 +54,6 @@ class SlurmRequest:
     cpus_per_proc: int = 1
     env: dict[str, str] = field(default_factory=dict)
     """MEGATRAIN_* settings the runners need (database, storage, ...), exported by the script."""
-    rdzv_port: int = DEFAULT_RDZV_PORT
     runner_module: str = NODE_RUNNER_MODULE
     requeue: bool = False
     """Whether Slurm may requeue the job itself (after a node failure or preemption). Off by default:
@@ -134,10 +134,10 @@ def render_sbatch(req: SlurmRequest) -> str:
         f"export MEGATRAIN_NNODES={req.nodes}",
         f"export MEGATRAIN_PROCS_PER_NODE={req.procs_per_node}",
         # The allocation's first node hosts torchrun's c10d store, at its NodeAddr (a node's Slurm
-        # name need not resolve).
+        # name need not resolve); node rank 0 publishes the port.
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "addr=$(scontrol show node \"$head\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
-        f'export {RDZV_ENDPOINT_ENV}="${{addr:-$head}}:{req.rdzv_port}"',
+        f'export {HEAD_ADDR_ENV}="${{addr:-$head}}"',
         f"mkdir -p {shlex.quote(str(log))}",
         f"flag={shlex.quote(str(log / TIME_LIMIT_FLAG))}",
         'rm -f "$flag"',
