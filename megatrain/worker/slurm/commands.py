@@ -176,7 +176,7 @@ def parse_sacct(text: str) -> list[SlurmState]:
     return list(states.values())
 
 
-def _gpu_count(gres: str) -> int:
+def gpu_count(gres: str) -> int:
     """GPUs in sinfo's %G: 'gpu:4', 'gpu:a100:8(S:0-1)', several comma-separated, or '(null)'."""
     total = 0
     for item in gres.split(","):
@@ -194,7 +194,7 @@ def parse_sinfo(text: str) -> list[SlurmNode]:
             SlurmNode(
                 name,
                 int(cpus),
-                _gpu_count(gres),
+                gpu_count(gres),
                 state.rstrip("*~#!%$@^-"),
                 partition.rstrip("*"),
                 parse_duration(limit),

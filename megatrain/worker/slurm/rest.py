@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import httpx
 
 from megatrain.settings import Settings
-from megatrain.worker.slurm.commands import SlurmCli, SlurmCommands, SlurmError, SlurmNode, _gpu_count
+from megatrain.worker.slurm.commands import SlurmCli, SlurmCommands, SlurmError, SlurmNode, gpu_count
 from megatrain.worker.slurm.states import SlurmState, normalise_state, parse_reason
 
 API_VERSION = "v0.0.38"
@@ -225,7 +225,7 @@ def parse_nodes(body: Mapping[str, Any], partition: str | None = None) -> list[S
                     SlurmNode(
                         node["name"],
                         int(node.get("cpus") or 0),
-                        _gpu_count(node.get("gres") or ""),
+                        gpu_count(node.get("gres") or ""),
                         state,
                         part,
                     )
