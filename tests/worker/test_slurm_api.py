@@ -1,6 +1,9 @@
 """Jobs through the API on a real Slurm (tests/fixtures/slurm.py), with the real engine: one runs to
-success with its loss charted; one longer than Slurm's time limit checkpoints before it, is queued
-again (not a retry) and resumes there in a second Slurm job, which the product then cancels."""
+success with its loss charted (its scheduler restarted meanwhile); one longer than Slurm's time limit
+checkpoints before it, is queued again (not a retry) and resumes there in a second Slurm job, which
+the product then cancels; one Slurm kills at its limit, one whose node goes down and one Slurm
+requeues are retried once and resume from their checkpoint; a Slurm job that never started a runner
+leaves its output in the job's log."""
 
 from __future__ import annotations
 
@@ -268,6 +271,37 @@ def test_a_requeue_by_slurm_is_one_retry_and_never_runs_the_attempt_twice(
             select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == RUNNING)
         ).all()
     assert [d["attempt"] for d in claims] == [1, 2]  # attempt 1 ran once, the requeued Slurm job never
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=headers).status_code == 200
+    job = _drive(scheduler, url, job_id, lambda j: j.status in (CANCELLED, FAILED, SUCCEEDED), 60)
+    assert job.status == CANCELLED, job.status_reason
+
+
+def test_a_job_slurm_kills_at_its_time_limit_resumes_from_its_checkpoint_on_retry(
+    slurm_api: tuple[TestClient, dict[str, str], Scheduler, Path],
+    fake_engine: Path,  # set up after slurm_api: the runners on Slurm run it
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An engine that does not stop when asked (the fake one, ignoring SIGUSR2) and a runner that
+    # would wait longer than Slurm does: Slurm kills the job at its limit (TIMEOUT).
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    monkeypatch.setenv("FAKE_ENGINE_IGNORE_SIGUSR2", "1")
+    client, headers, scheduler, corpus = slurm_api
+    url = scheduler.url
+    patient = scheduler.settings.model_copy(update={"slurm_time_limit_s": 60, "preempt_grace_s": 600.0})
+    # sbatch passes its environment on: the fake engine's knobs reach the runners with it.
+    scheduler = Scheduler(patient, executor=SlurmExecutor(patient, SlurmCli(env=slurm_cluster.env)))
+    r = client.post("/v1/jobs", json=_spec(corpus, 100_000, checkpoint_interval=5), headers=headers)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    job = _drive(scheduler, url, job_id, lambda j: j.attempt == 2 and j.status == RUNNING, 180)
+    states = [e.data for e in _events(url, job_id, "slurm_state") if e.data.get("attempt") == 1]
+    assert states[-1]["state"] == "TIMEOUT" and states[-1]["cause"] == "slurm_timeout", states
+    assert job.max_retries == 2  # a retry, counted
+    wait_for(lambda: len(_events(url, job_id, "started")) == 2, 60, 0.5)
+    resumed = _events(url, job_id, "started")[-1].data["resumed_from"]
+    assert resumed is not None and resumed >= 5 and resumed % 5 == 0  # its last periodic checkpoint
     assert client.post(f"/v1/jobs/{job_id}/cancel", headers=headers).status_code == 200
     job = _drive(scheduler, url, job_id, lambda j: j.status in (CANCELLED, FAILED, SUCCEEDED), 60)
     assert job.status == CANCELLED, job.status_reason
