@@ -23,6 +23,20 @@ from megatrain.worker.preempt import TimeLimit
 from megatrain.worker.shard import run_shard
 
 
+def _placed(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, steps: int, max_runtime_s: int, **kw: int
+) -> str:
+    """A scheduled job of `steps` fake-engine steps (0.05 s each) on a one-slot pool; no periodic
+    checkpoint, so the one it resumes from is the one saved on stopping."""
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    spec = job_spec(steps, checkpoint_interval=0, max_runtime_s=max_runtime_s)
+    job = seed_job(url, 1, pool="solo", spec=spec, **kw)
+    assert Scheduler(settings, _PlaceOnly()).schedule_once() == [job]
+    return job
+
+
 def _run_until_warned(settings: Settings, job_id: str, stop: TimeLimit) -> list[int]:
     """Run the attempt; once it has made progress, the warning comes (the flag appears)."""
     url = settings.resolved_database_url
@@ -38,14 +52,8 @@ def _run_until_warned(settings: Settings, job_id: str, stop: TimeLimit) -> list[
 def test_a_job_longer_than_the_allocation_runs_as_a_chain(
     settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
     url = settings.resolved_database_url
-    seed_node(url, 1, "solo", "solonode")
-    sched = Scheduler(settings, _PlaceOnly())
-    job = seed_job(
-        url, 1, pool="solo", max_retries=0, spec=job_spec(40, checkpoint_interval=0, max_runtime_s=600)
-    )
-    assert sched.schedule_once() == [job]
+    job = _placed(settings, monkeypatch, 40, 600, max_retries=0)
     assert _run_until_warned(settings, job, TimeLimit(tmp_path / "time-limit", 120.0)) == [75]
 
     after = _job(url, job)
@@ -58,7 +66,7 @@ def test_a_job_longer_than_the_allocation_runs_as_a_chain(
         (row,) = s.scalars(select(AttemptLedger).where(AttemptLedger.job_id == job)).all()
         assert row.outcome == "continued" and row.preempt_s > 0  # checkpoint-and-stop time is lost time
 
-    assert sched.schedule_once() == [job]
+    assert Scheduler(settings, _PlaceOnly()).schedule_once() == [job]
     assert run_shard(job, settings, stop=TimeLimit(tmp_path / "next-flag", 120.0)) == 0
     assert _job(url, job).status == SUCCEEDED
     with session_scope(url) as s:
@@ -75,14 +83,8 @@ def test_a_job_longer_than_the_allocation_runs_as_a_chain(
 def test_a_limit_that_is_the_jobs_own_max_runtime_fails_it_with_progress_saved(
     settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
     url = settings.resolved_database_url
-    seed_node(url, 1, "solo", "solonode")
-    sched = Scheduler(settings, _PlaceOnly())
-    job = seed_job(
-        url, 1, pool="solo", max_retries=2, spec=job_spec(40, checkpoint_interval=0, max_runtime_s=120)
-    )
-    assert sched.schedule_once() == [job]
+    job = _placed(settings, monkeypatch, 40, 120, max_retries=2)
     assert _run_until_warned(settings, job, TimeLimit(tmp_path / "time-limit", 120.0)) == [75]
     after = _job(url, job)
     assert after.status == FAILED
@@ -95,11 +97,8 @@ def test_a_warning_before_the_engine_started_waits_for_it(
     settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Slurm may warn up to a minute early: with a short limit, before the ranks have their handlers.
-    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
     url = settings.resolved_database_url
-    seed_node(url, 1, "solo", "solonode")
-    job = seed_job(url, 1, pool="solo", spec=job_spec(40, checkpoint_interval=0, max_runtime_s=600))
-    assert Scheduler(settings, _PlaceOnly()).schedule_once() == [job]
+    job = _placed(settings, monkeypatch, 40, 600)
     flag = tmp_path / "time-limit"
     flag.write_text("")
     assert run_shard(job, settings, stop=TimeLimit(flag, 60.0)) == 75  # checkpointed, not killed
@@ -113,11 +112,8 @@ def test_the_deadline_stops_the_attempt_where_no_warning_comes(
     settings: Settings, fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Through slurmrestd Slurm's warning cannot reach the batch shell: the exported deadline stands in.
-    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
     url = settings.resolved_database_url
-    seed_node(url, 1, "solo", "solonode")
-    job = seed_job(url, 1, pool="solo", spec=job_spec(400, checkpoint_interval=0, max_runtime_s=600))
-    assert Scheduler(settings, _PlaceOnly()).schedule_once() == [job]
+    job = _placed(settings, monkeypatch, 400, 600)
     stop = TimeLimit(tmp_path / "never-touched", 120.0, stop_at=time.time() + 2.0)
     assert run_shard(job, settings, stop=stop) == 75
     after = _job(url, job)
