@@ -57,12 +57,19 @@ def ask_to_stop(
     if runner.preempt_asked is None:
         runner.preempt_asked = now
         log.info("job %s: %s; asking the engine to checkpoint and stop", att.job_id, why)
-    if runner.engine_started and not runner.stop_sent:
+    if not runner.stop_sent and (runner.engine_started or _ranks_reporting(att)):
         runner.stop_sent = True
         for pid in rank_pids(proc, att):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGUSR2)
     return now - runner.preempt_asked > settings.preempt_grace_s
+
+
+def _ranks_reporting(att: Attempt) -> bool:
+    """Whether every rank on this node writes its progress file (it starts after its handlers are in
+    place). Node rank 0 of a gang may not see the 'started' event: global rank 0 writes it, and it
+    can land on another node."""
+    return len(list(att.out_dir.glob("progress.rank*[0-9]"))) >= att.num_procs
 
 
 def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:

@@ -5,9 +5,11 @@ with its progress saved."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fixtures.cluster import seed_job, seed_node
@@ -19,7 +21,8 @@ from megatrain.db.models import FAILED, QUEUED, SUCCEEDED, AttemptLedger, JobEve
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
-from megatrain.worker.preempt import TimeLimit
+from megatrain.worker.attempt import Attempt
+from megatrain.worker.preempt import TimeLimit, ask_to_stop
 from megatrain.worker.shard import run_shard
 
 
@@ -119,3 +122,28 @@ def test_the_deadline_stops_the_attempt_where_no_warning_comes(
     after = _job(url, job)
     assert after.status == QUEUED and "reached the allocation's time limit (120s)" in after.status_reason
     assert 1 <= after.current_step < 400
+
+
+def test_the_stop_is_signalled_once_this_nodes_ranks_report_progress(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # Node rank 0 of a gang may never see 'started' (global rank 0 can run on another node): its own
+    # ranks' progress files say their handlers are in place. Two `sleep`s stand for its two ranks
+    # under torchrun (the shell): they die of the SIGUSR2 they get, and the shell ends.
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        att = Attempt("job", 1, 0, 2, 600.0, tmp_path)
+        runner = SimpleNamespace(preempt_asked=None, engine_started=False, stop_sent=False)
+        assert not ask_to_stop(settings, proc, att, runner, 0.0, "test")  # type: ignore[arg-type]
+        (tmp_path / "progress.rank4").write_text("{}")
+        assert not ask_to_stop(settings, proc, att, runner, 1.0, "test")  # type: ignore[arg-type]
+        time.sleep(0.2)
+        assert proc.poll() is None and not runner.stop_sent  # one of its two ranks only
+        (tmp_path / "progress.rank5").write_text("{}")
+        (tmp_path / "progress.rank6.tmp").write_text("{}")
+        ask_to_stop(settings, proc, att, runner, 2.0, "test")  # type: ignore[arg-type]
+        assert proc.wait(timeout=5) == 0 and runner.stop_sent
+        assert ask_to_stop(settings, proc, att, runner, settings.preempt_grace_s + 1, "test")  # type: ignore[arg-type]
+    finally:
+        proc.kill()
+        proc.wait()
