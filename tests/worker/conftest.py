@@ -8,6 +8,9 @@ from typing import Any
 
 import pytest
 from fixtures.cluster import seed_job, seed_node
+from fixtures.slurm import slurm_cluster  # noqa: F401  (one test Slurm per worker process)
+from fixtures.slurm_rest import slurm_rest  # noqa: F401
+from slurm_jobs import slurm_api  # noqa: F401
 from sqlalchemy import select
 from worker_helpers import job_spec
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fixtures.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from fixtures.slurm import SlurmCluster
 from sqlalchemy import select, update
 from worker_helpers import wait_for
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def executor(settings: Settings, slurm_cluster: SlurmCluster, fake_engine: Path) -> SlurmExecutor:  # noqa: F811
+def executor(settings: Settings, slurm_cluster: SlurmCluster, fake_engine: Path) -> SlurmExecutor:
     slurm = settings.model_copy(update={"executor": "slurm", "slurm_partition": slurm_cluster.partition})
     return SlurmExecutor(slurm, commands=SlurmCli(env=slurm_cluster.env))
 
@@ -64,7 +64,7 @@ def test_a_placed_job_runs_to_success_on_slurm(executor: SlurmExecutor, make_job
 def test_a_job_waiting_in_slurm_is_followed_and_scancelled(
     executor: SlurmExecutor,
     make_job: Callable[..., str],
-    slurm_cluster: SlurmCluster,  # noqa: F811
+    slurm_cluster: SlurmCluster,
     tmp_path: Path,
 ) -> None:
     url = executor.settings.resolved_database_url

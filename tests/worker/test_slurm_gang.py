@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fixtures.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from fixtures.slurm import SlurmCluster
 from sqlalchemy import select
 from test_multinode import _job, _losses, _spec
 from worker_helpers import wait_for
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_tp2_dp2_job_over_two_slurm_nodes_trains_like_one_process(
     settings: Settings,
-    slurm_cluster: SlurmCluster,  # noqa: F811
+    slurm_cluster: SlurmCluster,
     make_job: Callable[..., str],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from fixtures.slurm import SlurmCluster
 
 from megatrain.worker.slurm.commands import SlurmCli
 from megatrain.worker.slurm.script import HEAD_ADDR_ENV, SlurmRequest, render_sbatch
@@ -32,13 +32,13 @@ def _follow(cli: SlurmCli, slurm_id: str, until: tuple[str, ...]) -> SlurmState:
     raise AssertionError(f"job {slurm_id} never reached {until}: last {state}")
 
 
-def test_capacity_lists_the_nodes(slurm_cluster: SlurmCluster) -> None:  # noqa: F811
+def test_capacity_lists_the_nodes(slurm_cluster: SlurmCluster) -> None:
     nodes = _cli(slurm_cluster).capacity(slurm_cluster.partition)
     assert sorted(n.name for n in nodes) == slurm_cluster.node_names
     assert all(n.cpus == 2 and n.gpus == 0 and n.usable for n in nodes)
 
 
-def test_submit_and_follow_to_completed(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+def test_submit_and_follow_to_completed(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     cli = _cli(slurm_cluster)
     out = tmp_path / "out.txt"
     slurm_id = cli.submit(f"#!/bin/bash\n#SBATCH --output={tmp_path / 'log'}\necho done > {out}\n")
@@ -46,7 +46,7 @@ def test_submit_and_follow_to_completed(slurm_cluster: SlurmCluster, tmp_path: P
     assert out.read_text() == "done\n"
 
 
-def test_scancel_cancels(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+def test_scancel_cancels(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     cli = _cli(slurm_cluster)
     slurm_id = cli.submit(f"#!/bin/bash\n#SBATCH --output={tmp_path / 'log'}\nsleep 300\n")
     _follow(cli, slurm_id, ("running",))
@@ -55,7 +55,7 @@ def test_scancel_cancels(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:  
     assert (state.state, state.phase) == ("CANCELLED", "cancelled")
 
 
-def test_rendered_script_runs_one_runner_per_node(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+def test_rendered_script_runs_one_runner_per_node(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # A stand-in runner module: it writes what each node's runner would see.
     (tmp_path / "echo_runner.py").write_text(
         "import os, sys\n"

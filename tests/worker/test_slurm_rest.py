@@ -17,8 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures.slurm import slurm_cluster  # noqa: F401  (slurm_rest's cluster)
-from fixtures.slurm_rest import Slurmrestd, slurm_rest  # noqa: F401  (the fixture)
+from fixtures.slurm_rest import Slurmrestd
 from sqlalchemy import select
 from worker_helpers import wait_for
 
@@ -326,14 +325,14 @@ ENDED = ("succeeded", "failed", "cancelled")
 
 
 @pytest.mark.slow
-def test_real_capacity_lists_the_nodes(slurm_rest: Slurmrestd) -> None:  # noqa: F811
+def test_real_capacity_lists_the_nodes(slurm_rest: Slurmrestd) -> None:
     nodes = _client(slurm_rest).capacity(slurm_rest.cluster.partition)
     assert sorted(n.name for n in nodes) == slurm_rest.cluster.node_names
     assert all(n.cpus == 2 and n.gpus == 0 and n.usable for n in nodes)
 
 
 @pytest.mark.slow
-def test_real_submit_and_follow_to_completed(slurm_rest: Slurmrestd, tmp_path: Path) -> None:  # noqa: F811
+def test_real_submit_and_follow_to_completed(slurm_rest: Slurmrestd, tmp_path: Path) -> None:
     rest = _client(slurm_rest)
     out = tmp_path / "out.txt"
     slurm_id = rest.submit(f"#!/bin/bash\n#SBATCH --output={tmp_path / 'log'}\necho done > {out}\n")
@@ -343,7 +342,7 @@ def test_real_submit_and_follow_to_completed(slurm_rest: Slurmrestd, tmp_path: P
 
 
 @pytest.mark.slow
-def test_real_cancel_cancels(slurm_rest: Slurmrestd, tmp_path: Path) -> None:  # noqa: F811
+def test_real_cancel_cancels(slurm_rest: Slurmrestd, tmp_path: Path) -> None:
     rest = _client(slurm_rest)
     slurm_id = rest.submit(f"#!/bin/bash\n#SBATCH --output={tmp_path / 'log'}\nsleep 300\n")
     _follow(rest, slurm_id, ("running",))
@@ -353,7 +352,7 @@ def test_real_cancel_cancels(slurm_rest: Slurmrestd, tmp_path: Path) -> None:  #
 
 
 @pytest.mark.slow
-def test_real_rendered_script_runs_with_its_options(slurm_rest: Slurmrestd, tmp_path: Path) -> None:  # noqa: F811
+def test_real_rendered_script_runs_with_its_options(slurm_rest: Slurmrestd, tmp_path: Path) -> None:
     # A stand-in runner module, as in test_slurm_real.py: it writes what each node's runner sees.
     (tmp_path / "echo_runner.py").write_text(
         "import os, sys\n"
@@ -391,7 +390,7 @@ def test_real_rendered_script_runs_with_its_options(slurm_rest: Slurmrestd, tmp_
 
 
 @pytest.mark.slow
-def test_real_wrong_token_names_the_auth_failure(slurm_rest: Slurmrestd) -> None:  # noqa: F811
+def test_real_wrong_token_names_the_auth_failure(slurm_rest: Slurmrestd) -> None:
     forged = _jwt(time.time() + 600, key=b"not the cluster's key")
     with pytest.raises(SlurmError, match="invalid or expired X-SLURM-USER-TOKEN"):
         _client(slurm_rest, forged).capacity()
@@ -401,7 +400,7 @@ def test_real_wrong_token_names_the_auth_failure(slurm_rest: Slurmrestd) -> None
 
 @pytest.mark.slow
 def test_real_executor_runs_a_placed_job_through_slurmrestd(
-    slurm_rest: Slurmrestd,  # noqa: F811
+    slurm_rest: Slurmrestd,
     settings: Settings,
     fake_engine: Path,
     make_job: Callable[..., str],

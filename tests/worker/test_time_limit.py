@@ -25,6 +25,9 @@ from megatrain.worker.attempt import Attempt
 from megatrain.worker.preempt import TimeLimit, ask_to_stop
 from megatrain.worker.shard import run_shard
 
+# The runner's decisions; the databases' own differences are tested elsewhere (one is enough here).
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
 
 def _placed(
     settings: Settings, monkeypatch: pytest.MonkeyPatch, steps: int, max_runtime_s: int, **kw: int
