@@ -86,12 +86,9 @@ def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
 
 
 def requeue_preempted(s: Session, att: Attempt, step: int | None, clear: dict[str, object]) -> bool:
-    """running → queued after a preemption. Not a retry: max_retries grows with the attempt
-    counter, so the job's budget of failed attempts is unchanged."""
+    """running → queued after a preemption (not a retry), to resume from `step`."""
     reason = f"preempted by a higher-priority job; resumes from {_where(step)}"
-    data = {"attempt": att.attempt, "step": step}
-    fields = clear | {"max_retries": att.max_retries + 1}
-    return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+    return _queue_again(s, att, reason, {"attempt": att.attempt, "step": step}, clear)
 
 
 def end_at_time_limit(
@@ -104,11 +101,19 @@ def end_at_time_limit(
     data = {"attempt": att.attempt, "step": step, "time_limit_s": stop.limit_s}
     if stop.limit_s < att.max_runtime_s:
         reason = f"reached the allocation's time limit ({stop.limit_s:g}s); resumes from {_where(step)}"
-        fields = clear | {"max_retries": att.max_retries + 1}
-        return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
+        return _queue_again(s, att, reason, data, clear)
     saved = f"; checkpointed at step {step}" if step is not None else ""
     reason = f"exceeded max_runtime_s={att.max_runtime_s:g}{saved}"
     return transition(s, att.job_id, FAILED, from_statuses=(RUNNING,), reason=reason, data=data)
+
+
+def _queue_again(
+    s: Session, att: Attempt, reason: str, data: dict[str, object], clear: dict[str, object]
+) -> bool:
+    """running → queued, not as a retry: max_retries grows with the attempt counter, so the job's
+    budget of failed attempts is unchanged."""
+    fields = clear | {"max_retries": att.max_retries + 1}
+    return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
 
 
 def _where(step: int | None) -> str:
