@@ -159,3 +159,15 @@ def test_cpu_slots_default_to_the_usable_cores(megatrain_home: Path, monkeypatch
     # A configured value wins over the cores.
     monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "3")
     assert nodes.local_capacity(Settings()) == ("cpu", 3)
+
+
+def test_slurm_pools_map_pools_onto_partitions_and_refuse_nonsense() -> None:
+    assert Settings(slurm_pools="h100=gpu-h100, cpu=debug").slurm_pool_partitions == {
+        "h100": "gpu-h100",
+        "cpu": "debug",
+    }
+    assert Settings(pool_name="p", slurm_partition="x").slurm_pool_partitions == {"p": "x"}
+    refused = [("h100", "must be POOL=PARTITION"), ("a=x,a=y", "names pool 'a' twice"), ("=x", "must be")]
+    for bad, words in refused:
+        with pytest.raises(ValidationError, match=words):
+            Settings(slurm_pools=bad)

@@ -13,7 +13,7 @@ from fixtures.cluster import seed_job, seed_node
 from sqlalchemy import select
 from worker_helpers import job_spec
 
-from megatrain.db.jobs import reserve_gang
+from megatrain.db.jobs import reserve_and_schedule, reserve_gang
 from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Job, JobEvent, Node, NodePool
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
@@ -51,6 +51,8 @@ class FakeSlurm:
         self.cancelled.append(slurm_id)
 
     def capacity(self, partition: str | None = None) -> list[SlurmNode]:
+        if partition == "gpu-h100":  # a second partition (MEGATRAIN_SLURM_POOLS)
+            return [SlurmNode("g1", 64, 8, "mix", "gpu-h100", 3600)]
         return [SlurmNode("c1", 4, 0, "idle", "p", self.max_time_s), SlurmNode("c2", 4, 0, "drain", "p")]
 
 
@@ -204,6 +206,25 @@ def test_refresh_registers_usable_slurm_nodes(settings: Settings) -> None:
             .where(NodePool.name == "slurmpool")
         ).all()
     assert [tuple(r) for r in rows] == [("c1", 4, "ready")]  # the drained node is not offered
+
+
+def test_slurm_pools_fill_each_pool_from_its_partition_and_submit_there(settings: Settings) -> None:
+    url = settings.resolved_database_url
+    ex, fake = _executor(settings.model_copy(update={"slurm_pools": "cpus=p, h100=gpu-h100"}))
+    ex.refresh_nodes()
+    with session_scope(url) as s:
+        rows = s.execute(
+            select(NodePool.name, NodePool.accelerator, Node.hostname, Node.slots_total).join(Node)
+        ).all()
+    assert sorted(tuple(r) for r in rows) == [("cpus", "cpu", "c1", 4), ("h100", "gpu", "g1", 8)]
+    job_id = seed_job(url, 2, spec=job_spec(max_runtime_s=7200), pool="h100")
+    with session_scope(url) as s:
+        node = s.scalar(select(Node.id).where(Node.hostname == "g1"))
+        assert node is not None and reserve_and_schedule(s, job_id, node)
+    ex.submit(job_id)
+    script = fake.scripts[0]
+    assert "#SBATCH --partition=gpu-h100\n" in script and "#SBATCH --gpus-per-node=2\n" in script
+    assert "#SBATCH --time=0-01:00:00\n" in script  # that partition's MaxTime, not the job's 2 h
 
 
 def test_a_slurm_job_of_an_old_attempt_runs_nothing(
