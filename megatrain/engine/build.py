@@ -14,6 +14,7 @@ from torch import nn
 from megatrain import kernels
 from megatrain.engine.config import TrainConfig, TransformerConfig
 from megatrain.engine.fp8 import enable_fp8
+from megatrain.engine.materialize import WeightSource, init_source, materialize
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
@@ -67,21 +68,37 @@ class RankModel:
         return {p: name for name, p in self.module.named_parameters()}
 
 
-def build_model(mcfg: TransformerConfig, state: ParallelState, seed: int, device: str) -> RankModel:
-    """Every rank builds the full model from the same seed, then keeps its shards and stages, so any
-    layout starts from the very weights a single process would."""
+def build_model(
+    mcfg: TransformerConfig,
+    state: ParallelState,
+    seed: int,
+    device: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    weights: WeightSource | None = None,
+) -> RankModel:
+    """This rank's shards and stages, and nothing more: the model is built and parallelised on the
+    meta device, then only what this rank keeps is allocated (in `dtype`, on `device`) and filled
+    from `weights` (a Hugging Face folder read by slice, say), else from the initial values one
+    process would draw from `seed` (models.init): any layout starts from the very same weights."""
     torch.manual_seed(seed)
     random.seed(seed)
-    model = GPTModel(mcfg).to(device)
+    with torch.device("meta"):
+        model = GPTModel(mcfg)  # draws init_seed from the generator just seeded, allocates nothing
     num_params = model.num_parameters()
+    fill = weights or init_source(model.init_seed, mcfg)
     tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
     parallelize_experts(model, state)  # this ep rank's experts, the all-to-all dispatcher
     model = parallelize_context(model, state)
     if state.pp_size == 1:
-        return RankModel(model, [], tracker, num_params, state)
-    chunks = build_stage_modules(model, state)
-    return RankModel(nn.ModuleList(chunks), chunks, tracker, num_params, state)
+        rank = RankModel(model, [], tracker, num_params, state)
+    else:
+        chunks = build_stage_modules(model, state)
+        rank = RankModel(nn.ModuleList(chunks), chunks, tracker, num_params, state)
+    del model  # the other stages' blocks go with it: they were never allocated
+    materialize(rank.module, rank.parameter_names(), state, mcfg, device=device, dtype=dtype, fill=fill)
+    return rank
 
 
 @dataclass

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from megatrain import kernels
 from megatrain.engine.config import TransformerConfig
+from megatrain.engine.models.init import draw_base_seed, fill_box, init_rule
 from megatrain.kernels.attention import Segments
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -310,6 +311,18 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
+        # One draw from torch's global generator seeds every initial weight (models.init): built
+        # whole here or as any rank's shards (engine.build), `torch.manual_seed(s)` first gives the
+        # same weights. Submodules' own default inits run on a forked generator, so the global
+        # stream is left where every layout leaves it.
+        self.init_seed = draw_base_seed()
+        with torch.random.fork_rng(devices=[]):
+            self._build(cfg)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _build(self, cfg: TransformerConfig) -> None:
         # torch.utils.checkpoint context_fn for block recompute; tensor parallelism installs one that
         # restores its RNG-tracker streams so recomputed dropout masks equal the first pass.
         self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
@@ -321,35 +334,28 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The buffers derived from the config (RoPE's tables), on the parameters' device."""
+        cfg = self.config
         if cfg.position_embedding == "rope":
             cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            device = self.embed.weight.device
             # Not persistent: derived from the config, so checkpoints carry weights only.
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.register_buffer("rope_cos", cos.to(device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """normal(0, std) everywhere; output projections (attn.proj, mlp.fc2, an MoE layer's
-        experts' and shared expert's fc2) by std/sqrt(2·layers)."""
-        std = self.config.init_method_std
-        out_std = std / math.sqrt(2.0 * self.config.num_layers)
-        for name, module in self.named_modules():
-            if name.endswith("mlp.experts"):
-                module.reset_parameters(std, out_std)  # type: ignore[operator]  # moe.GroupedExperts
-            elif isinstance(module, nn.Linear):
-                scaled = name.endswith(("attn.proj", "mlp.fc2", "shared_expert.fc2"))
-                nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        """Every parameter from models.init (normal(0, std); std/sqrt(2·layers) for the projections
+        into the residual stream; ones for norms, zeros for biases), seeded by init_seed. A model on
+        the meta device is left to be materialised shard by shard (engine.build)."""
+        for name, p in self.named_parameters():  # a tied head is the embedding: drawn once
+            if p.is_meta:
+                continue
+            rule = init_rule(name, self.config)
+            fill_box(p, seed=self.init_seed, name=name, shape=tuple(p.shape), offsets=(0,) * p.dim(), rule=rule)
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """none | selective (attention core of every block) | full (blocks with index % every == 0).
