@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatrain.engine.build import RankModel, Trainable, build_model, make_trainable
+from megatrain.engine.build import PARAM_DTYPES, RankModel, Trainable, build_model, make_trainable
 from megatrain.engine.checkpoint import find_latest, resolve_init_from
 from megatrain.engine.checkpoint.training import Checkpointer, Progress, load_model_weights
 from megatrain.engine.config import TrainConfig, train_config, transformer_config
@@ -133,11 +133,18 @@ def run(
     }
 
     activity.phase = "model"
-    model = build_model(mcfg, state, cfg.seed, ctx.device)
     latest = find_latest(ckpt_url)
-    if latest is None and spec.model.init_from:
+    init_from = spec.model.init_from if latest is None else None  # a retry resumes its own checkpoint
+    if (init_from or "").startswith("hf:"):
+        activity.phase = "init"  # the build reads the folder
+    with _hf_weights(init_from, mcfg) as hf:
+        model = build_model(mcfg, state, cfg.seed, ctx.device, dtype=PARAM_DTYPES[precision], weights=hf)
+    activity.phase = "model"
+    if init_from and init_from.startswith("hf:"):
+        log.say(f"initialised from the Hugging Face model at {init_from.removeprefix('hf:')}")
+    elif init_from:
         activity.phase = "init"
-        _init_from(model, spec.model.init_from, log)
+        _init_from_checkpoint(model, init_from, log)
         activity.phase = "model"
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
     train = make_trainable(model, cfg, par, precision, mcfg)
@@ -192,18 +199,23 @@ def run(
     return summary
 
 
-def _init_from(model: RankModel, init_from: str, log: RunLog) -> None:
-    """A fine-tune's starting weights (the first attempt only: a retry resumes its own checkpoint):
-    a job's checkpoint, or a Hugging Face model folder (hf:URL)."""
-    if init_from.startswith("hf:"):
-        from megatrain.engine.interop.hf import load_hf_state
-
-        url = init_from.removeprefix("hf:")
-        mcfg = (model.chunks[0] if model.chunks else model.module).config
-        # load_hf_state names every field where the folder disagrees with the spec's model.
-        model.load_full_weights(load_hf_state(url, mcfg))
-        log.say(f"initialised from the Hugging Face model at {url}")
+@contextlib.contextmanager
+def _hf_weights(init_from: str | None, mcfg: Any) -> Any:
+    """A fine-tune's Hugging Face folder (init_from hf:URL) opened for build_model to read by slice:
+    each rank reads only the elements it keeps (interop.hf_slices); None for any other start."""
+    if not (init_from or "").startswith("hf:"):
+        yield None
         return
+    from megatrain.engine.interop.hf_slices import hf_slices
+
+    # hf_slices names every field where the folder disagrees with the spec's model.
+    with hf_slices(str(init_from).removeprefix("hf:"), mcfg) as weights:
+        yield weights.fill
+
+
+def _init_from_checkpoint(model: RankModel, init_from: str, log: RunLog) -> None:
+    """A fine-tune's starting weights from a job's checkpoint (the first attempt only: a retry
+    resumes its own checkpoint): this rank's boxes of it."""
     src = resolve_init_from(init_from, get_settings().resolved_storage_url)
     step = load_model_weights(src, model)
     log.say(f"initialised from {src} (step {step})")

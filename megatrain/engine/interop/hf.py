@@ -48,7 +48,7 @@ def read_hf_config(url: str | Path) -> dict[str, Any]:
     return json.loads(_store(url).get_bytes(CONFIG_FILE))
 
 
-class _Reader:
+class HFReader:
     """Tensors of a model folder by name, each file opened (and fetched, on s3://) on first use."""
 
     def __init__(self, store: Store, stack: ExitStack):
@@ -77,11 +77,15 @@ class _Reader:
     def get(self, name: str) -> torch.Tensor:
         return self._open(self.files[name]).get_tensor(name)
 
+    def slice(self, name: str) -> Any:
+        """safetensors' lazy slice of a tensor: indexing it reads only those elements."""
+        return self._open(self.files[name]).get_slice(name)
+
 
 @contextmanager
-def _reader(url: str | Path) -> Iterator[_Reader]:
+def hf_reader(url: str | Path) -> Iterator[HFReader]:
     with ExitStack() as stack:
-        yield _Reader(_store(url), stack)
+        yield HFReader(_store(url), stack)
 
 
 def config_mismatches(fields: dict[str, Any], cfg: TransformerConfig) -> list[str]:
@@ -138,30 +142,39 @@ def _moe_shape(moe: MoEConfig | None) -> dict[str, Any] | None:
 def load_hf_state(url: str | Path, cfg: TransformerConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face model folder's weights under our canonical names, for the model `cfg` describes
     (a shorter seq_length and a larger, padded vocabulary are fine). Raises ValueError naming every
-    field where the folder's config disagrees with cfg, and any tensor nothing maps."""
+    field where the folder's config disagrees with cfg, and any tensor nothing maps. Every tensor
+    whole: an engine rank reads only its slices (interop.hf_slices)."""
+    out: dict[str, torch.Tensor] = {}
+    with hf_reader(url) as reader:
+        for rule in resolve_rules(url, cfg, reader).values():
+            out[rule.name] = rule.from_hf(*(reader.get(n) for n in rule.hf)).contiguous()
+    return out
+
+
+def resolve_rules(url: str | Path, cfg: TransformerConfig, reader: HFReader) -> dict[str, Rule]:
+    """The rule (the spelling the folder holds) for each canonical tensor of the model `cfg`
+    describes. Raises ValueError naming every config field where the folder disagrees with cfg, a
+    tensor nothing maps or one a rule needs and the folder lacks."""
     config = read_hf_config(url)
     fields = model_fields_from_hf(config, seq_length=cfg.seq_length)
     mismatches = config_mismatches(fields, cfg)
     if mismatches:
         raise ValueError(f"the Hugging Face model at {url} does not fit this model: " + "; ".join(mismatches))
-    out: dict[str, torch.Tensor] = {}
-    with _reader(url) as reader:
-        # Older GPT-2 checkpoints name tensors without the "transformer." prefix.
-        prefix = "transformer." if any(n.startswith("transformer.") for n in reader.files) else ""
-        rules = rules_for(cfg, config["model_type"], gpt2_prefix=prefix)
-        used = {name for rule in rules for spelling in rule.spellings() for name in spelling.hf}
-        unknown = [n for n in reader.files if n not in used and not _ignorable(n, cfg)]
-        if unknown:
-            raise ValueError(
-                f"the Hugging Face model at {url} has tensors this model cannot hold: {unknown[:8]}"
-            )
-        for rule in rules:
-            # The Hub's names, else the first other spelling the folder holds whole.
-            found = [r for r in rule.spellings() if all(n in reader.files for n in r.hf)]
-            if not found:
-                missing = [n for n in rule.hf if n not in reader.files]
-                raise ValueError(f"the Hugging Face model at {url} lacks {missing[:8]}")
-            out[rule.name] = found[0].from_hf(*(reader.get(n) for n in found[0].hf)).contiguous()
+    # Older GPT-2 checkpoints name tensors without the "transformer." prefix.
+    prefix = "transformer." if any(n.startswith("transformer.") for n in reader.files) else ""
+    rules = rules_for(cfg, config["model_type"], gpt2_prefix=prefix)
+    used = {name for rule in rules for spelling in rule.spellings() for name in spelling.hf}
+    unknown = [n for n in reader.files if n not in used and not _ignorable(n, cfg)]
+    if unknown:
+        raise ValueError(f"the Hugging Face model at {url} has tensors this model cannot hold: {unknown[:8]}")
+    out: dict[str, Rule] = {}
+    for rule in rules:
+        # The Hub's names, else the first other spelling the folder holds whole.
+        found = [r for r in rule.spellings() if all(n in reader.files for n in r.hf)]
+        if not found:
+            missing = [n for n in rule.hf if n not in reader.files]
+            raise ValueError(f"the Hugging Face model at {url} lacks {missing[:8]}")
+        out[rule.name] = found[0]
     return out
 
 
