@@ -25,9 +25,8 @@ from megatrain.hf_config import model_fields_from_hf
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
-
-from .test_hf_interop import CASES as DENSE
 from .test_hf_interop import _LLAMA, hf_model
+from .test_hf_interop import CASES as DENSE
 from .test_hf_moe_interop import CASES as MOE
 from .test_train import _torchrun
 
@@ -91,7 +90,9 @@ def test_a_shard_reads_only_its_share(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_a_sharded_folder_fine_tunes_at_tp2_pp2_from_one_process_first_loss(tmp_path: Path, corpus: Path) -> None:
+def test_sharded_folder_at_tp2_pp2_gives_one_process_first_loss(
+    tmp_path: Path, corpus: Path
+) -> None:
     """init_from hf: a sharded folder (40 KB files) at tp=2 × pp=2 (4 gloo ranks, each reading only
     its slices) gives the first step's loss one process gives loading the whole folder, and the
     same gradient norm: every rank started from transformers' weights, sliced right."""

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from megatrain.engine.checkpoint import read_weights
 from megatrain.engine.train import run

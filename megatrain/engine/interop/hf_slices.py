@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 
 from megatrain.engine.config import TransformerConfig
@@ -133,7 +134,8 @@ class HFSlices:
             return sl[col : col + w, r0:r1].t()
         inner = shape[-2]
         lead = list(_unravel(r0 // inner, shape[:-2]))  # a run never crosses a leading index
-        index = tuple(slice(i, i + 1) for i in lead) + (slice(r0 % inner, r0 % inner + r1 - r0), slice(col, col + w))
+        rows = slice(r0 % inner, r0 % inner + r1 - r0)
+        index = (*(slice(i, i + 1) for i in lead), rows, slice(col, col + w))
         return sl[index].reshape(r1 - r0, w)
 
 

@@ -354,8 +354,8 @@ class GPTModel(nn.Module):
         for name, p in self.named_parameters():  # a tied head is the embedding: drawn once
             if p.is_meta:
                 continue
-            rule = init_rule(name, self.config)
-            fill_box(p, seed=self.init_seed, name=name, shape=tuple(p.shape), offsets=(0,) * p.dim(), rule=rule)
+            rule, whole = init_rule(name, self.config), tuple(p.shape)
+            fill_box(p, seed=self.init_seed, name=name, shape=whole, offsets=(0,) * p.dim(), rule=rule)
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """none | selective (attention core of every block) | full (blocks with index % every == 0).
