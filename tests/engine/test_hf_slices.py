@@ -90,9 +90,7 @@ def test_a_shard_reads_only_its_share(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_sharded_folder_at_tp2_pp2_gives_one_process_first_loss(
-    tmp_path: Path, corpus: Path
-) -> None:
+def test_sharded_folder_at_tp2_pp2_gives_one_process_first_loss(tmp_path: Path, corpus: Path) -> None:
     """init_from hf: a sharded folder (40 KB files) at tp=2 × pp=2 (4 gloo ranks, each reading only
     its slices) gives the first step's loss one process gives loading the whole folder, and the
     same gradient norm: every rank started from transformers' weights, sliced right."""
