@@ -1,6 +1,7 @@
-"""From configs to a trainable model on this rank: build, parallelise, split into pipeline stages,
-cast, wrap for recompute / compile, attach data parallelism and the optimizer (in that order,
-torchtitan's), and pick the loss each rank computes."""
+"""From configs to a trainable model on this rank: build on the meta device, parallelise, split into
+pipeline stages, materialise this rank's shards (engine.materialize), cast, wrap for recompute /
+compile, attach data parallelism and the optimizer (in that order, torchtitan's), and pick the loss
+each rank computes."""
 
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import parallelize_experts
 from megatrain.engine.parallel.fused_loss import fused_parallel_lm_loss
-from megatrain.engine.parallel.parallelize import load_full_state_dict, parallel_lm_loss, parallelize_model
+from megatrain.engine.parallel.parallelize import parallel_lm_loss, parallelize_model
 from megatrain.engine.parallel.pipeline import (
     StageModule,
     build_stage_modules,
-    load_pipeline_state_dict,
     stage_parameter_names,
 )
 from megatrain.engine.parallel.random import RNGStatesTracker
@@ -53,13 +53,6 @@ class RankModel:
     num_params: int
     """Parameters of the whole single-device model."""
     state: ParallelState
-
-    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy single-device weights (a checkpoint's) into this rank's shards."""
-        if self.chunks:
-            load_pipeline_state_dict(self.chunks, full, self.state)
-        else:
-            load_full_state_dict(self.module, full, self.state)
 
     def parameter_names(self) -> dict[nn.Parameter, str]:
         """Canonical (single-device) name of every unique parameter; a tied head is `embed.weight`."""

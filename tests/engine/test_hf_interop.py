@@ -27,12 +27,13 @@ from megatrain.engine.interop import (
     load_hf_state,
     read_hf_config,
 )
+from megatrain.engine.interop.hf_slices import hf_slices
 from megatrain.engine.models.gpt import GPTModel, rope_inv_freq
 from megatrain.engine.parallel.parallelize import load_full_state_dict, parallelize_model
 from megatrain.engine.train import run
 from megatrain.hf_config import HFConfigError, model_fields_from_hf
 from megatrain.spec import parse_spec
-from megatrain.storage import open_store
+from megatrain.storage import S3Store, open_store
 
 from .helpers import tiny_spec
 from .parallel._tp_common import fake_state
@@ -234,7 +235,23 @@ def test_s3_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         store = open_store("s3://models/qwen")
         for path in (tmp_path / "hf").iterdir():
             store.put_file(path.name, path)
-        model, _ = load_hf_model("s3://models/qwen")
+        fetched: list[str] = []
+        get_file = S3Store.get_file
+
+        def counting(self: S3Store, key: str, path: str | Path) -> None:
+            fetched.append(key)
+            get_file(self, key, path)
+
+        monkeypatch.setattr(S3Store, "get_file", counting)
+        model, cfg = load_hf_model("s3://models/qwen")
+        files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+        assert sorted(fetched) == files and len(files) > 1
+        # Once per node: a rank reading slices afterwards finds every file in the cache.
+        with hf_slices("s3://models/qwen", cfg) as weights:
+            row = torch.empty(1, cfg.hidden_size)
+            weights.fill("embed.weight", (cfg.vocab_size, cfg.hidden_size), (5, 0), row)
+        assert sorted(fetched) == files
+        torch.testing.assert_close(row[0], ref.model.embed_tokens.weight[5])
         export_model_hf(model, "s3://models/export", dtype=torch.float32, max_shard_bytes=40_000)
         out = open_store("s3://models/export")
         for obj in out.list():

@@ -1,4 +1,5 @@
-"""Indexed datasets in object storage, read through a per-node local cache.
+"""Indexed datasets (and Hugging Face folders' safetensors files) in object storage, read through a
+per-node local cache.
 
 A memory map needs a local file, so an `s3://bucket/key/PREFIX` dataset is downloaded once per node
 into `{cache_root}/s3/{bucket}/{key}/PREFIX.{bin,idx}`: boto3's managed transfer streams each object
@@ -38,50 +39,59 @@ def cached_prefix(url: str, cache_root: Path) -> Path:
     if not is_remote(url):
         return local_path(url)
     parent, name = split_url(url)
+    try:
+        return cached_files(parent, [name + s for s in SUFFIXES], cache_root, f"{name}.complete.json") / name
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{url}: no indexed dataset there ({exc})") from None
+
+
+def cached_files(parent: str, names: list[str], cache_root: Path, marker_name: str) -> Path:
+    """The local folder holding objects `names` of the s3:// folder `parent`, downloaded once per
+    node (the first of the node's processes downloads under a file lock, the others wait) and
+    verified; a marker naming their sizes and ETags is written last (`marker_name`, in that folder).
+    Raises FileNotFoundError naming an object the store lacks."""
     store = open_store(parent)
-    bucket_and_key = parent[len("s3://") :]
-    dest_dir = cache_root / "s3" / bucket_and_key
+    dest_dir = cache_root / "s3" / parent[len("s3://") :]
     dest_dir.mkdir(parents=True, exist_ok=True)
     remote = {}
-    for suffix in SUFFIXES:
+    for name in names:
         try:
-            info = store.stat(name + suffix)
+            info = store.stat(name)
         except StorageError as exc:
-            raise FileNotFoundError(f"{url}: no indexed dataset there ({exc})") from None
-        remote[suffix] = {"size": info.size, "etag": info.etag}
-    marker = dest_dir / f"{name}.complete.json"
-    with open(dest_dir / f"{name}.lock", "w") as lock:
+            raise FileNotFoundError(f"{parent}/{name}: {exc}") from None
+        remote[name] = {"size": info.size, "etag": info.etag}
+    marker = dest_dir / marker_name
+    with open(dest_dir / f"{marker_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _current(marker, remote, dest_dir, name):
-            return dest_dir / name
+        if _current(marker, remote, dest_dir):
+            return dest_dir
         marker.unlink(missing_ok=True)
         digests = {}
-        for suffix in SUFFIXES:
-            dest = dest_dir / (name + suffix)
+        for name in names:
+            dest = dest_dir / name
             tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
             try:
-                store.get_file(name + suffix, tmp)
-                digests[suffix] = _verify(tmp, remote[suffix], f"{url}{suffix}")
+                store.get_file(name, tmp)
+                digests[name] = _verify(tmp, remote[name], f"{parent}/{name}")
                 os.replace(tmp, dest)
             finally:
                 tmp.unlink(missing_ok=True)
         tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({s: {**remote[s], "sha256": digests[s]} for s in SUFFIXES}))
-        os.replace(tmp, marker)  # last: its presence means both files are whole and verified
-    return dest_dir / name
+        tmp.write_text(json.dumps({n: {**remote[n], "sha256": digests[n]} for n in names}))
+        os.replace(tmp, marker)  # last: its presence means every file is whole and verified
+    return dest_dir
 
 
-def _current(marker: Path, remote: dict, dest_dir: Path, name: str) -> bool:
+def _current(marker: Path, remote: dict, dest_dir: Path) -> bool:
     try:
         recorded = json.loads(marker.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
-    for suffix in SUFFIXES:
-        want = remote[suffix]
-        got = recorded.get(suffix, {})
+    for name, want in remote.items():
+        got = recorded.get(name, {})
         if (got.get("size"), got.get("etag")) != (want["size"], want["etag"]):
             return False
-        path = dest_dir / (name + suffix)
+        path = dest_dir / name
         if not path.is_file() or path.stat().st_size != want["size"]:
             return False
     return True

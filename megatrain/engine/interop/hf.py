@@ -2,9 +2,11 @@
 single-file or sharded with model.safetensors.index.json) <-> GPTModel's canonical weights.
 
 Folders are read and written through megatrain.storage (file:// or s3://): on s3:// each safetensors
-file is fetched into a temporary directory, on file:// it is read in place; tensors are read one at a
-time with safe_open. Export writes shard by shard: only one shard's tensors are in memory at once, and
-each canonical tensor is asked for through `get_tensor` (a sharded checkpoint reader, say).
+file is downloaded once per node into the data pipeline's cache (engine.data.remote: the node's ranks
+share one download), on file:// it is read in place; tensors are read one at a time with safe_open,
+or by slice (interop.hf_slices). Export writes shard by shard: only one shard's tensors are in
+memory at once, and each canonical tensor is asked for through `get_tensor` (a sharded checkpoint
+reader, say).
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ class HFReader:
         if file not in self.handles:
             if isinstance(self.store, FileStore):
                 path = self.store.local_path(file)
+            elif self.store.url.startswith("s3://"):
+                # Once per node: the node's ranks share the data pipeline's cache (one downloads).
+                from megatrain.engine.data.dataset import default_cache_root
+                from megatrain.engine.data.remote import cached_files
+
+                path = (
+                    cached_files(self.store.url, [file], default_cache_root(), f"{file}.complete.json") / file
+                )
             else:
                 if self.tmp is None:
                     self.tmp = Path(self.stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-")))

@@ -179,12 +179,20 @@ class DataParallel(nn.Module):
                 current, bucket_start = [], cursor
         self.numel = cursor
 
-        self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         # With the distributed optimizer, params become views into one flat buffer of the same layout
-        # so updated shards can be all-gathered bucket by bucket straight into them.
+        # so updated shards can be all-gathered bucket by bucket straight into them. Filled (each
+        # original freed as it moves) before the gradient buffer exists: the start-up peak is two
+        # copies of the weights, not two copies plus the gradients.
         self.param_buffer: torch.Tensor | None = None
         if use_distributed_optimizer:
-            self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+            self.param_buffer = torch.empty(self.numel, dtype=self.param_dtype, device=device)
+            with torch.no_grad():
+                self.param_buffer.zero_()  # the padding between buckets
+                for p in self.params:
+                    lo = self._offset[id(p)]
+                    self.param_buffer[lo : lo + p.numel()].copy_(p.detach().reshape(-1))
+                    p.data = self.param_buffer[lo : lo + p.numel()].view_as(p)
+        self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         for index, (bucket_params, start, end, expert) in enumerate(layout):
@@ -201,12 +209,7 @@ class DataParallel(nn.Module):
                 self._bucket_of[id(p)] = bucket
         for p in self.params:
             lo = self._offset[id(p)]
-            hi = lo + p.numel()
-            if self.param_buffer is not None:
-                with torch.no_grad():
-                    self.param_buffer[lo:hi].copy_(p.detach().reshape(-1))
-                p.data = self.param_buffer[lo:hi].view_as(p)
-            p.main_grad = self.grad_buffer[lo:hi].view(p.shape)  # type: ignore[attr-defined]
+            p.main_grad = self.grad_buffer[lo : lo + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             p.grad_accumulation_fusion = gradient_accumulation_fusion  # type: ignore[attr-defined]
             p.grad = None
 
