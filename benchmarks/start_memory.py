@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,6 +90,10 @@ def spec_for(model: dict[str, int], layout: dict[str, Any], corpus: Path, hf: Pa
             "log_interval": 1,
             "eval_interval": 0,
             "checkpoint_interval": 0,
+            # The run's one (final) checkpoint written from the live state: an async save stages a
+            # host copy of it (12 bytes per parameter here), host memory beside a GPU's, not the
+            # start-up or step peak this measures.
+            "async_checkpoint": False,
             "seed": 1,
         },
         "parallelism": {**layout, "sequence_parallel": True, "distributed_optimizer": layout["dp"] > 1},
@@ -139,19 +144,19 @@ def state_bytes_per_param(dp: int) -> float:
 
 
 def measure(model_name: str, layout: dict[str, Any], inits: list[str], work: Path) -> list[dict[str, Any]]:
+    """One row per rank and start (random | hf): its peak, the baseline's, and the ratio of the
+    difference to the training state of the layers the full model adds."""
     model = MODELS[model_name]
     base_model = {**model, "num_layers": layout["pp"]}  # one layer per stage
     corpus = write_corpus(work / "corpus.jsonl")
     per_param = state_bytes_per_param(layout["dp"])
+    # One baseline (random weights) for both starts: what reading a folder adds is part of the measure.
+    base = run_job(spec_for(base_model, layout, corpus, None), work / "base")
+    held, base_held = rank_params(model, layout), rank_params(base_model, layout)
     rows = []
     for init in inits:
-        hf = base_hf = None
-        if init == "hf":
-            hf = write_hf_folder(model, work / "hf")
-            base_hf = write_hf_folder(base_model, work / "hf-base")
-        base = run_job(spec_for(base_model, layout, corpus, base_hf), work / f"base-{init}")
+        hf = write_hf_folder(model, work / "hf") if init == "hf" else None
         full = run_job(spec_for(model, layout, corpus, hf), work / f"full-{init}")
-        held, base_held = rank_params(model, layout), rank_params(base_model, layout)
         for rank in sorted(full):
             added = held[rank] - base_held[rank]
             rows.append({
@@ -163,6 +168,8 @@ def measure(model_name: str, layout: dict[str, Any], inits: list[str], work: Pat
                 "baseline_peak_bytes": base[rank],
                 "ratio": (full[rank] - base[rank]) / (added * per_param),
             })  # fmt: skip
+        if hf is not None:
+            shutil.rmtree(hf)
     return rows
 
 

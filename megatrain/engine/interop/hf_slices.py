@@ -18,7 +18,6 @@ reads the runs of consecutive Hub rows it covers, columns sliced, and the rules 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ import torch
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.interop.hf import HFReader, hf_reader, resolve_rules
 from megatrain.engine.interop.hf_mapping import Rule
+from megatrain.engine.models.init import box_row_runs
 
 _ROW_BITS = 32
 
@@ -97,16 +97,8 @@ class HFSlices:
         if name not in self.rules:
             raise ValueError(f"no Hugging Face tensor maps onto {name}")
         rmap = self.row_map(name, shape)
-        if len(shape) == 1:  # a vector: its elements are rows of one column
-            shape, offsets, out = (shape[0], 1), (offsets[0], 0), out.view(-1, 1)
-        # As models.init.fill_box: each index of the dimensions before the last two is one run of rows.
-        lead = [range(o, o + s) for o, s in zip(offsets[:-2], out.shape[:-2], strict=True)]
-        for idx in itertools.product(*lead):
-            dest = out[tuple(i - o for i, o in zip(idx, offsets, strict=False))] if idx else out
-            flat = 0
-            for i, n in zip(idx, shape[:-2], strict=False):
-                flat = flat * n + i
-            self._fill_rows(rmap, dest, flat * shape[-2] + offsets[-2], offsets[-1])
+        for dest, first, col in box_row_runs(shape, offsets, out):
+            self._fill_rows(rmap, dest, first, col)
 
     def _fill_rows(self, rmap: RowMap, dest: torch.Tensor, first: int, col: int) -> None:
         """dest (m, w) = canonical rows [first, first+m), columns [col, col+w)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -83,18 +84,25 @@ def fill_box(
         return
     if len(shape) == 0:
         raise ValueError(f"{name}: a scalar parameter has no initialisation rule")
-    if len(shape) == 1:  # a vector: one column
+    for dest, first, col in box_row_runs(shape, offsets, out):
+        _fill_rows(dest, seed, name, shape[-1] if len(shape) > 1 else 1, first, col, std)
+
+
+def box_row_runs(
+    shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """The box `out` at `offsets` of a tensor of `shape` as runs of consecutive rows of the tensor's
+    leading dimensions flattened (a vector: rows of one column): (a (m, w) view of out, the first
+    row, the first column). Each index of the dimensions before the last two is one run."""
+    if len(shape) == 1:
         shape, offsets, out = (shape[0], 1), (offsets[0], 0), out.view(-1, 1)
-    cols = shape[-1]
-    # Leading indices but the last two: each gives one run of consecutive rows.
     lead = [range(o, o + s) for o, s in zip(offsets[:-2], out.shape[:-2], strict=True)]
     for idx in itertools.product(*lead):
         dest = out[tuple(i - o for i, o in zip(idx, offsets, strict=False))] if idx else out
         flat = 0
         for i, n in zip(idx, shape[:-2], strict=False):
             flat = flat * n + i
-        first = flat * shape[-2] + offsets[-2]
-        _fill_rows(dest, seed, name, cols, first, offsets[-1], std)
+        yield dest, flat * shape[-2] + offsets[-2], offsets[-1]
 
 
 def _fill_rows(dest: torch.Tensor, seed: int, name: str, cols: int, first: int, col: int, std: float) -> None:
