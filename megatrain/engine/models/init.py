@@ -5,8 +5,9 @@ process building the whole model would hold there, whatever the layout: nothing 
 stream shared across parameters, so no rank has to generate (or hold) what it does not keep.
 
 A parameter of shape (n0, ..., nk) is seen as rows of its last dimension (its leading dimensions
-flattened; a vector is a column). Rows are grouped in fixed blocks of about BLOCK_ELEMENTS values, a
-block's count depending only on the row length, and each block is drawn whole, in fp32 on the CPU,
+flattened; a vector is a column). Rows are grouped in blocks of about BLOCK_ELEMENTS values (the
+row count per block fixed by the row length, the last block holding what is left: all fixed by the
+parameter's shape, never by a layout), and each block is drawn whole, in fp32 on the CPU,
 from a generator seeded by a hash of (seed, name, block index): a slice costs the blocks it touches,
 and a rank holds one block beyond its shard. Column-parallel shards (rows) touch only their own
 blocks; row-parallel shards (columns) touch every block of the parameter and keep their columns.
@@ -85,7 +86,8 @@ def fill_box(
     if len(shape) == 0:
         raise ValueError(f"{name}: a scalar parameter has no initialisation rule")
     for dest, first, col in box_row_runs(shape, offsets, out):
-        _fill_rows(dest, seed, name, shape[-1] if len(shape) > 1 else 1, first, col, std)
+        rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (shape[0], 1)
+        _fill_rows(dest, seed, name, rows, cols, first, col, std)
 
 
 def box_row_runs(
@@ -105,7 +107,9 @@ def box_row_runs(
         yield dest, flat * shape[-2] + offsets[-2], offsets[-1]
 
 
-def _fill_rows(dest: torch.Tensor, seed: int, name: str, cols: int, first: int, col: int, std: float) -> None:
+def _fill_rows(
+    dest: torch.Tensor, seed: int, name: str, rows: int, cols: int, first: int, col: int, std: float
+) -> None:
     """dest (m, w) = rows [first, first+m), columns [col, col+w) of the parameter's flattened rows."""
     m, w = dest.shape
     k = rows_per_block(cols)
@@ -113,7 +117,8 @@ def _fill_rows(dest: torch.Tensor, seed: int, name: str, cols: int, first: int, 
         gen = torch.Generator(device="cpu").manual_seed(_block_seed(seed, name, block))
         # Always the whole block: CPU normal_ fills in vectorised groups, so a value depends on the
         # size of the tensor drawn, which must not depend on the slice asked for.
-        values = torch.empty(k, cols, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
+        count = min(k, rows - block * k)  # the last block is shorter: fixed by the shape alone
+        values = torch.empty(count, cols, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
         lo, hi = max(first, block * k), min(first + m, (block + 1) * k)
         part = values[lo - block * k : hi - block * k, col : col + w]
         dest[lo - first : hi - first].copy_(part)
