@@ -72,3 +72,14 @@ def test_the_meta_build_materialises_one_process_weights(moe: bool) -> None:
         assert torch.equal(mine[name], t.to(torch.bfloat16)), name
     assert not any(t.is_meta for t in [*rank.module.parameters(), *rank.module.buffers()])
     assert rank.num_params == whole.num_parameters()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_rank_starts_from_the_weights_a_cpu_rank_draws() -> None:
+    """Drawn on the CPU and copied: a GPU run starts from the very weights the CPU tests check."""
+    on_cpu = build_model(CFG, ParallelState.single(), 3, "cpu", dtype=torch.bfloat16).module.state_dict()
+    gpu = ParallelState.single("cuda")
+    on_gpu = build_model(CFG, gpu, 3, "cuda", dtype=torch.bfloat16).module.state_dict()
+    for name, t in on_cpu.items():
+        assert on_gpu[name].is_cuda and torch.equal(on_gpu[name].cpu(), t), name
