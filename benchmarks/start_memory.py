@@ -10,7 +10,7 @@ state of the layers it adds: 16 bytes per fp32 parameter (weights, gradient buff
 moments), 4 + 4 + 8/dp with the distributed optimizer.
 
     python benchmarks/start_memory.py                        # 360M, tp=4 x pp=2, random and hf (~5 min)
-    python benchmarks/start_memory.py --model 1b --dp 2      # 0.9B, tp=4 x pp=2 x dp=2, distributed optimizer
+    python benchmarks/start_memory.py --model 500m --dp 2    # tp=4 x pp=2 x dp=2, distributed optimizer
     python benchmarks/start_memory.py --model tiny --init random   # seconds: the test's smoke run
 
 Prints one row per rank and a summary line (the worst ratio); --json writes them.
@@ -33,9 +33,10 @@ MODELS: dict[str, dict[str, int]] = {
     # ~360M: 24 layers of 1024 wide, GQA 16/4 heads, SwiGLU 2816, a 32k vocabulary.
     "360m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "num_query_groups": 4,
              "ffn_hidden_size": 2816, "vocab_size": 32000},
-    # ~0.9B: 16 layers of 2048 wide (TinyLlama's width), GQA 32/4 heads, SwiGLU 5632, a 32k vocabulary.
-    "1b": {"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_query_groups": 4,
-           "ffn_hidden_size": 5632, "vocab_size": 32000},
+    # ~500M: 16 layers of 1536 wide, GQA 12/4 heads, SwiGLU 4096, a 32k vocabulary. At tp=4 x pp=2 x
+    # dp=2 its 16 ranks' whole fp32 copies (2 GB each) would need 32 GB: more than this 24 GiB host.
+    "500m": {"num_layers": 16, "hidden_size": 1536, "num_attention_heads": 12, "num_query_groups": 4,
+             "ffn_hidden_size": 4096, "vocab_size": 32000},
     "tiny": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 4,
              "ffn_hidden_size": 128, "vocab_size": 512},
 }  # fmt: skip
