@@ -59,7 +59,9 @@ def row_map(rule: Rule, shapes: dict[str, tuple[int, ...]], target: tuple[int, .
             out = rule.from_hf(*probes)
         except (RuntimeError, TypeError, ValueError):
             continue
-        if out.numel() == rows and (out.dim() == 1 or out.shape[-1] == 1):
+        # Rows found for every canonical row, and the Hub's columns are ours, one for one.
+        cols = [s[0] if transposed else s[-1] for s in hub if len(s) > 1]
+        if out.numel() == rows and (out.dim() == 1 or out.shape[-1] == 1) and set(cols) <= {target[-1]}:
             return RowMap(list(rule.hf), hub, transposed, out.reshape(-1).to(torch.int64))
     raise ValueError(f"{rule.name}: its Hugging Face tensors {list(rule.hf)} do not map row by row")
 
