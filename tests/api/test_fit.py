@@ -9,6 +9,9 @@ from sqlalchemy import update
 
 from megatrain.db.models import Node
 from megatrain.db.session import session_scope
+from megatrain.plan.layout import resolve_layout
+from megatrain.plan.memory import from_spec
+from megatrain.spec import parse_spec
 
 # ~200T parameters at the spec's bounds: it can never be allocated on any machine.
 HUGE = {"num_layers": 1024, "hidden_size": 131072, "num_attention_heads": 1024, "seq_length": 4096}
@@ -83,3 +86,32 @@ def test_a_job_larger_than_one_node_is_accepted_only_where_the_executor_runs_gan
             )
             validate_submission(s, celery, tenant, wider)
         assert "offers 8 over all its nodes" in str(too_big.value)
+
+
+def test_a_spec_whose_start_fits_no_device_is_a_422_naming_the_start_up_peak(api: Api) -> None:
+    """fp32 with the distributed optimizer over dp=8: a step holds 9 bytes per parameter (weights,
+    gradients, an eighth of Adam's moments), the start 12 (weights, the gradient buffer and the flat
+    parameter buffer the weights are copied into). A device between the two runs every step and
+    cannot start: refused, naming the start-up peak."""
+    spec = api.spec(
+        "wide",
+        model={**api.spec()["model"], "num_layers": 8, "hidden_size": 1024, "num_attention_heads": 8},
+        training={"global_batch_size": 16},
+        parallelism={"dp": 8},
+        resources={"devices": 8},
+    )
+    parsed = parse_spec(spec)
+    est = from_spec(parsed, resolve_layout(parsed), accelerator="cpu")
+    assert est.startup_bytes > 1.2 * est.total_bytes
+    between = (est.startup_bytes + est.total_bytes) // 2
+    with session_scope(api.db_url) as s:
+        s.execute(update(Node).values(device_memory_bytes=between, slots_total=8))
+    for path in ("/v1/jobs", "/v1/spec/validate"):
+        resp = api.client.post(path, json=spec, headers=api.headers)
+        assert resp.status_code == 422, resp.text
+        [problem] = resp.json()["detail"]
+        assert problem["field"] == "model"
+        assert "GiB per device to start with layout tp=1 pp=1 dp=8 cp=1" in problem["message"]
+        assert "start-up peak" in problem["message"]
+    _node_memory(api, est.startup_bytes + (1 << 20))
+    assert api.client.post("/v1/jobs", json=spec, headers=api.headers).status_code == 201
