@@ -8,6 +8,7 @@ steady state), and the planner is given the same count.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,4 +69,13 @@ CASES = (
     Case("Mixtral-8x7B", MIXTRAL_8X7B, {"tp": 1, "dp": 8, "ep": 8}, rank=0, microbatches=1),
 )
 
-__all__ = ["CASES", "Case"]
+BENCHMARK_CASES = (
+    *CASES,
+    # The 70B pipeline at 8 micro-batches: stage 0 holds 11 of its 16 chunks' activations at once,
+    # the last stage (rank 48) 3 and the fused LM head + loss.
+    dataclasses.replace(CASES[1], microbatches=8),
+    dataclasses.replace(CASES[1], rank=48, microbatches=8),
+)
+"""benchmarks/dryrun_vs_planner.py's rows: the tested cases and two more pipeline positions."""
+
+__all__ = ["BENCHMARK_CASES", "CASES", "Case"]
