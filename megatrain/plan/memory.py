@@ -43,6 +43,8 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
   peaks: an MLP linear's backward holds its output gradient cast twice (for the input and the weight
   gradient), its weight and its input, each once, until both GEMMs are done. The forward's casts
   (input and weight of one linear) are smaller than that and not counted.
+- RoPE's tables are cast to the model dtype with it; a 16-bit model's rotations then save fp32
+  copies of the cos/sin halves (8·head_dim bytes per token and layer, not split by tp).
 - Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
 """
 
@@ -169,6 +171,10 @@ def layer_activations(
     if rope:
         qkv += act * kv  # rotated K
     terms["qkv"] = qkv / tp
+    if rope and act != 4:
+        # make_trainable casts RoPE's tables with the model; each rotation saves fp32 copies of the
+        # cos and sin halves it used (Q's and K's: 4 × head_dim/2 fp32 per token, whole over tp).
+        terms["rope_tables"] = 8.0 * m.head_dim
     if attention == "math":
         # Contiguous q/k/v copies replace the qkv storage (K/V expanded to all heads under GQA),
         # plus the softmax probabilities (heads·s per token) unless selective recompute drops them.

@@ -44,6 +44,11 @@ def moe_layer_activations(
     moe, h = m.moe, m.hidden_size
     routed = routed_tokens_per_token(m)
     terms = {k: v for k, v in dense_terms.items() if k != "mlp"}
+    if not moe.shared_expert_ffn_hidden_size:
+        # Of the dense layer's two linear inputs only qkv's remains: the routed experts save their
+        # permuted rows (moe_routed_io) and the router its fp32 cast (moe_router), not the norm's
+        # output; a shared expert's fc1 saves it, as a dense MLP does.
+        terms["linear_inputs"] = dense_terms["linear_inputs"] / 2
     # fp32 input cast, fp32 probs; top-k probs, ids
     terms["moe_router"] = 4.0 * h + 4.0 * moe.num_experts + 12.0 * moe.router_topk
     # The experts' input; their output cast to fp32 and weighted by the probabilities (fp32 both).
