@@ -10,6 +10,8 @@ tables); the start-up peak, an exact sequence of allocations, within 10%.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatrain.engine.dryrun import DryRunReport, dryrun
@@ -60,10 +62,15 @@ def test_cli_prints_one_json_object(tmp_path, capsys) -> None:  # noqa: ANN001
         "parallelism: {tp: 2, pp: 2, dp: 1, sequence_parallel: true}\n"
     )
     assert main(["--spec", str(spec), "--rank", "3", "--json"]) == 0
-    import json
-
     out = json.loads(capsys.readouterr().out)
     assert out["rank"] == 3 and out["stage"] == 1
     assert set(out["planner"]) == set(out["ratio"])
     assert out["dryrun"]["microbatches"] == 4
     assert 0.8 < out["ratio"]["params"] < 1.2
+    # A stored layout is run as given (here the spec's, written out as the API stores it).
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps(out["layout"]))
+    assert main(["--spec", str(spec), "--layout", str(layout), "--rank", "1", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["stage"] == 0 and again["layout"] == out["layout"]
+    assert main(["--spec", str(spec), "--rank", "4"]) == 2  # outside the layout's 4 ranks

@@ -210,6 +210,8 @@ def dryrun(spec: JobSpec, layout: Layout, rank: int = 0, *, microbatches: int | 
     microbatches: per step and dp rank (default: the spec's global batch over micro-batch × dp); fewer
     keep a large global batch quick, and the planner must then be given the same count."""
     t0 = time.perf_counter()
+    if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
+        raise ValueError("model.vocab_size is unset: the dryrun reads no tokenizer; set it in the spec")
     vocab = spec.model.vocab_size or 257  # the byte tokenizer's, as the planner's from_spec
     mcfg = transformer_config(spec, vocab)
     cfg = train_config(spec, layout.dp)
