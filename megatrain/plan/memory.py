@@ -400,14 +400,9 @@ def estimate_memory(
         optimizer_bytes = int(optim_b * (n_params - n_experts) + optim_b * shard / expert_shard * n_experts)
         owned = (n_params - n_experts) / shard + n_experts / expert_shard
         optimizer_workspace = 0 if fused_optimizer else int(4 * owned)
-        layer_matrix = h * max(m.fc1_width, h + 2 * m.kv_size) / tp
-        largest = max(parts.get("embedding", 0), parts.get("lm_head", 0), layer_matrix if n_layers else 0)
-        if n_experts:
-            largest = max(largest, n_experts / max(1, n_moe))  # one layer's stacked expert weights
         startup = startup_phases(
-            n_params, largest, param_bytes=param_b, owned_params=owned,
-            distributed_optimizer=distributed_optimizer,
-        )  # fmt: skip
+            n_params, param_bytes=param_b, owned_params=owned, distributed_optimizer=distributed_optimizer
+        )
         total = params_bytes + grads_bytes + optimizer_bytes + max(activations, optimizer_workspace)
         breakdown = {f"params_{k}": int(n * param_b) for k, n in parts.items()}
         breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})

@@ -134,7 +134,7 @@ class _Search:
 
     def memory_rejection(self, c: Choice, est: MemoryEstimate) -> None:
         if est.startup_bytes > est.total_bytes:
-            # The start (fp32 build, unsharded buffers) is what does not fit, not the step.
+            # The start (plan.startup_memory) is what does not fit, not the step.
             self.reject(
                 "memory",
                 f"needs {est.startup_bytes / GiB:,.2f} GiB per device to start (the start-up peak, "

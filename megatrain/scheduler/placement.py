@@ -282,8 +282,8 @@ def startup_memory_problem(
     gib = 1 << 30
     return (
         f"the job needs about {startup_bytes / gib:,.1f} GiB per device to start with layout "
-        f"{layout_text} (the engine's start-up peak: the fp32 build, DataParallel's gradient and "
-        f"parameter buffers and the optimizer's fp32 mains, before the first step) but the largest "
+        f"{layout_text} (the engine's start-up peak: the build, DataParallel's parameter and "
+        f"gradient buffers and the optimizer's fp32 mains, before the first step) but the largest "
         f"device in pool {pool!r} has {max(device_memory) / gib:,.1f} GiB: raise tp or pp (while "
         f"starting, a rank holds its whole share of the weights and gradients whatever dp is)"
     )

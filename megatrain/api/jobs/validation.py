@@ -173,7 +173,7 @@ def _fit(
         return
     text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
     memory = [n.device_memory_bytes for n in nodes if n.device_memory_bytes]
-    # The step, then the start (which can hold more: the fp32 build and every buffer unsharded).
+    # The step, then the start (judged apart: its buffers are not the step's, plan.startup_memory).
     problem = memory_problem(estimate.total_bytes, text, memory, pool) or startup_memory_problem(
         estimate.startup_bytes, text, memory, pool
     )

@@ -50,7 +50,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatrain import kernels
 from megatrain.engine import build as build_module
-from megatrain.engine.build import build_model, make_trainable
+from megatrain.engine.build import PARAM_DTYPES, build_model, make_trainable
 from megatrain.engine.config import train_config, transformer_config
 from megatrain.engine.data.batch import Batch
 from megatrain.engine.dryrun.fake import FakeMemory, storages
@@ -229,7 +229,9 @@ def dryrun(spec: JobSpec, layout: Layout, rank: int = 0, *, microbatches: int | 
         # As engine.train.run starts a rank (the same calls, the same arguments); the meta build
         # stays plain meta, and only materialisation allocates (fake tensors).
         with _materialize_fake(fake, mem):
-            model = build_model(mcfg, state, cfg.seed, "cpu", weights=block_fill)
+            model = build_model(
+                mcfg, state, cfg.seed, "cpu", dtype=PARAM_DTYPES[precision], weights=block_fill
+            )
         with fake, mem, _swappable_params(fake):
             balance_routing(model.module, state)
             train = make_trainable(model, cfg, par, precision, mcfg)
