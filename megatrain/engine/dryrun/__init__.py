@@ -11,8 +11,9 @@ no memory. The process group is torch's fake one (FakeStore + the "fake" backend
 point-to-point sends return at once, as if every peer answered. `fake.FakeMemory` counts every
 storage while it lives, which gives
 
-- the start-up peak: the most held before the first step (e.g. the fp32 build before the cast, or
-  DataParallel's flat parameter buffer being filled while the old parameters still exist);
+- the start-up peak: the most held before the first step (e.g. DataParallel's flat parameter
+  buffer filled while the original parameters still exist, or the optimizer's fp32 mains on top of
+  the weights and the gradient buffer: megatrain.plan.startup_memory);
 - the model state after the step: parameters, the gradient buffer, the optimizer's mains and moments;
 - activations: the step's forward/backward peak above that state, split into what is saved for
   backward (the most held when a backward starts) and the transient on top of it;
