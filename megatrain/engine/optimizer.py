@@ -235,7 +235,7 @@ class MixedPrecisionOptimizer:
         view = p if (sl.whole and not self.distributed) else p.reshape(-1)[sl.start : sl.end]
         if p.dtype == torch.float32:
             return view, True  # fp32: update the model parameter in place, no copy
-        return view.float().clone(), False
+        return view.float(), False  # a copy already (16-bit to fp32): no second one, no transient
 
     # --- per-step API --------------------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ OUR GPTModel (counted tensor by tensor with megatrain.engine.memtrack, see tests
   peaks: an MLP linear's backward holds its output gradient cast twice (for the input and the weight
   gradient), its weight and its input, each once, until both GEMMs are done. The forward's casts
   (input and weight of one linear) are smaller than that and not counted.
+- RoPE's tables are cast to the model dtype with it; a 16-bit model's rotations then save fp32
+  copies of the cos/sin halves (8·head_dim bytes per token and layer, not split by tp).
 - Dropout (p > 0) saves a mask per dropout: 1 byte (bool) on CUDA, the model dtype on CPU.
 """
 
@@ -64,6 +66,7 @@ from megatrain.plan.shapes import (
     shape_of_spec,
     stage_params,
 )
+from megatrain.plan.startup_memory import startup_phases
 from megatrain.spec import ParallelismSpec
 
 if TYPE_CHECKING:
@@ -96,10 +99,17 @@ class MemoryEstimate:
     breakdown: dict[str, int] = field(default_factory=dict)
     stage_totals: tuple[int, ...] = ()
     """total_bytes of every pipeline stage, first to last."""
+    startup_bytes: int = 0
+    """The most held while a rank starts, before its first step (megatrain.plan.startup_memory): the
+    largest over the stages (each may start at its own moment), or the stage asked for."""
 
     def gib(self) -> dict[str, float]:
         keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
         return {k.removesuffix("_bytes"): round(getattr(self, k) / GiB, 3) for k in keys}
+
+
+_ALL_STAGES = ("stage_totals", "startup_bytes")
+"""MemoryEstimate's fields about every stage, not the one reported."""
 
 
 def chunks_in_flight(
@@ -161,6 +171,10 @@ def layer_activations(
     if rope:
         qkv += act * kv  # rotated K
     terms["qkv"] = qkv / tp
+    if rope and act != 4:
+        # make_trainable casts RoPE's tables with the model; each rotation saves fp32 copies of the
+        # cos and sin halves it used (Q's and K's: 4 × head_dim/2 fp32 per token, whole over tp).
+        terms["rope_tables"] = 8.0 * m.head_dim
     if attention == "math":
         # Contiguous q/k/v copies replace the qkv storage (K/V expanded to all heads under GQA),
         # plus the softmax probabilities (heads·s per token) unless selective recompute drops them.
@@ -210,6 +224,7 @@ def estimate_memory(
     fused_optimizer: bool = True,
     device: Literal["cuda", "cpu"] = "cuda",
     fused_loss: bool = False,
+    stage: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of one training step on the worst pipeline stage.
 
@@ -226,6 +241,7 @@ def estimate_memory(
     the vocab-parallel fused loss at tp > 1: megatrain.kernels.vocab_parallel_linear_cross_entropy).
     cp: the sequence split over cp ranks; ep: an MoE model's routed experts split over ep ranks
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
+    stage: the figures of that pipeline stage instead of the worst one (stage_totals stay all).
     """
     m = ModelShape.of(model)
     if precision not in ("fp32", "bf16", "fp16", "fp8"):
@@ -275,6 +291,7 @@ def estimate_memory(
     else:
         param_b, grad_b, optim_b = 2.0, 4.0, 12.0 / shard  # fp32 main params + Adam moments
 
+    wanted = stage
     stages: list[MemoryEstimate] = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
@@ -383,12 +400,16 @@ def estimate_memory(
         optimizer_bytes = int(optim_b * (n_params - n_experts) + optim_b * shard / expert_shard * n_experts)
         owned = (n_params - n_experts) / shard + n_experts / expert_shard
         optimizer_workspace = 0 if fused_optimizer else int(4 * owned)
+        startup = startup_phases(
+            n_params, param_bytes=param_b, owned_params=owned, distributed_optimizer=distributed_optimizer
+        )
         total = params_bytes + grads_bytes + optimizer_bytes + max(activations, optimizer_workspace)
         breakdown = {f"params_{k}": int(n * param_b) for k, n in parts.items()}
         breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
         breakdown.update({f"transient_{k}": int(b) for k, b in transients.items()})
         breakdown.update({f"per_layer_{k}": int(tokens * b) for k, b in per_layer.items()})
         breakdown["optimizer_workspace"] = optimizer_workspace
+        breakdown.update({f"startup_{k}": int(b) for k, b in startup.items()})
         breakdown["microbatches_in_flight"] = in_flight
         stages.append(
             MemoryEstimate(
@@ -400,12 +421,16 @@ def estimate_memory(
                 stage=stage,
                 num_params=n_params,
                 breakdown=breakdown,
+                startup_bytes=int(max(startup.values())),
             )
         )
-    worst = max(stages, key=lambda e: e.total_bytes)
+    if wanted is not None and not 0 <= wanted < pp:
+        raise ValueError(f"stage={wanted} is outside pp={pp}")
+    worst = stages[wanted] if wanted is not None else max(stages, key=lambda e: e.total_bytes)
     return MemoryEstimate(
-        **{f.name: getattr(worst, f.name) for f in fields(MemoryEstimate) if f.name != "stage_totals"},
+        **{f.name: getattr(worst, f.name) for f in fields(MemoryEstimate) if f.name not in _ALL_STAGES},
         stage_totals=tuple(e.total_bytes for e in stages),
+        startup_bytes=worst.startup_bytes if wanted is not None else max(e.startup_bytes for e in stages),
     )
 
 
@@ -468,8 +493,9 @@ def from_spec(
 
 
 def fits(estimate: MemoryEstimate, device_bytes: int, headroom: float = 0.9) -> bool:
-    """Whether the estimate leaves (1 - headroom) of the device free for the allocator and kernels."""
-    return estimate.total_bytes <= headroom * device_bytes
+    """Whether the estimate's step and start-up each leave (1 - headroom) of the device free for the
+    allocator and kernels."""
+    return max(estimate.total_bytes, estimate.startup_bytes) <= headroom * device_bytes
 
 
 __all__ = [

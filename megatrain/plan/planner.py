@@ -133,6 +133,19 @@ class _Search:
         )
 
     def memory_rejection(self, c: Choice, est: MemoryEstimate) -> None:
+        if est.startup_bytes > est.total_bytes:
+            # The start (plan.startup_memory) is what does not fit, not the step.
+            self.reject(
+                "memory",
+                f"needs {est.startup_bytes / GiB:,.2f} GiB per device to start (the start-up peak, "
+                f"before the first step; a step needs {est.total_bytes / GiB:,.2f}) but "
+                f"{HEADROOM:.0%} of the pool's {self.pool.device_memory_bytes / GiB:,.1f} GiB is "
+                f"{self.budget / GiB:,.2f} GiB",
+                c,
+                memory_per_gpu_bytes=est.startup_bytes,
+                budget_bytes=int(self.budget),
+            )
+            return
         self.reject(
             "memory",
             f"needs {est.total_bytes / GiB:,.2f} GiB per device (stage {est.stage}: params "

@@ -270,3 +270,20 @@ def memory_problem(
         f"{max(device_memory) / gib:,.1f} GiB: raise parallelism (tp, pp, dp with the distributed "
         f"optimizer), turn on recompute, or lower micro_batch_size"
     )
+
+
+def startup_memory_problem(
+    startup_bytes: int, layout_text: str, device_memory: list[int], pool: str
+) -> str | None:
+    """Why a job whose ranks hold `startup_bytes` per device while starting (before the first step:
+    megatrain.plan.startup_memory) can never start on a node of the pool, or None."""
+    if not device_memory or startup_bytes <= max(device_memory):
+        return None
+    gib = 1 << 30
+    return (
+        f"the job needs about {startup_bytes / gib:,.1f} GiB per device to start with layout "
+        f"{layout_text} (the engine's start-up peak: the build, DataParallel's parameter and "
+        f"gradient buffers and the optimizer's fp32 mains, before the first step) but the largest "
+        f"device in pool {pool!r} has {max(device_memory) / gib:,.1f} GiB: raise tp or pp (while "
+        f"starting, a rank holds its whole share of the weights and gradients whatever dp is)"
+    )

@@ -4,11 +4,18 @@ its memory refuses nothing."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from api_handle import Api
 from sqlalchemy import update
 
+from megatrain.api.jobs import validation
 from megatrain.db.models import Node
 from megatrain.db.session import session_scope
+from megatrain.plan.layout import resolve_layout
+from megatrain.plan.memory import MemoryEstimate, from_spec
+from megatrain.spec import parse_spec
 
 # ~200T parameters at the spec's bounds: it can never be allocated on any machine.
 HUGE = {"num_layers": 1024, "hidden_size": 131072, "num_attention_heads": 1024, "seq_length": 4096}
@@ -83,3 +90,31 @@ def test_a_job_larger_than_one_node_is_accepted_only_where_the_executor_runs_gan
             )
             validate_submission(s, celery, tenant, wider)
         assert "offers 8 over all its nodes" in str(too_big.value)
+
+
+def test_a_spec_whose_start_fits_no_device_is_a_422_naming_the_start_up_peak(api: Api, monkeypatch) -> None:  # noqa: ANN001
+    """The start-up peak is judged apart from the step's (plan.startup_memory). With today's engine it
+    stays below the step's total (build in the training dtype, the flat parameter buffer filled
+    before the gradients exist), so the estimate is given a start that needs more than the device
+    while every step fits, as a change to the start (a wider read chunk, an fp32 build) would."""
+    spec = api.spec("start", model={**api.spec()["model"], "num_layers": 8, "hidden_size": 1024,
+                                    "num_attention_heads": 8}, parallelism={"dp": 2})  # fmt: skip
+    parsed = parse_spec(spec)
+    est = from_spec(parsed, resolve_layout(parsed), accelerator="cpu")
+    assert 0 < est.startup_bytes <= est.total_bytes  # the engine as it starts today
+    _node_memory(api, 2 * est.total_bytes)
+    start = 3 * est.total_bytes
+
+    def inflated(*args: Any, **kwargs: Any) -> MemoryEstimate:
+        return dataclasses.replace(from_spec(*args, **kwargs), startup_bytes=start)
+
+    monkeypatch.setattr(validation, "from_spec", inflated)
+    for path in ("/v1/jobs", "/v1/spec/validate"):
+        resp = api.client.post(path, json=spec, headers=api.headers)
+        assert resp.status_code == 422, resp.text
+        [problem] = resp.json()["detail"]
+        assert problem["field"] == "model"
+        assert "GiB per device to start with layout tp=1 pp=1 dp=2 cp=1" in problem["message"]
+        assert "start-up peak" in problem["message"]
+    _node_memory(api, start)
+    assert api.client.post("/v1/jobs", json=spec, headers=api.headers).status_code == 201

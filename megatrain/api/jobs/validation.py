@@ -27,7 +27,7 @@ from megatrain.db.models import Job, Node, NodePool, Tenant
 from megatrain.plan.layout import Layout, resolve_layout
 from megatrain.plan.memory import from_spec
 from megatrain.plan.planner import plan
-from megatrain.scheduler.placement import fit_problem, memory_problem
+from megatrain.scheduler.placement import fit_problem, memory_problem, startup_memory_problem
 from megatrain.scheduler.pools import OPERATOR, describe
 from megatrain.settings import Settings
 from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
@@ -173,7 +173,10 @@ def _fit(
         return
     text = f"tp={layout.tp} pp={layout.pp} dp={layout.dp} cp={layout.cp}"
     memory = [n.device_memory_bytes for n in nodes if n.device_memory_bytes]
-    problem = memory_problem(estimate.total_bytes, text, memory, pool)
+    # The step, then the start (judged apart: its buffers are not the step's, plan.startup_memory).
+    problem = memory_problem(estimate.total_bytes, text, memory, pool) or startup_memory_problem(
+        estimate.startup_bytes, text, memory, pool
+    )
     if problem:
         findings.add([_problem("model", problem)])
 
