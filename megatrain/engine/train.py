@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,10 @@ import torch.distributed as dist
 from megatrain.engine.build import PARAM_DTYPES, RankModel, Trainable, build_model, make_trainable
 from megatrain.engine.checkpoint import find_latest, resolve_init_from
 from megatrain.engine.checkpoint.training import Checkpointer, Progress, load_model_weights
-from megatrain.engine.config import TrainConfig, train_config, transformer_config
+from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
 from megatrain.engine.data import Loader, build_datasets, build_tokenizer
 from megatrain.engine.loop import Rates, TrainLoop
+from megatrain.engine.materialize import WeightSource
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.runtime import Dist, effective_precision, init_distributed, record_failure
@@ -100,19 +101,7 @@ def run(
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     log = RunLog(out_dir, ctx.is_main)
     precision = effective_precision(cfg.precision, ctx.device)
-    if cfg.precision == "auto":
-        why = "runs bf16 natively" if precision == "bf16" else "has no native bf16"
-        log.say(f"precision auto: {precision} (this device {why})")
-    elif precision == "bf16" and cfg.precision == "fp8":
-        log.say(
-            "precision fp8 requested; this GPU has no float8 GEMMs (compute capability < 8.9), "
-            "so running bf16"
-        )
-    elif precision != cfg.precision:
-        log.say(
-            f"precision {cfg.precision} requested; this CPU has no native bf16, so running fp32 "
-            "(MEGATRAIN_CPU_LOW_PRECISION=1 runs it anyway)"
-        )
+    _say_precision(cfg.precision, precision, log)
     cfg = dataclasses.replace(cfg, precision=precision)  # everything below sees what runs
     activity.phase = "tokenizer"
     tokenizer = build_tokenizer(spec.data.tokenizer)
@@ -132,22 +121,10 @@ def run(
         for name, ds in datasets.items()
     }
 
-    activity.phase = "model"
     latest = find_latest(ckpt_url)
-    init_from = spec.model.init_from if latest is None else None  # a retry resumes its own checkpoint
-    if (init_from or "").startswith("hf:"):
-        activity.phase = "init"  # the build reads the folder
-    with _hf_weights(init_from, mcfg) as hf:
-        model = build_model(mcfg, state, cfg.seed, ctx.device, dtype=PARAM_DTYPES[precision], weights=hf)
-    activity.phase = "model"
-    if init_from and init_from.startswith("hf:"):
-        log.say(f"initialised from the Hugging Face model at {init_from.removeprefix('hf:')}")
-    elif init_from:
-        activity.phase = "init"
-        _init_from_checkpoint(model, init_from, log)
-        activity.phase = "model"
-    par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
-    train = make_trainable(model, cfg, par, precision, mcfg)
+    # A retry resumes its own checkpoint: init_from is only the first attempt's start.
+    train = _start_model(spec, mcfg, cfg, state, ctx.device, spec.model.init_from if latest is None else None,
+                         activity, log)  # fmt: skip
     t = spec.training
     checkpointer = Checkpointer(
         ckpt_url,
@@ -199,8 +176,51 @@ def run(
     return summary
 
 
+def _say_precision(requested: str, precision: str, log: RunLog) -> None:
+    """Say why the precision that runs is not the one the spec asked for."""
+    if requested == "auto":
+        why = "runs bf16 natively" if precision == "bf16" else "has no native bf16"
+        log.say(f"precision auto: {precision} (this device {why})")
+    elif precision == "bf16" and requested == "fp8":
+        log.say(
+            "precision fp8 requested; this GPU has no float8 GEMMs (compute capability < 8.9), "
+            "so running bf16"
+        )
+    elif precision != requested:
+        log.say(
+            f"precision {requested} requested; this CPU has no native bf16, so running fp32 "
+            "(MEGATRAIN_CPU_LOW_PRECISION=1 runs it anyway)"
+        )
+
+
+def _start_model(
+    spec: JobSpec,
+    mcfg: TransformerConfig,
+    cfg: TrainConfig,
+    state: ParallelState,
+    device: str,
+    init_from: str | None,
+    activity: Activity,
+    log: RunLog,
+) -> Trainable:
+    """This rank's shards, built in the training dtype from the seeded initial weights, a Hugging
+    Face folder read by slice or a job's checkpoint (init_from), then made trainable."""
+    hf_start = (init_from or "").startswith("hf:")
+    activity.phase = "init" if hf_start else "model"  # a Hugging Face start reads while it builds
+    with _hf_weights(init_from, mcfg) as hf:
+        model = build_model(mcfg, state, cfg.seed, device, dtype=PARAM_DTYPES[cfg.precision], weights=hf)
+    if hf_start:
+        log.say(f"initialised from the Hugging Face model at {str(init_from).removeprefix('hf:')}")
+    elif init_from:
+        activity.phase = "init"
+        _init_from_checkpoint(model, init_from, log)
+    activity.phase = "model"
+    par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
+    return make_trainable(model, cfg, par, cfg.precision, mcfg)
+
+
 @contextlib.contextmanager
-def _hf_weights(init_from: str | None, mcfg: Any) -> Any:
+def _hf_weights(init_from: str | None, mcfg: TransformerConfig) -> Iterator[WeightSource | None]:
     """A fine-tune's Hugging Face folder (init_from hf:URL) opened for build_model to read by slice:
     each rank reads only the elements it keeps (interop.hf_slices); None for any other start."""
     if not (init_from or "").startswith("hf:"):

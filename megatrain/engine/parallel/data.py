@@ -180,18 +180,8 @@ class DataParallel(nn.Module):
         self.numel = cursor
 
         # With the distributed optimizer, params become views into one flat buffer of the same layout
-        # so updated shards can be all-gathered bucket by bucket straight into them. Filled (each
-        # original freed as it moves) before the gradient buffer exists: the start-up peak is two
-        # copies of the weights, not two copies plus the gradients.
-        self.param_buffer: torch.Tensor | None = None
-        if use_distributed_optimizer:
-            self.param_buffer = torch.empty(self.numel, dtype=self.param_dtype, device=device)
-            with torch.no_grad():
-                self.param_buffer.zero_()  # the padding between buckets
-                for p in self.params:
-                    lo = self._offset[id(p)]
-                    self.param_buffer[lo : lo + p.numel()].copy_(p.detach().reshape(-1))
-                    p.data = self.param_buffer[lo : lo + p.numel()].view_as(p)
+        # so updated shards can be all-gathered bucket by bucket straight into them.
+        self.param_buffer = self._flat_params(device) if use_distributed_optimizer else None
         self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -218,6 +208,18 @@ class DataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # --- forward -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _flat_params(self, device: torch.device) -> torch.Tensor:
+        """One flat buffer holding every parameter, which become views into it. Filled (each original
+        freed as it moves) before the gradient buffer exists: the start-up peak is two copies of the
+        weights, not two copies plus the gradients."""
+        flat = torch.zeros(self.numel, dtype=self.param_dtype, device=device)  # zero: bucket padding
+        for p in self.params:
+            lo = self._offset[id(p)]
+            flat[lo : lo + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = flat[lo : lo + p.numel()].view_as(p)
+        return flat
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
