@@ -7,6 +7,7 @@ fp32 model first: the same measure was above 2 (BENCHMARKS.md)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +36,11 @@ def test_a_360m_llama_at_tp4_pp2_starts_in_its_shard(tmp_path: Path) -> None:
     assert worst["ratio"] <= RATIO, worst
 
 
+@pytest.mark.skipif(
+    os.environ.get("MEGATRAIN_TEST_FILL_HOST") != "1",
+    reason="its 16 ranks peak at ~23 GiB, this whole host: beside other tests the OOM killer ends them; "
+    "run it alone: MEGATRAIN_TEST_FILL_HOST=1 python -m pytest -n 0 tests/engine/test_start_memory.py",
+)
 def test_a_model_whose_whole_copies_would_not_fit_this_host_starts_sharded(tmp_path: Path) -> None:
     """~500M at tp=4 x pp=2 x dp=2 with the distributed optimizer: 16 ranks whose whole fp32 copies
     (2 GB each, 32 GB) would not fit this 24 GiB host start and train two steps. No rank ever holds
