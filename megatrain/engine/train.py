@@ -96,38 +96,92 @@ def run(
     activity = activity or Activity()
     layout = layout or resolve_layout(spec, ctx.world_size)
     check_runnable(layout, ctx.world_size)
-    cfg = train_config(spec, layout.dp)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     log = RunLog(out_dir, ctx.is_main)
-    precision = effective_precision(cfg.precision, ctx.device)
-    _say_precision(cfg.precision, precision, log)
-    cfg = dataclasses.replace(cfg, precision=precision)  # everything below sees what runs
+    cfg = _runnable_config(spec, layout, ctx.device, log)
     activity.phase = "tokenizer"
     tokenizer = build_tokenizer(spec.data.tokenizer)
     activity.phase = "setup"
-    mcfg = transformer_config(spec, tokenizer.vocab_size)
-    # A backend this worker cannot run (its package missing, no GPU, fp32) fails before the model.
-    problem = attention_runtime_problem(mcfg.attention_backend, torch.device(ctx.device).type, precision)
-    if problem:
-        raise SpecError([{"field": "model.attention_backend", "message": problem}])
+    mcfg = _model_config(spec, tokenizer.vocab_size, ctx.device, cfg.precision)
     state = ParallelState.build(layout, ctx.device)
     activity.phase = "data"
+    loaders = _loaders(spec, tokenizer, mcfg, cfg, state)
+    try:
+        latest = find_latest(ckpt_url)
+        # A retry resumes its own checkpoint: init_from is only the first attempt's start.
+        init_from = spec.model.init_from if latest is None else None
+        train = _start_model(spec, mcfg, cfg, state, ctx.device, init_from, activity, log)
+        checkpointer = _checkpointer(ckpt_url, train, spec, mcfg, cfg, log)
+        start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)
+        log.events.write(
+            _started_event(spec, layout, train, cfg, ctx, start, resumed_from, tokenizer.vocab_size, log)
+        )
+        poll = _test_hang(checkpointer.poll, activity, ctx.rank)
+        loop = TrainLoop(
+            train,
+            cfg,
+            loaders,
+            log,
+            _rates(mcfg, cfg, ctx),
+            checkpointer.save,
+            poll,
+            activity,
+            _preempt_check(ctx),
+        )
+        summary = loop.run(start)
+        checkpointer.close()  # the final checkpoint is stored before the run counts as finished
+        if probe is not None:
+            summary["probe"] = probe(train)
+    finally:
+        for loader in loaders.values():
+            if loader is not None:
+                loader.close()
+    log.events.write(
+        {"event": "preempted" if summary.get("preempted") else "finished", "step": summary["step"]}
+    )
+    log.close()
+    return summary
+
+
+def _runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) -> TrainConfig:
+    """The spec's training config with the precision this device runs (and a line saying why it
+    differs from the one asked for): everything after this sees what runs."""
+    cfg = train_config(spec, layout.dp)
+    precision = effective_precision(cfg.precision, device)
+    _say_precision(cfg.precision, precision, log)
+    return dataclasses.replace(cfg, precision=precision)
+
+
+def _model_config(spec: JobSpec, vocab_size: int, device: str, precision: str) -> TransformerConfig:
+    """The model's config; an attention backend this worker cannot run (its package missing, no GPU,
+    fp32) fails here, before the model is built."""
+    mcfg = transformer_config(spec, vocab_size)
+    problem = attention_runtime_problem(mcfg.attention_backend, torch.device(device).type, precision)
+    if problem:
+        raise SpecError([{"field": "model.attention_backend", "message": problem}])
+    return mcfg
+
+
+def _loaders(
+    spec: JobSpec, tokenizer: Any, mcfg: TransformerConfig, cfg: TrainConfig, state: ParallelState
+) -> dict[str, Loader | None]:
+    """One loader per split (None where the spec has none), each on this data-parallel rank's samples."""
     datasets = build_datasets(spec, tokenizer, mcfg.seq_length)
-    loaders = {
+    return {
         name: Loader(ds, cfg.global_batch_size, cfg.micro_batch_size, state.dp_rank, state.dp_size)
         if ds is not None
         else None
         for name, ds in datasets.items()
     }
 
-    latest = find_latest(ckpt_url)
-    # A retry resumes its own checkpoint: init_from is only the first attempt's start.
-    train = _start_model(spec, mcfg, cfg, state, ctx.device, spec.model.init_from if latest is None else None,
-                         activity, log)  # fmt: skip
+
+def _checkpointer(
+    url: str, train: Trainable, spec: JobSpec, mcfg: TransformerConfig, cfg: TrainConfig, log: RunLog
+) -> Checkpointer:
     t = spec.training
-    checkpointer = Checkpointer(
-        ckpt_url,
+    return Checkpointer(
+        url,
         train,
         spec,
         mcfg,
@@ -137,43 +191,29 @@ def run(
         keep_last=t.checkpoint_keep_last,
         keep_every=t.checkpoint_keep_every,
     )
-    start = Progress()
-    if latest is not None:
-        activity.phase = "resume"
-        resumed = checkpointer.resume()
-        if resumed is not None:
-            start = resumed
-            log.say(f"resumed from {ckpt_url} step {start.step}")
-        latest = resumed.step if resumed is not None else None
-    log.events.write(
-        _started_event(spec, layout, train, cfg, precision, ctx, start, latest, tokenizer.vocab_size, log)
-    )
 
-    rates = Rates(
+
+def _resume(
+    checkpointer: Checkpointer, latest: int | None, url: str, activity: Activity, log: RunLog
+) -> tuple[Progress, int | None]:
+    """Where training starts: the latest complete checkpoint's progress (and its step), or step 0."""
+    if latest is None:
+        return Progress(), None
+    activity.phase = "resume"
+    resumed = checkpointer.resume()
+    if resumed is None:
+        return Progress(), None
+    log.say(f"resumed from {url} step {resumed.step}")
+    return resumed, resumed.step
+
+
+def _rates(mcfg: TransformerConfig, cfg: TrainConfig, ctx: Dist) -> Rates:
+    return Rates(
         flops_per_iteration(mcfg, cfg.global_batch_size),
         cfg.global_batch_size * cfg.seq_length,
         # Only rank 0 reports MFU; on a CPU the others must not time GEMMs beside its calibration.
-        peak_tflops(_device_name(ctx.device), precision) if ctx.is_main else None,
+        peak_tflops(_device_name(ctx.device), cfg.precision) if ctx.is_main else None,
     )
-
-    try:
-        poll = _test_hang(checkpointer.poll, activity, ctx.rank)
-        stop = _preempt_check(ctx)
-        loop = TrainLoop(train, cfg, loaders, log, rates, checkpointer.save, poll, activity, stop)
-        summary = loop.run(start)
-        checkpointer.close()  # the final checkpoint is stored before the run counts as finished
-        if probe is not None:
-            summary["probe"] = probe(train)
-    finally:
-        for loader in loaders.values():
-            if loader is not None:
-                loader.close()
-    if summary.get("preempted"):
-        log.events.write({"event": "preempted", "step": summary["step"]})
-    else:
-        log.events.write({"event": "finished", "step": summary["step"]})
-    log.close()
-    return summary
 
 
 def _say_precision(requested: str, precision: str, log: RunLog) -> None:
@@ -250,7 +290,6 @@ def _started_event(
     layout: Layout,
     train: Trainable,
     cfg: TrainConfig,
-    precision: str,
     ctx: Dist,
     start: Progress,
     resumed_from: int | None,
@@ -258,24 +297,10 @@ def _started_event(
     log: RunLog,
 ) -> dict[str, Any]:
     """The `started` event (and its console line): what runs, where, and the planner's memory estimate."""
-    try:
-        # The precision that runs (auto resolved, a CPU's downgrade applied), not the one asked for.
-        estimate = memory_from_spec(spec, layout, tokenizer_vocab=tokenizer_vocab, precision=precision)
-        memory_estimate: dict[str, Any] | None = {
-            "params_bytes": estimate.params_bytes,
-            "grads_bytes": estimate.grads_bytes,
-            "optimizer_bytes": estimate.optimizer_bytes,
-            "activations_bytes": estimate.activations_bytes,
-            "total_bytes": estimate.total_bytes,
-            "stage_total_bytes": list(estimate.stage_totals),
-        }
-    except (ValueError, KeyError) as exc:  # an estimate must never stop a run
-        memory_estimate = None
-        log.say(f"no memory estimate: {exc}")
     device = _device_name(ctx.device) or "cpu"
     dist_opt = train.ddp.use_distributed_optimizer
     log.say(
-        f"model {train.model.num_params / 1e6:.2f}M params | layout {layout.describe()} | {precision} | "
+        f"model {train.model.num_params / 1e6:.2f}M params | layout {layout.describe()} | {cfg.precision} | "
         f"device {device} | {cfg.grad_accum_steps} micro-batches of {cfg.micro_batch_size} per dp rank "
         f"per step | distributed optimizer {'on' if dist_opt else 'off'}"
     )
@@ -293,12 +318,32 @@ def _started_event(
         "world_size": ctx.world_size,
         "layout": layout.as_dict(),
         "device": device,
-        "precision": precision,
+        "precision": cfg.precision,
         "distributed_optimizer": dist_opt,
         "recompute": cfg.recompute,
         "compile": cfg.compile,
         "resumed_from": resumed_from,
-        "memory_estimate": memory_estimate,
+        "memory_estimate": _memory_estimate(spec, layout, tokenizer_vocab, cfg.precision, log),
+    }
+
+
+def _memory_estimate(
+    spec: JobSpec, layout: Layout, tokenizer_vocab: int, precision: str, log: RunLog
+) -> dict[str, Any] | None:
+    """The planner's per-rank memory estimate for what runs (auto precision resolved, a CPU's
+    downgrade applied, not what was asked for); None, said, where it cannot make one."""
+    try:
+        estimate = memory_from_spec(spec, layout, tokenizer_vocab=tokenizer_vocab, precision=precision)
+    except (ValueError, KeyError) as exc:  # an estimate must never stop a run
+        log.say(f"no memory estimate: {exc}")
+        return None
+    return {
+        "params_bytes": estimate.params_bytes,
+        "grads_bytes": estimate.grads_bytes,
+        "optimizer_bytes": estimate.optimizer_bytes,
+        "activations_bytes": estimate.activations_bytes,
+        "total_bytes": estimate.total_bytes,
+        "stage_total_bytes": list(estimate.stage_totals),
     }
 
 

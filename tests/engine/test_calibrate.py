@@ -167,3 +167,13 @@ def test_other_load_counts_other_processes_not_this_one(monkeypatch: pytest.Monk
         pass
     # 1.5 s of the host's CPU in 1 s of wall time, 0.5 s of it ours: one core of other work.
     assert load.cores == pytest.approx(1.0)
+
+
+def test_measuring_leaves_the_global_generator_alone() -> None:
+    """A run's dropout draws from the global generator after its seed: a cold cache (this host
+    measured during the run) must give the same masks as a warm one."""
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    calibrate.measure_matmul_tflops(torch.float32)
+    assert torch.equal(torch.rand(4), expected)
