@@ -84,8 +84,8 @@ def _load_hint(dest: Path) -> str:
     ]
     if (dest / "tokenizer.json").is_file():
         lines += [
-            "  from transformers import PreTrainedTokenizerFast",
-            f"  tokenizer = PreTrainedTokenizerFast(tokenizer_file={str(dest / 'tokenizer.json')!r})",
+            "  from transformers import AutoTokenizer",
+            f"  tokenizer = AutoTokenizer.from_pretrained({str(dest)!r})",
         ]
     return "\n".join(lines)
 

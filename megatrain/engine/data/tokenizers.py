@@ -57,9 +57,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file, by local path, file:// or s3:// URL."""
+    """A Hugging Face `tokenizers` JSON file, by local path, file:// or s3:// URL. `eos_token` names
+    the end-of-document token (else the first of EOD_CANDIDATES it has); `split_special_tokens`
+    encodes special-token text as text (as a tokenizer_config.json of that setting asks)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos_token: str | None = None, split_special_tokens: bool = False):
         from tokenizers import Tokenizer as _HFTokenizer
 
         raw = _read(path, "tokenizer file")
@@ -69,11 +71,12 @@ class HFTokenizer:
             self._tok = _HFTokenizer.from_str(self.json)
         except Exception as exc:  # noqa: BLE001 - the Rust side raises a bare Exception
             raise ValueError(f"{path} is not a Hugging Face tokenizers JSON file: {exc}") from None
+        self._tok.encode_special_tokens = split_special_tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eod = self._find_eod()
+        self.eod = self._find_eod(eos_token)
 
-    def _find_eod(self) -> int:
-        for name in EOD_CANDIDATES:
+    def _find_eod(self, eos_token: str | None) -> int:
+        for name in (eos_token,) if eos_token else EOD_CANDIDATES:
             tid = self._tok.token_to_id(name)
             if tid is not None:
                 return int(tid)
