@@ -215,6 +215,7 @@ def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None)
         rope_scaling=spec.rope_scaling.model_dump(exclude_none=True) if spec.rope_scaling else None,
         init_method_std=float(config.get("initializer_range", 0.02)),
         moe=moe_config(spec),
+        hf_family=config["model_type"],
     )
 
 
