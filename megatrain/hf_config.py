@@ -24,8 +24,12 @@ ROPE_TYPES = ("linear", "llama3")
 LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 """GPT-2's activations that equal our tanh-approximated GELU."""
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}  # fmt: skip
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}  # fmt: skip
+SAME_AS = {"mistral": "llama"}
+"""A family whose config.json describes the same computation as another's: an export names the
+family the model came from (its hf_family) where the shape alone gives the other."""
 DEFAULT_THETA = {"mixtral": 1e6}
 """rope_theta where a config.json names none, as transformers' config class defaults it (else 1e4)."""
 MOE_TRAINING_FIELDS = ("aux_loss_coeff", "z_loss_coeff", "capacity_factor")
@@ -298,8 +302,9 @@ def hf_config_from_model(
     eos_token_id: int | None = None,
 ) -> dict[str, Any]:
     """A transformers config.json for a TransformerConfig (as its to_dict()): GPT-2 for learned
-    positions, Qwen2 for RoPE with q/k/v biases, else Llama; with experts, Qwen2-MoE for a shared
-    expert, else Mixtral. vocab_size is the real vocabulary."""
+    positions, Qwen2 for RoPE with q/k/v biases, else Llama (Mistral for a model that came from one:
+    its hf_family); with experts, Qwen2-MoE for a shared expert, else Mixtral. vocab_size is the
+    real vocabulary."""
     m = dict(model)
     qkv_bias = m["add_bias"] if m.get("qkv_bias") is None else m["qkv_bias"]
     if m.get("moe") and m["position_embedding"] == "learned":
@@ -317,6 +322,9 @@ def hf_config_from_model(
     else:
         model_type = "qwen2" if qkv_bias else "llama"
         wanted = {"normalization": "rmsnorm", "activation": "swiglu", "add_bias": False}
+    family = m.get("hf_family")
+    if family is not None and SAME_AS.get(family) == model_type:
+        model_type = family
     for key, value in wanted.items():
         if m[key] != value:
             raise HFConfigError(key, f"{model_type} needs {key}={value!r}, this model has {m[key]!r}")
@@ -430,4 +438,6 @@ def _llama_config(m: dict[str, Any], model_type: str) -> dict[str, Any]:
         )
     elif model_type == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m["num_layers"])
+    elif model_type == "mistral":  # full causal attention: no window
+        out.update(head_dim=m["hidden_size"] // m["num_attention_heads"], sliding_window=None)
     return out

@@ -1,14 +1,15 @@
 """Checkpoint commands: list a job's checkpoints and exports, and export one to Hugging Face format.
 
-`megatrain export JOB[@STEP] --to DIR` asks the API to export (the workers write the folder into the
+`megatrain export JOB[@STEP] --to DEST` asks the API to export (the workers write the folder into the
 server's storage, `{storage}/jobs/JOB/exports/hf/iter_STEP-DTYPE/`), waits for it, then downloads
-it into DIR. `--to` takes a local folder only: the server writes exports solely into its own
-storage layout (it never writes where a client names), so an s3:// or file:// destination is
-refused with a line saying where the export lives. SDK only, like the other job commands.
+it into DEST: a local folder, or a file:// / s3:// URL, which this command uploads the download to
+with the caller's own storage credentials (the server writes exports solely into its own storage
+layout; it never writes where a client names). SDK only, like the other job commands.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from rich.table import Table
 
 from megatrain.cli.common import _fail, _out, _user_errors, app
 from megatrain.client import Client
+from megatrain.storage import StorageError, Store, open_store
 
 DTYPES = ("bf16", "fp32")
 
@@ -84,8 +86,8 @@ def _load_hint(dest: Path) -> str:
     ]
     if (dest / "tokenizer.json").is_file():
         lines += [
-            "  from transformers import PreTrainedTokenizerFast",
-            f"  tokenizer = PreTrainedTokenizerFast(tokenizer_file={str(dest / 'tokenizer.json')!r})",
+            "  from transformers import AutoTokenizer",
+            f"  tokenizer = AutoTokenizer.from_pretrained({str(dest)!r})",
         ]
     return "\n".join(lines)
 
@@ -96,7 +98,9 @@ def export_command(
     target: Annotated[
         str, typer.Argument(metavar="JOB[@STEP]", help="Job id, and the step (default: latest).")
     ],
-    to: Annotated[str, typer.Option("--to", help="Local folder to download the exported model into.")],
+    to: Annotated[
+        str, typer.Option("--to", help="Local folder, file:// or s3:// URL to put the exported model in.")
+    ],
     dtype: Annotated[str, typer.Option(help="Weights dtype: bf16 or fp32.")] = "bf16",
     timeout: Annotated[float | None, typer.Option(help="Give up waiting after this many seconds.")] = None,
 ) -> None:
@@ -104,11 +108,14 @@ def export_command(
     job_id, step = parse_target(target)
     if dtype not in DTYPES:
         raise _fail(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    store = None
     if "://" in to:
-        raise _fail(
-            f"--to takes a local folder, not {to!r}: the server writes exports only into its own storage "
-            f"(jobs/{job_id}/exports/hf/), whose URL `megatrain checkpoints {job_id}` lists once ready"
-        )
+        try:
+            store = open_store(to)  # an unsupported scheme fails before the export starts
+        except StorageError as exc:
+            raise _fail(f"--to {to}: {exc}") from None
+        if store.list() and not store.exists("config.json"):
+            raise _fail(f"--to {to} holds objects that are not a model folder: give an empty prefix")
     dest = Path(to)
     out = _out()
     with Client() as client:
@@ -121,6 +128,24 @@ def export_command(
         out.print(
             f"export ready in the server's storage at {escape(exp.uri or '?')} ({_size(exp.size_bytes)})"
         )
-        path = client.download_export(job_id, exp.id, dest)
+        if store is None:
+            path = client.download_export(job_id, exp.id, dest)
+        else:
+            with tempfile.TemporaryDirectory(prefix="megatrain-export-") as tmp:
+                _upload(client.download_export(job_id, exp.id, Path(tmp) / "model"), store)
+            out.print(f"uploaded to [bold]{escape(to)}[/bold]")
+            return
     out.print(f"downloaded to [bold]{escape(str(path))}[/bold]")
     out.print(escape(_load_hint(path)))
+
+
+def _upload(folder: Path, store: Store) -> None:
+    """A downloaded model folder into `store`, replacing an earlier model there; config.json last,
+    as the workers write it: a prefix with a config.json holds a complete model."""
+    files = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.name == "config.json")
+    for stale in {o.key for o in store.list()} - {p.name for p in files}:  # e.g. another shard count
+        store.delete_prefix(stale)
+    if store.exists("config.json"):  # incomplete until the new one is written, last
+        store.delete_prefix("config.json")
+    for path in files:
+        store.put_file(path.name, path)

@@ -3,11 +3,12 @@
 SOURCE is a job's checkpoint (`JOB[@STEP]`, fetched through the SDK into a cache under the
 megatrain home and reused on the next call), a checkpoint folder or root (a path or a file:// /
 s3:// URL), or a Hugging Face model (`hf:PATH`, with tokenizer.json beside the weights if it has
-one). torch and the engine are imported only when the command runs.
+one, as every megatrain export has). torch and the engine are imported only when the command runs.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,12 +149,21 @@ def _load_hf(path: str, device: str) -> _Loaded:
 
     url = to_url(path)
     model, _ = load_hf_model(url, device)
-    if not open_store(url).exists("tokenizer.json"):
+    store = open_store(url)
+    if not store.exists("tokenizer.json"):
         return _Loaded(model, None, f"{path} has no tokenizer.json")
+    # tokenizer_config.json (an export writes one) names the end-of-text token and whether special
+    # tokens' text in a prompt is text, as the model was trained.
+    config = (
+        json.loads(store.get_bytes("tokenizer_config.json")) if store.exists("tokenizer_config.json") else {}
+    )
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
     try:
-        return _Loaded(model, HFTokenizer(f"{url}/tokenizer.json"))
+        tok = HFTokenizer(f"{url}/tokenizer.json", eos, bool(config.get("split_special_tokens", False)))
     except ValueError as exc:  # e.g. no end-of-text token to stop at
         return _Loaded(model, None, str(exc))
+    return _Loaded(model, tok)
 
 
 def _job_checkpoint(ref: str) -> Path:

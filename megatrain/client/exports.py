@@ -1,5 +1,5 @@
 """The SDK's export calls (mixed into `Client`): export a checkpoint to Hugging Face format on the
-workers, follow it, and download the ready folder (config.json + safetensors [+ tokenizer.json])."""
+workers, follow it, and download the ready folder (config.json + safetensors + the tokenizer files)."""
 
 from __future__ import annotations
 

@@ -84,6 +84,9 @@ class TransformerConfig:
     flex; MEGATRAIN_KERNELS overrides it."""
     moe: MoEConfig | None = None
     """None: a dense model."""
+    hf_family: str | None = None
+    """The Hugging Face model_type the weights came from (an import, a fine-tune of one): an export
+    keeps it where the shape alone would say otherwise (mistral, not llama). Computes nothing."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from_dict / a checkpoint's model_config

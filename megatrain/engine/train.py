@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.engine.build import PARAM_DTYPES, RankModel, Trainable, build_model, make_trainable
-from megatrain.engine.checkpoint import find_latest, resolve_init_from
+from megatrain.engine.checkpoint import find_latest, open_folder, resolve_init_from
 from megatrain.engine.checkpoint.training import Checkpointer, Progress, load_model_weights
 from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
 from megatrain.engine.data import Loader, build_datasets, build_tokenizer
@@ -53,6 +53,7 @@ from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 from megatrain.spec_attention import runtime_problem as attention_runtime_problem
+from megatrain.storage import StorageError
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -156,7 +157,7 @@ def _runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) ->
 def _model_config(spec: JobSpec, vocab_size: int, device: str, precision: str) -> TransformerConfig:
     """The model's config; an attention backend this worker cannot run (its package missing, no GPU,
     fp32) fails here, before the model is built."""
-    mcfg = transformer_config(spec, vocab_size)
+    mcfg = dataclasses.replace(transformer_config(spec, vocab_size), hf_family=_hf_family(spec))
     problem = attention_runtime_problem(mcfg.attention_backend, torch.device(device).type, precision)
     if problem:
         raise SpecError([{"field": "model.attention_backend", "message": problem}])
@@ -257,6 +258,23 @@ def _start_model(
     activity.phase = "model"
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
     return make_trainable(model, cfg, par, cfg.precision, mcfg)
+
+
+def _hf_family(spec: JobSpec) -> str | None:
+    """The Hugging Face family of the weights a fine-tune starts from (its folder's model_type, or
+    what the checkpoint it starts from recorded), kept so that an export names the model after it."""
+    init_from = spec.model.init_from or ""
+    try:
+        if init_from.startswith("hf:"):
+            from megatrain.engine.interop.hf import read_hf_config
+
+            return read_hf_config(init_from.removeprefix("hf:")).get("model_type")
+        if init_from.startswith("checkpoint:"):
+            src = resolve_init_from(init_from, get_settings().resolved_storage_url)
+            return open_folder(src, weights_only=True).model_config.hf_family
+    except (OSError, ValueError, StorageError):  # a name only: the start itself reports what is missing
+        return None
+    return None
 
 
 @contextlib.contextmanager

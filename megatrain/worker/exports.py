@@ -5,7 +5,9 @@ claims a `pending` export (→ running; any other state means another delivery h
 checkpoint `{storage}/jobs/{job_id}/checkpoints/iter_{step:07d}` one full tensor at a time and
 writes it with the engine's `export_checkpoint_hf` (shard by shard, config.json last) into
 `{storage}/{CheckpointExport.folder_key}` (jobs/{job_id}/exports/hf/iter_{step:07d}-{dtype}), with
-the tokenizer.json the job trained with when it used a Hugging Face tokenizer. It then marks the
+the job's tokenizer as files transformers loads (interop.hf_tokenizer: tokenizer.json for every kind,
+tokenizer_config.json with the fine-tune's chat template, special_tokens_map.json; a tokenizer that
+cannot be written so that it encodes as ours fails the export with that reason). It then marks the
 export `ready` with the folder's URL and size, or `failed` with the reason after removing what it
 wrote. A heartbeat keeps `heartbeat_at` fresh so the scheduler can tell a lost worker from a slow
 one (scheduler.exports).
@@ -22,7 +24,7 @@ from typing import Any
 
 from megatrain.db.models import FAILED, READY, CheckpointExport
 from megatrain.settings import Settings
-from megatrain.storage import StorageError, open_store, read_url, split_url
+from megatrain.storage import StorageError, open_store, split_url
 from megatrain.worker.checkpoint_tasks import (
     checkpoint_folder,
     claim_row,
@@ -36,18 +38,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["export_checkpoint", "folder_size", "main"]
 
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def _tokenizer_files(spec: Any, endpoint_url: str | None) -> dict[str, bytes | Any]:
-    """The job's Hugging Face tokenizer.json, so the folder loads with AutoTokenizer too; none for
-    the byte and tiktoken tokenizers, which have no tokenizer.json."""
-    tok = spec.data.tokenizer
-    if tok.type != "hf" or not tok.path:
-        return {}
-    with read_url(tok.path, endpoint_url) as f:
-        return {TOKENIZER_FILE: f.read()}
-
 
 def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None) -> None:
     """The engine's reader and exporter (imported here: only a worker needs torch)."""
@@ -57,25 +47,27 @@ def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None) ->
     from megatrain.engine.interop.hf import export_checkpoint_hf
 
     spec = CheckpointReader(source).spec  # the spec the job trained with (its tokenizer)
+    tokenizer = _tokenizer(spec)
     export_checkpoint_hf(
         source,
         dest,
         dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-        tokenizer_files=_tokenizer_files(spec, endpoint_url),
-        extra_config=_special_tokens(spec),
+        tokenizer_files=tokenizer.files,
+        extra_config=tokenizer.special_ids,
     )
 
 
-def _special_tokens(spec: Any) -> dict[str, int]:
-    """eos_token_id = the end-of-document token the job's documents ended with, so transformers'
-    generate() stops where the model learned to; none if the tokenizer cannot be built here."""
-    from megatrain.engine.data.tokenizers import build_tokenizer
+def _tokenizer(spec: Any) -> Any:
+    """The job's tokenizer files and special ids (eos = the end-of-document token the job's documents
+    ended with, so transformers' generate() stops where the model learned to), with the chat
+    template a fine-tune rendered its chats with."""
+    from megatrain.engine.data.chat_templates import load_chat_template
+    from megatrain.engine.interop.hf_tokenizer import export_tokenizer
 
-    try:
-        return {"eos_token_id": int(build_tokenizer(spec.data.tokenizer).eod)}
-    except Exception as exc:  # noqa: BLE001 - e.g. a tiktoken encoding this host cannot fetch
-        log.warning("export: no eos_token_id (the tokenizer could not be built: %s)", exc)
-        return {}
+    template = load_chat_template(spec.data.chat_template).source if spec.kind == "finetune" else None
+    return export_tokenizer(
+        spec.data.tokenizer, chat_template=template, model_max_length=spec.model.seq_length
+    )
 
 
 ExportFn = Callable[[str, str, str, "str | None"], None]

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from megatrain.cli import app
 from megatrain.client import Client
+from megatrain.storage import open_store
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -29,7 +30,9 @@ def export_workers(live_api: LiveApi) -> Iterator[None]:
         yield
 
 
-def test_checkpoints_and_export_to_a_folder(live_api: LiveApi, export_workers: None, tmp_path: Path) -> None:
+def test_checkpoints_and_export_to_a_folder(
+    live_api: LiveApi, export_workers: None, tmp_path: Path, s3_bucket_url: str
+) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     with Client() as client:
@@ -45,12 +48,27 @@ def test_checkpoints_and_export_to_a_folder(live_api: LiveApi, export_workers: N
     code, out = run("export", f"{job_id}@2", "--to", str(dest), "--dtype", "fp32")
     assert code == 0, out
     assert "exports/hf/iter_0000002-fp32" in out and f"downloaded to {dest}" in out, out
-    assert "AutoModelForCausalLM.from_pretrained" in out and "tokenizer.json" in out, out
-    assert {p.name for p in dest.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert "AutoModelForCausalLM.from_pretrained" in out and "AutoTokenizer.from_pretrained" in out, out
+    files = {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
+    assert {p.name for p in dest.iterdir()} >= files
     model = transformers.AutoModelForCausalLM.from_pretrained(dest).eval()
     assert model.dtype == torch.float32
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
+
+    # To object storage: the same folder, uploaded with the caller's credentials (moto's S3 here).
+    code, out = run("export", f"{job_id}@2", "--to", f"{s3_bucket_url}/models/m1", "--dtype", "fp32")
+    assert code == 0 and f"uploaded to {s3_bucket_url}/models/m1" in out, out
+    store = open_store(f"{s3_bucket_url}/models/m1")
+    assert sorted(o.key for o in store.list()) == sorted(p.name for p in dest.iterdir())
+    for p in dest.iterdir():
+        assert store.get_bytes(p.name) == p.read_bytes(), p.name
 
     # The same export again (the ready one is reused) over the earlier download; then the listing.
     code, out = run("export", job_id, "--to", str(dest), "--dtype", "fp32")
@@ -71,7 +89,7 @@ def test_export_errors_are_one_red_line(live_api: LiveApi, tmp_path: Path) -> No
     with Client() as client:
         job_id = client.submit(live_api.spec("no-ckpt")).id
     cases = [
-        (("export", job_id, "--to", "s3://bucket/model"), "takes a local folder"),
+        (("export", job_id, "--to", "gs://bucket/model"), "unsupported storage URL"),
         (("export", f"{job_id}@x", "--to", str(tmp_path)), "JOB@STEP"),
         (("export", job_id, "--to", str(tmp_path), "--dtype", "fp16"), "bf16, fp32"),
         (("export", job_id, "--to", str(tmp_path)), "no checkpoints yet"),

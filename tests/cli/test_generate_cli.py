@@ -199,3 +199,33 @@ def test_an_hf_model_with_and_without_its_tokenizer(hf_folder: Path) -> None:
     assert code == 1 and "prompt id 100 is outside the vocabulary [0, 100)" in err, err
     code, out, err = run("generate", f"hf:{hf_folder / 'nothing'}", "--prompt-ids", "1")
     assert code == 1 and err.count("\n") == 1, err
+
+
+def test_an_export_of_a_byte_tokenizer_job(checkpoint_root: Path, tmp_path: Path) -> None:
+    """The export task's folder of a byte-tokenizer job carries a tokenizer: `generate hf:EXPORT
+    --prompt` gives the checkpoint's text, and transformers' own tokenizer and generate() agree."""
+    import torch
+    import transformers
+
+    from megatrain.worker.exports import _run_export
+
+    folder = checkpoint_root / "iter_0000001"
+    _run_export(folder.as_uri(), str(tmp_path / "export"), "fp32", None)
+    code, want, _ = run("generate", str(folder), "--prompt", "def f", "--max-new-tokens", "8")
+    assert code == 0
+    code, out, err = run(
+        "generate", f"hf:{tmp_path / 'export'}", "--prompt", "def f", "--max-new-tokens", "8"
+    )
+    assert code == 0 and out == want, out + err
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ids = tokenizer("def f é", return_tensors="pt").input_ids
+    assert ids[0].tolist() == list("def f é".encode())
+    new = expected(folder, ids[0].tolist(), 8)
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert theirs == new  # greedy, stopping at the end-of-document id generation_config.json names
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 256
+    text = bytes(i for i in new if i < 256).decode("utf-8", errors="replace")
+    assert tokenizer.decode(theirs + [256], skip_special_tokens=True) == text

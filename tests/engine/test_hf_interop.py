@@ -97,6 +97,9 @@ def test_import_and_export_match_transformers(case: str, tmp_path: Path) -> None
     assert sum(f.endswith(".safetensors") for f in files) > 1 and files[-1] == "config.json"
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert back.config.vocab_size == VOCAB and back.config.tie_word_embeddings == cfg.tie_embeddings
+    # The family survives the round trip (a Mistral stays a Mistral, not the Llama its shape is).
+    assert read_hf_config(tmp_path / "out")["model_type"] == ref.config.model_type
+    assert type(back) is type(ref)
     torch.testing.assert_close(hf_logits(back, tokens), our_logits(ours, tokens), atol=ATOL, rtol=0)
 
 
@@ -263,9 +266,9 @@ def test_s3_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_train_from_hf_then_export(tmp_path: Path, corpus: Path) -> None:
     """A spec with init_from hf:URL (model fields from the folder's config.json) trains 3 steps; the
-    sharded checkpoint, exported tensor by tensor, gives transformers the logits our trained model
-    (load_checkpoint) gives."""
-    ref = hf_model(LlamaConfig(**{**_LLAMA, "vocab_size": 300}))  # the byte tokenizer's 257 fit
+    sharded checkpoint, exported tensor by tensor, is a Mistral again and gives transformers the
+    logits our trained model (load_checkpoint) gives."""
+    ref = hf_model(MistralConfig(**{**_LLAMA, "vocab_size": 300}))  # the byte tokenizer's 257 fit
     ref.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
     raw = tiny_spec(corpus, train_iters=3, lr=1e-5, warmup_iters=0, eval_interval=0, checkpoint_interval=0)
     fields = model_fields_from_hf(read_hf_config(tmp_path / "hf"), seq_length=32)
@@ -277,7 +280,9 @@ def test_train_from_hf_then_export(tmp_path: Path, corpus: Path) -> None:
     moved = (trained.layers[1].mlp.fc2.weight - ref.model.layers[1].mlp.down_proj.weight).abs().max()
     assert 0 < moved < 1e-4
     export_checkpoint_hf(tmp_path / "run" / "checkpoints", tmp_path / "out", dtype=torch.float32)
+    assert read_hf_config(tmp_path / "out")["model_type"] == "mistral"
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(ref)
     tokens = torch.randint(0, 300, (2, 32))
     with torch.no_grad():
         ours = trained(tokens)[..., :300]

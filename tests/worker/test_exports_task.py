@@ -60,13 +60,18 @@ def test_fp32_export_loads_in_transformers_with_the_checkpoints_logits(
     path = Path(folder.removeprefix("file://"))
     assert exp.size_bytes == sum(p.stat().st_size for p in path.iterdir())
     assert (path / "tokenizer.json").read_bytes() == (tmp_path / "train" / "tokenizer.json").read_bytes()
+    assert {p.name for p in path.iterdir()} >= {"tokenizer_config.json", "special_tokens_map.json",
+                                                "generation_config.json"}  # fmt: skip
 
     tokenizer = _assert_same_model(
         f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints/iter_0000002", path
     )
     # generate() stops at the end-of-document token the job's documents ended with.
-    eos = transformers.GenerationConfig.from_pretrained(path).eos_token_id
-    assert eos == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    generation = transformers.GenerationConfig.from_pretrained(path)
+    assert (
+        generation.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    )
+    assert generation.pad_token_id == tokenizer.pad_token_id == generation.eos_token_id
 
 
 def _assert_same_model(checkpoint_url: str, folder: Path) -> Any:
@@ -80,7 +85,7 @@ def _assert_same_model(checkpoint_url: str, folder: Path) -> Any:
     ours, spec = load_checkpoint(checkpoint_url)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     assert theirs.dtype == torch.float32
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     text = "def add(a, b):\n    return a + b"
     tokens = torch.tensor([tokenizer.encode(text)[: spec.model.seq_length]])
     with torch.no_grad():

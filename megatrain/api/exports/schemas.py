@@ -16,7 +16,8 @@ class ExportCreate(BaseModel):
     step: int | None = Field(None, ge=0, le=10**9)
     """The checkpoint's step; null: the latest."""
     format: Literal["hf"] = "hf"
-    """hf: a transformers model folder (config.json + safetensors, + tokenizer.json if the job had one)."""
+    """hf: a transformers model folder (config.json + safetensors, the job's tokenizer as tokenizer.json +
+    tokenizer_config.json, generation_config.json)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
 
 

@@ -57,21 +57,26 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file, by local path, file:// or s3:// URL."""
+    """A Hugging Face `tokenizers` JSON file, by local path, file:// or s3:// URL. `eos_token` names
+    the end-of-document token (else the first of EOD_CANDIDATES it has); `split_special_tokens`
+    encodes special-token text as text (as a tokenizer_config.json of that setting asks)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos_token: str | None = None, split_special_tokens: bool = False):
         from tokenizers import Tokenizer as _HFTokenizer
 
         raw = _read(path, "tokenizer file")
         try:
-            self._tok = _HFTokenizer.from_str(raw.decode("utf-8"))
+            self.json = raw.decode("utf-8")
+            """The tokenizers JSON as read (an export carries it unchanged)."""
+            self._tok = _HFTokenizer.from_str(self.json)
         except Exception as exc:  # noqa: BLE001 - the Rust side raises a bare Exception
             raise ValueError(f"{path} is not a Hugging Face tokenizers JSON file: {exc}") from None
+        self._tok.encode_special_tokens = split_special_tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eod = self._find_eod()
+        self.eod = self._find_eod(eos_token)
 
-    def _find_eod(self) -> int:
-        for name in EOD_CANDIDATES:
+    def _find_eod(self, eos_token: str | None) -> int:
+        for name in (eos_token,) if eos_token else EOD_CANDIDATES:
             tid = self._tok.token_to_id(name)
             if tid is not None:
                 return int(tid)
@@ -93,6 +98,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def id_to_token(self, tid: int) -> str:
+        return str(self._tok.id_to_token(tid))
 
 
 # tiktoken's named encodings load their ranks inside their constructors; swapping the loaders for
@@ -165,6 +173,11 @@ class TiktokenTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
+    def bpe_parts(self) -> tuple[dict[bytes, int], str, dict[str, int]]:
+        """(mergeable ranks, split pattern, special tokens): the encoding, for an export to rebuild."""
+        enc = self._enc
+        return dict(enc._mergeable_ranks), str(enc._pat_str), dict(enc._special_tokens)
+
 
 def _parse_ranks(raw: bytes, url: str, load: Any) -> dict[bytes, int]:
     # tiktoken's own parser reads a local path; hand it the bytes read from any URL through a
@@ -192,6 +205,8 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
 
         raw = _read(path, "SentencePiece model")
+        self.model_proto = raw
+        """The .model file's bytes (a serialized ModelProto)."""
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(raw)
@@ -210,6 +225,13 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
+
+    def special_pieces(self) -> dict[str, str]:
+        """{"bos_token": piece, "eos_token": ..., "unk_token": ..., "pad_token": ...}, those the model has."""
+        sp = self._sp
+        ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
+               "pad_token": sp.pad_id()}  # fmt: skip
+        return {name: str(sp.id_to_piece(i)) for name, i in ids.items() if i >= 0}
 
 
 def describe(spec: TokenizerSpec) -> str:

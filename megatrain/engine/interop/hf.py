@@ -215,6 +215,7 @@ def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None)
         rope_scaling=spec.rope_scaling.model_dump(exclude_none=True) if spec.rope_scaling else None,
         init_method_std=float(config.get("initializer_range", 0.02)),
         moe=moe_config(spec),
+        hf_family=config["model_type"],
     )
 
 
@@ -282,7 +283,7 @@ def export_hf(
 ) -> list[str]:
     """Write a transformers model folder at `dest` (a directory or a file:// / s3:// URL): safetensors
     shards (+ model.safetensors.index.json when there are several), the given tokenizer files,
-    generation_config.json when bos/eos are known, and config.json last. get_tensor(canonical name)
+    generation_config.json when bos/eos/pad are known, and config.json last. get_tensor(canonical name)
     returns a full single-device tensor; it is called shard by shard, so only one shard's tensors
     are held at a time. extra_config overrides config.json keys (bos_token_id, eos_token_id, ...).
     Returns the keys written, in order."""
@@ -330,7 +331,9 @@ def export_hf(
         else:
             store.put_file(name, content)
         written.append(name)
-    special = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    special = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
+    }
     if special:
         written.append(_put_json(store, "generation_config.json", {"_from_model_config": True, **special}))
     # Last: a folder with a config.json is complete.
