@@ -92,7 +92,8 @@ class DataSpec(_Strict):
     """train,valid,test proportions of the documents, as in Megatron's --split."""
     packing: bool | None = None
     """Pack several documents into each sample, restarting position ids and blocking attention at
-    document boundaries (Megatron's reset_position_ids + reset_attention_mask). None: on for
+    document boundaries (Megatron's reset_position_ids + reset_attention_mask): after each EOD
+    token, and where the index says a document ends (data stored without EOD tokens). None: on for
     kind finetune, off for pretrain (whose samples then run across documents, as Megatron's do)."""
     prompt_key: str = Field("prompt", min_length=1, max_length=128)
     """finetune: the JSONL field of a prompt (its tokens carry no loss)."""

@@ -89,6 +89,25 @@ def test_packed_samples_carry_positions_and_segments(corpus: IndexedDataset, tmp
     assert plain.position_ids is None and np.array_equal(plain.tokens, batch.tokens)
 
 
+def test_packing_data_without_eod_tokens_splits_at_document_ends(tmp_path: Path) -> None:
+    """Data preprocessed without EOD tokens still packs by document: the index knows where each
+    ends. Document d holds only the token d + 1, so a segment changes exactly where the token does."""
+    rng = np.random.default_rng(1)
+    with IndexedDatasetWriter(tmp_path / "no-eod", np.uint16) as w:
+        for d in range(40):
+            w.add_document(np.full(int(rng.integers(1, 30)), d + 1))
+    ds = _dataset(IndexedDataset(tmp_path / "no-eod"), (0, 40), None, tmp_path, eod=EOD)  # type: ignore[arg-type]
+    batch = ds.batch(range(len(ds)))
+    assert batch.segment_ids is not None and batch.position_ids is not None
+    changes = batch.tokens[:, 1:] != batch.tokens[:, :-1]
+    assert changes.any()
+    assert np.array_equal(np.diff(batch.segment_ids, axis=1) == 1, changes)
+    assert np.all(batch.position_ids[:, 1:][changes] == 0)
+    # With EOD tokens (the usual data), the document ends and the tokens agree: nothing changes.
+    packed = _dataset(_write(tmp_path / "eod"), (0, 40), 20, tmp_path, eod=EOD).batch([0, 1, 2])
+    assert np.array_equal(packed.segment_ids, segments(packed.tokens, EOD)[1])
+
+
 def test_blending_prefixes_stay_within_one_sample_of_the_weights() -> None:
     weights = [0.5, 0.3, 0.2]
     which, nth = blending_indices(weights, 2000)

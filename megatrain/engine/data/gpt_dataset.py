@@ -51,14 +51,19 @@ def split_bounds(count: int, fractions: Sequence[float]) -> list[tuple[int, int]
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
 
 
-def segments(tokens: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
-    """(position_ids, segment_ids) of (B, T) inputs whose documents end with `eod`, as Megatron's
-    reset_position_ids + reset_attention_mask: a new document starts after each eod token."""
+def segments(
+    tokens: np.ndarray, eod: int, doc_starts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(position_ids, segment_ids) of (B, T) inputs, as Megatron's reset_position_ids +
+    reset_attention_mask: a new document starts after each `eod` token, and (where the index says
+    so, for data stored without EOD tokens) at each True of the (B, T) `doc_starts`."""
     b, t = tokens.shape
-    is_eod = tokens == eod
-    segment_ids = (np.cumsum(is_eod, axis=1) - is_eod).astype(np.int32)
-    starts = np.zeros((b, t), dtype=np.int64)
-    starts[:, 1:] = np.where(is_eod[:, :-1], np.arange(1, t), 0)
+    begins = np.zeros((b, t), dtype=bool)
+    begins[:, 1:] = tokens[:, :-1] == eod
+    if doc_starts is not None:
+        begins[:, 1:] |= doc_starts[:, 1:]
+    segment_ids = np.cumsum(begins, axis=1).astype(np.int32)
+    starts = np.where(begins, np.arange(t), 0)
     np.maximum.accumulate(starts, axis=1, out=starts)
     return np.arange(t, dtype=np.int64) - starts, segment_ids
 
@@ -106,22 +111,33 @@ class GPTDataset:
 
     def window(self, index: int) -> np.ndarray:
         """Sample `index`'s seq_length + 1 tokens (int64)."""
+        return np.concatenate(self._parts(index)).astype(np.int64)
+
+    def _parts(self, index: int) -> list[np.ndarray]:
+        """Sample `index`'s tokens, one array per document it spans (in order)."""
         idx = self.indices
         row = int(idx.shuffle_index[index % len(idx)])
         (doc_first, off_first), (doc_last, off_last) = idx.sample_index[row], idx.sample_index[row + 1]
         doc_first, doc_last = int(doc_first), int(doc_last)
         get, docs = self.indexed.get, idx.document_index
         if doc_first == doc_last:
-            return get(int(docs[doc_first]), int(off_first), int(off_last - off_first) + 1).astype(np.int64)
+            return [get(int(docs[doc_first]), int(off_first), int(off_last - off_first) + 1)]
         parts = [get(int(docs[doc_first]), int(off_first))]
         parts += [get(int(docs[i])) for i in range(doc_first + 1, doc_last)]
         parts.append(get(int(docs[doc_last]), 0, int(off_last) + 1))
-        return np.concatenate(parts).astype(np.int64)
+        return parts
 
     def batch(self, sample_ids: Sequence[int]) -> Batch:
-        batch = Batch.from_windows(np.stack([self.window(i) for i in sample_ids]))
+        samples = [self._parts(i) for i in sample_ids]
+        batch = Batch.from_windows(np.stack([np.concatenate(p).astype(np.int64) for p in samples]))
         if self.eod is not None:
-            batch.position_ids, batch.segment_ids = segments(batch.tokens, self.eod)
+            # Documents end at their EOD token when the data has them, and always where the index
+            # says one ends: data preprocessed without EOD tokens still packs by document.
+            doc_starts = np.zeros(batch.tokens.shape, dtype=bool)
+            for row, parts in enumerate(samples):
+                ends = np.cumsum([len(x) for x in parts[:-1]], dtype=np.int64)
+                doc_starts[row, ends[ends < doc_starts.shape[1]]] = True
+            batch.position_ids, batch.segment_ids = segments(batch.tokens, self.eod, doc_starts)
         return batch
 
 
