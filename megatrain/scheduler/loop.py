@@ -401,15 +401,21 @@ class Scheduler:
 
     def datasets_once(self) -> list[str]:
         """Recover datasets whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_datasets(self.settings) + dispatch_datasets(self.settings, self.executor)
+        return reconcile_datasets(self.settings, self.executor) + dispatch_datasets(
+            self.settings, self.executor
+        )
 
     def exports_once(self) -> list[str]:
         """Recover exports whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_exports(self.settings) + dispatch_exports(self.settings, self.executor)
+        return reconcile_exports(self.settings, self.executor) + dispatch_exports(
+            self.settings, self.executor
+        )
 
     def samples_once(self) -> list[str]:
         """Recover samples whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_samples(self.settings) + dispatch_samples(self.settings, self.executor)
+        return reconcile_samples(self.settings, self.executor) + dispatch_samples(
+            self.settings, self.executor
+        )
 
     # -- loop ------------------------------------------------------------------------------------
 

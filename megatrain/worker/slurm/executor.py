@@ -286,6 +286,9 @@ class SlurmExecutor:
     def submit_sample(self, sample_id: str) -> None:
         self._local.submit_sample(sample_id)
 
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        return self._local.worker_alive(host, pid)
+
 
 def _attempt_events(s: Session, job_id: str, kind: str, attempt: int) -> list[dict[str, Any]]:
     rows = s.scalars(
