@@ -200,6 +200,7 @@ class Scheduler:
         rows = s.execute(
             select(
                 Job.id, Job.pool, Job.priority, Job.started_at, Job.node_id, Job.devices, Job.preempt_for,
+                Job.preemptions, Job.max_preemptions,
                 Job.spec["resources"]["preemptible"].as_boolean().label("preemptible"),
             ).where(Job.status == RUNNING, Job.node_id.is_not(None))
         ).all()  # fmt: skip
@@ -215,6 +216,7 @@ class Scheduler:
                 r.id, r.pool, r.priority, r.started_at.timestamp() if r.started_at else 0.0,
                 tuple(shares.get(r.id) or [(r.node_id, tuple(r.devices or ()))]),
                 preemptible=r.preemptible is not False, preempting=r.preempt_for is not None,
+                preemptions_left=r.max_preemptions - r.preemptions,
             )
             for r in rows
         ]  # fmt: skip

@@ -42,6 +42,11 @@ class Attempt:
     """How long the job waited in the queue before this attempt (for the goodput ledger)."""
     prev_step: int = 0
     checkpoint_interval: int = 0
+    preemptions: int = 0
+    """Earlier attempts of the job that ended preempted (not failures: see db.jobs.retry_allowed)."""
+    max_preemptions: int = 10
+    continuations: int = 0
+    """Earlier attempts that ended at an allocation's time limit and continued (not failures)."""
 
 
 def end_failed_attempt(

@@ -160,6 +160,8 @@ def _await_leader(settings: Settings, job_id: str, share: Share) -> Attempt | No
                     devices=row.devices,
                     accelerator=row.accelerator or "cpu",
                     rendezvous=rdzv,
+                    preemptions=job.preemptions,
+                    continuations=job.continuations,
                 )
         time.sleep(WAIT_POLL_S)
     log.warning("job %s: node rank 0 never started attempt %d; giving up", job_id, share.attempt)

@@ -129,6 +129,9 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             queued_s=queued_s,
             prev_step=prev_step,
             checkpoint_interval=int((job.spec.get("training") or {}).get("checkpoint_interval") or 0),
+            preemptions=job.preemptions,
+            max_preemptions=job.max_preemptions,
+            continuations=job.continuations,
         )
         if gang:
             from megatrain.worker.gang import lead
