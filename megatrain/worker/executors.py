@@ -17,7 +17,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import select
 
@@ -65,6 +65,12 @@ class Executor(Protocol):
         True if the job is known to be fine without a heartbeat (e.g. waiting in its node's broker
         queue), None if there is no evidence here (heartbeat timeouts decide). Raises (e.g.
         StatusUnknown) when a query failed: the scheduler then leaves the job alone this tick."""
+        ...
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        """For a job whose runner is gone without ending its attempt: why it ended, as a failure
+        record (megatrain.failures), where the executor knows it (Slurm's OUT_OF_MEMORY); None
+        where it does not (the attempt is then retried as a lost runner)."""
         ...
 
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
@@ -156,6 +162,9 @@ class LocalExecutor:
 
     def runner_alive(self, job: Job) -> bool | None:
         return pid_verdict(job.runner_host, job.runner_pid)
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        return None  # a runner here writes its own attempt's end; a vanished one says nothing
 
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
         return pid_verdict(host, pid)
@@ -272,6 +281,9 @@ class CeleryExecutor:
         if job.runner_pid is None and self.waiting_in_broker(job.id):
             return True
         return pid_verdict(job.runner_host, job.runner_pid)
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        return None  # a worker's runner writes its own attempt's end
 
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
         """A worker on this host is judged by its pid; one on another node by its heartbeats."""
