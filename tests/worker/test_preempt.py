@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.cluster import seed_job, seed_node
@@ -31,6 +32,9 @@ class _PlaceOnly:
     def refresh_nodes(self) -> None: ...
 
     def runner_alive(self, job: Job) -> bool | None:
+        return None
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
         return None
 
 
