@@ -105,8 +105,9 @@ def write_record(out: Path, record: dict[str, Any]) -> None:
     (out / f"failure.rank{record['rank']}.json").write_text(json.dumps(record))
 
 
-def read_records(out: Path) -> list[dict[str, Any]]:
-    """Every rank's failure record in an attempt's folder (unreadable ones skipped)."""
+def read_records(out: Path, node: str | None = None) -> list[dict[str, Any]]:
+    """Every rank's failure record in an attempt's folder (unreadable ones skipped); `node`: the
+    node they were written on, added to each record that does not name one."""
     records = []
     for path in sorted(out.glob("failure.rank*.json")):
         try:
@@ -114,6 +115,8 @@ def read_records(out: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and "kind" in record:
+            if node is not None:
+                record.setdefault("node", node)
             records.append(record)
     return records
 
@@ -128,14 +131,21 @@ def pick(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def summary(record: dict[str, Any]) -> str:
-    """One line: what failed, on which rank and step, and the exception's message."""
+    """One line: what failed, on which rank (and node) and step, and the exception's message; an
+    out-of-memory record that names its node leads with "out of memory on node N (rank R)"."""
     phase = str(record.get("phase") or "setup")
     what = PHASES.get(phase, phase)
     step = record.get("step")
     when = f"at step {step}" if step else ("before step 1" if phase == "training" else "during setup")
-    verb = "ran out of memory" if record.get("kind") == OUT_OF_MEMORY else "failed"
     exc, message = record.get("exception") or "error", first_line(str(record.get("message") or ""))
-    return f"{what} {verb} on rank {record.get('rank')} {when}: {exc}" + (f": {message}" if message else "")
+    tail = f": {exc}" + (f": {message}" if message else "")
+    rank = record.get("rank")
+    if record.get("kind") == OUT_OF_MEMORY and record.get("node"):
+        who = f"out of memory on node {record['node']}" + (f" (rank {rank})" if rank is not None else "")
+        # A record written for the rank (the OOM killer's, Slurm's) may not know what it was doing.
+        return who + (f" while {what} {when}" if record.get("phase") else "") + tail
+    verb = "ran out of memory" if record.get("kind") == OUT_OF_MEMORY else "failed"
+    return f"{what} {verb} on rank {rank} {when}" + tail
 
 
 def exit_description(rc: int) -> str:
@@ -151,6 +161,9 @@ def exit_description(rc: int) -> str:
 
 def attempt_reason(record: dict[str, Any] | None, rc: int, attempt: int, retrying: bool) -> str:
     """The job's one-line status reason after a failed attempt (never a traceback: that is in the log)."""
+    if record is not None and record.get("kind") == OUT_OF_MEMORY and record.get("cause"):
+        # Ended from outside (the kernel's OOM killer, Slurm): the node's memory ran out.
+        return f"{summary(record)}; not retried: this layout's ranks need more memory than the node has"
     if record is not None and record.get("kind") == OUT_OF_MEMORY:
         return f"{summary(record)}; not retried: this layout needs more memory than each device has"
     if record is not None and record.get("kind") == USER:
@@ -160,12 +173,19 @@ def attempt_reason(record: dict[str, Any] | None, rc: int, attempt: int, retryin
     return f"attempt {attempt}: {cause}; {then}"
 
 
+def failure_data(record: dict[str, Any]) -> dict[str, Any]:
+    """A failure record as a job event carries it (the structured failure for the API and dashboard)."""
+    keys = ("kind", "rank", "phase", "step", "exception", "message")
+    data = {k: record.get(k) for k in keys}
+    # Where known: the node, and who ended a rank from outside (with what evidence).
+    return data | {k: record[k] for k in ("node", "cause", "evidence") if record.get(k) is not None}
+
+
 def event_data(record: dict[str, Any] | None, rc: int, attempt: int) -> dict[str, Any]:
     """The FAILED/QUEUED event's data: the structured failure for the API and dashboard."""
     data: dict[str, Any] = {"attempt": attempt, "exit_code": rc}
     if record is not None:
-        keys = ("kind", "rank", "phase", "step", "exception", "message")
-        data["failure"] = {k: record.get(k) for k in keys}
+        data["failure"] = failure_data(record)
     else:
         data["failure"] = {"kind": INFRASTRUCTURE, "exit": exit_description(rc)}
     return data

@@ -71,6 +71,9 @@ class ResourcesSpec(Strict):
     preemptible: bool = True
     """Whether a queued job of strictly higher priority may preempt this one: it is checkpointed at
     a step boundary, stopped and requeued (not counted as a retry), and resumes from there."""
+    max_preemptions: int = Field(10, ge=0, le=1000)
+    """How many times it may be preempted; after that it is no longer a preemption candidate and
+    runs to its end (its max_retries is never touched by preemptions)."""
 
     @model_validator(mode="before")
     @classmethod

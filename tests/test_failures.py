@@ -112,6 +112,10 @@ def test_reasons_are_one_line() -> None:
         "building the model ran out of memory on rank 0 during setup: OutOfMemoryError: CUDA out of "
         "memory; not retried"
     )
+    # Where the record names its node (the runner adds it), the reason leads with it.
+    assert attempt_reason(oom | {"node": "gpu-07"}, 3, 1, retrying=False).startswith(
+        "out of memory on node gpu-07 (rank 0) while building the model during setup: OutOfMemoryError"
+    )
     assert attempt_reason(None, -9, 1, retrying=False) == (
         "attempt 1: a rank exited with code -9 (signal SIGKILL); no retries left"
     )

@@ -60,6 +60,23 @@ def test_the_engine_and_planning_import_nothing_of_the_control_plane() -> None:
     assert not bad, f"the worker imports the scheduler or the API: {bad}"
 
 
+def test_the_scheduler_reaches_the_worker_only_through_the_executor_interface() -> None:
+    # Only worker/ knows how a job or a background task runs (its processes, hosts, brokers): the
+    # scheduler asks an Executor (worker.executors) and imports nothing else of the worker.
+    bad = []
+    for path in (PACKAGE / "scheduler").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bad += [
+                (path.name, n)
+                for n in names
+                if n.startswith("megatrain.worker") and n != "megatrain.worker.executors"
+            ]
+    assert not bad, f"the scheduler reaches past the executor interface: {sorted(bad)}"
+
+
 def test_no_cycles_between_top_level_parts() -> None:
     graph = {src: {dst for _, dst in targets} for src, targets in _imports().items()}
     cycles = []

@@ -227,7 +227,8 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     position = job.raw.get("queue_position")
     if job.status == "queued" and isinstance(position, int):
         out.print(f"queue      {ordinal(position)} in pool {escape(repr(job.pool))}")
-    out.print(f"progress   step {job.current_step}/{job.total_steps}  attempt {job.attempt}")
+    preempted = f" (preempted {job.preemptions} of at most {job.max_preemptions})" if job.preemptions else ""
+    out.print(f"progress   step {job.current_step}/{job.total_steps}  attempt {job.attempt}{preempted}")
     eta = job.raw.get("eta_s")
     if job.status == "running" and isinstance(eta, int | float):
         step_time = job.raw.get("step_time_s") or 0.0

@@ -39,6 +39,9 @@ class Job:
     num_procs: int | None = None
     attempt: int = 0
     max_retries: int | None = None
+    preemptions: int = 0
+    max_preemptions: int | None = None
+    continuations: int = 0
     cancel_requested: bool = False
     priority: int | None = None
     pool: str | None = None

@@ -28,14 +28,24 @@ from megatrain.db.models import (
 class _Attempts(Protocol):
     attempt: int
     max_retries: int
+    preemptions: int
+    continuations: int
+
+
+def failed_attempts(job: _Attempts) -> int:
+    """The job's starts that did not end preempted or continued at a time limit (this one included,
+    while it runs): what max_retries budgets."""
+    # `or 0`: a row built in code and not flushed yet has no column defaults applied.
+    return job.attempt - (job.preemptions or 0) - (job.continuations or 0)
 
 
 def retry_allowed(job: _Attempts) -> bool:
     """Whether a failed attempt goes back to the queue (True) or ends the job (False).
 
-    `attempt` counts starts, so a job with max_retries=2 runs at most three times.
+    `attempt` counts starts, so a job with max_retries=2 and no preemptions runs at most three
+    times; preempted and continued attempts are not failures and never spend max_retries.
     """
-    return job.attempt <= job.max_retries
+    return failed_attempts(job) <= job.max_retries
 
 
 def record_event(

@@ -172,6 +172,15 @@ class Job(Base):
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     """Number of times the job has been started; retries bump it."""
     max_retries: Mapped[int] = mapped_column(Integer, default=2)
+    """The user's budget of failed attempts (resources.max_retries); nothing changes it."""
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Attempts that ended preempted (checkpointed and requeued for a higher-priority job): not
+    failures, so not counted against max_retries."""
+    max_preemptions: Mapped[int] = mapped_column(Integer, default=10, server_default="10")
+    """resources.max_preemptions: once `preemptions` reaches it the job is no longer preempted."""
+    continuations: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Attempts that ended at an allocation's time limit shorter than max_runtime_s and continued
+    (a chain on Slurm): not failures either."""
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     preempt_for: Mapped[str | None] = mapped_column(String(40), nullable=True)
     """While running: the id of the higher-priority job it is being preempted for (its runner then

@@ -5,14 +5,13 @@ samples): a table of rows pending → running → ready | failed, with the colum
 
 The API's `pending` row is the enqueue: each tick marks the rows nobody handed out yet as submitted
 (a guarded UPDATE: of several schedulers exactly one submits each) and hands them to `submit`. A row
-whose worker stopped heartbeating (or whose local process is gone) goes back to pending, or fails
+whose worker stopped heartbeating (or whose process the executor knows is gone) goes back to pending, or fails
 after `max_attempts`; a row handed out but never claimed is handed out again after a while.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,7 +23,6 @@ from megatrain.db.models import FAILED, PENDING, RUNNING_EXPORT, utcnow
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.executors import Executor
-from megatrain.worker.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +76,8 @@ def dispatch_pending(settings: Settings, row: Any, submit: Callable[[str], None]
     return submitted
 
 
-def _lost_why(task: Any, settings: Settings) -> str | None:
-    if task.runner_pid and task.runner_host == socket.gethostname() and not pid_alive(task.runner_pid):
+def _lost_why(task: Any, settings: Settings, executor: Executor) -> str | None:
+    if executor.worker_alive(task.runner_host, task.runner_pid) is False:
         return f"worker pid {task.runner_pid} on {task.runner_host} is gone"
     last = task.heartbeat_at or task.updated_at
     if last is not None and utcnow() - last > timedelta(seconds=settings.heartbeat_timeout_s):
@@ -87,9 +85,12 @@ def _lost_why(task: Any, settings: Settings) -> str | None:
     return None
 
 
-def reconcile_lost(settings: Settings, row: Any, max_attempts: int, what: str) -> list[str]:
-    """Requeue (or fail, past `max_attempts`) the running rows of table `row` whose worker is lost,
-    and hand out again the ones nobody claimed; returns their ids."""
+def reconcile_lost(
+    settings: Settings, executor: Executor, row: Any, max_attempts: int, what: str
+) -> list[str]:
+    """Requeue (or fail, past `max_attempts`) the running rows of table `row` whose worker is lost
+    (`executor` judges whether its process is gone, heartbeats the rest), and hand out again the
+    ones nobody claimed; returns their ids."""
     url = settings.resolved_database_url
     stale = utcnow() - timedelta(seconds=max(UNCLAIMED_RESUBMIT_S, settings.heartbeat_timeout_s))
     with session_scope(url) as s:
@@ -102,7 +103,7 @@ def reconcile_lost(settings: Settings, row: Any, max_attempts: int, what: str) -
         ).all()
     with session_scope(url) as s:
         running = s.scalars(select(row).where(row.status == RUNNING)).all()
-        lost = [(t.id, t.attempt, why) for t in running if (why := _lost_why(t, settings))]
+        lost = [(t.id, t.attempt, why) for t in running if (why := _lost_why(t, settings, executor))]
     changed = list(unclaimed)
     for ident, attempt, why in lost:
         if attempt < max_attempts:
@@ -139,7 +140,7 @@ class CheckpointTaskKind:
         """Submit the pending rows nobody has submitted yet; returns their ids."""
         return dispatch_pending(settings, self.row, getattr(executor, self.submit), self.what)
 
-    def reconcile(self, settings: Settings) -> list[str]:
+    def reconcile(self, settings: Settings, executor: Executor) -> list[str]:
         """Requeue (or fail) running rows whose worker is lost, and hand out again the ones nobody
         claimed; returns their ids."""
-        return reconcile_lost(settings, self.row, self.max_attempts, self.what)
+        return reconcile_lost(settings, executor, self.row, self.max_attempts, self.what)

@@ -3,14 +3,13 @@
 The API registers a dataset as `pending` (its enqueue is that row); each tick the scheduler marks
 the ones not yet handed out as submitted (a guarded UPDATE, so of several schedulers exactly one
 submits each) and asks the executor to preprocess them. A dataset whose worker stopped
-heartbeating (or whose local process is gone) goes back to pending, or fails after
+heartbeating (or whose worker process the executor knows is gone) goes back to pending, or fails after
 MAX_DATASET_ATTEMPTS, its objects removed.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -20,7 +19,6 @@ from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.storage import StorageError, open_store, split_url
 from megatrain.worker.executors import Executor
-from megatrain.worker.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +63,8 @@ def dispatch_datasets(settings: Settings, executor: Executor) -> list[str]:
     return submitted
 
 
-def _lost_why(ds: Dataset, settings: Settings) -> str | None:
-    if ds.runner_pid and ds.runner_host == socket.gethostname() and not pid_alive(ds.runner_pid):
+def _lost_why(ds: Dataset, settings: Settings, executor: Executor) -> str | None:
+    if executor.worker_alive(ds.runner_host, ds.runner_pid) is False:
         return f"worker pid {ds.runner_pid} on {ds.runner_host} is gone"
     last = ds.heartbeat_at or ds.updated_at
     if last is not None and utcnow() - last > timedelta(seconds=settings.heartbeat_timeout_s):
@@ -74,13 +72,16 @@ def _lost_why(ds: Dataset, settings: Settings) -> str | None:
     return None
 
 
-def reconcile_datasets(settings: Settings) -> list[str]:
-    """Requeue (or fail) datasets whose preprocessing worker is lost; returns their ids."""
+def reconcile_datasets(settings: Settings, executor: Executor) -> list[str]:
+    """Requeue (or fail) datasets whose preprocessing worker is lost (`executor` judges whether its
+    process is gone; heartbeats judge the rest); returns their ids."""
     url = settings.resolved_database_url
     changed = []
     with session_scope(url) as s:
         rows = s.scalars(select(Dataset).where(Dataset.state == PROCESSING)).all()
-        lost = [(d.id, d.attempt, d.prefix_url, why) for d in rows if (why := _lost_why(d, settings))]
+        lost = [
+            (d.id, d.attempt, d.prefix_url, why) for d in rows if (why := _lost_why(d, settings, executor))
+        ]
     for dataset_id, attempt, prefix_url, why in lost:
         if attempt < MAX_DATASET_ATTEMPTS:
             values = {

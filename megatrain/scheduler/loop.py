@@ -36,6 +36,7 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
+from megatrain.failures import NOT_RETRIED, attempt_reason, failure_data
 from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
 from megatrain.scheduler.exports import dispatch_exports, reconcile_exports
 from megatrain.scheduler.placement import Decision, Placement, place
@@ -200,6 +201,7 @@ class Scheduler:
         rows = s.execute(
             select(
                 Job.id, Job.pool, Job.priority, Job.started_at, Job.node_id, Job.devices, Job.preempt_for,
+                Job.preemptions, Job.max_preemptions,
                 Job.spec["resources"]["preemptible"].as_boolean().label("preemptible"),
             ).where(Job.status == RUNNING, Job.node_id.is_not(None))
         ).all()  # fmt: skip
@@ -215,6 +217,7 @@ class Scheduler:
                 r.id, r.pool, r.priority, r.started_at.timestamp() if r.started_at else 0.0,
                 tuple(shares.get(r.id) or [(r.node_id, tuple(r.devices or ()))]),
                 preemptible=r.preemptible is not False, preempting=r.preempt_for is not None,
+                preemptions_left=r.max_preemptions - r.preemptions,
             )
             for r in rows
         ]  # fmt: skip
@@ -290,6 +293,15 @@ class Scheduler:
         if last is not None and now - last > timeout:
             return f"no heartbeat from {job.runner_host} for {(now - last).total_seconds():.0f}s"
         return None
+
+    def _runner_failure(self, job: Job) -> dict[str, Any] | None:
+        """Why the executor says the job's gone runner ended (a failure record), or None; a query
+        that fails says nothing (the attempt is then judged as a lost runner)."""
+        try:
+            return self.executor.runner_failure(job)
+        except Exception as exc:
+            log.warning("job %s: could not ask why its runner ended (%s)", job.id, exc)
+            return None
 
     def mark_lost_nodes(self, now: datetime | None = None) -> list[tuple[str, str]]:
         """Mark lost every ready node unseen for node_lost_after_s; (id, hostname) of those this
@@ -381,19 +393,24 @@ class Scheduler:
                 if why is None:
                     continue
                 clear = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
+                failure, data = self._runner_failure(job), None
                 if job.cancel_requested:
                     to, reason = CANCELLED, f"{why}; cancel was requested"
+                elif failure is not None and failure.get("kind") in NOT_RETRIED:
+                    # The executor knows why (Slurm's OUT_OF_MEMORY): every retry would end the same.
+                    to, reason = FAILED, attempt_reason(failure, 0, job.attempt, retrying=False)
+                    data = {"attempt": job.attempt, "failure": failure_data(failure)}
                 elif retry_allowed(job):
                     to, reason = QUEUED, f"runner lost ({why}); retrying, will resume from checkpoint"
                 else:
                     to, reason = FAILED, f"runner lost ({why}) on attempt {job.attempt}; no retries left"
                 log.warning("job %s: %s", job_id, reason)
                 ran = _attempt_facts(job) if job.status == RUNNING else None
-                if transition(s, job_id, to, from_statuses=(job.status,), reason=reason, **clear):
+                if transition(s, job_id, to, from_statuses=(job.status,), reason=reason, data=data, **clear):
                     changed.append(job_id)
-                    if ran is not None and (
-                        why := record_lost_attempt(s, self.settings, ran, to, "runner_lost")
-                    ):
+                    # An out-of-memory end is the layout's, not the node's: no quarantine count.
+                    lost_as = str(failure["kind"]) if data is not None and failure else "runner_lost"
+                    if ran is not None and (why := record_lost_attempt(s, self.settings, ran, to, lost_as)):
                         log.warning("node of job %s quarantined: %s", job_id, why)
         return changed
 
@@ -401,15 +418,21 @@ class Scheduler:
 
     def datasets_once(self) -> list[str]:
         """Recover datasets whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_datasets(self.settings) + dispatch_datasets(self.settings, self.executor)
+        return reconcile_datasets(self.settings, self.executor) + dispatch_datasets(
+            self.settings, self.executor
+        )
 
     def exports_once(self) -> list[str]:
         """Recover exports whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_exports(self.settings) + dispatch_exports(self.settings, self.executor)
+        return reconcile_exports(self.settings, self.executor) + dispatch_exports(
+            self.settings, self.executor
+        )
 
     def samples_once(self) -> list[str]:
         """Recover samples whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_samples(self.settings) + dispatch_samples(self.settings, self.executor)
+        return reconcile_samples(self.settings, self.executor) + dispatch_samples(
+            self.settings, self.executor
+        )
 
     # -- loop ------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Preemption, pure: which running jobs to stop so a higher-priority queued job fits in its pool.
 
 A queued job that finds no room may take it from running jobs of the same pool whose priority is
-strictly lower and which are preemptible (`resources.preemptible`, true by default). The victims are
+strictly lower and which are preemptible (`resources.preemptible`, true by default) with preemptions
+left (`resources.max_preemptions`: a job preempted that many times is no longer a candidate and runs
+to its end; preemptions never spend its max_retries). The victims are
 the fewest that free enough room, preferring the lowest priority and, among equals, the most
 recently started (it has the least work to lose). Room counts the way placement counts it: whole
 nodes' devices, whole tp×cp groups per node, a gang only where the executor runs multi-node jobs,
@@ -37,6 +39,8 @@ class RunningJob:
     preemptible: bool = True
     preempting: bool = False
     """Already told to checkpoint and stop: its room is as good as free."""
+    preemptions_left: int = 1
+    """resources.max_preemptions less the times it was preempted: at 0 it is no longer a candidate."""
 
 
 def _freed(nodes: Sequence[NodeRoom], victims: Sequence[RunningJob]) -> list[NodeRoom]:
@@ -75,7 +79,11 @@ def choose_victims(
         return ()
     # Lowest priority first; among equals the most recently started, then by id for stable output.
     candidates = sorted(
-        (r for r in mine if not r.preempting and r.preemptible and r.priority < job.priority),
+        (
+            r
+            for r in mine
+            if not r.preempting and r.preemptible and r.preemptions_left > 0 and r.priority < job.priority
+        ),
         key=lambda r: (r.priority, -r.started_s, r.id),
     )
     if not candidates or not _fits(job, _freed(base, candidates), multi_node):

@@ -42,17 +42,23 @@ class Attempt:
     """How long the job waited in the queue before this attempt (for the goodput ledger)."""
     prev_step: int = 0
     checkpoint_interval: int = 0
+    preemptions: int = 0
+    """Earlier attempts of the job that ended preempted (not failures: see db.jobs.retry_allowed)."""
+    max_preemptions: int = 10
+    continuations: int = 0
+    """Earlier attempts that ended at an allocation's time limit and continued (not failures)."""
 
 
 def end_failed_attempt(
-    s: Session, att: Attempt, rc: int, silent: list[tuple[str, str]] | None = None
+    s: Session, att: Attempt, rc: int, silent: list[tuple[str, str]] | None = None, node: str | None = None
 ) -> tuple[bool, bool]:
     """running → queued (retried) or failed, explained by the attempt's failure records: this
     node's, and for a gang every shard's that reported its own (worker.gang.shard_records).
     `silent` (node id, hostname): a gang's nodes whose shard never reported its end (gone with
     its worker): named in the reason and avoided by the retry, as is this node after an
-    infrastructure failure. Returns (transitioned, an infrastructure failure)."""
-    records = read_records(att.out_dir)
+    infrastructure failure. `node`: this node's name, for its records. Returns (transitioned, an
+    infrastructure failure)."""
+    records = read_records(att.out_dir, node)
     if att.rendezvous is not None:
         from megatrain.worker.gang import shard_records
 

@@ -3,7 +3,8 @@
 `local` spawns a detached runner process on this machine; `celery` sends a task to the queue of
 the node the job was placed on; `slurm` (worker.slurm) submits one sbatch job per attempt. The
 scheduler knows only this interface: `submit` a placed job, `refresh_nodes` once per tick, and ask
-`runner_alive` before it declares a runner lost.
+`runner_alive` (a job's runner) or `worker_alive` (the worker of a dataset, export or sample) before
+it declares one lost.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import select
 
@@ -66,6 +67,18 @@ class Executor(Protocol):
         StatusUnknown) when a query failed: the scheduler then leaves the job alone this tick."""
         ...
 
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        """For a job whose runner is gone without ending its attempt: why it ended, as a failure
+        record (megatrain.failures), where the executor knows it (Slurm's OUT_OF_MEMORY); None
+        where it does not (the attempt is then retried as a lost runner)."""
+        ...
+
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        """For background work (a dataset's preprocessing, an export, a sample) whose worker claimed
+        it as process `pid` on `host`: False if that process is known to be gone (requeue the work
+        now), None if there is no evidence here (heartbeat timeouts decide)."""
+        ...
+
 
 class StatusUnknown(RuntimeError):
     """runner_alive could not find out (a failed broker or status query): neither alive nor dead."""
@@ -83,10 +96,10 @@ def runner_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _pid_verdict(job: Job) -> bool | None:
-    """False when the job's runner process was on this host and has exited; None otherwise (a live
-    pid may still be hung: heartbeats judge that)."""
-    if job.runner_pid and job.runner_host == socket.gethostname() and not pid_alive(job.runner_pid):
+def pid_verdict(host: str | None, pid: int | None) -> bool | None:
+    """False when process `pid` was on this host and has exited; None otherwise (another host's
+    process cannot be seen from here, and a live pid may still be hung: heartbeats judge that)."""
+    if pid and host == socket.gethostname() and not pid_alive(pid):
         return False
     return None
 
@@ -148,7 +161,13 @@ class LocalExecutor:
         self._refreshed_at = time.monotonic()
 
     def runner_alive(self, job: Job) -> bool | None:
-        return _pid_verdict(job)
+        return pid_verdict(job.runner_host, job.runner_pid)
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        return None  # a runner here writes its own attempt's end; a vanished one says nothing
+
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        return pid_verdict(host, pid)
 
 
 class CeleryExecutor:
@@ -261,7 +280,14 @@ class CeleryExecutor:
     def runner_alive(self, job: Job) -> bool | None:
         if job.runner_pid is None and self.waiting_in_broker(job.id):
             return True
-        return _pid_verdict(job)
+        return pid_verdict(job.runner_host, job.runner_pid)
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        return None  # a worker's runner writes its own attempt's end
+
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        """A worker on this host is judged by its pid; one on another node by its heartbeats."""
+        return pid_verdict(host, pid)
 
 
 def get_executor(settings: Settings) -> Executor:

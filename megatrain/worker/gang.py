@@ -160,6 +160,8 @@ def _await_leader(settings: Settings, job_id: str, share: Share) -> Attempt | No
                     devices=row.devices,
                     accelerator=row.accelerator or "cpu",
                     rendezvous=rdzv,
+                    preemptions=job.preemptions,
+                    continuations=job.continuations,
                 )
         time.sleep(WAIT_POLL_S)
     log.warning("job %s: node rank 0 never started attempt %d; giving up", job_id, share.attempt)
@@ -172,7 +174,6 @@ class _FollowerRunner(_Runner):
 
     def __init__(self, settings: Settings, att: Attempt, stop: TimeLimit | None = None):
         super().__init__(settings, att, stop)
-        self.node = node_name(settings)
 
     def tick(self, heartbeat: bool) -> str | None:
         self.pending_lines = [f"[{self.node}] {line}" for line in self.pending_lines]
@@ -196,7 +197,7 @@ class _FollowerRunner(_Runner):
         if self.stop is not None and self.stop.reached():
             return  # its ranks stopped at the time limit with node rank 0's, which ends the attempt
         att = self.att
-        records = read_records(att.out_dir)
+        records = read_records(att.out_dir, self.node)
         with session_scope(self.url) as s:
             job = s.scalars(select(Job).where(Job.id == att.job_id).with_for_update()).first()
             if job is None or job.status != RUNNING or job.attempt != att.attempt:
@@ -209,7 +210,7 @@ class _FollowerRunner(_Runner):
             record_event(s, att.job_id, SHARD_FAILED_EVENT, f"shard on {self.node} exited {rc}", data)
             s.flush()
             # It reads every shard's reported records, this one's included.
-            end_failed_attempt(s, att, rc)
+            end_failed_attempt(s, att, rc, node=self.node)
 
 
 def run_follower(job_id: str, share: Share, settings: Settings, stop: TimeLimit | None = None) -> int:

@@ -86,9 +86,21 @@ def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
 
 
 def requeue_preempted(s: Session, att: Attempt, step: int | None, clear: dict[str, object]) -> bool:
-    """running → queued after a preemption (not a retry), to resume from `step`."""
-    reason = f"preempted by a higher-priority job; resumes from {_where(step)}"
-    return _queue_again(s, att, reason, {"attempt": att.attempt, "step": step}, clear)
+    """running → queued after a preemption (not a retry), to resume from `step`; counted in the
+    job's `preemptions` (once they reach max_preemptions it is no longer preempted)."""
+    count = att.preemptions + 1
+    last = "; it will not be preempted again" if count >= att.max_preemptions else ""
+    reason = (
+        f"preempted by a higher-priority job ({count} of at most {att.max_preemptions}); "
+        f"resumes from {_where(step)}{last}"
+    )
+    data = {
+        "attempt": att.attempt,
+        "step": step,
+        "preemptions": count,
+        "max_preemptions": att.max_preemptions,
+    }
+    return _queue_again(s, att, reason, data, clear | {"preemptions": count})
 
 
 def end_at_time_limit(
@@ -101,18 +113,18 @@ def end_at_time_limit(
     data = {"attempt": att.attempt, "step": step, "time_limit_s": stop.limit_s}
     if stop.limit_s < att.max_runtime_s:
         reason = f"reached the allocation's time limit ({stop.limit_s:g}s); resumes from {_where(step)}"
-        return _queue_again(s, att, reason, data, clear)
+        return _queue_again(s, att, reason, data, clear | {"continuations": att.continuations + 1})
     saved = f"; checkpointed at step {step}" if step is not None else ""
     reason = f"exceeded max_runtime_s={att.max_runtime_s:g}{saved}"
     return transition(s, att.job_id, FAILED, from_statuses=(RUNNING,), reason=reason, data=data)
 
 
 def _queue_again(
-    s: Session, att: Attempt, reason: str, data: dict[str, object], clear: dict[str, object]
+    s: Session, att: Attempt, reason: str, data: dict[str, object], fields: dict[str, object]
 ) -> bool:
-    """running → queued, not as a retry: max_retries grows with the attempt counter, so the job's
-    budget of failed attempts is unchanged."""
-    fields = clear | {"max_retries": att.max_retries + 1}
+    """running → queued, not as a retry: `fields` count the attempt as a preemption or a
+    continuation, which db.jobs.retry_allowed leaves out of the failed attempts (the user's
+    max_retries is never changed)."""
     return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
 
 

@@ -57,7 +57,8 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     free_port,
 )
 from megatrain.worker.ledger import AttemptClock
-from megatrain.worker.nodes import device_env
+from megatrain.worker.nodes import device_env, node_name
+from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop, end_at_time_limit, requeue_preempted
 from megatrain.worker.procs import die_with_parent, terminate_tree
 
@@ -129,6 +130,9 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             queued_s=queued_s,
             prev_step=prev_step,
             checkpoint_interval=int((job.spec.get("training") or {}).get("checkpoint_interval") or 0),
+            preemptions=job.preemptions,
+            max_preemptions=job.max_preemptions,
+            continuations=job.continuations,
         )
         if gang:
             from megatrain.worker.gang import lead
@@ -182,6 +186,9 @@ class _Runner:
         """Where the allocation's time limit comes from, on a cluster that has one (Slurm)."""
         self.url = settings.resolved_database_url
         self.host = socket.gethostname()
+        self.node = node_name(settings)
+        self.oom = OomWatch(launcher=att.num_procs > 1 or att.rendezvous is not None)
+        """The OOM kill counters from before the engine starts, and torchrun's report of its ranks."""
         self.pid = os.getpid()
         self.metrics = JsonlTail(att.out_dir / "metrics.jsonl")
         self.events = JsonlTail(att.out_dir / "events.jsonl")
@@ -310,7 +317,7 @@ class _Runner:
             elif rc == 0:
                 ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
             else:
-                ok, infra = end_failed_attempt(s, att, rc, silent)
+                ok, infra = end_failed_attempt(s, att, rc, silent, self.node)
                 failure = "infrastructure" if infra else None
             if not ok:
                 log.warning("job %s: someone else moved it out of running before this runner", job_id)
@@ -431,6 +438,8 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
             break
         time.sleep(1)
     rc = proc.returncode
+    if outcome == "exited" and rc != 0 and runner.oom.conclude(rc, att.out_dir, runner.node) is not None:
+        log.warning("job %s: the kernel's OOM killer ended a rank on %s", job_id, runner.node)
     for delay in (0, 1, 5):
         time.sleep(delay)
         try:
@@ -460,6 +469,7 @@ def _drain(lines: queue.Queue[str | None], runner: _Runner) -> None:
             return
         if line is not None:
             runner.pending_lines.append(line)
+            runner.oom.observe(line)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ def test_create_and_get(api: Api) -> None:
     assert job["num_procs"] == 2 and job["layout"]["dp"] == 2 and job["layout"]["tp"] == 1
     assert job["total_steps"] == 30 and job["priority"] == 5 and job["pool"] == "default"
     assert job["max_retries"] == 2 and job["cancel_requested"] is False
+    assert (job["preemptions"], job["max_preemptions"], job["continuations"]) == (0, 10, 0)
     # The stored spec is the normalised one: defaults filled in.
     assert job["spec"]["training"]["lr"] == 3e-4 and job["spec"]["model"]["num_layers"] == 2
     got = api.client.get(f"/v1/jobs/{job['id']}", headers=api.headers)
@@ -40,6 +41,12 @@ def test_create_and_get(api: Api) -> None:
     events = api.client.get(f"/v1/jobs/{job['id']}/events", headers=api.headers).json()
     assert [(e["kind"], e["to_status"]) for e in events] == [("queued", "queued")]
     assert events[0]["data"]["layout"]["dp"] == 2
+
+
+def test_the_preemption_budget_is_the_users_and_shown_apart_from_retries(api: Api) -> None:
+    job = api.submit(api.spec("budget", resources={"max_retries": 1, "max_preemptions": 3}))
+    got = api.client.get(f"/v1/jobs/{job['id']}", headers=api.headers).json()
+    assert (got["max_retries"], got["preemptions"], got["max_preemptions"]) == (1, 0, 3)
 
 
 def test_yaml_body(api: Api) -> None:

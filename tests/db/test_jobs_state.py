@@ -64,6 +64,10 @@ def test_retry_allowed_counts_starts() -> None:
     # attempt counts starts: max_retries=2 allows a 2nd and a 3rd start, not a 4th
     assert [retry_allowed(Job(attempt=a, max_retries=2)) for a in (1, 2, 3)] == [True, True, False]
     assert not retry_allowed(Job(attempt=1, max_retries=0))
+    # Preempted and continued starts are not failures: a 5th start after 3 preemptions and one
+    # continuation that fails is the job's first failure, retried only if max_retries allows one.
+    assert not retry_allowed(Job(attempt=5, max_retries=0, preemptions=3, continuations=1))
+    assert retry_allowed(Job(attempt=5, max_retries=1, preemptions=3, continuations=1))
 
 
 def test_leaving_active_frees_devices_and_any_transition_clears_the_wait_reason(db_url: str) -> None:

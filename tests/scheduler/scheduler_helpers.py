@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from megatrain.db.models import Job
 
@@ -29,3 +30,9 @@ class RecordingExecutor:
 
     def runner_alive(self, job: Job) -> bool | None:
         return self.verdicts.get(job.id)
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        return None
+
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        return None

@@ -14,7 +14,7 @@ def node(name: str, total: int, busy: tuple[int, ...]) -> NodeRoom:
 
 
 def run(
-    job_id: str, prio: int, started: float, *shares: tuple[str, tuple[int, ...]], **kw: bool
+    job_id: str, prio: int, started: float, *shares: tuple[str, tuple[int, ...]], **kw: bool | int
 ) -> RunningJob:
     return RunningJob(job_id, "p", prio, started, tuple(shares), **kw)
 
@@ -66,6 +66,14 @@ CASES = [
         [run("keep", 0, 1.0, ("a", (0, 1)), preemptible=False), run("go", 0, 2.0, ("a", (2, 3)))],
         False,
         None,
+    ),
+    (
+        "a spent preemption budget is never chosen",
+        QueuedJob("q", "p", 2, priority=5),
+        N4,
+        [run("spent", 0, 9.0, ("a", (0, 1)), preemptions_left=0), run("old", 0, 1.0, ("a", (2, 3)))],
+        False,
+        ("old",),
     ),
     (
         "already leaving counts as freed",

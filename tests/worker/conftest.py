@@ -18,6 +18,7 @@ from megatrain.db.jobs import reserve_and_schedule
 from megatrain.db.models import Node, NodePool
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings, reset_settings_cache
+from megatrain.worker import oom
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
@@ -27,6 +28,23 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MEGATRAIN_ENGINE_MODULE", str(FAKE_ENGINE))
     monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.01")
     return FAKE_ENGINE
+
+
+@pytest.fixture
+def oom_counters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fabricated /proc and cgroup v2 tree for the runner's OOM kill counters (worker.oom), so
+    no OOM kill elsewhere on this machine changes a verdict; returns the runner's cgroup's
+    memory.events, whose oom_kill a test (or the fake engine, FAKE_ENGINE_OOM_COUNTER) bumps."""
+    proc, cgroup = tmp_path / "oom-proc", tmp_path / "oom-cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/megatrain/runner\n")
+    (proc / "vmstat").write_text("pgfault 100\noom_kill 7\n")
+    events = cgroup / "megatrain" / "runner" / "memory.events"
+    events.parent.mkdir(parents=True)
+    events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    monkeypatch.setattr(oom, "PROC", proc)
+    monkeypatch.setattr(oom, "CGROUP_FS", cgroup)
+    return events
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ OUT/pids/. Behaviour knobs (environment):
   FAKE_ENGINE_MESSAGE        ... with this message
   FAKE_ENGINE_PHASE          ... while this phase (default training: at the step; else at setup)
   FAKE_ENGINE_SIGNAL         ... or kill itself with this signal number there
+  FAKE_ENGINE_FAIL_RANK      ... only on this rank (default: every rank)
+  FAKE_ENGINE_OOM_COUNTER    ... having first added one to `oom_kill` in this file (a fabricated
+                             memory.events: what the kernel's OOM killer does as it kills)
   FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
   FAKE_ENGINE_IGNORE_SIGUSR2 1: ignore SIGUSR2 (a preempted run that never stops by itself)
   FAKE_ENGINE_HANG_AT        rank FAKE_ENGINE_HANG_RANK (default 0) stops making progress before
@@ -63,6 +66,10 @@ def _fail(out: Path, rank: int, step: int | None) -> int:
         write_record(out, describe(exc, rank, Activity(phase, step)))
         return 1
     if number := os.environ.get("FAKE_ENGINE_SIGNAL"):
+        if counter := os.environ.get("FAKE_ENGINE_OOM_COUNTER"):
+            path = Path(counter)
+            rows = [ln.split() for ln in path.read_text().splitlines()]
+            path.write_text("".join(f"{k} {int(v) + (k == 'oom_kill')}\n" for k, v in rows))
         os.kill(os.getpid(), int(number))
     return int(os.environ.get("FAKE_ENGINE_EXIT_CODE", "3"))
 
@@ -133,7 +140,8 @@ def main() -> int:
         )
     for step in range(start + 1, iters + 1):
         time.sleep(step_s)
-        if fail_at and step == fail_at and _should_fail(marker):
+        fail_rank = os.environ.get("FAKE_ENGINE_FAIL_RANK")
+        if fail_at and step == fail_at and fail_rank in (None, str(rank)) and _should_fail(marker):
             return _fail(out, rank, step)
         if hang_at and step == hang_at and rank == hang_rank and _should_fail(marker):
             (out / f"hanging.rank{rank}").write_text(str(step))

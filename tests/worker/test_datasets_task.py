@@ -193,7 +193,7 @@ def test_a_lost_worker_is_retried_then_failed(settings: Settings, register: Call
         assert claim(settings, dataset_id) == attempt
         with session_scope(settings.resolved_database_url) as s:
             s.execute(update(Dataset).values(heartbeat_at=stale, runner_pid=None))
-        assert reconcile_datasets(settings) == [dataset_id]
+        assert reconcile_datasets(settings, LocalExecutor(settings)) == [dataset_id]
         ds = _row(settings, dataset_id)
         assert ds is not None and "no heartbeat" in ds.state_reason
         assert ds.state == (PENDING if attempt < MAX_DATASET_ATTEMPTS else FAILED)
@@ -201,7 +201,37 @@ def test_a_lost_worker_is_retried_then_failed(settings: Settings, register: Call
     # A fresh heartbeat is not lost.
     fresh = register("fresh")
     claim(settings, fresh)
-    assert reconcile_datasets(settings) == []
+    assert reconcile_datasets(settings, LocalExecutor(settings)) == []
+
+
+class _Verdict:
+    """An executor that says one thing of every background worker, and records what it was asked."""
+
+    def __init__(self, verdict: bool | None):
+        self.verdict = verdict
+        self.asked: list[tuple[str | None, int | None]] = []
+
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        self.asked.append((host, pid))
+        return self.verdict
+
+
+def test_the_executor_judges_whether_a_workers_process_is_gone(
+    settings: Settings, register: Callable[..., str]
+) -> None:
+    """The scheduler asks the executor (the worker/ seam), never the process table itself: its
+    False requeues a heartbeating dataset at once; None leaves it to the heartbeats."""
+    dataset_id = register()
+    claim(settings, dataset_id)
+    with session_scope(settings.resolved_database_url) as s:
+        s.execute(update(Dataset).values(runner_host="node-7", runner_pid=4242, heartbeat_at=utcnow()))
+    unsure = _Verdict(None)
+    assert reconcile_datasets(settings, unsure) == []  # type: ignore[arg-type]
+    assert unsure.asked == [("node-7", 4242)]
+    assert reconcile_datasets(settings, _Verdict(False)) == [dataset_id]  # type: ignore[arg-type]
+    ds = _row(settings, dataset_id)
+    assert ds is not None and ds.state == PENDING
+    assert ds.state_reason == "worker lost (worker pid 4242 on node-7 is gone); retrying"
 
 
 def test_the_local_executor_preprocesses_through_the_scheduler(

@@ -160,7 +160,7 @@ def test_dispatch_once_and_recover_lost_workers(settings: Settings, make_job: Ca
                 .where(CheckpointExport.id == export_id)
                 .values(status=RUNNING_EXPORT, attempt=attempt, runner_host="elsewhere", heartbeat_at=old)
             )
-    assert sorted(reconcile_exports(settings)) == sorted([first, second])
+    assert sorted(reconcile_exports(settings, LocalExecutor(settings))) == sorted([first, second])
     retried, given_up = _row(settings, first), _row(settings, second)
     assert (retried.status, retried.submitted_at) == (PENDING, None) and "retrying" in retried.error
     assert given_up.status == FAILED and "giving up" in given_up.error
@@ -172,9 +172,9 @@ def test_dispatch_once_and_recover_lost_workers(settings: Settings, make_job: Ca
             .where(CheckpointExport.id == first)
             .values(submitted_at=utcnow() - timedelta(seconds=UNCLAIMED_RESUBMIT_S + 5))
         )
-    assert reconcile_exports(settings) == [first]
+    assert reconcile_exports(settings, LocalExecutor(settings)) == [first]
     assert dispatch_exports(settings, executor) == [first]
-    assert reconcile_exports(settings) == []
+    assert reconcile_exports(settings, LocalExecutor(settings)) == []
 
 
 def _wait_done(settings: Settings, export_id: str, timeout_s: float = 120.0) -> CheckpointExport:

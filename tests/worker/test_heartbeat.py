@@ -28,6 +28,9 @@ class NoEvidence:
     def runner_alive(self, job: Job) -> bool | None:
         return None
 
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        return None
+
 
 def test_a_slow_runner_never_relaunches_a_healthy_attempt(
     settings: Settings,

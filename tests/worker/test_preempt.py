@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.cluster import seed_job, seed_node
@@ -13,10 +14,13 @@ from sqlalchemy import select
 from worker_helpers import job_spec, wait_for
 
 from megatrain.db.goodput import job_goodput
-from megatrain.db.models import QUEUED, RUNNING, SUCCEEDED, AttemptLedger, Job, JobEvent, JobMetric
+from megatrain.db.jobs import retry_allowed
+from megatrain.db.models import CANCELLED, QUEUED, RUNNING, SUCCEEDED, AttemptLedger, Job, JobEvent, JobMetric
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
+from megatrain.worker.attempt import Attempt
+from megatrain.worker.preempt import requeue_preempted
 from megatrain.worker.shard import run_shard
 
 
@@ -28,6 +32,9 @@ class _PlaceOnly:
     def refresh_nodes(self) -> None: ...
 
     def runner_alive(self, job: Job) -> bool | None:
+        return None
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
         return None
 
 
@@ -63,9 +70,12 @@ def test_a_higher_priority_job_preempts_checkpoints_and_the_victim_resumes(
     after = _job(url, low)
     assert after.status == QUEUED
     assert after.preempt_for is None
-    assert after.max_retries == 1  # not a retry: the budget of failed attempts is unchanged
+    assert after.max_retries == 0 and after.preemptions == 1  # not a retry: counted apart
     step = int(after.status_reason.rsplit(" ", 1)[1])
-    assert after.status_reason == f"preempted by a higher-priority job; resumes from step {step}"
+    assert (
+        after.status_reason
+        == f"preempted by a higher-priority job (1 of at most 10); resumes from step {step}"
+    )
     assert 3 <= step < 40
     with session_scope(url) as s:
         kinds = list(s.scalars(select(JobEvent.kind).where(JobEvent.job_id == low).order_by(JobEvent.id)))
@@ -149,8 +159,62 @@ def test_an_engine_that_does_not_stop_is_terminated_after_the_grace(
     runner.join(timeout=30)
     assert codes and codes[0] != 0  # stopped with SIGTERM
     after = _job(url, low)
-    assert after.status == QUEUED and after.max_retries == 1
-    assert after.status_reason == "preempted by a higher-priority job; resumes from its latest checkpoint"
+    assert after.status == QUEUED and (after.max_retries, after.preemptions) == (0, 1)
+    assert after.status_reason == (
+        "preempted by a higher-priority job (1 of at most 10); resumes from its latest checkpoint"
+    )
     with session_scope(url) as s:
         (row,) = s.scalars(select(AttemptLedger).where(AttemptLedger.job_id == low)).all()
     assert row.outcome == "preempted" and row.preempt_s >= 0.5
+
+
+def _preempt_once(url: str, sched: Scheduler, low: str, out: Path) -> None:
+    """Run `low` (scheduled), let a new higher-priority job preempt it and its runner requeue it, as
+    run_shard does once the engine checkpointed; then drop the higher-priority job again."""
+    with session_scope(url) as s:
+        s.get(Job, low).status = RUNNING  # as its runner would: preemption looks at running jobs only
+    high = seed_job(url, 1, pool="solo", priority=5, spec=job_spec(3))
+    assert sched.schedule_once() == []
+    assert _job(url, low).preempt_for == high
+    with session_scope(url) as s:
+        job = s.get(Job, low)
+        att = Attempt(low, job.attempt, job.max_retries, 1, 86400.0, out, preemptions=job.preemptions)
+        att.max_preemptions = job.max_preemptions  # as _claim reads them off the job
+        assert requeue_preempted(s, att, 7, {"runner_pid": None, "runner_host": None})
+        s.get(Job, high).status = CANCELLED
+    assert sched.schedule_once() == [low]
+
+
+def test_preemptions_have_their_own_budget_and_never_touch_max_retries(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Preempted N times, a job keeps the max_retries its user set, and every retry of it; once its
+    preemptions reach resources.max_preemptions it is no longer a candidate and runs on."""
+    url = settings.resolved_database_url
+    seed_node(url, 1, "solo", "solonode")
+    sched = Scheduler(settings, _PlaceOnly())
+    spec = job_spec(20)
+    spec["resources"]["max_preemptions"] = 2
+    low = seed_job(url, 1, pool="solo", priority=0, max_retries=1, max_preemptions=2, spec=spec)
+    assert sched.schedule_once() == [low]
+    _preempt_once(url, sched, low, tmp_path)
+    _preempt_once(url, sched, low, tmp_path)
+    job = _job(url, low)
+    assert (job.attempt, job.max_retries, job.preemptions, job.max_preemptions) == (3, 1, 2, 2)
+    with session_scope(url) as s:
+        requeued = s.scalars(
+            select(JobEvent).where(JobEvent.job_id == low, JobEvent.to_status == QUEUED).order_by(JobEvent.id)
+        ).all()
+        assert [e.reason for e in requeued[-2:]] == [
+            "preempted by a higher-priority job (1 of at most 2); resumes from step 7",
+            "preempted by a higher-priority job (2 of at most 2); resumes from step 7; it will not be "
+            "preempted again",
+        ]
+        assert [e.data["preemptions"] for e in requeued[-2:]] == [1, 2]
+    assert retry_allowed(job)  # a failure of this third start is its first: one retry left
+    # The budget is spent: a higher-priority job now waits instead.
+    with session_scope(url) as s:
+        s.get(Job, low).status = RUNNING
+    seed_job(url, 1, pool="solo", priority=5, spec=job_spec(3))
+    assert sched.schedule_once() == []
+    assert _job(url, low).preempt_for is None

@@ -27,6 +27,7 @@ from megatrain.plan.layout import resolve_layout
 from megatrain.progress_files import read_progress
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
+from megatrain.worker.nodes import node_name
 from megatrain.worker.shard import run_shard
 
 pytestmark = pytest.mark.slow
@@ -146,7 +147,9 @@ def test_an_out_of_memory_attempt_fails_the_job_at_once(
         job = s.get(Job, job_id)
         assert rc != 0 and job.status == FAILED, job.status_reason
         assert job.attempt == 1  # two retries were left: none was spent on an attempt bound to fail
-        assert job.status_reason.startswith("building the model ran out of memory on rank 0 during setup: ")
+        assert job.status_reason.startswith(
+            f"out of memory on node {node_name(settings)} (rank 0) while building the model during setup: "
+        )
         assert "RuntimeError: " in job.status_reason and "not retried" in job.status_reason
         assert "\n" not in job.status_reason
 

@@ -123,7 +123,7 @@ def test_the_scheduler_hands_samples_out_once_and_gives_up_after_lost_workers(
             row = s.get(CheckpointSample, sample_id)
             row.status, row.attempt, row.heartbeat_at = RUNNING_EXPORT, attempt, silent_since
             row.runner_host = "gone"
-    assert sorted(reconcile_samples(settings)) == sorted(ids)
+    assert sorted(reconcile_samples(settings, LocalExecutor(settings))) == sorted(ids)
     retried, given_up = (_row(settings, i) for i in ids)
     assert (retried.status, given_up.status) == (PENDING, FAILED)
     assert "retrying" in retried.error and "giving up" in given_up.error

@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.cluster import seed_job, seed_node
@@ -233,6 +234,9 @@ class _PlaceOnly:
     def refresh_nodes(self) -> None: ...
 
     def runner_alive(self, job: Job) -> bool | None:
+        return None
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
         return None
 
 

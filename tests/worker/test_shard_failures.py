@@ -13,6 +13,7 @@ from sqlalchemy import select
 from megatrain.db.models import FAILED, QUEUED, Job, JobEvent, JobLog
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
+from megatrain.worker.nodes import node_name
 from megatrain.worker.shard import run_shard
 
 
@@ -49,6 +50,7 @@ def test_a_user_error_fails_the_job_after_one_attempt_in_one_line(
         "step": None,
         "exception": "FileNotFoundError",
         "message": "/data/corpus.jsonl does not exist",
+        "node": node_name(settings),  # where it ran: the runner adds it to the rank's record
     }
     assert "Traceback (most recent call last):" in log and "more detail" in log
 
@@ -72,7 +74,11 @@ def test_an_infrastructure_error_is_retried_with_rank_and_step(
 
 
 def test_a_rank_killed_by_a_signal_is_retried(
-    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+    settings: Settings,
+    make_job: Callable[..., str],
+    fake_engine: Path,
+    oom_counters: Path,  # no OOM kill counted: someone else's SIGKILL
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("FAKE_ENGINE_SIGNAL", str(int(signal.SIGKILL)))
     monkeypatch.setenv("FAKE_ENGINE_FAIL_AT", "2")

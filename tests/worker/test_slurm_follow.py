@@ -14,7 +14,7 @@ from sqlalchemy import select
 from worker_helpers import job_spec
 
 from megatrain.db.jobs import reserve_and_schedule, reserve_gang
-from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Job, JobEvent, Node, NodePool
+from megatrain.db.models import FAILED, QUEUED, RUNNING, SCHEDULED, Job, JobEvent, Node, NodePool
 from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
@@ -136,6 +136,32 @@ def test_slurm_time_limit_reaches_the_scheduler_retry(
     assert scheduler.reconcile_once() == [job_id]
     job = _job(settings, job_id)
     assert job.status == QUEUED and "retrying" in job.status_reason
+
+
+@pytest.mark.parametrize("status", [SCHEDULED, RUNNING])
+def test_slurm_out_of_memory_fails_the_job_at_once(
+    settings: Settings, make_job: Callable[..., str], status: str
+) -> None:
+    """Slurm ended the attempt OUT_OF_MEMORY before its runner could say so (the runner itself was
+    killed, or never started): failed at once, retries left unspent, naming the node."""
+    url = settings.resolved_database_url
+    ex, fake = _executor(settings)
+    job_id = make_job(procs=1, max_retries=2)
+    ex.submit(job_id)
+    with session_scope(url) as s:
+        s.get(Job, job_id).status = status  # type: ignore[union-attr]
+    fake.states["101"] = SlurmState("101", "OUT_OF_MEMORY", None, "0:125")
+    assert Scheduler(ex.settings, executor=ex).reconcile_once() == [job_id]
+    job = _job(settings, job_id)
+    assert (job.status, job.attempt) == (FAILED, 1)
+    assert job.status_reason == (
+        "out of memory on node testnode: OUT_OF_MEMORY: Slurm job 101 ended out of memory; not retried: "
+        "this layout's ranks need more memory than the node has"
+    )
+    with session_scope(url) as s:
+        event = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == FAILED)).one()
+        assert event.data["failure"]["cause"] == "slurm_out_of_memory"
+        assert event.data["failure"]["evidence"]["exit_code"] == "0:125"
 
 
 def test_a_failed_status_query_leaves_the_job_alone(settings: Settings, make_job: Callable[..., str]) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.worker.slurm.states import SlurmState, normalise_state, parse_reason
+from megatrain.failures import attempt_reason
+from megatrain.worker.slurm.states import SlurmState, failure_record, normalise_state, parse_reason
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,7 @@ from megatrain.worker.slurm.states import SlurmState, normalise_state, parse_rea
         ("TIMEOUT", "failed", "slurm_timeout", True),
         ("NODE_FAIL", "failed", "slurm_node_fail", True),
         ("PREEMPTED", "failed", "slurm_preempted", True),
-        ("OUT_OF_MEMORY", "failed", "slurm_out_of_memory", True),
+        ("OUT_OF_MEMORY", "failed", "slurm_out_of_memory", False),  # the same layout runs out again
         ("CANCELLED", "cancelled", "slurm_cancelled", False),
         ("DEADLINE", "failed", "slurm_deadline", False),
         ("SOMETHING_NEW", "failed", "slurm_unknown_state", False),
@@ -55,3 +56,18 @@ def test_normalise_state(raw: str, state: str) -> None:
 )
 def test_parse_reason(raw: str, reason: str | None) -> None:
     assert parse_reason(raw) == reason
+
+
+def test_out_of_memory_is_a_failure_record_no_retry_can_help() -> None:
+    record = failure_record(SlurmState("101", "OUT_OF_MEMORY", None, "0:125"), "c1")
+    assert record is not None and (record["kind"], record["node"], record["cause"]) == (
+        "out_of_memory",
+        "c1",
+        "slurm_out_of_memory",
+    )
+    assert attempt_reason(record, 0, 1, retrying=False) == (
+        "out of memory on node c1: OUT_OF_MEMORY: Slurm job 101 ended out of memory; not retried: "
+        "this layout's ranks need more memory than the node has"
+    )
+    for other in ("TIMEOUT", "NODE_FAIL", "FAILED", "PREEMPTED", "COMPLETED"):
+        assert failure_record(SlurmState("101", other), "c1") is None  # retried as before

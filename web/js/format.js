@@ -66,3 +66,13 @@ export function paramsText(job) {
   if (job.params_estimate) return `≈${fmtCount(job.params_estimate)}`;
   return "—";
 }
+
+// "2 of 3" counts the failed starts against max_retries; preempted and continued attempts are not
+// failures and never spend the user's retries, so they are named apart.
+export function attemptText(job) {
+  const apart = (job.preemptions || 0) + (job.continuations || 0);
+  let text = `${job.attempt - apart} of ${job.max_retries + 1}`;
+  if (job.preemptions) text += ` · preempted ${job.preemptions}/${job.max_preemptions}`;
+  if (job.continuations) text += ` · continued ${job.continuations}`;
+  return text;
+}

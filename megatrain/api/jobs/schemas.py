@@ -27,6 +27,12 @@ class JobPublic(BaseModel):
     num_procs: int
     attempt: int
     max_retries: int
+    preemptions: int = 0
+    """Attempts that ended preempted (requeued for a higher-priority job; not retries)."""
+    max_preemptions: int = 10
+    """resources.max_preemptions: once reached, the job is no longer preempted."""
+    continuations: int = 0
+    """Attempts that ended at an allocation's time limit and continued (not retries either)."""
     cancel_requested: bool
     idempotency_key: str | None
     current_step: int

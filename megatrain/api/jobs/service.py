@@ -172,6 +172,7 @@ def submit_job(
         layout=layout.as_dict(),
         num_procs=layout.world_size,
         max_retries=spec.resources.max_retries,
+        max_preemptions=spec.resources.max_preemptions,
         total_steps=spec.training.train_iters,
     )
     session.add(job)

@@ -43,7 +43,7 @@ from megatrain.worker.shard import KILL_GRACE_S
 from megatrain.worker.slurm.commands import SlurmCommands, SlurmError, SlurmNode
 from megatrain.worker.slurm.rest import slurm_commands
 from megatrain.worker.slurm.script import SlurmRequest, render_sbatch
-from megatrain.worker.slurm.states import SlurmState
+from megatrain.worker.slurm.states import SlurmState, failure_record
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class SlurmExecutor:
                 raise StatusUnknown(str(exc)) from exc
         if state is None:
             return None  # Slurm forgot it and keeps no accounting: heartbeats decide
+        self._states[slurm_id] = state  # runner_failure answers from it
         if state.terminal:
             # The runner did not end the attempt itself (else it would not be active): it was killed
             # (time limit, node failure, preemption, scancel) or never started.
@@ -176,6 +177,19 @@ class SlurmExecutor:
         if state.phase == "pending" or job.status == SCHEDULED:
             return True  # waiting in Slurm's queue, or started and about to claim the attempt
         return None  # running: its heartbeats say whether it is well
+
+    def runner_failure(self, job: Job) -> dict[str, Any] | None:
+        """The failure record of an attempt Slurm ended out of memory (states.failure_record), on
+        the nodes it was placed on; None for any other end."""
+        with session_scope(self.settings.resolved_database_url) as s:
+            slurm_id = slurm_id_of(s, job.id, job.attempt)
+            state = self._states.get(slurm_id) if slurm_id else None
+            if state is None:
+                return None
+            shares = select(Node.hostname).join(JobAllocation, JobAllocation.node_id == Node.id)
+            hosts = s.scalars(shares.where(JobAllocation.job_id == job.id).order_by(JobAllocation.node_rank))
+            names = list(hosts) or list(s.scalars(select(Node.hostname).where(Node.id == job.node_id)))
+        return failure_record(state, ",".join(names) or None)
 
     def follow(self) -> None:
         """Once per tick: read every active attempt's Slurm state in one query, record the changed
@@ -285,6 +299,9 @@ class SlurmExecutor:
 
     def submit_sample(self, sample_id: str) -> None:
         self._local.submit_sample(sample_id)
+
+    def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
+        return self._local.worker_alive(host, pid)
 
 
 def _attempt_events(s: Session, job_id: str, kind: str, attempt: int) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ tests share one table. Reasons stay data: a code for what happened plus Slurm's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from megatrain.failures import OUT_OF_MEMORY
 
 Phase = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 
@@ -26,7 +28,8 @@ _TABLE: dict[str, tuple[Phase, str | None, bool]] = {
     "STOPPED": ("running", None, False),
     "COMPLETED": ("succeeded", None, False),
     "FAILED": ("failed", "slurm_failed", True),
-    "OUT_OF_MEMORY": ("failed", "slurm_out_of_memory", True),
+    # Not retried: the same layout on the same nodes runs out of memory again (failure_record).
+    "OUT_OF_MEMORY": ("failed", "slurm_out_of_memory", False),
     "TIMEOUT": ("failed", "slurm_timeout", True),
     "NODE_FAIL": ("failed", "slurm_node_fail", True),
     "BOOT_FAIL": ("failed", "slurm_boot_fail", True),
@@ -87,3 +90,24 @@ def parse_reason(raw: str | None) -> str | None:
         return None
     text = raw.strip().strip("()")
     return None if text in ("", "None", "null") else text
+
+
+def failure_record(state: SlurmState, node: str | None) -> dict[str, Any] | None:
+    """The failure record (megatrain.failures) of an attempt Slurm ended for a reason a retry cannot
+    help, for the scheduler to fail the job with at once: OUT_OF_MEMORY (the job's memory, cgroup or
+    node, ran out; its runner could not say so, or it would have ended the attempt itself). `node`:
+    the attempt's node(s). None for every other state (those are retried as before)."""
+    if state.state != "OUT_OF_MEMORY":
+        return None
+    return {
+        "kind": OUT_OF_MEMORY,
+        "rank": None,
+        "node": node,
+        "phase": None,
+        "step": None,
+        "exception": state.state,
+        "message": f"Slurm job {state.slurm_id} ended out of memory"
+        + (f" ({state.reason})" if state.reason else ""),
+        "cause": state.cause,
+        "evidence": {"slurm_id": state.slurm_id, "state": state.state, "exit_code": state.exit_code},
+    }

@@ -5,7 +5,7 @@ import { api, ApiError, follow } from "../api.js";
 import { LineChart } from "../charts.js";
 import { h, replace } from "../dom.js";
 import { RECENT_ROWS, predictionPanel } from "./prediction.js";
-import { ACTIVE, devicesWord, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
+import { ACTIVE, attemptText, devicesWord, fmtAge, fmtBytes, fmtCount, fmtDuration, fmtNum, fmtPct, fmtRate, fmtTime, layoutText, paramsText } from "../format.js";
 import { exportActive, exportCell } from "./exports.js";
 import { samplePanel } from "./samples.js";
 import { slotKinds } from "./cluster.js";
@@ -218,7 +218,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       tile("Parameters", paramsText(job)),
       tile("Layout", layoutText(job.layout)),
       tile(devicesWord([job.pool], kinds), String(job.num_procs), "tile-devices"),
-      tile("Attempt", `${job.attempt} of ${job.max_retries + 1}`),
+      tile("Attempt", attemptText(job)),
       tile("Runtime", runtime),
       tile("Submitted", h("span", { title: fmtTime(job.created_at) }, fmtAge(job.created_at))));
     replace(el.goodput, goodputPanel(job.goodput));
