@@ -144,6 +144,9 @@ class Node(Base):
     """Free memory of its fullest device (GPU), or the host's available memory (CPU), last heartbeat."""
     health: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """The last heartbeat's health: {"ok": bool, "devices": n, "problems": [text, …]}."""
+    packages: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    """{module: version} it can import (megatrain.spec_packages.installed_packages), as it last
+    registered; None for a node that never reported (its jobs are checked when it claims them)."""
 
 
 class Job(Base):

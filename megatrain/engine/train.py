@@ -53,6 +53,7 @@ from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
 from megatrain.spec_attention import runtime_problem as attention_runtime_problem
+from megatrain.spec_packages import installed_packages, package_problems
 from megatrain.storage import StorageError
 
 EXIT_USAGE = 2
@@ -155,9 +156,12 @@ def _runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) ->
 
 
 def _model_config(spec: JobSpec, vocab_size: int, device: str, precision: str) -> TransformerConfig:
-    """The model's config; an attention backend this worker cannot run (its package missing, no GPU,
-    fp32) fails here, before the model is built."""
+    """The model's config; a package the spec needs and this worker lacks, or an attention backend
+    it cannot run (no GPU, fp32), fails here, before the model is built."""
     mcfg = dataclasses.replace(transformer_config(spec, vocab_size), hf_family=_hf_family(spec))
+    missing = package_problems(spec, {"this worker": installed_packages()}, "this worker")
+    if missing:
+        raise SpecError(missing)
     problem = attention_runtime_problem(mcfg.attention_backend, torch.device(device).type, precision)
     if problem:
         raise SpecError([{"field": "model.attention_backend", "message": problem}])

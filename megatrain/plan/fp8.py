@@ -9,7 +9,6 @@ be multiples of 16. The embedding, LM head and MoE router/experts stay bf16 and 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,16 +18,6 @@ if TYPE_CHECKING:
 
 FP8_MULTIPLE = 16
 """torch._scaled_mm's alignment: every GEMM dimension a multiple of 16 bytes of float8."""
-FP8_PACKAGES = {
-    "torchao": ("torchao", "torchao"),
-    "te": ("transformer_engine", "transformer_engine[pytorch]"),
-}
-"""training.fp8_backend -> (the module it imports, what pip installs)."""
-
-
-def installed(module: str) -> bool:
-    """Whether `module` can be imported here (checked without importing it, or torch)."""
-    return importlib.util.find_spec(module) is not None
 
 
 def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
@@ -72,16 +61,8 @@ def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     t = spec.training
     if t.precision != "fp8":
         return []
+    # Its package is judged where the job runs (megatrain.spec_packages), not here.
     out: list[Problem] = []
-    module, pip_name = FP8_PACKAGES[t.fp8_backend]
-    if not installed(module):
-        out.append(
-            {
-                "field": "training.fp8_backend" if t.fp8_backend != "torchao" else "training.precision",
-                "message": f"training.precision=fp8 with fp8_backend {t.fp8_backend} needs the "
-                f"{module!r} package, which is not installed (pip install {pip_name})",
-            }
-        )
     if t.fp8_backend == "te" and t.fp8_recipe != "tensorwise":
         out.append(
             {

@@ -7,11 +7,13 @@ by measurement (worker.pool_facts) unless an operator described it.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -20,6 +22,8 @@ from sqlalchemy.orm import Session
 from megatrain.db.models import QUARANTINED, Node, NodePool, utcnow
 from megatrain.plan.memory import host_memory_bytes
 from megatrain.settings import Settings
+from megatrain.spec import parse_spec
+from megatrain.spec_packages import installed_packages, package_problems
 from megatrain.worker.pool_facts import cached_facts, heartbeat_values, local_facts, pool_spec_dict
 
 
@@ -139,6 +143,17 @@ def record_cached_facts(
     return not facts.get("contended")
 
 
+_packages = functools.cache(installed_packages)
+"""What this process can import: read once (a registration refreshes on every heartbeat)."""
+
+
+def package_problem(spec: dict[str, Any], hostname: str) -> str | None:
+    """What a job's spec needs installed and this node cannot import, in one line (None: nothing).
+    Judged as it is claimed: the API judged it only against nodes that reported their packages."""
+    problems = package_problems(parse_spec(spec), {hostname: _packages()}, f"node {hostname}")
+    return "; ".join(p["message"] for p in problems) or None
+
+
 def ensure_local_pool(
     session: Session,
     settings: Settings,
@@ -177,6 +192,7 @@ def ensure_local_pool(
                 continue
         node.slots_total = slots
         node.device_memory_bytes = device_memory(accelerator, slots)
+        node.packages = _packages()
         node.last_seen_at = utcnow()
         if node.status != QUARANTINED:  # only an operator lifts a quarantine
             node.status = "ready"

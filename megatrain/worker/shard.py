@@ -57,7 +57,7 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     free_port,
 )
 from megatrain.worker.ledger import AttemptClock
-from megatrain.worker.nodes import device_env, node_name
+from megatrain.worker.nodes import device_env, node_name, package_problem
 from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop, end_at_time_limit, requeue_preempted
 from megatrain.worker.procs import die_with_parent, terminate_tree
@@ -87,6 +87,10 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             return None
         if job.cancel_requested:
             transition(s, job_id, CANCELLED, from_statuses=(SCHEDULED,), reason="cancelled before it started")
+            return None
+        missing = package_problem(job.spec, node_name(settings))
+        if missing:  # no retry installs a package: fail at once, in one line
+            transition(s, job_id, FAILED, from_statuses=(SCHEDULED,), reason=missing)
             return None
         out_dir = settings.runs_dir / job_id / f"attempt-{job.attempt}"
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""POST /v1/jobs with training.precision fp8: accepted where torchao is installed and the widths
-suit float8 GEMMs, else a 422 naming the missing package or the width."""
+"""POST /v1/jobs with training.precision fp8: accepted where the pool's nodes have torchao and the
+widths suit float8 GEMMs, else a 422 naming the missing package or the width."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import importlib.util
 
 import pytest
 from api_handle import Api
+from sqlalchemy import update
+
+from megatrain.db.models import Node
+from megatrain.db.session import session_scope
 
 
-def test_fp8_submissions(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_submissions(api: Api) -> None:
     pytest.importorskip("torchao")
     fp8 = {"precision": "fp8", "fp8_recipe": "rowwise"}
     job = api.submit(api.spec("fp8", training=fp8))
@@ -29,7 +33,8 @@ def test_fp8_submissions(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     messages = [d["message"] for d in resp.json()["detail"] if d["field"] == "training.precision"]
     assert any("model.hidden_size" in m and "it is 72" in m for m in messages), resp.text
 
-    monkeypatch.setattr("megatrain.plan.fp8.importlib.util.find_spec", lambda name: None)
+    with session_scope(api.db_url) as s:  # the pool's node reports no torchao (this host has it)
+        s.execute(update(Node).values(packages={"torch": "2.13.0"}))
     resp = api.client.post("/v1/jobs", json=api.spec("no-torchao", training=fp8), headers=api.headers)
     assert resp.status_code == 422, resp.text
     assert [d["field"] for d in resp.json()["detail"]] == ["training.precision"]

@@ -5,7 +5,6 @@ float8 copies)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 from plan_cases import gpu_pool, spec
@@ -58,22 +57,34 @@ def test_fp8_spec_rules() -> None:
     assert resolve_layout(spec({"hidden_size": 1000, "num_attention_heads": 8}, precision="bf16"))
 
 
-def test_fp8_needs_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("megatrain.plan.fp8.importlib.util.find_spec", lambda name: None)
-    problems = _problems()
-    assert problems and "'torchao' package" in problems[0] and "pip install torchao" in problems[0]
+def test_fp8_needs_its_package_where_it_runs() -> None:
+    """The package is judged against the nodes that run the job (megatrain.spec_packages), not by
+    the layout rules (which run on the API host too)."""
+    from megatrain.spec_packages import package_problems
+
+    s = spec(precision="fp8")
+    resolve_layout(s)  # no package rule here
+    nodes = {"gpu-1": {"torch": "2.13.0", "torchao": "0.18.0"}, "gpu-2": {"torch": "2.13.0"}}
+    [problem] = package_problems(s, nodes, "pool 'h100'")
+    assert problem["field"] == "training.precision"
+    assert "'torchao' package (pip install torchao)" in problem["message"]
+    assert "pool 'h100''s node(s) gpu-2 cannot import" in problem["message"]
+    te = spec(precision="fp8", fp8_backend="te")
+    [problem] = package_problems(te, {"gpu-1": nodes["gpu-1"]}, "this worker")
+    assert (
+        problem["field"] == "training.fp8_backend"
+        and "pip install transformer_engine[pytorch]" in problem["message"]
+    )
+    assert package_problems(spec(precision="bf16"), nodes, "x") == []
 
 
 def test_fp8_backend_te_rules() -> None:
-    """Transformer Engine: its package (not installed on the CI machine) and tensorwise only."""
+    """Transformer Engine runs tensorwise only."""
     s = spec(precision="fp8", fp8_backend="te", fp8_recipe="rowwise")
     with pytest.raises(SpecError) as exc:
         resolve_layout(s)
     by_field = {e["field"]: e["message"] for e in exc.value.errors}
     assert "tensorwise" in by_field["training.fp8_recipe"]
-    if importlib.util.find_spec("transformer_engine") is None:
-        assert "'transformer_engine' package" in by_field["training.fp8_backend"]
-        assert "pip install transformer_engine[pytorch]" in by_field["training.fp8_backend"]
 
 
 def test_the_planner_skips_tp_degrees_fp8_cannot_split() -> None:

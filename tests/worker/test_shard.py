@@ -142,6 +142,29 @@ def test_failure_without_retries_fails_in_one_line(
     assert "failing at step 3" in _log(settings.resolved_database_url, job_id)
 
 
+def test_a_package_the_node_lacks_fails_the_job_as_it_is_claimed(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path
+) -> None:
+    """A pool whose nodes never reported their packages passed the API's check: the node claiming
+    the job judges it against its own, and fails it in one line, with no engine started."""
+    job_id = make_job(schedule=False)
+    url = settings.resolved_database_url
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        job.spec = {**job.spec, "model": {"attention_backend": "flash"}, "training": {**job.spec["training"],
+                    "precision": "bf16"}}  # fmt: skip
+        node_id = s.scalar(select(Node.id).where(Node.hostname == "testnode"))
+        assert reserve_and_schedule(s, job_id, node_id, "test")
+    assert run_shard(job_id, settings) == 0
+    job = _job(url, job_id)
+    assert job.status == FAILED and job.attempt == 1
+    assert "model.attention_backend='flash' needs the flash-attn package" in job.status_reason
+    assert "cannot import" in job.status_reason and "\n" not in job.status_reason
+    with session_scope(url) as s:  # its slot is back
+        assert s.scalar(select(Node.slots_used).where(Node.id == node_id)) == 0
+    assert _log(url, job_id) == ""  # no engine ran
+
+
 def _run_in_thread(job_id: str, settings: Settings) -> tuple[threading.Thread, list[int]]:
     result: list[int] = []
     t = threading.Thread(target=lambda: result.append(run_shard(job_id, settings)), daemon=True)

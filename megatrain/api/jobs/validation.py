@@ -3,7 +3,7 @@
 The spec's own rules first (megatrain.spec.check_spec: field errors and every cross-field rule),
 then the plan (`parallelism: auto` is planned for its pool: megatrain.plan.planner), the layout,
 the pool and its fit, the named datasets, data access, data existence, init_from, priority and the
-attention backend's package.
+packages the spec needs, as its pool's nodes reported them.
 A check whose inputs are broken is skipped rather than run on a stand-in: a value the spec rules
 dropped (Findings.unknown) is never judged again, and memory fit waits for a valid layout, pool and
 model.
@@ -31,8 +31,8 @@ from megatrain.scheduler.placement import fit_problem, memory_problem, startup_m
 from megatrain.scheduler.pools import OPERATOR, describe
 from megatrain.settings import Settings
 from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
-from megatrain.spec_attention import missing_package
 from megatrain.spec_errors import Findings, Problem
+from megatrain.spec_packages import package_problems
 
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
 
@@ -236,12 +236,17 @@ def _priority(spec: JobSpec, tenant: Tenant) -> Problem | None:
     )
 
 
-def _attention_backend(spec: JobSpec) -> Problem | None:
-    """flash and te need their package (the gpu extra): checked here, where the deployment's images
-    share one set of packages, so that a job never lands on a worker that fails on the import (the
-    engine checks again before building the model)."""
-    problem = missing_package(spec.model.attention_backend)
-    return _problem("model.attention_backend", problem) if problem else None
+def _packages(session: Session, spec: JobSpec) -> list[Problem]:
+    """What the spec needs installed (flash-attn, Transformer Engine, torchao), judged against the
+    packages its pool's nodes reported, not this API host's: a pool none of whose nodes reported
+    is judged when a worker claims the job (worker.shard)."""
+    rows = session.execute(
+        select(Node.hostname, Node.packages)
+        .join(NodePool, Node.pool_id == NodePool.id)
+        .where(NodePool.name == spec.resources.pool)
+    ).all()
+    nodes = {hostname: packages for hostname, packages in rows if packages is not None}
+    return package_problems(spec, nodes, f"pool {spec.resources.pool!r}")
 
 
 def validate_submission(
@@ -284,8 +289,8 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         findings.add(filter(None, [_init_from(session, spec, tenant)]))
     if not findings.depends_on_unknown("resources.priority"):
         findings.add(filter(None, [_priority(spec, tenant)]))
-    if not findings.depends_on_unknown("model.attention_backend"):
-        findings.add(filter(None, [_attention_backend(spec)]))
+    if not findings.depends_on_unknown("resources.pool"):
+        findings.add(_packages(session, spec))
     findings.raise_if_any()
     assert layout is not None  # no error: every check ran, the layout's too
     return Submission(spec, layout, prediction)
