@@ -189,17 +189,25 @@ def model_problems(
     ffn_hidden_size: int | None = None,
     vocab_size: int | None = None,
     seq_length: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
+    shared_expert_ffn_hidden_size: int | None = None,
     model: str = "",
     par: str = "",
 ) -> list[Problem]:
     """Every rule the layout breaks for a model of these shapes (the numbers left None are not
-    checked). `model` and `par` prefix the names in messages ("model.", "parallelism.")."""
+    checked). `model` and `par` prefix the names in messages ("model.", "parallelism.").
+
+    The engine's parallel layers call this too (parallelize, moe_tensor, pipeline), so a rule they
+    enforce is the rule a spec is validated against, with the same words."""
     out: list[Problem] = []
     tp = f"{par}tp={layout.tp}"
     for name, value in (
         ("num_attention_heads", num_attention_heads),
         ("num_query_groups", num_query_groups),
         ("ffn_hidden_size", ffn_hidden_size),
+        # Every tp rank holds its slice of every routed expert and of the shared one (moe_tensor).
+        ("moe.ffn_hidden_size", moe_ffn_hidden_size),
+        ("moe.shared_expert_ffn_hidden_size", shared_expert_ffn_hidden_size),
     ):
         if value is not None and value % layout.tp:
             out.append(_problem(f"{model}{name}", f"{model}{name}={value} is not divisible by {tp}"))
@@ -321,6 +329,9 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             # The rows (a multiple of 128); None (the tokenizer's, not known here) fits any power of 2.
             vocab_size=m.padded_vocab(m.vocab_size) if m.vocab_size else None,
             seq_length=m.seq_length,
+            # An expert width left None is model.ffn_hidden_size's, judged above.
+            moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe is not None else None,
+            shared_expert_ffn_hidden_size=m.moe.shared_expert_ffn_hidden_size if m.moe is not None else None,
             model="model.",
             par="parallelism.",
         ),

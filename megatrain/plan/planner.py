@@ -238,17 +238,11 @@ class _Search:
                 num_query_groups=m.num_query_groups,
                 ffn_hidden_size=m.ffn_hidden_size,
                 vocab_size=m.vocab_size,
+                moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe else None,
+                shared_expert_ffn_hidden_size=m.moe.shared_expert_ffn_hidden_size if m.moe else None,
                 model="model.",
                 par="",
             )
-            if not problems and m.moe is not None:  # experts are split over tp like the dense MLP
-                shared = m.moe.shared_expert_ffn_hidden_size or tp
-                widths = {"ffn_hidden_size": m.moe.ffn_hidden_size, "shared_expert_ffn_hidden_size": shared}
-                problems = [
-                    {"field": f"model.moe.{k}", "message": f"model.moe.{k}={w} is not divisible by tp={tp}"}
-                    for k, w in widths.items()
-                    if w % tp
-                ]
             problems = problems or fp8_width_problems(self.spec, tp)
             if problems:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
