@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
 from megatrain.plan.moe_memory import moe_backward_peak, moe_dispatch_transient, moe_layer_activations
 from megatrain.plan.shapes import (
+    BYTE_TOKENIZER_VOCAB,
     ModelShape,
     layer_params,
     layers_on_stage,
@@ -464,7 +465,7 @@ def from_spec(
     if tokenizer_vocab is None:
         if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
             raise ValueError("model.vocab_size is unset: pass tokenizer_vocab for a Hugging Face tokenizer")
-        tokenizer_vocab = spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
+        tokenizer_vocab = spec.model.vocab_size or BYTE_TOKENIZER_VOCAB
     model = shape_of_spec(spec, tokenizer_vocab)
     tr = spec.training
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()

@@ -46,6 +46,7 @@ from megatrain.plan.result import (
     predicted_dict,
 )
 from megatrain.plan.shapes import (
+    BYTE_TOKENIZER_VOCAB,
     ModelShape,
     layers_on_stage,
     moe_layers_on_stage,
@@ -402,7 +403,7 @@ def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
                 }
             ]
         )
-    return spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
+    return spec.model.vocab_size or BYTE_TOKENIZER_VOCAB
 
 
 def plan(
