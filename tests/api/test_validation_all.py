@@ -87,6 +87,14 @@ def test_an_expert_width_tp_does_not_divide_is_refused_before_the_engine(api: Ap
     ]
 
 
+def test_an_unknown_field_names_the_nearest_known_one(api: Api) -> None:
+    spec = api.spec(training={"trainiters": 5, "queue": "fast"})
+    assert _errors(api, spec)[0] == [
+        {"field": "training.trainiters", "message": "unknown field; did you mean train_iters?"},
+        {"field": "training.queue", "message": "unknown field"},
+    ]
+
+
 def test_no_message_about_a_stand_in_value(api: Api) -> None:
     # hidden_size 'abc' is dropped and its default (256) stands in: 256 is not divisible by 12
     # heads, but that is no error of this spec.

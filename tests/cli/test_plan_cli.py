@@ -87,6 +87,15 @@ def test_a_small_model_is_counted_in_millions_on_one_device(tmp_path: Path) -> N
     assert "parameters: 1.78M, 974K active per token" in out
 
 
+def test_offline_an_unknown_field_is_told_the_nearest_one(tmp_path: Path) -> None:
+    spec, pool = _files(tmp_path, spec={**SPEC, "training": {**SPEC["training"], "trainiters": 5}})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 1 and "training.trainiters: unknown field; did you mean train_iters?" in out, out
+    spec, pool = _files(tmp_path, pool={**POOL, "acelerator": "x"})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 1 and "acelerator: unknown field; did you mean accelerator?" in out, out
+
+
 def test_offline_errors_are_red_lines(tmp_path: Path) -> None:
     spec, pool = _files(tmp_path, pool={**POOL, "devices_per_node": 0})
     code, out = _run("plan", spec, "--pool", pool)
