@@ -82,8 +82,6 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "data.train[].weight": "Relative sampling weight of this source when several are blended.",
     "training.train_iters": "Optimizer steps to train for.",
     "training.global_batch_size": "Samples per optimizer step, over all data-parallel ranks.",
-    "training.micro_batch_size": "Samples per forward/backward on one rank; the step accumulates "
-    "global_batch_size / (micro_batch_size × dp) of them.",
     "training.lr": "Peak learning rate, reached at the end of warmup.",
     "training.min_lr": "Learning rate at the end of the decay.",
     "training.lr_schedule": "Decay from lr to min_lr after warmup, over the remaining steps.",

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
+from megatrain.plan.layout import micro_batch_size
 from megatrain.plan.moe_memory import moe_backward_peak, moe_dispatch_transient, moe_layer_activations
 from megatrain.plan.shapes import (
     BYTE_TOKENIZER_VOCAB,
@@ -469,7 +470,8 @@ def from_spec(
     model = shape_of_spec(spec, tokenizer_vocab)
     tr = spec.training
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
-    accum = tr.global_batch_size // (tr.micro_batch_size * layout.dp)
+    mbs = micro_batch_size(spec, layout)
+    accum = tr.global_batch_size // (mbs * layout.dp)
     settings: dict[str, Any] = {
         "tp": layout.tp,
         "pp": layout.pp,
@@ -477,7 +479,7 @@ def from_spec(
         "cp": layout.cp,
         "ep": layout.ep,
         "sequence_parallel": layout.sequence_parallel,
-        "micro_batch_size": tr.micro_batch_size,
+        "micro_batch_size": mbs,
         "num_microbatches": accum,
         "pipeline_schedule": layout.pipeline_schedule,
         "virtual_stages": layout.virtual_stages,

@@ -146,3 +146,7 @@ class SpecCheck(BaseModel):
     plan: dict[str, Any] | None = None
     """The planner's layout and prediction (`predicted`: step time, tokens/s, MFU, memory per
     device); null when the spec's pool has no description and no nodes to plan on."""
+    auto: dict[str, Any] = Field(default_factory=dict)
+    """What each field the spec left to auto became, by field: `parallelism: auto`'s layout
+    ("parallelism.tp": 2, ..., and "training.recompute" where planning changed it), dp auto's
+    degree, micro_batch_size auto's size ({"training.micro_batch_size": 8}); empty when none."""
