@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from megatrain.spec_attention import AttentionBackend, dropout_problem, precision_problem
 from megatrain.spec_base import NAME_PATTERN  # noqa: F401  (re-exported)
@@ -39,6 +39,7 @@ from megatrain.spec_moe import MoESpec
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
 MAX_DIM = 1 << 17
+MAX_MICRO_BATCH = 1 << 20
 VOCAB_PAD_MULTIPLE = 128
 """The tokenizer's vocabulary is padded to this multiple: a friendly LM-head shape, divisible by tp."""
 
@@ -223,7 +224,13 @@ class ModelSpec(_Strict):
 class TrainingSpec(_Strict):
     train_iters: int = Field(200, ge=1, le=100_000_000)
     global_batch_size: int = Field(16, ge=1, le=1 << 24)
-    micro_batch_size: int = Field(4, ge=1, le=1 << 20)
+    micro_batch_size: int | Literal["auto"] = 4
+    """Samples per forward/backward on one rank; the step accumulates global_batch_size /
+    (micro_batch_size × dp) of them. A number (1 to 1048576) is kept as written, under parallelism
+    auto too. auto: the planner picks it with the layout (the fastest that fits the pool); where no
+    planner runs (a pool whose memory is unknown, the engine on its own), the largest of 4, 3, 2, 1
+    that splits the batch. The stored job holds the number (POST /v1/spec/validate's `auto` says
+    which)."""
     lr: float = Field(3e-4, gt=0.0, le=10.0)
     min_lr: float = Field(0.0, ge=0.0, le=10.0)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -277,10 +284,27 @@ class TrainingSpec(_Strict):
     eval_iters: int = Field(4, ge=1, le=100_000)
     seed: int = Field(1234, ge=0, le=2**31 - 1)
 
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _micro_batch_size(cls, v: object) -> object:
+        # One message for every bad value, instead of one per branch of the int | 'auto' union.
+        if v == "auto":
+            return v
+        bad = f"training.micro_batch_size must be 'auto' or an integer in [1, {MAX_MICRO_BATCH}]"
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise ValueError(bad)
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(bad) from None
+        if not 1 <= n <= MAX_MICRO_BATCH:
+            raise ValueError(bad)
+        return n
+
     @model_validator(mode="after")
     def _batches(self, info: ValidationInfo) -> TrainingSpec:
         out: list[Problem] = []
-        if self.global_batch_size % self.micro_batch_size:
+        if isinstance(self.micro_batch_size, int) and self.global_batch_size % self.micro_batch_size:
             out.append(
                 _rule(
                     "training.global_batch_size",

@@ -14,7 +14,9 @@ about the stand-in, not about the user's spec, and is left out (`Findings`).
 from __future__ import annotations
 
 import copy
+import difflib
 import re
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -118,7 +120,45 @@ class _Failure:
     problem: Problem
 
 
-def _failures(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[_Failure]:
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's type holds: itself, or inside Optional, unions, lists and Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _field_names_at(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
+    """The field names of the model(s) at `path` in data validated as `model` (list indices skipped),
+    and those one level further down, dotted ("moe.num_experts" beside "num_layers" in model)."""
+    models = [model]
+    for key in path:
+        if isinstance(key, str):
+            fields = [m.model_fields[key] for m in models if key in m.model_fields]
+            models = [inner for f in fields for inner in _models_in(f.annotation)]
+    names = {name for m in models for name in m.model_fields}
+    for m in models:
+        for name, info in m.model_fields.items():
+            names |= {f"{name}.{inner}" for sub in _models_in(info.annotation) for inner in sub.model_fields}
+    return sorted(names)
+
+
+SUGGEST_CUTOFF = 0.75
+"""difflib's similarity a known name needs to be suggested: trainiters → train_iters (0.95), not
+iters → eval_iters (0.67)."""
+
+
+def _unknown_field(key: str | int, known: list[str]) -> str:
+    """The message for an unknown `key`, with the nearest known name when one is near: a field of a
+    section below by its exact name (num_experts in model: moe.num_experts), else a typo's here."""
+    below = [name for name in known if name.rpartition(".")[2] == key and "." in name]
+    here = [name for name in known if "." not in name]
+    close = below[:1] or difflib.get_close_matches(str(key), here, n=1, cutoff=SUGGEST_CUTOFF)
+    return f"unknown field; did you mean {close[0]}?" if close else "unknown field"
+
+
+def _failures(
+    exc: ValidationError, prefix: tuple[str | int, ...] = (), model: type[BaseModel] | None = None
+) -> list[_Failure]:
     items: list[tuple[_Failure, bool]] = []
     for err in exc.errors(include_url=False):
         raw = (*prefix, *err["loc"])
@@ -128,7 +168,8 @@ def _failures(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[
         path = tuple(p for p in raw if str(p) not in _UNION_TAGS and not str(p).startswith("literal["))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown field"
+            known = _field_names_at(model, path[len(prefix) : -1]) if model is not None and path else []
+            msg = _unknown_field(path[-1] if path else "", known)
         # Rules name their field first ("model.hidden_size=250 is not …"); point at it.
         named = _NAMED_FIELD.match(msg)
         name = ".".join(str(p) for p in path)
@@ -141,9 +182,12 @@ def _failures(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[
     return [f for f, lb in items if not (lb and any(g.startswith(f.problem["field"] + ".") for g in inside))]
 
 
-def format_validation_errors(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[Problem]:
-    """Pydantic errors as [{"field": "model.hidden_size", "message": ...}], the shape every caller shows."""
-    return [f.problem for f in _failures(exc, prefix)]
+def format_validation_errors(
+    exc: ValidationError, prefix: tuple[str | int, ...] = (), model: type[BaseModel] | None = None
+) -> list[Problem]:
+    """Pydantic errors as [{"field": "model.hidden_size", "message": ...}], the shape every caller shows;
+    with the `model` validated, an unknown field's message names the nearest known one."""
+    return [f.problem for f in _failures(exc, prefix, model)]
 
 
 def _drop(
@@ -199,7 +243,7 @@ def collect_errors(
             built = model.model_validate(current, context={RULES_SINK: sink})
             failures: list[_Failure] = []
         except ValidationError as exc:
-            built, failures = None, _failures(exc)
+            built, failures = None, _failures(exc, model=model)
         findings.add([f.problem for f in failures] + sink)
         if not failures:
             return built

@@ -67,7 +67,10 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("model.num_layers", 10**30, "model.num_layers", "less than or equal"),
     ("model.hidden_size", 250, "model.hidden_size", "not divisible by model.num_attention_heads=8"),
     ("model.num_query_groups", 3, "model.num_attention_heads", "model.num_query_groups=3"),
-    ("model.num_experts", 2, "model.num_experts", "unknown field"),
+    ("model.num_experts", 2, "model.num_experts", "unknown field; did you mean moe.num_experts?"),
+    ("training.trainiters", 5, "training.trainiters", "unknown field; did you mean train_iters?"),
+    ("tp", 2, "tp", "unknown field; did you mean parallelism.tp?"),
+    ("data.train.0.wieght", 2, "data.train.0.wieght", "unknown field; did you mean weight?"),
     ("model.moe", {"num_experts": 1}, "model.moe.num_experts", "greater than or equal to 2"),
     ("model.moe", {"num_experts": 4, "router_topk": 5}, "model.moe.router_topk", "exceeds"),
     (
@@ -104,7 +107,8 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("data.split", "0,1,1", "data.split", "positive train part"),
     ("data.split", "98,-2,4", "data.split", "non-negative"),
     ("training.global_batch_size", 10, "training.global_batch_size", "training.micro_batch_size=4"),
-    ("training.micro_batch_size", 0, "training.micro_batch_size", "greater than or equal to 1"),
+    ("training.micro_batch_size", 0, "training.micro_batch_size", "'auto' or an integer in [1, 1048576]"),
+    ("training.micro_batch_size", "some", "training.micro_batch_size", "'auto' or an integer"),
     ("training.warmup_iters", 1000, "training.warmup_iters", "exceeds training.train_iters=200"),
     ("training.min_lr", 1.0, "training.min_lr", "exceeds training.lr"),
     ("training.lr", 0, "training.lr", "greater than 0"),
@@ -135,7 +139,7 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("resources.priority", 5000, "resources.priority", "less than or equal to 1000"),
     ("resources.max_runtime_s", 0, "resources.max_runtime_s", "greater than or equal to 1"),
     ("resources.max_retries", -1, "resources.max_retries", "greater than or equal to 0"),
-    ("queue", "fast", "queue", "unknown field"),
+    ("queue", "fast", "queue", "unknown field"),  # nothing near it: no guess
 ]
 
 

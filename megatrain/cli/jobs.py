@@ -117,6 +117,10 @@ def validate(spec: Annotated[Path, typer.Argument(help="Job spec file (YAML or J
     layout = layout_text(check.get("layout", {}), check.get("num_procs"))
     out = _out()
     out.print(f"{escape(str(spec))} is valid: {escape(layout)}")
+    auto = check.get("auto") or {}
+    if auto:
+        shown = (f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in auto.items())
+        out.print("auto chose: " + escape(", ".join(shown)))
     plan = check.get("plan")
     if plan:
         how = "as given" if plan.get("explicit_layout") else "planned"

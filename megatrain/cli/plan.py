@@ -63,12 +63,24 @@ def _layout_text(layout: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _count(n: int) -> str:
+    """Three significant digits in the largest unit that fits: 46.7B, 1.78M, 974K (never 0.00B)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale * 0.9995:  # (999.6M rounds to 1B, not 1e+03M)
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _devices(n: int) -> str:
+    return f"{n} device" if n == 1 else f"{n} devices"
+
+
 def _show(result: dict[str, Any]) -> None:
     out = _out()
     pred = result["predicted"]
     explicit = " (the spec's own layout)" if result.get("explicit_layout") else ""
     out.print(
-        f"[bold]{escape(_layout_text(result['layout']))}[/bold] on {result['devices']} devices of pool "
+        f"[bold]{escape(_layout_text(result['layout']))}[/bold] on {_devices(result['devices'])} of pool "
         f"{escape(str(result['pool']))} ({result['precision']}){explicit}"
     )
     out.print(
@@ -79,8 +91,8 @@ def _show(result: dict[str, Any]) -> None:
     params = result.get("parameters") or {}
     if params:
         active = params["active"]
-        sparse = f", {active / 1e9:,.2f}B active per token" if active != params["total"] else ""
-        out.print(f"parameters: {params['total'] / 1e9:,.2f}B{sparse}")
+        sparse = f", {_count(active)} active per token" if active != params["total"] else ""
+        out.print(f"parameters: {_count(params['total'])}{sparse}")
     mem = pred.get("memory_breakdown", {})
     if mem:
         out.print(

@@ -267,7 +267,11 @@ class TrainConfig:
 
 
 def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
+    """The training slice of a spec whose micro-batch size is a number (an auto one is resolved on
+    the layout first: megatrain.plan.layout.with_micro_batch_size)."""
     t = spec.training
+    if not isinstance(t.micro_batch_size, int):
+        raise ValueError("training.micro_batch_size auto is resolved on the layout before the engine")
     return TrainConfig(
         train_iters=t.train_iters,
         global_batch_size=t.global_batch_size,

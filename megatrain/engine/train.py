@@ -47,7 +47,7 @@ from megatrain.engine.runtime import Dist, effective_precision, init_distributed
 from megatrain.engine.sink import RunLog
 from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
-from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout
+from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout, with_micro_batch_size
 from megatrain.plan.memory import from_spec as memory_from_spec
 from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
@@ -98,6 +98,7 @@ def run(
     activity = activity or Activity()
     layout = layout or resolve_layout(spec, ctx.world_size)
     check_runnable(layout, ctx.world_size)
+    spec = with_micro_batch_size(spec, layout=layout)  # an auto one (a stored spec holds a number)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     log = RunLog(out_dir, ctx.is_main)

@@ -72,7 +72,9 @@ def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             }
         )
     out += fp8_width_problems(spec, layout.tp, "parallelism.")
-    tokens = t.micro_batch_size * spec.model.seq_length // layout.cp
+    from megatrain.plan.layout import micro_batch_size  # (layout imports this module)
+
+    tokens = micro_batch_size(spec, layout) * spec.model.seq_length // layout.cp
     if tokens % FP8_MULTIPLE:
         out.append(
             {

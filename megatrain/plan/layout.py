@@ -189,17 +189,25 @@ def model_problems(
     ffn_hidden_size: int | None = None,
     vocab_size: int | None = None,
     seq_length: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
+    shared_expert_ffn_hidden_size: int | None = None,
     model: str = "",
     par: str = "",
 ) -> list[Problem]:
     """Every rule the layout breaks for a model of these shapes (the numbers left None are not
-    checked). `model` and `par` prefix the names in messages ("model.", "parallelism.")."""
+    checked). `model` and `par` prefix the names in messages ("model.", "parallelism.").
+
+    The engine's parallel layers call this too (parallelize, moe_tensor, pipeline), so a rule they
+    enforce is the rule a spec is validated against, with the same words."""
     out: list[Problem] = []
     tp = f"{par}tp={layout.tp}"
     for name, value in (
         ("num_attention_heads", num_attention_heads),
         ("num_query_groups", num_query_groups),
         ("ffn_hidden_size", ffn_hidden_size),
+        # Every tp rank holds its slice of every routed expert and of the shared one (moe_tensor).
+        ("moe.ffn_hidden_size", moe_ffn_hidden_size),
+        ("moe.shared_expert_ffn_hidden_size", shared_expert_ffn_hidden_size),
     ):
         if value is not None and value % layout.tp:
             out.append(_problem(f"{model}{name}", f"{model}{name}={value} is not divisible by {tp}"))
@@ -308,6 +316,33 @@ def batch_problems(layout: Layout, global_batch_size: int, micro_batch_size: int
     return []
 
 
+MICRO_BATCH_FALLBACK = 4
+"""training.micro_batch_size auto where no planner chose it: the largest micro-batch up to this."""
+
+
+def micro_batch_size(spec: JobSpec, layout: Layout) -> int:
+    """The spec's training.micro_batch_size; auto (left to a planner that did not run: a pool whose
+    memory is unknown, the engine on its own) is the largest of MICRO_BATCH_FALLBACK..1 that meets
+    the batch rules on `layout` (1 when none does: batch_problems then says why)."""
+    tr = spec.training
+    if isinstance(tr.micro_batch_size, int):
+        return tr.micro_batch_size
+    sizes = range(min(MICRO_BATCH_FALLBACK, tr.global_batch_size), 0, -1)
+    return next((n for n in sizes if not batch_problems(layout, tr.global_batch_size, n)), 1)
+
+
+def with_micro_batch_size(spec: JobSpec, size: int | None = None, layout: Layout | None = None) -> JobSpec:
+    """`spec` with training.micro_batch_size a number (what is stored and run): `size` (a planner's
+    choice), else an auto one resolved on `layout` (micro_batch_size); a number written is kept."""
+    if isinstance(spec.training.micro_batch_size, int):
+        return spec
+    if size is None:
+        assert layout is not None, "an auto micro_batch_size is resolved on a layout or given"
+        size = micro_batch_size(spec, layout)
+    training = spec.training.model_copy(update={"micro_batch_size": size})
+    return spec.model_copy(update={"training": training})
+
+
 def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     """Every rule `layout` breaks for `spec`'s model and batch, each naming its spec field."""
     m, tr = spec.model, spec.training
@@ -321,10 +356,13 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             # The rows (a multiple of 128); None (the tokenizer's, not known here) fits any power of 2.
             vocab_size=m.padded_vocab(m.vocab_size) if m.vocab_size else None,
             seq_length=m.seq_length,
+            # An expert width left None is model.ffn_hidden_size's, judged above.
+            moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe is not None else None,
+            shared_expert_ffn_hidden_size=m.moe.shared_expert_ffn_hidden_size if m.moe is not None else None,
             model="model.",
             par="parallelism.",
         ),
-        *batch_problems(layout, tr.global_batch_size, tr.micro_batch_size),
+        *batch_problems(layout, tr.global_batch_size, micro_batch_size(spec, layout)),
         *expert_problems(layout, m.moe.num_experts if m.moe is not None else 0),
         *context_problems(layout, m.attention_dropout, m.attention_backend),
         *fp8_problems(spec, layout),
@@ -439,6 +477,8 @@ __all__: Sequence[str] = [
     "check_layout",
     "context_problems",
     "layout_problems",
+    "micro_batch_size",
     "model_problems",
     "resolve_layout",
+    "with_micro_batch_size",
 ]

@@ -57,8 +57,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
+from megatrain.plan.layout import micro_batch_size
 from megatrain.plan.moe_memory import moe_backward_peak, moe_dispatch_transient, moe_layer_activations
 from megatrain.plan.shapes import (
+    BYTE_TOKENIZER_VOCAB,
     ModelShape,
     layer_params,
     layers_on_stage,
@@ -464,11 +466,12 @@ def from_spec(
     if tokenizer_vocab is None:
         if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
             raise ValueError("model.vocab_size is unset: pass tokenizer_vocab for a Hugging Face tokenizer")
-        tokenizer_vocab = spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
+        tokenizer_vocab = spec.model.vocab_size or BYTE_TOKENIZER_VOCAB
     model = shape_of_spec(spec, tokenizer_vocab)
     tr = spec.training
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
-    accum = tr.global_batch_size // (tr.micro_batch_size * layout.dp)
+    mbs = micro_batch_size(spec, layout)
+    accum = tr.global_batch_size // (mbs * layout.dp)
     settings: dict[str, Any] = {
         "tp": layout.tp,
         "pp": layout.pp,
@@ -476,7 +479,7 @@ def from_spec(
         "cp": layout.cp,
         "ep": layout.ep,
         "sequence_parallel": layout.sequence_parallel,
-        "micro_batch_size": tr.micro_batch_size,
+        "micro_batch_size": mbs,
         "num_microbatches": accum,
         "pipeline_schedule": layout.pipeline_schedule,
         "virtual_stages": layout.virtual_stages,

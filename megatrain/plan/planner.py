@@ -46,6 +46,7 @@ from megatrain.plan.result import (
     predicted_dict,
 )
 from megatrain.plan.shapes import (
+    BYTE_TOKENIZER_VOCAB,
     ModelShape,
     layers_on_stage,
     moe_layers_on_stage,
@@ -98,6 +99,12 @@ class _Search:
         self.rejected: list[Rejection] = []
         self.counts: Counter[str] = Counter()
         self.considered = 0
+
+    @property
+    def fixed_micro_batch(self) -> int | None:
+        """training.micro_batch_size as written (kept), or None for auto (the planner picks it)."""
+        mbs = self.spec.training.micro_batch_size
+        return mbs if isinstance(mbs, int) else None
 
     def reject(self, code: str, message: str, choice: Choice | None = None, **numbers: Any) -> None:
         self.counts[code] += 1
@@ -238,17 +245,11 @@ class _Search:
                 num_query_groups=m.num_query_groups,
                 ffn_hidden_size=m.ffn_hidden_size,
                 vocab_size=m.vocab_size,
+                moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe else None,
+                shared_expert_ffn_hidden_size=m.moe.shared_expert_ffn_hidden_size if m.moe else None,
                 model="model.",
                 par="",
             )
-            if not problems and m.moe is not None:  # experts are split over tp like the dense MLP
-                shared = m.moe.shared_expert_ffn_hidden_size or tp
-                widths = {"ffn_hidden_size": m.moe.ffn_hidden_size, "shared_expert_ffn_hidden_size": shared}
-                problems = [
-                    {"field": f"model.moe.{k}", "message": f"model.moe.{k}={w} is not divisible by tp={tp}"}
-                    for k, w in widths.items()
-                    if w % tp
-                ]
             problems = problems or fp8_width_problems(self.spec, tp)
             if problems:
                 self.reject("divisibility", problems[0]["message"], tp=tp)
@@ -259,11 +260,12 @@ class _Search:
                         self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}")
                         continue
                     dp = self.devices // (tp * cp * pp)
-                    gbs = self.spec.training.global_batch_size
-                    if batch_problems(Layout(dp=dp), gbs, 1):
+                    gbs, mbs = self.spec.training.global_batch_size, self.fixed_micro_batch
+                    if batch_problems(Layout(dp=dp), gbs, mbs or 1):
+                        by = f"micro_batch_size×dp={mbs}×{dp}" if mbs else f"dp={dp}"
                         self.reject(
                             "divisibility",
-                            f"training.global_batch_size={gbs} is not divisible by dp={dp} "
+                            f"training.global_batch_size={gbs} is not divisible by {by} "
                             f"(tp={tp}, cp={cp}, pp={pp})",
                         )
                         continue
@@ -298,7 +300,8 @@ class _Search:
         sps = (True, False) if sp_ok else (False,)
         vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
         saved = {sp: saved_per_token(m, self.precision, tp, sp) for sp in sps}
-        for mbs in divisors(per_rank):
+        # The spec's micro-batch size when it gives one (families checked it divides per_rank).
+        for mbs in [self.fixed_micro_batch] if self.fixed_micro_batch else divisors(per_rank):
             n_micro = per_rank // mbs
             for v in vs:
                 if v > 1 and n_micro % pp:
@@ -385,6 +388,8 @@ class _Search:
                 f"recompute={c.recompute}, needs {est.total_bytes / GiB:,.2f} GiB of the "
                 f"{self.budget / GiB:,.2f} GiB budget: use more devices or a pool with more memory"
             )
+            if c.micro_batch_size > 1 and self.fixed_micro_batch:
+                message += ", or a smaller training.micro_batch_size (auto: the planner picks one)"
         else:
             rules = list(dict.fromkeys(r.message for r in most_telling(self.rejected)))[:5]
             message = f"no layout of {self.devices} devices passes the layout rules: " + "; ".join(rules)
@@ -408,7 +413,7 @@ def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
                 }
             ]
         )
-    return spec.model.vocab_size or 257  # ByteTokenizer: 256 bytes + end-of-document
+    return spec.model.vocab_size or BYTE_TOKENIZER_VOCAB
 
 
 def plan(
@@ -467,13 +472,26 @@ def _explicit(search: _Search, layout: Layout) -> Plan:
             ]
         )
     dist_opt = par.distributed_optimizer and layout.dp * layout.cp > 1
-    c = Choice(layout, spec.training.micro_batch_size, spec.training.recompute, dist_opt)
-    est = search.memory(c)
-    if not fits(est, pool.device_memory_bytes, HEADROOM):
-        search.memory_rejection(c, est)
+    tr = spec.training
+    # The spec's micro-batch size, or (auto) every one the batch rules allow on this layout.
+    sizes = [search.fixed_micro_batch] if search.fixed_micro_batch else [
+        n for n in divisors(tr.global_batch_size // layout.dp)
+        if not batch_problems(layout, tr.global_batch_size, n)
+    ]  # fmt: skip
+    best: tuple[Choice, StepTime, MemoryEstimate] | None = None
+    for n in sizes:
+        c = Choice(layout, n, tr.recompute, dist_opt)
+        est = search.memory(c)
+        if not fits(est, pool.device_memory_bytes, HEADROOM):
+            search.memory_rejection(c, est)
+            break  # a bigger micro-batch needs more
+        t = predict_step(search.model, layout, search.settings(c), pool)
+        if best is None or t.step_time_s < best[1].step_time_s:
+            best = (c, t, est)
+    if best is None:
         message = f"layout {layout.describe()} {search.rejected[-1].message}"
         raise PlanError([{"field": "parallelism", "message": message}])
-    t = predict_step(search.model, layout, search.settings(c), pool)
+    c, t, est = best
     return Plan(c, t, est, search.devices, pool.name, search.precision, explicit=True,
                 parameters=param_counts(search.model))  # fmt: skip
 

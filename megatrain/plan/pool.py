@@ -72,7 +72,7 @@ def parse_pool(data: Any) -> PoolSpec:
     try:
         return PoolSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(format_validation_errors(exc)) from None
+        raise SpecError(format_validation_errors(exc, model=PoolSpec)) from None
 
 
 def load_pool(path: str | Path) -> PoolSpec:

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from megatrain.spec import JobSpec
 
+BYTE_TOKENIZER_VOCAB = 257
+"""The byte tokenizer's vocabulary: 256 byte values and end-of-document (engine/data/tokenizers.py)."""
+
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -208,6 +211,15 @@ def param_counts(m: ModelShape) -> dict[str, int]:
         idle = m.num_moe_layers * (m.moe.num_experts - m.moe.router_topk)
         idle *= mlp_params(m, m.moe.ffn_hidden_size, 1)
     return {"total": total, "active": total - idle}
+
+
+def spec_param_counts(spec: JobSpec) -> dict[str, int] | None:
+    """param_counts of the model `spec` builds (the one parameter formula: the API, CLI and dashboard
+    show these), or None where its vocabulary is a tokenizer file's and model.vocab_size is unset
+    (only the engine reads tokenizer files)."""
+    if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
+        return None
+    return param_counts(shape_of_spec(spec, spec.model.vocab_size or BYTE_TOKENIZER_VOCAB))
 
 
 def layers_on_stage(

@@ -97,3 +97,39 @@ def test_validate_answers_with_the_plan(api: Api) -> None:
     )
     assert body["spec"]["parallelism"]["dp"] == lay["dp"]  # the spec as it would be stored: planned
     assert api.client.get("/v1/jobs", headers=api.headers).json()["items"] == []
+
+
+def test_a_written_micro_batch_size_is_kept_under_auto(api: Api) -> None:
+    # issue 28: the planner replaced the spec's micro_batch_size (4 written, 16 stored).
+    _node_memory(api, 6 << 30)
+    spec = api.spec("kept")  # micro_batch_size 2, parallelism auto
+    resp = api.client.post("/v1/spec/validate", json=spec, headers=api.headers)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["spec"]["training"]["micro_batch_size"] == 2 == body["plan"]["layout"]["micro_batch_size"]
+    assert "training.micro_batch_size" not in body["auto"]
+    assert body["auto"]["parallelism.dp"] == body["layout"]["dp"]  # what parallelism: auto chose
+    assert api.submit(spec)["spec"]["training"]["micro_batch_size"] == 2
+
+
+def test_micro_batch_size_auto_is_the_planners_and_validate_says_so(api: Api) -> None:
+    _node_memory(api, 6 << 30)
+    spec = api.spec("asked", training={"micro_batch_size": "auto"})
+    body = api.client.post("/v1/spec/validate", json=spec, headers=api.headers).json()
+    chosen = body["plan"]["layout"]["micro_batch_size"]
+    assert body["auto"]["training.micro_batch_size"] == chosen == body["spec"]["training"]["micro_batch_size"]
+    assert api.submit(spec)["spec"]["training"]["micro_batch_size"] == chosen  # stored as a number
+    # An explicit layout asks the planner for the micro-batch size alone.
+    explicit = api.spec("asked-explicit", training={"micro_batch_size": "auto"}, parallelism={"dp": 2})
+    body = api.client.post("/v1/spec/validate", json=explicit, headers=api.headers).json()
+    assert body["auto"] == {"training.micro_batch_size": body["plan"]["layout"]["micro_batch_size"]}
+    assert body["plan"]["explicit_layout"]
+
+
+def test_micro_batch_size_auto_without_a_plan_is_the_largest_up_to_4(api: Api) -> None:
+    _node_memory(api, None)  # no memory known: no planner
+    spec = api.spec("unplanned-auto", training={"micro_batch_size": "auto", "global_batch_size": 6})
+    body = api.client.post("/v1/spec/validate", json=spec, headers=api.headers).json()
+    # 6 samples over dp=2: 3 per rank, so micro-batches of 3.
+    assert body["plan"] is None and body["auto"]["training.micro_batch_size"] == 3
+    assert api.submit(spec)["spec"]["training"]["micro_batch_size"] == 3

@@ -4,15 +4,20 @@ estimates, and no other tenant's job ids in anything a tenant reads."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 from api_handle import Api
 
 from megatrain.api.jobs.downsample import minmax_indices
-from megatrain.api.jobs.params import estimate_params
 from megatrain.db.jobs import reserve_and_schedule
 from megatrain.db.models import JobLog, JobMetric, Node
 from megatrain.db.session import session_scope
+from megatrain.plan.shapes import spec_param_counts
+from megatrain.spec import parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_minmax_indices_keeps_spikes_and_ends() -> None:
@@ -82,27 +87,51 @@ def test_params_estimate_in_job(api: Api) -> None:
     # 2 layers, hidden 64, 4 heads, llama (SwiGLU ffn 192), byte vocab padded to 384, untied head.
     h, ffn, vocab = 64, 192, 384
     expected = 2 * (4 * h * h + 3 * h * ffn + 2 * h) + 2 * vocab * h + h
-    assert job["params_estimate"] == expected
-    assert estimate_params({"model": {"arch": "llama"}, "data": {"tokenizer": {"type": "hf"}}}) is None
-    assert estimate_params({"model": {"hidden_size": -1}}) is None
+    assert job["params_estimate"] == job["params_active_estimate"] == expected
+    hf = api.spec("hf")
+    hf["data"]["tokenizer"] = {"type": "hf", "path": "file:///t/tokenizer.json"}
+    assert spec_param_counts(parse_spec(hf)) is None  # the vocabulary is the tokenizer file's
+
+
+def test_an_moe_jobs_estimate_counts_its_experts(api: Api) -> None:
+    # issue 28: a second formula here ignored the experts (836,736 of examples/moe.yaml's 1,784,960).
+    example = yaml.safe_load((EXAMPLES / "moe.yaml").read_text())
+    spec = api.spec("moe", model=example["model"])
+    job = api.submit(spec)
+    counts = spec_param_counts(parse_spec(spec))
+    assert counts == {"total": 1_784_960, "active": 973_952}
+    assert (job["params_estimate"], job["params_active_estimate"]) == (1_784_960, 973_952)
+    plan = api.client.post("/v1/plan", json={"spec": spec}, headers=api.headers)
+    assert plan.status_code == 200, plan.text
+    assert plan.json()["parameters"] == counts  # the planner's count is the same formula's
 
 
 def test_params_estimate_matches_the_engine() -> None:
     pytest.importorskip("torch")
     from megatrain.engine.config import transformer_config
     from megatrain.engine.models.gpt import GPTModel
-    from megatrain.spec import parse_spec
 
     for model in (
         {"arch": "llama", "num_query_groups": 2},
         {"arch": "gpt2"},
         {"arch": "llama", "tie_embeddings": True, "vocab_size": 1000},
+        {
+            "arch": "llama",
+            "moe": {
+                "num_experts": 4,
+                "router_topk": 2,
+                "ffn_hidden_size": 96,
+                "shared_expert_ffn_hidden_size": 64,
+                "layer_freq": 2,
+            },
+        },
     ):
         spec = parse_spec({"name": "x", "data": {"train": [{"path": "file:///d.jsonl"}]},
                            "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                      "seq_length": 32, **model}})  # fmt: skip
         exact = sum(p.numel() for p in GPTModel(transformer_config(spec, 257)).parameters())
-        assert estimate_params(spec.model_dump(mode="json")) == exact, model
+        counts = spec_param_counts(spec)
+        assert counts is not None and counts["total"] == exact, model
 
 
 def test_cluster_view(api: Api) -> None:

@@ -75,6 +75,26 @@ def test_layout_pool_and_data_access_in_one_answer(api: Api) -> None:
     assert not any("does not exist" in e["message"] for e in errors)  # no answers about others' files
 
 
+def test_an_expert_width_tp_does_not_divide_is_refused_before_the_engine(api: Api) -> None:
+    # issue 28: the engine refused it (parallel.moe_tensor), validation let it through.
+    model = {**api.spec()["model"], "moe": {"num_experts": 4, "ffn_hidden_size": 177}}
+    errors = _errors(api, api.spec(model=model, parallelism={"tp": 2}))[0]
+    assert errors == [
+        {
+            "field": "model.moe.ffn_hidden_size",
+            "message": "model.moe.ffn_hidden_size=177 is not divisible by parallelism.tp=2",
+        }
+    ]
+
+
+def test_an_unknown_field_names_the_nearest_known_one(api: Api) -> None:
+    spec = api.spec(training={"trainiters": 5, "queue": "fast"})
+    assert _errors(api, spec)[0] == [
+        {"field": "training.trainiters", "message": "unknown field; did you mean train_iters?"},
+        {"field": "training.queue", "message": "unknown field"},
+    ]
+
+
 def test_no_message_about_a_stand_in_value(api: Api) -> None:
     # hidden_size 'abc' is dropped and its default (256) stands in: 256 is not divisible by 12
     # heads, but that is no error of this spec.

@@ -77,6 +77,25 @@ def test_offline_plan_of_an_moe_shows_ep_and_active_parameters(tmp_path: Path) -
     assert code == 0 and "B active per token" in out, out
 
 
+def test_a_small_model_is_counted_in_millions_on_one_device(tmp_path: Path) -> None:
+    # examples/moe.yaml's model on one device: no "parameters: 0.00B" and no "on 1 devices".
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "moe.yaml").read_text())
+    spec, pool = _files(tmp_path, spec={**SPEC, "model": example["model"], "resources": {"devices": 1}})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 0, out
+    assert "on 1 device of pool" in out
+    assert "parameters: 1.78M, 974K active per token" in out
+
+
+def test_offline_an_unknown_field_is_told_the_nearest_one(tmp_path: Path) -> None:
+    spec, pool = _files(tmp_path, spec={**SPEC, "training": {**SPEC["training"], "trainiters": 5}})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 1 and "training.trainiters: unknown field; did you mean train_iters?" in out, out
+    spec, pool = _files(tmp_path, pool={**POOL, "acelerator": "x"})
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 1 and "acelerator: unknown field; did you mean accelerator?" in out, out
+
+
 def test_offline_errors_are_red_lines(tmp_path: Path) -> None:
     spec, pool = _files(tmp_path, pool={**POOL, "devices_per_node": 0})
     code, out = _run("plan", spec, "--pool", pool)

@@ -26,3 +26,26 @@ def test_every_error_on_its_own_line(live_api: LiveApi, tmp_path: Path) -> None:
     for field in ("model.num_layers", "model.hidden_size", "resources.pool", "data.train.1.path"):
         assert sum(line.startswith(f"{field}: ") for line in lines) == 1, (field, out)
     assert "missing.jsonl' does not exist" in out
+
+
+def test_an_unknown_field_is_told_the_nearest_one(live_api: LiveApi, tmp_path: Path) -> None:
+    spec = live_api.spec("typo")
+    spec["training"]["trainiters"] = 5
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    result = CliRunner().invoke(app, ["validate", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    assert "training.trainiters: unknown field; did you mean train_iters?" in result.output
+
+
+def test_what_auto_chose_is_printed(live_api: LiveApi, tmp_path: Path) -> None:
+    spec = live_api.spec("auto-chose")
+    spec["parallelism"] = "auto"
+    spec["training"]["micro_batch_size"] = "auto"
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    result = CliRunner().invoke(app, ["validate", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.output.splitlines() if line.startswith("auto chose: ")]
+    assert "parallelism.tp=1" in line and "parallelism.dp=" in line, line
+    assert "training.micro_batch_size=" in line, line

@@ -14,6 +14,7 @@ from megatrain.engine.config import TransformerConfig
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.train import run
+from megatrain.plan.layout import Layout
 from megatrain.spec import SpecError, parse_spec
 
 from .helpers import read_jsonl, tiny_spec
@@ -48,4 +49,4 @@ def test_a_backend_this_worker_cannot_run_fails_before_the_model(
 def test_ring_attention_refuses_a_named_backend_it_would_not_run() -> None:
     model = GPTModel(TransformerConfig.preset("tiny-llama", attention_backend="flex"))
     with pytest.raises(ValueError, match=r"attention_backend='flex' is not used with parallelism.cp=2"):
-        parallelize_context(model, SimpleNamespace(cp_size=2))  # type: ignore[arg-type]
+        parallelize_context(model, SimpleNamespace(cp_size=2, layout=Layout(cp=2)))  # type: ignore[arg-type]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from megatrain.engine.config import padded_vocab_size, train_config, transformer_config
-from megatrain.plan.layout import Layout, check_layout
+from megatrain.plan.layout import Layout, check_layout, with_micro_batch_size
 from megatrain.spec import SpecError, parse_spec
 
 from .helpers import tiny_spec
@@ -40,3 +40,8 @@ def test_train_config_accumulation(tmp_path) -> None:
     # A batch that does not split over dp=3 never reaches the loop: the layout check refuses it.
     with pytest.raises(SpecError, match="training.global_batch_size=16 is not divisible"):
         check_layout(spec, Layout(dp=3), 3)
+    # An auto micro-batch size is a number by the time the engine reads it (train.run resolves it).
+    auto = parse_spec(tiny_spec(tmp_path / "c.jsonl", global_batch_size=16, micro_batch_size="auto"))
+    with pytest.raises(ValueError, match="resolved on the layout"):
+        train_config(auto, 2)
+    assert train_config(with_micro_batch_size(auto, layout=Layout(dp=2)), 2).micro_batch_size == 4

@@ -67,6 +67,15 @@ def test_layout_needing_more_processes_names_the_numbers(tmp_path: Path, corpus:
         run(parse_spec(raw), tmp_path / "out")
 
 
+def test_an_auto_micro_batch_size_runs_as_the_largest_up_to_4(
+    tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = tiny_spec(corpus, train_iters=1, warmup_iters=0, global_batch_size=6, micro_batch_size="auto",
+                    eval_interval=0)  # fmt: skip
+    run(parse_spec(raw), tmp_path / "out")  # the engine on its own: no planner chose one
+    assert "2 micro-batches of 3 per dp rank" in capsys.readouterr().out
+
+
 def test_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "spec.json").write_text(json.dumps({"name": "x"}))
     assert main(["--spec", str(tmp_path / "spec.json"), "--out", str(tmp_path / "out")]) == EXIT_USAGE

@@ -28,7 +28,7 @@ def spec(model: dict[str, Any] | None = None, devices: int | None = None, **trai
         "model": {"arch": "llama", "num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16,
                   "num_query_groups": 8, "seq_length": 1024, "vocab_size": 32000, **(model or {})},
         "data": {"train": [{"dataset": "corpus"}]},
-        "training": {"global_batch_size": 64, "micro_batch_size": 1, "precision": "bf16", **training},
+        "training": {"global_batch_size": 64, "micro_batch_size": "auto", "precision": "bf16", **training},
     }  # fmt: skip
     if devices is not None:
         raw["resources"] = {"devices": devices}

@@ -47,7 +47,7 @@ def test_fp8_spec_rules() -> None:
     at_tp8 = _problems(parallelism={"tp": 8})
     assert any("ffn_hidden_size per tp shard" in m and "it is 344 with parallelism.tp=8" in m for m in at_tp8)
     # The weight gradient's GEMM multiplies over a micro-batch's tokens.
-    tokens = _problems({"seq_length": 1000})
+    tokens = _problems({"seq_length": 1000}, micro_batch_size=1)
     assert tokens and "micro_batch_size×seq_length/cp = 1000" in tokens[0]
     # An MoE model's shared expert is a dense MLP in float8 too (the routed experts stay bf16).
     moe = {"moe": {"num_experts": 4, "router_topk": 2, "shared_expert_ffn_hidden_size": 200}}

@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.plan.layout import Layout, LayoutError, check_layout, model_problems, resolve_layout
+from megatrain.plan.layout import (
+    Layout,
+    LayoutError,
+    check_layout,
+    micro_batch_size,
+    model_problems,
+    resolve_layout,
+    with_micro_batch_size,
+)
 from megatrain.spec import SpecError, parse_spec
 
 BASE: dict[str, Any] = {"name": "tiny", "data": {"train": [{"path": "file:///data/corpus.jsonl"}]}}
@@ -129,7 +137,7 @@ def test_layout_module_imports_without_torch() -> None:
 
 
 def spec_with(
-    parallelism: Any = "auto", gpus: int | None = None, gbs: int = 16, mbs: int = 4, **model: Any
+    parallelism: Any = "auto", gpus: int | None = None, gbs: int = 16, mbs: int | str = 4, **model: Any
 ) -> Any:
     return parse_spec(
         {
@@ -323,3 +331,18 @@ def test_the_same_values_pass_when_the_rule_is_met() -> None:
         }
     )
     assert resolve_layout(ok) == Layout(tp=4, pp=2, dp=2, sequence_parallel=True)
+
+
+def test_an_auto_micro_batch_size_no_planner_chose_is_the_largest_up_to_4() -> None:
+    auto = spec_with({"dp": 2}, gbs=16, mbs="auto")
+    assert micro_batch_size(auto, Layout(dp=2)) == 4  # 8 per rank
+    assert micro_batch_size(spec_with({"dp": 2}, gbs=6, mbs="auto"), Layout(dp=2)) == 3
+    # Interleaved: 8 per rank in micro-batches of 4 is 2, not a multiple of pp=4; of 2, it is 4.
+    interleaved = Layout(pp=4, virtual_stages=2)
+    assert micro_batch_size(spec_with({"pp": 4, "virtual_stages": 2}, gbs=8, mbs="auto"), interleaved) == 2
+    resolved = with_micro_batch_size(auto, layout=Layout(dp=2))
+    assert resolved.training.micro_batch_size == 4 and auto.training.micro_batch_size == "auto"
+    assert with_micro_batch_size(auto, 8).training.micro_batch_size == 8  # a planner's choice
+    written = spec_with({"dp": 2}, gbs=16, mbs=2)
+    assert with_micro_batch_size(written, 8) is written  # a number written is kept
+    assert resolve_layout(auto) == Layout(dp=2)

@@ -106,7 +106,7 @@ def test_a_model_that_fits_nowhere_names_why() -> None:
 
 
 def test_an_explicit_layout_gets_its_own_prediction() -> None:
-    raw = spec(recompute="selective").model_dump(mode="json")
+    raw = spec(recompute="selective", micro_batch_size=1).model_dump(mode="json")
     raw["parallelism"] = {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True}
     s = parse_spec(raw)
     pool = gpu_pool()
@@ -169,3 +169,26 @@ def test_llama3_405b_on_16k_gpus_gets_the_published_layout() -> None:
     lay = result.choice.layout
     assert (lay.tp, lay.pp, lay.dp * lay.cp) == (8, 16, 128) and lay.cp <= 2
     assert result.time.mfu == pytest.approx(0.41, rel=0.25)
+
+
+def test_a_micro_batch_size_written_is_planned_with_and_kept() -> None:
+    # issue 28: parallelism auto kept the layout's freedom but replaced the spec's micro_batch_size.
+    auto = plan(spec(), gpu_pool(), 8)
+    kept = plan(spec(micro_batch_size=2), gpu_pool(), 8)
+    assert auto.choice.micro_batch_size != 2  # the planner alone picks another
+    assert {c.micro_batch_size for c, _, _ in [(kept.choice, 0, 0), *kept.runners_up]} == {2}
+    assert kept.choice.apply(spec(micro_batch_size=2)).training.micro_batch_size == 2
+    # One that no data-parallel degree splits the batch into is a reason, with its numbers.
+    fixed = spec({"num_layers": 1}, global_batch_size=16, micro_batch_size=4)
+    with pytest.raises(PlanError, match=r"global_batch_size=16 is not divisible by micro_batch_size×dp=4×8"):
+        plan(fixed, gpu_pool(per_node=1, nodes=8), 8)
+
+
+def test_an_explicit_layout_with_an_auto_micro_batch_size_gets_the_fastest_that_fits() -> None:
+    raw = spec().model_dump(mode="json")
+    raw["parallelism"] = {"tp": 2, "pp": 2, "dp": 2}
+    planned = plan(parse_spec(raw), gpu_pool())
+    assert planned.explicit and planned.choice.layout == Layout(tp=2, pp=2, dp=2)
+    others = [plan(parse_spec({**raw, "training": {**raw["training"], "micro_batch_size": n}}), gpu_pool())
+              for n in (1, 2, 4, 8, 16, 32)]  # fmt: skip
+    assert planned.time.step_time_s == min(p.time.step_time_s for p in others)

@@ -62,9 +62,12 @@ export function layoutText(layout) {
 }
 
 export function paramsText(job) {
-  if (job.num_params) return fmtCount(job.num_params);
-  if (job.params_estimate) return `≈${fmtCount(job.params_estimate)}`;
-  return "—";
+  // The engine's exact count once it started, else the spec's (plan.shapes, experts included).
+  const total = job.num_params || job.params_estimate;
+  if (!total) return "—";
+  const text = job.num_params ? fmtCount(total) : `≈${fmtCount(total)}`;
+  const active = job.params_active_estimate;
+  return active && active !== job.params_estimate ? `${text} (${fmtCount(active)} active)` : text;
 }
 
 // "2 of 3" counts the failed starts against max_retries; preempted and continued attempts are not

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
-from megatrain.api.jobs.params import estimate_params
+from megatrain.plan.shapes import spec_param_counts
+from megatrain.spec import JobSpec
 
 
 class JobPublic(BaseModel):
@@ -84,8 +86,25 @@ class JobPublic(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def params_estimate(self) -> int | None:
-        """Parameters computed from the spec (num_params is the engine's exact count once started)."""
-        return estimate_params(self.spec)
+        """Parameters of the model the spec builds, experts included (megatrain.plan.shapes, the
+        planner's count; num_params is the engine's exact count once started). None when the
+        vocabulary is a tokenizer file's without model.vocab_size."""
+        counts = self._param_counts
+        return counts["total"] if counts else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def params_active_estimate(self) -> int | None:
+        """Of params_estimate, those one token runs through (an MoE model's unrouted experts left out)."""
+        counts = self._param_counts
+        return counts["active"] if counts else None
+
+    @functools.cached_property
+    def _param_counts(self) -> dict[str, int] | None:
+        try:
+            return spec_param_counts(JobSpec.model_validate(self.spec))
+        except (ValidationError, ValueError):  # a stored spec an older release wrote, unreadable now
+            return None
 
 
 class JobPage(BaseModel):
@@ -133,3 +152,7 @@ class SpecCheck(BaseModel):
     plan: dict[str, Any] | None = None
     """The planner's layout and prediction (`predicted`: step time, tokens/s, MFU, memory per
     device); null when the spec's pool has no description and no nodes to plan on."""
+    auto: dict[str, Any] = Field(default_factory=dict)
+    """What each field the spec left to auto became, by field: `parallelism: auto`'s layout
+    ("parallelism.tp": 2, ..., and "training.recompute" where planning changed it), dp auto's
+    degree, micro_batch_size auto's size ({"training.micro_batch_size": 8}); empty when none."""

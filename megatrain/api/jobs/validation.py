@@ -11,8 +11,8 @@ model.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -24,13 +24,13 @@ from megatrain.api.jobs.data_exists import data_checks, missing_data
 from megatrain.api.jobs.hf_init import fill_model
 from megatrain.api.plan.service import pool_for
 from megatrain.db.models import Job, Node, NodePool, Tenant
-from megatrain.plan.layout import Layout, resolve_layout
+from megatrain.plan.layout import Layout, resolve_layout, with_micro_batch_size
 from megatrain.plan.memory import from_spec
 from megatrain.plan.planner import plan
 from megatrain.scheduler.placement import fit_problem, memory_problem, startup_memory_problem
 from megatrain.scheduler.pools import OPERATOR, describe
 from megatrain.settings import Settings
-from megatrain.spec import JOB_SECTIONS, JobSpec, SpecError, check_spec
+from megatrain.spec import JOB_SECTIONS, JobSpec, ParallelismSpec, SpecError, check_spec
 from megatrain.spec_errors import Findings, Problem
 from megatrain.spec_packages import package_problems
 
@@ -61,15 +61,45 @@ def _problem(field: str, message: str) -> Problem:
     return {"field": field, "message": message}
 
 
-@dataclass
+@dataclasses.dataclass
 class Submission:
-    """A submission that passed every check: the spec to store (planned), its layout, and the
-    planner's prediction for it (`{layout, predicted, devices, pool, precision, explicit_layout}`;
-    None when its pool has no description and no nodes to plan on)."""
+    """A submission that passed every check: the spec to store (planned), its layout, the planner's
+    prediction for it (`{layout, predicted, devices, pool, precision, explicit_layout}`; None when
+    its pool has no description and no nodes to plan on), and what each "auto" became."""
 
     spec: JobSpec
     layout: Layout
     plan: dict[str, Any] | None
+    auto: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """{field: value} for each field the spec left to auto (auto_choices)."""
+
+
+PLANNED_LAYOUT = ("tp", "pp", "dp", "cp", "ep", "virtual_stages", "sequence_parallel", "pipeline_layers")
+"""The layout fields `parallelism: auto` chooses (as Layout names them)."""
+
+
+def auto_choices(written: JobSpec, spec: JobSpec, layout: Layout) -> dict[str, Any]:
+    """What each "auto" of the spec as written became in the spec to store (and its layout), by
+    field: parallelism auto's layout (and the recompute, distributed optimizer and devices planning
+    set where they changed), dp auto's degree, micro_batch_size auto's size."""
+    out: dict[str, Any] = {}
+    if not isinstance(written.parallelism, ParallelismSpec):  # parallelism: auto
+        out.update({f"parallelism.{k}": getattr(layout, k) for k in PLANNED_LAYOUT})
+        if isinstance(spec.parallelism, ParallelismSpec):  # planned (else today's auto: dp fills)
+            out["parallelism.distributed_optimizer"] = spec.parallelism.distributed_optimizer
+        if out["parallelism.pipeline_layers"] is None:
+            del out["parallelism.pipeline_layers"]
+        else:
+            out["parallelism.pipeline_layers"] = list(layout.pipeline_layers or ())
+        if spec.training.recompute != written.training.recompute:
+            out["training.recompute"] = spec.training.recompute
+        if written.resources.devices is None:
+            out["resources.devices"] = layout.world_size
+    elif written.parallelism.dp == "auto":
+        out["parallelism.dp"] = layout.dp
+    if written.training.micro_batch_size == "auto":
+        out["training.micro_batch_size"] = spec.training.micro_batch_size
+    return out
 
 
 def _plan(
@@ -83,8 +113,9 @@ def _plan(
     A pool with no nodes, or none that reported its memory and no operator's description (a guess
     would refuse jobs that fit), or a tokenizer file's vocabulary the planner cannot
     size (no model.vocab_size), keeps today's auto (tp=pp=1, dp fills the devices). None when the
-    planner finds nothing that fits (its reasons are in `findings`). Planning replaces the spec's
-    micro-batch size and recompute too (Choice.apply): a spec that wants its own gives a layout."""
+    planner finds nothing that fits (its reasons are in `findings`). Planning `parallelism: auto`
+    sets recompute too (Choice.apply); a micro-batch size is the planner's only where the spec says
+    auto (a number written is planned with, and kept)."""
     if findings.errors:  # a spec the rules refuse is judged as written: no plan to hide its errors
         return spec, None
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
@@ -112,6 +143,8 @@ def _plan(
     answer.pop("candidates")  # the runners-up and rejections are POST /v1/plan's, not the job's
     if auto:
         spec = planned.choice.apply(spec)
+    else:
+        spec = with_micro_batch_size(spec, planned.choice.micro_batch_size)  # (a number is kept)
     return spec, answer
 
 
@@ -274,7 +307,7 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         findings.raise_if_any()
         raise SpecError([_problem("spec", "not a valid job spec")])  # unreachable: see check_spec
     pool = _pool_nodes(session, spec, findings)
-    prediction = None
+    prediction, written = None, spec
     planned = _plan(session, settings, spec, pool[0] if pool else [], findings)
     if planned is not None:
         spec, prediction = planned
@@ -293,4 +326,5 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         findings.add(_packages(session, spec))
     findings.raise_if_any()
     assert layout is not None  # no error: every check ran, the layout's too
-    return Submission(spec, layout, prediction)
+    spec = with_micro_batch_size(spec, layout=layout)  # an auto one no planner chose: stored as a number
+    return Submission(spec, layout, prediction, auto_choices(written, spec, layout))

@@ -57,9 +57,9 @@ async def validate_spec(
     request: Request, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
 ) -> dict[str, Any]:
     """Run every check POST /v1/jobs runs (spec, layout, pool fit, data access and existence)
-    without creating a job; 200 with the normalised (planned) spec, its layout and the planner's
-    prediction (`plan`, null when its pool cannot be planned on), or the same 422 a
-    submission would get, listing every error at once."""
+    without creating a job; 200 with the normalised (planned) spec, its layout, the planner's
+    prediction (`plan`, null when its pool cannot be planned on) and what each "auto" of the spec
+    became (`auto`), or the same 422 a submission would get, listing every error at once."""
     raw = await request.body()
     data = await run_in_threadpool(service.parse_body, raw, request.headers.get("content-type", ""))
     checked = await run_in_threadpool(service.check_submission, session, settings, tenant, data)
@@ -69,4 +69,5 @@ async def validate_spec(
         "layout": checked.layout.as_dict(),
         "num_procs": checked.layout.world_size,
         "plan": checked.plan,
+        "auto": checked.auto,
     }

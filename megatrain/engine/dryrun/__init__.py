@@ -59,7 +59,7 @@ from megatrain.engine.dryrun.routing import balance_routing
 from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.models.init import BLOCK_ELEMENTS
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.plan.layout import Layout
+from megatrain.plan.layout import Layout, with_micro_batch_size
 from megatrain.plan.memory import planned_precision
 from megatrain.spec import JobSpec, ParallelismSpec
 
@@ -215,7 +215,7 @@ def dryrun(spec: JobSpec, layout: Layout, rank: int = 0, *, microbatches: int | 
         raise ValueError("model.vocab_size is unset: the dryrun reads no tokenizer; set it in the spec")
     vocab = spec.model.vocab_size or 257  # the byte tokenizer's, as the planner's from_spec
     mcfg = transformer_config(spec, vocab)
-    cfg = train_config(spec, layout.dp)
+    cfg = train_config(with_micro_batch_size(spec, layout=layout), layout.dp)
     if microbatches is not None:
         gbs = microbatches * cfg.micro_batch_size * layout.dp
         cfg = dataclasses.replace(cfg, global_batch_size=gbs)

@@ -33,7 +33,7 @@ from megatrain.engine.models.gpt import Attention
 from megatrain.engine.models.moe import TopKRouter
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.kernels.attention import Segments
-from megatrain.spec_attention import context_parallel_problem
+from megatrain.plan.layout import LayoutError, context_problems
 
 
 @dataclass(frozen=True)
@@ -205,14 +205,10 @@ def parallelize_context(model: nn.Module, state: ParallelState) -> nn.Module:
     if state.cp_size == 1:
         return model
     cfg = getattr(model, "config", None)
-    if cfg is not None and cfg.attention_dropout > 0:
-        raise ValueError(
-            f"model.attention_dropout={cfg.attention_dropout} is not supported with parallelism.cp="
-            f"{state.cp_size} (ring attention has no dropout); set it to 0"
-        )
-    backend = context_parallel_problem(cfg.attention_backend, state.cp_size) if cfg is not None else None
-    if backend:
-        raise ValueError(backend)
+    # The layout's own rules (megatrain.plan.layout): no attention dropout, a backend ring attention runs.
+    problems = context_problems(state.layout, cfg.attention_dropout, cfg.attention_backend) if cfg else []
+    if problems:
+        raise LayoutError("; ".join(p["message"] for p in problems))
     attend = functools.partial(ring_attention, ring=Ring.of(state))
     for module in model.modules():
         if isinstance(module, Attention):

@@ -32,6 +32,7 @@ from torch import nn
 from megatrain.engine.models.moe import PermuteDispatcher, moe_layers
 from megatrain.engine.parallel.mappings import check_group, is_expert_parallel, mark_expert_parallel
 from megatrain.engine.parallel.state import Group, ParallelState
+from megatrain.plan.layout import LayoutError, expert_problems
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -165,8 +166,9 @@ def parallelize_experts(model: nn.Module, state: ParallelState) -> nn.Module:
     for layer in moe_layers(model):
         experts = layer.experts
         total = experts.num_experts
-        if total % state.ep_size:
-            raise ValueError(f"num_experts={total} is not divisible by ep={state.ep_size}")
+        problems = expert_problems(state.layout, total)  # the layout's own rule (plan.layout)
+        if problems:
+            raise LayoutError(problems[0]["message"])
         n_local = total // state.ep_size
         lo = state.ep_rank * n_local
         for name in EXPERT_WEIGHTS:

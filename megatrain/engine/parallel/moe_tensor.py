@@ -37,7 +37,7 @@ from megatrain.engine.parallel.mappings import (
     shard_tensor,
 )
 from megatrain.engine.parallel.state import ParallelState
-from megatrain.plan.layout import LayoutError
+from megatrain.plan.layout import LayoutError, model_problems
 
 
 def parallelize_moe_layer(layer: MoELayer, state: ParallelState, swiglu: bool) -> None:
@@ -45,10 +45,17 @@ def parallelize_moe_layer(layer: MoELayer, state: ParallelState, swiglu: bool) -
     tp, rank = state.tp_size, state.tp_rank
     if tp == 1:
         return
-    experts = layer.experts
-    ffn = experts.fc2_weight.shape[2]
-    if ffn % tp:
-        raise LayoutError(f"model.moe.ffn_hidden_size={ffn} is not divisible by tp={tp}")
+    experts, shared = layer.experts, layer.shared_expert
+    # The layout's own rules (megatrain.plan.layout), on this layer's widths.
+    problems = model_problems(
+        state.layout,
+        moe_ffn_hidden_size=experts.fc2_weight.shape[2],
+        shared_expert_ffn_hidden_size=shared.fc2.in_features if shared is not None else None,
+        model="model.",
+        par="parallelism.",
+    )
+    if problems:
+        raise LayoutError("; ".join(p["message"] for p in problems))
     stride = 2 if swiglu else 1
     _shard(experts, "fc1_weight", 1, stride, rank, tp)
     if experts.fc1_bias is not None:
@@ -67,11 +74,7 @@ def parallelize_moe_layer(layer: MoELayer, state: ParallelState, swiglu: bool) -
     else:
         layer.enter = functools.partial(copy_to_tp, group=group, size=tp)
         layer.leave = functools.partial(reduce_from_tp, group=group, size=tp)
-    shared = layer.shared_expert
     if shared is not None:
-        width = shared.fc2.in_features
-        if width % tp:
-            raise LayoutError(f"model.moe.shared_expert_ffn_hidden_size={width} is not divisible by tp={tp}")
         shared.fc1 = ColumnParallelLinear.from_linear(shared.fc1, state, stride=stride)
         shared.fc2 = RowParallelLinear.from_linear(shared.fc2, state)
 

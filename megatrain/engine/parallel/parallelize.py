@@ -77,6 +77,11 @@ def parallelize_model(
         ffn_hidden_size=cfg.ffn_hidden_size,
         vocab_size=cfg.vocab_size,
         seq_length=cfg.seq_length,
+        # The experts' widths (an MoE model): checked here, before any layer is swapped.
+        moe_ffn_hidden_size=cfg.moe.ffn_hidden_size if cfg.moe is not None else None,
+        shared_expert_ffn_hidden_size=cfg.moe.shared_expert_ffn_hidden_size if cfg.moe is not None else None,
+        model="model.",
+        par="parallelism.",  # the words of the spec's 422 (layout_problems), rule for rule
     )
     if problems:
         raise LayoutError("invalid parallel layout: " + "; ".join(p["message"] for p in problems))

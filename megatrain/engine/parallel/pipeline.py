@@ -135,7 +135,9 @@ def build_stage_modules(model: GPTModel, state: ParallelState) -> list[StageModu
     weights a single process would; the blocks of other stages are dropped with `model`.
     """
     pp, v = state.pp_size, state.layout.virtual_stages
-    problems = model_problems(state.layout, num_layers=model.config.num_layers)
+    problems = model_problems(
+        state.layout, num_layers=model.config.num_layers, model="model.", par="parallelism."
+    )
     if problems:
         raise LayoutError("; ".join(p["message"] for p in problems))
     ranges = state.layout.chunk_layers(model.config.num_layers)

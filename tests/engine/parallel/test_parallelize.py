@@ -130,7 +130,7 @@ def test_parallelize_slices_the_canonical_layout() -> None:
 
 
 def test_parallelize_checks_layout_and_dropout() -> None:
-    with pytest.raises(LayoutError, match="num_query_groups=4 is not divisible by tp=8"):
+    with pytest.raises(LayoutError, match="num_query_groups=4 is not divisible by parallelism.tp=8"):
         parallelize_model(GPTModel(make_config("llama")), fake_state(8, 0))
     with pytest.raises(ValueError, match="rng_tracker"):
         parallelize_model(GPTModel(make_config("gpt2", attention_dropout=0.1)), fake_state(2, 0))

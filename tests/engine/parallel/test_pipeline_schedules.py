@@ -27,7 +27,9 @@ def test_chunk_layers_agree_with_the_estimate_and_stages_check_the_rules() -> No
     # The even split agrees with the memory estimate's model of the stages.
     assert [b - a for a, b in Layout(pp=4).chunk_layers(12)] == [layers_on_stage(12, 4, s) for s in range(4)]
     model = GPTModel(_cfg(tie=False))  # 4 layers cannot make 2×3 chunks
-    with pytest.raises(LayoutError, match="num_layers=4 is not divisible by pp×virtual_stages=2×3"):
+    with pytest.raises(
+        LayoutError, match="num_layers=4 is not divisible by parallelism.pp×virtual_stages=2×3"
+    ):
         build_stage_modules(model, _stage_state(2, 0, v=3))
 
 
