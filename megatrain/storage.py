@@ -6,6 +6,7 @@ Keys are '/'-separated and relative to the store's root URL. The same code serve
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
@@ -29,6 +30,21 @@ class ObjectInfo:
 
 class StorageError(Exception):
     pass
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the renames into directory `path` durable: a file fsynced and renamed into place can
+    still vanish in a power loss until its directory's entry is on disk. Call it after the rename
+    that publishes something (a checkpoint's manifest, a dataset's index, an export's config)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems (certain FUSE and network mounts) cannot fsync a directory at all.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _check_key(key: str) -> str:
@@ -143,7 +159,7 @@ class FileStore:
     def writer(self, key: str) -> Iterator[BinaryIO]:
         """A file to write the object into; it appears, whole, only when the block ends cleanly."""
         dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        created = _make_dirs(dest.parent)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
         try:
             # mkstemp creates 0600; objects must stay readable by the other services' users.
@@ -153,6 +169,10 @@ class FileStore:
                 f.flush()
                 os.fsync(f.fileno())  # durable before anything (a manifest) can name it
             os.replace(tmp, dest)
+            # The rename, and the entries of folders made for it, durable before the caller goes on
+            # (to name this object in a manifest or a database row).
+            for d in [dest.parent, *(c.parent for c in created)]:
+                fsync_dir(d)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -193,6 +213,17 @@ class FileStore:
 
     def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
         return None
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created (deepest first)."""
+    created = []
+    p = path
+    while not p.is_dir():
+        created.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return created
 
 
 class S3Store:

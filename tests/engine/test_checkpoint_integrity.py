@@ -102,3 +102,18 @@ def test_resume_falls_back_past_an_edited_trainer_state(tmp_path: Path, corpus: 
     with pytest.raises(CorruptCheckpoint, match=r"no usable checkpoint under .*step 6: .*step 4: .*step 2: "):
         run(spec, again)
     assert not any(e["event"] == "started" for e in read_jsonl(again / "events.jsonl"))
+
+
+def test_a_save_fsyncs_the_folder_after_its_manifest_and_the_root_after_latest(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megatrain.storage as storage
+
+    seen: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(
+        storage, "fsync_dir", lambda d: seen.append((Path(d).name, sorted(p.name for p in Path(d).iterdir())))
+    )
+    folder = _saved(tmp_path / "ckpt", corpus)
+    published = [names for name, names in seen if name == folder.name and "manifest.json" in names]
+    assert published and "trainer_state.json" in published[0]
+    assert ("ckpt", ["iter_0000004", "latest"]) in seen
