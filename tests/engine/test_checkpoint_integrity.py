@@ -99,7 +99,10 @@ def test_resume_falls_back_past_an_edited_trainer_state(tmp_path: Path, corpus: 
         path = again / "checkpoints" / f"iter_{step:07d}" / "trainer_state.json"
         samples = step * 8
         _same_size_edit(path, f'"consumed_samples": {samples}', f'"consumed_samples": {samples + 1}')
-    with pytest.raises(CorruptCheckpoint, match=r"no usable checkpoint under .*step 6: .*step 4: .*step 2: "):
+    with pytest.raises(
+        CorruptCheckpoint,
+        match=r"no usable checkpoint under .* \(delete them to start over\): step 6: .*step 4: .*step 2: ",
+    ):
         run(spec, again)
     assert not any(e["event"] == "started" for e in read_jsonl(again / "events.jsonl"))
 

@@ -281,8 +281,9 @@ class Checkpointer:
                 self.log.say(f"checkpoint {step} is unusable: {exc}; trying the one before it")
                 self.log.events.write({"event": "checkpoint_corrupt", "step": step, "reason": str(exc)})
                 reasons.append(f"step {step}: {exc}")
+        # What to do first: a failure's reason keeps only its first few hundred characters.
         raise CorruptCheckpoint(
-            f"no usable checkpoint under {self.root_url} ({'; '.join(reasons)}); delete them to start over"
+            f"no usable checkpoint under {self.root_url} (delete them to start over): {'; '.join(reasons)}"
         )
 
     def load(self, folder: Folder) -> Progress:
