@@ -6,16 +6,19 @@ Keys are '/'-separated and relative to the store's root URL. The same code serve
 
 from __future__ import annotations
 
+import base64
+import errno
 import io
 import os
 import shutil
 import tempfile
 import threading
+import zlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import unquote, urlparse
 
 
@@ -25,10 +28,28 @@ class ObjectInfo:
     size: int
     etag: str | None = None
     """S3's ETag (the MD5 of a single-part upload); None on file://."""
+    crc32: str | None = None
+    """The whole object's CRC32 as S3 keeps it (base64 of 4 big-endian bytes), where it has one: every
+    upload through S3Store records it, multipart ones too; None on file:// and for older objects."""
 
 
 class StorageError(Exception):
     pass
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the renames into directory `path` durable: a file fsynced and renamed into place can
+    still vanish in a power loss until its directory's entry is on disk. Call it after the rename
+    that publishes something (a checkpoint's manifest, a dataset's index, an export's config)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems (certain FUSE and network mounts) cannot fsync a directory at all.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _check_key(key: str) -> str:
@@ -143,7 +164,7 @@ class FileStore:
     def writer(self, key: str) -> Iterator[BinaryIO]:
         """A file to write the object into; it appears, whole, only when the block ends cleanly."""
         dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        created = _make_dirs(dest.parent)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
         try:
             # mkstemp creates 0600; objects must stay readable by the other services' users.
@@ -153,6 +174,10 @@ class FileStore:
                 f.flush()
                 os.fsync(f.fileno())  # durable before anything (a manifest) can name it
             os.replace(tmp, dest)
+            # The rename, and the entries of folders made for it, durable before the caller goes on
+            # (to name this object in a manifest or a database row).
+            for d in [dest.parent, *(c.parent for c in created)]:
+                fsync_dir(d)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -195,6 +220,17 @@ class FileStore:
         return None
 
 
+def _make_dirs(path: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created (deepest first)."""
+    created = []
+    p = path
+    while not p.is_dir():
+        created.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return created
+
+
 class S3Store:
     """s3://bucket/prefix through boto3; MEGATRAIN_S3_ENDPOINT_URL points it at MinIO or moto."""
 
@@ -227,12 +263,21 @@ class S3Store:
             raise self._err(key, exc) from None
 
     def put_file(self, key: str, path: str | Path) -> None:
+        self._upload(key, path, crc32_file(path))
+
+    def _upload(self, key: str, path: str | Path, crc: int) -> None:
+        """Upload a file whose CRC32 is `crc`. Given it, boto3 makes a multipart upload a FULL_OBJECT
+        one: S3 checks the assembled object against it and keeps it for downloads to check, where by
+        default it keeps a checksum of the parts' checksums (and an ETag that is no MD5 either)."""
         from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError
 
-        full = self._key(key)
+        extra = {}
+        # AWS_REQUEST_CHECKSUM_CALCULATION=when_required: a store that refuses checksum headers.
+        if self._client.meta.config.request_checksum_calculation != "when_required":
+            extra["ChecksumCRC32"] = _b64_crc32(crc)
         try:
-            self._client.upload_file(str(path), self.bucket, full)
+            self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra)
         except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
             raise self._err(key, exc) from None
 
@@ -246,13 +291,26 @@ class S3Store:
             raise self._err(key, exc) from None
 
     def get_file(self, key: str, path: str | Path) -> None:
+        """Download an object (parallel byte ranges for a large one, which botocore checks against
+        no checksum) and check the file's size and CRC32 against the object's."""
         from botocore.exceptions import ClientError
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        want = self.stat(key)
         try:
+            # An object replaced between the stat and the download fails the checks below.
             self._client.download_file(self.bucket, self._key(key), str(path))
         except ClientError as exc:
             raise self._err(key, exc) from None
+        size = Path(path).stat().st_size
+        problem = None
+        if size != want.size:
+            problem = f"downloaded {size} bytes, the store holds {want.size}"
+        elif want.crc32 is not None and (got := _b64_crc32(crc32_file(path))) != want.crc32:
+            problem = f"crc32 mismatch (store {want.crc32}, downloaded {got})"
+        if problem:
+            Path(path).unlink(missing_ok=True)
+            raise StorageError(f"{self.url}/{key}: {problem}")
 
     def open_read(self, key: str) -> BinaryIO:
         from botocore.exceptions import ClientError
@@ -285,12 +343,13 @@ class S3Store:
     @contextmanager
     def writer(self, key: str) -> Iterator[BinaryIO]:
         """A local temporary file, uploaded when the block ends cleanly (boto3 switches to
-        parallel multipart uploads for large files), so readers only ever see whole objects."""
+        parallel multipart uploads for large files), so readers only ever see whole objects. Its
+        CRC32 is taken as it is written, not by reading the file again."""
         with tempfile.TemporaryDirectory(prefix="megatrain-put-") as tmp:
             path = Path(tmp) / "object"
-            with open(path, "wb") as f:
+            with _Crc32Writer(io.FileIO(path, "wb")) as f:
                 yield f
-            self.put_file(key, path)
+            self._upload(key, path, f.crc)
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -305,10 +364,11 @@ class S3Store:
         from botocore.exceptions import ClientError
 
         try:
-            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
         except ClientError as exc:
             raise self._err(key, exc) from None
-        return ObjectInfo(key, int(head["ContentLength"]), head.get("ETag", "").strip('"') or None)
+        etag = head.get("ETag", "").strip('"') or None
+        return ObjectInfo(key, int(head["ContentLength"]), etag, _full_object_crc32(head, etag))
 
     def _iter(self, prefix: str) -> Iterator[dict]:
         # Path semantics, as on file://: the object named `prefix` itself or anything below
@@ -342,6 +402,40 @@ class S3Store:
         return self._client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
         )
+
+
+class _Crc32Writer(io.BufferedWriter):
+    """A file being written that keeps the CRC32 of every byte written so far."""
+
+    crc = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        self.crc = zlib.crc32(data, self.crc)
+        return super().write(data)
+
+
+def crc32_file(path: str | Path) -> int:
+    """A file's CRC32, read in 8 MiB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _b64_crc32(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _full_object_crc32(head: dict[str, Any], etag: str | None) -> str | None:
+    """A HEAD's CRC32 where it is the whole object's: a FULL_OBJECT checksum, or a single-part
+    object's (an ETag without '-N'; older servers and moto name no type). A COMPOSITE one, a
+    checksum of the parts' checksums, cannot be checked against the content."""
+    crc = head.get("ChecksumCRC32")
+    kind = head.get("ChecksumType")
+    if crc and (kind == "FULL_OBJECT" or (kind is None and etag is not None and "-" not in etag)):
+        return str(crc)
+    return None
 
 
 def open_store(url: str, endpoint_url: str | None = None) -> Store:

@@ -93,6 +93,20 @@ def test_an_aborted_write_leaves_nothing_and_tokens_must_fit(tmp_path: Path) -> 
         w.add_document([1, 2, 3], [1, 1])
 
 
+def test_finalize_fsyncs_the_folder_after_both_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megatrain.engine.data.indexed as indexed
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(
+        indexed, "fsync_dir", lambda d: seen.append(sorted(p.name for p in Path(d).iterdir()))
+    )
+    with IndexedDatasetWriter(tmp_path / "a", np.uint16) as w:
+        w.add_document([1, 2, 3])
+    assert seen == [["a.bin", "a.idx"]]
+
+
 def test_broken_files_are_refused_naming_the_problem(tmp_path: Path) -> None:
     good = _golden_idx()
     (tmp_path / "x.bin").write_bytes(np.arange(13, dtype="<u2").tobytes())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import zlib
@@ -459,12 +458,3 @@ def _chunk_index(md: TensorStorageMetadata, index: MetadataIndex) -> int:
         if c.offsets == index.offset:
             return i
     raise CorruptCheckpoint(f"{index.fqn}: no stored box at offset {list(index.offset or ())}")
-
-
-def read_json(store: Store, name: str) -> dict[str, Any]:
-    try:
-        return json.loads(store.get_bytes(name))
-    except StorageError:
-        raise CorruptCheckpoint(f"{store.url}/{name} is missing") from None
-    except ValueError as exc:
-        raise CorruptCheckpoint(f"{store.url}/{name} is not valid JSON ({exc})") from None

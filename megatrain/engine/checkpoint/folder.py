@@ -6,6 +6,10 @@
     {root}/latest             text: the last complete step
 A folder without a manifest is incomplete (a crash or a cancel during its save) and every reader
 ignores it; a manifest is only written once every rank's files are stored.
+
+Opening a folder checks every file's size, and the small JSON documents' sha256 as they are read
+(cheap: they are read whole anyway); the shards' bytes are checked box by box by their crc32 as
+they are read (dcp.py), and whole-file by sha256 only on a deep check (downloads).
 """
 
 from __future__ import annotations
@@ -135,8 +139,48 @@ def check_files(
                 f"{folder.url}/{name} is {have[name]} bytes but the manifest says {size} "
                 "(truncated or replaced)"
             )
-        if deep and _sha256_object(folder, name) != entry["sha256"]:
-            raise CorruptCheckpoint(f"{folder.url}/{name} does not match its sha256 in the manifest")
+        if deep and entry.get("sha256"):
+            _check_sha256(folder, name, entry["sha256"], _sha256_object(folder, name))
+
+
+def read_document(folder: Store, manifest: dict[str, Any], name: str) -> dict[str, Any]:
+    """A JSON document of the folder (trainer_state.json, spec.json, metadata.json), read whole and
+    checked against the manifest's size and sha256 before it is parsed. An entry without a sha256
+    (a manifest written by hand or by an older tool) is checked by size only: see `unverified`."""
+    entry = next((e for e in manifest["files"] if e["name"] == name), None)
+    if entry is None:
+        raise CorruptCheckpoint(f"{folder.url}/{name} is not listed in the manifest")
+    try:
+        data = folder.get_bytes(name)
+    except StorageError:
+        raise CorruptCheckpoint(f"{folder.url}/{name} is missing") from None
+    if len(data) != entry["size"]:
+        raise CorruptCheckpoint(
+            f"{folder.url}/{name} is {len(data)} bytes but the manifest says {entry['size']} "
+            "(truncated or replaced)"
+        )
+    if entry.get("sha256"):
+        _check_sha256(folder, name, entry["sha256"], sha256_bytes(data))
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{folder.url}/{name} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpoint(f"{folder.url}/{name} is not a JSON object")
+    return doc
+
+
+def unverified(manifest: dict[str, Any]) -> list[str]:
+    """Files the manifest gives no sha256 for: their contents are checked by size alone."""
+    return [e["name"] for e in manifest["files"] if not e.get("sha256")]
+
+
+def _check_sha256(folder: Store, name: str, want: str, got: str) -> None:
+    if got != want:
+        # 16 hex digits of each say which is which without a 150-character line.
+        raise CorruptCheckpoint(
+            f"{folder.url}/{name}: sha256 mismatch (manifest {want[:16]}..., file {got[:16]}...)"
+        )
 
 
 def _sha256_object(store: Store, name: str) -> str:

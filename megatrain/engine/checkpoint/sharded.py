@@ -24,7 +24,6 @@ from megatrain.engine.checkpoint.dcp import (
     ShardWriter,
     StoredFile,
     metadata_from_json,
-    read_json,
 )
 from megatrain.engine.checkpoint.folder import (
     LATEST,
@@ -36,8 +35,10 @@ from megatrain.engine.checkpoint.folder import (
     find_latest,
     finish_folder,
     iter_dir,
+    read_document,
     read_manifest,
     to_url,
+    unverified,
 )
 from megatrain.engine.checkpoint.shards import Box, Entry, State
 from megatrain.engine.config import TransformerConfig
@@ -93,12 +94,19 @@ def save_state(
 
 @dataclass
 class Folder:
-    """One complete checkpoint folder: its manifest, metadata and JSON documents, files checked."""
+    """One complete checkpoint folder: its manifest and JSON documents (each checked against the
+    manifest's sha256 as it was read), every file's size checked."""
 
     store: Store
     manifest: dict[str, Any]
     trainer_state: dict[str, Any]
     spec_json: dict[str, Any]
+    metadata_json: dict[str, Any]
+
+    @property
+    def unverified(self) -> list[str]:
+        """Files whose manifest entry has no sha256 (checked by size only)."""
+        return unverified(self.manifest)
 
     @property
     def step(self) -> int:
@@ -113,13 +121,14 @@ class Folder:
         return parse_spec(self.spec_json)
 
     def metadata(self) -> Any:
-        return metadata_from_json(read_json(self.store, METADATA_FILE))
+        return metadata_from_json(self.metadata_json)
 
 
 def open_folder(path_or_url: str | Path, *, deep: bool = False, weights_only: bool = False) -> Folder:
     """A checkpoint folder itself, or a checkpoint root (its latest complete step); every file the
-    manifest names must be there with its size (and sha256 when deep), else CorruptCheckpoint. With
-    weights_only, a copy without the optimizer state's files (a weights-only download) is whole."""
+    manifest names must be there with its size, the JSON documents with their sha256 (every file's
+    when deep), else CorruptCheckpoint. With weights_only, a copy without the optimizer state's
+    files (a weights-only download) is whole."""
     store = open_store(to_url(path_or_url))
     if not store.exists(MANIFEST_FILE):
         step = find_latest(store.url)
@@ -129,7 +138,8 @@ def open_folder(path_or_url: str | Path, *, deep: bool = False, weights_only: bo
             raise FileNotFoundError(f"{store.url} holds no complete checkpoint")
     manifest = read_manifest(store)
     check_files(store, manifest, deep=deep, weights_only=weights_only)
-    return Folder(store, manifest, read_json(store, STATE_FILE), read_json(store, SPEC_FILE))
+    docs = [read_document(store, manifest, name) for name in (STATE_FILE, SPEC_FILE, METADATA_FILE)]
+    return Folder(store, manifest, *docs)
 
 
 def _distributed() -> bool:

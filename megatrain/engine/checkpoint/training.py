@@ -258,21 +258,33 @@ class Checkpointer:
     # --- resuming ------------------------------------------------------------------------------------
 
     def resume(self) -> Progress | None:
-        """Load the newest usable checkpoint (the newest complete one; a corrupt or incomplete one is
-        reported and the one before it tried). None when there is none."""
+        """Load the newest usable checkpoint (the newest complete one; a corrupt one is reported and
+        the one before it tried). None when there is none; CorruptCheckpoint when every complete
+        checkpoint is corrupt: starting over would silently throw the run's progress away (and a
+        half-read checkpoint may already have filled some of the state)."""
         latest = find_latest(self.root_url)
         if latest is None:
             return None
         steps = [s for s in complete_steps(self.root_url) if s <= latest][::-1]
         root = open_store(self.root_url)
+        reasons = []
         for step in steps:
             try:
-                return self.load(open_folder(root.child(iter_dir(step)).url))
+                folder = open_folder(root.child(iter_dir(step)).url)
+                if names := folder.unverified:
+                    self.log.say(
+                        f"checkpoint {step}: its manifest gives no sha256 for {', '.join(names)}; "
+                        "checked by size only"
+                    )
+                return self.load(folder)
             except CorruptCheckpoint as exc:
                 self.log.say(f"checkpoint {step} is unusable: {exc}; trying the one before it")
                 self.log.events.write({"event": "checkpoint_corrupt", "step": step, "reason": str(exc)})
-        self.log.say(f"no usable checkpoint under {self.root_url}: starting from the beginning")
-        return None
+                reasons.append(f"step {step}: {exc}")
+        # What to do first: a failure's reason keeps only its first few hundred characters.
+        raise CorruptCheckpoint(
+            f"no usable checkpoint under {self.root_url} (delete them to start over): {'; '.join(reasons)}"
+        )
 
     def load(self, folder: Folder) -> Progress:
         return load_training_state(folder, self.train, group=self.group, distributed=self.distributed)

@@ -28,6 +28,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from megatrain.storage import fsync_dir
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
@@ -228,6 +230,7 @@ class IndexedDatasetWriter:
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(self._idx_tmp, self.idx_path)
+        fsync_dir(self.idx_path.parent)  # both renames durable: the dataset is published
 
     def abort(self) -> None:
         """Drop what was written; nothing appears under the final names."""

@@ -4,10 +4,11 @@ per-node local cache.
 A memory map needs a local file, so an `s3://bucket/key/PREFIX` dataset is downloaded once per node
 into `{cache_root}/s3/{bucket}/{key}/PREFIX.{bin,idx}`: boto3's managed transfer streams each object
 to a temporary file (multipart, parallel ranges; never a whole object in memory), the sizes are
-checked against the store's, the MD5 against a single-part ETag, and a marker naming the objects'
-sizes and ETags is written last. The node's ranks take one file lock: the first downloads, the others
-wait and then map the same files. A marker that no longer matches the objects (the dataset was
-replaced) makes the next reader download again.
+checked against the store's, the CRC32 against the object's whole-object checksum (storage.py; every
+upload through it records one, multipart ones too), the MD5 against a single-part ETag, and a marker
+naming the objects' sizes and ETags is written last. The node's ranks take one file lock: the first
+downloads, the others wait and then map the same files. A marker that no longer matches the objects
+(the dataset was replaced) makes the next reader download again.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _verify(path: Path, remote: dict, what: str) -> str:
             md5.update(chunk)
             sha.update(chunk)
     etag = remote["etag"]
-    # A multipart upload's ETag is "md5-of-md5s-N", not the content's MD5: only sizes check those.
+    # A multipart upload's ETag is "md5-of-md5s-N", not the content's MD5: get_file checked those
+    # by their whole-object CRC32 (objects uploaded before it was recorded: by size alone).
     if etag and "-" not in etag and len(etag) == 32 and md5.hexdigest() != etag:
         raise OSError(f"{what}: MD5 {md5.hexdigest()} differs from the store's ETag {etag}")
     return sha.hexdigest()
