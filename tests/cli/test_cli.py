@@ -257,7 +257,8 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
     code, out = run("demo")
     assert code == 0, out
     assert "succeeded" in out and "parameters" in out and "loss: first" in out, out
-    assert re.search(r"expected duration: about \d+ (s|min) for \d+ steps \(modelled", out), out
+    assert re.search(r"expected duration: about \d+ (s|min) for \d+ steps \(the planner's", out), out
+    assert "megatrain submit " in out.split("dashboard:")[1] and "finetune_hf_chat.yaml --follow" in out, out
     assert live_stack.url + "/" in out
     assert not any(checkout.iterdir())
     assert (live_stack.settings.home / "demo-checkpoint" / "manifest.json").is_file()
