@@ -269,6 +269,20 @@ def test_readme_sdk_snippet_runs(
     assert any((tmp_path / "checkpoint").iterdir())
 
 
+def test_what_the_readme_sdk_snippet_writes_is_ignored_by_git() -> None:
+    """Run from the checkout, the snippet downloads into ./checkpoint: `git status` stays clean."""
+    import shutil
+    import subprocess
+
+    [dest] = re.findall(r'download\([^)]*dest="([^"]+)"', readme_sdk_snippet())
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    check = subprocess.run(
+        ["git", "-C", str(ROOT), "check-ignore", "--no-index", "-q", f"{dest}/model.safetensors"]
+    )
+    assert check.returncode == 0, f"{dest}/ (README's SDK snippet) is not in .gitignore"
+
+
 # -- the walk-through's commands --------------------------------------------------------------------
 
 

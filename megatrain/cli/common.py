@@ -48,12 +48,28 @@ def _explain(exc: MegatrainError) -> str:
     if isinstance(exc, ApiUnreachable):
         return f"{exc}. Start the service with `megatrain up`, or point MEGATRAIN_API_URL at it."
     if isinstance(exc, ApiError) and exc.status == 401:
-        path = get_settings().credentials_path
-        return f"{exc}. Set MEGATRAIN_API_KEY, or check the key in {path}."
+        return f"{exc}. {_key_advice(exc.sent_key or '')}"
     if isinstance(exc, ApiError) and exc.status == 422 and exc.field_errors:
         lines = "\n".join(f"  {e['field']}: {e['message']}" for e in exc.field_errors)
         return f"invalid job spec (HTTP 422):\n{lines}"
     return str(exc)
+
+
+def _key_advice(sent_key: str) -> str:
+    """What to do about a refused key, by where it came from (Client.sent_key)."""
+    settings = get_settings()
+    path, url = settings.credentials_path, settings.api_url
+    if "from MEGATRAIN_API_KEY" in sent_key:
+        return (
+            f"The server at {url} does not know that key (revoked, or another server's): set "
+            f"MEGATRAIN_API_KEY to one of its keys, or unset it to use the key in {path}."
+        )
+    if sent_key.startswith("sent the key"):
+        return (
+            f"The server at {url} does not know the key in {path}: it was started from another "
+            "MEGATRAIN_HOME; set MEGATRAIN_API_KEY to one of its keys."
+        )
+    return f"Set MEGATRAIN_API_KEY, or start the embedded default (`megatrain up`), which writes {path}."
 
 
 def _user_errors(fn: F) -> F:

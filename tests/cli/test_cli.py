@@ -81,10 +81,14 @@ def test_unreadable_spec_file(
 
 
 def test_wrong_key_is_a_clear_401(live_api: LiveApi, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MEGATRAIN_API_KEY", "mt_wrong")
+    wrong = "mt_wrongKEY" + "z" * 32
+    monkeypatch.setenv("MEGATRAIN_API_KEY", wrong)
     reset_settings_cache()
     code, out = run("list")
-    assert code == 1 and "401" in out and "MEGATRAIN_API_KEY" in out, out
+    assert code == 1 and "401" in out, out
+    # The key is set: say which was sent (its prefix only) and from where, not "Set MEGATRAIN_API_KEY".
+    assert "sent the key mt_wrongKE… from MEGATRAIN_API_KEY" in out and wrong not in out, out
+    assert "does not know that key" in out and "Set MEGATRAIN_API_KEY" not in out, out
 
 
 def test_unknown_job(live_api: LiveApi) -> None:
