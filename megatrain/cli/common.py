@@ -8,11 +8,30 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 
 from megatrain.client import ApiError, ApiUnreachable, MegatrainError
 from megatrain.settings import get_settings
+
+
+def _flags_without_a_type() -> None:
+    """Typer 0.29's rich help gives every flag a `<bool>` type column (`--help <bool>`), as if it
+    took a value; a flag takes none, so show no type for it, as click's own help does."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if option is None or shown is None or getattr(shown, "_megatrain_flags", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich._megatrain_flags = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich
+
+
+_flags_without_a_type()
 
 app = typer.Typer(
     name="megatrain",
