@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatrain.hostinfo import host_busy_s  # noqa: E402
 from megatrain.plan.cost import CPU_LINKS  # noqa: E402
 from megatrain.plan.memory import host_memory_bytes  # noqa: E402
 from megatrain.plan.planner import plan  # noqa: E402
@@ -100,10 +101,10 @@ def cpu_pool(world: int, peak: float) -> PoolSpec:
 
 def busy_cpu_s() -> tuple[float, float]:
     """(CPU seconds every process on the host has run, those our finished children have run)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait, in USER_HZ ticks
+    busy = host_busy_s()
+    assert busy is not None, "this benchmark reads /proc/stat"
     ours = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return busy / os.sysconf("SC_CLK_TCK"), ours.ru_utime + ours.ru_stime
+    return busy, ours.ru_utime + ours.ru_stime
 
 
 def calibration_spec(corpus: Path, tp: int, pp: int, dp: int, steps: int) -> dict[str, Any]:

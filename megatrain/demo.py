@@ -118,22 +118,5 @@ def demo_spec(corpus_url: str, tp: int = 1, dp: int = 1, sequence_parallel: bool
     }
 
 
-# Measured with demo_spec() on the 2-core machine of the module docstring: 133 s for 500 steps.
-REFERENCE_STEP_S = 133 / 500
-REFERENCE_CORES = 2
 SAMPLE_PROMPTS = ("def ", "import ", "class ")
 """What the demo asks the trained model to continue: a line each, to show it learned Python's shape."""
-
-
-def _step_cost(spec: dict[str, Any]) -> float:
-    """Relative compute of one step: tokens per step × layers × hidden², the terms that dominate
-    a small dense model's FLOPs (attention and the byte vocabulary are small beside them)."""
-    m, t = spec["model"], spec["training"]
-    return t["global_batch_size"] * m["seq_length"] * m["num_layers"] * m["hidden_size"] ** 2
-
-
-def expected_duration_s(spec: dict[str, Any]) -> float:
-    """Modelled (not measured on this machine) training time of `spec` on a 2-core CPU: its step
-    count × the reference step time, scaled by its step's compute relative to demo_spec()'s."""
-    reference = _step_cost(demo_spec("file:///corpus.jsonl.gz"))
-    return spec["training"]["train_iters"] * REFERENCE_STEP_S * _step_cost(spec) / reference

@@ -58,3 +58,78 @@ class OtherLoad:
             return
         others = (busy - self._busy) - (time.process_time() - self._ours)
         self.cores = max(0.0, others / wall)
+
+
+def _tree_pids(root: int) -> list[int]:
+    """`root` and every process below it (/proc/PID/task/TID/children), alive now."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except (OSError, ValueError):
+                continue  # the task or process ended meanwhile
+    return pids
+
+
+def tree_cpu_s(root: int) -> float | None:
+    """CPU seconds a process tree has run: each live process's own time plus that of the children
+    it reaped (so a data-loading worker that ended still counts, once). None without /proc."""
+    total = 0.0
+    for pid in _tree_pids(root):
+        try:
+            # Fields after the command (which may hold spaces): utime stime cutime cstime are 14-17.
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            if pid == root:
+                return None
+            continue
+        total += sum(int(f) for f in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def under_load(other_cores: float, own_cores: float, host_cores: int) -> bool:
+    """Whether other work took cores a job could have used: more than the cores the job left idle
+    (less half a core of slack) and at least a quarter of a core. A GPU job that keeps one core
+    per rank busy is not slowed by a few other busy cores; a CPU job that fills the host is."""
+    return other_cores > max(0.25, host_cores - own_cores - 0.5)
+
+
+class HostLoad:
+    """The host's load beside a job between samples: cores that processes outside the job's tree
+    (rooted at `root`: torchrun's agent, or the engine itself) kept busy, and the job's own.
+
+        load = HostLoad(os.getppid())
+        ...
+        load.sample()  # {"host_other_cores": 1.3, "host_job_cores": 0.9, "host_cores": 2,
+                       #  "host_under_load": True}; {} where /proc is missing
+    """
+
+    def __init__(self, root: int):
+        self.root = root
+        self.cores = os.cpu_count() or 1  # /proc/stat counts every core of the host
+        self._last = (host_busy_s(), tree_cpu_s(root), time.perf_counter())
+
+    def sample(self) -> dict[str, float | int | bool]:
+        now = (host_busy_s(), tree_cpu_s(self.root), time.perf_counter())
+        (busy0, ours0, t0), (busy1, ours1, t1) = self._last, now
+        self._last = now
+        if None in (busy0, ours0, busy1, ours1) or t1 <= t0:
+            return {}
+        assert busy0 is not None and busy1 is not None and ours0 is not None and ours1 is not None
+        own = max(0.0, (ours1 - ours0) / (t1 - t0))
+        other = max(0.0, (busy1 - busy0) / (t1 - t0) - own)
+        return {
+            "host_other_cores": round(other, 3),
+            "host_job_cores": round(own, 3),
+            "host_cores": self.cores,
+            "host_under_load": under_load(other, own, self.cores),
+        }
+
+
+def job_root_pid() -> int:
+    """The root of this job's processes on this host: torchrun's agent (the parent of every local
+    rank, which it sets TORCHELASTIC_RUN_ID for), else this process."""
+    return os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else os.getpid()

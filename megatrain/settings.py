@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from megatrain import REPO_ROOT
+
 
 def cpu_cores() -> int:
     """Cores this process may run on: its CPU affinity (a container's or taskset's share), else all."""
@@ -84,8 +86,9 @@ class Settings(BaseSettings):
     port: int = 8000
 
     allowed_data_roots: str = ""
-    """Comma-separated roots (file:///… or s3://…) any tenant may read training data from.
-    Empty in dev means the user's home directory; empty in production means none."""
+    """Comma-separated roots (file:///… or s3://…) any tenant may read training data from, added to
+    the defaults: in dev, the user's home directory and the checkout's examples/ (when megatrain
+    runs from a checkout); in production, none."""
 
     pool_name: str = "default"
     node_name: str | None = None
@@ -212,9 +215,21 @@ class Settings(BaseSettings):
 
     @property
     def data_roots(self) -> list[str]:
+        """The configured roots after the defaults: setting the variable must not take away the
+        home directory that the README's exported model lies in."""
         roots = [r.strip().rstrip("/") for r in self.allowed_data_roots.split(",") if r.strip()]
-        if not roots and self.environment == "dev":
-            roots = [Path.home().resolve().as_uri()]
+        return [r for r in self.default_data_roots if r not in roots] + roots
+
+    @property
+    def default_data_roots(self) -> list[str]:
+        """Roots allowed with nothing configured: in dev, $HOME and the checkout's examples/ (so a
+        clone outside $HOME runs its own examples); in production, none."""
+        if self.environment != "dev":
+            return []
+        roots = [Path.home().resolve().as_uri()]
+        examples = examples_dir()
+        if examples is not None:
+            roots.append(examples.resolve().as_uri())
         return roots
 
     @property
@@ -224,6 +239,12 @@ class Settings(BaseSettings):
     @property
     def runs_dir(self) -> Path:
         return self.home / "runs"
+
+
+def examples_dir() -> Path | None:
+    """The checkout's examples/ when megatrain runs from one (an editable install too), else None."""
+    examples = REPO_ROOT / "examples"
+    return examples if (examples / "README.md").is_file() else None
 
 
 @lru_cache(maxsize=1)

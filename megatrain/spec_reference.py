@@ -370,8 +370,8 @@ SUBMISSION_CHECKS: tuple[tuple[str, str], ...] = (
     ("resources.devices", "the job's processes fit the pool's nodes"),
     ("model", "the planner's per-device memory estimate fits a device of the pool"),
     ("data.train.N.path, data.tokenizer.path", "lie where the tenant may read: its own storage prefix, "
-     "the shared datasets, or an allowed data root (MEGATRAIN_ALLOWED_DATA_ROOTS; the user's home in the "
-     "embedded default)"),
+     "the shared datasets, or an allowed data root (the user's home and the checkout's examples/ in the "
+     "embedded default, and those MEGATRAIN_ALLOWED_DATA_ROOTS adds)"),
     ("data.train.N.path, data.tokenizer.path, data.chat_template", "exist and are readable (a JSONL "
      "file; an indexed dataset's PREFIX.bin and PREFIX.idx), checked at submission so a job never "
      "fails on a missing file"),

@@ -49,14 +49,14 @@ def example_files() -> list[Path]:
 def api(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[TestClient, Settings]]:
-    """An API whose tenant may read the checkout's examples/ (as the embedded default's home root
-    lets a clone under $HOME) and the test's own folder, with a CPU pool of 8 slots."""
+    """An API whose tenant may read the test's own folder besides the embedded default's roots (the
+    checkout's examples/ among them, wherever the checkout lies), with a CPU pool of 8 slots."""
     from megatrain.api.app import create_app
     from megatrain.api.auth import create_api_key
     from megatrain.db.session import session_scope
     from megatrain.worker.nodes import ensure_local_pool
 
-    monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", f"{EXAMPLES.as_uri()},{tmp_path.as_uri()}")
+    monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", tmp_path.as_uri())
     monkeypatch.setenv("MEGATRAIN_CPU_SLOTS", "8")  # layout_3d asks for 8 processes
     reset_settings_cache()
     settings = get_settings()
@@ -267,6 +267,20 @@ def test_readme_sdk_snippet_runs(
     out = capsys.readouterr().out
     assert "succeeded" in out, out
     assert any((tmp_path / "checkpoint").iterdir())
+
+
+def test_what_the_readme_sdk_snippet_writes_is_ignored_by_git() -> None:
+    """Run from the checkout, the snippet downloads into ./checkpoint: `git status` stays clean."""
+    import shutil
+    import subprocess
+
+    [dest] = re.findall(r'download\([^)]*dest="([^"]+)"', readme_sdk_snippet())
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    check = subprocess.run(
+        ["git", "-C", str(ROOT), "check-ignore", "--no-index", "-q", f"{dest}/model.safetensors"]
+    )
+    assert check.returncode == 0, f"{dest}/ (README's SDK snippet) is not in .gitignore"
 
 
 # -- the walk-through's commands --------------------------------------------------------------------

@@ -33,6 +33,9 @@ from fastapi.testclient import TestClient
 from megatrain.api.app import create_app
 page = TestClient(create_app()).get("/")
 assert page.status_code == 200 and "js/app.js" in page.text, page.text[:200]
+client = TestClient(create_app())
+for asset in ("/vendor/swagger-ui/swagger-ui-bundle.js", "/vendor/redoc/redoc.standalone.js"):
+    assert client.get(asset).status_code == 200, asset  # /docs and /redoc offline
 print("ok", web)
 """
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from megatrain import REPO_ROOT
 from megatrain.settings import Settings, get_settings, reset_settings_cache
 
 
@@ -140,9 +141,12 @@ def test_production_refuses_embedded_defaults(
 
 def test_data_roots(megatrain_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(megatrain_home.parent))
-    assert Settings().data_roots == [megatrain_home.parent.resolve().as_uri()]
+    home = megatrain_home.parent.resolve().as_uri()
+    examples = (REPO_ROOT / "examples").resolve().as_uri()  # the checkout's own examples
+    assert Settings().data_roots == [home, examples]
+    # The variable adds to the defaults: the exported model under $HOME stays readable.
     monkeypatch.setenv("MEGATRAIN_ALLOWED_DATA_ROOTS", " file:///data/ , s3://corpora/shared/,,")
-    assert Settings().data_roots == ["file:///data", "s3://corpora/shared"]
+    assert Settings().data_roots == [home, examples, "file:///data", "s3://corpora/shared"]
     for k, v in PROD_OK.items():
         monkeypatch.setenv(k, v)
     assert Settings().data_roots == ["file:///data", "s3://corpora/shared"]

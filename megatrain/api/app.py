@@ -22,6 +22,8 @@ from megatrain import __version__, resource_dir
 from megatrain.api.checkpoints.router import router as checkpoints_router
 from megatrain.api.cluster.router import router as cluster_router
 from megatrain.api.datasets.router import router as datasets_router
+from megatrain.api.datasets.schemas import DatasetCreate
+from megatrain.api.docs import install_docs
 from megatrain.api.errors import install_error_handlers
 from megatrain.api.exports.router import router as exports_router
 from megatrain.api.health.router import Probe
@@ -64,17 +66,22 @@ def _too_many_streams(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=429, headers={"Retry-After": "5"})
 
 
+# Bodies parsed by hand (so that YAML or an upload is accepted too), which the routes' openapi_extra
+# reference by name: their schemas must be in the document, or ReDoc refuses the whole of it.
+HAND_PARSED_BODIES = (JobSpec, DatasetCreate)
+
+
 def _openapi_with_spec(app: FastAPI) -> dict[str, Any]:
-    """OpenAPI plus the JobSpec schema, which submissions reference (their bodies are parsed by hand
-    so that YAML is accepted too)."""
+    """OpenAPI plus the schemas of HAND_PARSED_BODIES (the JobSpec's parts among them)."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components.update(spec_schema.pop("$defs", {}))
-        components["JobSpec"] = spec_schema
+        for model in HAND_PARSED_BODIES:
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model.__name__] = model_schema
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -111,6 +118,8 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
             "`POST /v1/spec/validate`."
         ),
         lifespan=lifespan,
+        docs_url=None,  # install_docs serves both from our own assets, not a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.streams = streams
@@ -125,6 +134,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     for router in (*routers, *extra):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
+    install_docs(app)
 
     # Added last = outermost: metrics see every answer, including 413s and 500s.
     # Dataset uploads stream to storage under a cap of their own (JSON bodies there keep the usual one).

@@ -8,11 +8,30 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 
 from megatrain.client import ApiError, ApiUnreachable, MegatrainError
 from megatrain.settings import get_settings
+
+
+def _flags_without_a_type() -> None:
+    """Typer 0.29's rich help gives every flag a `<bool>` type column (`--help <bool>`), as if it
+    took a value; a flag takes none, so show no type for it, as click's own help does."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if option is None or shown is None or getattr(shown, "_megatrain_flags", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich._megatrain_flags = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich
+
+
+_flags_without_a_type()
 
 app = typer.Typer(
     name="megatrain",
@@ -48,12 +67,28 @@ def _explain(exc: MegatrainError) -> str:
     if isinstance(exc, ApiUnreachable):
         return f"{exc}. Start the service with `megatrain up`, or point MEGATRAIN_API_URL at it."
     if isinstance(exc, ApiError) and exc.status == 401:
-        path = get_settings().credentials_path
-        return f"{exc}. Set MEGATRAIN_API_KEY, or check the key in {path}."
+        return f"{exc}. {_key_advice(exc.sent_key or '')}"
     if isinstance(exc, ApiError) and exc.status == 422 and exc.field_errors:
         lines = "\n".join(f"  {e['field']}: {e['message']}" for e in exc.field_errors)
         return f"invalid job spec (HTTP 422):\n{lines}"
     return str(exc)
+
+
+def _key_advice(sent_key: str) -> str:
+    """What to do about a refused key, by where it came from (Client.sent_key)."""
+    settings = get_settings()
+    path, url = settings.credentials_path, settings.api_url
+    if "from MEGATRAIN_API_KEY" in sent_key:
+        return (
+            f"The server at {url} does not know that key (revoked, or another server's): set "
+            f"MEGATRAIN_API_KEY to one of its keys, or unset it to use the key in {path}."
+        )
+    if sent_key.startswith("sent the key"):
+        return (
+            f"The server at {url} does not know the key in {path}: it was started from another "
+            "MEGATRAIN_HOME; set MEGATRAIN_API_KEY to one of its keys."
+        )
+    return f"Set MEGATRAIN_API_KEY, or start the embedded default (`megatrain up`), which writes {path}."
 
 
 def _user_errors(fn: F) -> F:

@@ -18,8 +18,9 @@ from rich.markup import escape
 
 from megatrain.cli.common import _fail, _out, _user_errors, app
 from megatrain.cli.jobs import follow_job
+from megatrain.cli.prediction import submitted_prediction
 from megatrain.client import ApiError, ApiUnreachable, Client, MegatrainError
-from megatrain.settings import Settings, get_settings
+from megatrain.settings import Settings, examples_dir, get_settings
 
 # -- demo ---------------------------------------------------------------------------------------
 
@@ -124,7 +125,7 @@ def demo(
     ] = None,
 ) -> None:
     """Train a small Llama on the Python standard library's sources, end to end, and load the result."""
-    from megatrain.demo import REFERENCE_CORES, demo_spec, expected_duration_s
+    from megatrain.demo import demo_spec
 
     settings = get_settings()
     out = _out()
@@ -146,17 +147,13 @@ def demo(
     corpus_url = _demo_corpus(settings)
     out.print(f"corpus: {corpus_url}")
     spec = demo_spec(corpus_url, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
-    seconds = expected_duration_s(spec)
-    out.print(
-        f"expected duration: about {_minutes(seconds)} for {spec['training']['train_iters']} steps "
-        f"(modelled from a step time measured on a {REFERENCE_CORES}-core CPU, not on this machine; "
-        "longer when other processes share the cores, shorter on a GPU)"
-    )
     # Outside any checkout: a relative default would leave an untracked folder in the current one.
     to = to if to is not None else settings.home / "demo-checkpoint"
     with Client() as client:
         job = client.submit(spec)
         out.print(f"submitted demo job [bold]{job.id}[/bold]; watch it at {client.api_url}/")
+        predicted = submitted_prediction(client.events(job.id))
+        out.print(duration_line(predicted, spec["training"]["train_iters"], job.pool or "default"))
         final = follow_job(client, job.id)
         if final.status != "succeeded":
             for line in client.logs(job.id)[-20:]:
@@ -182,6 +179,41 @@ def demo(
         )
     _print_samples(str(path), spec["model"]["seq_length"])
     out.print(f"dashboard: [bold]{client.api_url}/[/bold]")
+    for line in next_steps(job.id):
+        out.print(line, markup=False, highlight=False)
+
+
+def duration_line(predicted: dict[str, Any] | None, train_iters: int, pool: str) -> str:
+    """How long the demo should take: the planner's predicted step time (the job's `submitted`
+    event) over its steps; checkpoints and evaluations add a little."""
+    if not predicted or not predicted.get("step_time_s"):
+        return "expected duration: unknown (the planner made no prediction for this job)"
+    step = float(predicted["step_time_s"])
+    return (
+        f"expected duration: about {_minutes(step * train_iters)} for {train_iters} steps (the "
+        f"planner's prediction for pool {pool!r}: {step:.3g} s a step; longer when other processes "
+        "share the cores)"
+    )
+
+
+def next_steps(job_id: str) -> list[str]:
+    """The walk-through's next commands (examples/README.md: export, register, fine-tune), with the
+    checkout's examples named so that they work from the current folder."""
+    examples = examples_dir()
+    if examples is None:  # an installed wheel: the examples live in the repository
+        readme, finetune = "examples/README.md (in megatrain's repository)", "examples/finetune_hf_chat.yaml"
+    else:
+        here = Path.cwd().resolve()  # relative from inside the checkout, else absolute
+        examples = examples.resolve()
+        examples = examples.relative_to(here) if examples.is_relative_to(here) else examples
+        readme, finetune = str(examples / "README.md"), str(examples / "finetune_hf_chat.yaml")
+    folder = "~/megatrain-models/demo-llama"
+    return [
+        f"next, as {readme} goes on: export the model, register it, fine-tune it on chats",
+        f"  megatrain export {job_id} --to {folder} --dtype fp32",
+        f"  megatrain models register {folder} --name demo-llama",
+        f"  megatrain submit {finetune} --follow",
+    ]
 
 
 def _minutes(seconds: float) -> str:

@@ -80,4 +80,15 @@ def versus_line(predicted: dict[str, Any], train_rows: list[dict[str, Any]]) -> 
             f"MFU {_pct(p_mfu)}" + measured(_pct(mfu), mfu, p_mfu),
             f"{_bytes(predicted.get('memory_per_gpu_bytes', 0))} per device",
         ]
-    )
+    ) + _load_note(rows)
+
+
+def _load_note(rows: list[dict[str, Any]]) -> str:
+    """'  (taken under load: other processes kept 1.4 of 2 cores busy)' when most of the rows were
+    measured so (the engine's host_* fields, megatrain.hostinfo.HostLoad), else ''."""
+    loaded = [r for r in rows if isinstance(r.get("host_other_cores"), int | float)]
+    if not loaded or 2 * sum(bool(r.get("host_under_load")) for r in loaded) <= len(loaded):
+        return ""
+    other = median(float(r["host_other_cores"]) for r in loaded)
+    cores = loaded[-1].get("host_cores")
+    return f"  (taken under load: other processes kept {other:.2g} of {cores} cores busy)"

@@ -109,15 +109,19 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
         timeout: float = DEFAULT_TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ):
+        source = "the api_key argument"
         if api_url is None or api_key is None:
             from megatrain.settings import get_settings
 
             settings = get_settings()
             api_url = api_url or settings.api_url
             if api_key is None:
+                source = "MEGATRAIN_API_KEY" if settings.api_key else str(settings.credentials_path)
                 api_key = settings.api_key or read_credentials(settings.credentials_path)
         self.api_url = api_url.rstrip("/")
         self.api_key = api_key
+        self.key_source = source if api_key else None
+        """Where the key came from: MEGATRAIN_API_KEY, the credentials file's path, or the argument."""
         headers = {"Accept": "application/json", "User-Agent": "megatrain-sdk"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -136,8 +140,16 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @staticmethod
-    def _raise_for(resp: httpx.Response) -> None:
+    @property
+    def sent_key(self) -> str:
+        """Which key this client sends and from where, for a 401: a prefix only, never the secret
+        (at most the 10 characters the server lists as the key's prefix, and a third of the key)."""
+        if not self.api_key:
+            return "no API key was sent: MEGATRAIN_API_KEY is unset and no credentials file holds one"
+        shown = self.api_key[: min(10, len(self.api_key) // 3)]
+        return f"sent the key {shown}… from {self.key_source}"
+
+    def _raise_for(self, resp: httpx.Response) -> None:
         if resp.status_code < 400:
             return
         try:
@@ -145,7 +157,7 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
             detail = body.get("detail", body) if isinstance(body, dict) else body
         except ValueError:
             detail = resp.text.strip()[:500] or resp.reason_phrase
-        raise ApiError(resp.status_code, detail)
+        raise ApiError(resp.status_code, detail, self.sent_key if resp.status_code == 401 else None)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

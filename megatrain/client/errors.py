@@ -19,9 +19,11 @@ class ApiError(MegatrainError):
     422 details are lists of {"field", "message"}; str() names every field so a user sees what to fix.
     """
 
-    def __init__(self, status: int, detail: Any):
+    def __init__(self, status: int, detail: Any, sent_key: str | None = None):
         self.status = status
         self.detail = detail
+        self.sent_key = sent_key
+        """On a 401: which key the client sent and where it came from (`SentKey.describe`)."""
         super().__init__(self._describe())
 
     @property
@@ -48,7 +50,8 @@ class ApiError(MegatrainError):
             parts = "; ".join(f"{e['field']}: {e['message']}" for e in self.field_errors)
             return f"invalid request (HTTP 422): {parts}"
         if self.status == 401:
-            return f"not authenticated (HTTP 401): {self.detail or 'missing or invalid API key'}"
+            sent = f" ({self.sent_key})" if self.sent_key else ""
+            return f"not authenticated (HTTP 401): {self.detail or 'missing or invalid API key'}{sent}"
         return f"HTTP {self.status}: {self.detail}"
 
 

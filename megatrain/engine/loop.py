@@ -36,6 +36,7 @@ from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.sink import RunLog
 from megatrain.engine.timers import StepTimers
 from megatrain.failures import Activity
+from megatrain.hostinfo import HostLoad, job_root_pid
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class TrainLoop:
         # Per-phase times; on a GPU only the log steps synchronise (and are the ones averaged).
         self.timers = StepTimers(self.device)
         self.monitor = device_monitor(self.device)  # gpu_util (NVML) or cpu_util, and device memory
+        # Other processes' load beside the job: a step time measured under it is not this layout's.
+        self.host_load = HostLoad(job_root_pid())
         model = train.model
         self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
         self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
@@ -268,6 +271,7 @@ class TrainLoop:
             **rates,
             **memory_row(self.device, self.train),
             **self.monitor.sample(),
+            **self.host_load.sample(),
             "iter_time_s": iter_time,
             **{f"{k}_time_s": v for k, v in self.timers.means().items()},
             "consumed_samples": consumed,

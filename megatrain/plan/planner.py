@@ -448,8 +448,8 @@ def plan(
             [
                 {
                     "field": "resources.devices",
-                    "message": f"{n} devices exceed pool {pool.name!r}'s "
-                    f"{pool.nodes}×{pool.devices_per_node}={pool.total_devices}",
+                    "message": f"{n} devices exceed the {pool.nodes}×{pool.devices_per_node}="
+                    f"{pool.total_devices} of pool {pool.name!r}",
                 }
             ]
         )

@@ -25,6 +25,7 @@ class PoolSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(..., pattern=NAME_PATTERN)
+    """The pool's name, as a job spec's resources.pool gives it."""
     accelerator: str = Field("cpu", min_length=1, max_length=64)
     """cpu, or the GPU model (e.g. 'NVIDIA H100 80GB HBM3')."""
     device_memory_bytes: int = Field(..., ge=1 << 20, le=1 << 44)
@@ -32,13 +33,18 @@ class PoolSpec(BaseModel):
     peak_tflops: dict[PoolPrecision, float] = Field(..., min_length=1)
     """Dense peak TFLOP/s of one device per precision (H100 SXM: bf16 989, fp8 1979, fp32 67)."""
     devices_per_node: int = Field(..., ge=1, le=1024)
+    """Devices in each node: GPUs, or on a CPU pool its slots (one process each). Tensor parallelism
+    stays inside a node."""
     nodes: int = Field(1, ge=1, le=100_000)
+    """Nodes in the pool."""
     intra_node_bandwidth_gbps: float = Field(..., gt=0.0, le=1e5)
     """Per device, one direction, inside a node (H100 NVLink 4: ~450)."""
     intra_node_latency_us: float = Field(5.0, ge=0.0, le=1e6)
+    """One message's latency inside a node."""
     inter_node_bandwidth_gbps: float = Field(..., gt=0.0, le=1e5)
     """Per device, one direction, across nodes (one 400 Gb/s NIC per GPU: ~50)."""
     inter_node_latency_us: float = Field(10.0, ge=0.0, le=1e6)
+    """One message's latency across nodes."""
 
     @model_validator(mode="after")
     def _peaks(self) -> PoolSpec:

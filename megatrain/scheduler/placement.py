@@ -30,6 +30,7 @@ No database, no clock.
 from __future__ import annotations
 
 import heapq
+import re
 from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,25 @@ from megatrain.scheduler.reasons import (
 from megatrain.scheduler.rooms import NodeRoom, Placement, PoolRooms
 
 __all__ = ["Decision", "NodeRoom", "Placement", "QueuedJob", "TenantRoom", "place"]
+
+
+@dataclass(frozen=True)
+class RuleItem:
+    title: str
+    """Its bold headline, e.g. 'Priority, then fair share, then FIFO.'"""
+    text: str
+
+
+def rule_items(doc: str | None = __doc__) -> list[RuleItem]:
+    """The placement rule, item by item, read from this module's docstring: the Cluster page shows
+    these words, so what it says and what this module does have one source."""
+    items = re.findall(r"^\d+\. \*\*(.+?)\*\* (.+?)(?=^\d+\. |^\s*$)", doc or "", re.M | re.S)
+    return [RuleItem(title, " ".join(text.split())) for title, text in items]
+
+
+def rule_summary() -> str:
+    """The rule's headlines in one line: 'priority, then fair share, then FIFO; quotas; …'."""
+    return "; ".join(item.title[:1].lower() + item.title[1:].rstrip(".") for item in rule_items())
 
 
 @dataclass(frozen=True)

@@ -112,3 +112,11 @@ def test_plan_of_an_moe_with_cp_and_ep_returns_them_and_its_parameters(api: Api)
     params = body["parameters"]
     assert 0 < params["active"] < params["total"]  # 2 of 4 experts per token
     assert {"cp_comm_s", "ep_comm_s"} <= set(body["predicted"]["time_breakdown"])
+
+
+def test_an_unknown_pool_says_how_to_describe_one(api: Api) -> None:
+    spec = api.spec("nowhere", resources={"pool": "nowhere", "devices": 2})
+    resp = api.client.post("/v1/plan", json={"spec": spec}, headers=api.headers)
+    [problem] = resp.json()["detail"]
+    assert "`megatrain plan SPEC --pool POOL.yaml`" in problem["message"], problem
+    assert "docs/pool-reference.md" in problem["message"] and "give `pool`" not in problem["message"]

@@ -81,10 +81,14 @@ def test_unreadable_spec_file(
 
 
 def test_wrong_key_is_a_clear_401(live_api: LiveApi, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MEGATRAIN_API_KEY", "mt_wrong")
+    wrong = "mt_wrongKEY" + "z" * 32
+    monkeypatch.setenv("MEGATRAIN_API_KEY", wrong)
     reset_settings_cache()
     code, out = run("list")
-    assert code == 1 and "401" in out and "MEGATRAIN_API_KEY" in out, out
+    assert code == 1 and "401" in out, out
+    # The key is set: say which was sent (its prefix only) and from where, not "Set MEGATRAIN_API_KEY".
+    assert "sent the key mt_wrongKE… from MEGATRAIN_API_KEY" in out and wrong not in out, out
+    assert "does not know that key" in out and "Set MEGATRAIN_API_KEY" not in out, out
 
 
 def test_unknown_job(live_api: LiveApi) -> None:
@@ -257,7 +261,8 @@ def test_demo_end_to_end(live_stack: LiveApi, tmp_path: Path, monkeypatch: pytes
     code, out = run("demo")
     assert code == 0, out
     assert "succeeded" in out and "parameters" in out and "loss: first" in out, out
-    assert re.search(r"expected duration: about \d+ (s|min) for \d+ steps \(modelled", out), out
+    assert re.search(r"expected duration: about \d+ (s|min) for \d+ steps \(the planner's", out), out
+    assert "megatrain submit " in out.split("dashboard:")[1] and "finetune_hf_chat.yaml --follow" in out, out
     assert live_stack.url + "/" in out
     assert not any(checkout.iterdir())
     assert (live_stack.settings.home / "demo-checkpoint" / "manifest.json").is_file()

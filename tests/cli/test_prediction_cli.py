@@ -54,3 +54,13 @@ def test_versus_line_reports_the_signed_difference() -> None:
     assert "step 0.2 s (measured 0.25 s, +25%)" in line
     assert "1,000 tokens/s (measured 800, -20%)" in line
     assert "MFU 10.0% (measured 8.0%, -20%)" in line and "3.0 MiB per device" in line
+
+
+def test_versus_line_says_when_it_was_taken_under_load() -> None:
+    predicted = {"step_time_s": 0.2, "tokens_per_s": 1000.0, "mfu": 0.1, "memory_per_gpu_bytes": 3 << 20}
+    row = {"iter_time_s": 4.0, "host_other_cores": 1.4, "host_cores": 2, "host_under_load": True}
+    assert versus_line(predicted, [row, row]).endswith(
+        "  (taken under load: other processes kept 1.4 of 2 cores busy)"
+    )
+    quiet = {**row, "host_other_cores": 0.05, "host_under_load": False}
+    assert "under load" not in versus_line(predicted, [quiet, quiet, row])

@@ -315,3 +315,38 @@ def test_sdk_spec_defaults_are_the_apis() -> None:
     )
     assert body["training"]["precision"] == "auto"
     assert body["resources"]["devices"] is None and "gpus" not in body["resources"]
+
+
+KEY = "mt_" + "a1B2c3D4e5" + "x" * 30  # a key's shape (megatrain.api.auth.new_key)
+
+
+@pytest.mark.parametrize("source", ["env", "file", "none"])
+def test_a_401_names_the_key_sent_by_its_prefix_and_where_it_came_from(
+    source: str, megatrain_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatrain.settings import get_settings, reset_settings_cache
+
+    if source == "env":
+        monkeypatch.setenv("MEGATRAIN_API_KEY", KEY)
+    elif source == "file":
+        megatrain_home.mkdir(parents=True, exist_ok=True)
+        (megatrain_home / "credentials").write_text(KEY + "\n")
+    reset_settings_cache()
+    refuse = httpx.MockTransport(lambda r: httpx.Response(401, json={"detail": "invalid API key"}))
+    with Client("http://api.test", transport=refuse) as c, pytest.raises(ApiError) as ei:
+        c.get_job("job-x")
+    message = str(ei.value)
+    assert KEY not in message and KEY[10:] not in message  # never the secret, only its prefix
+    expected = {
+        "env": "sent the key mt_a1B2c3D… from MEGATRAIN_API_KEY",
+        "file": f"sent the key mt_a1B2c3D… from {get_settings().credentials_path}",
+        "none": "no API key was sent",
+    }[source]
+    assert expected in message, message
+
+
+def test_a_short_key_shows_at_most_a_third_of_itself() -> None:
+    refuse = httpx.MockTransport(lambda r: httpx.Response(401, json={"detail": "invalid API key"}))
+    with Client("http://api.test", api_key="mt_wrong", transport=refuse) as c, pytest.raises(ApiError) as ei:
+        c.get_job("job-x")
+    assert "sent the key mt… from the api_key argument" in str(ei.value)

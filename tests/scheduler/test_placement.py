@@ -98,3 +98,18 @@ def test_fit_problem(world_size: int, slots: list[int], problem: str | None) -> 
         assert result is None
     else:
         assert result is not None and problem in result
+
+
+def test_the_rule_as_its_docstring_states_it() -> None:
+    # The Cluster page shows these (GET /v1/cluster's `scheduling`): a reworded docstring must still parse.
+    from megatrain.scheduler import placement
+
+    items = placement.rule_items()
+    assert [i.title for i in items] == [
+        "Priority, then fair share, then FIFO.",
+        "Quotas.",
+        "Gangs, packed.",
+        "Head of line and backfill.",
+    ]
+    assert all(i.text and "**" not in i.text for i in items)
+    assert placement.rule_summary().startswith("priority, then fair share, then FIFO; quotas; ")

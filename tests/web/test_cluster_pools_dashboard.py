@@ -16,6 +16,7 @@ from web_helpers import signed_in_page
 from megatrain.db.models import Node, NodePool, utcnow
 from megatrain.db.session import session_scope
 from megatrain.plan.pool import PoolSpec
+from megatrain.scheduler.placement import rule_items, rule_summary
 from megatrain.scheduler.pools import apply_pool
 
 pytestmark = [pytest.mark.browser, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
@@ -55,4 +56,21 @@ def test_cluster_page_shows_pool_hardware_and_lost_nodes(
     assert lost.locator(".badge.failed").inner_text().lower() == "lost"
     assert "no heartbeat since" in lost.inner_text() and lost.locator(".slots").count() == 0
     assert card.locator("[data-node='gpu-1'] .slots .slot").count() == 8
+    assert page_errors == []
+
+
+def test_cluster_page_states_the_placement_rule_in_the_schedulers_words(
+    live_api: LiveApi, browser_context: Any, page_errors: list[str]
+) -> None:
+    page = signed_in_page(browser_context, page_errors, live_api.url, live_api.key, "/cluster")
+    page.wait_for_selector("#scheduling-order:not(:empty)")
+    sub = page.locator(".page-head .sub").inner_text()
+    # Fair share and backfill, as megatrain/scheduler/placement.py's docstring says: not "no backfill".
+    assert f"scheduling order: {rule_summary()}." in sub, sub
+    assert "fair share" in sub and "backfill" in sub and "no backfill" not in sub
+    rules = page.locator("#scheduling-rules")
+    rules.locator("summary").click()
+    items = rules.locator("li").all_inner_texts()
+    assert [i.split(".")[0] + "." for i in items] == [r.title.split(".")[0] + "." for r in rule_items()]
+    assert "never delays the head" in items[-1]
     assert page_errors == []

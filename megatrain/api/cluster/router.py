@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from megatrain.api.cluster.service import cluster_view
 from megatrain.api.deps import CurrentTenant, SessionDep
+from megatrain.scheduler.placement import rule_items, rule_summary
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
 
@@ -20,6 +21,9 @@ def get_cluster(session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
     memory_free_bytes, health, quarantine_reason, goodput (seconds over the attempts placed on it:
     productive_s, queued_s, restart_s, checkpoint_stall_s, hang_s, preempt_s, attempts, goodput; null before
     any), jobs}]}],
-    "queue": [{position, own, pool, slots, priority, queued_at, reason, id?, name?}]}`, the queue
-    in scheduling order (priority, then FIFO). Other tenants' jobs are counted but never named."""
-    return cluster_view(session, tenant)
+    "queue": [{position, own, pool, slots, priority, queued_at, reason, id?, name?}],
+    "scheduling": {summary, rules: [{title, text}]}}`, the queue in scheduling order, which
+    `scheduling` states in the placement module's own words. Other tenants' jobs are counted but
+    never named."""
+    rules = [{"title": r.title, "text": r.text} for r in rule_items()]
+    return {**cluster_view(session, tenant), "scheduling": {"summary": rule_summary(), "rules": rules}}

@@ -99,11 +99,16 @@ def data_url_problem(field: str, url: str, settings: Settings, tenant_name: str)
     if _under(normalised, allowed_roots(settings, tenant_name)):
         return None
     storage = settings.resolved_storage_url
-    extra = ", ".join(settings.data_roots) or "none"
+    roots = ", ".join(settings.data_roots) or "none"
+    # The fix is an operator's: the variable is read where the API runs, so say where to set it.
+    configured = [r.strip() for r in settings.allowed_data_roots.split(",") if r.strip()]
+    value = ",".join([*configured, normalised.rsplit("/", 1)[0]])
+    # The command first: a long list of roots may be clipped (errors.MAX_MESSAGE_CHARS), the fix not.
     return (
-        f"{field}={url!r} is outside the data this tenant may read: its own prefix "
-        f"{storage}/tenants/{tenant_name}/, the shared {storage}/datasets/, or an "
-        f"allowed data root (MEGATRAIN_ALLOWED_DATA_ROOTS: {extra})"
+        f"{field}={url!r} is outside the data this tenant may read. To allow it, set where the API "
+        f"runs (the variable adds to the defaults): `megatrain down && "
+        f"MEGATRAIN_ALLOWED_DATA_ROOTS={value} megatrain up`. Readable now: its own prefix "
+        f"{storage}/tenants/{tenant_name}/, the shared {storage}/datasets/, {roots}"
     )
 
 

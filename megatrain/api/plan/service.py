@@ -140,7 +140,8 @@ def plan_request(session: Session, settings: Settings, body: Any) -> dict[str, A
             raise FieldError(
                 "spec.resources.pool",
                 f"pool {name!r} is not a known pool with nodes (known: {', '.join(known) or 'none'}); "
-                "or give `pool`, a pool description",
+                "or plan on a pool description (docs/pool-reference.md): `megatrain plan SPEC --pool "
+                "POOL.yaml`, the SDK's plan(spec, pool=…), the request's `pool`",
             )
     try:
         result = plan(spec, pool, devices).as_dict()

@@ -96,15 +96,26 @@ function queueTable(queue) {
       h("td", { "data-label": "Why" }, q.reason))))));
 }
 
+// The placement rule in the scheduler's own words (its module docstring, served by /v1/cluster):
+// the page cannot describe a rule the scheduler no longer follows.
+function showRules(scheduling, order, rules) {
+  replace(order, `: ${scheduling.summary}`);
+  const code = (text) => text.split("`").map((part, i) => (i % 2 ? h("code", {}, part) : part));
+  rules.append(h("ol", {}, scheduling.rules.map((r) => h("li", {}, h("strong", {}, r.title), " ", code(r.text)))));
+  rules.hidden = false;
+}
+
 export function renderCluster(main, _params, { showBanner, hideBanner }) {
   const controller = new AbortController();
   let timer = null;
   const pools = h("div", { class: "pools", id: "pools" }, h("div", { class: "loading" }, "Loading…"));
   const queue = h("div", { id: "queue" });
+  const order = h("span", { id: "scheduling-order" });
+  const rules = h("details", { class: "rules", id: "scheduling-rules", hidden: true }, h("summary", {}, "How the scheduler orders and places jobs"));
   replace(main,
     h("div", { class: "page-head" }, h("div", {}, h("h1", {}, "Cluster"),
-      h("div", { class: "sub" }, "Pools (their hardware), nodes (ready or lost) and the queue in scheduling order: priority first, then first come, first served; no backfill."))),
-    h("div", { class: "stack" }, pools, h("section", { class: "card", "aria-labelledby": "queue-h" }, h("h2", { id: "queue-h" }, "Queue"), queue)));
+      h("div", { class: "sub" }, "Pools (their hardware), nodes (ready or lost) and the queue in scheduling order", order, "."))),
+    h("div", { class: "stack" }, pools, h("section", { class: "card", "aria-labelledby": "queue-h" }, h("h2", { id: "queue-h" }, "Queue"), queue, rules)));
 
   async function refresh() {
     try {
@@ -112,6 +123,7 @@ export function renderCluster(main, _params, { showBanner, hideBanner }) {
       hideBanner();
       replace(pools, view.pools.length ? view.pools.map(poolCard) : h("div", { class: "card empty" }, h("strong", {}, "No pools"), "Start a scheduler or worker to register nodes."));
       replace(queue, queueTable(view.queue));
+      if (view.scheduling && rules.hidden) showRules(view.scheduling, order, rules);
     } catch (err) {
       if (err.name === "AbortError") return;
       showBanner(`Could not load the cluster: ${err.message}`);

@@ -23,8 +23,9 @@ const FIELDS = [
   ["training.global_batch_size", "Global batch", "number"],
   ["training.micro_batch_size", "Micro batch", "number"],
   ["training.lr", "Learning rate", "number", { step: "any" }],
+  // Short option labels: a third of the form's width holds them (a long one was cut off).
   ["training.precision", "Precision", "select", { options: ["auto", "bf16", "fp16", "fp32"],
-    labels: { auto: "auto: bf16 where the device runs it natively, else fp32" } }],
+    hint: "auto: bf16 where the device runs it natively, else fp32." }],
   ["resources.devices", "Devices", "number", { hint: "Processes: GPUs, or CPU slots on a CPU pool. Empty: tp × pp × dp." }],
   ["resources.pool", "Pool", "text"],
   ["resources.priority", "Priority", "number"],
@@ -82,11 +83,14 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
   const submitBtn = h("button", { type: "submit", class: "btn btn-primary", id: "submit" }, "Submit job");
   const resetBtn = h("button", { type: "button", class: "btn btn-ghost", id: "reset-spec" }, "Reset to template");
   const templateNote = h("p", { class: "hint", id: "template-note", role: "status" });
+  // With YAML in the editor the form cannot follow it (no YAML parser here): it is switched off, so
+  // that no edit of it is silently left out of what Validate and Submit send.
+  const formFieldset = h("fieldset", {}, h("legend", { class: "visually-hidden" }, "Common fields"), h("div", { class: "form-grid" }, formFields));
+  const formNote = h("p", { class: "hint", id: "form-note", role: "status", hidden: true });
 
   const form = h("form", { class: "submit-grid", novalidate: true },
     h("section", { class: "card", "aria-labelledby": "common-h" },
-      h("h2", { id: "common-h" }, "Common fields"),
-      h("fieldset", {}, h("legend", { class: "visually-hidden" }, "Common fields"), h("div", { class: "form-grid" }, formFields))),
+      h("h2", { id: "common-h" }, "Common fields"), formNote, formFieldset),
     h("section", { class: "card", "aria-labelledby": "editor-h" },
       h("h2", { id: "editor-h" }, "Full spec"),
       templateNote,
@@ -118,7 +122,13 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
 
   function editorToForm() {
     sessionStorage.setItem(DRAFT, editor.value);
-    if (!isJson(editor.value)) return;
+    const json = isJson(editor.value);
+    formFieldset.disabled = !json;
+    formNote.hidden = json;
+    formNote.textContent = editor.value.trim().startsWith("{")
+      ? "The full spec is not valid JSON: fix it there; the form follows it again once it is."
+      : "The full spec is YAML: edit it there (the form follows JSON only).";
+    if (!json) return;
     const spec = JSON.parse(editor.value);
     for (const [path] of FIELDS) {
       const v = getPath(spec, path);
@@ -144,7 +154,8 @@ export function renderSubmit(main, _params, { showBanner, hideBanner }) {
     let firstInput = null;
     for (const { field, message } of items) {
       // Exact field, else the form field it lies under (data.train.0 -> data.train.0.path).
-      const path = FIELDS.map(([p]) => p).find((p) => p === field || p.startsWith(`${field}.`));
+      // (None while the form is off: the editor's YAML is what was sent.)
+      const path = formFieldset.disabled ? undefined : FIELDS.map(([p]) => p).find((p) => p === field || p.startsWith(`${field}.`));
       if (path) {
         errors[path].textContent = errors[path].textContent ? `${errors[path].textContent} ${message}` : message;
         inputs[path].setAttribute("aria-invalid", "true");
