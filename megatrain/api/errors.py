@@ -32,7 +32,9 @@ class FieldError(Exception):
 
 
 MAX_ERRORS = 50
-MAX_MESSAGE_CHARS = 500
+MAX_MESSAGE_CHARS = 1000
+"""A message names its value and the fix, which for a data path lists the roots and the command that
+adds one: paths are long, so room for several."""
 MAX_FIELD_CHARS = 200
 
 
