@@ -40,7 +40,7 @@ def _jsonl(docs: list[Any]) -> bytes:
 
 @pytest.fixture(autouse=True)
 def spool_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Uploads spool here, so a test can see that none is left behind."""
+    """The API host's temporary directory, so a test can see that an upload never lands there."""
     d = tmp_path / "spool"
     d.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(d))
