@@ -6,7 +6,7 @@ Keys are '/'-separated and relative to the store's root URL. The same code serve
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import errno
 import io
 import os
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 from urllib.parse import unquote, urlparse
+
+from megatrain.storage_s3 import S3StreamWriter
+from megatrain.storage_s3 import b64_crc32 as _b64_crc32
 
 
 @dataclass(frozen=True)
@@ -342,14 +345,23 @@ class S3Store:
 
     @contextmanager
     def writer(self, key: str) -> Iterator[BinaryIO]:
-        """A local temporary file, uploaded when the block ends cleanly (boto3 switches to
-        parallel multipart uploads for large files), so readers only ever see whole objects. Its
-        CRC32 is taken as it is written, not by reading the file again."""
-        with tempfile.TemporaryDirectory(prefix="megatrain-put-") as tmp:
-            path = Path(tmp) / "object"
-            with _Crc32Writer(io.FileIO(path, "wb")) as f:
-                yield f
-            self._upload(key, path, f.crc)
+        """A file whose bytes stream to the object as they are written, in parts (a multipart
+        upload past one part) that nothing can read until the block ends cleanly; otherwise the
+        upload is aborted and no part is kept. Nothing is spooled to local disk, and memory stays
+        bounded by a few parts whatever the size. The whole object's CRC32 is recorded, as by put_file."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        checksums = self._client.meta.config.request_checksum_calculation != "when_required"
+        f = S3StreamWriter(self._client, self.bucket, self._key(key), checksums)
+        try:
+            yield f  # type: ignore[misc]
+            f.commit()
+        except (ClientError, BotoCoreError) as exc:
+            _abort_quietly(f)
+            raise self._err(key, exc) from None
+        except BaseException:
+            _abort_quietly(f)
+            raise
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -404,16 +416,6 @@ class S3Store:
         )
 
 
-class _Crc32Writer(io.BufferedWriter):
-    """A file being written that keeps the CRC32 of every byte written so far."""
-
-    crc = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
-        self.crc = zlib.crc32(data, self.crc)
-        return super().write(data)
-
-
 def crc32_file(path: str | Path) -> int:
     """A file's CRC32, read in 8 MiB blocks."""
     crc = 0
@@ -423,8 +425,10 @@ def crc32_file(path: str | Path) -> int:
     return crc
 
 
-def _b64_crc32(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+def _abort_quietly(f: S3StreamWriter) -> None:
+    """Abort an upload on the way out of a failure, which stays the error raised."""
+    with contextlib.suppress(Exception):  # the caller's error matters more than a failed cleanup
+        f.abort()
 
 
 def _full_object_crc32(head: dict[str, Any], etag: str | None) -> str | None:

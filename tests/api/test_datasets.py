@@ -4,12 +4,19 @@ names resolved in job specs at submission and validation. SQLite and PostgreSQL;
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import os
 import tempfile
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
+import boto3
 import pytest
 from api_handle import Api
 from fastapi.testclient import TestClient
@@ -33,7 +40,7 @@ def _jsonl(docs: list[Any]) -> bytes:
 
 @pytest.fixture(autouse=True)
 def spool_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Uploads spool here, so a test can see that none is left behind."""
+    """The API host's temporary directory, so a test can see that an upload never lands there."""
     d = tmp_path / "spool"
     d.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(d))
@@ -138,11 +145,13 @@ def test_an_upload_that_fails_half_way_leaves_nothing(
     from megatrain.api.datasets import service
     from megatrain.storage import FileStore
 
-    real_put = FileStore.put_file
+    real_writer = FileStore.writer
 
-    def put_then_fail(self: FileStore, key: str, path: str | Path) -> None:
-        real_put(self, key, path)  # the object is written, then the store "fails"
-        raise OSError("disk full")
+    @contextmanager
+    def write_then_fail(self: FileStore, key: str) -> Iterator[Any]:
+        with real_writer(self, key) as f:
+            yield f
+            raise OSError("disk full")  # every byte is written, then the store "fails"
 
     # Answered as the server would (a 500), not raised into the test.
     client = TestClient(api.client.app, raise_server_exceptions=False)
@@ -151,10 +160,10 @@ def test_an_upload_that_fails_half_way_leaves_nothing(
         body, headers = _jsonl(DOCS), {**api.headers, **NDJSON}
         return client.post("/v1/datasets", params={"name": "half"}, content=body, headers=headers)
 
-    monkeypatch.setattr(FileStore, "put_file", put_then_fail)
+    monkeypatch.setattr(FileStore, "writer", write_then_fail)
     assert post().status_code == 500
     assert _rows(api) == 0 and _objects(api) == [] and list(spool_dir.iterdir()) == []
-    monkeypatch.setattr(FileStore, "put_file", real_put)
+    monkeypatch.setattr(FileStore, "writer", real_writer)
 
     def insert_fails(*args: Any) -> None:
         raise RuntimeError("database went away")
@@ -402,3 +411,118 @@ def test_uploads_and_urls_on_s3(s3_api: Api, s3_bucket_url: str) -> None:
     assert api.client.post("/v1/datasets", json=body, headers=api.headers).status_code == 201
     missing = {"name": "nope", "source_url": f"{s3_bucket_url}/shared/none.jsonl"}
     assert "does not exist" in _error(api.client.post("/v1/datasets", json=missing, headers=api.headers))[1]
+
+
+def _big_jsonl(size: int) -> bytes:
+    """About `size` bytes of JSONL, random enough that no layer could compress it away."""
+    lines, n = [], 0
+    while n < size:
+        line = json.dumps({"text": os.urandom(3000).hex()}).encode() + b"\n"
+        lines.append(line)
+        n += len(line)
+    return b"".join(lines)
+
+
+def _post_asgi(api: Api, name: str, chunks: list[bytes], between: Any, disconnect: bool = False) -> int:
+    """POST an upload straight to the ASGI app, one body message per chunk, calling `between(i)`
+    after chunk i is taken (TestClient reads a body whole before the app sees it); `disconnect`:
+    the client goes away after the chunks. The response's status (0 when none was sent)."""
+    query = f"name={name}".encode()
+    headers = [(k.lower().encode(), v.encode()) for k, v in {**api.headers, **NDJSON}.items()]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/datasets", "raw_path": b"/v1/datasets", "query_string": query,
+        "headers": [(b"host", b"testserver"), *headers],
+        "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+    }  # fmt: skip
+    sent: list[dict[str, Any]] = []
+    at = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal at
+        if at > 0:
+            between(at - 1)
+        if at < len(chunks):
+            at += 1
+            return {"type": "http.request", "body": chunks[at - 1], "more_body": True}
+        if disconnect:
+            return {"type": "http.disconnect"}
+        at += 1
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def main() -> None:
+        # A disconnect ends the request with an error, as it does under a server.
+        with contextlib.suppress(Exception):
+            await api.client.app(scope, receive, send)
+
+    anyio.run(main)
+    return next((m["status"] for m in sent if m["type"] == "http.response.start"), 0)
+
+
+def _s3(api: Api) -> tuple[Any, str]:
+    store = open_store(api.settings.resolved_storage_url)
+    return boto3.client("s3", endpoint_url=store.endpoint_url), store.bucket  # type: ignore[attr-defined]
+
+
+def test_a_large_upload_streams_to_s3_in_parts_with_its_crc32_and_no_local_spool(
+    s3_api: Api, spool_dir: Path
+) -> None:
+    """Past one part (8 MiB) the upload is a multipart upload whose parts go up while the body is
+    still arriving; the API's temporary directory stays empty all along; the object is the body,
+    byte for byte, with the whole object's CRC32."""
+    api = s3_api
+    client, bucket = _s3(api)
+    body = _big_jsonl(20 << 20)
+    chunks = [body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)]
+    seen_parts = []
+
+    def between(i: int) -> None:
+        assert list(spool_dir.iterdir()) == []  # nothing of it on the API's disk, at any point
+        uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        if uploads:
+            parts = client.list_parts(Bucket=bucket, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"])
+            seen_parts.append((i, len(parts.get("Parts", []))))
+
+    assert _post_asgi(api, "big", chunks, between) == 201
+    # Parts were in S3 while most of the body had not arrived yet.
+    assert any(n >= 1 and i < len(chunks) - 4 for i, n in seen_parts), seen_parts
+    assert list(spool_dir.iterdir()) == []
+    with session_scope(api.db_url) as s:
+        ds = s.scalars(select(Dataset)).one()
+    assert ds.input_bytes == len(body)
+    key = ds.source_url.removeprefix(f"s3://{bucket}/")
+    head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    crc = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+    assert head["ETag"].endswith('-3"') and head["ContentLength"] == len(body)
+    assert (head.get("ChecksumType"), head.get("ChecksumCRC32")) == ("FULL_OBJECT", crc)
+    assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == body
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+@pytest.mark.parametrize("how", ["bad line", "client gone"])
+def test_an_upload_refused_or_abandoned_half_way_aborts_its_multipart_upload(
+    s3_api: Api, spool_dir: Path, how: str
+) -> None:
+    """A bad line past the first parts, or a client that disconnects, aborts the multipart upload:
+    no upload in progress, no object, no row, nothing on the API's disk."""
+    api = s3_api
+    client, bucket = _s3(api)
+    body = _big_jsonl(12 << 20)
+    chunks = [body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)]
+    if how == "bad line":
+        chunks += [b'{"text": "fine"}\nnot json\n', _big_jsonl(1 << 20)]
+    started = []
+
+    def between(i: int) -> None:
+        started.extend(client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+    status = _post_asgi(api, "half", chunks, between, disconnect=how == "client gone")
+    if how == "bad line":  # (a client gone sees no answer, whatever the app sends)
+        assert status == 422
+    assert started, "the upload never reached S3 as a multipart upload"
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+    assert _rows(api) == 0 and list(spool_dir.iterdir()) == []

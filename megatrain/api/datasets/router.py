@@ -5,8 +5,10 @@ POST takes either
   - the JSONL file itself as the body (Content-Type application/x-ndjson, application/jsonl,
     text/plain or application/octet-stream) with the options in the query:
     `?name=NAME&tokenizer=byte&json_key=text&append_eod=true`.
-An upload streams through a line-by-line check into a temporary file, then into storage; only a
-complete, valid upload is stored and registered (201, state `pending`). The workers preprocess it
+An upload streams through a line-by-line check straight into storage (an S3 multipart upload, or a
+temporary file beside the object on file://), never spooled on the API's disk; only a complete,
+valid upload becomes an object and is registered (201, state `pending`), a refused or abandoned one
+is aborted. The workers preprocess it
 into an indexed dataset and mark it `ready` with its statistics, or `failed` with the reason.
 """
 
@@ -15,13 +17,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.datasets import service
 from megatrain.api.datasets.schemas import DatasetCreate, DatasetList, DatasetOptions, DatasetPublic
-from megatrain.api.datasets.upload import JsonlSpool
+from megatrain.api.datasets.upload import JsonlCheck
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.errors import FieldError
 from megatrain.api.middleware import RequestTooLarge
@@ -32,8 +35,8 @@ router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
 UPLOAD_TYPES = {"application/x-ndjson", "application/jsonl", "text/plain", "application/octet-stream"}
 JSON_TYPES = {"application/json"}
-SPOOL_CHUNK = 1 << 20
-"""Bytes gathered from the body before a worker thread checks and spools them."""
+BODY_CHUNK = 1 << 20
+"""Bytes gathered from the body before a worker thread checks them and writes them on."""
 
 
 def _content_type(request: Request) -> str:
@@ -68,8 +71,8 @@ async def _json_body(request: Request, settings: Settings) -> Any:
         raise FieldError("body", f"not valid JSON: {str(exc)[:300]}") from None
 
 
-async def _spool(request: Request, settings: Settings, spool: JsonlSpool) -> None:
-    """Check and spool the body, refusing it past the upload cap (also when no Content-Length
+async def _stream(request: Request, settings: Settings, check: JsonlCheck) -> None:
+    """Check the body and write it on, refusing it past the upload cap (also when no Content-Length
     announced its size)."""
     cap = settings.max_dataset_upload_bytes
     declared = request.headers.get("content-length")
@@ -82,11 +85,11 @@ async def _spool(request: Request, settings: Settings, spool: JsonlSpool) -> Non
         if received > cap:
             raise RequestTooLarge(cap)
         pending += chunk
-        if len(pending) >= SPOOL_CHUNK:
-            await run_in_threadpool(spool.feed, bytes(pending))
+        if len(pending) >= BODY_CHUNK:
+            await run_in_threadpool(check.feed, bytes(pending))
             pending.clear()
-    await run_in_threadpool(spool.feed, bytes(pending))
-    await run_in_threadpool(spool.finish)
+    await run_in_threadpool(check.feed, bytes(pending))
+    await run_in_threadpool(check.finish)
 
 
 @router.post(
@@ -140,14 +143,21 @@ async def create_dataset(
     )
     await run_in_threadpool(service.check_options, session, settings, tenant, options)
     session.close()  # no connection held while the body streams in
-    spool = await run_in_threadpool(JsonlSpool, options.json_key)
+    # The storage writer is entered, fed and left from worker threads, one step at a time.
+    writing = service.upload_writer(settings, tenant, options)
+    dataset_id, url, sink = await run_in_threadpool(writing.__enter__)
+    check = JsonlCheck(options.json_key, sink)
     try:
-        await _spool(request, settings, spool)
-        dataset_id, url = await run_in_threadpool(service.store_upload, settings, tenant, options, spool.path)
-    finally:
-        await run_in_threadpool(spool.close)
+        await _stream(request, settings, check)
+    except BaseException as exc:
+        # A bad line, the cap, a client gone: abort, so no part of it stays in storage. Shielded,
+        # as a cancelled request would otherwise skip the cleanup.
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(writing.__exit__, type(exc), exc, exc.__traceback__)
+        raise
+    await run_in_threadpool(writing.__exit__, None, None, None)  # the object is whole and visible
     ds = await run_in_threadpool(
-        service.register_upload, session, settings, tenant, options, dataset_id, url, spool.size
+        service.register_upload, session, settings, tenant, options, dataset_id, url, check.size
     )
     return service.public_dataset(ds)
 

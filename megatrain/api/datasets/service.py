@@ -10,7 +10,9 @@ so a deleted dataset and a new one of the same name never share an object.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 from fastapi import HTTPException
 from sqlalchemy import select
@@ -163,20 +165,17 @@ def register_url(session: Session, settings: Settings, tenant: Tenant, body: Dat
     return _insert(session, settings, tenant, body, new_id("ds"), source, False, None)
 
 
-def store_upload(
-    settings: Settings, tenant: Tenant, options: DatasetOptions, spooled: Path
-) -> tuple[str, str]:
-    """Put a checked upload into the dataset's folder; (dataset id, source URL)."""
+@contextmanager
+def upload_writer(
+    settings: Settings, tenant: Tenant, options: DatasetOptions
+) -> Iterator[tuple[str, str, BinaryIO]]:
+    """(dataset id, source URL, a writer): what is written streams into the dataset's source object,
+    which appears whole when the block ends cleanly, and never (nor any part of it) otherwise."""
     dataset_id = new_id("ds")
     key = f"{folder_key(tenant.name, options.name, dataset_id)}/{SOURCE_NAME}"
     store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
-    try:
-        store.put_file(key, spooled)
-    except BaseException:
-        # A half-written object (an S3 multipart upload, say) must not outlive the request.
-        delete_objects(settings, tenant.name, options.name, dataset_id)
-        raise
-    return dataset_id, f"{settings.resolved_storage_url}/{key}"
+    with store.writer(key) as f:
+        yield dataset_id, f"{settings.resolved_storage_url}/{key}", f
 
 
 def register_upload(

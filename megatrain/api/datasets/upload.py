@@ -1,4 +1,4 @@
-"""Checking an uploaded JSONL corpus while it streams in, spooled to a temporary file on disk.
+"""Checking an uploaded JSONL corpus while it streams in, on its way to storage (never to local disk).
 
 What is cheap is checked here, line by line, so a bad upload is refused before anything is stored
 or registered: every line (blank ones aside) a JSON object with a non-empty string under the key,
@@ -8,9 +8,7 @@ valid UTF-8, no line longer than the cap, at least one document. Tokenizing is t
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
+from typing import BinaryIO
 
 from megatrain.api.errors import FieldError
 
@@ -24,19 +22,17 @@ def _problem(line: int, message: str) -> FieldError:
     return FieldError(FIELD, f"line {line}: {message}")
 
 
-class JsonlSpool:
-    """`feed` chunks of the body as they arrive, `finish` at its end; each line is checked and
-    written to a temporary file, which `close` removes unless `keep` took it over."""
+class JsonlCheck:
+    """`feed` chunks of the body as they arrive, `finish` at its end; each complete line is checked
+    and only then written on to `sink` (a storage writer), so what reaches it is checked lines."""
 
-    def __init__(self, json_key: str, directory: str | Path | None = None):
+    def __init__(self, json_key: str, sink: BinaryIO):
         self.json_key = json_key
         self.lines = 0
         self.documents = 0
         self.size = 0
         self._rest = b""  # the unfinished last line of what arrived so far
-        fd, name = tempfile.mkstemp(prefix="megatrain-upload-", suffix=".jsonl", dir=directory)
-        self.path = Path(name)
-        self._file = os.fdopen(fd, "wb")
+        self._sink = sink
 
     def _check(self, raw: bytes) -> None:
         self.lines += 1
@@ -63,7 +59,7 @@ class JsonlSpool:
         self.documents += 1
 
     def feed(self, chunk: bytes) -> None:
-        """Check the complete lines in `chunk` (with what came before) and spool them."""
+        """Check the complete lines in `chunk` (with what came before) and pass them on."""
         data = self._rest + chunk
         lines = data.split(b"\n")
         self._rest = lines.pop()
@@ -74,23 +70,16 @@ class JsonlSpool:
                 raise _problem(self.lines + 1, f"longer than {MAX_LINE_BYTES} bytes")
             self._check(raw)
         written = len(data) - len(self._rest)
-        self._file.write(data[:written])
+        self._sink.write(memoryview(data)[:written])
         self.size += written
 
     def finish(self) -> None:
         """The body has ended: check its last line (one without a final newline) and that it held
-        a document; the file is complete afterwards."""
+        a document; everything has then been written to the sink."""
         if self._rest.strip():
             self._check(self._rest)
-            self._file.write(self._rest + b"\n")
+            self._sink.write(self._rest + b"\n")
             self.size += len(self._rest) + 1
         self._rest = b""
-        self._file.close()
         if self.documents == 0:
             raise FieldError(FIELD, "the file is empty: it holds no JSON lines")
-
-    def close(self) -> None:
-        """Remove the temporary file (idempotent)."""
-        if not self._file.closed:
-            self._file.close()
-        self.path.unlink(missing_ok=True)
