@@ -234,6 +234,46 @@ def test_hf_tokenizer_in_workers_matches_direct_encoding(tmp_path: Path) -> None
     assert stats.tokenizer == f"hf:{tmp_path / 'tok.json'}" and stats.vocab_size == hf.get_vocab_size()
 
 
+@pytest.mark.parametrize("kind", ["hf", "tiktoken"])
+def test_threads_write_the_same_bytes_at_1_and_n_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # The worker threads run the tokenizers' GIL-free batch encoders at once, and a bad line near
+    # the end sits in a chunk that finishes before earlier ones: order and the first bad line must
+    # still be the input's, and no thread or environment change may outlive the call.
+    import threading
+
+    from .test_tokenizers import _ranks_file
+
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 1024)  # many chunks, so the threads really interleave
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    if kind == "hf":
+        spec = TokenizerSpec(type="hf", path=str(_train_hf(tmp_path / "tok.json")))
+    else:
+        spec = TokenizerSpec(
+            type="tiktoken", name="cl100k_base", path=str(_ranks_file(tmp_path / "r.tiktoken"))
+        )
+    texts = [t for t in _texts(500) if t.strip()]
+    src = str(_corpus(tmp_path / "c.jsonl", texts))
+    threads = threading.active_count()
+    outputs = []
+    for workers in (0, 1, 4):
+        preprocess(src, tmp_path / f"w{workers}", spec, workers=workers)
+        outputs.append([(tmp_path / f"w{workers}{s}").read_bytes() for s in (".bin", ".idx")])
+    assert outputs[0] == outputs[1] == outputs[2]
+    tok = build_tokenizer(spec)
+    assert _documents(tmp_path / "w4") == [tok.encode(t) + [tok.eod] for t in texts]
+
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[300], lines[-2] = '{"text": "broken', "[1]"
+    bad = _write(tmp_path / "bad.jsonl", lines)
+    (tmp_path / "failed").mkdir()
+    with pytest.raises(PreprocessError, match=r"bad\.jsonl:301: not valid JSON"):
+        preprocess(str(bad), tmp_path / "failed" / "out", spec, workers=4)
+    assert _leftovers(tmp_path / "failed") == []
+    assert threading.active_count() == threads and "TOKENIZERS_PARALLELISM" not in os.environ
+
+
 def test_s3_input_is_streamed(tmp_path: Path, s3_bucket_url: str) -> None:
     from megatrain.storage import open_store
 

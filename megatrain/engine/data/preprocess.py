@@ -1,11 +1,13 @@
 """JSONL corpus -> Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`), in parallel, streaming.
 
-The parent process reads the corpus in chunks of whole lines (`corpus.py`), hands each chunk to one
-of `workers` processes (`ordered_pool.py`; they parse the JSON, check the key, tokenize, append EOD)
-and writes their results in chunk order through `IndexedDatasetWriter`. At most `2 * workers`
+The calling thread reads the corpus in chunks of whole lines (`corpus.py`), hands each chunk to one
+of `workers` threads (they parse the JSON, check the key, tokenize, append EOD) and writes their
+results in chunk order through `IndexedDatasetWriter`. Threads, not processes: the tokenizers'
+native batch encoders (HF `tokenizers`, tiktoken) release the GIL, so threads tokenize in
+parallel without pickling lines out to worker processes and arrays back. At most `2 * workers`
 chunks are in flight, so memory is flat in the input's size, and the chunking depends only on the
-input, so the output is byte-identical for any number of workers. `workers=0` does the same in this
-process.
+input, so the output is byte-identical for any number of workers. `workers=0` does the same in the
+calling thread.
 
 Semantics follow Megatron-LM's tools/preprocess_data.py with one key and no sentence splitting: one
 document (one sequence) per line, in input order, the EOD id appended to each when `append_eod`.
@@ -18,7 +20,9 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +32,6 @@ import numpy as np
 
 from megatrain.engine.data.corpus import Chunk, CorpusError, document_text, open_corpus, split_lines
 from megatrain.engine.data.indexed import IndexedDatasetWriter, token_dtype
-from megatrain.engine.data.ordered_pool import OrderedPool
 from megatrain.engine.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, describe
 from megatrain.spec import TokenizerSpec
 
@@ -89,7 +92,7 @@ class _ChunkResult:
 
 
 class _Encoder:
-    """Turns a chunk of lines into tokens; one lives in each worker process."""
+    """Turns a chunk of lines into tokens; the worker threads share one (it keeps no state)."""
 
     def __init__(self, spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool):
         self.tokenizer = build_tokenizer(spec)
@@ -144,22 +147,36 @@ class _Encoder:
 
 
 @contextmanager
-def _results(
-    chunks: Iterator[Chunk], workers: int, encoder: _Encoder, args: tuple[Any, ...]
-) -> Iterator[Iterator[_ChunkResult]]:
-    """Every chunk's result, in order: from `workers` processes, or from this one when 0."""
+def _results(chunks: Iterator[Chunk], workers: int, encoder: _Encoder) -> Iterator[Iterator[_ChunkResult]]:
+    """Every chunk's result, in order: from `workers` threads, or from this one when 0."""
     if workers == 0:
         yield map(encoder, chunks)
         return
-    with OrderedPool(workers, _worker_encoder, args) as pool:
-        # Two chunks per worker: one being tokenized, one waiting, so no worker idles on the parent.
-        yield pool.map(chunks, in_flight=2 * workers)
+    # The threads are the parallelism here; the HF batch encoder's own Rust threads would
+    # oversubscribe the cores (it reads the variable at each call).
+    set_here = "TOKENIZERS_PARALLELISM" not in os.environ
+    if set_here:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="preprocess")
+    try:
+        # Two chunks per worker: one being tokenized, one waiting, so no worker idles on the reader.
+        yield _in_order(pool, encoder, chunks, in_flight=2 * workers)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on an error: the running chunks end, no more
+        if set_here:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
-def _worker_encoder(spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool) -> _Encoder:
-    # Processes are the parallelism here; the HF batch encoder's own threads would oversubscribe.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return _Encoder(spec, json_key, append_eod, fail_fast)
+def _in_order(
+    pool: ThreadPoolExecutor, encoder: _Encoder, chunks: Iterator[Chunk], in_flight: int
+) -> Iterator[_ChunkResult]:
+    pending: deque[Future[_ChunkResult]] = deque()
+    for chunk in chunks:
+        pending.append(pool.submit(encoder, chunk))
+        if len(pending) >= in_flight:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def preprocess(
@@ -221,9 +238,7 @@ def preprocess(
         with (
             open_corpus(input_url) as reader,
             IndexedDatasetWriter(output_prefix, encoder.dtype) as writer,
-            _results(
-                reader.chunks(), workers, encoder, (tokenizer, json_key, append_eod, fail_fast)
-            ) as results,
+            _results(reader.chunks(), workers, encoder) as results,
         ):
             for result in results:
                 write(result)
