@@ -28,10 +28,11 @@ def _bench() -> ModuleType:
 
 
 def test_a_360m_llama_at_tp4_pp2_starts_in_its_shard(tmp_path: Path) -> None:
-    """8 gloo ranks, from random weights and from a Hugging Face folder, two steps each."""
-    rows = _bench().measure("360m", {"tp": 4, "pp": 2, "dp": 1}, ["random", "hf"], tmp_path)
+    """8 gloo ranks from a Hugging Face folder (read by slice), two steps. The seeded random start
+    builds the same way (benchmarks/start_memory.py measures both; BENCHMARKS.md has its figure)."""
+    rows = _bench().measure("360m", {"tp": 4, "pp": 2, "dp": 1}, ["hf"], tmp_path)
     runs = sorted((r["init"], r["rank"]) for r in rows)
-    assert runs == [(init, rank) for init in ("hf", "random") for rank in range(8)]
+    assert runs == [("hf", rank) for rank in range(8)]
     worst = max(rows, key=lambda r: r["ratio"])
     assert worst["ratio"] <= RATIO, worst
 

@@ -18,6 +18,9 @@ from megatrain.settings import Settings, get_settings, reset_settings_cache
 from megatrain.worker.hang import HangRule, HangWatch
 from megatrain.worker.shard import run_shard
 
+SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+"""One database: the runner's SQL is the same on both (tests/db and tests/scheduler run both)."""
+
 
 @pytest.fixture
 def hang_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
@@ -33,6 +36,7 @@ def _reschedule(url: str, job_id: str) -> None:
         assert reserve_and_schedule(s, job_id, node_id, "test")
 
 
+@SQLITE
 def test_a_hung_rank_is_named_its_stacks_logged_and_the_retry_finishes(
     hang_settings: Settings,
     make_job: Callable[..., str],
@@ -80,6 +84,7 @@ def test_a_hung_rank_is_named_its_stacks_logged_and_the_retry_finishes(
         assert node_goodput(s)[rows[0].node_id]["hang_s"] == goodput["hang_s"]
 
 
+@SQLITE
 def test_repeated_infrastructure_failures_quarantine_the_node_until_released(
     settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,6 +182,7 @@ def test_dump_stacks_asks_a_process_for_its_stacks(tmp_path: Path) -> None:
     assert gone and "could not signal pid" in gone[0]
 
 
+@SQLITE
 def test_the_rank_that_stopped_first_is_named(
     hang_settings: Settings,
     make_job: Callable[..., str],

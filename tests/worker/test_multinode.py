@@ -41,6 +41,8 @@ from megatrain.worker.executors import CeleryExecutor, runner_env
 from megatrain.worker.shard import Rendezvous, engine_command, run_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
+SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+"""One database: the runner's SQL is the same on both (tests/db and tests/scheduler run both)."""
 
 
 def test_a_share_of_a_gang_runs_under_torchrun_at_the_rendezvous(tmp_path: Path) -> None:
@@ -137,6 +139,7 @@ def _losses(url: str, job_id: str) -> dict[int, float]:
     return {r.step: r.loss for r in rows}
 
 
+@SQLITE
 def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
     pool_settings: Settings, make_job: Callable[..., str], tmp_path: Path
 ) -> None:
@@ -214,6 +217,7 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
         assert gang[step] == pytest.approx(loss, rel=1e-4), step
 
 
+@SQLITE
 def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_rest(
     pool_settings: Settings, make_job: Callable[..., str], tmp_path: Path
 ) -> None:

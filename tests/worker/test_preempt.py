@@ -23,6 +23,9 @@ from megatrain.worker.attempt import Attempt
 from megatrain.worker.preempt import requeue_preempted
 from megatrain.worker.shard import run_shard
 
+# One database: the runner's SQL is the same on both (tests/db and tests/scheduler run both).
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
 
 class _PlaceOnly:
     """An executor that runs nothing: the test runs the shards itself."""

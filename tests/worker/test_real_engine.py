@@ -30,7 +30,7 @@ from megatrain.spec import parse_spec
 from megatrain.worker.nodes import node_name
 from megatrain.worker.shard import run_shard
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 
 
 def _engine_importable() -> bool:

@@ -16,6 +16,9 @@ from megatrain.settings import Settings
 from megatrain.worker.nodes import node_name
 from megatrain.worker.shard import run_shard
 
+# One database: the runner's SQL is the same on both (tests/db and tests/scheduler run both).
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
 
 def _ended(url: str, job_id: str) -> tuple[Job, JobEvent, str]:
     """The job, its last event and its log."""

@@ -17,7 +17,8 @@ from megatrain.scheduler.loop import Scheduler
 from megatrain.worker.slurm.commands import SlurmCli
 from megatrain.worker.slurm.executor import SUBMITTED_EVENT, SlurmExecutor
 
-pytestmark = pytest.mark.slow
+# PostgreSQL, as a Slurm deployment runs (the runner's SQL is the same on SQLite: tests/db).
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["postgres"], indirect=True)]
 
 
 def test_a_job_submitted_through_the_api_runs_on_slurm_with_its_loss_charted(

@@ -20,7 +20,8 @@ from megatrain.worker.executors import get_executor
 from megatrain.worker.slurm.commands import SlurmCli
 from megatrain.worker.slurm.executor import STATE_EVENT, SUBMITTED_EVENT, SlurmExecutor
 
-pytestmark = pytest.mark.slow
+# PostgreSQL, as a Slurm deployment runs (the runner's SQL is the same on SQLite: tests/db).
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["postgres"], indirect=True)]
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from megatrain.scheduler.loop import Scheduler
 from megatrain.worker.slurm.commands import SlurmCli
 from megatrain.worker.slurm.executor import SUBMITTED_EVENT, SlurmExecutor
 
-pytestmark = pytest.mark.slow
+# PostgreSQL, as a Slurm deployment runs (the runner's SQL is the same on SQLite: tests/db).
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["postgres"], indirect=True)]
 
 
 def test_a_job_slurm_kills_at_its_time_limit_resumes_from_its_checkpoint_on_retry(

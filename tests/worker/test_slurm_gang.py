@@ -25,7 +25,8 @@ from megatrain.worker.shard import run_shard
 from megatrain.worker.slurm.commands import SlurmCli
 from megatrain.worker.slurm.executor import SlurmExecutor
 
-pytestmark = pytest.mark.slow
+# PostgreSQL, as a Slurm deployment runs (the runner's SQL is the same on SQLite: tests/db).
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["postgres"], indirect=True)]
 
 
 def test_a_tp2_dp2_job_over_two_slurm_nodes_trains_like_one_process(
