@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import random
@@ -81,3 +82,20 @@ def assert_adam_weights_close(
         loose = ~torch.isclose(got, ref, rtol=1e-3, atol=1e-5)
         assert int(loose.sum()) <= max(1, ref.numel() // 1000), (name, int(loose.sum()))
         assert float(diff.max()) <= 2 * lr * steps, (name, float(diff.max()))
+
+
+def tiktoken_ranks_file(path: Path) -> Path:
+    """A tiktoken ranks file: every byte, then merges that build "hello" and "world"."""
+    # Every byte, then merges that build "hello" and "world" (a merge needs its parts ranked lower).
+    tokens = [bytes([i]) for i in range(256)] + [
+        b"he",
+        b"ll",
+        b"hell",
+        b"hello",
+        b" w",
+        b"or",
+        b" wor",
+        b" world",
+    ]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return path

@@ -5,7 +5,6 @@ with one line."""
 
 from __future__ import annotations
 
-import base64
 import io
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import pytest
 from megatrain.engine.data.tokenizers import build_tokenizer
 from megatrain.engine.interop.hf_tokenizer import PROBES, export_tokenizer
 from megatrain.spec import TokenizerSpec
+
+from .helpers import tiktoken_ranks_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,21 +44,6 @@ def _sentencepiece(path: Path, model_type: str, vocab_size: int, **options: obje
     return path
 
 
-def _ranks(path: Path) -> Path:
-    tokens = [bytes([i]) for i in range(256)] + [
-        b"he",
-        b"ll",
-        b"hell",
-        b"hello",
-        b" w",
-        b"or",
-        b" wor",
-        b" world",
-    ]
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
-    return path
-
-
 def _spec(kind: str, tmp: Path) -> TokenizerSpec:
     from fixtures.checkpoints import write_bpe_tokenizer
 
@@ -72,7 +58,9 @@ def _spec(kind: str, tmp: Path) -> TokenizerSpec:
         return TokenizerSpec(
             type="sentencepiece", path=str(_sentencepiece(tmp / "sp.model", model_type, size, **options))
         )
-    return TokenizerSpec(type="tiktoken", name=kind.split("-")[1], path=str(_ranks(tmp / "r.tiktoken")))
+    return TokenizerSpec(
+        type="tiktoken", name=kind.split("-")[1], path=str(tiktoken_ranks_file(tmp / "r.tiktoken"))
+    )
 
 
 KINDS = ["byte", "hf", "sentencepiece-bpe", "sentencepiece-unigram", "sentencepiece-bytes",

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import base64
 import io
 from pathlib import Path
 
@@ -9,6 +8,8 @@ import pytest
 from megatrain.engine.data import ByteTokenizer, HFTokenizer, build_tokenizer
 from megatrain.engine.data.tokenizers import SentencePieceTokenizer, TiktokenTokenizer
 from megatrain.spec import TokenizerSpec
+
+from .helpers import tiktoken_ranks_file
 
 
 def test_byte_round_trip() -> None:
@@ -96,29 +97,13 @@ def test_hf_unreadable_files_are_named(tmp_path: Path) -> None:
         HFTokenizer(str(tmp_path / "bad.json"))
 
 
-def _ranks_file(path: Path) -> Path:
-    # Every byte, then merges that build "hello" and "world" (a merge needs its parts ranked lower).
-    tokens = [bytes([i]) for i in range(256)] + [
-        b"he",
-        b"ll",
-        b"hell",
-        b"hello",
-        b" w",
-        b"or",
-        b" wor",
-        b" world",
-    ]
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
-    return path
-
-
 @pytest.mark.parametrize("name", ["r50k_base", "gpt2"])
 def test_tiktoken_from_a_ranks_file_equals_tiktoken(tmp_path: Path, name: str) -> None:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    path = _ranks_file(tmp_path / "r.tiktoken")
+    path = tiktoken_ranks_file(tmp_path / "r.tiktoken")
     tok = build_tokenizer(TokenizerSpec(type="tiktoken", name=name, path=path.as_uri()))
     direct = tiktoken.Encoding(
         name="direct",
@@ -137,7 +122,9 @@ def test_tiktoken_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown tiktoken encoding 'nope'; known: .*cl100k_base"):
         build_tokenizer(TokenizerSpec(type="tiktoken", name="nope"))
     with pytest.raises(ValueError, match="unknown tiktoken encoding 'nope'"):
-        build_tokenizer(TokenizerSpec(type="tiktoken", name="nope", path=str(_ranks_file(tmp_path / "r"))))
+        build_tokenizer(
+            TokenizerSpec(type="tiktoken", name="nope", path=str(tiktoken_ranks_file(tmp_path / "r")))
+        )
     (tmp_path / "bad.tiktoken").write_text("not base64 at all\n")
     with pytest.raises(ValueError, match="bad.tiktoken is not a tiktoken ranks file"):
         build_tokenizer(TokenizerSpec(type="tiktoken", name="gpt2", path=str(tmp_path / "bad.tiktoken")))
