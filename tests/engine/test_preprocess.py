@@ -243,7 +243,7 @@ def test_threads_write_the_same_bytes_at_1_and_n_workers(
     # still be the input's, and no thread or environment change may outlive the call.
     import threading
 
-    from .test_tokenizers import _ranks_file
+    from .helpers import tiktoken_ranks_file
 
     monkeypatch.setattr(corpus, "CHUNK_BYTES", 1024)  # many chunks, so the threads really interleave
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
@@ -251,7 +251,7 @@ def test_threads_write_the_same_bytes_at_1_and_n_workers(
         spec = TokenizerSpec(type="hf", path=str(_train_hf(tmp_path / "tok.json")))
     else:
         spec = TokenizerSpec(
-            type="tiktoken", name="cl100k_base", path=str(_ranks_file(tmp_path / "r.tiktoken"))
+            type="tiktoken", name="cl100k_base", path=str(tiktoken_ranks_file(tmp_path / "r.tiktoken"))
         )
     texts = [t for t in _texts(500) if t.strip()]
     src = str(_corpus(tmp_path / "c.jsonl", texts))
@@ -301,11 +301,12 @@ def test_chunks_are_whole_lines_numbered_from_one(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["tiktoken", "sentencepiece"])
 def test_every_tokenizer_kind(tmp_path: Path, kind: str) -> None:
-    from .test_tokenizers import _ranks_file, _train_sentencepiece
+    from .helpers import tiktoken_ranks_file
+    from .test_tokenizers import _train_sentencepiece
 
     if kind == "tiktoken":  # cl100k's special ids reach past 65,500: int32 tokens
         spec = TokenizerSpec(
-            type="tiktoken", name="cl100k_base", path=str(_ranks_file(tmp_path / "r.tiktoken"))
+            type="tiktoken", name="cl100k_base", path=str(tiktoken_ranks_file(tmp_path / "r.tiktoken"))
         )
         dtype = np.int32
     else:
