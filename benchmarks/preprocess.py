@@ -116,12 +116,19 @@ def train_bpe(corpus: Path, path: Path, vocab_size: int = 8000, sample_bytes: in
 # -- one variant, in a child process ------------------------------------------------------------
 
 
-def plain_loop(corpus: str, prefix: str, spec: Any) -> tuple[int, int]:
-    """The baseline: one process, one line at a time, the tokenizer's own `encode`."""
-    from megatrain.engine.data.indexed import IndexedDatasetWriter, token_dtype
-    from megatrain.engine.data.tokenizers import build_tokenizer
+def library_tokenizer(spec: Any) -> Any:
+    """The tokenizer as the baselines use it: for an HF file, `tokenizers` itself (`encode` per
+    text), not our tiktoken twin of it (bpe_fast.py), which is part of what is measured."""
+    from megatrain.engine.data.tokenizers import HFTokenizer, build_tokenizer
 
-    tok = build_tokenizer(spec)
+    return HFTokenizer(spec.path, twin=False) if spec.type == "hf" else build_tokenizer(spec)
+
+
+def plain_loop(corpus: str, prefix: str, spec: Any) -> tuple[int, int]:
+    """The baseline: one process, one line at a time, the tokenizer library's own `encode`."""
+    from megatrain.engine.data.indexed import IndexedDatasetWriter, token_dtype
+
+    tok = library_tokenizer(spec)
     docs = tokens = 0
     with IndexedDatasetWriter(prefix, token_dtype(tok.vocab_size)) as writer, open(corpus, "rb") as f:
         for line in f:
@@ -144,9 +151,7 @@ class _MegatronEncoder:
         self.spec = spec
 
     def initializer(self) -> None:
-        from megatrain.engine.data.tokenizers import build_tokenizer
-
-        _MegatronEncoder.tokenizer = build_tokenizer(self.spec)
+        _MegatronEncoder.tokenizer = library_tokenizer(self.spec)
 
     def encode(self, line: str) -> tuple[list[int], list[int], int]:
         ids = _MegatronEncoder.tokenizer.encode(json.loads(line)["text"])

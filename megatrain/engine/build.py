@@ -15,7 +15,8 @@ from torch import nn
 from megatrain import kernels
 from megatrain.engine.config import TrainConfig, TransformerConfig
 from megatrain.engine.fp8 import enable_fp8
-from megatrain.engine.materialize import WeightSource, init_source, materialize
+from megatrain.engine.lora import LoRAConfig, attach_lora
+from megatrain.engine.materialize import WeightSource, init_source, materialize, with_adapters
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
@@ -69,19 +70,26 @@ def build_model(
     *,
     dtype: torch.dtype = torch.float32,
     weights: WeightSource | None = None,
+    lora: LoRAConfig | None = None,
 ) -> RankModel:
     """This rank's shards and stages, and nothing more: the model is built and parallelised on the
     meta device, then only what this rank keeps is allocated (in `dtype`, on `device`) and filled
     from `weights` (a Hugging Face folder read by slice, say), else from the initial values one
-    process would draw from `seed` (models.init): any layout starts from the very same weights."""
+    process would draw from `seed` (models.init): any layout starts from the very same weights.
+    With `lora`, the model is frozen and its target linears get adapters (engine.lora), drawn from
+    `seed` too."""
     torch.manual_seed(seed)
     random.seed(seed)
     with torch.device("meta"):
         model = GPTModel(mcfg)  # draws init_seed from the generator just seeded, allocates nothing
     num_params = model.num_parameters()
-    fill = weights or init_source(model.init_seed, mcfg)
+    fill = init_source(model.init_seed, mcfg)
+    if weights is not None:
+        fill = with_adapters(weights, model.init_seed, mcfg) if lora else weights
     tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
+    if lora is not None:
+        attach_lora(model, lora, mcfg, state, tracker)
     parallelize_experts(model, state)  # this ep rank's experts, the all-to-all dispatcher
     model = parallelize_context(model, state)
     if state.pp_size == 1:

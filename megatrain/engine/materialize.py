@@ -18,6 +18,7 @@ from torch import nn
 
 from megatrain.engine.checkpoint.shards import global_shape, param_boxes
 from megatrain.engine.config import TransformerConfig
+from megatrain.engine.lora import is_lora_name, lora_init_rule
 from megatrain.engine.models.gpt import rope_tables
 from megatrain.engine.models.init import fill_box, init_rule
 from megatrain.engine.parallel.state import ParallelState
@@ -31,7 +32,19 @@ def init_source(seed: int, cfg: TransformerConfig) -> WeightSource:
     """The initial weights GPTModel(cfg) draws from `seed` (models.init), box by box."""
 
     def fill(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
-        fill_box(out, seed=seed, name=name, shape=shape, offsets=offsets, rule=init_rule(name, cfg))
+        rule = lora_init_rule(name, shape[-1]) if is_lora_name(name) else init_rule(name, cfg)
+        fill_box(out, seed=seed, name=name, shape=shape, offsets=offsets, rule=rule)
+
+    return fill
+
+
+def with_adapters(base: WeightSource, seed: int, cfg: TransformerConfig) -> WeightSource:
+    """`base` (a Hugging Face folder, say) for the model's own weights, the seeded initial values
+    for LoRA adapters (which no base folder has)."""
+    init = init_source(seed, cfg)
+
+    def fill(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
+        (init if is_lora_name(name) else base)(name, shape, offsets, out)
 
     return fill
 

@@ -47,10 +47,13 @@ per-token position ids."""
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) through the `linear` kernel: under DataParallel
-    its weight gradient accumulates straight into main_grad (megatrain.kernels.grad_accumulation)."""
+    its weight gradient accumulates straight into main_grad (megatrain.kernels.grad_accumulation).
+    A LoRA adapter (engine.lora) may be attached as `lora`: its update is added to the output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.get("linear", x.device.type)(x, self.weight, self.bias)
+        y = kernels.get("linear", x.device.type)(x, self.weight, self.bias)
+        lora = self._modules.get("lora")
+        return y if lora is None else y + lora(x)
 
 
 class Embedding(nn.Embedding):

@@ -44,7 +44,8 @@ def draw_base_seed() -> int:
 
 
 def init_rule(name: str, cfg: TransformerConfig) -> tuple[str, float]:
-    """("normal", std) | ("ones", 0) | ("zeros", 0) for a canonical (single-device) parameter name."""
+    """("normal", std) | ("ones", 0) | ("zeros", 0) for a canonical (single-device) parameter name
+    (LoRA adapters' rules are engine.lora.lora_init_rule's)."""
     if name.endswith("norm.weight"):
         return "ones", 0.0
     if name.endswith(("bias", "norm.bias")):
@@ -83,11 +84,13 @@ def fill_box(
     if kind == "zeros":
         out.zero_()
         return
+    if kind not in ("normal", "uniform"):
+        raise ValueError(f"{name}: unknown initialisation rule {kind!r}")
     if len(shape) == 0:
         raise ValueError(f"{name}: a scalar parameter has no initialisation rule")
     for dest, first, col in box_row_runs(shape, offsets, out):
         rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (shape[0], 1)
-        _fill_rows(dest, seed, name, rows, cols, first, col, std)
+        _fill_rows(dest, seed, name, rows, cols, first, col, std, uniform=kind == "uniform")
 
 
 def box_row_runs(
@@ -108,9 +111,18 @@ def box_row_runs(
 
 
 def _fill_rows(
-    dest: torch.Tensor, seed: int, name: str, rows: int, cols: int, first: int, col: int, std: float
+    dest: torch.Tensor,
+    seed: int,
+    name: str,
+    rows: int,
+    cols: int,
+    first: int,
+    col: int,
+    std: float,
+    uniform: bool = False,
 ) -> None:
-    """dest (m, w) = rows [first, first+m), columns [col, col+w) of the parameter's flattened rows."""
+    """dest (m, w) = rows [first, first+m), columns [col, col+w) of the parameter's flattened rows:
+    normal(0, std), or uniform in ±std."""
     m, w = dest.shape
     k = rows_per_block(cols)
     for block in range(first // k, (first + m - 1) // k + 1):
@@ -118,7 +130,11 @@ def _fill_rows(
         # Always the whole block: CPU normal_ fills in vectorised groups, so a value depends on the
         # size of the tensor drawn, which must not depend on the slice asked for.
         count = min(k, rows - block * k)  # the last block is shorter: fixed by the shape alone
-        values = torch.empty(count, cols, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
+        values = torch.empty(count, cols, dtype=torch.float32, device="cpu")
+        if uniform:
+            values.uniform_(-std, std, generator=gen)
+        else:
+            values.normal_(0.0, std, generator=gen)
         lo, hi = max(first, block * k), min(first + m, (block + 1) * k)
         part = values[lo - block * k : hi - block * k, col : col + w]
         dest[lo - first : hi - first].copy_(part)

@@ -1,0 +1,135 @@
+"""LoRA adapters <-> PEFT's folder format (`adapter_config.json` + `adapter_model.safetensors`).
+
+An adapter sits on one of our canonical linears; its Hugging Face twin may be several linears
+(Llama's q/k/v_proj for our qkv, gate/up_proj for a gated fc1), each with its own PEFT adapter:
+engine.lora keeps one A per part and takes each output row's update from its part, so the mapping
+is exact both ways. B's rows follow the base weight's own row mapping (hf_mapping's rules: the
+qkv regrouping, GPT-2's [q; k; v] columns), A is split by part. PEFT's names are the HF module's
+name under `base_model.model.` with `.lora_A.weight` / `.lora_B.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatrain.engine.config import TransformerConfig
+from megatrain.engine.interop.hf_mapping import Rule, rules_for
+from megatrain.engine.lora import LoRAConfig
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TARGET_SUFFIXES = {"qkv": "attn.qkv.weight", "proj": "attn.proj.weight", "fc1": "mlp.fc1.weight",
+                   "fc2": "mlp.fc2.weight"}  # fmt: skip
+
+
+def _target_rules(cfg: TransformerConfig, lora: LoRAConfig, model_type: str) -> list[Rule]:
+    suffixes = tuple("." + TARGET_SUFFIXES[t] for t in lora.targets)
+    return [r for r in rules_for(cfg, model_type) if r.name.endswith(suffixes)]
+
+
+def _b_to_hf(rule: Rule, b: torch.Tensor, model_type: str) -> tuple[torch.Tensor, ...]:
+    """B (out, r) in our row order -> each HF linear's B (its out, r), rows mapped like the weight."""
+    if model_type == "gpt2":  # the rule maps a Conv1D (in, out) weight: undo its transpose for B
+        return tuple(t.t() for t in rule.to_hf(b))
+    return rule.to_hf(b)
+
+
+def adapter_to_peft(
+    get_tensor: Callable[[str], torch.Tensor], cfg: TransformerConfig, lora: LoRAConfig, model_type: str
+) -> dict[str, torch.Tensor]:
+    """PEFT's state dict of the adapters; get_tensor(canonical name) returns a full tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for rule in _target_rules(cfg, lora, model_type):
+        base = rule.name.removesuffix(".weight")
+        bs = _b_to_hf(rule, get_tensor(base + ".lora.B"), model_type)
+        a_parts = get_tensor(base + ".lora.A").chunk(len(bs))
+        for hf, a, b in zip(rule.hf, a_parts, bs, strict=True):
+            module = PEFT_PREFIX + hf.removesuffix(".weight")
+            out[module + ".lora_A.weight"] = a.contiguous()
+            out[module + ".lora_B.weight"] = b.contiguous()
+    return out
+
+
+def adapter_from_peft(
+    tensors: dict[str, torch.Tensor], cfg: TransformerConfig, lora: LoRAConfig, model_type: str
+) -> dict[str, torch.Tensor]:
+    """Our canonical adapter tensors (`….lora.A`, `….lora.B`) from PEFT's state dict. The parts of
+    one fused linear must share the rank; a missing tensor is a KeyError naming it."""
+    out: dict[str, torch.Tensor] = {}
+    for rule in _target_rules(cfg, lora, model_type):
+        base = rule.name.removesuffix(".weight")
+        modules = [PEFT_PREFIX + hf.removesuffix(".weight") for hf in rule.hf]
+        a = [_get(tensors, m + ".lora_A.weight") for m in modules]
+        b = [_get(tensors, m + ".lora_B.weight") for m in modules]
+        out[base + ".lora.A"] = torch.cat(a)
+        # GPT-2's rules take a Conv1D (in, out) weight: hand them B transposed.
+        out[base + ".lora.B"] = rule.from_hf(*(t.t() for t in b) if model_type == "gpt2" else b)
+    return out
+
+
+def _get(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name in tensors:
+        return tensors[name]
+    # PEFT also saves without the adapter name, and some tools add `.default`.
+    alt = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+        ".lora_B.weight", ".lora_B.default.weight"
+    )
+    if alt in tensors:
+        return tensors[alt]
+    raise KeyError(f"the adapter has no {name}")
+
+
+def peft_config(
+    cfg: TransformerConfig, lora: LoRAConfig, model_type: str, base_model: str | None = None
+) -> dict[str, Any]:
+    """adapter_config.json for PEFT's LoraConfig: the HF module names the adapters sit on."""
+    modules = sorted(
+        {
+            hf.removesuffix(".weight").rsplit(".", 1)[-1]
+            for r in _target_rules(cfg, lora, model_type)
+            for hf in r.hf
+        }
+    )
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "use_rslora": lora.use_rslora,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": model_type == "gpt2",
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+
+def lora_from_peft_config(config: dict[str, Any]) -> LoRAConfig:
+    """The LoRAConfig an adapter_config.json describes (its targets mapped back to ours)."""
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r} is not LORA")
+    names = set(config.get("target_modules") or [])
+    ours = {"qkv": {"q_proj", "k_proj", "v_proj", "c_attn"}, "proj": {"o_proj"},
+            "fc1": {"gate_proj", "up_proj", "c_fc"}, "fc2": {"down_proj"}}  # fmt: skip
+    targets = tuple(t for t, hf in ours.items() if names & hf)
+    if "c_proj" in names:  # GPT-2 names attn and mlp output projections alike
+        targets = (*targets, "proj", "fc2")
+    return LoRAConfig(
+        rank=int(config["r"]),
+        alpha=float(config["lora_alpha"]),
+        dropout=float(config.get("lora_dropout", 0.0)),
+        targets=tuple(t for t in ("qkv", "proj", "fc1", "fc2") if t in targets),
+        use_rslora=bool(config.get("use_rslora", False)),
+    )
+
+
+def dumps_config(config: dict[str, Any]) -> bytes:
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

@@ -1,0 +1,198 @@
+"""LoRA (Hu et al. 2021): a frozen base linear W plus a trained low-rank update, y = x Wᵀ + s·(x Aᵀ) Bᵀ.
+
+A is (r, in), B (out, r), s = alpha / r (alpha / √r with rsLoRA); B starts at zero, so a run starts
+from the base model exactly, and A from PEFT's default (kaiming-uniform, bound 1/√in). Adapters are
+attached to the canonical linears (`qkv`, `proj`, `fc1`, `fc2` of every layer) after tensor
+parallelism has replaced them, on the meta device, and are materialised with the rest of the rank's
+shards (their initial values, like every parameter's, are a pure function of seed and name: any
+layout starts from the same adapter). Everything else is frozen: no gradient, no gradient buffer,
+no optimizer state.
+
+Under tensor parallelism each adapter is split like its base weight, so the base's own collectives
+carry it and no activation of the base's width is communicated again:
+
+- column-parallel base (W split over its output rows): B is split the same way, A is replicated.
+  The update is added on the same (copied) input as the base, so its input gradient joins the
+  base's in the one reduction Megatron already does. With sequence parallelism the input is a
+  sequence shard: the adapter multiplies the shard by A and all-gathers the rank-r product (r/in of
+  the base's gather), reduce-scattering its gradient back.
+- row-parallel base (W split over its input columns): A is split the same way, B is replicated. The
+  update joins the base's partial sums before their all-reduce (or reduce-scatter).
+
+The replicated factor then sees only part of the gradient on each tp rank (the other tokens, or the
+other output rows' contributions): it is flagged like a sequence-parallel norm weight, and its
+gradient is summed over tp once per step (parallel.mappings.allreduce_sequence_parallel_grads).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatrain import kernels
+from megatrain.engine.config import TransformerConfig
+from megatrain.engine.parallel.mappings import (
+    gather_from_sequence,
+    mark_sequence_parallel,
+    mark_tensor_parallel,
+    shard_tensor,
+)
+from megatrain.engine.parallel.random import MODEL_PARALLEL, RNGStatesTracker, TrackedDropout
+from megatrain.engine.parallel.state import ParallelState
+
+TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""The linears an adapter may sit on, by their canonical names (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = TARGETS
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+class LoRA(nn.Module):
+    """The adapter of one linear: A (parts·r, in shard), B (out shard, r), and its dropout.
+
+    A fused linear whose Hugging Face twin is several linears (Llama's q/k/v in our qkv, gate/up in
+    a gated fc1) has one adapter per part, as PEFT puts one on each: A stacks the parts' A's, and
+    output row o takes its update from its own part's r columns only (`part_of_row`). So training
+    here is PEFT's training, and an adapter exports to PEFT's names exactly."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        cfg: LoRAConfig,
+        dropout: nn.Module,
+        part_of_row: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.parts = 1 if part_of_row is None else int(part_of_row.max()) + 1
+        self.A = nn.Parameter(torch.empty(self.parts * cfg.rank, in_features))
+        self.B = nn.Parameter(torch.empty(out_features, cfg.rank))
+        self.scale = cfg.scale
+        self.dropout = dropout
+        # (out shard, parts) one-hot on the CPU; not a buffer (the meta build materialises
+        # parameters only), moved to the input's device on first use.
+        self._onehot = None if part_of_row is None else torch.nn.functional.one_hot(part_of_row, self.parts)
+        self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sequence parallelism on a column-parallel base: all-gathers x Aᵀ along the sequence."""
+
+    def expanded_B(self) -> torch.Tensor:
+        """B as (out, parts·r): row o's r values in its part's columns, zeros elsewhere."""
+        if self._onehot is None:
+            return self.B
+        if self._onehot.device != self.B.device or self._onehot.dtype != self.B.dtype:
+            self._onehot = self._onehot.to(self.B.device, self.B.dtype)
+        return (self._onehot[:, :, None] * self.B[:, None, :]).flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = kernels.get("linear", x.device.type)
+        u = linear(self.dropout(x), self.A)  # (.., parts·r)
+        if self.gather is not None:
+            u = self.gather(u)
+        return linear(u, self.expanded_B()) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"rank={self.B.shape[1]}, parts={self.parts}, scale={self.scale:g}"
+
+
+def part_of_rows(target: str, mcfg: TransformerConfig) -> torch.Tensor | None:
+    """Which Hugging Face linear each canonical output row of a fused target belongs to: qkv's
+    q/k/v (group by group: H/G query heads, then the group's key and value), a gated fc1's
+    gate/up. None where the Hugging Face twin is one linear too (GPT-2's c_attn, proj, fc2)."""
+    if target == "qkv" and mcfg.position_embedding != "learned":
+        per_group = mcfg.num_attention_heads // mcfg.num_query_groups
+        group = torch.tensor([0] * per_group + [1, 2]).repeat_interleave(mcfg.head_dim)
+        return group.repeat(mcfg.num_query_groups)
+    if target == "fc1" and mcfg.gated_mlp:
+        return torch.tensor([0, 1]).repeat_interleave(mcfg.ffn_hidden_size)
+    return None
+
+
+def lora_targets(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
+    """(canonical name, linear) of every linear an adapter goes on: the dense layers' linears named
+    in `targets` (an MoE layer has none yet: neither its routed experts nor its shared expert)."""
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-1] in targets and parts[-2] in ("attn", "mlp"):
+            yield name, mod
+
+
+def attach_lora(
+    model: nn.Module,
+    cfg: LoRAConfig,
+    mcfg: TransformerConfig,
+    state: ParallelState,
+    tracker: RNGStatesTracker | None,
+) -> int:
+    """Freeze `model` and give each target linear (single-device, column- or row-parallel) a `lora`
+    adapter split like its weight; returns how many were attached. Call on the meta device, after
+    tensor parallelism, before the pipeline split (names are canonical here)."""
+    from megatrain.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tp = state.tp_size > 1
+    count = 0
+    for name, linear in list(lora_targets(model, cfg.targets)):
+        weight = linear.weight
+        out_local, in_local = weight.shape
+        stride = getattr(weight, "partition_stride", 1)
+        parts = part_of_rows(name.rsplit(".", 1)[-1], mcfg)
+        if parts is not None and isinstance(linear, ColumnParallelLinear):
+            parts = shard_tensor(parts, 0, state.tp_rank, state.tp_size, stride)
+        # Per-rank dropout masks where tp ranks hold different inputs (a row-parallel base's feature
+        # slice, a sequence shard); the same mask where they hold the same input.
+        split_input = isinstance(linear, RowParallelLinear) or getattr(linear, "sequence_parallel", False)
+        drop: nn.Module = nn.Dropout(cfg.dropout)
+        if tp and tracker is not None and split_input:
+            drop = TrackedDropout(cfg.dropout, tracker, MODEL_PARALLEL)
+        with torch.device(weight.device):
+            lora = LoRA(in_local, out_local, cfg, drop, parts)
+        if isinstance(linear, ColumnParallelLinear):
+            mark_tensor_parallel(lora.B, 0, stride)
+            if tp:
+                mark_sequence_parallel(lora.A)
+            if linear.sequence_parallel and tp:
+                group, size = linear.tp_group, linear.tp_size
+                lora.gather = lambda u, g=group, n=size: gather_from_sequence(u, g, n)
+        elif isinstance(linear, RowParallelLinear):
+            mark_tensor_parallel(lora.A, 1)
+            if tp:
+                mark_sequence_parallel(lora.B)
+        elif tp:
+            raise ValueError(f"{name}: a LoRA target that tensor parallelism did not split")
+        linear.lora = lora
+        count += 1
+    if count == 0:
+        raise ValueError(f"LoRA: the model has none of the target linears {', '.join(cfg.targets)}")
+    return count
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora." in name
+
+
+def lora_init_rule(name: str, in_features: int) -> tuple[str, float]:
+    """PEFT's defaults: A kaiming-uniform with a=√5 (uniform in ±1/√in), B zeros."""
+    if name.endswith("lora.A"):
+        return "uniform", 1.0 / math.sqrt(in_features)
+    return "zeros", 0.0
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts of this rank's module."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
