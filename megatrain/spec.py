@@ -35,6 +35,7 @@ from megatrain.spec_errors import (
     report_rules,
 )
 from megatrain.spec_layout import ParallelismSpec, ResourcesSpec
+from megatrain.spec_lora import LoRASpec
 from megatrain.spec_moe import MoESpec
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
@@ -283,6 +284,12 @@ class TrainingSpec(_Strict):
     """Validate every N iterations; 0 disables validation."""
     eval_iters: int = Field(4, ge=1, le=100_000)
     seed: int = Field(1234, ge=0, le=2**31 - 1)
+    method: Literal["full", "lora"] = "full"
+    """full: every weight trains. lora: the model is frozen and low-rank adapters on its linears
+    train (training.lora); checkpoints and exports carry them, and `export --adapter` writes PEFT's
+    folder."""
+    lora: LoRASpec | None = None
+    """method lora only: the adapters (None: LoRASpec's defaults, rank 16, alpha 32, every target)."""
 
     @field_validator("micro_batch_size", mode="before")
     @classmethod
@@ -328,6 +335,9 @@ class TrainingSpec(_Strict):
                     f"training.initial_loss_scale={self.initial_loss_scale}",
                 )
             )
+        if self.lora is not None and self.method != "lora":
+            why = "training.lora is set but training.method is 'full' (set it to 'lora')"
+            out.append(_rule("training.lora", why))
         if self.min_lr > self.lr:
             out.append(
                 _rule("training.min_lr", f"training.min_lr={self.min_lr} exceeds training.lr={self.lr}")

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from megatrain.spec import JobSpec, ModelSpec
+from megatrain.spec_lora import LoRASpec
 
 
 def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int:
@@ -43,6 +44,21 @@ class MoEConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer % self.layer_freq == 0
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (megatrain.spec_lora.LoRASpec; engine.lora attaches them)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
 
 
 @dataclass(frozen=True)
@@ -255,6 +271,8 @@ class TrainConfig:
     eval_interval: int
     eval_iters: int
     seed: int
+    lora: LoRAConfig | None = None
+    """training.method lora: the adapters; None: every weight trains."""
 
     @property
     def grad_accum_steps(self) -> int:
@@ -302,4 +320,14 @@ def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
         eval_interval=t.eval_interval,
         eval_iters=t.eval_iters,
         seed=t.seed,
+        lora=lora_config(spec),
     )
+
+
+def lora_config(spec: JobSpec) -> LoRAConfig | None:
+    """The adapters a spec trains (training.method lora), else None."""
+    t = spec.training
+    if t.method != "lora":
+        return None
+    lora = t.lora or LoRASpec()
+    return LoRAConfig(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), lora.use_rslora)

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from megatrain import kernels
-from megatrain.engine.config import TransformerConfig
+from megatrain.engine.config import LoRAConfig, TransformerConfig
 from megatrain.engine.parallel.mappings import (
     gather_from_sequence,
     mark_sequence_parallel,
@@ -46,19 +45,6 @@ from megatrain.engine.parallel.state import ParallelState
 
 TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The linears an adapter may sit on, by their canonical names (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)."""
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = TARGETS
-    use_rslora: bool = False
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
 class LoRA(nn.Module):

@@ -254,7 +254,9 @@ def _start_model(
     hf_start = (init_from or "").startswith("hf:")
     activity.phase = "init" if hf_start else "model"  # a Hugging Face start reads while it builds
     with _hf_weights(init_from, mcfg) as hf:
-        model = build_model(mcfg, state, cfg.seed, device, dtype=PARAM_DTYPES[cfg.precision], weights=hf)
+        model = build_model(
+            mcfg, state, cfg.seed, device, dtype=PARAM_DTYPES[cfg.precision], weights=hf, lora=cfg.lora
+        )
     if hf_start:
         log.say(f"initialised from the Hugging Face model at {str(init_from).removeprefix('hf:')}")
     elif init_from:

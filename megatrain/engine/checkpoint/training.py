@@ -47,6 +47,7 @@ from megatrain.engine.checkpoint.shards import (
     slice_boxes,
 )
 from megatrain.engine.config import TrainConfig, TransformerConfig
+from megatrain.engine.lora import is_lora_name
 from megatrain.engine.sink import RunLog
 from megatrain.spec import JobSpec
 from megatrain.storage import open_store
@@ -347,9 +348,10 @@ def load_training_state(
 
 def load_model_weights(url: str, model: RankModel) -> int:
     """A checkpoint's weights into this rank's shards (a fine-tune's start): reads only this rank's
-    boxes of model/*; rows of a differently padded vocabulary are matched. Returns the source step."""
+    boxes of model/*; rows of a differently padded vocabulary are matched. LoRA adapters keep their
+    initial values (a base checkpoint has none). Returns the source step."""
     folder = open_folder(url)
-    load_state(folder, model_state(model))
+    load_state(folder, {k: v for k, v in model_state(model).items() if not is_lora_name(k)})
     return folder.step
 
 

@@ -1,0 +1,99 @@
+"""LoRA through the training loop: every layout trains the same adapters as one process (same seed,
+same data), and only the adapters train: no gradient buffer or optimizer state for the base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatrain.spec import SpecError, parse_spec
+
+from .helpers import tiny_spec, write_corpus
+
+STEPS = 4
+
+
+def _spec(root: Path, world: int, parallelism: dict[str, Any]) -> Any:
+    raw = tiny_spec(root / "corpus.jsonl", global_batch_size=8, micro_batch_size=2, lr=2e-2, warmup_iters=0)
+    raw["model"].update(num_layers=4)
+    raw["data"]["split"] = "1,0,0"
+    raw["training"].update(method="lora", lora={"rank": 4, "alpha": 8.0})
+    raw["parallelism"] = {"distributed_optimizer": False, **parallelism}
+    raw["resources"] = {"devices": world}
+    return parse_spec(raw)
+
+
+def _lora_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any]) -> dict[str, Any]:
+    """STEPS TrainLoop steps of a LoRA run under `parallelism`: each step's loss and grad norm."""
+    from megatrain.engine.build import build_model, make_trainable
+    from megatrain.engine.config import train_config, transformer_config
+    from megatrain.engine.data import ByteTokenizer, build_datasets
+    from megatrain.engine.loop import Rates, TrainLoop, reduce_mean
+    from megatrain.engine.lora import trainable_parameters
+    from megatrain.engine.parallel.state import ParallelState
+    from megatrain.engine.sink import RunLog
+    from megatrain.plan.layout import resolve_layout
+    from megatrain.spec import ParallelismSpec
+
+    root = Path(workdir)
+    spec = _spec(root, world, parallelism)
+    layout = resolve_layout(spec, world)
+    cfg = train_config(spec, layout.dp)
+    tokenizer = ByteTokenizer()
+    mcfg = transformer_config(spec, tokenizer.vocab_size)
+    state = ParallelState.build(layout)
+    par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
+    model = build_model(mcfg, state, cfg.seed, "cpu", lora=cfg.lora)
+    train = make_trainable(model, cfg, par, "fp32", mcfg)
+    ds = build_datasets(spec, tokenizer, mcfg.seq_length, root / f"cache{world}-{rank}")
+    out = root / f"out{world}-{rank}"
+    out.mkdir(exist_ok=True)
+    loop = TrainLoop(train, cfg, {"train": ds["train"]}, RunLog(out, rank == 0), Rates(1.0, 1, None), print)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss, result = loop.step(step)
+        losses.append(reduce_mean(loss, state))
+        norms.append(result.grad_norm)
+    trainable, total = trainable_parameters(train.model.module)
+    buffered = sum(p.numel() for p in train.ddp.params)
+    return {"losses": losses, "norms": norms, "trainable": trainable, "total": total, "buffered": buffered}
+
+
+@pytest.mark.distributed
+def test_lora_trains_the_same_adapters_in_every_layout(tmp_path: Path) -> None:
+    from .parallel._launch import run_distributed
+
+    write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
+    ref = run_distributed(_lora_rank, 1, str(tmp_path), {})[0]
+    assert ref["losses"][-1] < ref["losses"][0]  # the adapters learn
+    assert 0 < ref["trainable"] < ref["total"] / 4
+    assert ref["buffered"] == ref["trainable"]  # gradient buffers for the adapters only
+    layouts: list[dict[str, Any]] = [
+        {"dp": 2, "distributed_optimizer": True},
+        {"tp": 2, "dp": 1},
+        {"tp": 2, "dp": 1, "sequence_parallel": True},
+        {"pp": 2, "dp": 1, "virtual_stages": 2},
+    ]
+    for layout in layouts:
+        got = run_distributed(_lora_rank, 2, str(tmp_path), layout)[0]
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) < 1e-5, (layout, step, a, b)
+        for a, b in zip(got["norms"], ref["norms"], strict=True):
+            assert abs(a - b) < 1e-4 * b, (layout, a, b)
+
+
+def test_lora_settings_are_judged(tmp_path: Path) -> None:
+    raw = tiny_spec(tmp_path / "c.jsonl")
+    raw["training"]["lora"] = {"rank": 8}
+    with pytest.raises(SpecError, match="training.method is 'full'"):
+        parse_spec(raw)
+    raw["training"].update(method="lora", lora={"rank": 0, "targets": ["qkv", "experts"]})
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    fields = {e["field"] for e in err.value.errors}
+    assert {"training.lora.rank", "training.lora.targets.1"} <= fields, err.value.errors
+    raw["training"]["lora"] = {"targets": ["qkv", "qkv"]}
+    with pytest.raises(SpecError, match="twice"):
+        parse_spec(raw)
