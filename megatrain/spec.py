@@ -286,8 +286,8 @@ class TrainingSpec(_Strict):
     seed: int = Field(1234, ge=0, le=2**31 - 1)
     method: Literal["full", "lora"] = "full"
     """full: every weight trains. lora: the model is frozen and low-rank adapters on its linears
-    train (training.lora); checkpoints and exports carry them, and `export --adapter` writes PEFT's
-    folder."""
+    train (training.lora, PEFT's LoRA): gradients, gradient buffers and optimizer state exist for
+    the adapters only."""
     lora: LoRASpec | None = None
     """method lora only: the adapters (None: LoRASpec's defaults, rank 16, alpha 32, every target)."""
 

@@ -60,6 +60,23 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
 
+    def num_params(self, m: TransformerConfig) -> int:
+        """The adapters' parameters over the whole model: per target linear (in → out) split into
+        `parts` Hugging Face linears (engine.lora), parts·r·in for A and r·out for B."""
+        c, f, hd = m.hidden_size, m.ffn_hidden_size, m.head_dim
+        qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hd
+        qkv_parts = 1 if m.position_embedding == "learned" else 3
+        fc1 = (c, 2 * f, 2) if m.gated_mlp else (c, f, 1)
+        shapes = {"qkv": (c, qkv_out, qkv_parts), "proj": (c, c, 1), "fc1": fc1, "fc2": (f, c, 1)}
+        total = 0
+        for layer in range(m.num_layers):
+            dense = m.moe is None or not m.moe.is_moe_layer(layer)  # MoE layers: attention only
+            for target in self.targets:
+                if target in ("qkv", "proj") or dense:
+                    n_in, n_out, parts = shapes[target]
+                    total += self.rank * (parts * n_in + n_out)
+        return total
+
 
 @dataclass(frozen=True)
 class TransformerConfig:

@@ -117,9 +117,8 @@ def run(
         train = _start_model(spec, mcfg, cfg, state, ctx.device, init_from, activity, log)
         checkpointer = _checkpointer(ckpt_url, train, spec, mcfg, cfg, log)
         start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)
-        log.events.write(
-            _started_event(spec, layout, train, cfg, ctx, start, resumed_from, tokenizer.vocab_size, log)
-        )
+        vocab = tokenizer.vocab_size
+        log.events.write(_started_event(spec, layout, train, cfg, mcfg, ctx, start, resumed_from, vocab, log))
         poll = _test_hang(checkpointer.poll, activity, ctx.rank)
         loop = TrainLoop(
             train,
@@ -315,6 +314,7 @@ def _started_event(
     layout: Layout,
     train: Trainable,
     cfg: TrainConfig,
+    mcfg: TransformerConfig,
     ctx: Dist,
     start: Progress,
     resumed_from: int | None,
@@ -329,6 +329,13 @@ def _started_event(
         f"device {device} | {cfg.grad_accum_steps} micro-batches of {cfg.micro_batch_size} per dp rank "
         f"per step | distributed optimizer {'on' if dist_opt else 'off'}"
     )
+    trainable = cfg.lora.num_params(mcfg) if cfg.lora else train.model.num_params
+    if cfg.lora:
+        log.say(
+            f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}: "
+            f"{trainable:,} trainable parameters of {train.model.num_params + trainable:,} "
+            f"({100 * trainable / (train.model.num_params + trainable):.2f}%); the base is frozen"
+        )
     if train.model.chunks:
         v = layout.virtual_stages
         log.say(
@@ -340,6 +347,7 @@ def _started_event(
         "event": "started",
         "step": start.step,
         "num_params": train.model.num_params,
+        "trainable_params": trainable,
         "world_size": ctx.world_size,
         "layout": layout.as_dict(),
         "device": device,

@@ -2,11 +2,10 @@
 `sentencepiece` (a .model file), built from a TokenizerSpec.
 
 Each encodes one text (`encode`) or many at once (`encode_batch`, through the library's own batch
-encoder where it has one), and names its vocabulary size and end-of-document id. An `hf` file that is
-plain byte-level BPE encodes through its tiktoken twin (bpe_fast.py), token for token the same and
-2.5-4x faster. Special-token text
-inside a document is encoded as plain text by tiktoken (tiktoken would otherwise refuse it); the
-other libraries follow their own rules.
+encoder where it has one), and names its vocabulary size and end-of-document id. An `hf` file that
+is plain byte-level BPE encodes through its tiktoken twin (bpe_fast.py): token for token the same,
+2.5-4x faster. Special-token text inside a document is encoded as plain text by tiktoken (tiktoken
+would otherwise refuse it); the other libraries follow their own rules.
 """
 
 from __future__ import annotations
