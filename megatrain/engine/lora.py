@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatrain import kernels
@@ -71,7 +72,7 @@ class LoRA(nn.Module):
         self.dropout = dropout
         # (out shard, parts) one-hot on the CPU; not a buffer (the meta build materialises
         # parameters only), moved to the input's device on first use.
-        self._onehot = None if part_of_row is None else torch.nn.functional.one_hot(part_of_row, self.parts)
+        self._onehot = None if part_of_row is None else F.one_hot(part_of_row, self.parts)
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Sequence parallelism on a column-parallel base: all-gathers x Aᵀ along the sequence."""
 
@@ -81,7 +82,7 @@ class LoRA(nn.Module):
             return self.B
         if self._onehot.device != self.B.device or self._onehot.dtype != self.B.dtype:
             self._onehot = self._onehot.to(self.B.device, self.B.dtype)
-        return (self._onehot[:, :, None] * self.B[:, None, :]).flatten(1)
+        return expand_B(self.B, self._onehot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = kernels.get("linear", x.device.type)
@@ -92,6 +93,40 @@ class LoRA(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.B.shape[1]}, parts={self.parts}, scale={self.scale:g}"
+
+
+def expand_B(b: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+    """B (out, r) and its rows' parts one-hot (out, parts) -> (out, parts·r)."""
+    return (onehot[:, :, None] * b[:, None, :]).flatten(1)
+
+
+def adapted_target(weight_name: str, cfg: LoRAConfig) -> str | None:
+    """The target a canonical weight's adapter sits on ("layers.3.attn.qkv.weight" -> "qkv"), if any."""
+    parts = weight_name.split(".")
+    if len(parts) == 5 and parts[0] == "layers" and parts[-1] == "weight" and parts[2] in ("attn", "mlp"):
+        return parts[3] if parts[3] in cfg.targets else None
+    return None
+
+
+@torch.no_grad()
+def merged_weight(
+    weight_name: str,
+    weight: torch.Tensor,
+    get_tensor: Callable[[str], torch.Tensor],
+    mcfg: TransformerConfig,
+    cfg: LoRAConfig,
+) -> torch.Tensor:
+    """A full base weight with its adapter folded in, W + scale·expanded_B·A (in fp32, then the
+    weight's dtype); any other tensor as it is. get_tensor(name) reads the full adapter tensors."""
+    target = adapted_target(weight_name, cfg)
+    if target is None:
+        return weight
+    base = weight_name.removesuffix(".weight")
+    a, b = get_tensor(base + ".lora.A").float(), get_tensor(base + ".lora.B").float()
+    parts = part_of_rows(target, mcfg)
+    if parts is not None:
+        b = expand_B(b, F.one_hot(parts, int(parts.max()) + 1).float())
+    return (weight.float() + cfg.scale * (b @ a)).to(weight.dtype)
 
 
 def part_of_rows(target: str, mcfg: TransformerConfig) -> torch.Tensor | None:

@@ -112,8 +112,9 @@ def run(
     loaders = _loaders(spec, tokenizer, mcfg, cfg, state)
     try:
         latest = find_latest(ckpt_url)
-        # A retry resumes its own checkpoint: init_from is only the first attempt's start.
-        init_from = spec.model.init_from if latest is None else None
+        # A retry resumes its own checkpoint: init_from is only the first attempt's start, but for
+        # a LoRA run, whose checkpoints hold the adapters only, it is also every attempt's base.
+        init_from = spec.model.init_from if latest is None or cfg.lora else None
         train = _start_model(spec, mcfg, cfg, state, ctx.device, init_from, activity, log)
         checkpointer = _checkpointer(ckpt_url, train, spec, mcfg, cfg, log)
         start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)

@@ -41,7 +41,8 @@ from megatrain.engine.checkpoint.folder import (
     unverified,
 )
 from megatrain.engine.checkpoint.shards import Box, Entry, State
-from megatrain.engine.config import TransformerConfig
+from megatrain.engine.config import LoRAConfig, TransformerConfig, lora_config
+from megatrain.engine.lora import is_lora_name, merged_weight
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.spec import JobSpec, dump_spec, parse_spec
 from megatrain.storage import Store, open_store
@@ -199,11 +200,36 @@ def save_model(
 
 class CheckpointReader:
     """Full single-device tensors of a checkpoint in one process, each read on demand (an export
-    never holds more than the tensors it asked for)."""
+    never holds more than the tensors it asked for). A LoRA run's checkpoint holds its adapters
+    only: `tensor` reads its frozen base from where it came from (lora_base.py), and
+    `merged_tensor` folds the adapters in (what generation and downloads of such a job use)."""
 
     def __init__(self, path_or_url: str | Path):
         self.folder = open_folder(path_or_url, weights_only=True)  # reads model/* only
         self._metadata = self.folder.metadata()
+        self._base: Any = None
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The adapters the run trained (its spec's training.lora), or None for a full run."""
+        return lora_config(self.spec)
+
+    @property
+    def adapters_only(self) -> bool:
+        return bool(self.folder.trainer_state.get("adapters_only"))
+
+    def _base_weights(self) -> Any:
+        if self._base is None:
+            from megatrain.engine.checkpoint.lora_base import BaseWeights
+
+            ts = self.folder.trainer_state
+            self._base = BaseWeights(ts.get("base_init_from"), self.model_config, self.spec.training.seed)
+        return self._base
+
+    def close(self) -> None:
+        if self._base is not None:
+            self._base.close()
+            self._base = None
 
     @property
     def step(self) -> int:
@@ -218,15 +244,20 @@ class CheckpointReader:
         return self.folder.spec
 
     def names(self) -> list[str]:
-        """Canonical names of the model's weights (a tied head appears only as embed.weight)."""
-        return [
-            k.removeprefix("model/") for k in self._metadata.state_dict_metadata if k.startswith("model/")
-        ]
+        """Canonical names of the model's weights (a tied head appears only as embed.weight), a LoRA
+        run's adapters (`….lora.A`, `….lora.B`) included."""
+        keys = self._metadata.state_dict_metadata
+        saved = [k.removeprefix("model/") for k in keys if k.startswith("model/")]
+        if self.adapters_only:
+            return [*self._base_weights().shapes, *saved]
+        return saved
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor `name` (e.g. "layers.0.attn.qkv.weight"), in its saved dtype unless given."""
         fqn = name if name.startswith(("model/", "optim/", "rng/")) else f"model/{name}"
         md = self._metadata.state_dict_metadata.get(fqn)
+        if md is None and self.adapters_only and fqn.startswith("model/"):
+            return self._base_weights().tensor(fqn.removeprefix("model/"), dtype or torch.float32)
         if md is None:
             raise KeyError(f"{self.folder.store.url} has no tensor {name!r}")
         out = torch.empty(tuple(md.size), dtype=dtype or md.properties.dtype)
@@ -240,15 +271,28 @@ class CheckpointReader:
         except CheckpointException as exc:
             raise _unwrap(exc) from None
 
+    def merged_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """tensor(name) with a LoRA run's adapter folded into the weight it sits on."""
+        weight = self.tensor(name, dtype)
+        lora = self.lora
+        return weight if lora is None else merged_weight(name, weight, self.tensor, self.model_config, lora)
+
     def model_state(self) -> dict[str, torch.Tensor]:
-        return {name: self.tensor(name) for name in self.names()}
+        """The model's weights; a LoRA run's merged (its adapters folded in, not listed apart)."""
+        return {name: self.merged_tensor(name) for name in self.names() if not is_lora_name(name)}
 
 
 def load_checkpoint(path_or_url: str | Path, device: str = "cpu") -> tuple[GPTModel, JobSpec]:
     """The model (eval mode) and spec stored in a checkpoint folder (or a root's latest step)."""
     reader = CheckpointReader(path_or_url)
     model = GPTModel(reader.model_config)
-    reader.load(model_entries(model))
+    if reader.lora is None:
+        reader.load(model_entries(model))
+    else:  # the adapters folded into the weights they sit on: a plain model that samples as trained
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(reader.merged_tensor(name))
+        reader.close()
     return model.to(device).eval(), reader.spec
 
 

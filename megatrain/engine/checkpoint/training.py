@@ -61,11 +61,14 @@ class Progress:
     consumed_samples: int = 0
 
 
-def model_state(model: RankModel) -> State:
+def model_state(model: RankModel, *, trainable_only: bool = False) -> State:
     """This rank's weights as boxes of model/{name} (a pipeline stage's copy of the tied embedding is
-    read on load but written by the stage that owns it)."""
+    read on load but written by the stage that owns it); only the trained ones (a LoRA run's
+    adapters: its frozen base is rebuilt from where it came from) with trainable_only."""
     out: State = {}
     for p, name in model.parameter_names().items():
+        if trainable_only and not p.requires_grad:
+            continue
         shared = bool(getattr(p, "shared", False))
         entry = out.setdefault(f"model/{name}", Entry(global_shape(p, model.state), write=not shared))
         entry.boxes += param_boxes(p, p.detach(), model.state)
@@ -95,12 +98,20 @@ def optimizer_state(
 
 
 def trainer_state(
-    train: Trainable, progress: Progress, mcfg: TransformerConfig, cfg: TrainConfig
+    train: Trainable,
+    progress: Progress,
+    mcfg: TransformerConfig,
+    cfg: TrainConfig,
+    base_init_from: str | None = None,
 ) -> dict[str, Any]:
     """The plain data beside the tensors (trainer_state.json): data position, optimizer counters, the
-    loss scaler, and what the model and layout were."""
+    loss scaler, and what the model and layout were. A LoRA run's checkpoint holds its adapters only
+    (`adapters_only`) and names where its frozen base comes from (`base_init_from`: the spec's
+    init_from; None: the seeded initial weights)."""
     opt = train.optimizer
+    adapters = {"adapters_only": True, "base_init_from": base_init_from} if cfg.lora is not None else {}
     return {
+        **adapters,
         "consumed_samples": progress.consumed_samples,
         "train_iters": cfg.train_iters,
         "optimizer_steps": opt.steps,
@@ -178,11 +189,11 @@ class Checkpointer:
     def save(self, progress: Progress) -> None:
         self.wait()
         began = time.perf_counter()
-        state = model_state(self.train.model)
+        state = model_state(self.train.model, trainable_only=self.cfg.lora is not None)
         optim, _ = optimizer_state(self.train)
         state.update(optim)
         state.update(rng_entries(self.rank, self._tracker_state()))
-        plain = trainer_state(self.train, progress, self.mcfg, self.cfg)
+        plain = trainer_state(self.train, progress, self.mcfg, self.cfg, self.spec.model.init_from)
         if not self.async_save:
             result = self._write(state, progress.step, plain)
             self._report(progress.step, time.perf_counter() - began, result)
@@ -318,7 +329,9 @@ def load_training_state(
     saved = folder.metadata().state_dict_metadata
     st = train.model.state
     if not any(k.startswith("optim/") for k in saved):
-        load_state(folder, model_state(train.model), group=group, distributed=distributed)
+        adapters_only = bool(folder.trainer_state.get("adapters_only"))
+        state = model_state(train.model, trainable_only=adapters_only)
+        load_state(folder, state, group=group, distributed=distributed)
         train.optimizer.reload_mains_from_model()
         return Progress(folder.step, int(folder.trainer_state.get("consumed_samples", 0)))
     # fp32 checkpoints hold the main weights once, as the model weights.
