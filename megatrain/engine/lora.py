@@ -26,6 +26,7 @@ gradient is summed over tp once per step (parallel.mappings.allreduce_sequence_p
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 
@@ -75,6 +76,8 @@ class LoRA(nn.Module):
         self._onehot = None if part_of_row is None else F.one_hot(part_of_row, self.parts)
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Sequence parallelism on a column-parallel base: all-gathers x Aᵀ along the sequence."""
+        self.enabled = True
+        """False: the linear runs as its base alone (adapters_disabled: DPO's reference model)."""
 
     def expanded_B(self) -> torch.Tensor:
         """B as (out, parts·r): row o's r values in its part's columns, zeros elsewhere."""
@@ -200,6 +203,20 @@ def attach_lora(
     if count == 0:
         raise ValueError(f"LoRA: the model has none of the target linears {', '.join(cfg.targets)}")
     return count
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """The base model without its adapters, for the duration: the reference model of preference
+    training under LoRA, with no second copy of the weights."""
+    adapters = [m for m in module.modules() if isinstance(m, LoRA)]
+    for m in adapters:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in adapters:
+            m.enabled = True
 
 
 def is_lora_name(name: str) -> bool:

@@ -16,7 +16,7 @@ from megatrain.engine.build import build_model
 from megatrain.engine.config import LoRAConfig, TransformerConfig
 from megatrain.engine.interop.hf import export_model_hf
 from megatrain.engine.interop.peft import adapter_from_peft, adapter_to_peft, peft_config
-from megatrain.engine.lora import LoRA, trainable_parameters
+from megatrain.engine.lora import LoRA, adapters_disabled, trainable_parameters
 
 from .parallel._tp_common import fake_state
 
@@ -153,6 +153,13 @@ def test_the_base_is_frozen_and_adapters_start_as_the_base() -> None:
     assert a.shape == (3 * 4, 32) and a.abs().max() <= 1 / 32**0.5 and a.std() > 0.05  # 3 parts: q, k, v
     assert adapted.layers[0].mlp.fc1.lora.A.shape == (2 * 4, 32)  # gate, up
     assert adapted.layers[0].attn.proj.lora.A.shape == (4, 32)
+    with adapters_disabled(adapted), torch.no_grad():  # B moved off zero, then switched off: the base
+        for mod in adapted.modules():
+            if isinstance(mod, LoRA):
+                mod.B.fill_(0.5)
+        torch.testing.assert_close(adapted(seq), plain(seq), atol=0, rtol=0)
+    with torch.no_grad():
+        assert not torch.allclose(adapted(seq), plain(seq))
     # Another model config gives other adapters from the same seed only where the shapes differ.
     other = build_model(replace(mcfg, ffn_hidden_size=64), fake_state(1, 0), seed=3, device="cpu", lora=lora)
     torch.testing.assert_close(other.module.layers[0].attn.qkv.lora.A, a, atol=0, rtol=0)

@@ -53,7 +53,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernels.get("linear", x.device.type)(x, self.weight, self.bias)
         lora = self._modules.get("lora")
-        return y if lora is None else y + lora(x)
+        return y if lora is None or not lora.enabled else y + lora(x)
 
 
 class Embedding(nn.Embedding):

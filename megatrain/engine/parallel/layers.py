@@ -233,7 +233,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tp(x, self.tp_group, self.tp_size)
             y = kernels.get("linear", x.device.type)(x, self.weight, self.bias)  # (B, T, out/tp)
-        if (lora := self._modules.get("lora")) is not None:
+        if (lora := self._modules.get("lora")) is not None and lora.enabled:
             # The same (copied) input as the base: one reduction of the input gradient for both;
             # under sequence parallelism the adapter gathers its rank-r product (engine.lora).
             y = y + lora(x)
@@ -320,7 +320,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, self.tp_size)
         y = kernels.get("linear", x.device.type)(x, self.weight)  # (B, T, out) partial sums
-        if (lora := self._modules.get("lora")) is not None:
+        if (lora := self._modules.get("lora")) is not None and lora.enabled:
             y = y + lora(x)  # A is split like the weight: the adapter's partial sums join the base's
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp_group, self.tp_size)  # (B, T/tp, out)
