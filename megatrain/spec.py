@@ -284,12 +284,14 @@ class TrainingSpec(_Strict):
     """Validate every N iterations; 0 disables validation."""
     eval_iters: int = Field(4, ge=1, le=100_000)
     seed: int = Field(1234, ge=0, le=2**31 - 1)
-    method: Literal["full", "lora"] = "full"
+    method: Literal["full", "lora", "qlora"] = "full"
     """full: every weight trains. lora: the model is frozen and low-rank adapters on its linears
     train (training.lora, PEFT's LoRA): gradients, gradient buffers and optimizer state exist for
-    the adapters only."""
+    the adapters only. qlora: lora with the frozen base linears held in NF4 (QLoRA, Dettmers et
+    al. 2023; torchao's NF4 tensor, dequantised per GEMM: about 0.53 bytes per base weight)."""
     lora: LoRASpec | None = None
-    """method lora only: the adapters (None: LoRASpec's defaults, rank 16, alpha 32, every target)."""
+    """method lora or qlora only: the adapters (None: LoRASpec's defaults, rank 16, alpha 32, every
+    target)."""
 
     @field_validator("micro_batch_size", mode="before")
     @classmethod
@@ -335,9 +337,12 @@ class TrainingSpec(_Strict):
                     f"training.initial_loss_scale={self.initial_loss_scale}",
                 )
             )
-        if self.lora is not None and self.method != "lora":
-            why = "training.lora is set but training.method is 'full' (set it to 'lora')"
+        if self.lora is not None and self.method == "full":
+            why = "training.lora is set but training.method is 'full' (set it to 'lora' or 'qlora')"
             out.append(_rule("training.lora", why))
+        if self.method == "qlora" and self.precision == "fp8":
+            why = "training.method qlora keeps an NF4 base: precision fp8 has no NF4 GEMMs (use bf16)"
+            out.append(_rule("training.method", why))
         if self.min_lr > self.lr:
             out.append(
                 _rule("training.min_lr", f"training.min_lr={self.min_lr} exceeds training.lr={self.lr}")

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from megatrain import kernels
-from megatrain.engine.config import TrainConfig, TransformerConfig
+from megatrain.engine.config import LoRAConfig, TrainConfig, TransformerConfig
 from megatrain.engine.fp8 import enable_fp8
-from megatrain.engine.lora import LoRAConfig, attach_lora
+from megatrain.engine.lora import attach_lora, quantize_nf4
 from megatrain.engine.materialize import WeightSource, init_source, materialize, with_adapters
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.gpt import GPTModel, compile_layers
@@ -98,7 +98,17 @@ def build_model(
         chunks = build_stage_modules(model, state)
         rank = RankModel(nn.ModuleList(chunks), chunks, tracker, num_params, state)
     del model  # the other stages' blocks go with it: they were never allocated
-    materialize(rank.module, rank.parameter_names(), state, mcfg, device=device, dtype=dtype, fill=fill)
+    convert = quantize_nf4 if lora is not None and lora.quantize_base else None
+    materialize(
+        rank.module,
+        rank.parameter_names(),
+        state,
+        mcfg,
+        device=device,
+        dtype=dtype,
+        fill=fill,
+        convert=convert,
+    )
     return rank
 
 

@@ -55,6 +55,8 @@ class LoRAConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     use_rslora: bool = False
+    quantize_base: bool = False
+    """QLoRA: the dense layers' base linear weights are held in NF4 (engine.lora.quantize_nf4)."""
 
     @property
     def scale(self) -> float:
@@ -344,7 +346,9 @@ def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
 def lora_config(spec: JobSpec) -> LoRAConfig | None:
     """The adapters a spec trains (training.method lora), else None."""
     t = spec.training
-    if t.method != "lora":
+    if t.method == "full":
         return None
     lora = t.lora or LoRASpec()
-    return LoRAConfig(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), lora.use_rslora)
+    return LoRAConfig(
+        lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), lora.use_rslora, t.method == "qlora"
+    )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -217,6 +218,25 @@ def adapters_disabled(module: nn.Module) -> Iterator[None]:
     finally:
         for m in adapters:
             m.enabled = True
+
+
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+"""QLoRA's NF4 blocks (torchao's and bitsandbytes' defaults): one absmax scale per 64 weights, the
+scales themselves quantised to int8 per 256 blocks."""
+QUANTIZED = re.compile(r"layers\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight")
+"""The base weights QLoRA holds in NF4: every dense layer's linears (norms, embeddings, the LM head,
+MoE experts and routers stay in the training dtype)."""
+
+
+def quantize_nf4(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """A frozen base weight in NF4 (dequantised per GEMM by torchao's F.linear override), where it
+    is one of QUANTIZED and its shard's size is whole scaler blocks (16,384 weights); as it is
+    otherwise. The shard is quantised on its own: layouts differ within NF4's rounding."""
+    if not QUANTIZED.fullmatch(name) or weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+        return weight
+    from torchao.quantization import NF4Tensor
+
+    return NF4Tensor.from_tensor(weight, NF4_BLOCK, NF4_SCALER_BLOCK)
 
 
 def is_lora_name(name: str) -> bool:

@@ -59,10 +59,13 @@ def materialize(
     device: str | torch.device,
     dtype: torch.dtype,
     fill: WeightSource,
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Replace every meta parameter of `module` by a real one of the same shape and markers (a shared
     one stays shared), filled from `fill` under its canonical name; RoPE's tables are computed on
-    the device. names: canonical name of each meta parameter (RankModel.parameter_names)."""
+    the device. names: canonical name of each meta parameter (RankModel.parameter_names).
+    convert(name, filled) may hand back another representation of a frozen tensor (QLoRA's NF4),
+    right after it is filled: the peak stays one filled tensor beyond what the rank keeps."""
     real: dict[nn.Parameter, nn.Parameter] = {}
     for mod in module.modules():
         for key, p in list(mod._parameters.items()):
@@ -73,6 +76,8 @@ def materialize(
                 shape = global_shape(p, state)
                 for box in param_boxes(p, data, state):
                     fill(names[p], shape, box.offsets, box.data)
+                if convert is not None:
+                    data = convert(names[p], data)
                 new = nn.Parameter(data, requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)  # tensor/sequence/expert-parallel markers, `shared`
                 real[p] = new

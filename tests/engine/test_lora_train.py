@@ -15,17 +15,21 @@ from .helpers import tiny_spec, write_corpus
 STEPS = 4
 
 
-def _spec(root: Path, world: int, parallelism: dict[str, Any]) -> Any:
+def _spec(root: Path, world: int, parallelism: dict[str, Any], method: str = "lora") -> Any:
     raw = tiny_spec(root / "corpus.jsonl", global_batch_size=8, micro_batch_size=2, lr=2e-2, warmup_iters=0)
     raw["model"].update(num_layers=4)
+    if method == "qlora":  # NF4 quantises whole blocks of 16,384 weights: a wider model
+        raw["model"].update(hidden_size=256, ffn_hidden_size=256)  # every shard at tp=2 too
     raw["data"]["split"] = "1,0,0"
-    raw["training"].update(method="lora", lora={"rank": 4, "alpha": 8.0})
+    raw["training"].update(method=method, lora={"rank": 4, "alpha": 8.0})
     raw["parallelism"] = {"distributed_optimizer": False, **parallelism}
     raw["resources"] = {"devices": world}
     return parse_spec(raw)
 
 
-def _lora_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any]) -> dict[str, Any]:
+def _lora_rank(
+    rank: int, world: int, workdir: str, parallelism: dict[str, Any], method: str = "lora"
+) -> dict[str, Any]:
     """STEPS TrainLoop steps of a LoRA run under `parallelism`: each step's loss and grad norm."""
     from megatrain.engine.build import build_model, make_trainable
     from megatrain.engine.config import train_config, transformer_config
@@ -38,7 +42,7 @@ def _lora_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any])
     from megatrain.spec import ParallelismSpec
 
     root = Path(workdir)
-    spec = _spec(root, world, parallelism)
+    spec = _spec(root, world, parallelism, method)
     layout = resolve_layout(spec, world)
     cfg = train_config(spec, layout.dp)
     tokenizer = ByteTokenizer()
@@ -57,8 +61,10 @@ def _lora_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any])
         losses.append(reduce_mean(loss, state))
         norms.append(result.grad_norm)
     trainable, total = trainable_parameters(train.model.module)
+    nf4 = sum(type(p).__name__ == "NF4Tensor" for p in train.model.module.parameters())
     buffered = sum(p.numel() for p in train.ddp.params)
-    return {"losses": losses, "norms": norms, "trainable": trainable, "total": total, "buffered": buffered}
+    sizes = {"trainable": trainable, "total": total, "buffered": buffered, "nf4": nf4}
+    return {"losses": losses, "norms": norms, **sizes}
 
 
 @pytest.mark.distributed
@@ -82,6 +88,22 @@ def test_lora_trains_the_same_adapters_in_every_layout(tmp_path: Path) -> None:
             assert abs(a - b) < 1e-5, (layout, step, a, b)
         for a, b in zip(got["norms"], ref["norms"], strict=True):
             assert abs(a - b) < 1e-4 * b, (layout, a, b)
+
+
+@pytest.mark.distributed
+def test_qlora_under_tensor_and_sequence_parallelism_tracks_one_process(tmp_path: Path) -> None:
+    """Each rank quantises its own shard, so the NF4 bases differ by rounding across layouts:
+    the same run, within that rounding, not bit for bit."""
+    from .parallel._launch import run_distributed
+
+    write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
+    ref = run_distributed(_lora_rank, 1, str(tmp_path), {}, "qlora")[0]
+    tp_sp = {"tp": 2, "dp": 1, "sequence_parallel": True}
+    got = run_distributed(_lora_rank, 2, str(tmp_path), tp_sp, "qlora")
+    assert ref["nf4"] == 16 and got[0]["nf4"] == 16  # every dense linear of 4 layers, on each rank
+    assert ref["losses"][-1] < ref["losses"][0]
+    for a, b in zip(got[0]["losses"], ref["losses"], strict=True):
+        assert abs(a - b) < 1e-2 * b, (got[0]["losses"], ref["losses"])
 
 
 def test_lora_settings_are_judged(tmp_path: Path) -> None:

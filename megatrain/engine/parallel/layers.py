@@ -95,8 +95,10 @@ class _SequenceParallelLinear(torch.autograd.Function):
             dy = grad_out.reshape(batch * seq, out)  # (B·T, out)
         grad_x = grad_w = None
         if need_x:
-            # Every token's partial input gradient, sequence-major for the reduce-scatter.
-            grad_total = dy.mm(weight)
+            # Every token's partial input gradient, sequence-major for the reduce-scatter. A QLoRA
+            # base (NF4) is dequantised for the GEMM: torchao overrides F.linear, not this mm.
+            dense = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+            grad_total = dy.mm(dense)
             if seq_major:
                 grad_total = grad_total.view(seq, batch, -1)
             else:
