@@ -28,6 +28,7 @@ EXPECTED_LAYOUT: dict[str, dict[str, Any]] = {
     "pretrain_jsonl.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "pretrain_indexed.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "finetune_hf_chat.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "finetune_lora.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "layout_3d.yaml": {"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 2, "sequence_parallel": True},
     "auto.yaml": {"tp": 1, "pp": 1, "dp": 2},
     "moe.yaml": {"tp": 1, "pp": 1, "dp": 1},
