@@ -129,6 +129,10 @@ class ModelSpec(_Strict):
     init_from: str | None = Field(None, max_length=1024)
     """null | checkpoint:JOB_ID[@STEP] | hf:URL (a Hugging Face model folder: config.json and
     safetensors, as file:///abs/path or s3://bucket/prefix)."""
+    adapter_from: str | None = Field(None, max_length=1024)
+    """training.method lora or qlora: hf:URL of a PEFT LoRA folder (adapter_config.json and
+    adapter_model.safetensors, file:///abs/path or s3://bucket/prefix) whose adapters the run starts
+    from instead of fresh ones (its rank, alpha, targets and rsLoRA must be training.lora's)."""
 
     @model_validator(mode="after")
     def _shapes(self, info: ValidationInfo) -> ModelSpec:
@@ -167,6 +171,11 @@ class ModelSpec(_Strict):
         attention = dropout_problem(self.attention_backend, self.attention_dropout)
         if attention:
             out.append(_rule("model.attention_backend", attention))
+        if self.adapter_from is not None and not (
+            self.adapter_from.startswith("hf:") and _valid_init_from(self.adapter_from)
+        ):
+            why = "model.adapter_from must be null or hf:URL (a PEFT folder: file:///abs/path or s3://bucket/prefix)"
+            out.append(_rule("model.adapter_from", why))
         if self.init_from is not None and not _valid_init_from(self.init_from):
             out.append(
                 _rule(
@@ -362,10 +371,13 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:
+        out: list[Problem] = []
         if self.kind == "finetune" and not self.model.init_from:
-            report_rules(
-                info, [_rule("model.init_from", "model.init_from is required when kind is 'finetune'")]
-            )
+            out.append(_rule("model.init_from", "model.init_from is required when kind is 'finetune'"))
+        if self.model.adapter_from and self.training.method == "full":
+            why = "model.adapter_from needs training.method lora or qlora (it starts the adapters)"
+            out.append(_rule("model.adapter_from", why))
+        report_rules(info, out)
         return self
 
     @model_validator(mode="after")

@@ -71,21 +71,24 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     weights: WeightSource | None = None,
     lora: LoRAConfig | None = None,
+    adapters: WeightSource | None = None,
 ) -> RankModel:
     """This rank's shards and stages, and nothing more: the model is built and parallelised on the
     meta device, then only what this rank keeps is allocated (in `dtype`, on `device`) and filled
     from `weights` (a Hugging Face folder read by slice, say), else from the initial values one
     process would draw from `seed` (models.init): any layout starts from the very same weights.
     With `lora`, the model is frozen and its target linears get adapters (engine.lora), drawn from
-    `seed` too."""
+    `seed` too, or filled from `adapters` (a PEFT folder: interop.peft_load)."""
     torch.manual_seed(seed)
     random.seed(seed)
     with torch.device("meta"):
         model = GPTModel(mcfg)  # draws init_seed from the generator just seeded, allocates nothing
     num_params = model.num_parameters()
     fill = init_source(model.init_seed, mcfg)
-    if weights is not None:
-        fill = with_adapters(weights, model.init_seed, mcfg) if lora else weights
+    if lora is not None and (weights is not None or adapters is not None):
+        fill = with_adapters(weights or fill, adapters or fill)
+    elif weights is not None:
+        fill = weights
     tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
     if lora is not None:

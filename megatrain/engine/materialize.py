@@ -38,13 +38,12 @@ def init_source(seed: int, cfg: TransformerConfig) -> WeightSource:
     return fill
 
 
-def with_adapters(base: WeightSource, seed: int, cfg: TransformerConfig) -> WeightSource:
-    """`base` (a Hugging Face folder, say) for the model's own weights, the seeded initial values
-    for LoRA adapters (which no base folder has)."""
-    init = init_source(seed, cfg)
+def with_adapters(base: WeightSource, adapters: WeightSource) -> WeightSource:
+    """`base` (a Hugging Face folder, say) for the model's own weights, `adapters` (the seeded
+    initial values, or a PEFT folder's) for its LoRA adapters."""
 
     def fill(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
-        (init if is_lora_name(name) else base)(name, shape, offsets, out)
+        (adapters if is_lora_name(name) else base)(name, shape, offsets, out)
 
     return fill
 

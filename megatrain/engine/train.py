@@ -253,9 +253,16 @@ def _start_model(
     Face folder read by slice or a job's checkpoint (init_from), then made trainable."""
     hf_start = (init_from or "").startswith("hf:")
     activity.phase = "init" if hf_start else "model"  # a Hugging Face start reads while it builds
+    adapters = None
+    if spec.model.adapter_from and cfg.lora and init_from == spec.model.init_from:  # a first attempt
+        from megatrain.engine.interop.peft_load import peft_adapter_source
+
+        adapters = peft_adapter_source(spec.model.adapter_from, mcfg, cfg.lora)
+        log.say(f"adapters start from the PEFT folder at {spec.model.adapter_from.removeprefix('hf:')}")
     with _hf_weights(init_from, mcfg) as hf:
+        dtype = PARAM_DTYPES[cfg.precision]
         model = build_model(
-            mcfg, state, cfg.seed, device, dtype=PARAM_DTYPES[cfg.precision], weights=hf, lora=cfg.lora
+            mcfg, state, cfg.seed, device, dtype=dtype, weights=hf, lora=cfg.lora, adapters=adapters
         )
     if hf_start:
         log.say(f"initialised from the Hugging Face model at {str(init_from).removeprefix('hf:')}")

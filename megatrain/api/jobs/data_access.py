@@ -126,4 +126,6 @@ def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
         urls.append(("data.tokenizer.path", spec.data.tokenizer.path))
     if spec.data.chat_template and is_url(spec.data.chat_template):
         urls.append(("data.chat_template", spec.data.chat_template))
+    if spec.model.adapter_from:
+        urls.append(("model.adapter_from", spec.model.adapter_from.removeprefix("hf:")))
     return urls

@@ -48,6 +48,9 @@ def data_checks(spec: JobSpec) -> list[DataCheck]:
         checks.append(DataCheck("data.tokenizer.path", spec.data.tokenizer.path))
     if spec.data.chat_template and is_url(spec.data.chat_template):
         checks.append(DataCheck("data.chat_template", spec.data.chat_template))
+    if spec.model.adapter_from:  # a PEFT folder: its config names it one
+        folder = spec.model.adapter_from.removeprefix("hf:").rstrip("/")
+        checks.append(DataCheck("model.adapter_from", f"{folder}/adapter_config.json"))
     return checks
 
 
