@@ -278,3 +278,18 @@ def test_the_local_executor_exports_through_the_scheduler(
     assert exp.runner_host is not None and exp.attempt == 1
     config = json.loads(open_store(exp.uri).get_bytes("config.json"))
     assert config["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("init_from", "recorded"),
+    [
+        (None, None),
+        ("hf:file:///models/llama", "/models/llama"),  # a local folder: AutoPeftModel loads it
+        ("hf:s3://bucket/llama", "s3://bucket/llama"),
+        ("checkpoint:job-1@20", "checkpoint:job-1@20"),
+    ],
+)
+def test_an_adapter_names_the_base_its_job_started_from(init_from: str | None, recorded: str | None) -> None:
+    from megatrain.worker.exports import _base_model
+
+    assert _base_model(init_from) == recorded

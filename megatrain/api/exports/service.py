@@ -40,7 +40,7 @@ def create_export(
         raise FieldError(
             "form",
             f"job {job.id} trained every weight (training.method is 'full'): it has no LoRA adapters "
-            "to export; export form 'model' instead",
+            "to export, only its whole model",
         )
     step = checkpoints.resolve_step(session, settings, job.id, body.step)
     existing = _live_export(session, job.id, step, body)
