@@ -3,7 +3,7 @@
 `export_checkpoint(export_id, settings)` is thin and idempotent like the preprocessing task: it
 claims a `pending` export (→ running; any other state means another delivery has it), reads the
 checkpoint `{storage}/jobs/{job_id}/checkpoints/iter_{step:07d}` one full tensor at a time and
-writes it with the engine's `export_hf` (shard by shard, config.json last) into
+writes it with the engine's `export_checkpoint_hf` (shard by shard, config.json last) into
 `{storage}/{CheckpointExport.folder_key}` (jobs/{job_id}/exports/hf/iter_{step:07d}-{dtype}), with
 the job's tokenizer as files transformers loads (interop.hf_tokenizer: tokenizer.json for every kind,
 tokenizer_config.json with the fine-tune's chat template, special_tokens_map.json; a tokenizer that
@@ -47,35 +47,23 @@ def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None, fo
     import torch
 
     from megatrain.engine.checkpoint import CheckpointReader
-    from megatrain.engine.config import lora_config
-    from megatrain.engine.interop.hf import export_hf
-    from megatrain.engine.interop.lora_export import export_adapter, hf_model_type, merged_tensor_source
+    from megatrain.engine.interop.hf import export_checkpoint_hf
+    from megatrain.engine.interop.lora_export import export_checkpoint_adapter
 
-    reader = CheckpointReader(source)
-    spec, cfg = reader.spec, reader.model_config  # the spec the job trained with (its tokenizer, LoRA)
-    lora = lora_config(spec)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    spec = CheckpointReader(source).spec  # the spec the job trained with (its tokenizer, its LoRA)
     tokenizer = _tokenizer(spec)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     if form == ADAPTER_FORM:
-        if lora is None:  # the API refuses these; a row written by other means fails with the reason
-            raise ValueError(
-                f"step {reader.step} trained every weight (training.method is 'full'): "
-                "it has no LoRA adapters"
-            )
-        export_adapter(
-            reader.tensor,
-            cfg,
-            lora,
-            hf_model_type(cfg),
+        export_checkpoint_adapter(
+            source,
             dest,
             base_model=_base_model(spec.model.init_from),
             dtype=torch_dtype,
             tokenizer_files=tokenizer.files,
         )
         return
-    export_hf(
-        reader.tensor if lora is None else merged_tensor_source(reader.tensor, cfg, lora),
-        cfg,
+    export_checkpoint_hf(
+        source,
         dest,
         dtype=torch_dtype,
         tokenizer_files=tokenizer.files,

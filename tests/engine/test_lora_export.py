@@ -15,11 +15,18 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from megatrain.engine.build import build_model
-from megatrain.engine.config import LoRAConfig, TransformerConfig
-from megatrain.engine.interop.hf import export_hf, export_model_hf
-from megatrain.engine.interop.lora_export import export_adapter, hf_model_type, merged_tensor_source
+from megatrain.engine.checkpoint import save_model
+from megatrain.engine.config import LoRAConfig, TransformerConfig, lora_config
+from megatrain.engine.interop.hf import export_checkpoint_hf, export_hf, export_model_hf
+from megatrain.engine.interop.lora_export import (
+    export_adapter,
+    export_checkpoint_adapter,
+    hf_model_type,
+    merged_tensor_source,
+)
 from megatrain.engine.interop.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_from_peft_config
 from megatrain.engine.lora import LoRA
+from megatrain.spec import parse_spec
 
 from .parallel._tp_common import fake_state
 
@@ -145,3 +152,32 @@ def test_merged_source_passes_other_tensors_through() -> None:
         merged_tensor_source(get, mcfg, LoRAConfig(rank=3, alpha=4.0, targets=("qkv",)))(
             "layers.0.attn.qkv.weight"
         )
+
+
+def test_a_lora_checkpoint_exports_merged_and_as_adapter(tmp_path: Path) -> None:
+    """From a checkpoint (what the export workers read): export_checkpoint_hf writes the model the run
+    trained, adapters merged in, and export_checkpoint_adapter its PEFT folder; a checkpoint that
+    trained every weight has no adapter to export."""
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    model, mcfg = _ours("llama", lora)
+    raw: dict[str, Any] = {"name": "lora-ckpt", "data": {"train": [{"path": "file:///dev/null"}]}}
+    spec = parse_spec({**raw, "training": {"method": "lora", "lora": {"rank": 4, "alpha": 8.0}}})
+    assert lora_config(spec) == lora
+    save_model((tmp_path / "ckpt").as_uri(), 3, model, spec)
+    export_checkpoint_hf(tmp_path / "ckpt", tmp_path / "merged", dtype=torch.float32)
+    export_checkpoint_adapter(tmp_path / "ckpt", tmp_path / "adapter", dtype=torch.float32)
+    export_model_hf(model, tmp_path / "base", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    seq = _tokens()
+    with torch.no_grad():
+        ours = model(seq)[..., :VOCAB]
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(seq).logits, ours, atol=ATOL, rtol=0)
+        with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(with_adapter(seq).logits, ours, atol=ATOL, rtol=0)
+
+    plain = build_model(mcfg, fake_state(1, 0), seed=3, device="cpu").module
+    save_model((tmp_path / "full").as_uri(), 1, plain, parse_spec(raw))
+    with pytest.raises(ValueError, match=r"step 1 trained every weight \(training.method is 'full'\)"):
+        export_checkpoint_adapter(tmp_path / "full", tmp_path / "none")
+    assert not (tmp_path / "none").exists()

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain.engine.checkpoint import CheckpointReader
-from megatrain.engine.config import FLAVOURS, MoEConfig, TransformerConfig, moe_config
+from megatrain.engine.config import FLAVOURS, MoEConfig, TransformerConfig, lora_config, moe_config
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
 from megatrain.engine.models.gpt import GPTModel, rope_tables
 from megatrain.hf_config import MOE_TRAINING_FIELDS, hf_config_from_model, model_fields_from_hf
@@ -360,6 +360,14 @@ def export_model_hf(model: GPTModel, dest: str | Path, **kwargs: Any) -> list[st
 
 def export_checkpoint_hf(checkpoint: str | Path, dest: str | Path, **kwargs: Any) -> list[str]:
     """export_hf of a sharded checkpoint (a step's folder, or a root's latest), reading each tensor
-    on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's)."""
+    on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's).
+    A LoRA run's checkpoint is the model it trained: its adapters merged in (interop.lora_export)."""
     reader = CheckpointReader(checkpoint)
-    return export_hf(reader.tensor, reader.model_config, dest, **kwargs)
+    lora = lora_config(reader.spec)
+    if lora is None:
+        return export_hf(reader.tensor, reader.model_config, dest, **kwargs)
+    from megatrain.engine.interop.lora_export import merged_tensor_source  # it imports this module
+
+    return export_hf(
+        merged_tensor_source(reader.tensor, reader.model_config, lora), reader.model_config, dest, **kwargs
+    )

@@ -6,7 +6,8 @@ engine.lora computes it (each output row takes its update from its own part's r 
 the model PEFT's merge_and_unload gives; every other tensor passes through, so export_hf writes it
 like any model. Adapter: adapter_config.json + adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(base, folder)` loads on the base the same run froze. Both ask for
-tensors by canonical name only, through `get_tensor` (a CheckpointReader's, say).
+tensors by canonical name only, through `get_tensor` (a CheckpointReader's, say; a checkpoint's
+merged export is interop.hf.export_checkpoint_hf's).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from megatrain.engine.config import LoRAConfig, TransformerConfig
+from megatrain.engine.checkpoint import CheckpointReader
+from megatrain.engine.config import LoRAConfig, TransformerConfig, lora_config
 from megatrain.engine.interop.hf import DTYPE_NAMES, folder_store, put_files
 from megatrain.engine.interop.peft import (
     ADAPTER_CONFIG,
@@ -105,3 +108,16 @@ def export_adapter(
     written = [ADAPTER_WEIGHTS, *put_files(store, tokenizer_files or {})]
     store.put_bytes(ADAPTER_CONFIG, dumps_config(peft_config(cfg, lora, model_type, base_model)))
     return [*written, ADAPTER_CONFIG]
+
+
+def export_checkpoint_adapter(checkpoint: str | Path, dest: str | Path, **kwargs: Any) -> list[str]:
+    """export_adapter of a LoRA run's sharded checkpoint (a step's folder, or a root's latest); keyword
+    arguments as export_adapter's. ValueError for a checkpoint that trained every weight."""
+    reader = CheckpointReader(checkpoint)
+    lora = lora_config(reader.spec)
+    if lora is None:
+        raise ValueError(
+            f"step {reader.step} trained every weight (training.method is 'full'): it has no LoRA adapters"
+        )
+    cfg = reader.model_config
+    return export_adapter(reader.tensor, cfg, lora, hf_model_type(cfg), dest, **kwargs)
