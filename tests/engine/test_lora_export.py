@@ -47,8 +47,11 @@ CASES = [
     ("llama", LoRAConfig(rank=4, alpha=8.0)),
     ("llama", LoRAConfig(rank=2, alpha=6.0, targets=("qkv", "fc2"), use_rslora=True)),
     ("gpt2", LoRAConfig(rank=4, alpha=16.0)),
+    # GPT-2 names both output projections c_proj: an adapter on one only must not land on the other.
+    ("gpt2", LoRAConfig(rank=2, alpha=4.0, targets=("proj",))),
+    ("gpt2", LoRAConfig(rank=2, alpha=4.0, targets=("qkv", "fc2"))),
 ]
-IDS = ["llama-all", "llama-qkv-fc2-rslora", "gpt2-all"]
+IDS = ["llama-all", "llama-qkv-fc2-rslora", "gpt2-all", "gpt2-proj", "gpt2-qkv-fc2"]
 ATOL = (
     1e-5  # fp32 logits of the same weights: the merge (W + s·B̃·A) and PEFT's two-path sum differ in rounding
 )
