@@ -1,7 +1,7 @@
 """A LoRA model's exports against the reference libraries (fp32, CPU): the PEFT adapter folder loads
 with `peft.PeftModel.from_pretrained` on the exported base, the merged folder with transformers'
 `AutoModelForCausalLM`, and both give our model's logits; Llama (fused q/k/v and gate/up: several
-parts per adapter) and GPT-2 (Conv1D, fan_in_fan_out)."""
+parts per adapter) and GPT-2 (Conv1D, fan_in_fan_out); from a LoRA checkpoint as the workers read it."""
 
 from __future__ import annotations
 
