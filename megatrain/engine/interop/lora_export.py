@@ -52,8 +52,7 @@ def merged_tensor_source(get_tensor: GetTensor, cfg: TransformerConfig, lora: Lo
 
     def get(name: str) -> torch.Tensor:
         m = _ADAPTED.match(name)
-        target = m and (m.group(2) or m.group(3))
-        if m is None or target not in parts:
+        if m is None or (target := m.group(2) or m.group(3)) not in parts:
             return get_tensor(name)
         base = m.group(1)
         w = get_tensor(name).float()  # (out, in)
