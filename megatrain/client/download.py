@@ -60,7 +60,7 @@ def safe_relative_path(name: str) -> PurePosixPath | None:
 def _check_dest(dest: Path, marker: str = "manifest.json") -> None:
     # Replacing an old download (a folder holding `marker`) is fine; wiping an unrelated folder is not.
     if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir()) or (dest / marker).is_file())):
-        kind = "checkpoint" if marker == "manifest.json" else "model"
+        kind = {"manifest.json": "checkpoint", "adapter_config.json": "adapter"}.get(marker, "model")
         raise DownloadError(f"{dest} already exists and is not a {kind} folder; choose another destination")
 
 

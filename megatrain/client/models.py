@@ -93,12 +93,14 @@ class _Record:
 
 @dataclass
 class Export(_Record):
-    """A checkpoint export: `status` pending → running → ready | failed (`error` says why)."""
+    """A checkpoint export: `status` pending → running → ready | failed (`error` says why). `form`:
+    model (the whole model, a LoRA job's merged) or adapter (a LoRA job's adapters, PEFT's folder)."""
 
     id: str
     job_id: str = ""
     step: int = 0
     format: str = "hf"
+    form: str = "model"
     dtype: str = "bf16"
     status: str = ""
     error: str = ""
@@ -112,6 +114,11 @@ class Export(_Record):
     @property
     def done(self) -> bool:
         return self.status in ("ready", "failed")
+
+    @property
+    def marker(self) -> str:
+        """The file its folder is complete with (written last)."""
+        return "adapter_config.json" if self.form == "adapter" else "config.json"
 
 
 @dataclass

@@ -353,6 +353,9 @@ class Dataset(Base):
 RUNNING_EXPORT = "running"
 EXPORT_STATES = (PENDING, RUNNING_EXPORT, READY, FAILED)
 SAMPLE_STATES = EXPORT_STATES
+# What an export holds: the whole model, or (a LoRA job's only) its adapters.
+MODEL_FORM, ADAPTER_FORM = "model", "adapter"
+EXPORT_FORMS = (MODEL_FORM, ADAPTER_FORM)
 
 
 class CheckpointTaskColumns:
@@ -377,19 +380,23 @@ class CheckpointTaskColumns:
 
 class CheckpointExport(CheckpointTaskColumns, Base):
     """A checkpoint converted to another format (Hugging Face: safetensors + config.json) by a worker
-    into `{storage}/jobs/{job_id}/exports/{format}/iter_{step:07d}-{dtype}/`."""
+    into `{storage}/jobs/{job_id}/exports/{format}/iter_{step:07d}-{dtype}/` (`…-adapter/` for a
+    LoRA job's adapters)."""
 
     __tablename__ = "checkpoint_export"
     __table_args__ = (
         Index("ix_checkpoint_export_status", "status", "submitted_at"),
-        # One live (not failed) export per step, format and dtype: concurrent POSTs share it.
+        # One live (not failed) export per step, format, form and dtype: concurrent POSTs share it.
         Index(
-            "uq_checkpoint_export_live", "job_id", "step", "format", "dtype", unique=True,
+            "uq_checkpoint_export_live", "job_id", "step", "format", "form", "dtype", unique=True,
             sqlite_where=text("status != 'failed'"), postgresql_where=text("status != 'failed'"),
         ),
     )  # fmt: skip
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("exp"))
     format: Mapped[str] = mapped_column(String(16), default="hf")
+    form: Mapped[str] = mapped_column(String(16), default=MODEL_FORM, server_default=MODEL_FORM)
+    """model: the whole model (a LoRA job's with its adapters merged in); adapter: a LoRA job's
+    adapters alone (PEFT's adapter_config.json + adapter_model.safetensors)."""
     dtype: Mapped[str] = mapped_column(String(8), default="bf16")
     uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     """Storage URL of the exported folder, once ready."""
@@ -397,9 +404,15 @@ class CheckpointExport(CheckpointTaskColumns, Base):
 
     @property
     def folder_key(self) -> str:
-        """Its folder's key in the storage layout; one per (step, dtype), so a bf16 and an fp32
-        export of the same step never overwrite each other."""
-        return f"jobs/{self.job_id}/exports/{self.format}/iter_{self.step:07d}-{self.dtype}"
+        """Its folder's key in the storage layout; one per (step, form, dtype), so a bf16 and an fp32
+        export of the same step, or its model and its adapter, never overwrite each other."""
+        suffix = "" if self.form == MODEL_FORM else f"-{self.form}"
+        return f"jobs/{self.job_id}/exports/{self.format}/iter_{self.step:07d}-{self.dtype}{suffix}"
+
+    @property
+    def complete_marker(self) -> str:
+        """The file a worker writes last: a folder holding it is complete."""
+        return "adapter_config.json" if self.form == ADAPTER_FORM else "config.json"
 
 
 class CheckpointSample(CheckpointTaskColumns, Base):

@@ -7,10 +7,12 @@ writes it with the engine's `export_checkpoint_hf` (shard by shard, config.json 
 `{storage}/{CheckpointExport.folder_key}` (jobs/{job_id}/exports/hf/iter_{step:07d}-{dtype}), with
 the job's tokenizer as files transformers loads (interop.hf_tokenizer: tokenizer.json for every kind,
 tokenizer_config.json with the fine-tune's chat template, special_tokens_map.json; a tokenizer that
-cannot be written so that it encodes as ours fails the export with that reason). It then marks the
-export `ready` with the folder's URL and size, or `failed` with the reason after removing what it
-wrote. A heartbeat keeps `heartbeat_at` fresh so the scheduler can tell a lost worker from a slow
-one (scheduler.exports).
+cannot be written so that it encodes as ours fails the export with that reason). A LoRA job's model
+is written with its adapters merged in (interop.lora_export); its `adapter` form is PEFT's folder
+(adapter_model.safetensors, the same tokenizer files, adapter_config.json last) in `…-adapter`.
+It then marks the export `ready` with the folder's URL and size, or `failed` with the reason after
+removing what it wrote. A heartbeat keeps `heartbeat_at` fresh so the scheduler can tell a lost
+worker from a slow one (scheduler.exports).
 
 CLI: `python -m megatrain.worker.exports --export-id ID` (what the local executor spawns).
 """
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatrain.db.models import FAILED, READY, CheckpointExport
+from megatrain.db.models import ADAPTER_FORM, FAILED, MODEL_FORM, READY, CheckpointExport
 from megatrain.settings import Settings
 from megatrain.storage import StorageError, open_store, split_url
 from megatrain.worker.checkpoint_tasks import (
@@ -39,22 +41,44 @@ log = logging.getLogger(__name__)
 __all__ = ["export_checkpoint", "folder_size", "main"]
 
 
-def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None) -> None:
-    """The engine's reader and exporter (imported here: only a worker needs torch)."""
+def _run_export(source: str, dest: str, dtype: str, endpoint_url: str | None, form: str = MODEL_FORM) -> None:
+    """The engine's reader and exporter (imported here: only a worker needs torch). A LoRA job's
+    model is exported with its adapters merged in; its adapter form is PEFT's folder."""
     import torch
 
     from megatrain.engine.checkpoint import CheckpointReader
     from megatrain.engine.interop.hf import export_checkpoint_hf
+    from megatrain.engine.interop.lora_export import export_checkpoint_adapter
 
-    spec = CheckpointReader(source).spec  # the spec the job trained with (its tokenizer)
+    spec = CheckpointReader(source).spec  # the spec the job trained with (its tokenizer, its LoRA)
     tokenizer = _tokenizer(spec)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    if form == ADAPTER_FORM:
+        export_checkpoint_adapter(
+            source,
+            dest,
+            base_model=_base_model(spec.model.init_from),
+            dtype=torch_dtype,
+            tokenizer_files=tokenizer.files,
+        )
+        return
     export_checkpoint_hf(
         source,
         dest,
-        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+        dtype=torch_dtype,
         tokenizer_files=tokenizer.files,
         extra_config=tokenizer.special_ids,
     )
+
+
+def _base_model(init_from: str | None) -> str | None:
+    """adapter_config.json's base_model_name_or_path: the Hugging Face folder the job started from (a
+    local path where it is one, so that PEFT's AutoPeftModel can load it), else the checkpoint it
+    started from, for the record; None for a job that started from random weights."""
+    if not init_from:
+        return None
+    url = init_from.removeprefix("hf:")
+    return url.removeprefix("file://") if url.startswith("file://") else url
 
 
 def _tokenizer(spec: Any) -> Any:
@@ -70,7 +94,8 @@ def _tokenizer(spec: Any) -> Any:
     )
 
 
-ExportFn = Callable[[str, str, str, "str | None"], None]
+ExportFn = Callable[[str, str, str, "str | None", str], None]
+"""(checkpoint URL, folder URL, dtype, S3 endpoint, form)."""
 
 
 def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | None = None) -> str | None:
@@ -86,7 +111,7 @@ def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | 
     with heartbeating(settings, CheckpointExport, export_id, attempt):
         try:
             _remove(dest, settings)  # what an earlier, lost attempt left behind
-            (export_fn or _run_export)(source, dest, exp.dtype, settings.s3_endpoint_url)
+            (export_fn or _run_export)(source, dest, exp.dtype, settings.s3_endpoint_url, exp.form)
             size = folder_size(dest, settings)
             if finish(
                 settings, CheckpointExport, export_id, attempt, READY, uri=dest, size_bytes=size, error=""

@@ -1,6 +1,6 @@
 """`megatrain checkpoints` and `megatrain export` end to end: a live API, an engine-trained
 checkpoint in the job's storage, the export run by the real task (handed out by the scheduler's
-dispatch, on a thread), downloaded and loaded with transformers."""
+dispatch, on a thread), downloaded and loaded with transformers (a LoRA job's adapter with peft)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,59 @@ def test_checkpoints_and_export_to_a_folder(
     assert transformers.AutoModelForCausalLM.from_pretrained(path).dtype == torch.bfloat16
 
 
+def test_a_lora_job_exports_its_adapter_and_its_merged_model(
+    live_api: LiveApi, export_workers: None, tmp_path: Path
+) -> None:
+    """`--adapter` downloads PEFT's folder, which peft loads on the job's frozen base; the default
+    (`--merged`) downloads the model with the adapters merged in: the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    lora = {"rank": 4, "alpha": 8.0}
+    with Client() as client:
+        job_id = client.submit(live_api.spec("lora-exported", method="lora", lora=lora)).id
+    train_job_checkpoint(live_api.settings, job_id, tmp_path / "train", lora=lora)
+
+    adapter = tmp_path / "adapter"
+    code, out = run("export", job_id, "--to", str(adapter), "--adapter", "--dtype", "fp32")
+    assert code == 0, out
+    assert "exports/hf/iter_0000002-fp32-adapter" in out and f"downloaded to {adapter}" in out, out
+    assert "PeftModel.from_pretrained" in out and "AutoModelForCausalLM.from_pretrained(BASE)" in out, out
+    assert {p.name for p in adapter.iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "special_tokens_map.json",
+    }  # fmt: skip
+    merged = tmp_path / "merged"
+    code, out = run("export", job_id, "--to", str(merged), "--merged", "--dtype", "fp32")
+    assert code == 0 and "exports/hf/iter_0000002-fp32 " in out and f"downloaded to {merged}" in out, out
+    code, out = run("checkpoints", job_id)
+    assert (
+        code == 0
+        and re.search(r"\s2\s+adapter\s+fp32\s+ready", out)
+        and re.search(r"\s2\s+model\s+fp32", out)
+    )
+
+    # The job's frozen base, as transformers' model (engine-side: the product exports no bare base).
+    from megatrain.engine.checkpoint import CheckpointReader
+    from megatrain.engine.interop.hf import export_hf
+
+    reader = CheckpointReader(
+        f"{live_api.settings.resolved_storage_url}/jobs/{job_id}/checkpoints/iter_0000002"
+    )
+    export_hf(reader.tensor, reader.model_config, tmp_path / "base", dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
+    tokens = torch.tensor(
+        [transformers.AutoTokenizer.from_pretrained(adapter).encode("class Point:\n    x = 0")]
+    )
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(tokens).logits
+        # fp32 logits of the same weights: merged (W + s·B̃·A) and peft's two-path sum round apart
+        torch.testing.assert_close(with_adapter(tokens).logits, want, atol=1e-5, rtol=0)
+        with with_adapter.disable_adapter():
+            assert (with_adapter(tokens).logits - want).abs().max() > 1e-3  # the adapters moved
+
+
 def test_export_errors_are_one_red_line(live_api: LiveApi, tmp_path: Path) -> None:
     with Client() as client:
         job_id = client.submit(live_api.spec("no-ckpt")).id
@@ -94,6 +147,12 @@ def test_export_errors_are_one_red_line(live_api: LiveApi, tmp_path: Path) -> No
         (("export", job_id, "--to", str(tmp_path), "--dtype", "fp16"), "bf16, fp32"),
         (("export", job_id, "--to", str(tmp_path)), "no checkpoints yet"),
         (("export", "job-0000000000000000", "--to", str(tmp_path)), "not found"),
+        (("export", job_id, "--to", str(tmp_path), "--adapter", "--merged"), "exclude each other"),
+        # A job that trained every weight has no adapters, whether or not it has checkpoints yet.
+        (
+            ("export", job_id, "--to", str(tmp_path), "--adapter"),
+            f"--adapter: job {job_id} trained every weight (training.method is 'full'): it has no LoRA",
+        ),
     ]
     for args, expected in cases:
         code, out = run(*args)

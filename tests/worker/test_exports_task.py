@@ -1,7 +1,9 @@
 """The export task on a real checkpoint: an fp32 export of an engine-trained checkpoint loads in
 transformers with the logits of `load_checkpoint`'s model and carries the job's tokenizer.json; a
-missing checkpoint fails with its reason and leaves nothing behind; the scheduler hands exports out
-once and recovers lost workers (a Celery worker's run: test_checkpoint_tasks_celery.py)."""
+LoRA checkpoint's merged model loads in transformers and its adapter in peft, both with our LoRA
+model's logits; a missing checkpoint (or adapters) fails with its reason and leaves nothing behind;
+the scheduler hands exports out once and recovers lost workers (a Celery worker's run:
+test_checkpoint_tasks_celery.py)."""
 
 from __future__ import annotations
 
@@ -97,6 +99,78 @@ def _assert_same_model(checkpoint_url: str, folder: Path) -> Any:
     return tokenizer
 
 
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+
+
+def test_a_lora_job_exports_its_merged_model_and_its_peft_adapter(
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path
+) -> None:
+    """Both forms of one LoRA checkpoint: the merged model loads in transformers, the adapter in
+    peft on the frozen base, and both compute the logits of our model with its adapters."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    job_id = make_job(schedule=False)
+    train_job_checkpoint(settings, job_id, tmp_path / "train", lora={"rank": 4, "alpha": 8.0})
+    merged_id, adapter_id = _add_export(settings, job_id, 2), _add_export(settings, job_id, 2, form="adapter")
+    assert export_checkpoint(merged_id, settings) == READY
+    assert export_checkpoint(adapter_id, settings) == READY
+    storage = settings.resolved_storage_url
+    merged, adapter = _row(settings, merged_id), _row(settings, adapter_id)
+    assert merged.uri == f"{storage}/jobs/{job_id}/exports/hf/iter_0000002-fp32"
+    assert adapter.uri == f"{storage}/jobs/{job_id}/exports/hf/iter_0000002-fp32-adapter"
+    merged_path, adapter_path = (Path(e.uri.removeprefix("file://")) for e in (merged, adapter))
+    assert {p.name for p in merged_path.iterdir()} == {
+        "config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES
+    }  # fmt: skip
+    assert {p.name for p in adapter_path.iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES
+    }  # fmt: skip
+    for name in TOKENIZER_FILES:  # the job's tokenizer, the same in both
+        assert (merged_path / name).read_bytes() == (adapter_path / name).read_bytes(), name
+    assert (merged_path / "tokenizer.json").read_bytes() == (
+        tmp_path / "train" / "tokenizer.json"
+    ).read_bytes()
+    config = json.loads((adapter_path / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, None)
+
+    checkpoint = f"{storage}/jobs/{job_id}/checkpoints/iter_0000002"
+    ours = _our_lora_model(checkpoint, tmp_path / "base")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(merged_path)
+    tokens = torch.tensor([tokenizer.encode("def add(a, b):\n    return a + b")[:16]])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        want = ours(tokens)[..., : len(tokenizer)]
+        got = transformers.AutoModelForCausalLM.from_pretrained(merged_path).eval()(tokens).logits
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        with_adapter = peft.PeftModel.from_pretrained(base, adapter_path).eval()
+        torch.testing.assert_close(with_adapter(tokens).logits, want, atol=ATOL, rtol=0)
+        with with_adapter.disable_adapter():  # two steps moved the adapters: the check has teeth
+            assert (with_adapter(tokens).logits - want).abs().max() > 100 * ATOL
+
+
+def _our_lora_model(checkpoint_url: str, base_folder: Path) -> Any:
+    """Our model with its adapters, every tensor read from the checkpoint; its frozen base is exported
+    to `base_folder` (transformers' model for peft to load the adapter on)."""
+    import torch
+
+    from megatrain.engine.build import build_model
+    from megatrain.engine.checkpoint import CheckpointReader
+    from megatrain.engine.config import lora_config
+    from megatrain.engine.interop.hf import export_hf
+    from megatrain.engine.parallel.state import ParallelState
+
+    reader = CheckpointReader(checkpoint_url)
+    cfg, lora = reader.model_config, lora_config(reader.spec)
+    model = build_model(cfg, ParallelState.single(), seed=0, device="cpu", lora=lora).module.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(reader.tensor(name))
+    export_hf(reader.tensor, cfg, base_folder, dtype=torch.float32)  # the base: no adapter merged
+    return model
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_export_on_s3_storage(
     settings: Settings,
@@ -124,7 +198,7 @@ def test_export_on_s3_storage(
 
 
 def test_missing_checkpoint_fails_with_its_reason_and_leaves_nothing(
-    settings: Settings, make_job: Callable[..., str]
+    settings: Settings, make_job: Callable[..., str], tmp_path: Path
 ) -> None:
     job_id = make_job(schedule=False)
     export_id = _add_export(settings, job_id, 40, dtype="bf16")
@@ -134,6 +208,12 @@ def test_missing_checkpoint_fails_with_its_reason_and_leaves_nothing(
     assert export_checkpoint(export_id, settings) == FAILED
     exp = _row(settings, export_id)
     assert exp.status == FAILED and "iter_0000040" in exp.error and exp.finished_at is not None
+    assert store.list(f"jobs/{job_id}/exports") == []
+    # An adapter of a checkpoint that trained every weight (a row the API would have refused).
+    train_job_checkpoint(settings, job_id, tmp_path / "train")
+    export_id = _add_export(settings, job_id, 2, form="adapter")
+    assert export_checkpoint(export_id, settings) == FAILED
+    assert "training.method is 'full'" in _row(settings, export_id).error
     assert store.list(f"jobs/{job_id}/exports") == []
 
 
@@ -198,3 +278,18 @@ def test_the_local_executor_exports_through_the_scheduler(
     assert exp.runner_host is not None and exp.attempt == 1
     config = json.loads(open_store(exp.uri).get_bytes("config.json"))
     assert config["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("init_from", "recorded"),
+    [
+        (None, None),
+        ("hf:file:///models/llama", "/models/llama"),  # a local folder: AutoPeftModel loads it
+        ("hf:s3://bucket/llama", "s3://bucket/llama"),
+        ("checkpoint:job-1@20", "checkpoint:job-1@20"),
+    ],
+)
+def test_an_adapter_names_the_base_its_job_started_from(init_from: str | None, recorded: str | None) -> None:
+    from megatrain.worker.exports import _base_model
+
+    assert _base_model(init_from) == recorded

@@ -25,8 +25,10 @@ def create_export(
     body: Annotated[ExportCreate | None, Body()] = None,
 ) -> Any:
     """Export a checkpoint (`step`, or the latest) to `format` in `dtype`, in the background: 202 with
-    a pending export, or 200 with the one already pending, running or ready for the same step and
-    dtype. 404 when the job has no such checkpoint (the message lists the steps it has)."""
+    a pending export, or 200 with the one already pending, running or ready for the same step, form
+    and dtype. `form`: the whole model (a LoRA job's merged), or a LoRA job's adapters alone (PEFT's
+    folder; 422 naming `form` for a job that trained every weight). 404 when the job has no such
+    checkpoint (the message lists the steps it has)."""
     export, created = service.create_export(session, settings, job, body or ExportCreate())
     if not created:
         response.status_code = 200
@@ -61,6 +63,7 @@ def download_export(
     format: Annotated[DownloadFormat, Query()] = "auto",  # noqa: A002 - the query name
 ) -> Any:
     """Download a ready export: the same formats as a checkpoint's download (`tar`: one top folder
-    `iter_{step:07d}-{dtype}/` with config.json and the safetensors; `urls`: presigned S3 URLs;
+    `iter_{step:07d}-{dtype}/` with config.json and the safetensors, `iter_{step:07d}-{dtype}-adapter/`
+    with adapter_config.json and adapter_model.safetensors; `urls`: presigned S3 URLs;
     `auto`). 409 while the export is not ready."""
     return service.download_export(session, settings, job.id, export_id, format)

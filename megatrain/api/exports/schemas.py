@@ -18,6 +18,11 @@ class ExportCreate(BaseModel):
     format: Literal["hf"] = "hf"
     """hf: a transformers model folder (config.json + safetensors, the job's tokenizer as tokenizer.json +
     tokenizer_config.json, generation_config.json)."""
+    form: Literal["model", "adapter"] = "model"
+    """model: the whole model (a LoRA job's with its adapters merged in, a plain transformers model).
+    adapter: a LoRA job's adapters alone, as PEFT's folder (adapter_config.json +
+    adapter_model.safetensors, and the tokenizer files), for `peft.PeftModel.from_pretrained(base, folder)`;
+    a job that trained every weight has none (422)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
 
 
@@ -30,6 +35,7 @@ class ExportPublic(BaseModel):
     job_id: str
     step: int
     format: str
+    form: str
     dtype: str
     status: str
     error: str

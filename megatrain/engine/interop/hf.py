@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain.engine.checkpoint import CheckpointReader
-from megatrain.engine.config import FLAVOURS, MoEConfig, TransformerConfig, moe_config
+from megatrain.engine.config import FLAVOURS, MoEConfig, TransformerConfig, lora_config, moe_config
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
 from megatrain.engine.models.gpt import GPTModel, rope_tables
 from megatrain.hf_config import MOE_TRAINING_FIELDS, hf_config_from_model, model_fields_from_hf
@@ -38,7 +38,8 @@ INDEX_FILE = "model.safetensors.index.json"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _store(url: str | Path) -> Store:
+def folder_store(url: str | Path) -> Store:
+    """The store of a folder given as a local path or a file:// / s3:// URL."""
     text = str(url)
     if not text.startswith(("file:", "s3:", "/")):
         text = str(Path(text).resolve())
@@ -47,7 +48,7 @@ def _store(url: str | Path) -> Store:
 
 def read_hf_config(url: str | Path) -> dict[str, Any]:
     """A model folder's config.json."""
-    return json.loads(_store(url).get_bytes(CONFIG_FILE))
+    return json.loads(folder_store(url).get_bytes(CONFIG_FILE))
 
 
 class HFReader:
@@ -95,7 +96,7 @@ class HFReader:
 @contextmanager
 def hf_reader(url: str | Path) -> Iterator[HFReader]:
     with ExitStack() as stack:
-        yield HFReader(_store(url), stack)
+        yield HFReader(folder_store(url), stack)
 
 
 def config_mismatches(fields: dict[str, Any], cfg: TransformerConfig) -> list[str]:
@@ -297,7 +298,7 @@ def export_hf(
         eos_token_id=extra.get("eos_token_id"),
     )
     config.update(extra)
-    store = _store(dest)
+    store = folder_store(dest)
     rules = rules_for(cfg, config["model_type"])
     shards = _plan(cfg, rules, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
     names = _shard_names(len(shards))
@@ -325,12 +326,7 @@ def export_hf(
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         written.append(_put_json(store, INDEX_FILE, index))
-    for name, content in (tokenizer_files or {}).items():
-        if isinstance(content, bytes):
-            store.put_bytes(name, content)
-        else:
-            store.put_file(name, content)
-        written.append(name)
+    written += put_files(store, tokenizer_files or {})
     special = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
     }
@@ -339,6 +335,16 @@ def export_hf(
     # Last: a folder with a config.json is complete.
     written.append(_put_json(store, CONFIG_FILE, config))
     return written
+
+
+def put_files(store: Store, files: dict[str, bytes | Path]) -> list[str]:
+    """Write each file (its bytes, or a local file's) under its name; returns the names, in order."""
+    for name, content in files.items():
+        if isinstance(content, bytes):
+            store.put_bytes(name, content)
+        else:
+            store.put_file(name, content)
+    return list(files)
 
 
 def _put_json(store: Store, key: str, data: dict[str, Any]) -> str:
@@ -354,6 +360,14 @@ def export_model_hf(model: GPTModel, dest: str | Path, **kwargs: Any) -> list[st
 
 def export_checkpoint_hf(checkpoint: str | Path, dest: str | Path, **kwargs: Any) -> list[str]:
     """export_hf of a sharded checkpoint (a step's folder, or a root's latest), reading each tensor
-    on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's)."""
+    on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's).
+    A LoRA run's checkpoint is the model it trained: its adapters merged in (interop.lora_export)."""
     reader = CheckpointReader(checkpoint)
-    return export_hf(reader.tensor, reader.model_config, dest, **kwargs)
+    lora = lora_config(reader.spec)
+    if lora is None:
+        return export_hf(reader.tensor, reader.model_config, dest, **kwargs)
+    from megatrain.engine.interop.lora_export import merged_tensor_source  # it imports this module
+
+    return export_hf(
+        merged_tensor_source(reader.tensor, reader.model_config, lora), reader.model_config, dest, **kwargs
+    )

@@ -88,13 +88,15 @@ def peft_config(
     cfg: TransformerConfig, lora: LoRAConfig, model_type: str, base_model: str | None = None
 ) -> dict[str, Any]:
     """adapter_config.json for PEFT's LoraConfig: the HF module names the adapters sit on."""
-    modules = sorted(
-        {
-            hf.removesuffix(".weight").rsplit(".", 1)[-1]
-            for r in _target_rules(cfg, lora, model_type)
-            for hf in r.hf
-        }
-    )
+    modules = {
+        hf.removesuffix(".weight").rsplit(".", 1)[-1]
+        for r in _target_rules(cfg, lora, model_type)
+        for hf in r.hf
+    }
+    if "c_proj" in modules and not {"proj", "fc2"} <= set(lora.targets):
+        # GPT-2 names attention's and the MLP's output projection alike, and PEFT matches a name as a
+        # suffix: name the one targeted by its parent too, or PEFT adds an adapter to the other.
+        modules = (modules - {"c_proj"}) | {"attn.c_proj" if "proj" in lora.targets else "mlp.c_proj"}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -103,7 +105,7 @@ def peft_config(
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "use_rslora": lora.use_rslora,
-        "target_modules": modules,
+        "target_modules": sorted(modules),
         "bias": "none",
         "fan_in_fan_out": model_type == "gpt2",
         "inference_mode": True,
@@ -122,6 +124,10 @@ def lora_from_peft_config(config: dict[str, Any]) -> LoRAConfig:
     targets = tuple(t for t, hf in ours.items() if names & hf)
     if "c_proj" in names:  # GPT-2 names attn and mlp output projections alike
         targets = (*targets, "proj", "fc2")
+    if "attn.c_proj" in names:  # ... unless one alone was targeted (peft_config)
+        targets = (*targets, "proj")
+    if "mlp.c_proj" in names:
+        targets = (*targets, "fc2")
     return LoRAConfig(
         rank=int(config["r"]),
         alpha=float(config["lora_alpha"]),

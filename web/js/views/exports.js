@@ -10,10 +10,12 @@ export const exportActive = (e) => e.status === "pending" || e.status === "runni
 
 function exportItem(e, onDownload) {
   const state = h("span", { class: `badge ${EXPORT_BADGE[e.status] || "queued"}` }, e.status);
+  // A LoRA job's adapter export (PEFT's folder, from the CLI or SDK) is told apart from its model.
+  const label = e.form === "adapter" ? `${e.dtype} adapter` : e.dtype;
   return h("li", { class: "export", dataset: { exportId: e.id, status: e.status, dtype: e.dtype } },
-    h("span", { class: "mono" }, e.dtype), " ", state,
+    h("span", { class: "mono" }, label), " ", state,
     e.status === "ready" ? [" ", h("span", { class: "muted" }, fmtBytes(e.size_bytes)), " ",
-      h("button", { type: "button", class: "btn btn-small", "aria-label": `Download the ${e.dtype} Hugging Face export of step ${e.step}`,
+      h("button", { type: "button", class: "btn btn-small", "aria-label": `Download the ${label} Hugging Face export of step ${e.step}`,
         onclick: (ev) => onDownload(e, ev.currentTarget) }, "Download")] : null,
     e.status === "failed" && e.error ? h("div", { class: "hint export-error" }, e.error) : null);
 }

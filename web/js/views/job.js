@@ -317,7 +317,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       return;
     }
     const actions = { onExport: exportCheckpoint, onDownload: (e, button) =>
-      download(`/v1/jobs/${enc}/exports/${encodeURIComponent(e.id)}/download`, `${jobId}-step${e.step}-${e.dtype}.tar`, button) };
+      download(`/v1/jobs/${enc}/exports/${encodeURIComponent(e.id)}/download`, `${jobId}-step${e.step}-${e.dtype}${e.form === "adapter" ? "-adapter" : ""}.tar`, button) };
     replace(el.checkpoints, h("div", { class: "table-wrap" }, h("table", { id: "checkpoint-table" },
       h("thead", {}, h("tr", {}, h("th", { scope: "col", class: "num" }, "Step"), h("th", { scope: "col", class: "num" }, "Size"), h("th", { scope: "col" }, "Saved"), h("th", { scope: "col" }, h("span", { class: "visually-hidden" }, "Actions")), h("th", { scope: "col" }, "Hugging Face"))),
       h("tbody", {}, list.map((c) => h("tr", { dataset: { step: String(c.step) } },
