@@ -120,17 +120,30 @@ def merged_weight(
     mcfg: TransformerConfig,
     cfg: LoRAConfig,
 ) -> torch.Tensor:
-    """A full base weight with its adapter folded in, W + scale·expanded_B·A (in fp32, then the
-    weight's dtype); any other tensor as it is. get_tensor(name) reads the full adapter tensors."""
+    """A full base weight with its adapter folded in, W + scale·B̃·A (PEFT's merge_and_unload), in
+    fp32 and returned in the weight's dtype; any other tensor as it is. get_tensor(name) reads the
+    full adapter tensors."""
     target = adapted_target(weight_name, cfg)
     if target is None:
         return weight
     base = weight_name.removesuffix(".weight")
+    w = weight.float()
     a, b = get_tensor(base + ".lora.A").float(), get_tensor(base + ".lora.B").float()
-    parts = part_of_rows(target, mcfg)
-    if parts is not None:
-        b = expand_B(b, F.one_hot(parts, int(parts.max()) + 1).float())
-    return (weight.float() + cfg.scale * (b @ a)).to(weight.dtype)
+    part = part_of_rows(target, mcfg)
+    n = 1 if part is None else int(part.max()) + 1
+    if a.shape != (n * cfg.rank, w.shape[1]) or b.shape != (w.shape[0], cfg.rank):
+        raise ValueError(
+            f"{base}: adapters A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a weight of "
+            f"{tuple(w.shape)} with rank {cfg.rank} over {n} part(s)"
+        )
+    if part is None:
+        return (w + cfg.scale * (b @ a)).to(weight.dtype)
+    # Row o of the update uses only its part's r rows of A: part by part, no (out, parts·r) B̃.
+    delta = torch.empty_like(w)
+    for p, a_p in enumerate(a.chunk(n)):
+        rows = part == p
+        delta[rows] = b[rows] @ a_p
+    return (w + cfg.scale * delta).to(weight.dtype)
 
 
 def part_of_rows(target: str, mcfg: TransformerConfig) -> torch.Tensor | None:

@@ -12,7 +12,6 @@ merged export is interop.hf.export_checkpoint_hf's).
 
 from __future__ import annotations
 
-import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,13 +30,10 @@ from megatrain.engine.interop.peft import (
     dumps_config,
     peft_config,
 )
-from megatrain.engine.lora import part_of_rows
+from megatrain.engine.lora import adapted_target, merged_weight
 from megatrain.hf_config import hf_config_from_model
 
 GetTensor = Callable[[str], torch.Tensor]
-
-# The canonical weights an adapter may sit on (engine.lora.lora_targets: a dense layer's attn/mlp).
-_ADAPTED = re.compile(r"^(layers\.\d+\.(?:attn\.(qkv|proj)|mlp\.(fc1|fc2)))\.weight$")
 
 
 def hf_model_type(cfg: TransformerConfig) -> str:
@@ -47,32 +43,13 @@ def hf_model_type(cfg: TransformerConfig) -> str:
 
 def merged_tensor_source(get_tensor: GetTensor, cfg: TransformerConfig, lora: LoRAConfig) -> GetTensor:
     """get_tensor with the adapters merged: an adapted linear's weight is W + scale·B̃·A, computed in
-    fp32 one tensor at a time (returned fp32: the caller casts); every other name passes through."""
-    parts = {t: part_of_rows(t, cfg) for t in lora.targets}
+    fp32 one tensor at a time (engine.lora.merged_weight; returned fp32: the caller casts); every
+    other name passes through."""
 
     def get(name: str) -> torch.Tensor:
-        m = _ADAPTED.match(name)
-        if m is None or (target := m.group(2) or m.group(3)) not in parts:
+        if adapted_target(name, lora) is None:
             return get_tensor(name)
-        base = m.group(1)
-        w = get_tensor(name).float()  # (out, in)
-        a = get_tensor(base + ".lora.A").float()  # (parts·r, in)
-        b = get_tensor(base + ".lora.B").float()  # (out, r)
-        part = parts[target]
-        n = 1 if part is None else int(part.max()) + 1
-        if a.shape != (n * lora.rank, w.shape[1]) or b.shape != (w.shape[0], lora.rank):
-            raise ValueError(
-                f"{base}: adapters A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a weight of "
-                f"{tuple(w.shape)} with rank {lora.rank} over {n} part(s)"
-            )
-        if part is None:
-            return w + lora.scale * (b @ a)
-        # Row o of the update uses only its part's r rows of A: B̃·A part by part, no (out, parts·r) B̃.
-        delta = torch.empty_like(w)
-        for p, a_p in enumerate(a.chunk(n)):
-            rows = part == p
-            delta[rows] = b[rows] @ a_p
-        return w + lora.scale * delta
+        return merged_weight(name, get_tensor(name).float(), get_tensor, cfg, lora)
 
     return get
 

@@ -46,7 +46,7 @@ def peft_adapter_source(url: str, mcfg: TransformerConfig, lora: LoRAConfig) -> 
     """A weight source for the adapters (canonical `….lora.A/B` names) of the PEFT folder at `url`."""
     from safetensors.torch import load as load_safetensors
 
-    from megatrain.hf_config import hf_config_from_model
+    from megatrain.engine.interop.lora_export import hf_model_type
 
     folder = url.removeprefix("hf:").rstrip("/")
     config = json.loads(_read(f"{folder}/{ADAPTER_CONFIG}"))
@@ -59,7 +59,7 @@ def peft_adapter_source(url: str, mcfg: TransformerConfig, lora: LoRAConfig) -> 
     problems = adapter_problems(theirs, lora)
     if problems:
         raise ValueError(f"model.adapter_from: {'; '.join(problems)}")
-    model_type = hf_config_from_model(mcfg.to_dict())["model_type"]
+    model_type = hf_model_type(mcfg)
     tensors = load_safetensors(_read(f"{folder}/{ADAPTER_WEIGHTS}"))
     try:
         full = adapter_from_peft(tensors, mcfg, lora, model_type)
