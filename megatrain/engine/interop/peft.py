@@ -19,10 +19,9 @@ import torch
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.interop.hf_mapping import Rule, rules_for
 from megatrain.engine.lora import LoRAConfig
+from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_from_peft_config  # noqa: F401 (re-exported)
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TARGET_SUFFIXES = {"qkv": "attn.qkv.weight", "proj": "attn.proj.weight", "fc1": "mlp.fc1.weight",
                    "fc2": "mlp.fc2.weight"}  # fmt: skip
 
@@ -112,29 +111,6 @@ def peft_config(
         "init_lora_weights": True,
         "modules_to_save": None,
     }
-
-
-def lora_from_peft_config(config: dict[str, Any]) -> LoRAConfig:
-    """The LoRAConfig an adapter_config.json describes (its targets mapped back to ours)."""
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r} is not LORA")
-    names = set(config.get("target_modules") or [])
-    ours = {"qkv": {"q_proj", "k_proj", "v_proj", "c_attn"}, "proj": {"o_proj"},
-            "fc1": {"gate_proj", "up_proj", "c_fc"}, "fc2": {"down_proj"}}  # fmt: skip
-    targets = tuple(t for t, hf in ours.items() if names & hf)
-    if "c_proj" in names:  # GPT-2 names attn and mlp output projections alike
-        targets = (*targets, "proj", "fc2")
-    if "attn.c_proj" in names:  # ... unless one alone was targeted (peft_config)
-        targets = (*targets, "proj")
-    if "mlp.c_proj" in names:
-        targets = (*targets, "fc2")
-    return LoRAConfig(
-        rank=int(config["r"]),
-        alpha=float(config["lora_alpha"]),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        targets=tuple(t for t in ("qkv", "proj", "fc1", "fc2") if t in targets),
-        use_rslora=bool(config.get("use_rslora", False)),
-    )
 
 
 def dumps_config(config: dict[str, Any]) -> bytes:
