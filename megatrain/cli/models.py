@@ -22,7 +22,14 @@ app.add_typer(models_app, name="models")
 
 def _summary(m: RegisteredModel) -> str:
     layers = f"{m.num_layers} layer" + ("s" if m.num_layers != 1 else "")
-    return f"{m.model_type}, {layers}, hidden {m.hidden_size}, vocab {m.vocab_size:,}"
+    text = f"{m.model_type}, {layers}, hidden {m.hidden_size}, vocab {m.vocab_size:,}"
+    if m.kind == "adapter" and m.adapter:
+        text = f"a LoRA adapter (rank {m.adapter['rank']}, {', '.join(m.adapter['targets'])}) over {text}"
+    return text
+
+
+def _type(m: RegisteredModel) -> str:
+    return m.model_type + ("+lora" if m.kind == "adapter" else "")  # an adapter over a model of that type
 
 
 @models_app.command("register")
@@ -31,10 +38,15 @@ def _summary(m: RegisteredModel) -> str:
 def register(
     url: Annotated[str, typer.Argument(help="The model folder: file:///…, s3://… or /abs/path.")],
     name: Annotated[str, typer.Option("--name", "-n", help="What a JobSpec names: hf:NAME.")],
+    base: Annotated[
+        str | None,
+        typer.Option("--base", help="A PEFT LoRA adapter folder: the registered model it was trained on."),
+    ] = None,
 ) -> None:
-    """Register a Hugging Face model folder (config.json + safetensors) under a name."""
+    """Register a Hugging Face model folder (config.json + safetensors), or a PEFT LoRA adapter
+    folder over a registered model (--base), under a name."""
     with Client() as client:
-        m = client.register_model(name, url)
+        m = client.register_model(name, url, base)
     ref = escape(f"hf:{m.name}")
     _out().print(f"model [bold]{escape(m.name)}[/bold] registered: {_summary(m)} (init_from: {ref})")
 
@@ -53,7 +65,7 @@ def list_models() -> None:
     for m in rows:
         heads = m.fields.get("num_attention_heads", "-")
         table.add_row(
-            escape(m.name), escape(m.model_type), str(m.num_layers), str(m.hidden_size), str(heads),
+            escape(m.name), escape(_type(m)), str(m.num_layers), str(m.hidden_size), str(heads),
             f"{m.vocab_size:,}", str(m.seq_length), "yes" if m.shared else "",
         )  # fmt: skip
     _out().print(table)

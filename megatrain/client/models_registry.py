@@ -26,6 +26,11 @@ class RegisteredModel:
     vocab_size: int = 0
     seq_length: int = 0
     fields: dict[str, Any] = field(default_factory=dict)
+    kind: str = "model"
+    """model, or adapter: a PEFT LoRA folder over the registered model at base_url."""
+    base_url: str | None = None
+    adapter: dict[str, Any] | None = None
+    """An adapter's settings as training.lora takes them."""
     created_at: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -40,10 +45,12 @@ class ModelsMixin:
         def _json(self, method: str, path: str, **kwargs: Any) -> Any: ...
         def _request(self, method: str, path: str, **kwargs: Any) -> Any: ...
 
-    def register_model(self, name: str, url: str) -> RegisteredModel:
+    def register_model(self, name: str, url: str, base: str | None = None) -> RegisteredModel:
         """Register the folder at `url` (file:///…, s3://… or /abs/path; holding config.json and
-        safetensors weights the tenant may read) as `name`."""
-        return RegisteredModel.from_dict(self._json("POST", "/v1/models", json={"name": name, "url": url}))
+        safetensors weights the tenant may read) as `name`; a PEFT LoRA adapter folder names the
+        registered model it was trained on as `base`."""
+        body = {"name": name, "url": url} | ({"base": base} if base else {})
+        return RegisteredModel.from_dict(self._json("POST", "/v1/models", json=body))
 
     def models(self) -> list[RegisteredModel]:
         """The tenant's registered models and the shared ones, by name."""

@@ -454,5 +454,13 @@ class RegisteredModel(Base):
     model_type: Mapped[str] = mapped_column(String(64))
     """config.json's model_type (gpt2, llama, mistral, qwen2)."""
     fields: Mapped[dict[str, Any]] = mapped_column(JSON)
-    """The model.* fields its config.json maps to (megatrain.hf_config.model_fields_from_hf)."""
+    """The model.* fields its config.json maps to (megatrain.hf_config.model_fields_from_hf); an
+    adapter's are its base's."""
+    kind: Mapped[str] = mapped_column(String(16), default="model", server_default="model")
+    """model: a whole model folder. adapter: a PEFT LoRA folder over the registered base at base_url
+    (a job naming it trains on from its adapters: api/jobs/hf_init)."""
+    base_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """An adapter's base model folder (model_type and fields are the base's)."""
+    adapter: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """An adapter's settings as training.lora takes them (rank, alpha, dropout, targets, use_rslora)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -60,6 +60,7 @@ def resolve_registered_model(data: Any, session: Session, tenant: Tenant) -> tup
     whether that model is operator-shared); SpecError naming model.init_from for a name the tenant
     has no model (own or shared) under. Any other submission comes back as it is."""
     model = data.get("model") if isinstance(data, dict) else None
+    data = _resolve_adapter_from(data, session, tenant)
     init_from = model.get("init_from") if isinstance(model, dict) else None
     name = registered_name(init_from) if isinstance(init_from, str) else None
     if name is None:
@@ -70,7 +71,46 @@ def resolve_registered_model(data: Any, session: Session, tenant: Tenant) -> tup
             f"{FIELD}={init_from!r} names no registered model (see GET /v1/models); "
             "a folder is hf:file:///abs/path or hf:s3://bucket/key"
         )
-    return {**data, "model": {**model, "init_from": f"hf:{found.url}"}}, found.tenant_id is None
+    if (found.kind or "model") == "adapter":
+        return _from_adapter(data, found), found.tenant_id is None
+    return {**data, "model": {**data["model"], "init_from": f"hf:{found.url}"}}, found.tenant_id is None
+
+
+def _from_adapter(data: dict[str, Any], adapter: RegisteredModel) -> dict[str, Any]:
+    """`init_from: hf:ADAPTER`: the run starts from the adapter's base with its adapters
+    (model.adapter_from), training LoRA (method lora unless qlora is asked) with the adapter's
+    settings where training.lora gives none; SpecError naming what contradicts that."""
+    model, training = data["model"], data.get("training") or {}
+    if not isinstance(training, dict):
+        return data  # parse_spec names it
+    name = model["init_from"]
+    if model.get("adapter_from"):
+        raise _error(f"{FIELD}={name!r} is a LoRA adapter: it sets model.adapter_from, so leave that out")
+    method = training.get("method", "lora")
+    if method not in ("lora", "qlora"):
+        raise _error(
+            f"{FIELD}={name!r} is a LoRA adapter: training.method must be lora or qlora, not {method!r}",
+            "training.method",
+        )
+    lora = {**(adapter.adapter or {}), **(training.get("lora") or {})}
+    model = {**model, "init_from": f"hf:{adapter.base_url}", "adapter_from": f"hf:{adapter.url}"}
+    return {**data, "model": model, "training": {**training, "method": method, "lora": lora}}
+
+
+def _resolve_adapter_from(data: Any, session: Session, tenant: Tenant) -> Any:
+    """`model.adapter_from: hf:NAME` of a registered adapter -> its folder's hf:URL."""
+    model = data.get("model") if isinstance(data, dict) else None
+    adapter_from = model.get("adapter_from") if isinstance(model, dict) else None
+    name = registered_name(adapter_from) if isinstance(adapter_from, str) else None
+    if name is None:
+        return data
+    found = find_model(session, tenant, name)
+    if found is None or (found.kind or "model") != "adapter":
+        what = "a whole model, not an adapter" if found is not None else "no registered adapter"
+        raise _error(
+            f"model.adapter_from={adapter_from!r} names {what} (see GET /v1/models)", "model.adapter_from"
+        )
+    return {**data, "model": {**model, "adapter_from": f"hf:{found.url}"}}
 
 
 def fill_model(session: Session, settings: Settings, tenant: Tenant, data: Any) -> Any:

@@ -9,6 +9,7 @@ Submission resolves the name to its URL (api/jobs/hf_init), so deleting a model 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import HTTPException
@@ -17,12 +18,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
-from megatrain.api.jobs.data_access import DataUrlError, normalise_data_url
+from megatrain.api.jobs.data_access import DataUrlError, data_url_problem, normalise_data_url
 from megatrain.api.jobs.hf_init import hf_folder_url, read_hf_config
 from megatrain.api.models.schemas import ModelCreate, ModelPublic
-from megatrain.api.registry import get_named, list_named
+from megatrain.api.registry import find_named, get_named, list_named
 from megatrain.db.models import RegisteredModel, Tenant, new_id
 from megatrain.hf_config import HFConfigError, model_fields_from_hf
+from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_from_peft_config
 from megatrain.settings import Settings
 from megatrain.spec import SpecError
 from megatrain.storage import StorageError, open_store
@@ -45,6 +47,9 @@ def public_model(m: RegisteredModel) -> ModelPublic:
         vocab_size=f["vocab_size"],
         seq_length=f["seq_length"],
         fields=f,
+        kind=m.kind or "model",
+        base_url=m.base_url,
+        adapter=m.adapter,
         created_at=m.created_at,
     )
 
@@ -90,16 +95,75 @@ def inspect_folder(settings: Settings, tenant_name: str | None, raw_url: str) ->
     return url, config
 
 
+def inspect_adapter(
+    session: Session, settings: Settings, tenant: Tenant | None, url: str, base: str | None
+) -> tuple[RegisteredModel, dict[str, Any]]:
+    """(the registered base, the adapter's training.lora settings) of the PEFT folder at `url`
+    (already normalised and readable); FieldError on `url` for a folder that is no LoRA adapter or
+    lacks its weights, on `base` for a base that is missing or not a registered whole model."""
+    try:
+        store = open_store(url, settings.s3_endpoint_url)
+        config = json.loads(store.get_bytes(ADAPTER_CONFIG))
+        has_weights = store.exists(ADAPTER_WEIGHTS)
+    except (StorageError, ValueError) as exc:
+        raise FieldError("url", f"cannot read {url}/{ADAPTER_CONFIG}: {exc}") from None
+    try:
+        lora = lora_from_peft_config(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FieldError(
+            "url", f"{url}/{ADAPTER_CONFIG} is not a PEFT LoRA adapter's config: {exc}"
+        ) from None
+    if not lora.targets:
+        raise FieldError(
+            "url", f"{url}: the adapter's target_modules {config.get('target_modules')} name none of ours"
+        )
+    if not has_weights:
+        raise FieldError("url", f"{url} has no {ADAPTER_WEIGHTS}")
+    if base is None:
+        raise FieldError(
+            "base", "the folder is a LoRA adapter: name the registered model it was trained on (base)"
+        )
+    found = find_named(session, RegisteredModel, tenant, base) if tenant else _shared(session, base)
+    if found is None or (found.kind or "model") != "model":
+        what = "a LoRA adapter, not a whole model" if found is not None else "not a registered model"
+        raise FieldError("base", f"base={base!r} is {what} (see GET /v1/models)")
+    settings_ = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                 "targets": list(lora.targets), "use_rslora": lora.use_rslora}  # fmt: skip
+    return found, settings_
+
+
+def _shared(session: Session, name: str) -> RegisteredModel | None:
+    return session.scalar(
+        select(RegisteredModel).where(RegisteredModel.tenant_id.is_(None), RegisteredModel.name == name)
+    )
+
+
+def _is_adapter(settings: Settings, url: str) -> bool:
+    try:
+        return open_store(url, settings.s3_endpoint_url).exists(ADAPTER_CONFIG)
+    except StorageError as exc:
+        raise FieldError("url", f"cannot read {url}: {exc}") from None
+
+
 def _insert(
-    session: Session, tenant: Tenant | None, name: str, url: str, config: dict[str, Any]
+    session: Session,
+    tenant: Tenant | None,
+    name: str,
+    url: str,
+    config: dict[str, Any],
+    base: RegisteredModel | None = None,
+    adapter: dict[str, Any] | None = None,
 ) -> RegisteredModel:
     m = RegisteredModel(
         id=new_id("mdl"),
         tenant_id=tenant.id if tenant else None,
         name=name,
         url=url,
-        model_type=config["model_type"],
-        fields=model_fields_from_hf(config),
+        model_type=base.model_type if base else config["model_type"],
+        fields=base.fields if base else model_fields_from_hf(config),
+        kind="adapter" if base else "model",
+        base_url=base.url if base else None,
+        adapter=adapter,
     )
     session.add(m)
     try:
@@ -120,17 +184,34 @@ def _check_name_free(session: Session, tenant_id: str | None, name: str) -> None
 def register_model(
     session: Session, settings: Settings, tenant: Tenant, body: ModelCreate
 ) -> RegisteredModel:
-    """Check the folder and record it under the tenant's name (409 when the name is taken)."""
+    """Check the folder and record it under the tenant's name (409 when the name is taken): a whole
+    model, or a PEFT LoRA adapter over one of the registered models (`base`)."""
     _check_name_free(session, tenant.id, body.name)
-    url, config = inspect_folder(settings, tenant.name, body.url)
+    return _register(session, settings, tenant, body)
+
+
+def _register(
+    session: Session, settings: Settings, tenant: Tenant | None, body: ModelCreate
+) -> RegisteredModel:
+    """tenant None: the operator's shared model (any folder it reaches; a shared base)."""
+    folder = _folder_url(body.url)
+    if tenant is not None:
+        problem = data_url_problem("url", folder, settings, tenant.name)
+        if problem:
+            raise FieldError("url", problem)
+    if _is_adapter(settings, folder):
+        base, adapter = inspect_adapter(session, settings, tenant, folder, body.base)
+        return _insert(session, tenant, body.name, folder, {}, base, adapter)
+    if body.base is not None:
+        raise FieldError("base", "base is for a LoRA adapter folder; this one holds a whole model")
+    url, config = inspect_folder(settings, tenant.name if tenant else None, body.url)
     return _insert(session, tenant, body.name, url, config)
 
 
 def register_shared(session: Session, settings: Settings, body: ModelCreate) -> RegisteredModel:
     """An operator's model every tenant sees (read-only); operators may name any folder they reach."""
     _check_name_free(session, None, body.name)
-    url, config = inspect_folder(settings, None, body.url)
-    return _insert(session, None, body.name, url, config)
+    return _register(session, settings, None, body)
 
 
 def delete_model(session: Session, tenant: Tenant, name: str) -> None:
