@@ -406,14 +406,7 @@ def dpo_problems(spec: JobSpec) -> list[Problem]:
                 "sequences: each pair's chosen and rejected response train in one micro-batch)",
             )
         )
-    if t.global_batch_size % 2:
-        out.append(
-            _rule(
-                "training.global_batch_size",
-                f"training.global_batch_size={t.global_batch_size} must be even for kind dpo (it counts "
-                "sequences, two per pair)",
-            )
-        )
+    # An even micro-batch makes the global batch even too (it divides it): no second rule.
     if spec.data.packing:
         out.append(_rule("data.packing", "data.packing must be off for kind dpo (one sequence per row)"))
     par = spec.parallelism
