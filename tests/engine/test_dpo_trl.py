@@ -192,4 +192,4 @@ def test_dpo_steps_equal_trl(lora: bool, tmp_path: Path, hf_tokenizer: tuple[Any
     print(f"largest difference from TRL over {STEPS} steps: {worst:.2e}")
     # It learned: the loss fell from log 2 (the policy starts as the reference) and the margin grew.
     assert abs(ours[0]["loss"] - 0.693147) < 1e-5 and ours[-1]["loss"] < ours[0]["loss"] - 0.02
-    assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"] + 0.1
+    assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"] + 0.05
