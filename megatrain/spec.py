@@ -27,6 +27,7 @@ from megatrain.spec_data import (  # noqa: F401  (re-exported: the spec's sectio
     TokenizerSpec,
     parse_tokenizer,
 )
+from megatrain.spec_dpo import DPOSpec
 from megatrain.spec_errors import (
     Findings,
     Problem,
@@ -301,6 +302,10 @@ class TrainingSpec(_Strict):
     lora: LoRASpec | None = None
     """method lora or qlora only: the adapters (None: LoRASpec's defaults, rank 16, alpha 32, every
     target)."""
+    dpo: DPOSpec | None = None
+    """kind dpo only: the preference loss (None: DPOSpec's defaults, sigmoid with beta 0.1). A dpo
+    job's batch sizes count sequences, a chosen and a rejected one per pair (so both are even and a
+    pair never straddles two micro-batches); the loss is the mean over the global batch's pairs."""
 
     @field_validator("micro_batch_size", mode="before")
     @classmethod
@@ -362,7 +367,7 @@ class TrainingSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field(..., pattern=NAME_PATTERN)
-    kind: Literal["pretrain", "finetune"] = "pretrain"
+    kind: Literal["pretrain", "finetune", "dpo"] = "pretrain"
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
@@ -372,12 +377,17 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:
         out: list[Problem] = []
-        if self.kind == "finetune" and not self.model.init_from:
-            out.append(_rule("model.init_from", "model.init_from is required when kind is 'finetune'"))
+        if self.kind in ("finetune", "dpo") and not self.model.init_from:
+            out.append(_rule("model.init_from", f"model.init_from is required when kind is '{self.kind}'"))
         if self.model.adapter_from and self.training.method == "full":
             why = "model.adapter_from needs training.method lora or qlora (it starts the adapters)"
             out.append(_rule("model.adapter_from", why))
         report_rules(info, out)
+        return self
+
+    @model_validator(mode="after")
+    def _preference(self, info: ValidationInfo) -> JobSpec:
+        report_rules(info, dpo_problems(self))
         return self
 
     @model_validator(mode="after")
@@ -389,8 +399,38 @@ class JobSpec(_Strict):
 
     @property
     def packing(self) -> bool:
-        """Whether samples pack documents with attention blocked between them (data.packing resolved)."""
+        """Whether samples pack documents with attention blocked between them (data.packing resolved;
+        never for dpo, whose rows are single sequences)."""
         return self.kind == "finetune" if self.data.packing is None else self.data.packing
+
+
+def dpo_problems(spec: JobSpec) -> list[Problem]:
+    """The rules of preference training between training.dpo, the batch and the layout."""
+    t = spec.training
+    out: list[Problem] = []
+    if spec.kind != "dpo":
+        if t.dpo is not None:
+            why = f"training.dpo is set but kind is '{spec.kind}' (set it to 'dpo')"
+            out.append(_rule("training.dpo", why))
+        return out
+    mbs = t.micro_batch_size
+    if mbs == "auto" or mbs % 2:
+        why = "auto" if mbs == "auto" else str(mbs)
+        out.append(
+            _rule(
+                "training.micro_batch_size",
+                f"training.micro_batch_size={why} must be an even number for kind dpo (it counts "
+                "sequences: each pair's chosen and rejected response train in one micro-batch)",
+            )
+        )
+    # An even micro-batch makes the global batch even too (it divides it): no second rule.
+    if spec.data.packing:
+        out.append(_rule("data.packing", "data.packing must be off for kind dpo (one sequence per row)"))
+    par = spec.parallelism
+    if isinstance(par, ParallelismSpec) and par.cp > 1:
+        why = f"parallelism.cp={par.cp} is not supported for kind dpo yet (per-sequence log-probs)"
+        out.append(_rule("parallelism.cp", why))
+    return out
 
 
 JOB_SECTIONS = tuple(JobSpec.model_fields)

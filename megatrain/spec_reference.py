@@ -58,7 +58,9 @@ class Section:
 MISSING_DOCSTRINGS: dict[str, str] = {
     "name": "The job's name: letters, digits, `.`, `_`, `-` (not unique; jobs are known by their id).",
     "kind": "pretrain: next-token loss on every token. finetune: loss on responses / assistant turns "
-    "only, starting from model.init_from (required).",
+    "only, starting from model.init_from (required). dpo: preference training on {prompt | messages, "
+    "chosen, rejected} records (training.dpo), from model.init_from (required), which is also the "
+    "reference.",
     "model": "The network: its architecture and shape, and the weights it starts from.",
     "data": "What the job trains on, and how text becomes tokens.",
     "training": "Steps, batch sizes, optimizer, precision, checkpoints, logging and evaluation.",
@@ -297,6 +299,7 @@ RULES: tuple[Rule, ...] = (
     Rule("model.init_from", "init_from is null, checkpoint:JOB_ID[@STEP], hf:NAME (registered) or "
          "hf:URL (file:///abs/path or s3://bucket/prefix)", {"model.init_from": "gpt2"}),
     Rule("model.init_from", "kind finetune needs model.init_from", {"kind": "finetune"}),
+    Rule("model.init_from", "kind dpo needs model.init_from", {"kind": "dpo"}),
     Rule("data.tokenizer.path", "tokenizer type hf or sentencepiece needs a path",
          {"data.tokenizer": {"type": "hf"}}),
     Rule("data.tokenizer.name", "tokenizer type tiktoken needs a name",
@@ -310,6 +313,16 @@ RULES: tuple[Rule, ...] = (
          {"training.lora": {"rank": 8}}),
     Rule("training.lora.targets", "no target listed twice",
          {"training.method": "lora", "training.lora": {"targets": ["qkv", "qkv"]}}),
+    Rule("training.dpo", "training.dpo only with kind dpo", {"training.dpo": {"beta": 0.1}}),
+    Rule("training.dpo.label_smoothing", "label_smoothing only with loss_type sigmoid",
+         {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 2,
+          "training.dpo": {"loss_type": "ipo", "label_smoothing": 0.1}}),
+    Rule("training.micro_batch_size", "kind dpo needs an even micro_batch_size (it counts sequences)",
+         {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 1}),
+    Rule("data.packing", "kind dpo runs without packing",
+         {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 2, "data.packing": True}),
+    Rule("parallelism.cp", "kind dpo runs without context parallelism (for now)",
+         {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 2, "parallelism.cp": 2}),
     Rule("training.global_batch_size", "global_batch_size is divisible by micro_batch_size",
          {"training.global_batch_size": 10, "training.micro_batch_size": 4}),
     Rule("training.warmup_iters", "warmup_iters ≤ train_iters",

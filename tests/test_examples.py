@@ -29,6 +29,7 @@ EXPECTED_LAYOUT: dict[str, dict[str, Any]] = {
     "pretrain_indexed.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "finetune_hf_chat.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "finetune_lora.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "dpo.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "layout_3d.yaml": {"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 2, "sequence_parallel": True},
     "auto.yaml": {"tp": 1, "pp": 1, "dp": 2},
     "moe.yaml": {"tp": 1, "pp": 1, "dp": 1},
@@ -137,11 +138,11 @@ def test_the_shipped_data_is_what_make_data_writes(tmp_path: Path, monkeypatch: 
     module_spec.loader.exec_module(make_data)
     monkeypatch.setattr(make_data, "HERE", tmp_path)
     make_data.main()
-    for name in ("corpus.jsonl", "chat.jsonl"):
+    for name in ("corpus.jsonl", "chat.jsonl", "preferences.jsonl"):
         assert (tmp_path / name).read_bytes() == (EXAMPLES / "data" / name).read_bytes(), name
     chats = [json.loads(line) for line in (EXAMPLES / "data" / "chat.jsonl").read_text().splitlines()]
     assert len(chats) >= 200 and all(c["messages"][-1]["role"] == "assistant" for c in chats)
-    total = sum((EXAMPLES / "data" / n).stat().st_size for n in ("corpus.jsonl", "chat.jsonl"))
+    total = sum(p.stat().st_size for p in (EXAMPLES / "data").glob("*.jsonl"))
     assert total < 400_000
 
 

@@ -7,6 +7,8 @@ corpus.jsonl  pretraining documents, {"text": ...}: short templated sentences a 
 chat.jsonl    fine-tuning chats, {"messages": [{"role", "content"}, ...]}: simple arithmetic,
               spelling, reversal and colour questions with exact answers, so a fine-tune visibly
               learns the task (the loss falls on the assistant turns only).
+preferences.jsonl  preference pairs, {"prompt", "chosen", "rejected"}: the same questions, the right
+              answer chosen and a wrong one rejected (kind dpo).
 
 Only the standard library; tests/test_examples.py checks that this script reproduces the
 committed files.
@@ -22,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 SEED = 0
 DOCUMENTS = 600
 CHATS = 400
+PAIRS = 300
 
 ANIMALS = ["cat", "dog", "fox", "owl", "bear", "hare", "wolf", "duck", "goat", "mole"]
 COLOURS = ["red", "blue", "green", "brown", "grey", "white", "black", "golden"]
@@ -68,6 +71,19 @@ def _chat(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     return {"messages": messages}
 
 
+def _preference(rng: random.Random) -> dict[str, str]:
+    """A question, its right answer chosen and a plausible wrong one rejected."""
+    question, answer = _exchange(rng)
+    if "+" in answer:
+        total = int(answer.rstrip(".").split("= ")[1])
+        wrong = answer.replace(f"= {total}.", f"= {total + rng.choice([-2, -1, 1, 2])}.")
+    elif " is " in answer:
+        wrong = answer.rsplit(" is ", 1)[0] + f" is {rng.choice([c for c in COLOURS if c not in answer])}."
+    else:
+        wrong = answer[::-1] if answer[::-1] != answer else answer + answer
+    return {"prompt": question, "chosen": answer, "rejected": wrong}
+
+
 def _write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -76,6 +92,9 @@ def main() -> None:
     rng = random.Random(SEED)
     _write(HERE / "corpus.jsonl", [{"text": _document(rng)} for _ in range(DOCUMENTS)])
     _write(HERE / "chat.jsonl", [_chat(rng) for _ in range(CHATS)])
+    # Its own generator: the files above keep their bytes.
+    pairs = random.Random(SEED + 1)
+    _write(HERE / "preferences.jsonl", [_preference(pairs) for _ in range(PAIRS)])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch import nn
 
 from megatrain import kernels
 from megatrain.engine.config import LoRAConfig, TrainConfig, TransformerConfig
+from megatrain.engine.dpo import head_logps
 from megatrain.engine.fp8 import enable_fp8
 from megatrain.engine.lora import attach_lora, quantize_nf4
 from megatrain.engine.materialize import WeightSource, init_source, materialize, with_adapters
@@ -126,6 +127,9 @@ class Trainable:
     pipeline: PipelineSchedule | None
     loss: LossFn | None
     """The pipeline's last-stage loss on (output, micro-batch); None without a pipeline (see `lm_loss`)."""
+    logps: LossFn | None = None
+    """Preference training with a pipeline: the last stage's (B,) row log-probs on (output,
+    micro-batch) (engine.dpo.head_logps); None otherwise."""
 
 
 def make_trainable(
@@ -153,7 +157,7 @@ def make_trainable(
         use_distributed_optimizer=par.distributed_optimizer and state.dp_cp_size > 1,
     )
     optimizer = build_optimizer(ddp, cfg)
-    pipeline, loss = None, None
+    pipeline, loss, logps = None, None, None
     if model.chunks:
         # The residual between stages: (B, T/cp, C), and T/(cp·tp) under sequence parallelism.
         seq = mcfg.seq_length // state.cp_size // (state.tp_size if state.sequence_parallel else 1)
@@ -165,7 +169,9 @@ def make_trainable(
             state.layout.pipeline_schedule,
         )
         loss = _pipeline_loss(model.chunks, state, mcfg.real_vocab_size)
-    return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss)
+        if cfg.dpo is not None:
+            logps = _pipeline_logps(model.chunks, mcfg.real_vocab_size)
+    return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss, logps)
 
 
 def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.Tensor:
@@ -196,3 +202,13 @@ def _pipeline_loss(chunks: list[StageModule], state: ParallelState, vocab: int) 
     return lambda hidden, mb: fused_parallel_lm_loss(
         hidden, last.lm_head, mb.labels, mb.loss_mask, vocab_limit=vocab
     )
+
+
+def _pipeline_logps(chunks: list[StageModule], vocab: int) -> LossFn:
+    """The (B,) row log-probs a pipeline's last chunk feeds (preference training): its final norm's
+    output through the LM head. Other ranks never call it."""
+    last = chunks[-1] if chunks and chunks[-1].is_last else None
+    if last is None:
+        return lambda out, mb: out.new_zeros(out.shape[0])
+    last.return_hidden = True
+    return lambda hidden, mb: head_logps(hidden, last.lm_head, mb, vocab)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from megatrain.spec import JobSpec, ModelSpec
+from megatrain.spec_dpo import DPOSpec
 from megatrain.spec_lora import LoRASpec
 
 
@@ -44,6 +45,15 @@ class MoEConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer % self.layer_freq == 0
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Preference training's loss (megatrain.spec_dpo.DPOSpec; engine.dpo computes it)."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -292,6 +302,8 @@ class TrainConfig:
     seed: int
     lora: LoRAConfig | None = None
     """training.method lora: the adapters; None: every weight trains."""
+    dpo: DPOConfig | None = None
+    """kind dpo: the preference loss over pairs of sequences; None: the LM loss."""
 
     @property
     def grad_accum_steps(self) -> int:
@@ -340,7 +352,16 @@ def train_config(spec: JobSpec, data_parallel_size: int) -> TrainConfig:
         eval_iters=t.eval_iters,
         seed=t.seed,
         lora=lora_config(spec),
+        dpo=dpo_config(spec),
     )
+
+
+def dpo_config(spec: JobSpec) -> DPOConfig | None:
+    """The preference loss of a dpo job, else None."""
+    if spec.kind != "dpo":
+        return None
+    d = spec.training.dpo or DPOSpec()
+    return DPOConfig(d.beta, d.loss_type, d.label_smoothing)
 
 
 def lora_config(spec: JobSpec) -> LoRAConfig | None:

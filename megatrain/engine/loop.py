@@ -17,6 +17,7 @@ from megatrain.engine.checkpoint.training import Progress
 from megatrain.engine.config import TrainConfig
 from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
+from megatrain.engine.dpo import PreferenceLoss, prepare_reference, sequence_logps
 from megatrain.engine.memory_stats import memory_row
 from megatrain.engine.metrics import throughput
 from megatrain.engine.microbatch import (
@@ -107,6 +108,8 @@ class TrainLoop:
         model = train.model
         self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
         self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
+        # kind dpo: the loss over pairs of rows instead of the per-token LM loss (engine.dpo).
+        self.preference = PreferenceLoss(cfg.dpo, cfg.samples_per_rank // 2, self.device) if cfg.dpo else None
 
     def _micro_ids(self, start: int) -> list[list[int]]:
         c, s = self.cfg, self.state
@@ -130,12 +133,10 @@ class TrainLoop:
             batches = [batch_of(self.train_ds, ids, self.device, self.state) for ids in micro_ids]
             denominator = loss_denominator(batches, self.state)
         if pipeline is not None:
-            loss_fn = train.loss
-            assert loss_fn is not None
             fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
             loss_sum += pipeline.forward_backward(
                 batches,
-                lambda out, mb: token_share(loss_fn(out, mb), mb.num_loss_tokens, denominator),
+                lambda out, mb: self._pipeline_share(out, mb, denominator),
                 scale_loss=optimizer.scale_loss,
                 # Gradient buckets are reduced only during this stage's last backward.
                 before_backward=lambda last: setattr(ddp, "is_last_microbatch", last),
@@ -152,7 +153,7 @@ class TrainLoop:
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     set_microbatch_aux_scale(self.moe_layers, mb, denominator, optimizer.loss_scale)
                     with timers("forward"):
-                        loss = token_share(lm_loss(ddp, mb, self.state), mb.num_loss_tokens, denominator)
+                        loss = self._share(mb, denominator)
                     with timers("backward"):
                         optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
@@ -164,6 +165,59 @@ class TrainLoop:
         with timers("optimizer"):
             result = optimizer.step()
         return loss_sum, result
+
+    def _share(self, mb: MicroBatch, denominator: float) -> torch.Tensor:
+        """A micro-batch's share of the step loss, without a pipeline."""
+        if self.preference is not None:
+            return self.preference.share(sequence_logps(self.train.ddp, mb), mb)
+        return token_share(lm_loss(self.train.ddp, mb, self.state), mb.num_loss_tokens, denominator)
+
+    def _pipeline_share(self, out: torch.Tensor, mb: MicroBatch, denominator: float) -> torch.Tensor:
+        """A micro-batch's share of the step loss from the pipeline's last stage output."""
+        if self.preference is not None:
+            assert self.train.logps is not None
+            return self.preference.share(self.train.logps(out, mb), mb)
+        assert self.train.loss is not None
+        return token_share(self.train.loss(out, mb), mb.num_loss_tokens, denominator)
+
+    def row_logps(self, batches: list[MicroBatch]) -> list[torch.Tensor | None]:
+        """Each micro-batch's (B,) row log-probs under the model as it is, forward only (None on
+        pipeline stages other than the last)."""
+        ddp, pipeline = self.train.ddp, self.train.pipeline
+        if pipeline is None:
+            return [sequence_logps(ddp, mb) for mb in batches]
+        logps, found = self.train.logps, {}
+        assert logps is not None
+
+        def keep(out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+            found[id(mb)] = logps(out, mb)
+            return out.new_zeros(())
+
+        pipeline.forward_only(batches, keep)
+        pipeline.times.reset()
+        return [found.get(id(mb)) for mb in batches]
+
+    @torch.no_grad()
+    def prepare_reference(self, key: str) -> None:
+        """kind dpo: every split's reference log-probs, with the model as it is now (before the first
+        step) and its adapters off (engine.dpo.prepare_reference)."""
+        loaders = {"train": self.train_ds, "valid": self.valid_ds, "test": self.test_ds}
+        # A Loader wraps its dataset; tests hand the datasets themselves.
+        datasets = {n: getattr(ld, "dataset", ld) for n, ld in loaders.items() if ld is not None}
+        self.train.ddp.eval()
+        try:
+            prepare_reference(
+                datasets,
+                self.train.model.module,
+                self.row_logps,
+                self._micro_ids,
+                self.cfg.global_batch_size,
+                self.state,
+                key,
+                self.log.say,
+            )
+        finally:
+            self.train.ddp.train()
 
     @torch.no_grad()
     def evaluate(self, dataset: Loader | None = None) -> float:
@@ -179,6 +233,18 @@ class TrainLoop:
         for it in range(self.cfg.eval_iters):
             ids = self._micro_ids(it * self.cfg.global_batch_size)
             batches = [batch_of(dataset, i, self.device, self.state) for i in ids]
+            if self.preference is not None:
+                pairs = self.preference.summed
+                total += sum(
+                    (
+                        pairs(lp, mb)
+                        for lp, mb in zip(self.row_logps(batches), batches, strict=True)
+                        if lp is not None
+                    ),
+                    torch.zeros((), device=self.device),
+                )
+                count += sum(mb.tokens.shape[0] // 2 for mb in batches)
+                continue
             if pipeline is not None:
                 total += pipeline.forward_only(batches, self._summed_loss)
             else:
@@ -189,6 +255,8 @@ class TrainLoop:
         ddp.train()
         if pipeline is not None:
             pipeline.times.reset()  # the bubble figure is the training schedule's
+        if self.preference is not None:  # the mean over pairs: every rank holds as many
+            return reduce_mean(total, self.state) / count
         # Means over dp of the sum and of the count (every stage holds the count): their ratio is the
         # global per-token loss.
         count_mean = mean_loss_tokens(count, masked, self.state)
@@ -280,6 +348,8 @@ class TrainLoop:
         if w.loss_scale is not None:
             row["loss_scale"] = w.loss_scale
         row.update(moe_metrics(self.train.model.module, self.moe, self.state))  # {} when dense
+        if self.preference is not None:
+            row.update(self.preference.metrics(self.state))
         bubble = ""
         pipeline = self.train.pipeline
         if pipeline is not None:

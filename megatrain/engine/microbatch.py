@@ -32,6 +32,8 @@ class MicroBatch:
     segment_ids: torch.Tensor | None = None
     num_loss_tokens: int = -1
     """Labels that count, known on the host (no device sync); -1: computed in __post_init__."""
+    ref_logps: torch.Tensor | None = None
+    """Preference training: (B,) float32 reference log-probs of the rows (engine.dpo); else None."""
 
     def __post_init__(self) -> None:
         if self.num_loss_tokens < 0:
@@ -56,6 +58,7 @@ class MicroBatch:
             move(batch.position_ids, torch.int64),
             move(batch.segment_ids, torch.int64),
             num_loss_tokens=batch.num_loss_tokens,
+            ref_logps=move(batch.ref_logps, torch.float32),
         )
 
     @property

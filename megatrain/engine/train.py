@@ -39,6 +39,7 @@ from megatrain.engine.checkpoint import find_latest, open_folder, resolve_init_f
 from megatrain.engine.checkpoint.training import Checkpointer, Progress, load_model_weights
 from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
 from megatrain.engine.data import Loader, build_datasets, build_tokenizer
+from megatrain.engine.dpo import reference_key
 from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.materialize import WeightSource
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
@@ -113,13 +114,11 @@ def run(
     try:
         latest = find_latest(ckpt_url)
         # A retry resumes its own checkpoint: init_from is only the first attempt's start, but for
-        # a LoRA run, whose checkpoints hold the adapters only, it is also every attempt's base.
-        init_from = spec.model.init_from if latest is None or cfg.lora else None
+        # a LoRA run, whose checkpoints hold the adapters only, it is also every attempt's base, and
+        # for DPO the reference model (unless its log-probs are cached, computed before resuming).
+        init_from = spec.model.init_from if latest is None or cfg.lora or cfg.dpo else None
         train = _start_model(spec, mcfg, cfg, state, ctx.device, init_from, activity, log)
         checkpointer = _checkpointer(ckpt_url, train, spec, mcfg, cfg, log)
-        start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)
-        vocab = tokenizer.vocab_size
-        log.events.write(_started_event(spec, layout, train, cfg, mcfg, ctx, start, resumed_from, vocab, log))
         poll = _test_hang(checkpointer.poll, activity, ctx.rank)
         loop = TrainLoop(
             train,
@@ -132,6 +131,12 @@ def run(
             activity,
             _preempt_check(ctx),
         )
+        if cfg.dpo is not None:
+            activity.phase = "evaluation"  # forwards only, a pause the hang watch allows for
+            loop.prepare_reference(reference_key(spec.model.init_from, mcfg, cfg.precision))
+        start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)
+        vocab = tokenizer.vocab_size
+        log.events.write(_started_event(spec, layout, train, cfg, mcfg, ctx, start, resumed_from, vocab, log))
         summary = loop.run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:

@@ -6,7 +6,9 @@ The contract between the loaders (which build it) and the model and losses (whic
   None means every label counts;
 - position_ids: each token's position (restarting at 0 for each packed document); None: 0..T-1;
 - segment_ids: tokens attend only to earlier tokens of the same segment (a packed document);
-  None: each row is one segment (plain causal attention).
+  None: each row is one segment (plain causal attention);
+- ref_logps: preference training (B,) float32, each row's reference log-probability summed over
+  its loss tokens (rows come in pairs: chosen, rejected); None otherwise.
 The loss of a step is the sum of its loss tokens' losses over the number of loss tokens in the whole
 global batch, so packing, masking and micro-batching do not change what a document contributes.
 """
@@ -25,6 +27,7 @@ class Batch:
     loss_mask: np.ndarray | None = None
     position_ids: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
+    ref_logps: np.ndarray | None = None
 
     @classmethod
     def from_windows(cls, windows: np.ndarray) -> Batch:

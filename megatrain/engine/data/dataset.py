@@ -6,7 +6,7 @@ tokenized once into the cache (`preprocess`) under a key of everything that shap
 file's identity, the tokenizer, the text key), so existing JSONL specs train exactly as before but from
 a memory map. Sequences are split by `data.split` as Megatron splits them, each split served by a
 GPTDataset sized for what the run consumes, and the sources blended by weight (BlendedDataset).
-Fine-tuning jobs take their own datasets (`finetune`).
+Fine-tuning and preference jobs take their own datasets (`finetune`, `preference`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ def build_datasets(
     """train/valid/test datasets (None for an empty split) for `spec`'s data and kind."""
     cache_root = cache_root or default_cache_root()
     seed = spec.training.seed
+    if spec.kind == "dpo":
+        from megatrain.engine.data.preference import build_preference_datasets
+
+        return build_preference_datasets(  # type: ignore[return-value]
+            spec.data, tokenizer, seq_length, seed, cache_root / "preference"
+        )
     if spec.kind == "finetune" and _holds_records(spec.data):
         from megatrain.engine.data.finetune import build_finetune_datasets
 
