@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatrain.engine.config import LoRAConfig
-
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Our targets and the Hugging Face module names PEFT's target_modules gives for them.
@@ -14,18 +12,18 @@ HF_TARGETS = {"qkv": {"q_proj", "k_proj", "v_proj", "c_attn"}, "proj": {"o_proj"
               "fc1": {"gate_proj", "up_proj", "c_fc"}, "fc2": {"down_proj", "mlp.c_proj"}}  # fmt: skip
 
 
-def lora_from_peft_config(config: dict[str, Any]) -> LoRAConfig:
-    """The LoRAConfig an adapter_config.json describes (its targets mapped back to ours); ValueError
-    or KeyError for one that is not a LoRA adapter's."""
+def lora_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The training.lora settings an adapter_config.json describes (rank, alpha, dropout, targets
+    mapped back to ours, use_rslora); ValueError or KeyError for one that is not a LoRA adapter's."""
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r} is not LORA")
     names = set(config.get("target_modules") or [])
     if "c_proj" in names:  # GPT-2 names attn and mlp output projections alike
         names |= {"attn.c_proj", "mlp.c_proj"}
-    return LoRAConfig(
-        rank=int(config["r"]),
-        alpha=float(config["lora_alpha"]),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        targets=tuple(t for t, hf in HF_TARGETS.items() if names & hf),
-        use_rslora=bool(config.get("use_rslora", False)),
-    )
+    return {
+        "rank": int(config["r"]),
+        "alpha": float(config["lora_alpha"]),
+        "dropout": float(config.get("lora_dropout", 0.0)),
+        "targets": [t for t, hf in HF_TARGETS.items() if names & hf],
+        "use_rslora": bool(config.get("use_rslora", False)),
+    }

@@ -24,8 +24,9 @@ from megatrain.engine.interop.lora_export import (
     hf_model_type,
     merged_tensor_source,
 )
-from megatrain.engine.interop.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_from_peft_config
+from megatrain.engine.interop.peft import lora_from_peft_config
 from megatrain.engine.lora import LoRA
+from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatrain.spec import parse_spec
 
 from .parallel._tp_common import fake_state

@@ -24,7 +24,7 @@ from megatrain.api.models.schemas import ModelCreate, ModelPublic
 from megatrain.api.registry import find_named, get_named, list_named
 from megatrain.db.models import RegisteredModel, Tenant, new_id
 from megatrain.hf_config import HFConfigError, model_fields_from_hf
-from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_from_peft_config
+from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_settings
 from megatrain.settings import Settings
 from megatrain.spec import SpecError
 from megatrain.storage import StorageError, open_store
@@ -108,12 +108,12 @@ def inspect_adapter(
     except (StorageError, ValueError) as exc:
         raise FieldError("url", f"cannot read {url}/{ADAPTER_CONFIG}: {exc}") from None
     try:
-        lora = lora_from_peft_config(config)
+        adapter = lora_settings(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise FieldError(
             "url", f"{url}/{ADAPTER_CONFIG} is not a PEFT LoRA adapter's config: {exc}"
         ) from None
-    if not lora.targets:
+    if not adapter["targets"]:
         raise FieldError(
             "url", f"{url}: the adapter's target_modules {config.get('target_modules')} name none of ours"
         )
@@ -127,9 +127,7 @@ def inspect_adapter(
     if found is None or (found.kind or "model") != "model":
         what = "a LoRA adapter, not a whole model" if found is not None else "not a registered model"
         raise FieldError("base", f"base={base!r} is {what} (see GET /v1/models)")
-    settings_ = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                 "targets": list(lora.targets), "use_rslora": lora.use_rslora}  # fmt: skip
-    return found, settings_
+    return found, adapter
 
 
 def _shared(session: Session, name: str) -> RegisteredModel | None:

@@ -24,14 +24,13 @@ from megatrain.engine.checkpoint import CheckpointReader
 from megatrain.engine.config import LoRAConfig, TransformerConfig, lora_config
 from megatrain.engine.interop.hf import DTYPE_NAMES, folder_store, put_files
 from megatrain.engine.interop.peft import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     adapter_to_peft,
     dumps_config,
     peft_config,
 )
 from megatrain.engine.lora import adapted_target, merged_weight
 from megatrain.hf_config import hf_config_from_model
+from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 GetTensor = Callable[[str], torch.Tensor]
 

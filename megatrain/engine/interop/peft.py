@@ -19,7 +19,7 @@ import torch
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.interop.hf_mapping import Rule, rules_for
 from megatrain.engine.lora import LoRAConfig
-from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_from_peft_config  # noqa: F401 (re-exported)
+from megatrain.peft_config import lora_settings
 
 PEFT_PREFIX = "base_model.model."
 TARGET_SUFFIXES = {"qkv": "attn.qkv.weight", "proj": "attn.proj.weight", "fc1": "mlp.fc1.weight",
@@ -111,6 +111,12 @@ def peft_config(
         "init_lora_weights": True,
         "modules_to_save": None,
     }
+
+
+def lora_from_peft_config(config: dict[str, Any]) -> LoRAConfig:
+    """The LoRAConfig an adapter_config.json describes (megatrain.peft_config.lora_settings)."""
+    settings = lora_settings(config)
+    return LoRAConfig(**{**settings, "targets": tuple(settings["targets"])})
 
 
 def dumps_config(config: dict[str, Any]) -> bytes:

@@ -14,12 +14,11 @@ import torch
 
 from megatrain.engine.config import LoRAConfig, TransformerConfig
 from megatrain.engine.interop.peft import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     adapter_from_peft,
     lora_from_peft_config,
 )
 from megatrain.engine.materialize import WeightSource
+from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatrain.storage import StorageError, read_url
 
 
