@@ -15,6 +15,11 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
 - **fp8**: the transformer linears' GEMMs run at the pool's fp8 peak (the attention core, LM head
   and MoE router and experts at bf16's); their float8 casts stream through memory
   (`fp8_cast_bytes`). MFU stays against the bf16 peak, as the engine reports it.
+- **LoRA** (a frozen model with trained adapters): a frozen linear's backward computes only its
+  input's gradient (one GEMM per forward one, 2× in all, the LM head and MoE experts too), nor does
+  sequence parallelism gather its input again (2 all-gathers + 2 reduce-scatters backward); the
+  adapters' own GEMMs, passes and rank-r collectives follow megatrain.plan.lora_cost. Data
+  parallelism reduces, and the optimizer updates, the adapters only.
 - **Recompute**: full adds each recomputed layer's forward again (its tp collectives too);
   selective adds the attention core's forward.
 - **Tensor parallelism**: per layer and micro-batch, 2 all-reduces forward and 2 backward of the
@@ -69,8 +74,15 @@ from megatrain.plan.cost_constants import (  # noqa: F401  (re-exported)
 from megatrain.plan.flops import flops_per_iteration, layer_forward_flops
 from megatrain.plan.layout import Layout
 from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
+from megatrain.plan.lora_cost import LoRASeconds, lora_layer_seconds
 from megatrain.plan.pool import PoolSpec
-from megatrain.plan.shapes import ModelShape, layers_on_stage, moe_layers_on_stage, stage_params
+from megatrain.plan.shapes import (
+    ModelShape,
+    layers_on_stage,
+    lora_stage_params,
+    moe_layers_on_stage,
+    stage_params,
+)
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,10 @@ def _stage_param_counts(
     model: ModelShape, tp: int, pp: int, ep: int, v: int, pipeline_layers: tuple[int, ...] | None,
     stages: tuple[int, ...],
 ) -> tuple[int, int]:  # fmt: skip
-    """(parameters, routed-expert parameters) of the rank of `stages` holding the most."""
+    """(trainable parameters, of them routed experts) of the rank of `stages` holding the most: a
+    LoRA run's adapters, none of them experts."""
+    if model.lora is not None:
+        return max(lora_stage_params(model, tp, pp, st, pipeline_layers, v) for st in stages), 0
     counts = max(
         (stage_params(model, tp, pp, st, pipeline_layers, ep, v) for st in stages),
         key=lambda p: sum(p.values()),
@@ -206,7 +221,23 @@ def _layer_costs(
     fwd_attention = tokens * parts["attention"] / tp / (peak * attention_eff)
     elementwise = tokens * h * c.elementwise_bytes * act / 2 / seq_div / bandwidth
     fwd_gemms = fwd_attn_gemms + fwd_mlp
-    layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+    bw, lat = link(pool, True)  # tensor parallelism stays inside a node
+    frozen = model.lora is not None
+
+    def adapters_of(moe: bool) -> LoRASeconds:
+        return lora_layer_seconds(
+            model, moe=moe, tp=tp, sp=sp, tokens=tokens, act=act, peak=peak, bandwidth=bandwidth, c=c,
+            tp_bandwidth_gbps=bw, tp_latency_us=lat,
+        )  # fmt: skip
+
+    adapters = adapters_of(moe=False)
+    if frozen:
+        # A frozen linear's backward is its input gradient's GEMM only; the attention core's is 2×.
+        layer_compute = (
+            2 * fwd_gemms + 3 * fwd_attention + adapters.compute + elementwise + c.layer_overhead_s
+        )
+    else:
+        layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
     if linear_peak is not None:
         layer_compute += fp8_cast_bytes(model, tp, tokens) / bandwidth
 
@@ -225,26 +256,28 @@ def _layer_costs(
         layer_cp = (cp - 1) * (max(hop, block) - block + max(2 * hop, 2 * block) - 2 * block + merge)
 
     # Tensor-parallel collectives of one layer and micro-batch (inside a node): per sublayer an
-    # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward.
-    bw, lat = link(pool, True)
+    # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward
+    # (a frozen linear gathers no input again for a weight gradient: AG + RS).
 
     def tp_sublayer(nbytes: float) -> tuple[float, float]:
         ar = ring_time("all_reduce", nbytes, tp, bw, lat)
         ag = ring_time("all_gather", nbytes, tp, bw, lat)
-        return (2 * ag, 3 * ag) if sp else (ar, ar)
+        return (2 * ag, (2 if frozen else 3) * ag) if sp else (ar, ar)
 
     full = tokens * h * act  # the (tokens, hidden) activation, whole
     sub_fwd, sub_bwd = tp_sublayer(full)
     ar = ring_time("all_reduce", full, tp, bw, lat)
     ag = ring_time("all_gather", full, tp, bw, lat)
     fwd_tp = 2 * sub_fwd
-    layer_tp = fwd_tp + 2 * sub_bwd
+    layer_tp = fwd_tp + 2 * sub_bwd + adapters.tp_comm
 
     # Recompute: every k-th layer's forward again (full), or the attention core (selective).
     share = 1.0 / recompute_every if recompute == "full" else 0.0
     if recompute == "full":
-        layer_recompute = share * (fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3)
-        layer_tp += share * fwd_tp
+        layer_recompute = share * (
+            fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3 + adapters.forward
+        )
+        layer_tp += share * (fwd_tp + adapters.tp_comm / 2)
     elif recompute == "selective":
         layer_recompute = fwd_attention
     else:
@@ -268,14 +301,20 @@ def _layer_costs(
             fs = moe.shared_expert_ffn_hidden_size
             fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=lp) + gemm(fs / tp, h, at=lp)
         permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
-        moe_compute = layer_compute + 3 * (fwd_moe - fwd_mlp) + permute
+        moe_compute = layer_compute + (2 if frozen else 3) * (fwd_moe - fwd_mlp) + permute
+        moe_adapters = adapters_of(moe=True)
+        if frozen:  # an MoE layer's adapters are attention's only
+            moe_compute += moe_adapters.compute - adapters.compute
         routed_bytes = routed * h * act / seq_div
         a2a = all_to_all_time(routed_bytes, ep, ep_ranks_per_node(tp, cp, ep, pool.devices_per_node), pool)
         moe_sub_fwd, moe_sub_bwd = tp_sublayer(routed * h * act)  # experts see the tp group's tokens
         moe_tp = layer_tp - sub_fwd - sub_bwd + moe_sub_fwd + moe_sub_bwd
+        if frozen:
+            moe_tp += moe_adapters.tp_comm - adapters.tp_comm
         moe_ep = 4 * a2a
         if recompute == "full":
             moe_recompute = share * (fwd_gemms - fwd_mlp + fwd_moe + fwd_attention + elementwise / 3)
+            moe_recompute += share * moe_adapters.forward
             moe_recompute += share * c.layer_overhead_s / 3
             moe_tp += share * (moe_sub_fwd - sub_fwd)
             moe_ep += share * 2 * a2a
@@ -283,7 +322,9 @@ def _layer_costs(
             moe_recompute = layer_recompute
 
     # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
-    head = 3 * gemm(h, model.vocab_size / tp) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
+    head = (2 if frozen else 3) * gemm(
+        h, model.vocab_size / tp
+    ) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
     # (the head's GEMMs and the fp32 softmax/loss over (tokens, V/t))
     edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
     return _LayerCosts(
