@@ -221,43 +221,20 @@ def _layer_costs(
     fwd_attention = tokens * parts["attention"] / tp / (peak * attention_eff)
     elementwise = tokens * h * c.elementwise_bytes * act / 2 / seq_div / bandwidth
     fwd_gemms = fwd_attn_gemms + fwd_mlp
-    bw, lat = link(pool, True)  # tensor parallelism stays inside a node
-    frozen = model.lora is not None
-
-    def adapters_of(moe: bool) -> LoRASeconds:
-        return lora_layer_seconds(
-            model, moe=moe, tp=tp, sp=sp, tokens=tokens, act=act, peak=peak, bandwidth=bandwidth, c=c,
-            tp_bandwidth_gbps=bw, tp_latency_us=lat,
-        )  # fmt: skip
-
-    adapters = adapters_of(moe=False)
+    frozen = model.lora is not None  # (the adapters' own costs: _plus_adapters)
     if frozen:
         # A frozen linear's backward is its input gradient's GEMM only; the attention core's is 2×.
-        layer_compute = (
-            2 * fwd_gemms + 3 * fwd_attention + adapters.compute + elementwise + c.layer_overhead_s
-        )
+        layer_compute = 2 * fwd_gemms + 3 * fwd_attention + elementwise + c.layer_overhead_s
     else:
         layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
     if linear_peak is not None:
         layer_compute += fp8_cast_bytes(model, tp, tokens) / bandwidth
-
-    # Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
-    # and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
-    # (ring attention overlaps them), so a step costs the slower of the two.
-    # Every extra step also merges its partial output into the running one (online softmax: fp32
-    # output and log-sum-exp read and written forward, dK/dV accumulated in fp32 backward).
-    layer_cp = 0.0
-    if cp > 1:
-        bw_cp, lat_cp = link(pool, tp * cp <= pool.devices_per_node)
-        kv_bytes = tokens * 2 * model.kv_size * act / tp
-        hop = lat_cp * 1e-6 + kv_bytes / (bw_cp * 1e9)
-        block = fwd_attention / cp
-        merge = tokens * (h + 2 * model.kv_size) / tp * 12 / bandwidth + c.ring_step_overhead_s
-        layer_cp = (cp - 1) * (max(hop, block) - block + max(2 * hop, 2 * block) - 2 * block + merge)
+    layer_cp = _ring_attention_seconds(model, tp, cp, tokens, act, fwd_attention, pool, c)
 
     # Tensor-parallel collectives of one layer and micro-batch (inside a node): per sublayer an
     # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward
     # (a frozen linear gathers no input again for a weight gradient: AG + RS).
+    bw, lat = link(pool, True)
 
     def tp_sublayer(nbytes: float) -> tuple[float, float]:
         ar = ring_time("all_reduce", nbytes, tp, bw, lat)
@@ -269,15 +246,13 @@ def _layer_costs(
     ar = ring_time("all_reduce", full, tp, bw, lat)
     ag = ring_time("all_gather", full, tp, bw, lat)
     fwd_tp = 2 * sub_fwd
-    layer_tp = fwd_tp + 2 * sub_bwd + adapters.tp_comm
+    layer_tp = fwd_tp + 2 * sub_bwd
 
     # Recompute: every k-th layer's forward again (full), or the attention core (selective).
     share = 1.0 / recompute_every if recompute == "full" else 0.0
     if recompute == "full":
-        layer_recompute = share * (
-            fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3 + adapters.forward
-        )
-        layer_tp += share * (fwd_tp + adapters.tp_comm / 2)
+        layer_recompute = share * (fwd_gemms + fwd_attention + elementwise / 3 + c.layer_overhead_s / 3)
+        layer_tp += share * fwd_tp
     elif recompute == "selective":
         layer_recompute = fwd_attention
     else:
@@ -302,19 +277,13 @@ def _layer_costs(
             fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=lp) + gemm(fs / tp, h, at=lp)
         permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
         moe_compute = layer_compute + (2 if frozen else 3) * (fwd_moe - fwd_mlp) + permute
-        moe_adapters = adapters_of(moe=True)
-        if frozen:  # an MoE layer's adapters are attention's only
-            moe_compute += moe_adapters.compute - adapters.compute
         routed_bytes = routed * h * act / seq_div
         a2a = all_to_all_time(routed_bytes, ep, ep_ranks_per_node(tp, cp, ep, pool.devices_per_node), pool)
         moe_sub_fwd, moe_sub_bwd = tp_sublayer(routed * h * act)  # experts see the tp group's tokens
         moe_tp = layer_tp - sub_fwd - sub_bwd + moe_sub_fwd + moe_sub_bwd
-        if frozen:
-            moe_tp += moe_adapters.tp_comm - adapters.tp_comm
         moe_ep = 4 * a2a
         if recompute == "full":
             moe_recompute = share * (fwd_gemms - fwd_mlp + fwd_moe + fwd_attention + elementwise / 3)
-            moe_recompute += share * moe_adapters.forward
             moe_recompute += share * c.layer_overhead_s / 3
             moe_tp += share * (moe_sub_fwd - sub_fwd)
             moe_ep += share * 2 * a2a
@@ -338,6 +307,54 @@ def _layer_costs(
         moe_ep,
         head,
         edge_tp,
+    )
+
+
+def _ring_attention_seconds(
+    model: ModelShape, tp: int, cp: int, tokens: float, act: int, fwd_attention: float, pool: Links,
+    c: CostConstants,
+) -> float:  # fmt: skip
+    """Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
+    and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
+    (ring attention overlaps them), so a step costs the slower of the two. Every extra step also
+    merges its partial output into the running one (online softmax: fp32 output and log-sum-exp
+    read and written forward, dK/dV accumulated in fp32 backward)."""
+    if cp == 1:
+        return 0.0
+    bw_cp, lat_cp = link(pool, tp * cp <= pool.devices_per_node)
+    kv_bytes = tokens * 2 * model.kv_size * act / tp
+    hop = lat_cp * 1e-6 + kv_bytes / (bw_cp * 1e9)
+    block = fwd_attention / cp
+    merge = tokens * (model.hidden_size + 2 * model.kv_size) / tp * 12 / (c.memory_bandwidth_gbps * 1e9)
+    merge += c.ring_step_overhead_s
+    return (cp - 1) * (max(hop, block) - block + max(2 * hop, 2 * block) - 2 * block + merge)
+
+
+@lru_cache(maxsize=16384)
+def _plus_adapters(
+    lc: _LayerCosts, model: ModelShape, tp: int, cp: int, sp: bool, micro_batch_size: int, recompute: str,
+    recompute_every: int, act: int, peak: float, pool: Links, c: CostConstants,
+) -> _LayerCosts:  # fmt: skip
+    """A LoRA run's layer costs: the frozen base's (`lc`) plus its adapters' (megatrain.plan.lora_cost),
+    recomputed with their layer under full recompute; an MoE layer's are attention's only."""
+    bw, lat = link(pool, True)
+    tokens = micro_batch_size * model.seq_length / cp
+
+    def adapters(moe: bool) -> LoRASeconds:
+        return lora_layer_seconds(
+            model, moe=moe, tp=tp, sp=sp, tokens=tokens, act=act, peak=peak,
+            bandwidth=c.memory_bandwidth_gbps * 1e9, c=c, tp_bandwidth_gbps=bw, tp_latency_us=lat,
+        )  # fmt: skip
+
+    share = 1.0 / recompute_every if recompute == "full" else 0.0
+    dense, moe = adapters(False), adapters(True)
+    return lc._replace(
+        layer_compute=lc.layer_compute + dense.compute,
+        layer_recompute=lc.layer_recompute + share * dense.forward,
+        layer_tp=lc.layer_tp + dense.tp_comm + share * dense.tp_comm / 2,  # (half of it is forward)
+        moe_compute=lc.moe_compute + moe.compute,
+        moe_recompute=lc.moe_recompute + share * moe.forward,
+        moe_tp=lc.moe_tp + moe.tp_comm + share * moe.tp_comm / 2,
     )
 
 
@@ -367,6 +384,11 @@ def predict_step(
         model, tp, cp, ep, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
         act, peak, links, c, linear_peak,
     )  # fmt: skip
+    if model.lora is not None:
+        lc = _plus_adapters(
+            lc, model, tp, cp, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
+            act, peak, links, c,
+        )  # fmt: skip
 
     layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]
     moe_compute, moe_recompute, moe_tp, moe_ep, head, edge_tp = lc[4:]

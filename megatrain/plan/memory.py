@@ -183,6 +183,37 @@ def _model_state(
     }
 
 
+def _stage_estimate(
+    stage: int,
+    state: dict[str, Any],
+    stored: dict[str, float],
+    transients: dict[str, float],
+    acts: StepActivations,
+    in_flight: float,
+) -> MemoryEstimate:
+    """One stage's estimate: its model state (_model_state), saved activations and largest transient."""
+    activations = int(sum(stored.values()) + max(transients.values(), default=0.0))
+    held = state["params"] + state["grads"] + state["optimizer"]
+    breakdown = dict(state["breakdown"])
+    breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
+    breakdown.update({f"transient_{k}": int(b) for k, b in transients.items()})
+    breakdown.update({f"per_layer_{k}": int(acts.tokens * b) for k, b in acts.per_layer.items()})
+    breakdown["optimizer_workspace"] = state["workspace"]
+    breakdown.update({f"startup_{k}": int(b) for k, b in state["startup"].items()})
+    breakdown["microbatches_in_flight"] = in_flight
+    return MemoryEstimate(
+        params_bytes=state["params"],
+        grads_bytes=state["grads"],
+        optimizer_bytes=state["optimizer"],
+        activations_bytes=activations,
+        total_bytes=held + max(activations, state["workspace"]),
+        stage=stage,
+        num_params=state["n_params"],
+        breakdown=breakdown,
+        startup_bytes=int(max(state["startup"].values())),
+    )
+
+
 def estimate_memory(
     model: Any,
     *,
@@ -267,32 +298,11 @@ def estimate_memory(
         if cp > 1 and n_layers:
             # Ring attention's backward: the K/V block in use and the next, and fp32 dK/dV (tp-split heads).
             transients["ring_attention"] = tokens * m.kv_size * (4 * act + 8) / tp
-        activations = int(sum(stored.values()) + max(transients.values(), default=0.0))
         state = _model_state(
             parts, n_lora, precision=precision, shard=shard, expert_shard=expert_shard,
             distributed_optimizer=distributed_optimizer, fused_optimizer=fused_optimizer,
         )  # fmt: skip
-        held = state["params"] + state["grads"] + state["optimizer"]
-        breakdown = dict(state["breakdown"])
-        breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
-        breakdown.update({f"transient_{k}": int(b) for k, b in transients.items()})
-        breakdown.update({f"per_layer_{k}": int(tokens * b) for k, b in acts.per_layer.items()})
-        breakdown["optimizer_workspace"] = state["workspace"]
-        breakdown.update({f"startup_{k}": int(b) for k, b in state["startup"].items()})
-        breakdown["microbatches_in_flight"] = in_flight
-        stages.append(
-            MemoryEstimate(
-                params_bytes=state["params"],
-                grads_bytes=state["grads"],
-                optimizer_bytes=state["optimizer"],
-                activations_bytes=activations,
-                total_bytes=held + max(activations, state["workspace"]),
-                stage=stage,
-                num_params=state["n_params"],
-                breakdown=breakdown,
-                startup_bytes=int(max(state["startup"].values())),
-            )
-        )
+        stages.append(_stage_estimate(stage, state, stored, transients, acts, in_flight))
     if wanted is not None and not 0 <= wanted < pp:
         raise ValueError(f"stage={wanted} is outside pp={pp}")
     worst = stages[wanted] if wanted is not None else max(stages, key=lambda e: e.total_bytes)

@@ -60,8 +60,8 @@ def test_adapter_count_is_the_engines(name: str, targets: tuple[str, ...]) -> No
 
 def test_a_spec_reports_trainable_parameters() -> None:
     s = spec(method="lora", lora={"rank": 4, "targets": ["qkv", "fc2"]})
-    counts = param_counts(shape_of_spec(s, 32000))
-    assert counts["trainable"] == lora_config(s).num_params(transformer_config(s, 32000))  # type: ignore[union-attr]
+    counts, lora = param_counts(shape_of_spec(s, 32000)), lora_config(s)
+    assert lora is not None and counts["trainable"] == lora.num_params(transformer_config(s, 32000))
     assert counts["total"] == param_counts(shape_of_spec(spec(), 32000))["total"]  # the base's, as before
     assert "trainable" not in param_counts(shape_of_spec(spec(), 32000))  # a full run: every one trains
 
