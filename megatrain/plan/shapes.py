@@ -169,9 +169,10 @@ def shape_of_spec(spec: JobSpec, tokenizer_vocab: int) -> ModelShape:
 
 
 def lora_of_spec(spec: JobSpec) -> LoRAShape | None:
-    """The adapters a spec trains (training.method lora; its lora block, else LoRASpec's defaults)."""
+    """The adapters a spec trains (training.method other than full, as engine.config.lora_config
+    decides; its lora block, else LoRASpec's defaults)."""
     t = spec.training
-    if t.method != "lora":
+    if t.method == "full":
         return None
     from megatrain.spec_lora import LoRASpec  # (lazy: this module imports no pydantic model)
 
