@@ -10,6 +10,9 @@ of candidate layouts considered, the best-of-N wall time of one `plan()` call, a
 with its predicted step time and MFU (active FLOPs for MoE). The target (issue 16): a 400B-class
 model on 6,000 GPUs planned in under a second. A second table predicts the layouts the published
 runs used (explicit `parallelism`), to compare with their reported throughput (BENCHMARKS.md).
+A third puts LoRA (rank 16 on every linear) beside full-parameter training of Llama-3-70B at 4,096
+tokens on one node of 8 GPUs: trainable parameters, memory per GPU and predicted step time, the
+cost model's predictions only.
 
 DeepSeek-V3 cannot be written exactly: its multi-head latent attention is modelled as 128-head
 MHA of hidden 7168 and its first 3 dense layers as MoE ones (model.moe.layer_freq has no offset),
@@ -35,8 +38,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatrain.plan.planner import PlanError, balanced_layers, plan  # noqa: E402
+from megatrain.plan.cost import StepSettings, predict_step  # noqa: E402
+from megatrain.plan.memory import from_spec  # noqa: E402
+from megatrain.plan.planner import Plan, PlanError, balanced_layers, plan  # noqa: E402
 from megatrain.plan.pool import PoolSpec  # noqa: E402
+from megatrain.plan.shapes import shape_of_spec, spec_param_counts  # noqa: E402
 from megatrain.spec import parse_spec  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -94,13 +100,13 @@ def pool_for(name: str, gpus: int) -> PoolSpec:
 
 
 def _spec(name: str, gpus: int, batch: int, parallelism: dict[str, Any] | None = None,
-          recompute: str = "none") -> Any:  # fmt: skip
+          recompute: str = "none", model: dict[str, Any] | None = None, **training: Any) -> Any:  # fmt: skip
     raw: dict[str, Any] = {
         "name": name.lower(),
-        "model": {"arch": "llama", **MODELS[name]},
+        "model": {"arch": "llama", **MODELS[name], **(model or {})},
         "data": {"train": [{"dataset": "corpus"}]},
         "training": {"global_batch_size": batch, "micro_batch_size": 1, "precision": "bf16",
-                     "recompute": recompute},
+                     "recompute": recompute, **training},
         "resources": {"devices": gpus},
     }  # fmt: skip
     if parallelism is not None:
@@ -168,6 +174,80 @@ def print_published(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['model']} | {r['gpus']:,} | {r['layout']} | {r['params_b']:.1f} / {r['active_b']:.1f} | "
               f"{r['step_s']:.2f} | {r['tokens_per_gpu']:,.0f} | {r['tflops']:.0f} | {r['mfu']:.1%} | "
               f"{r['gib']:.1f} |")  # fmt: skip
+
+
+LORA = {"method": "lora", "lora": {"rank": 16, "targets": ["qkv", "proj", "fc1", "fc2"]}}
+LORA_SHAPE = ("70B", 8, {"seq_length": 4096})
+"""Llama-3-70B at 4,096-token sequences, 8 sequences per step (model, global batch, model overrides)."""
+
+
+def _method_row(
+    run: str, gpus: int, spec: Any, result: Plan | None, note: str = "", fits: bool = True
+) -> dict[str, Any]:
+    """One row of the LoRA table: a plan's figures, or (result None) only why nothing fits."""
+    counts = spec_param_counts(spec)
+    assert counts is not None
+    row: dict[str, Any] = {
+        "run": run, "gpus": gpus, "fits": fits and result is not None, "note": note,
+        "trainable": counts.get("trainable", counts["total"]), "total": counts["total"],
+    }  # fmt: skip
+    if result is None:
+        return row
+    pred = result.as_dict()["predicted"]
+    mem = pred["memory_breakdown"]
+    parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+    row.update(
+        layout=_layout_text(result.choice.as_dict()),
+        step_s=pred["step_time_s"],
+        mfu=pred["mfu"],
+        tokens_per_gpu=pred["tokens_per_s"] / gpus,
+        gib=pred["memory_per_gpu_bytes"] / (1 << 30),
+        parts={k.removesuffix("_bytes"): mem[k] / (1 << 30) for k in parts},
+    )
+    return row
+
+
+def lora_vs_full() -> list[dict[str, Any]]:
+    """LoRA planned on 8 GPUs; full-parameter training at the LoRA's layout (what it would need
+    there), planned on the same 8 GPUs (nothing fits) and on 32."""
+    name, batch, model = LORA_SHAPE
+    lora_spec, full_spec = _spec(name, 8, batch, model=model, **LORA), _spec(name, 8, batch, model=model)
+    pool = pool_for(name, 8)
+    lora = plan(lora_spec, pool)
+    rows = [_method_row("LoRA r=16, planned", 8, lora_spec, lora)]
+    # Full-parameter training on the LoRA's layout, estimated and predicted as the planner would.
+    c = lora.choice
+    est = from_spec(c.apply(full_spec), c.layout)
+    settings = StepSettings(micro_batch_size=c.micro_batch_size, global_batch_size=batch,
+                            recompute=c.recompute, distributed_optimizer=c.distributed_optimizer)  # fmt: skip
+    t = predict_step(shape_of_spec(full_spec, full_spec.model.vocab_size), c.layout, settings, pool)
+    same = Plan(c, t, est, 8, pool.name, "bf16", explicit=True)
+    rows.append(_method_row("full, at the LoRA's layout", 8, full_spec, same, "does not fit", fits=False))
+    try:
+        plan(full_spec, pool)
+        rows.append(_method_row("full, planned", 8, full_spec, None, note="unexpectedly fits"))
+    except PlanError as exc:
+        rows.append(_method_row("full, planned", 8, full_spec, None, note=exc.errors[0]["message"]))
+    full_32 = _spec(name, 32, batch, model=model)
+    rows.append(_method_row("full, planned", 32, full_32, plan(full_32, pool_for(name, 32))))
+    return rows
+
+
+def print_lora(rows: list[dict[str, Any]]) -> None:
+    print("\n| Llama-3-70B, 4,096 tokens, 8 sequences/step | GPUs | layout | trainable params | GiB/GPU "
+          "(params / grads / optimizer / activations) | step (s) | tokens/s/GPU | MFU |")  # fmt: skip
+    print("|---|---:|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        n = r["trainable"]
+        trainable = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        if "layout" not in r:
+            print(f"| {r['run']} | {r['gpus']} | {r['note']} | {trainable} | | | | |")
+            continue
+        p = r["parts"]
+        mem = (f"{r['gib']:.1f} ({p['params']:.1f} / {p['grads']:.2f} / {p['optimizer']:.2f} / "
+               f"{p['activations']:.1f}){'' if r['fits'] else ': ' + r['note']}")  # fmt: skip
+        print(f"| {r['run']} | {r['gpus']} | {r['layout']} | {trainable} | {mem} | {r['step_s']:.2f} | "
+              f"{r['tokens_per_gpu']:,.0f} | {r['mfu']:.1%} |")  # fmt: skip
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -248,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result)
         runs = published()
         print_published(runs)
-        result = result + [{**r, "published": True} for r in runs]
+        methods = lora_vs_full()
+        print_lora(methods)
+        result += [{**r, "published": True} for r in runs]
+        result += [{**r, "lora_table": True} for r in methods]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -93,6 +93,13 @@ def _show(result: dict[str, Any]) -> None:
         active = params["active"]
         sparse = f", {_count(active)} active per token" if active != params["total"] else ""
         out.print(f"parameters: {_count(params['total'])}{sparse}")
+        trainable = params.get("trainable")  # a LoRA run's adapters; the base above is frozen
+        if trainable is not None:
+            held = params["total"] + trainable
+            out.print(
+                f"trainable: {_count(trainable)} LoRA adapter parameters of {_count(held)} "
+                f"({trainable / held:.2%}); the base's {_count(params['total'])} are frozen"
+            )
     mem = pred.get("memory_breakdown", {})
     if mem:
         out.print(

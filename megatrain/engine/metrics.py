@@ -2,7 +2,8 @@
 
 The FLOPs formula (Narayanan et al. 2021) and the GPUs' datasheet peaks live in megatrain.plan.flops,
 torch-free, so the planner predicts with the very formula the engine reports with; they are
-re-exported here for the engine's callers.
+re-exported here for the engine's callers. A LoRA run's FLOPs (`flops_per_iteration(..., lora=)`)
+count a frozen weight's backward as its input gradient only, plus the adapters' own.
 """
 
 from __future__ import annotations

@@ -3,29 +3,42 @@ the cost model or the full estimate (megatrain.plan.memory) sees a candidate. Pu
 
 from __future__ import annotations
 
-from megatrain.plan.memory import layer_activations
+from megatrain.plan.activation_memory import layer_activations
 from megatrain.plan.moe_memory import moe_layer_activations
-from megatrain.plan.shapes import ModelShape, expert_params, layer_params, stage_params
+from megatrain.plan.shapes import (
+    ModelShape,
+    expert_params,
+    layer_params,
+    lora_layer_params,
+    lora_stage_params,
+    stage_params,
+)
 
 
 def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: int, ep: int = 1) -> int:
     """Bytes of params + grads + optimizer on the worst stage, optimizer state sharded over `shard`
     ranks (dp·cp with the distributed optimizer, else 1) and the routed experts' over shard/ep: a
     lower bound of any estimate (whatever the split, some stage holds at least ceil(layers / pp)
-    layers, and some stage at least ceil(MoE layers / pp) MoE layers)."""
+    layers, and some stage at least ceil(MoE layers / pp) MoE layers). A LoRA run's frozen
+    parameters count their bytes only, its adapters as trainable ones."""
 
     def static(ranks: int) -> float:
         return (4.0 + 4.0 + 8.0 / ranks) if precision == "fp32" else (2.0 + 4.0 + 12.0 / ranks)
 
     expert_shard = max(1, shard // ep)
+    frozen = 4.0 if precision == "fp32" else 2.0
+    dense_b = frozen if m.lora else static(shard)
+    expert_b = frozen if m.lora else static(expert_shard)
     if pp == 1:
         parts = stage_params(m, tp, 1, 0, ep=ep)
         experts = parts.get("experts", 0)
-        return int((sum(parts.values()) - experts) * static(shard) + experts * static(expert_shard))
-    dense = layer_params(m, tp) * static(shard)
+        adapters = lora_stage_params(m, tp, 1, 0) * static(shard)
+        return int((sum(parts.values()) - experts) * dense_b + experts * expert_b + adapters)
+    dense = layer_params(m, tp) * dense_b + lora_layer_params(m, tp) * static(shard)
     if m.moe is None:
         return int(-(-m.num_layers // pp) * dense)
-    moe = layer_params(m, tp, moe=True) * static(shard) + expert_params(m, tp, ep) * static(expert_shard)
+    moe = layer_params(m, tp, moe=True) * dense_b + expert_params(m, tp, ep) * expert_b
+    moe += lora_layer_params(m, tp, moe=True) * static(shard)
     return int(max(-(-m.num_layers // pp) * min(dense, moe), -(-m.num_moe_layers // pp) * moe))
 
 

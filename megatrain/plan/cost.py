@@ -15,6 +15,11 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
 - **fp8**: the transformer linears' GEMMs run at the pool's fp8 peak (the attention core, LM head
   and MoE router and experts at bf16's); their float8 casts stream through memory
   (`fp8_cast_bytes`). MFU stays against the bf16 peak, as the engine reports it.
+- **LoRA** (a frozen model with trained adapters): a frozen linear's backward computes only its
+  input's gradient (one GEMM per forward one, 2× in all, the LM head and MoE experts too), nor does
+  sequence parallelism gather its input again (2 all-gathers + 2 reduce-scatters backward); the
+  adapters' own GEMMs, passes and rank-r collectives follow megatrain.plan.lora_cost. Data
+  parallelism reduces, and the optimizer updates, the adapters only.
 - **Recompute**: full adds each recomputed layer's forward again (its tp collectives too);
   selective adds the attention core's forward.
 - **Tensor parallelism**: per layer and micro-batch, 2 all-reduces forward and 2 backward of the
@@ -69,8 +74,15 @@ from megatrain.plan.cost_constants import (  # noqa: F401  (re-exported)
 from megatrain.plan.flops import flops_per_iteration, layer_forward_flops
 from megatrain.plan.layout import Layout
 from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
+from megatrain.plan.lora_cost import LoRASeconds, lora_layer_seconds
 from megatrain.plan.pool import PoolSpec
-from megatrain.plan.shapes import ModelShape, layers_on_stage, moe_layers_on_stage, stage_params
+from megatrain.plan.shapes import (
+    ModelShape,
+    layers_on_stage,
+    lora_stage_params,
+    moe_layers_on_stage,
+    stage_params,
+)
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,10 @@ def _stage_param_counts(
     model: ModelShape, tp: int, pp: int, ep: int, v: int, pipeline_layers: tuple[int, ...] | None,
     stages: tuple[int, ...],
 ) -> tuple[int, int]:  # fmt: skip
-    """(parameters, routed-expert parameters) of the rank of `stages` holding the most."""
+    """(trainable parameters, of them routed experts) of the rank of `stages` holding the most: a
+    LoRA run's adapters, none of them experts."""
+    if model.lora is not None:
+        return max(lora_stage_params(model, tp, pp, st, pipeline_layers, v) for st in stages), 0
     counts = max(
         (stage_params(model, tp, pp, st, pipeline_layers, ep, v) for st in stages),
         key=lambda p: sum(p.values()),
@@ -206,32 +221,25 @@ def _layer_costs(
     fwd_attention = tokens * parts["attention"] / tp / (peak * attention_eff)
     elementwise = tokens * h * c.elementwise_bytes * act / 2 / seq_div / bandwidth
     fwd_gemms = fwd_attn_gemms + fwd_mlp
-    layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
+    frozen = model.lora is not None  # (the adapters' own costs: _plus_adapters)
+    if frozen:
+        # A frozen linear's backward is its input gradient's GEMM only; the attention core's is 2×.
+        layer_compute = 2 * fwd_gemms + 3 * fwd_attention + elementwise + c.layer_overhead_s
+    else:
+        layer_compute = 3 * (fwd_gemms + fwd_attention) + elementwise + c.layer_overhead_s
     if linear_peak is not None:
         layer_compute += fp8_cast_bytes(model, tp, tokens) / bandwidth
-
-    # Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
-    # and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
-    # (ring attention overlaps them), so a step costs the slower of the two.
-    # Every extra step also merges its partial output into the running one (online softmax: fp32
-    # output and log-sum-exp read and written forward, dK/dV accumulated in fp32 backward).
-    layer_cp = 0.0
-    if cp > 1:
-        bw_cp, lat_cp = link(pool, tp * cp <= pool.devices_per_node)
-        kv_bytes = tokens * 2 * model.kv_size * act / tp
-        hop = lat_cp * 1e-6 + kv_bytes / (bw_cp * 1e9)
-        block = fwd_attention / cp
-        merge = tokens * (h + 2 * model.kv_size) / tp * 12 / bandwidth + c.ring_step_overhead_s
-        layer_cp = (cp - 1) * (max(hop, block) - block + max(2 * hop, 2 * block) - 2 * block + merge)
+    layer_cp = _ring_attention_seconds(model, tp, cp, tokens, act, fwd_attention, pool, c)
 
     # Tensor-parallel collectives of one layer and micro-batch (inside a node): per sublayer an
-    # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward.
+    # all-reduce each way, or with sp an all-gather + reduce-scatter forward and 2 AG + RS backward
+    # (a frozen linear gathers no input again for a weight gradient: AG + RS).
     bw, lat = link(pool, True)
 
     def tp_sublayer(nbytes: float) -> tuple[float, float]:
         ar = ring_time("all_reduce", nbytes, tp, bw, lat)
         ag = ring_time("all_gather", nbytes, tp, bw, lat)
-        return (2 * ag, 3 * ag) if sp else (ar, ar)
+        return (2 * ag, (2 if frozen else 3) * ag) if sp else (ar, ar)
 
     full = tokens * h * act  # the (tokens, hidden) activation, whole
     sub_fwd, sub_bwd = tp_sublayer(full)
@@ -268,7 +276,7 @@ def _layer_costs(
             fs = moe.shared_expert_ffn_hidden_size
             fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=lp) + gemm(fs / tp, h, at=lp)
         permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
-        moe_compute = layer_compute + 3 * (fwd_moe - fwd_mlp) + permute
+        moe_compute = layer_compute + (2 if frozen else 3) * (fwd_moe - fwd_mlp) + permute
         routed_bytes = routed * h * act / seq_div
         a2a = all_to_all_time(routed_bytes, ep, ep_ranks_per_node(tp, cp, ep, pool.devices_per_node), pool)
         moe_sub_fwd, moe_sub_bwd = tp_sublayer(routed * h * act)  # experts see the tp group's tokens
@@ -283,7 +291,9 @@ def _layer_costs(
             moe_recompute = layer_recompute
 
     # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
-    head = 3 * gemm(h, model.vocab_size / tp) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
+    head = (2 if frozen else 3) * gemm(
+        h, model.vocab_size / tp
+    ) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
     # (the head's GEMMs and the fp32 softmax/loss over (tokens, V/t))
     edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
     return _LayerCosts(
@@ -297,6 +307,54 @@ def _layer_costs(
         moe_ep,
         head,
         edge_tp,
+    )
+
+
+def _ring_attention_seconds(
+    model: ModelShape, tp: int, cp: int, tokens: float, act: int, fwd_attention: float, pool: Links,
+    c: CostConstants,
+) -> float:  # fmt: skip
+    """Context parallelism: the ring passes this rank's K and V (tp-split heads) cp-1 times forward
+    and K, V and their gradients cp-1 times backward; each pass hides behind one block's attention
+    (ring attention overlaps them), so a step costs the slower of the two. Every extra step also
+    merges its partial output into the running one (online softmax: fp32 output and log-sum-exp
+    read and written forward, dK/dV accumulated in fp32 backward)."""
+    if cp == 1:
+        return 0.0
+    bw_cp, lat_cp = link(pool, tp * cp <= pool.devices_per_node)
+    kv_bytes = tokens * 2 * model.kv_size * act / tp
+    hop = lat_cp * 1e-6 + kv_bytes / (bw_cp * 1e9)
+    block = fwd_attention / cp
+    merge = tokens * (model.hidden_size + 2 * model.kv_size) / tp * 12 / (c.memory_bandwidth_gbps * 1e9)
+    merge += c.ring_step_overhead_s
+    return (cp - 1) * (max(hop, block) - block + max(2 * hop, 2 * block) - 2 * block + merge)
+
+
+@lru_cache(maxsize=16384)
+def _plus_adapters(
+    lc: _LayerCosts, model: ModelShape, tp: int, cp: int, sp: bool, micro_batch_size: int, recompute: str,
+    recompute_every: int, act: int, peak: float, pool: Links, c: CostConstants,
+) -> _LayerCosts:  # fmt: skip
+    """A LoRA run's layer costs: the frozen base's (`lc`) plus its adapters' (megatrain.plan.lora_cost),
+    recomputed with their layer under full recompute; an MoE layer's are attention's only."""
+    bw, lat = link(pool, True)
+    tokens = micro_batch_size * model.seq_length / cp
+
+    def adapters(moe: bool) -> LoRASeconds:
+        return lora_layer_seconds(
+            model, moe=moe, tp=tp, sp=sp, tokens=tokens, act=act, peak=peak,
+            bandwidth=c.memory_bandwidth_gbps * 1e9, c=c, tp_bandwidth_gbps=bw, tp_latency_us=lat,
+        )  # fmt: skip
+
+    share = 1.0 / recompute_every if recompute == "full" else 0.0
+    dense, moe = adapters(False), adapters(True)
+    return lc._replace(
+        layer_compute=lc.layer_compute + dense.compute,
+        layer_recompute=lc.layer_recompute + share * dense.forward,
+        layer_tp=lc.layer_tp + dense.tp_comm + share * dense.tp_comm / 2,  # (half of it is forward)
+        moe_compute=lc.moe_compute + moe.compute,
+        moe_recompute=lc.moe_recompute + share * moe.forward,
+        moe_tp=lc.moe_tp + moe.tp_comm + share * moe.tp_comm / 2,
     )
 
 
@@ -326,6 +384,11 @@ def predict_step(
         model, tp, cp, ep, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
         act, peak, links, c, linear_peak,
     )  # fmt: skip
+    if model.lora is not None:
+        lc = _plus_adapters(
+            lc, model, tp, cp, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
+            act, peak, links, c,
+        )  # fmt: skip
 
     layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]
     moe_compute, moe_recompute, moe_tp, moe_ep, head, edge_tp = lc[4:]

@@ -13,6 +13,13 @@ Mixture of experts: FLOPs are the active ones, as Megatron and DeepSeek report t
 experts of moe.ffn_hidden_size and the shared expert per token, in place of the dense MLP; tokens a
 capacity factor drops are still counted (the formula does not know the routing).
 
+LoRA (a frozen model with trained adapters, megatrain.plan.shapes): a frozen weight's backward
+computes only its input's gradient, one GEMM per forward one instead of two, so every weighted GEMM
+(the linears, the MoE router and experts, the LM head) counts twice its forward; the attention core
+has no weights and still counts three times; the adapters train, 6 FLOPs per parameter and token
+(x·Aᵀ and u·Bᵀ forward, their input and weight gradients backward). About 4N + 6·adapters, not 6N.
+(The first layer's input needs no gradient when nothing trains before it; that GEMM is still counted.)
+
 `model` is anything with hidden_size, num_layers, vocab_size, kv_size, ffn_hidden_size, activation,
 seq_length and optionally moe (num_experts, router_topk, ffn_hidden_size, layer_freq,
 shared_expert_ffn_hidden_size): the engine's TransformerConfig or the planner's ModelShape.
@@ -20,7 +27,10 @@ shared_expert_ffn_hidden_size): the engine's TransformerConfig or the planner's 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
+
+from megatrain.plan.shapes import LoRAShape, ModelShape, lora_stage_params
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s per device: (bf16, fp16, fp32). bf16 and fp16 run
 # on the same tensor cores at the same rate; None where the GPU has no such units (no bf16 before
@@ -83,20 +93,35 @@ def head_forward_flops(model: Any) -> float:
     return 2.0 * model.hidden_size * model.vocab_size
 
 
-def flops_per_token(model: Any, seq_length: int | None = None) -> float:
-    """Forward + backward model FLOPs for one token at sequence length s."""
+def lora_forward_flops(model: Any, lora: Any) -> float:
+    """Forward FLOPs of a LoRA run's adapters for one token: 2 per adapter parameter (each part's
+    x·Aᵀ and u·Bᵀ). `lora`: a LoRAConfig, LoRASpec or LoRAShape."""
+    shape = replace(ModelShape.of(model), lora=LoRAShape.of(lora))
+    return 2.0 * lora_stage_params(shape, 1, 1, 0)
+
+
+def flops_per_token(model: Any, seq_length: int | None = None, lora: Any = None) -> float:
+    """Forward + backward model FLOPs for one token at sequence length s. `lora`: the adapters of a
+    LoRA run (a LoRAConfig, LoRASpec or LoRAShape; default: model.lora where the model has one)."""
     parts = layer_forward_flops(model, seq_length)
     layer = sum(parts.values())
     forward = model.num_layers * layer + head_forward_flops(model)
     n_moe = num_moe_layers(model)
     if n_moe:
         forward += n_moe * (moe_mlp_forward_flops(model) - parts["mlp"])
-    return 3.0 * forward  # backward = 2 × forward
+    lora = getattr(model, "lora", None) if lora is None else lora
+    if lora is None:
+        return 3.0 * forward  # backward = 2 × forward
+    # Frozen weights: backward = the input gradients only, 1 × forward; the attention core 2 × forward.
+    core = model.num_layers * parts["attention"]
+    return 2.0 * (forward - core) + 3.0 * core + 3.0 * lora_forward_flops(model, lora)
 
 
-def flops_per_iteration(model: Any, global_batch_size: int, seq_length: int | None = None) -> float:
+def flops_per_iteration(
+    model: Any, global_batch_size: int, seq_length: int | None = None, lora: Any = None
+) -> float:
     s = seq_length or model.seq_length
-    return flops_per_token(model, s) * global_batch_size * s
+    return flops_per_token(model, s, lora) * global_batch_size * s
 
 
 def gpu_peak_tflops(device_name: str, precision: str) -> float | None:

@@ -14,6 +14,12 @@ optimizer, which shards only the main params and Adam moments over the data-para
 of them for dense parameters, the expert-data-parallel group dp·cp/ep for routed experts (whose
 weights are split over ep and tp, megatrain.plan.shapes).
 
+A LoRA run (ModelShape.lora) trains its adapters only (megatrain.engine.lora): every other parameter
+keeps its bytes (2 in bf16) with no gradient and no optimizer state, and the adapters, as any
+trainable parameter, have an fp32 gradient, fp32 mains and Adam moments (18 bytes at bf16, 12 of
+them sharded with the distributed optimizer). Its activations are a full run's but for the frozen
+weights' gradient temporaries, plus each adapter's rank-r product (megatrain.plan.activation_memory).
+
 Context parallelism divides every per-token tensor by cp (a rank holds seq_length/cp tokens of each
 sequence); ring attention adds only transient K/V blocks. MoE layers' activations follow
 megatrain.plan.moe_memory (routed tokens × router_topk, bounded by the capacity factor when set).
@@ -56,14 +62,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
+from megatrain.plan.activation_memory import StepActivations, layer_activations
 from megatrain.plan.layout import micro_batch_size
-from megatrain.plan.moe_memory import moe_backward_peak, moe_dispatch_transient, moe_layer_activations
 from megatrain.plan.shapes import (
     BYTE_TOKENIZER_VOCAB,
     ModelShape,
     layer_params,
     layers_on_stage,
+    lora_stage_params,
     moe_layers_on_stage,
     shape_of_spec,
     stage_params,
@@ -133,74 +139,79 @@ def chunks_in_flight(
     return min((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, total)
 
 
-def _norm_saved(m: ModelShape, act: int) -> float:
-    """Bytes per token a norm saves for backward (besides its output, the next linear's input)."""
-    h = m.hidden_size
-    if m.norm == "layernorm":
-        return act * h + 8  # input + fp32 mean and rstd
-    return act * h + 4  # input + fp32 rstd
-
-
-def layer_activations(
-    m: ModelShape,
-    *,
-    tp: int,
-    sp: bool,
-    act: int,
-    mask: int,
-    attention: str,
-    selective: bool,
-    gathered_inputs: bool = False,
-) -> dict[str, float]:
-    """Bytes per token (of the rank's micro-batch, before any sequence split) one layer saves for backward.
-    gathered_inputs: with sp, qkv and fc1 save their all-gathered input instead of the shard (fp8)."""
-    h, kv, f, fw, s = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width, m.seq_length
-    heads = m.num_attention_heads
-    seq_div = tp if sp else 1  # parts outside the tensor-parallel region shard only with sp
-    rope = m.position_embedding == "rope"
-    grouped = m.num_query_groups != heads
-    terms: dict[str, float] = {}
-    # Two norms' saved tensors, and their outputs: the inputs qkv and fc1 save for their weight grads.
-    # With sp these are sequence shards: the column-parallel linears keep the shard and all-gather
-    # it again in backward (megatrain.engine.parallel.layers, as Megatron does).
-    terms["norms"] = 2 * _norm_saved(m, act) / seq_div
-    terms["linear_inputs"] = 2 * act * h / (1 if gathered_inputs else seq_div)
-    # The fused qkv output (h + 2kv wide) stays alive: SDPA saves K and V as views into it.
-    qkv = act * (h + 2 * kv)
-    # Q is a separate tensor after RoPE, or after regrouping GQA heads (a reshape that copies).
-    if rope or grouped:
-        qkv += act * h
-    if rope:
-        qkv += act * kv  # rotated K
-    terms["qkv"] = qkv / tp
-    if rope and act != 4:
-        # make_trainable casts RoPE's tables with the model; each rotation saves fp32 copies of the
-        # cos and sin halves it used (Q's and K's: 4 × head_dim/2 fp32 per token, whole over tp).
-        terms["rope_tables"] = 8.0 * m.head_dim
-    if attention == "math":
-        # Contiguous q/k/v copies replace the qkv storage (K/V expanded to all heads under GQA),
-        # plus the softmax probabilities (heads·s per token) unless selective recompute drops them.
-        core = act * (h + 2 * h) + act * h  # q, k, v copies + the output's contiguous copy for proj
-        if not selective:
-            core += act * heads * s
-        if m.attention_dropout > 0 and not selective:
-            core += mask * heads * s
-        terms["qkv"] = 0.0
-        terms["attention"] = core / tp
-    else:
-        # Output (laid out (B, T, H, hd), so proj reads it without a copy) + fp32 log-sum-exp.
-        terms["attention"] = (act * h + 4 * heads) / tp
-    if m.activation in ("swiglu", "geglu"):
-        terms["mlp"] = act * (fw + f) / tp  # fc1 out [gate; up], act(gate)·up (act recomputed)
-    else:
-        terms["mlp"] = act * 2 * f / tp  # fc1 out, gelu out
-    if m.hidden_dropout > 0:
-        terms["dropout_masks"] = 2 * mask * h / seq_div
-    return terms
-
-
 def _act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
+
+
+def _model_state(
+    parts: dict[str, int],
+    n_lora: int,
+    *,
+    precision: str,
+    shard: int,
+    expert_shard: int,
+    distributed_optimizer: bool,
+    fused_optimizer: bool,
+) -> dict[str, Any]:
+    """Bytes of a stage's parameters (`parts`, plus n_lora adapters), their gradients and optimizer
+    state, the optimizer step's workspace and the start-up phases. A LoRA run (n_lora > 0) trains the
+    adapters only: the rest keep their bytes, with no gradient and no optimizer state."""
+    if precision == "fp32":
+        param_b, grad_b, optim_b = 4.0, 4.0, 8.0 / shard  # main params alias the params
+    else:
+        param_b, grad_b, optim_b = 2.0, 4.0, 12.0 / shard  # fp32 main params + Adam moments
+    n_params = sum(parts.values()) + n_lora
+    # The trainable ones, and of them the routed experts (sharded over the expert-data-parallel group).
+    trainable, experts = (n_lora, 0) if n_lora else (n_params, parts.get("experts", 0))
+    owned = (trainable - experts) / shard + experts / expert_shard
+    startup = startup_phases(
+        n_params,
+        param_bytes=param_b,
+        owned_params=owned,
+        distributed_optimizer=distributed_optimizer,
+        trainable=trainable,
+    )
+    return {
+        "n_params": n_params,
+        "params": int(n_params * param_b),
+        "grads": int(trainable * grad_b),
+        "optimizer": int(optim_b * (trainable - experts) + optim_b * shard / expert_shard * experts),
+        "workspace": 0 if fused_optimizer else int(4 * owned),
+        "startup": startup,
+        "breakdown": {f"params_{k}": int(n * param_b) for k, n in parts.items()}
+        | ({"params_lora": int(n_lora * param_b)} if n_lora else {}),
+    }
+
+
+def _stage_estimate(
+    stage: int,
+    state: dict[str, Any],
+    stored: dict[str, float],
+    transients: dict[str, float],
+    acts: StepActivations,
+    in_flight: float,
+) -> MemoryEstimate:
+    """One stage's estimate: its model state (_model_state), saved activations and largest transient."""
+    activations = int(sum(stored.values()) + max(transients.values(), default=0.0))
+    held = state["params"] + state["grads"] + state["optimizer"]
+    breakdown = dict(state["breakdown"])
+    breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
+    breakdown.update({f"transient_{k}": int(b) for k, b in transients.items()})
+    breakdown.update({f"per_layer_{k}": int(acts.tokens * b) for k, b in acts.per_layer.items()})
+    breakdown["optimizer_workspace"] = state["workspace"]
+    breakdown.update({f"startup_{k}": int(b) for k, b in state["startup"].items()})
+    breakdown["microbatches_in_flight"] = in_flight
+    return MemoryEstimate(
+        params_bytes=state["params"],
+        grads_bytes=state["grads"],
+        optimizer_bytes=state["optimizer"],
+        activations_bytes=activations,
+        total_bytes=held + max(activations, state["workspace"]),
+        stage=stage,
+        num_params=state["n_params"],
+        breakdown=breakdown,
+        startup_bytes=int(max(state["startup"].values())),
+    )
 
 
 def estimate_memory(
@@ -244,6 +255,7 @@ def estimate_memory(
     cp: the sequence split over cp ranks; ep: an MoE model's routed experts split over ep ranks
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     stage: the figures of that pipeline stage instead of the worst one (stage_totals stay all).
+    A model with `lora` (ModelShape.lora) is a LoRA run: only its adapters train.
     """
     m = ModelShape.of(model)
     if precision not in ("fp32", "bf16", "fp16", "fp8"):
@@ -254,52 +266,24 @@ def estimate_memory(
         raise ValueError("parallel degrees, micro_batch_size and recompute_every must be >= 1")
     if (dp * cp) % ep:
         raise ValueError(f"ep={ep} must divide dp×cp={dp}×{cp}")
-    sp = sequence_parallel and tp > 1
-    fused = fused_loss
     in_flight_first = pp if num_microbatches_in_flight is None else num_microbatches_in_flight
     act = _act_bytes(precision)
-    mask = 1 if device == "cuda" else act
-    tokens = micro_batch_size * m.seq_length / cp  # per rank, before the sequence-parallel split
-    h, v = m.hidden_size, m.vocab_size
-    seq_div = tp if sp else 1
-
     # fp8 under sp: a float8 linear saves its all-gathered input (no re-gather in backward; the
     # LM head, bf16, still re-gathers).
-    fp8 = precision == "fp8"
-
-    def regathered(out: int) -> float:
-        """What a column-parallel linear's backward adds under sp: its input all-gathered again
-        and, for more than one sequence per micro-batch, a reorder copy of the narrower of its
-        output gradient (out/t wide) and its input (megatrain.engine.parallel.layers)."""
-        if not sp:
-            return 0.0
-        return tokens * act * (h + (min(out / tp, h) if micro_batch_size > 1 else 0))
-
-    per_layer = layer_activations(
-        m, tp=tp, sp=sp, act=act, mask=mask, attention=attention, selective=recompute == "selective",
-        gathered_inputs=fp8,
+    acts = StepActivations.of(
+        m, tp=tp, sp=sequence_parallel and tp > 1, cp=cp, ep=ep, micro_batch_size=micro_batch_size,
+        act=act, mask=1 if device == "cuda" else act, attention=attention,
+        selective=recompute == "selective", fp8=precision == "fp8", fused_loss=fused_loss,
     )  # fmt: skip
-    layer_bytes = tokens * sum(per_layer.values())
-    per_moe_layer = moe_layer_activations(m, per_layer, tp=tp, act=act) if m.moe is not None else {}
-    moe_layer_bytes = tokens * sum(per_moe_layer.values())
-    # Checkpointed layers keep their input (the residual stream, sharded with sp).
-    checkpointed_bytes = tokens * act * h / seq_div
-
-    # Model state bytes per parameter.
+    tokens = acts.tokens
     shard = dp * cp if distributed_optimizer else 1
     expert_shard = shard // ep if distributed_optimizer else 1  # the expert-data-parallel group
-    if precision == "fp32":
-        param_b, grad_b, optim_b = 4.0, 4.0, 8.0 / shard  # main params alias the params
-    else:
-        param_b, grad_b, optim_b = 2.0, 4.0, 12.0 / shard  # fp32 main params + Adam moments
 
     wanted = stage
     stages: list[MemoryEstimate] = []
     for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
         parts = stage_params(m, tp, pp, stage, pipeline_layers, ep, virtual_stages)
-        n_params = sum(parts.values())
-        n_experts = parts.get("experts", 0)
+        n_lora = lora_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
         in_flight: float = max(1, in_flight_first - stage)
         if num_microbatches is not None:
             chunks = chunks_in_flight(pipeline_schedule, pp, stage, num_microbatches, virtual_stages)
@@ -307,125 +291,18 @@ def estimate_memory(
         n_layers = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
         n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
         n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
-        # Checkpointed layers are taken as dense and MoE in the stage's proportion.
-        mean_layer = ((n_layers - n_moe) * layer_bytes + n_moe * moe_layer_bytes) / max(1, n_layers)
-
-        stored: dict[str, float] = {}
-        stored["layers"] = in_flight * (n_ckpt * checkpointed_bytes + (n_layers - n_ckpt) * mean_layer)
-        if first and m.hidden_dropout > 0:
-            stored["embedding_dropout_mask"] = in_flight * tokens * mask * h / seq_div
-        transients: dict[str, float] = {}
-        if last and fused:
-            # The fused head + loss (megatrain.kernels.linear_cross_entropy, and its vocab-parallel
-            # variant over V/t columns): the head's input is not kept; the loss's forward leaves the
-            # hidden states' gradient (every token's, a partial sum at tp > 1) and an fp32 weight
-            # gradient for backward, and at its peak holds one chunk of fp32 logits (plus, for a
-            # 16-bit model, their cast and the chunk's weight-gradient GEMM output before it is
-            # accumulated in fp32) next to, under sp, the all-gathered head input.
-            vt = v / tp
-            stored["final_norm"] = tokens * _norm_saved(m, act) / seq_div
-            stored["fused_loss_grads"] = tokens * act * h + 4 * vt * h
-            rows = linear_cross_entropy_chunk_rows(int(tokens), int(vt))
-            gathered = tokens * act * h if sp else 0.0
-            transients["loss_forward"] = (
-                gathered + rows * vt * 4 + (rows * vt * act + act * vt * h if act != 4 else 0)
-            )
-            # Backward scales both in place; a 16-bit weight gradient is cast once; under sp the
-            # hidden gradient is reduce-scattered to the rank's tokens.
-            transients["loss_backward"] = (act * vt * h if act != 4 else 0.0) + gathered / tp
-        elif last:
-            # Final norm, its output (the LM head's input) and the loss's fp32 (tokens, V/t) tensor:
-            # log-probs for F.cross_entropy, the softmax for the vocab-parallel loss (tp > 1).
-            stored["final_norm_and_head_input"] = tokens * (_norm_saved(m, act) + act * h) / seq_div
-            stored["log_probs"] = tokens * 4 * v / tp
-            head_grad_temp = act * v * h / tp  # LM-head weight grad before it is accumulated
-            if tp == 1:
-                # F.cross_entropy's backward: fp32 grads of the log-probs and of the logits next to
-                # the log-probs; then the logits' grad next to the head's weight-grad temporary.
-                transients["loss_backward"] = max(
-                    tokens * 8 * v, tokens * 4 * v - stored["log_probs"] + head_grad_temp
-                )
-            else:
-                # The vocab-parallel loss turns its softmax into the logits' grad in place; only a
-                # 16-bit model adds a cast of it (and the softmax is then freed before the head's grad).
-                cast = tokens * act * v / tp if act != 4 else 0.0
-                freed = stored["log_probs"] if act != 4 else 0.0
-                transients["loss_backward"] = max(cast, cast + head_grad_temp - freed) + regathered(v)
-        if n_layers:
-            # A layer's backward peaks in the MLP, at one of three moments: fc2's backward (its
-            # input grad and weight-grad temporary, before that is added to the accumulated
-            # gradient); the activation's backward (about three f-wide grads: for SwiGLU fc2's
-            # input grad, silu(gate)'s and up's); fc1's backward (its output grad, the input grad
-            # and its weight-grad temporary, the MLP's saved tensors freed by then). A recomputed
-            # layer first rebuilds its own activations. The loss's tensors are freed by then.
-            fw, f = m.fc1_width, m.ffn_hidden_size
-            rebuilt = max(layer_bytes if n_layers > n_moe else 0.0, moe_layer_bytes if n_moe else 0.0)
-            rebuilt = rebuilt if n_ckpt else 0.0
-            mlp_saved = tokens * per_layer["mlp"] if n_ckpt else 0.0
-            # (Grads of the full-width hidden states are whole on every tensor-parallel rank.)
-            fc2_backward = tokens * act * (f / tp + h) + act * f * h / tp + rebuilt
-            act_backward = tokens * act * (fw + f) / tp + rebuilt
-            fc1_backward = (
-                tokens * act * (fw / tp + h)
-                + act * h * fw / tp
-                + (0 if fp8 else regathered(fw))
-                + rebuilt
-                - mlp_saved
-            )
-            if precision == "fp8":
-                # float8 copies (1 byte): the output gradient twice, the weight and the input once.
-                fc2_backward += tokens * (2 * h + f / tp) + f * h / tp
-                fc1_backward += tokens * (2 * fw / tp + h) + h * fw / tp
-            head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
-                                                        "log_probs", "fused_loss_grads"))  # fmt: skip
-            peak = max(fc2_backward, act_backward, fc1_backward) if n_layers > n_moe else 0.0
-            if n_moe:
-                # As fc1's backward above: a recomputed layer's expert tensors are freed by the peak.
-                experts_saved = tokens * per_moe_layer["moe_experts"] if n_ckpt else 0.0
-                moe_peak = moe_backward_peak(m, tokens, tp=tp, ep=ep, act=act) + rebuilt - experts_saved
-                peak = max(peak, moe_peak)
-                transients["moe_dispatch"] = moe_dispatch_transient(m, tokens, act=act)
-            if m.tie_embeddings and first and last:
-                # A tied weight's two gradients are summed before accumulation: the LM head's waits
-                # in autograd's input buffer until the embedding's arrives at the end of backward.
-                peak += act * v * h / tp
-            transients["layer_backward"] = max(0.0, peak - head_freed)
+        stored, transients = acts.stage(
+            first=stage == 0, last=stage == pp - 1, n_layers=n_layers, n_moe=n_moe, n_ckpt=n_ckpt,
+            in_flight=in_flight,
+        )  # fmt: skip
         if cp > 1 and n_layers:
             # Ring attention's backward: the K/V block in use and the next, and fp32 dK/dV (tp-split heads).
             transients["ring_attention"] = tokens * m.kv_size * (4 * act + 8) / tp
-        stored_total = sum(stored.values())
-        transient = max(transients.values(), default=0.0)
-        activations = int(stored_total + transient)
-
-        params_bytes = int(n_params * param_b)
-        grads_bytes = int(n_params * grad_b)
-        optimizer_bytes = int(optim_b * (n_params - n_experts) + optim_b * shard / expert_shard * n_experts)
-        owned = (n_params - n_experts) / shard + n_experts / expert_shard
-        optimizer_workspace = 0 if fused_optimizer else int(4 * owned)
-        startup = startup_phases(
-            n_params, param_bytes=param_b, owned_params=owned, distributed_optimizer=distributed_optimizer
-        )
-        total = params_bytes + grads_bytes + optimizer_bytes + max(activations, optimizer_workspace)
-        breakdown = {f"params_{k}": int(n * param_b) for k, n in parts.items()}
-        breakdown.update({f"activations_{k}": int(b) for k, b in stored.items()})
-        breakdown.update({f"transient_{k}": int(b) for k, b in transients.items()})
-        breakdown.update({f"per_layer_{k}": int(tokens * b) for k, b in per_layer.items()})
-        breakdown["optimizer_workspace"] = optimizer_workspace
-        breakdown.update({f"startup_{k}": int(b) for k, b in startup.items()})
-        breakdown["microbatches_in_flight"] = in_flight
-        stages.append(
-            MemoryEstimate(
-                params_bytes=params_bytes,
-                grads_bytes=grads_bytes,
-                optimizer_bytes=optimizer_bytes,
-                activations_bytes=activations,
-                total_bytes=total,
-                stage=stage,
-                num_params=n_params,
-                breakdown=breakdown,
-                startup_bytes=int(max(startup.values())),
-            )
-        )
+        state = _model_state(
+            parts, n_lora, precision=precision, shard=shard, expert_shard=expert_shard,
+            distributed_optimizer=distributed_optimizer, fused_optimizer=fused_optimizer,
+        )  # fmt: skip
+        stages.append(_stage_estimate(stage, state, stored, transients, acts, in_flight))
     if wanted is not None and not 0 <= wanted < pp:
         raise ValueError(f"stage={wanted} is outside pp={pp}")
     worst = stages[wanted] if wanted is not None else max(stages, key=lambda e: e.total_bytes)

@@ -65,13 +65,16 @@ def _mlp_saved_width(m: ModelShape, ffn: int) -> int:
     return m.mlp_fc1_width(ffn) + ffn if m.activation == "swiglu" else 2 * ffn
 
 
-def moe_backward_peak(m: ModelShape, tokens: float, *, tp: int, ep: int, act: int) -> float:
-    """The largest transient of an MoE layer's backward, in bytes (see the module docstring)."""
+def moe_backward_peak(
+    m: ModelShape, tokens: float, *, tp: int, ep: int, act: int, frozen: bool = False
+) -> float:
+    """The largest transient of an MoE layer's backward, in bytes (see the module docstring); frozen
+    experts (a LoRA run) have no weight-gradient temporaries."""
     assert m.moe is not None
     moe, h = m.moe, m.hidden_size
     f, fw = moe.ffn_hidden_size, m.mlp_fc1_width(moe.ffn_hidden_size)
     rows = tokens * routed_tokens_per_token(m)
-    local = moe.num_experts // ep
+    local = 0 if frozen else moe.num_experts // ep  # experts with a weight-gradient temporary
     fc2 = rows * act * (f / tp + h) + local * act * f * h / tp
     activation = rows * act * (fw + f) / tp
     fc1 = rows * act * (fw / tp + h) + local * act * h * fw / tp

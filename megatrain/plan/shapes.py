@@ -4,7 +4,13 @@ and tensor/expert-parallel rank. Pure (no torch), shared by the memory estimate 
 A mixture-of-experts layer (every moe.layer_freq-th, from layer 0) replaces the dense MLP with a
 router (a bias-free h → num_experts linear, replicated over tp), num_experts routed experts (each an
 MLP of moe.ffn_hidden_size, split over tp like the dense MLP and over ep by whole experts) and an
-optional shared expert (an MLP of shared_expert_ffn_hidden_size, split over tp, on every token)."""
+optional shared expert (an MLP of shared_expert_ffn_hidden_size, split over tp, on every token).
+
+A LoRA run (training.method lora, megatrain.engine.lora) freezes the whole model and adds adapters A
+(parts·r, in) and B (out, r) to each target linear of the dense layers (an MoE layer's attention
+only): parts is 3 for a Llama-family qkv (q, k, v), 1 for GPT-2's fused c_attn, 2 for a gated fc1
+(gate, up). Under tp each adapter is split like its base: column-parallel (qkv, fc1) B split and A
+replicated, row-parallel (proj, fc2) A split and B replicated."""
 
 from __future__ import annotations
 
@@ -49,6 +55,24 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
+class LoRAShape:
+    """A LoRA run's adapters (training.lora, the engine's LoRAConfig): what decides their size."""
+
+    rank: int
+    targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
+    dropout: float = 0.0
+    """> 0: each adapter saves its dropped input and mask (the base's input is not dropped)."""
+
+    @classmethod
+    def of(cls, lora: Any) -> LoRAShape | None:
+        """From a LoRASpec, LoRAConfig, dict or LoRAShape (None stays None)."""
+        if lora is None or isinstance(lora, LoRAShape):
+            return lora
+        get = lora.get if isinstance(lora, dict) else lambda k, d=None: getattr(lora, k, d)
+        return cls(rank=get("rank"), targets=tuple(get("targets", cls.targets)), dropout=get("dropout", 0.0))
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The shapes that decide memory; built from a dict, a TransformerConfig or anything with these fields."""
 
@@ -70,10 +94,14 @@ class ModelShape:
     attention_dropout: float = 0.0
     moe: MoEShape | None = None
     """None: every layer has the dense MLP."""
+    lora: LoRAShape | None = None
+    """training.method lora: every weight above is frozen and only these adapters train; None: all train."""
 
     def __post_init__(self) -> None:
         if self.moe is not None and not isinstance(self.moe, MoEShape):  # a dict, MoESpec or MoEConfig
             object.__setattr__(self, "moe", MoEShape.of(self.moe, self.ffn_hidden_size))
+        if self.lora is not None and not isinstance(self.lora, LoRAShape):  # a dict, LoRASpec or LoRAConfig
+            object.__setattr__(self, "lora", LoRAShape.of(self.lora))
 
     @classmethod
     def of(cls, model: Any) -> ModelShape:
@@ -136,7 +164,19 @@ def shape_of_spec(spec: JobSpec, tokenizer_vocab: int) -> ModelShape:
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         moe=MoEShape.of(m.moe, m.ffn_size),
+        lora=lora_of_spec(spec),
     )
+
+
+def lora_of_spec(spec: JobSpec) -> LoRAShape | None:
+    """The adapters a spec trains (training.method other than full, as engine.config.lora_config
+    decides; its lora block, else LoRASpec's defaults)."""
+    t = spec.training
+    if t.method == "full":
+        return None
+    from megatrain.spec_lora import LoRASpec  # (lazy: this module imports no pydantic model)
+
+    return LoRAShape.of(t.lora or LoRASpec())
 
 
 def mlp_params(m: ModelShape, ffn: int, tp: int) -> int:
@@ -202,15 +242,70 @@ def stage_params(
     return parts
 
 
+def lora_linears(m: ModelShape) -> dict[str, tuple[int, int, int, bool]]:
+    """Each LoRA target's (in, out, parts, column-parallel): the parts are the Hugging Face linears
+    the fused one stands for (engine.lora.part_of_rows), one adapter each."""
+    h, kv = m.hidden_size, m.kv_size
+    qkv_parts = 1 if m.position_embedding == "learned" else 3  # GPT-2's c_attn is one linear
+    fc1_parts = 2 if m.activation in ("swiglu", "geglu") else 1
+    return {
+        "qkv": (h, h + 2 * kv, qkv_parts, True),
+        "proj": (h, h, 1, False),
+        "fc1": (h, m.fc1_width, fc1_parts, True),
+        "fc2": (m.ffn_hidden_size, h, 1, False),
+    }
+
+
+def lora_layer_targets(m: ModelShape, moe: bool = False) -> tuple[str, ...]:
+    """The targets one layer carries adapters on: an MoE layer's attention only."""
+    if m.lora is None:
+        return ()
+    return tuple(t for t in m.lora.targets if not (moe and m.moe is not None and t in ("fc1", "fc2")))
+
+
+def lora_layer_params(m: ModelShape, tp: int, moe: bool = False) -> int:
+    """One layer's adapters on a tensor-parallel rank: A (parts·r, in) and B (out, r) per target,
+    A replicated and B split over a column-parallel base, A split and B replicated over a row-parallel one."""
+    if m.lora is None:
+        return 0
+    r, total = m.lora.rank, 0
+    for target in lora_layer_targets(m, moe):
+        n_in, n_out, parts, column = lora_linears(m)[target]
+        total += parts * r * (n_in if column else n_in // tp) + r * (n_out // tp if column else n_out)
+    return total
+
+
+def lora_stage_params(
+    m: ModelShape,
+    tp: int,
+    pp: int,
+    stage: int,
+    pipeline_layers: Sequence[int] | None = None,
+    virtual_stages: int = 1,
+) -> int:
+    """The adapters of one pipeline stage's tensor-parallel rank (0 without LoRA): the trainable
+    parameters of a LoRA run, none of them routed experts."""
+    if m.lora is None:
+        return 0
+    n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
+    n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
+    return (n - n_moe) * lora_layer_params(m, tp) + n_moe * lora_layer_params(m, tp, moe=True)
+
+
 def param_counts(m: ModelShape) -> dict[str, int]:
     """The model's parameters: total, and active (those one token runs through: the routed experts
-    it is not sent to left out), as MoE models are described (Mixtral 8x7B: 46.7B total, 12.9B active)."""
+    it is not sent to left out), as MoE models are described (Mixtral 8x7B: 46.7B total, 12.9B active).
+    A LoRA run adds trainable: its adapters (equal to LoRAConfig.num_params), which it holds on top
+    of the frozen total."""
     total = sum(stage_params(m, 1, 1, 0).values())
     idle = 0
     if m.moe is not None:
         idle = m.num_moe_layers * (m.moe.num_experts - m.moe.router_topk)
         idle *= mlp_params(m, m.moe.ffn_hidden_size, 1)
-    return {"total": total, "active": total - idle}
+    counts = {"total": total, "active": total - idle}
+    if m.lora is not None:
+        counts["trainable"] = lora_stage_params(m, 1, 1, 0)
+    return counts
 
 
 def spec_param_counts(spec: JobSpec) -> dict[str, int] | None:

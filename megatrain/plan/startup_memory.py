@@ -11,6 +11,9 @@ Pure arithmetic on what engine.train.run does, in order (measured by megatrain.e
    1/dp·cp with the distributed optimizer); Adam's moments come only with the first step, which the
    step's estimate covers.
 
+A LoRA run's DataParallel and optimizer see only the trainable adapters: its flat parameter buffer,
+gradient buffer and fp32 mains are the adapters' size, the frozen weights stay as built.
+
 The start-up peak is the largest of these; it exceeds the step's model state only where that state
 is sharded finely (the distributed optimizer over a large dp) and the activations are small.
 """
@@ -24,15 +27,18 @@ def startup_phases(
     param_bytes: float,
     owned_params: float,
     distributed_optimizer: bool,
+    trainable: float | None = None,
 ) -> dict[str, float]:
     """Bytes held at the peak of each start-up phase (module docstring) of a rank holding n_params,
-    whose optimizer owns owned_params of them (all, or its dp·cp shard), in a dtype of param_bytes."""
+    `trainable` of them trained (default: all), whose optimizer owns owned_params of those (all, or
+    its dp·cp shard), in a dtype of param_bytes."""
+    trainable = n_params if trainable is None else trainable
     weights = param_bytes * n_params
-    grads = 4.0 * n_params
+    grads = 4.0 * trainable
     mains = 4.0 * owned_params if param_bytes != 4 else 0.0  # fp32 mains alias fp32 parameters
     return {
         "build": weights,
-        "param_buffer": 2 * weights if distributed_optimizer else weights,
+        "param_buffer": weights + param_bytes * trainable if distributed_optimizer else weights,
         "grad_buffer": weights + grads,
         "optimizer": weights + grads + mains,
     }

@@ -99,6 +99,21 @@ def test_validate_answers_with_the_plan(api: Api) -> None:
     assert api.client.get("/v1/jobs", headers=api.headers).json()["items"] == []
 
 
+def test_validate_plans_a_lora_spec_with_its_trainable_share(api: Api) -> None:
+    _node_memory(api, 6 << 30)
+    full = api.client.post("/v1/spec/validate", json=api.spec("full"), headers=api.headers).json()
+    spec = api.spec("lora", training={"method": "lora", "lora": {"rank": 4}})
+    resp = api.client.post("/v1/spec/validate", json=spec, headers=api.headers)
+    assert resp.status_code == 200, resp.text
+    plan = resp.json()["plan"]
+    params = plan["parameters"]
+    assert 0 < params["trainable"] < params["total"] == full["plan"]["parameters"]["total"]
+    assert "trainable" not in full["plan"]["parameters"]
+    # Gradients and Adam's state for the adapters only.
+    lora_mem, full_mem = plan["predicted"]["memory_breakdown"], full["plan"]["predicted"]["memory_breakdown"]
+    assert lora_mem["grads_bytes"] < full_mem["grads_bytes"] / 2
+
+
 def test_a_written_micro_batch_size_is_kept_under_auto(api: Api) -> None:
     # issue 28: the planner replaced the spec's micro_batch_size (4 written, 16 stored).
     _node_memory(api, 6 << 30)

@@ -87,6 +87,18 @@ def test_a_small_model_is_counted_in_millions_on_one_device(tmp_path: Path) -> N
     assert "parameters: 1.78M, 974K active per token" in out
 
 
+def test_offline_plan_of_a_lora_spec_shows_trainable_parameters(tmp_path: Path) -> None:
+    training = {**SPEC["training"], "method": "lora", "lora": {"rank": 16}}
+    spec, pool = _files(tmp_path, spec={**SPEC, "training": training})
+    code, out = _run("plan", spec, "--pool", pool, "--json")
+    assert code == 0, out
+    params = json.loads(out)["parameters"]
+    assert 0 < params["trainable"] < params["total"] / 100  # rank-16 adapters on every linear
+    code, out = _run("plan", spec, "--pool", pool)
+    assert code == 0, out
+    assert "trainable: 36.7M LoRA adapter parameters of 6.73B (0.55%); the base's 6.7B are frozen" in out
+
+
 def test_offline_an_unknown_field_is_told_the_nearest_one(tmp_path: Path) -> None:
     spec, pool = _files(tmp_path, spec={**SPEC, "training": {**SPEC["training"], "trainiters": 5}})
     code, out = _run("plan", spec, "--pool", pool)

@@ -16,7 +16,7 @@ import pytest
 
 from megatrain.engine.dryrun import DryRunReport, dryrun
 from megatrain.engine.dryrun.__main__ import compare, main
-from megatrain.engine.dryrun.cases import CASES, Case
+from megatrain.engine.dryrun.cases import CASES, LORA_70B, Case
 
 GiB = 1 << 30
 
@@ -39,6 +39,23 @@ def test_planner_agrees_with_the_dryrun(case: Case) -> None:
     assert _close(plan["startup_peak"], report.startup_peak_bytes, 0.10), text
     # Every term is really there, at its real size (a fake step that skipped work would be small).
     assert report.num_params > 1e9 and report.activations_bytes > 5 * GiB, text
+
+
+def test_planner_agrees_with_a_lora_dryrun() -> None:
+    """Llama-3-70B frozen with rank-16 adapters on every linear (the 70B case's layout): the frozen
+    base's bytes, and the gradient buffer, fp32 mains and moments of the adapters alone (sharded
+    over dp), as the planner counts them; activations and the start-up peak close."""
+    spec, layout = LORA_70B.spec(), LORA_70B.layout()
+    report = dryrun(spec, layout, LORA_70B.rank, microbatches=LORA_70B.microbatches)
+    plan = compare(spec, layout, report)["planner"]
+    text = {k: (round(plan[k] / GiB, 3), round(v / GiB, 3)) for k, v in _measured(report).items()}
+    assert plan["params"] == report.params_bytes, text
+    # (The distributed optimizer pads each bucket to a multiple of dp: a few elements.)
+    assert _close(plan["grads"], report.grads_bytes, 0.001), text
+    assert _close(plan["optimizer"], report.optimizer_bytes, 0.001), text
+    assert report.grads_bytes + report.optimizer_bytes < 0.05 * report.params_bytes, text
+    assert _close(plan["activations"], report.activations_bytes, 0.05), text
+    assert _close(plan["startup_peak"], report.startup_peak_bytes, 0.01), text
 
 
 def _measured(r: DryRunReport) -> dict[str, int]:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from megatrain.engine.config import TransformerConfig
+from megatrain.engine.config import LoRAConfig, TransformerConfig
 from megatrain.engine.metrics import flops_per_iteration, flops_per_token, peak_tflops, throughput
 
 
@@ -23,6 +23,17 @@ def test_hand_count_swiglu_gqa() -> None:
     # Per layer 128 + 32 + 32 + 64 + 768 = 1024; forward 2·(2·1024 + 128) = 4352; ×3 = 13056.
     c = cfg(num_query_groups=1, activation="swiglu")
     assert flops_per_token(c) == 13056
+
+
+def test_hand_count_lora() -> None:
+    # The GELU model above frozen, rank-2 adapters on qkv (RoPE: q, k, v, 3 parts) and fc2:
+    #   qkv A 3·2×8 + B 24×2 = 96, fc2 A 2×32 + B 8×2 = 80 per layer: 352 adapter parameters.
+    # Weighted GEMMs 2·(2·768 + 128) = 3328 forward FLOPs, counted twice (the input gradients only):
+    # 6656; the attention core 2·2·64 = 256, three times: 768; the adapters 6·352 = 2112.
+    lora = LoRAConfig(rank=2, targets=("qkv", "fc2"))
+    assert lora.num_params(cfg()) == 352
+    assert flops_per_token(cfg(), lora=lora) == 6656 + 768 + 2112
+    assert flops_per_iteration(cfg(), global_batch_size=3, lora=lora) == (6656 + 768 + 2112) * 3 * 4
 
 
 def test_matches_narayanan_closed_form() -> None:

@@ -231,7 +231,7 @@ def dryrun(spec: JobSpec, layout: Layout, rank: int = 0, *, microbatches: int | 
         # stays plain meta, and only materialisation allocates (fake tensors).
         with _materialize_fake(fake, mem):
             model = build_model(
-                mcfg, state, cfg.seed, "cpu", dtype=PARAM_DTYPES[precision], weights=block_fill
+                mcfg, state, cfg.seed, "cpu", dtype=PARAM_DTYPES[precision], weights=block_fill, lora=cfg.lora
             )
         with fake, mem, _swappable_params(fake):
             balance_routing(model.module, state)

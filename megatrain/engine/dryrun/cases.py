@@ -34,15 +34,17 @@ class Case:
     microbatches: int
     """Per step and dp rank."""
     seq_length: int = 4096
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More of training: (method: lora, lora: {...}) for a LoRA run."""
 
     def spec(self) -> JobSpec:
         dp = self.parallelism.get("dp", 1)
         return parse_spec({
-            "name": self.name.lower(),
+            "name": self.name.lower().replace(" ", "-"),
             "model": {"arch": "llama", "seq_length": self.seq_length, **self.model},
             "data": {"train": [{"dataset": "corpus"}]},
             "training": {"global_batch_size": self.microbatches * dp, "micro_batch_size": 1,
-                         "precision": "bf16", "train_iters": 1},
+                         "precision": "bf16", "train_iters": 1, **self.training},
             "parallelism": self.parallelism,
         })  # fmt: skip
 
@@ -65,9 +67,19 @@ CASES = (
         },
         rank=0,
         microbatches=4,
-    ),  # fmt: skip
+    ),
     Case("Mixtral-8x7B", MIXTRAL_8X7B, {"tp": 1, "dp": 8, "ep": 8}, rank=0, microbatches=1),
 )
+
+LORA_70B = Case(
+    "Llama-3-70B LoRA",
+    LLAMA3_70B,
+    CASES[1].parallelism,
+    rank=0,
+    microbatches=4,
+    training={"method": "lora", "lora": {"rank": 16, "targets": ["qkv", "proj", "fc1", "fc2"]}},
+)
+"""Llama-3-70B frozen, rank-16 adapters on every linear, on the 70B case's layout."""
 
 BENCHMARK_CASES = (
     *CASES,
@@ -75,7 +87,21 @@ BENCHMARK_CASES = (
     # the last stage (rank 48) 3 and the fused LM head + loss.
     dataclasses.replace(CASES[1], microbatches=8),
     dataclasses.replace(CASES[1], rank=48, microbatches=8),
+    LORA_70B,
+    # The layout the planner picks for it on 8 GPUs of 80 GB (benchmarks/planner.py, 8 micro-batches).
+    dataclasses.replace(
+        LORA_70B,
+        parallelism={
+            "tp": 2,
+            "pp": 4,
+            "dp": 1,
+            "virtual_stages": 7,
+            "sequence_parallel": True,
+            "pipeline_layers": [3] * 15 + [2] + [3] * 3 + [2] + [3] * 3 + [2] + [3] * 3 + [2],
+        },
+        microbatches=8,
+    ),
 )
-"""benchmarks/dryrun_vs_planner.py's rows: the tested cases and two more pipeline positions."""
+"""benchmarks/dryrun_vs_planner.py's rows: the tested cases, two more pipeline positions, and LoRA."""
 
-__all__ = ["BENCHMARK_CASES", "CASES", "Case"]
+__all__ = ["BENCHMARK_CASES", "CASES", "LORA_70B", "Case"]
