@@ -220,7 +220,7 @@ def _resume(
 
 def _rates(mcfg: TransformerConfig, cfg: TrainConfig, ctx: Dist) -> Rates:
     return Rates(
-        flops_per_iteration(mcfg, cfg.global_batch_size),
+        flops_per_iteration(mcfg, cfg.global_batch_size, lora=cfg.lora),
         cfg.global_batch_size * cfg.seq_length,
         # Only rank 0 reports MFU; on a CPU the others must not time GEMMs beside its calibration.
         peak_tflops(_device_name(ctx.device), cfg.precision) if ctx.is_main else None,

@@ -6,11 +6,14 @@ from __future__ import annotations
 from megatrain.plan.activation_memory import layer_activations
 from megatrain.plan.moe_memory import moe_layer_activations
 from megatrain.plan.shapes import (
+    NF4_BYTES,
     ModelShape,
     expert_params,
     layer_params,
     lora_layer_params,
     lora_stage_params,
+    nf4_layer_params,
+    nf4_stage_params,
     stage_params,
 )
 
@@ -29,16 +32,19 @@ def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: in
     frozen = 4.0 if precision == "fp32" else 2.0
     dense_b = frozen if m.lora else static(shard)
     expert_b = frozen if m.lora else static(expert_shard)
+    nf4_saves = frozen - NF4_BYTES  # per QLoRA weight held in NF4
     if pp == 1:
         parts = stage_params(m, tp, 1, 0, ep=ep)
         experts = parts.get("experts", 0)
         adapters = lora_stage_params(m, tp, 1, 0) * static(shard)
-        return int((sum(parts.values()) - experts) * dense_b + experts * expert_b + adapters)
+        nf4 = nf4_stage_params(m, tp, 1, 0) * nf4_saves
+        return int((sum(parts.values()) - experts) * dense_b + experts * expert_b + adapters - nf4)
     dense = layer_params(m, tp) * dense_b + lora_layer_params(m, tp) * static(shard)
+    dense -= nf4_layer_params(m, tp) * nf4_saves
     if m.moe is None:
         return int(-(-m.num_layers // pp) * dense)
     moe = layer_params(m, tp, moe=True) * dense_b + expert_params(m, tp, ep) * expert_b
-    moe += lora_layer_params(m, tp, moe=True) * static(shard)
+    moe += lora_layer_params(m, tp, moe=True) * static(shard) - nf4_layer_params(m, tp, moe=True) * nf4_saves
     return int(max(-(-m.num_layers // pp) * min(dense, moe), -(-m.num_moe_layers // pp) * moe))
 
 

@@ -66,11 +66,13 @@ from megatrain.plan.activation_memory import StepActivations, layer_activations
 from megatrain.plan.layout import micro_batch_size
 from megatrain.plan.shapes import (
     BYTE_TOKENIZER_VOCAB,
+    NF4_BYTES,
     ModelShape,
     layer_params,
     layers_on_stage,
     lora_stage_params,
     moe_layers_on_stage,
+    nf4_stage_params,
     shape_of_spec,
     stage_params,
 )
@@ -147,6 +149,7 @@ def _model_state(
     parts: dict[str, int],
     n_lora: int,
     *,
+    n_nf4: int = 0,
     precision: str,
     shard: int,
     expert_shard: int,
@@ -155,7 +158,8 @@ def _model_state(
 ) -> dict[str, Any]:
     """Bytes of a stage's parameters (`parts`, plus n_lora adapters), their gradients and optimizer
     state, the optimizer step's workspace and the start-up phases. A LoRA run (n_lora > 0) trains the
-    adapters only: the rest keep their bytes, with no gradient and no optimizer state."""
+    adapters only: the rest keep their bytes, with no gradient and no optimizer state; QLoRA holds
+    n_nf4 of them in NF4 (NF4_BYTES each)."""
     if precision == "fp32":
         param_b, grad_b, optim_b = 4.0, 4.0, 8.0 / shard  # main params alias the params
     else:
@@ -164,16 +168,18 @@ def _model_state(
     # The trainable ones, and of them the routed experts (sharded over the expert-data-parallel group).
     trainable, experts = (n_lora, 0) if n_lora else (n_params, parts.get("experts", 0))
     owned = (trainable - experts) / shard + experts / expert_shard
+    weights = (n_params - n_nf4) * param_b + n_nf4 * NF4_BYTES
     startup = startup_phases(
         n_params,
         param_bytes=param_b,
         owned_params=owned,
         distributed_optimizer=distributed_optimizer,
         trainable=trainable,
+        weight_bytes=weights if n_nf4 else None,
     )
     return {
         "n_params": n_params,
-        "params": int(n_params * param_b),
+        "params": int(weights),
         "grads": int(trainable * grad_b),
         "optimizer": int(optim_b * (trainable - experts) + optim_b * shard / expert_shard * experts),
         "workspace": 0 if fused_optimizer else int(4 * owned),
@@ -284,6 +290,7 @@ def estimate_memory(
     for stage in range(pp):
         parts = stage_params(m, tp, pp, stage, pipeline_layers, ep, virtual_stages)
         n_lora = lora_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
+        n_nf4 = nf4_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
         in_flight: float = max(1, in_flight_first - stage)
         if num_microbatches is not None:
             chunks = chunks_in_flight(pipeline_schedule, pp, stage, num_microbatches, virtual_stages)
@@ -299,7 +306,7 @@ def estimate_memory(
             # Ring attention's backward: the K/V block in use and the next, and fp32 dK/dV (tp-split heads).
             transients["ring_attention"] = tokens * m.kv_size * (4 * act + 8) / tp
         state = _model_state(
-            parts, n_lora, precision=precision, shard=shard, expert_shard=expert_shard,
+            parts, n_lora, n_nf4=n_nf4, precision=precision, shard=shard, expert_shard=expert_shard,
             distributed_optimizer=distributed_optimizer, fused_optimizer=fused_optimizer,
         )  # fmt: skip
         stages.append(_stage_estimate(stage, state, stored, transients, acts, in_flight))

@@ -62,14 +62,25 @@ class LoRAShape:
     targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     dropout: float = 0.0
     """> 0: each adapter saves its dropped input and mask (the base's input is not dropped)."""
+    quantize_base: bool = False
+    """QLoRA: the dense layers' frozen linear weights are held in NF4 (NF4_BYTES each)."""
 
     @classmethod
-    def of(cls, lora: Any) -> LoRAShape | None:
+    def of(cls, lora: Any, quantize_base: bool | None = None) -> LoRAShape | None:
         """From a LoRASpec, LoRAConfig, dict or LoRAShape (None stays None)."""
         if lora is None or isinstance(lora, LoRAShape):
             return lora
         get = lora.get if isinstance(lora, dict) else lambda k, d=None: getattr(lora, k, d)
-        return cls(rank=get("rank"), targets=tuple(get("targets", cls.targets)), dropout=get("dropout", 0.0))
+        nf4 = bool(get("quantize_base", False)) if quantize_base is None else quantize_base
+        return cls(
+            rank=get("rank"), targets=tuple(get("targets", cls.targets)), dropout=get("dropout", 0.0),
+            quantize_base=nf4,
+        )  # fmt: skip
+
+
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per NF4 weight (engine.lora.quantize_nf4: torchao's NF4, blocks of 64): 4 bits, an int8
+scale per block, an fp32 factor per 256 scales."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +187,7 @@ def lora_of_spec(spec: JobSpec) -> LoRAShape | None:
         return None
     from megatrain.spec_lora import LoRASpec  # (lazy: this module imports no pydantic model)
 
-    return LoRAShape.of(t.lora or LoRASpec())
+    return LoRAShape.of(t.lora or LoRASpec(), quantize_base=t.method == "qlora")
 
 
 def mlp_params(m: ModelShape, ffn: int, tp: int) -> int:
@@ -290,6 +301,32 @@ def lora_stage_params(
     n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
     n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
     return (n - n_moe) * lora_layer_params(m, tp) + n_moe * lora_layer_params(m, tp, moe=True)
+
+
+def nf4_stage_params(
+    m: ModelShape,
+    tp: int,
+    pp: int,
+    stage: int,
+    pipeline_layers: Sequence[int] | None = None,
+    virtual_stages: int = 1,
+) -> int:
+    """Of one stage's parameters on a tensor-parallel rank, those QLoRA holds in NF4: the dense
+    layers' linear weights (attention's in every layer, the MLP's in dense layers); 0 otherwise."""
+    n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
+    n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
+    return (n - n_moe) * nf4_layer_params(m, tp) + n_moe * nf4_layer_params(m, tp, moe=True)
+
+
+def nf4_layer_params(m: ModelShape, tp: int, moe: bool = False) -> int:
+    """One layer's linear weights QLoRA holds in NF4 on a tensor-parallel rank (an MoE layer's
+    attention only); 0 without QLoRA."""
+    if m.lora is None or not m.lora.quantize_base:
+        return 0
+    h, kv = m.hidden_size, m.kv_size
+    attention = (h * (h + 2 * kv) + h * h) // tp
+    mlp = (h * m.mlp_fc1_width(m.ffn_hidden_size) + m.ffn_hidden_size * h) // tp
+    return attention + (0 if moe and m.moe is not None else mlp)
 
 
 def param_counts(m: ModelShape) -> dict[str, int]:

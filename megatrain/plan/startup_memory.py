@@ -28,12 +28,14 @@ def startup_phases(
     owned_params: float,
     distributed_optimizer: bool,
     trainable: float | None = None,
+    weight_bytes: float | None = None,
 ) -> dict[str, float]:
     """Bytes held at the peak of each start-up phase (module docstring) of a rank holding n_params,
     `trainable` of them trained (default: all), whose optimizer owns owned_params of those (all, or
-    its dp·cp shard), in a dtype of param_bytes."""
+    its dp·cp shard), in a dtype of param_bytes; weight_bytes: what the built weights take when it
+    is not n_params·param_bytes (QLoRA's NF4 weights, quantised as each is built)."""
     trainable = n_params if trainable is None else trainable
-    weights = param_bytes * n_params
+    weights = param_bytes * n_params if weight_bytes is None else weight_bytes
     grads = 4.0 * trainable
     mains = 4.0 * owned_params if param_bytes != 4 else 0.0  # fp32 mains alias fp32 parameters
     return {

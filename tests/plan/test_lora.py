@@ -16,10 +16,12 @@ from megatrain.plan.layout import Layout
 from megatrain.plan.memory import estimate_memory, from_spec
 from megatrain.plan.planner import HEADROOM, PlanError, plan
 from megatrain.plan.shapes import (
+    NF4_BYTES,
     LoRAShape,
     ModelShape,
     lora_layer_params,
     lora_stage_params,
+    nf4_stage_params,
     param_counts,
     shape_of_spec,
 )
@@ -185,3 +187,32 @@ def test_llama3_70b_lora_fits_eight_80gb_gpus_where_full_training_does_not() -> 
     saved = (full.grads_bytes + full.optimizer_bytes) - (est.grads_bytes + est.optimizer_bytes)
     assert full.total_bytes - est.total_bytes >= 0.99 * saved
     assert est.grads_bytes + est.optimizer_bytes < 0.01 * (full.grads_bytes + full.optimizer_bytes)
+
+
+def test_qlora_holds_the_dense_linears_in_nf4() -> None:
+    """QLoRA's params: the dense layers' linear weights at NF4_BYTES (the engine quantises exactly
+    those: engine.lora.QUANTIZED), everything else and the adapters as LoRA's."""
+    cfg = ENGINE_MODELS["llama-gqa"]
+    lora, qlora = with_lora(cfg, rank=16), with_lora(cfg, rank=16, quantize_base=True)
+    kw = {"tp": 2, "precision": "bf16", "fused_loss": True}
+    a, b = estimate_memory(lora, **kw), estimate_memory(qlora, **kw)
+    h, kv, f = cfg.hidden_size, cfg.num_query_groups * cfg.head_dim, cfg.ffn_hidden_size
+    linears = cfg.num_layers * (h * (h + 2 * kv) + h * h + h * 2 * f + f * h) // 2
+    assert nf4_stage_params(qlora, 2, 1, 0) == linears
+    assert abs((a.params_bytes - b.params_bytes) - linears * (2 - NF4_BYTES)) <= 1
+    assert (a.grads_bytes, a.optimizer_bytes) == (b.grads_bytes, b.optimizer_bytes)
+    # From a spec: method qlora is LoRA with the base in NF4.
+    raw = spec(LLAMA3_70B, devices=8, global_batch_size=8, method="qlora", lora={"rank": 16})
+    assert shape_of_spec(raw, LLAMA3_70B["vocab_size"]).lora.quantize_base  # type: ignore[union-attr]
+
+
+def test_llama3_70b_qlora_fits_one_80gb_gpu() -> None:
+    """QLoRA's point: 70B's frozen base in NF4 is ~36 GiB, so one 80 GB GPU holds it; LoRA's bf16
+    base (131 GiB) does not fit."""
+    pool = gpu_pool(nodes=1, per_node=1, memory_gib=80.0)
+    qlora = spec(LLAMA3_70B, devices=1, global_batch_size=1, method="qlora", lora={"rank": 16})
+    planned = plan(qlora, pool, 1)
+    assert max(planned.memory.total_bytes, planned.memory.startup_bytes) <= HEADROOM * 80 * GiB
+    assert 30 * GiB < planned.memory.params_bytes < 40 * GiB
+    with pytest.raises(PlanError):
+        plan(spec(LLAMA3_70B, devices=1, global_batch_size=1, **LORA_70B), pool, 1)
