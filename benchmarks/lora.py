@@ -83,8 +83,18 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - began)
         losses.append(float(loss))
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    weights = sum(_storage_bytes(p) for p in {id(p): p for p in train.model.module.parameters()}.values())
     return {"method": method, "trainable": trainable, "total": total, "step_s": statistics.median(times),
-            "peak_mb": peak_kib / 1024, "first_loss": losses[0], "last_loss": losses[-1]}  # fmt: skip
+            "peak_mb": peak_kib / 1024, "weights_mb": weights / 2**20, "first_loss": losses[0],
+            "last_loss": losses[-1]}  # fmt: skip
+
+
+def _storage_bytes(p: Any) -> int:
+    """Bytes a parameter holds: an NF4 tensor's inner tensors (4-bit codes, scales), else its own."""
+    if hasattr(p, "__tensor_flatten__"):
+        names, _ = p.__tensor_flatten__()
+        return sum(_storage_bytes(getattr(p, n)) for n in names)
+    return p.numel() * p.element_size()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,12 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {a.model}, seq {a.seq}, batch {a.batch}, fp32 on CPU, {a.steps} timed steps after {a.warmup}"
     )
-    print(f"{'method':8} {'trainable':>12} {'total':>12} {'share':>7} {'peak MB':>9} {'vs full':>8} "
-          f"{'step s':>8} {'vs full':>8} {'loss 1st→last':>16}")  # fmt: skip
+    print(f"{'method':8} {'trainable':>12} {'total':>12} {'share':>7} {'weights MB':>10} {'peak MB':>9} "
+          f"{'vs full':>8} {'step s':>8} {'vs full':>8} {'loss 1st→last':>16}")  # fmt: skip
     for r in rows:
         share = 100 * r["trainable"] / r["total"]
         print(
-            f"{r['method']:8} {r['trainable']:>12,} {r['total']:>12,} {share:>6.2f}% {r['peak_mb']:>9.0f} "
+            f"{r['method']:8} {r['trainable']:>12,} {r['total']:>12,} {share:>6.2f}% "
+            f"{r['weights_mb']:>10.0f} {r['peak_mb']:>9.0f} "
             f"{r['peak_mb'] / base['peak_mb']:>7.2f}x {r['step_s']:>8.3f} "
             f"{r['step_s'] / base['step_s']:>7.2f}x {r['first_loss']:>7.3f}→{r['last_loss']:.3f}"
         )

@@ -84,11 +84,12 @@ def _base_model(init_from: str | None) -> str | None:
 def _tokenizer(spec: Any) -> Any:
     """The job's tokenizer files and special ids (eos = the end-of-document token the job's documents
     ended with, so transformers' generate() stops where the model learned to), with the chat
-    template a fine-tune rendered its chats with."""
+    template a fine-tune (or preference job) rendered its chats with."""
     from megatrain.engine.data.chat_templates import load_chat_template
     from megatrain.engine.interop.hf_tokenizer import export_tokenizer
 
-    template = load_chat_template(spec.data.chat_template).source if spec.kind == "finetune" else None
+    chats = spec.kind in ("finetune", "dpo")
+    template = load_chat_template(spec.data.chat_template).source if chats else None
     return export_tokenizer(
         spec.data.tokenizer, chat_template=template, model_max_length=spec.model.seq_length
     )

@@ -93,6 +93,15 @@ def test_params_estimate_in_job(api: Api) -> None:
     assert spec_param_counts(parse_spec(hf)) is None  # the vocabulary is the tokenizer file's
 
 
+def test_a_lora_jobs_estimate_says_what_it_trains(api: Api) -> None:
+    spec = api.spec("lora")
+    spec["training"] = {**spec.get("training", {}), "method": "lora", "lora": {"rank": 8, "targets": ["qkv"]}}
+    job = api.submit(spec)
+    # qkv of 2 layers: 3 parts (q, k, v) of A (8 × 64) and B (64·3 rows × 8) on each.
+    assert job["params_trainable_estimate"] == 2 * 8 * (3 * 64 + 3 * 64)
+    assert api.submit(api.spec("full"))["params_trainable_estimate"] is None
+
+
 def test_an_moe_jobs_estimate_counts_its_experts(api: Api) -> None:
     # issue 28: a second formula here ignored the experts (836,736 of examples/moe.yaml's 1,784,960).
     example = yaml.safe_load((EXAMPLES / "moe.yaml").read_text())

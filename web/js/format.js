@@ -67,7 +67,12 @@ export function paramsText(job) {
   if (!total) return "—";
   const text = job.num_params ? fmtCount(total) : `≈${fmtCount(total)}`;
   const active = job.params_active_estimate;
-  return active && active !== job.params_estimate ? `${text} (${fmtCount(active)} active)` : text;
+  const base = active && active !== job.params_estimate ? `${text} (${fmtCount(active)} active)` : text;
+  // LoRA / QLoRA: the adapters it trains, beside the frozen model (and their share of it).
+  const trainable = job.params_trainable_estimate;
+  if (!trainable) return base;
+  const share = (100 * trainable / (total + trainable)).toFixed(2);
+  return `${base} · ${fmtCount(trainable)} trainable (${share}%)`;
 }
 
 // "2 of 3" counts the failed starts against max_retries; preempted and continued attempts are not

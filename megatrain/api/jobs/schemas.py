@@ -99,6 +99,14 @@ class JobPublic(BaseModel):
         counts = self._param_counts
         return counts["active"] if counts else None
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def params_trainable_estimate(self) -> int | None:
+        """A LoRA or QLoRA job's adapters (the parameters it trains, on top of params_estimate's
+        frozen ones); None for a full-parameter job, which trains them all."""
+        counts = self._param_counts
+        return counts.get("trainable") if counts else None
+
     @functools.cached_property
     def _param_counts(self) -> dict[str, int] | None:
         try:

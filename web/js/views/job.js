@@ -47,6 +47,14 @@ const CHARTS = [
     values: (t) => [t?.moe_aux_loss ?? null, t?.moe_z_loss ?? null], format: (x) => fmtNum(x, 4) },
   { id: "moe_load_imbalance", title: "Expert load imbalance (max / mean tokens)", optional: true,
     series: [{ label: "imbalance" }], values: (t) => [t?.moe_load_imbalance ?? null], format: (x) => fmtNum(x, 3) },
+  // Preference training (kind dpo) only, under TRL's names: the implicit rewards β·(log π − log π_ref)
+  // of the chosen and rejected responses, their margin, and how often chosen wins.
+  { id: "dpo_rewards", title: "Rewards (DPO)", optional: true,
+    series: [{ label: "margin" }, { label: "chosen", color: "--chart-2" }, { label: "rejected", color: "--s-failed" }],
+    values: (t) => [t?.["rewards/margins"] ?? null, t?.["rewards/chosen"] ?? null, t?.["rewards/rejected"] ?? null],
+    format: (x) => fmtNum(x, 4) },
+  { id: "dpo_accuracy", title: "Preference accuracy (chosen rewarded above rejected)", optional: true,
+    series: [{ label: "accuracy" }], values: (t) => [t?.["rewards/accuracies"] ?? null], format: fmtPct },
 ];
 
 const EVENT_LABELS = {
