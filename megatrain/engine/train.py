@@ -44,12 +44,12 @@ from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.materialize import WeightSource
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.run_report import device_name, say_precision, started_event
 from megatrain.engine.runtime import Dist, effective_precision, init_distributed, record_failure
 from megatrain.engine.sink import RunLog
 from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout, with_micro_batch_size
-from megatrain.plan.memory import from_spec as memory_from_spec
 from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
@@ -136,7 +136,7 @@ def run(
             loop.prepare_reference(reference_key(spec.model.init_from, mcfg, cfg.precision))
         start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)
         vocab = tokenizer.vocab_size
-        log.events.write(_started_event(spec, layout, train, cfg, mcfg, ctx, start, resumed_from, vocab, log))
+        log.events.write(started_event(spec, layout, train, cfg, mcfg, ctx, start, resumed_from, vocab, log))
         summary = loop.run(start)
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:
@@ -157,7 +157,7 @@ def _runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) ->
     differs from the one asked for): everything after this sees what runs."""
     cfg = train_config(spec, layout.dp)
     precision = effective_precision(cfg.precision, device)
-    _say_precision(cfg.precision, precision, log)
+    say_precision(cfg.precision, precision, log)
     return dataclasses.replace(cfg, precision=precision)
 
 
@@ -223,25 +223,8 @@ def _rates(mcfg: TransformerConfig, cfg: TrainConfig, ctx: Dist) -> Rates:
         flops_per_iteration(mcfg, cfg.global_batch_size, lora=cfg.lora),
         cfg.global_batch_size * cfg.seq_length,
         # Only rank 0 reports MFU; on a CPU the others must not time GEMMs beside its calibration.
-        peak_tflops(_device_name(ctx.device), cfg.precision) if ctx.is_main else None,
+        peak_tflops(device_name(ctx.device), cfg.precision) if ctx.is_main else None,
     )
-
-
-def _say_precision(requested: str, precision: str, log: RunLog) -> None:
-    """Say why the precision that runs is not the one the spec asked for."""
-    if requested == "auto":
-        why = "runs bf16 natively" if precision == "bf16" else "has no native bf16"
-        log.say(f"precision auto: {precision} (this device {why})")
-    elif precision == "bf16" and requested == "fp8":
-        log.say(
-            "precision fp8 requested; this GPU has no float8 GEMMs (compute capability < 8.9), "
-            "so running bf16"
-        )
-    elif precision != requested:
-        log.say(
-            f"precision {requested} requested; this CPU has no native bf16, so running fp32 "
-            "(MEGATRAIN_CPU_LOW_PRECISION=1 runs it anyway)"
-        )
 
 
 def _start_model(
@@ -316,81 +299,6 @@ def _init_from_checkpoint(model: RankModel, init_from: str, log: RunLog) -> None
     src = resolve_init_from(init_from, get_settings().resolved_storage_url)
     step = load_model_weights(src, model)
     log.say(f"initialised from {src} (step {step})")
-
-
-def _device_name(device: str) -> str | None:
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else None
-
-
-def _started_event(
-    spec: JobSpec,
-    layout: Layout,
-    train: Trainable,
-    cfg: TrainConfig,
-    mcfg: TransformerConfig,
-    ctx: Dist,
-    start: Progress,
-    resumed_from: int | None,
-    tokenizer_vocab: int,
-    log: RunLog,
-) -> dict[str, Any]:
-    """The `started` event (and its console line): what runs, where, and the planner's memory estimate."""
-    device = _device_name(ctx.device) or "cpu"
-    dist_opt = train.ddp.use_distributed_optimizer
-    log.say(
-        f"model {train.model.num_params / 1e6:.2f}M params | layout {layout.describe()} | {cfg.precision} | "
-        f"device {device} | {cfg.grad_accum_steps} micro-batches of {cfg.micro_batch_size} per dp rank "
-        f"per step | distributed optimizer {'on' if dist_opt else 'off'}"
-    )
-    trainable = cfg.lora.num_params(mcfg) if cfg.lora else train.model.num_params
-    if cfg.lora:
-        log.say(
-            f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}: "
-            f"{trainable:,} trainable parameters of {train.model.num_params + trainable:,} "
-            f"({100 * trainable / (train.model.num_params + trainable):.2f}%); the base is frozen"
-        )
-    if train.model.chunks:
-        v = layout.virtual_stages
-        log.say(
-            f"pipeline: {layout.pipeline_schedule} schedule"
-            f"{f', interleaved over {v} virtual stages' if v > 1 else ''}"
-            f" | stage 0 layers {[c.layer_range for c in train.model.chunks]}"
-        )
-    return {
-        "event": "started",
-        "step": start.step,
-        "num_params": train.model.num_params,
-        "trainable_params": trainable,
-        "world_size": ctx.world_size,
-        "layout": layout.as_dict(),
-        "device": device,
-        "precision": cfg.precision,
-        "distributed_optimizer": dist_opt,
-        "recompute": cfg.recompute,
-        "compile": cfg.compile,
-        "resumed_from": resumed_from,
-        "memory_estimate": _memory_estimate(spec, layout, tokenizer_vocab, cfg.precision, log),
-    }
-
-
-def _memory_estimate(
-    spec: JobSpec, layout: Layout, tokenizer_vocab: int, precision: str, log: RunLog
-) -> dict[str, Any] | None:
-    """The planner's per-rank memory estimate for what runs (auto precision resolved, a CPU's
-    downgrade applied, not what was asked for); None, said, where it cannot make one."""
-    try:
-        estimate = memory_from_spec(spec, layout, tokenizer_vocab=tokenizer_vocab, precision=precision)
-    except (ValueError, KeyError) as exc:  # an estimate must never stop a run
-        log.say(f"no memory estimate: {exc}")
-        return None
-    return {
-        "params_bytes": estimate.params_bytes,
-        "grads_bytes": estimate.grads_bytes,
-        "optimizer_bytes": estimate.optimizer_bytes,
-        "activations_bytes": estimate.activations_bytes,
-        "total_bytes": estimate.total_bytes,
-        "stage_total_bytes": list(estimate.stage_totals),
-    }
 
 
 def _test_hang(poll: Callable[[], None], activity: Activity, rank: int) -> Callable[[], None]:
