@@ -10,6 +10,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Our targets and the Hugging Face module names PEFT's target_modules gives for them.
 HF_TARGETS = {"qkv": {"q_proj", "k_proj", "v_proj", "c_attn"}, "proj": {"o_proj", "attn.c_proj"},
               "fc1": {"gate_proj", "up_proj", "c_fc"}, "fc2": {"down_proj", "mlp.c_proj"}}  # fmt: skip
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""PEFT's target_parameters for our `experts` target: transformers' stacked expert tensors (Mixtral,
+Qwen2-MoE), an adapter per expert on each."""
 
 
 def lora_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -20,10 +23,16 @@ def lora_settings(config: dict[str, Any]) -> dict[str, Any]:
     names = set(config.get("target_modules") or [])
     if "c_proj" in names:  # GPT-2 names attn and mlp output projections alike
         names |= {"attn.c_proj", "mlp.c_proj"}
+    parameters = set(config.get("target_parameters") or [])
+    if parameters and parameters != set(EXPERT_PARAMETERS):
+        raise ValueError(
+            f"{ADAPTER_CONFIG}: target_parameters {sorted(parameters)} are not the experts' "
+            f"{', '.join(EXPERT_PARAMETERS)}"
+        )
     return {
         "rank": int(config["r"]),
         "alpha": float(config["lora_alpha"]),
         "dropout": float(config.get("lora_dropout", 0.0)),
-        "targets": [t for t, hf in HF_TARGETS.items() if names & hf],
+        "targets": [t for t, hf in HF_TARGETS.items() if names & hf] + (["experts"] if parameters else []),
         "use_rslora": bool(config.get("use_rslora", False)),
     }

@@ -36,7 +36,7 @@ from megatrain.spec_errors import (
     report_rules,
 )
 from megatrain.spec_layout import ParallelismSpec, ResourcesSpec
-from megatrain.spec_lora import LoRASpec
+from megatrain.spec_lora import LoRASpec, absent_targets
 from megatrain.spec_moe import MoESpec
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
@@ -379,6 +379,17 @@ class JobSpec(_Strict):
         out: list[Problem] = []
         if self.kind in ("finetune", "dpo") and not self.model.init_from:
             out.append(_rule("model.init_from", f"model.init_from is required when kind is '{self.kind}'"))
+        lora = self.training.lora
+        if lora is not None and self.training.method != "full" and "targets" in lora.model_fields_set:
+            absent = absent_targets(lora.targets, self.model.moe, self.model.num_layers)
+            if absent:
+                what = (
+                    "no routed experts (model.moe is not set)"
+                    if "experts" in absent
+                    else ("no dense MLP and no shared expert (use experts)")
+                )
+                why = f"training.lora.targets names {', '.join(absent)}, but the model has {what}"
+                out.append(_rule("training.lora.targets", why))
         if self.model.adapter_from and self.training.method == "full":
             why = "model.adapter_from needs training.method lora or qlora (it starts the adapters)"
             out.append(_rule("model.adapter_from", why))

@@ -313,6 +313,10 @@ RULES: tuple[Rule, ...] = (
          {"training.lora": {"rank": 8}}),
     Rule("training.lora.targets", "no target listed twice",
          {"training.method": "lora", "training.lora": {"targets": ["qkv", "qkv"]}}),
+    Rule("training.lora.targets", "a target the model has (experts needs model.moe; fc1/fc2 a dense "
+         "MLP or a shared expert)", {"training.method": "lora", "training.lora": {"targets": ["experts"]}}),
+    Rule("training.lora.dropout", "dropout 0 when the targets include experts",
+         {"training.method": "lora", "training.lora": {"targets": ["experts"], "dropout": 0.1}}),
     Rule("training.dpo", "training.dpo only with kind dpo", {"training.dpo": {"beta": 0.1}}),
     Rule("training.dpo.label_smoothing", "label_smoothing only with loss_type sigmoid",
          {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 2,

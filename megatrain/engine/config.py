@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from megatrain.spec import JobSpec, ModelSpec
 from megatrain.spec_dpo import DPOSpec
-from megatrain.spec_lora import LoRASpec
+from megatrain.spec_lora import LoRASpec, lora_targets_of
 
 
 def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int:
@@ -74,19 +74,31 @@ class LoRAConfig:
 
     def num_params(self, m: TransformerConfig) -> int:
         """The adapters' parameters over the whole model: per target linear (in → out) split into
-        `parts` Hugging Face linears (engine.lora), parts·r·in for A and r·out for B."""
-        c, f, hd = m.hidden_size, m.ffn_hidden_size, m.head_dim
+        `parts` Hugging Face linears (engine.lora), parts·r·in for A and r·out for B; on an MoE
+        layer its shared expert's fc1/fc2, and r·(in + out) per expert on each stacked weight."""
+        c, f, hd, r = m.hidden_size, m.ffn_hidden_size, m.head_dim, self.rank
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hd
         qkv_parts = 1 if m.position_embedding == "learned" else 3
-        fc1 = (c, 2 * f, 2) if m.gated_mlp else (c, f, 1)
-        shapes = {"qkv": (c, qkv_out, qkv_parts), "proj": (c, c, 1), "fc1": fc1, "fc2": (f, c, 1)}
+        attention = {"qkv": (c, qkv_out, qkv_parts), "proj": (c, c, 1)}
+
+        def mlp(ffn: int) -> dict[str, tuple[int, int, int]]:
+            return {"fc1": (c, 2 * ffn, 2) if m.gated_mlp else (c, ffn, 1), "fc2": (ffn, c, 1)}
+
         total = 0
         for layer in range(m.num_layers):
-            dense = m.moe is None or not m.moe.is_moe_layer(layer)  # MoE layers: attention only
+            shapes = dict(attention)
+            if m.moe is None or not m.moe.is_moe_layer(layer):
+                shapes |= mlp(f)
+            else:
+                if m.moe.shared_expert_ffn_hidden_size is not None:
+                    shapes |= mlp(m.moe.shared_expert_ffn_hidden_size)
+                if "experts" in self.targets:
+                    fe = m.moe.ffn_hidden_size
+                    total += m.moe.num_experts * r * ((c + (2 * fe if m.gated_mlp else fe)) + (fe + c))
             for target in self.targets:
-                if target in ("qkv", "proj") or dense:
+                if target in shapes:
                     n_in, n_out, parts = shapes[target]
-                    total += self.rank * (parts * n_in + n_out)
+                    total += r * (parts * n_in + n_out)
         return total
 
 
@@ -370,6 +382,5 @@ def lora_config(spec: JobSpec) -> LoRAConfig | None:
     if t.method == "full":
         return None
     lora = t.lora or LoRASpec()
-    return LoRAConfig(
-        lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), lora.use_rslora, t.method == "qlora"
-    )
+    targets = lora_targets_of(lora, spec.model.moe, spec.model.num_layers)
+    return LoRAConfig(lora.rank, lora.alpha, lora.dropout, targets, lora.use_rslora, t.method == "qlora")

@@ -22,6 +22,12 @@ carry it and no activation of the base's width is communicated again:
 The replicated factor then sees only part of the gradient on each tp rank (the other tokens, or the
 other output rows' contributions): it is flagged like a sequence-parallel norm weight, and its
 gradient is summed over tp once per step (parallel.mappings.allreduce_sequence_parallel_grads).
+
+An MoE layer's shared expert is a dense MLP: its fc1 and fc2 are targets like the dense MLP's. Its
+routed experts (target `experts`) get an adapter per expert on each stacked weight (ExpertLoRA):
+PEFT's adapters on transformers' stacked expert tensors (`target_parameters`), one over an expert's
+[gate; up] rows, with no dropout. They are split as their weights are: over ep by expert, over tp
+like fc1 (column: B split) and fc2 (row: A split).
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ from megatrain.engine.parallel.mappings import (
 from megatrain.engine.parallel.random import MODEL_PARALLEL, RNGStatesTracker, TrackedDropout
 from megatrain.engine.parallel.state import ParallelState
 
-TARGETS = ("qkv", "proj", "fc1", "fc2")
-"""The linears an adapter may sit on, by their canonical names (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)."""
+TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")
+"""What an adapter may sit on, by canonical name: attn.qkv, attn.proj, mlp.fc1 and mlp.fc2 (the dense
+MLP's or the shared expert's), and an MoE layer's routed experts (both stacked weights)."""
 
 
 class LoRA(nn.Module):
@@ -104,11 +111,44 @@ def expand_B(b: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
     return (onehot[:, :, None] * b[:, None, :]).flatten(1)
 
 
+class ExpertLoRA(nn.Module):
+    """The adapters of E stacked experts (GroupedExperts' fc1_weight (E, W, C) and fc2_weight
+    (E, C, F)): fc1_A (E, r, C), fc1_B (E, W, r), fc2_A (E, r, F), fc2_B (E, C, r); expert e's fc1
+    is W_e + scale·B_e·A_e, likewise fc2. GroupedExperts runs them (kernels.grouped_mlp_lora)."""
+
+    def __init__(self, fc1_shape: torch.Size, fc2_shape: torch.Size, cfg: LoRAConfig):
+        super().__init__()
+        (e, w, c), (_, _, f), r = fc1_shape, fc2_shape, cfg.rank
+        self.fc1_A = nn.Parameter(torch.empty(e, r, c))
+        self.fc1_B = nn.Parameter(torch.empty(e, w, r))
+        self.fc2_A = nn.Parameter(torch.empty(e, r, f))
+        self.fc2_B = nn.Parameter(torch.empty(e, c, r))
+        self.scale = cfg.scale
+        self.enabled = True
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.fc1_A, self.fc1_B, self.fc2_A, self.fc2_B
+
+    def extra_repr(self) -> str:
+        return f"experts={self.fc1_A.shape[0]}, rank={self.fc1_A.shape[1]}, scale={self.scale:g}"
+
+
+EXPERT_WEIGHT_ADAPTERS = {"fc1_weight": "fc1", "fc2_weight": "fc2"}
+"""A stacked expert weight -> its adapters' prefix in ExpertLoRA (`experts.lora.fc1_A`, ...)."""
+
+
 def adapted_target(weight_name: str, cfg: LoRAConfig) -> str | None:
-    """The target a canonical weight's adapter sits on ("layers.3.attn.qkv.weight" -> "qkv"), if any."""
+    """The target a canonical weight's adapter sits on ("layers.3.attn.qkv.weight" -> "qkv",
+    "layers.1.mlp.shared_expert.fc1.weight" -> "fc1", "layers.1.mlp.experts.fc2_weight" -> "experts"),
+    if any."""
     parts = weight_name.split(".")
-    if len(parts) == 5 and parts[0] == "layers" and parts[-1] == "weight" and parts[2] in ("attn", "mlp"):
-        return parts[3] if parts[3] in cfg.targets else None
+    if len(parts) < 5 or parts[0] != "layers":
+        return None
+    if len(parts) == 5 and parts[2:4] == ["mlp", "experts"] and parts[4] in EXPERT_WEIGHT_ADAPTERS:
+        return "experts" if "experts" in cfg.targets else None
+    inner = parts[2:-2] in (["attn"], ["mlp"], ["mlp", "shared_expert"])
+    if inner and parts[-1] == "weight" and parts[-2] in cfg.targets and parts[-2] != "experts":
+        return parts[-2]
     return None
 
 
@@ -126,10 +166,20 @@ def merged_weight(
     target = adapted_target(weight_name, cfg)
     if target is None:
         return weight
-    base = weight_name.removesuffix(".weight")
     w = weight.float()
+    if target == "experts":
+        base, stacked = weight_name.rsplit(".", 1)
+        prefix = f"{base}.lora.{EXPERT_WEIGHT_ADAPTERS[stacked]}"
+        a, b = get_tensor(prefix + "_A").float(), get_tensor(prefix + "_B").float()
+        if a.shape != (w.shape[0], cfg.rank, w.shape[2]) or b.shape != (*w.shape[:2], cfg.rank):
+            raise ValueError(
+                f"{prefix}: adapters A {tuple(a.shape)}, B {tuple(b.shape)} do not fit stacked "
+                f"experts of {tuple(w.shape)} with rank {cfg.rank}"
+            )
+        return (w + cfg.scale * torch.bmm(b, a)).to(weight.dtype)
+    base = weight_name.removesuffix(".weight")
     a, b = get_tensor(base + ".lora.A").float(), get_tensor(base + ".lora.B").float()
-    part = part_of_rows(target, mcfg)
+    part = part_of_rows(target, mcfg, ffn=w.shape[0] // 2)
     n = 1 if part is None else int(part.max()) + 1
     if a.shape != (n * cfg.rank, w.shape[1]) or b.shape != (w.shape[0], cfg.rank):
         raise ValueError(
@@ -146,25 +196,27 @@ def merged_weight(
     return (w + cfg.scale * delta).to(weight.dtype)
 
 
-def part_of_rows(target: str, mcfg: TransformerConfig) -> torch.Tensor | None:
+def part_of_rows(target: str, mcfg: TransformerConfig, ffn: int | None = None) -> torch.Tensor | None:
     """Which Hugging Face linear each canonical output row of a fused target belongs to: qkv's
     q/k/v (group by group: H/G query heads, then the group's key and value), a gated fc1's
-    gate/up. None where the Hugging Face twin is one linear too (GPT-2's c_attn, proj, fc2)."""
+    gate/up (each `ffn` rows: the dense MLP's width unless given, a shared expert's). None where
+    the Hugging Face twin is one linear too (GPT-2's c_attn, proj, fc2)."""
     if target == "qkv" and mcfg.position_embedding != "learned":
         per_group = mcfg.num_attention_heads // mcfg.num_query_groups
         group = torch.tensor([0] * per_group + [1, 2]).repeat_interleave(mcfg.head_dim)
         return group.repeat(mcfg.num_query_groups)
     if target == "fc1" and mcfg.gated_mlp:
-        return torch.tensor([0, 1]).repeat_interleave(mcfg.ffn_hidden_size)
+        return torch.tensor([0, 1]).repeat_interleave(ffn or mcfg.ffn_hidden_size)
     return None
 
 
 def lora_targets(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
-    """(canonical name, linear) of every linear an adapter goes on: the dense layers' linears named
-    in `targets` (an MoE layer has none yet: neither its routed experts nor its shared expert)."""
+    """(canonical name, linear) of every linear an adapter goes on: attention's, the dense MLP's and
+    the shared experts' linears named in `targets` (the routed experts: attach_lora)."""
     for name, mod in model.named_modules():
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-1] in targets and parts[-2] in ("attn", "mlp"):
+        linear = parts[-1] in targets and parts[-1] != "experts"
+        if len(parts) >= 2 and linear and parts[-2] in ("attn", "mlp", "shared_expert"):
             yield name, mod
 
 
@@ -188,7 +240,8 @@ def attach_lora(
         weight = linear.weight
         out_local, in_local = weight.shape
         stride = getattr(weight, "partition_stride", 1)
-        parts = part_of_rows(name.rsplit(".", 1)[-1], mcfg)
+        ffn = mcfg.moe.shared_expert_ffn_hidden_size if ".shared_expert." in name and mcfg.moe else None
+        parts = part_of_rows(name.rsplit(".", 1)[-1], mcfg, ffn)
         if parts is not None and isinstance(linear, ColumnParallelLinear):
             parts = shard_tensor(parts, 0, state.tp_rank, state.tp_size, stride)
         # Per-rank dropout masks where tp ranks hold different inputs (a row-parallel base's feature
@@ -214,8 +267,31 @@ def attach_lora(
             raise ValueError(f"{name}: a LoRA target that tensor parallelism did not split")
         linear.lora = lora
         count += 1
+    if "experts" in cfg.targets:
+        count += _attach_expert_lora(model, cfg, state)
     if count == 0:
         raise ValueError(f"LoRA: the model has none of the target linears {', '.join(cfg.targets)}")
+    return count
+
+
+def _attach_expert_lora(model: nn.Module, cfg: LoRAConfig, state: ParallelState) -> int:
+    """An ExpertLoRA on every MoE layer's routed experts, split over tp like their weights (fc1 rows
+    with its stride, fc2 columns; expert parallelism then keeps this rank's experts of both)."""
+    from megatrain.engine.models.moe import moe_layers
+
+    count = 0
+    for layer in moe_layers(model):
+        experts = layer.experts
+        w1, w2 = experts.fc1_weight, experts.fc2_weight
+        with torch.device(w1.device):
+            lora = ExpertLoRA(w1.shape, w2.shape, cfg)
+        if state.tp_size > 1:
+            mark_tensor_parallel(lora.fc1_B, 1, getattr(w1, "partition_stride", 1))
+            mark_tensor_parallel(lora.fc2_A, 2)
+            mark_sequence_parallel(lora.fc1_A)  # replicated: each tp rank sees part of its gradient
+            mark_sequence_parallel(lora.fc2_B)
+        experts.lora = lora
+        count += 1
     return count
 
 
@@ -223,7 +299,7 @@ def attach_lora(
 def adapters_disabled(module: nn.Module) -> Iterator[None]:
     """The base model without its adapters, for the duration: the reference model of preference
     training under LoRA, with no second copy of the weights."""
-    adapters = [m for m in module.modules() if isinstance(m, LoRA)]
+    adapters = [m for m in module.modules() if isinstance(m, LoRA | ExpertLoRA)]
     for m in adapters:
         m.enabled = False
     try:
@@ -258,7 +334,7 @@ def is_lora_name(name: str) -> bool:
 
 def lora_init_rule(name: str, in_features: int) -> tuple[str, float]:
     """PEFT's defaults: A kaiming-uniform with a=√5 (uniform in ±1/√in), B zeros."""
-    if name.endswith("lora.A"):
+    if name.endswith(("lora.A", "_A")):
         return "uniform", 1.0 / math.sqrt(in_features)
     return "zeros", 0.0
 

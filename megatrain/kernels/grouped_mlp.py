@@ -130,6 +130,51 @@ def grouped_mlp_reference(
     return _loop(x, tokens_per_expert, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fused=False)
 
 
+def grouped_linear(
+    x: torch.Tensor, tokens_per_expert: list[int], weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each expert's rows of x (M, in) times its weight (E, out, in)ᵀ -> (M, out): torch._grouped_mm
+    where it runs (bf16 on CUDA, 16-byte strides), else a loop over the experts."""
+    widths = (x.shape[1], weight.shape[1])
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] and not any(w % 8 for w in widths):
+        offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    else:
+        groups = zip(x.split(tokens_per_expert), weight.unbind(0), strict=True)
+        y = torch.cat([F.linear(rows, w) for rows, w in groups])
+    if bias is not None:
+        counts = torch.tensor(tokens_per_expert, device=x.device)
+        y = y + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+    return y
+
+
+def grouped_mlp_lora(
+    x: torch.Tensor,
+    tokens_per_expert: list[int],
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_bias: torch.Tensor | None,
+    activation: str,
+    adapters: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """grouped_mlp with a LoRA adapter on each expert's fc1 and fc2 (engine.lora.ExpertLoRA:
+    A1 (E, r, C), B1 (E, W, r), A2 (E, r, F), B2 (E, C, r)): y = f(x W1ᵀ + s·(x A1ᵀ) B1ᵀ) W2ᵀ + ...
+    On the activations, rank-r products only: no weight-sized W + s·B·A is formed, or kept for the
+    backward, per layer."""
+    a1, b1, a2, b2 = adapters
+    n = tokens_per_expert
+
+    def adapted(
+        inp: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_linear(inp, n, w, bias) + scale * grouped_linear(grouped_linear(inp, n, a), n, b)
+
+    h = _activate(adapted(x, fc1_weight, fc1_bias, a1, b1), activation, fused=True)
+    return adapted(h, fc2_weight, fc2_bias, a2, b2)
+
+
 def grouped_mm_available() -> bool:
     """torch._grouped_mm exists and a CUDA device of compute capability 8.0 or above is present."""
     if not hasattr(torch, "_grouped_mm") or not torch.cuda.is_available():

@@ -92,7 +92,7 @@ def lora_activations(m: ModelShape, *, tp: int, sp: bool, act: int, mask: int, m
         return 0.0
     saved = 0.0
     for target in lora_layer_targets(m, moe):
-        n_in, _, parts, column = lora_linears(m)[target]
+        n_in, _, parts, column = lora_linears(m, moe)[target]
         saved += act * parts * m.lora.rank
         if m.lora.dropout > 0:
             saved += (act + mask) * (n_in / (tp if sp else 1) if column else n_in / tp)

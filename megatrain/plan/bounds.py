@@ -10,6 +10,7 @@ from megatrain.plan.shapes import (
     ModelShape,
     expert_params,
     layer_params,
+    lora_expert_params,
     lora_layer_params,
     lora_stage_params,
     nf4_layer_params,
@@ -36,7 +37,7 @@ def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: in
     if pp == 1:
         parts = stage_params(m, tp, 1, 0, ep=ep)
         experts = parts.get("experts", 0)
-        adapters = lora_stage_params(m, tp, 1, 0) * static(shard)
+        adapters = lora_stage_params(m, tp, 1, 0, ep=ep) * static(shard)
         nf4 = nf4_stage_params(m, tp, 1, 0) * nf4_saves
         return int((sum(parts.values()) - experts) * dense_b + experts * expert_b + adapters - nf4)
     dense = layer_params(m, tp) * dense_b + lora_layer_params(m, tp) * static(shard)
@@ -45,6 +46,7 @@ def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: in
         return int(-(-m.num_layers // pp) * dense)
     moe = layer_params(m, tp, moe=True) * dense_b + expert_params(m, tp, ep) * expert_b
     moe += lora_layer_params(m, tp, moe=True) * static(shard) - nf4_layer_params(m, tp, moe=True) * nf4_saves
+    moe += lora_expert_params(m, tp, ep) * static(expert_shard)
     return int(max(-(-m.num_layers // pp) * min(dense, moe), -(-m.num_moe_layers // pp) * moe))
 
 

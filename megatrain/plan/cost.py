@@ -79,6 +79,7 @@ from megatrain.plan.pool import PoolSpec
 from megatrain.plan.shapes import (
     ModelShape,
     layers_on_stage,
+    lora_expert_params,
     lora_stage_params,
     moe_layers_on_stage,
     stage_params,
@@ -148,9 +149,14 @@ def _stage_param_counts(
     stages: tuple[int, ...],
 ) -> tuple[int, int]:  # fmt: skip
     """(trainable parameters, of them routed experts) of the rank of `stages` holding the most: a
-    LoRA run's adapters, none of them experts."""
+    LoRA run's adapters (its routed experts' adapters, if any, counted as the experts)."""
     if model.lora is not None:
-        return max(lora_stage_params(model, tp, pp, st, pipeline_layers, v) for st in stages), 0
+        counts = [
+            (lora_stage_params(model, tp, pp, st, pipeline_layers, v, ep),
+             moe_layers_on_stage(model, pp, st, pipeline_layers, v) * lora_expert_params(model, tp, ep))
+            for st in stages
+        ]  # fmt: skip
+        return max(counts)
     counts = max(
         (stage_params(model, tp, pp, st, pipeline_layers, ep, v) for st in stages),
         key=lambda p: sum(p.values()),

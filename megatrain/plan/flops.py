@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megatrain.plan.shapes import LoRAShape, ModelShape, lora_stage_params
+from megatrain.plan.shapes import LoRAShape, ModelShape, lora_expert_params, lora_stage_params
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s per device: (bf16, fp16, fp32). bf16 and fp16 run
 # on the same tensor cores at the same rate; None where the GPU has no such units (no bf16 before
@@ -94,10 +94,15 @@ def head_forward_flops(model: Any) -> float:
 
 
 def lora_forward_flops(model: Any, lora: Any) -> float:
-    """Forward FLOPs of a LoRA run's adapters for one token: 2 per adapter parameter (each part's
-    x·Aᵀ and u·Bᵀ). `lora`: a LoRAConfig, LoRASpec or LoRAShape."""
+    """Forward FLOPs of a LoRA run's adapters for one token: 2 per adapter parameter it runs
+    through (each part's x·Aᵀ and u·Bᵀ; of the routed experts' adapters, its top-k experts').
+    `lora`: a LoRAConfig, LoRASpec or LoRAShape."""
     shape = replace(ModelShape.of(model), lora=LoRAShape.of(lora))
-    return 2.0 * lora_stage_params(shape, 1, 1, 0)
+    experts = 0.0
+    if shape.moe is not None:
+        idle = 1.0 - shape.moe.router_topk / shape.moe.num_experts
+        experts = shape.num_moe_layers * lora_expert_params(shape, 1, 1) * idle
+    return 2.0 * (lora_stage_params(shape, 1, 1, 0) - experts)
 
 
 def flops_per_token(model: Any, seq_length: int | None = None, lora: Any = None) -> float:

@@ -60,7 +60,7 @@ def lora_layer_seconds(
 
     forward = backward = comm = 0.0
     for target in lora_layer_targets(m, moe):
-        n_in, n_out, parts, column = lora_linears(m)[target]
+        n_in, n_out, parts, column = lora_linears(m, moe)[target]
         pr = parts * m.lora.rank
         # Rows of the input side (a sequence shard under sp on a column-parallel base) and the output side.
         rows_in = tokens / tp if (sp and column) else tokens

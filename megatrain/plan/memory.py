@@ -289,7 +289,7 @@ def estimate_memory(
     stages: list[MemoryEstimate] = []
     for stage in range(pp):
         parts = stage_params(m, tp, pp, stage, pipeline_layers, ep, virtual_stages)
-        n_lora = lora_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
+        n_lora = lora_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages, ep)
         n_nf4 = nf4_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
         in_flight: float = max(1, in_flight_first - stage)
         if num_microbatches is not None:

@@ -7,10 +7,11 @@ MLP of moe.ffn_hidden_size, split over tp like the dense MLP and over ep by whol
 optional shared expert (an MLP of shared_expert_ffn_hidden_size, split over tp, on every token).
 
 A LoRA run (training.method lora, megatrain.engine.lora) freezes the whole model and adds adapters A
-(parts·r, in) and B (out, r) to each target linear of the dense layers (an MoE layer's attention
-only): parts is 3 for a Llama-family qkv (q, k, v), 1 for GPT-2's fused c_attn, 2 for a gated fc1
-(gate, up). Under tp each adapter is split like its base: column-parallel (qkv, fc1) B split and A
-replicated, row-parallel (proj, fc2) A split and B replicated."""
+(parts·r, in) and B (out, r) to each target linear (on an MoE layer: attention and the shared
+expert, and with target experts an adapter per routed expert on each stacked weight): parts is 3
+for a Llama-family qkv (q, k, v), 1 for GPT-2's fused c_attn, 2 for a gated fc1 (gate, up). Under
+tp each adapter is split like its base: column-parallel (qkv, fc1) B split and A replicated,
+row-parallel (proj, fc2) A split and B replicated."""
 
 from __future__ import annotations
 
@@ -253,25 +254,31 @@ def stage_params(
     return parts
 
 
-def lora_linears(m: ModelShape) -> dict[str, tuple[int, int, int, bool]]:
+def lora_linears(m: ModelShape, moe: bool = False) -> dict[str, tuple[int, int, int, bool]]:
     """Each LoRA target's (in, out, parts, column-parallel): the parts are the Hugging Face linears
-    the fused one stands for (engine.lora.part_of_rows), one adapter each."""
+    the fused one stands for (engine.lora.part_of_rows), one adapter each. On an MoE layer fc1 and
+    fc2 are its shared expert's."""
     h, kv = m.hidden_size, m.kv_size
     qkv_parts = 1 if m.position_embedding == "learned" else 3  # GPT-2's c_attn is one linear
     fc1_parts = 2 if m.activation in ("swiglu", "geglu") else 1
+    ffn = m.ffn_hidden_size
+    if moe and m.moe is not None:
+        ffn = m.moe.shared_expert_ffn_hidden_size or 0
     return {
         "qkv": (h, h + 2 * kv, qkv_parts, True),
         "proj": (h, h, 1, False),
-        "fc1": (h, m.fc1_width, fc1_parts, True),
-        "fc2": (m.ffn_hidden_size, h, 1, False),
+        "fc1": (h, m.mlp_fc1_width(ffn), fc1_parts, True),
+        "fc2": (ffn, h, 1, False),
     }
 
 
 def lora_layer_targets(m: ModelShape, moe: bool = False) -> tuple[str, ...]:
-    """The targets one layer carries adapters on: an MoE layer's attention only."""
+    """The linears one layer carries adapters on: an MoE layer's fc1/fc2 are its shared expert's
+    (none without one); its routed experts' adapters are lora_expert_params'."""
     if m.lora is None:
         return ()
-    return tuple(t for t in m.lora.targets if not (moe and m.moe is not None and t in ("fc1", "fc2")))
+    no_mlp = moe and m.moe is not None and m.moe.shared_expert_ffn_hidden_size is None
+    return tuple(t for t in m.lora.targets if t != "experts" and not (no_mlp and t in ("fc1", "fc2")))
 
 
 def lora_layer_params(m: ModelShape, tp: int, moe: bool = False) -> int:
@@ -281,9 +288,19 @@ def lora_layer_params(m: ModelShape, tp: int, moe: bool = False) -> int:
         return 0
     r, total = m.lora.rank, 0
     for target in lora_layer_targets(m, moe):
-        n_in, n_out, parts, column = lora_linears(m)[target]
+        n_in, n_out, parts, column = lora_linears(m, moe)[target]
         total += parts * r * (n_in if column else n_in // tp) + r * (n_out // tp if column else n_out)
     return total
+
+
+def lora_expert_params(m: ModelShape, tp: int, ep: int) -> int:
+    """One MoE layer's routed-expert adapters on a (tensor, expert)-parallel rank (target experts):
+    per expert A (r, h) and B (fc1 width / tp, r) on fc1, A (r, ffn / tp) and B (h, r) on fc2."""
+    if m.lora is None or m.moe is None or "experts" not in m.lora.targets:
+        return 0
+    ffn = m.moe.ffn_hidden_size
+    per_expert = m.lora.rank * (m.hidden_size + m.mlp_fc1_width(ffn) // tp + ffn // tp + m.hidden_size)
+    return m.moe.num_experts // ep * per_expert
 
 
 def lora_stage_params(
@@ -293,14 +310,16 @@ def lora_stage_params(
     stage: int,
     pipeline_layers: Sequence[int] | None = None,
     virtual_stages: int = 1,
+    ep: int = 1,
 ) -> int:
-    """The adapters of one pipeline stage's tensor-parallel rank (0 without LoRA): the trainable
-    parameters of a LoRA run, none of them routed experts."""
+    """The adapters of one pipeline stage's (tensor, expert)-parallel rank (0 without LoRA): the
+    trainable parameters of a LoRA run."""
     if m.lora is None:
         return 0
     n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
     n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
-    return (n - n_moe) * lora_layer_params(m, tp) + n_moe * lora_layer_params(m, tp, moe=True)
+    moe = lora_layer_params(m, tp, moe=True) + lora_expert_params(m, tp, ep)
+    return (n - n_moe) * lora_layer_params(m, tp) + n_moe * moe
 
 
 def nf4_stage_params(

@@ -15,7 +15,13 @@ from .helpers import tiny_spec, write_corpus
 STEPS = 4
 
 
-def _spec(root: Path, world: int, parallelism: dict[str, Any], method: str = "lora") -> Any:
+def _spec(
+    root: Path,
+    world: int,
+    parallelism: dict[str, Any],
+    method: str = "lora",
+    extra: dict[str, Any] | None = None,
+) -> Any:
     raw = tiny_spec(root / "corpus.jsonl", global_batch_size=8, micro_batch_size=2, lr=2e-2, warmup_iters=0)
     raw["model"].update(num_layers=4)
     if method == "qlora":  # NF4 quantises whole blocks of 16,384 weights: a wider model
@@ -24,11 +30,18 @@ def _spec(root: Path, world: int, parallelism: dict[str, Any], method: str = "lo
     raw["training"].update(method=method, lora={"rank": 4, "alpha": 8.0})
     raw["parallelism"] = {"distributed_optimizer": False, **parallelism}
     raw["resources"] = {"devices": world}
+    for block, fields in (extra or {}).items():  # {"model": {...}, "training": {...}}
+        raw[block].update(fields)
     return parse_spec(raw)
 
 
 def _lora_rank(
-    rank: int, world: int, workdir: str, parallelism: dict[str, Any], method: str = "lora"
+    rank: int,
+    world: int,
+    workdir: str,
+    parallelism: dict[str, Any],
+    method: str = "lora",
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """STEPS TrainLoop steps of a LoRA run under `parallelism`: each step's loss and grad norm."""
     from megatrain.engine.build import build_model, make_trainable
@@ -42,7 +55,7 @@ def _lora_rank(
     from megatrain.spec import ParallelismSpec
 
     root = Path(workdir)
-    spec = _spec(root, world, parallelism, method)
+    spec = _spec(root, world, parallelism, method, extra)
     layout = resolve_layout(spec, world)
     cfg = train_config(spec, layout.dp)
     tokenizer = ByteTokenizer()
@@ -83,11 +96,60 @@ def test_lora_trains_the_same_adapters_in_every_layout(tmp_path: Path) -> None:
         {"pp": 2, "dp": 1, "virtual_stages": 2},
     ]
     for layout in layouts:
-        got = run_distributed(_lora_rank, 2, str(tmp_path), layout)[0]
-        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-            assert abs(a - b) < 1e-5, (layout, step, a, b)
-        for a, b in zip(got["norms"], ref["norms"], strict=True):
-            assert abs(a - b) < 1e-4 * b, (layout, a, b)
+        _assert_same_run(run_distributed(_lora_rank, 2, str(tmp_path), layout)[0], ref, layout)
+
+
+def _assert_same_run(got: dict[str, Any], ref: dict[str, Any], layout: Any) -> None:
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        assert abs(a - b) < 1e-5, (layout, step, a, b)
+    for a, b in zip(got["norms"], ref["norms"], strict=True):
+        assert abs(a - b) < 1e-4 * b, (layout, a, b)
+
+
+MOE_LORA = {
+    "model": {
+        "moe": {
+            "num_experts": 4,
+            "router_topk": 2,
+            "ffn_hidden_size": 32,
+            "shared_expert_ffn_hidden_size": 16,
+        }
+    },
+    "training": {"lora": {"rank": 4, "alpha": 8.0, "targets": ["qkv", "proj", "fc1", "fc2", "experts"]}},
+}
+
+
+@pytest.mark.distributed
+def test_moe_lora_trains_the_same_adapters_under_expert_and_tensor_parallelism(tmp_path: Path) -> None:
+    """Adapters on attention, the shared expert and every routed expert: ep=2 (each rank holds and
+    trains its experts' adapters) and tp=2 with sequence parallelism train what one process does."""
+    from .parallel._launch import run_distributed
+
+    write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
+    ref = run_distributed(_lora_rank, 1, str(tmp_path), {}, "lora", MOE_LORA)[0]
+    assert ref["losses"][-1] < ref["losses"][0] and ref["buffered"] == ref["trainable"]
+    for layout in (
+        {"dp": 2, "ep": 2, "distributed_optimizer": True},
+        {"tp": 2, "dp": 1, "sequence_parallel": True},
+    ):
+        got = run_distributed(_lora_rank, 2, str(tmp_path), layout, "lora", MOE_LORA)
+        if "ep" in layout:  # half the experts' adapters on each rank
+            assert got[0]["trainable"] < ref["trainable"] and got[0]["trainable"] == got[1]["trainable"]
+        _assert_same_run(got[0], ref, layout)
+
+
+@pytest.mark.distributed
+def test_lora_under_context_parallelism_and_recompute_trains_as_one_process(tmp_path: Path) -> None:
+    from .parallel._launch import run_distributed
+
+    write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
+    ref = run_distributed(_lora_rank, 1, str(tmp_path), {})[0]
+    full = run_distributed(_lora_rank, 1, str(tmp_path), {}, "lora", {"training": {"recompute": "full"}})[0]
+    _assert_same_run(full, ref, "recompute full")
+    got = run_distributed(
+        _lora_rank, 2, str(tmp_path), {"cp": 2, "dp": 1}, "lora", {"training": {"recompute": "selective"}}
+    )
+    _assert_same_run(got[0], ref, "cp=2, recompute selective")
 
 
 @pytest.mark.distributed
@@ -111,7 +173,7 @@ def test_lora_settings_are_judged(tmp_path: Path) -> None:
     raw["training"]["lora"] = {"rank": 8}
     with pytest.raises(SpecError, match="training.method is 'full'"):
         parse_spec(raw)
-    raw["training"].update(method="lora", lora={"rank": 0, "targets": ["qkv", "experts"]})
+    raw["training"].update(method="lora", lora={"rank": 0, "targets": ["qkv", "router"]})
     with pytest.raises(SpecError) as err:
         parse_spec(raw)
     fields = {e["field"] for e in err.value.errors}
@@ -119,3 +181,21 @@ def test_lora_settings_are_judged(tmp_path: Path) -> None:
     raw["training"]["lora"] = {"targets": ["qkv", "qkv"]}
     with pytest.raises(SpecError, match="twice"):
         parse_spec(raw)
+    # Targets the model lacks: experts on a dense model; fc1 where every layer is routed experts.
+    raw["training"]["lora"] = {"targets": ["qkv", "experts"]}
+    with pytest.raises(SpecError, match="experts, but the model has no routed experts") as err:
+        parse_spec(raw)
+    assert [e["field"] for e in err.value.errors] == ["training.lora.targets"]
+    raw["model"]["moe"] = {"num_experts": 4}
+    raw["training"]["lora"] = {"targets": ["fc1", "experts"]}
+    with pytest.raises(SpecError, match="names fc1, but the model has no dense MLP and no shared expert"):
+        parse_spec(raw)
+    raw["training"]["lora"] = {"targets": ["experts"], "dropout": 0.1}
+    with pytest.raises(SpecError, match="dropout must be 0 when training.lora.targets include experts"):
+        parse_spec(raw)
+    # The default targets on such a model: those it has (attention's), not a spec error.
+    raw["training"]["lora"] = {"rank": 4}
+    from megatrain.engine.config import lora_config
+
+    lora = lora_config(parse_spec(raw))
+    assert lora is not None and lora.targets == ("qkv", "proj")

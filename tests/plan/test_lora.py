@@ -19,6 +19,7 @@ from megatrain.plan.shapes import (
     NF4_BYTES,
     LoRAShape,
     ModelShape,
+    lora_expert_params,
     lora_layer_params,
     lora_stage_params,
     nf4_stage_params,
@@ -41,6 +42,10 @@ ENGINE_MODELS = {
         "tiny-llama", **_TINY, num_query_groups=4,
         moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=48, layer_freq=2),
     ),
+    "moe-shared": TransformerConfig.preset(
+        "tiny-llama", **_TINY, num_query_groups=4,
+        moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=48, shared_expert_ffn_hidden_size=40),
+    ),
 }  # fmt: skip
 LLAMA3_70B = {"num_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_query_groups": 8,
               "ffn_hidden_size": 28672, "seq_length": 4096, "vocab_size": 128256}  # fmt: skip
@@ -51,7 +56,9 @@ def with_lora(model: object, **lora: object) -> ModelShape:
     return replace(ModelShape.of(model), lora=LoRAShape.of({"rank": 8, **lora}))
 
 
-@pytest.mark.parametrize("targets", [("qkv", "proj", "fc1", "fc2"), ("qkv",), ("fc1", "fc2"), ("proj",)])
+@pytest.mark.parametrize(
+    "targets", [("qkv", "proj", "fc1", "fc2"), ("qkv",), ("fc1", "fc2"), ("proj",), ("qkv", "fc2", "experts")]
+)
 @pytest.mark.parametrize("name", list(ENGINE_MODELS))
 def test_adapter_count_is_the_engines(name: str, targets: tuple[str, ...]) -> None:
     """The torch-free count equals LoRAConfig.num_params (itself tested equal to PEFT's)."""
@@ -88,6 +95,21 @@ def test_adapters_split_like_their_base() -> None:
     assert lora_layer_params(m, 2, moe=True) == qkv + proj
     # Layers 0 and 2 are MoE (layer_freq 2), layer 1 dense.
     assert lora_stage_params(m, 2, 1, 0) == 2 * (qkv + proj) + qkv + proj + fc1 + fc2
+
+
+def test_expert_adapters_split_over_experts_and_tensor_ranks() -> None:
+    """Per routed expert: fc1's A (r, h) whole and B (2F/tp, r); fc2's A (r, F/tp) and B (h, r)
+    whole; E/ep experts a rank. The shared expert's fc1/fc2 adapters are a dense MLP's."""
+    m = with_lora(ENGINE_MODELS["moe-shared"], targets=("fc1", "fc2", "experts"))
+    h, f, s, r = 64, 48, 40, 8
+    per_expert = r * h + r * 2 * f // 2 + r * f // 2 + r * h
+    assert lora_expert_params(m, 2, 2) == 2 * per_expert
+    shared = 2 * r * h + r * 2 * s // 2 + r * s // 2 + r * h
+    assert lora_layer_params(m, 2, moe=True) == shared
+    assert lora_stage_params(m, 2, 1, 0, ep=2) == 3 * (shared + 2 * per_expert)
+    assert lora_stage_params(m, 1, 1, 0) == LoRAConfig(rank=8, targets=("fc1", "fc2", "experts")).num_params(
+        ENGINE_MODELS["moe-shared"]
+    )
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -6,6 +6,11 @@ engine.lora keeps one A per part and takes each output row's update from its par
 is exact both ways. B's rows follow the base weight's own row mapping (hf_mapping's rules: the
 qkv regrouping, GPT-2's [q; k; v] columns), A is split by part. PEFT's names are the HF module's
 name under `base_model.model.` with `.lora_A.weight` / `.lora_B.weight`.
+
+Routed experts' adapters are PEFT's on transformers' stacked expert tensors (target_parameters
+`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, each wrapped in turn: gate_up's adapter is
+the inner one, `experts.base_layer.lora_*`, down's `experts.lora_*`). Its lora_A (E·r, in) stacks
+the experts' A; its lora_B (out, r·E) interleaves them, column j·E + e being expert e's column j.
 """
 
 from __future__ import annotations
@@ -19,16 +24,30 @@ import torch
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.interop.hf_mapping import Rule, rules_for
 from megatrain.engine.lora import LoRAConfig
-from megatrain.peft_config import lora_settings
+from megatrain.peft_config import EXPERT_PARAMETERS, lora_settings
 
 PEFT_PREFIX = "base_model.model."
-TARGET_SUFFIXES = {"qkv": "attn.qkv.weight", "proj": "attn.proj.weight", "fc1": "mlp.fc1.weight",
-                   "fc2": "mlp.fc2.weight"}  # fmt: skip
+TARGET_SUFFIXES = {"qkv": ("attn.qkv.weight",), "proj": ("attn.proj.weight",),
+                   "fc1": ("mlp.fc1.weight", "shared_expert.fc1.weight"),
+                   "fc2": ("mlp.fc2.weight", "shared_expert.fc2.weight")}  # fmt: skip
 
 
 def _target_rules(cfg: TransformerConfig, lora: LoRAConfig, model_type: str) -> list[Rule]:
-    suffixes = tuple("." + TARGET_SUFFIXES[t] for t in lora.targets)
+    suffixes = tuple("." + s for t in lora.targets for s in TARGET_SUFFIXES.get(t, ()))
     return [r for r in rules_for(cfg, model_type) if r.name.endswith(suffixes)]
+
+
+def _expert_modules(cfg: TransformerConfig, lora: LoRAConfig) -> list[tuple[str, str]]:
+    """(our ExpertLoRA prefix, PEFT's module) for each stacked expert weight's adapters."""
+    if "experts" not in lora.targets or cfg.moe is None:
+        return []
+    out = []
+    for layer in range(cfg.num_layers):
+        if cfg.moe.is_moe_layer(layer):
+            ours = f"layers.{layer}.mlp.experts.lora."
+            peft = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts."
+            out += [(ours + "fc1", peft + "base_layer."), (ours + "fc2", peft)]
+    return out
 
 
 def _b_to_hf(rule: Rule, b: torch.Tensor, model_type: str) -> tuple[torch.Tensor, ...]:
@@ -51,6 +70,10 @@ def adapter_to_peft(
             module = PEFT_PREFIX + hf.removesuffix(".weight")
             out[module + ".lora_A.weight"] = a.contiguous()
             out[module + ".lora_B.weight"] = b.contiguous()
+    for ours, module in _expert_modules(cfg, lora):
+        a, b = get_tensor(ours + "_A"), get_tensor(ours + "_B")  # (E, r, in), (E, out, r)
+        out[module + "lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()  # (E·r, in)
+        out[module + "lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()  # (out, r·E)
     return out
 
 
@@ -68,6 +91,11 @@ def adapter_from_peft(
         out[base + ".lora.A"] = torch.cat(a)
         # GPT-2's rules take a Conv1D (in, out) weight: hand them B transposed.
         out[base + ".lora.B"] = rule.from_hf(*(t.t() for t in b) if model_type == "gpt2" else b)
+    for ours, module in _expert_modules(cfg, lora):
+        a, b = _get(tensors, module + "lora_A.weight"), _get(tensors, module + "lora_B.weight")
+        e = cfg.moe.num_experts if cfg.moe else 1
+        out[ours + "_A"] = a.reshape(e, -1, a.shape[-1])
+        out[ours + "_B"] = b.reshape(b.shape[0], -1, e).permute(2, 0, 1).contiguous()
     return out
 
 
@@ -105,6 +133,7 @@ def peft_config(
         "lora_dropout": lora.dropout,
         "use_rslora": lora.use_rslora,
         "target_modules": sorted(modules),
+        "target_parameters": list(EXPERT_PARAMETERS) if "experts" in lora.targets else None,
         "bias": "none",
         "fan_in_fan_out": model_type == "gpt2",
         "inference_mode": True,

@@ -43,6 +43,7 @@ from torch import nn
 from megatrain import kernels
 from megatrain.engine.config import MoEConfig, TransformerConfig
 from megatrain.engine.models.gpt import MLP
+from megatrain.kernels.grouped_mlp import grouped_mlp_lora
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -251,6 +252,8 @@ class GroupedExperts(nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(e, c)) if cfg.add_bias else None
         self.fc2_bias_fraction = 1.0
         """Scales fc2's bias: 1/tp where tp ranks add partial outputs (the sum then holds it once)."""
+        self.lora: nn.Module | None = None
+        """LoRA adapters per expert (engine.lora.ExpertLoRA: factors(), scale, enabled), if attached."""
         std = cfg.init_method_std
         self.reset_parameters(std, std / math.sqrt(2.0 * cfg.num_layers))
 
@@ -271,6 +274,10 @@ class GroupedExperts(nn.Module):
         fc2_bias = self.fc2_bias
         if fc2_bias is not None and self.fc2_bias_fraction != 1.0:
             fc2_bias = fc2_bias * self.fc2_bias_fraction
+        lora = self.lora
+        if lora is not None and lora.enabled:
+            weights = (self.fc1_weight, self.fc2_weight, self.fc1_bias, fc2_bias, self.activation)
+            return grouped_mlp_lora(expert_x, tokens_per_expert, *weights, lora.factors(), lora.scale)
         fn = kernels.get("grouped_mlp", expert_x.device.type)
         return fn(
             expert_x,

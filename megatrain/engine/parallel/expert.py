@@ -36,9 +36,6 @@ from megatrain.plan.layout import LayoutError, expert_problems
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-EXPERT_WEIGHTS = ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias")
-"""GroupedExperts' stacked parameters, experts along dim 0."""
-
 
 class _AllToAll(torch.autograd.Function):
     """Rows of x: the first input_splits[0] to rank 0 of `group`, the next input_splits[1] to rank 1...;
@@ -171,14 +168,15 @@ def parallelize_experts(model: nn.Module, state: ParallelState) -> nn.Module:
             raise LayoutError(problems[0]["message"])
         n_local = total // state.ep_size
         lo = state.ep_rank * n_local
-        for name in EXPERT_WEIGHTS:
-            full = getattr(experts, name)
-            if full is None:
-                continue
-            local = nn.Parameter(full.detach()[lo : lo + n_local].clone(), requires_grad=full.requires_grad)
-            local.__dict__.update(full.__dict__)  # tensor-parallel markers, if experts were sharded
-            mark_expert_parallel(local)
-            setattr(experts, name, local)
+        for mod in experts.modules():  # the stacked weights, and their LoRA adapters if any
+            for name, full in list(mod._parameters.items()):
+                if full is None:
+                    continue
+                kept = full.detach()[lo : lo + n_local].clone()
+                local = nn.Parameter(kept, requires_grad=full.requires_grad)
+                local.__dict__.update(full.__dict__)  # tensor-parallel markers, if experts were sharded
+                mark_expert_parallel(local)
+                mod._parameters[name] = local
         layer.dispatcher = AllToAllDispatcher.for_state(total, state)
     return model
 
