@@ -25,25 +25,14 @@ from megatrain.engine.interop.lora_export import (
     merged_tensor_source,
 )
 from megatrain.engine.interop.peft import lora_from_peft_config
-from megatrain.engine.lora import LoRA
 from megatrain.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatrain.spec import parse_spec
 
+from .lora_helpers import VOCAB, lora_model
 from .parallel._tp_common import fake_state
 
 peft = pytest.importorskip("peft")
 
-VOCAB = 96
-CONFIGS = {
-    "llama": lambda: TransformerConfig.preset(
-        "tiny-llama", hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-        vocab_size=VOCAB, seq_length=16, num_layers=2,
-    ),
-    "gpt2": lambda: TransformerConfig.preset(
-        "tiny-gpt2", hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
-        seq_length=16, num_layers=2,
-    ),
-}  # fmt: skip
 CASES = [
     ("llama", LoRAConfig(rank=4, alpha=8.0)),
     ("llama", LoRAConfig(rank=2, alpha=6.0, targets=("qkv", "fc2"), use_rslora=True)),
@@ -59,14 +48,8 @@ ATOL = (
 
 
 def _ours(flavour: str, lora: LoRAConfig) -> tuple[Any, TransformerConfig]:
-    mcfg = CONFIGS[flavour]()
-    model = build_model(mcfg, fake_state(1, 0), seed=3, device="cpu", lora=lora).module.eval()
-    with torch.no_grad():  # B starts at zero: move it off, or the adapters would do nothing yet
-        gen = torch.Generator().manual_seed(5)
-        for mod in model.modules():
-            if isinstance(mod, LoRA):
-                mod.B.copy_(torch.randn(mod.B.shape, generator=gen) * 0.1)
-    return model, mcfg
+    model, mcfg = lora_model(flavour, lora)
+    return model.eval(), mcfg
 
 
 def _tokens() -> torch.Tensor:

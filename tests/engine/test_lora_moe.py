@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from megatrain.engine.build import build_model
@@ -22,15 +21,15 @@ from megatrain.engine.interop.hf import export_checkpoint_hf, hf_transformer_con
 from megatrain.engine.interop.hf_slices import hf_slices
 from megatrain.engine.interop.lora_export import export_checkpoint_adapter
 from megatrain.engine.interop.peft import (
-    adapter_from_peft,
     adapter_to_peft,
     lora_from_peft_config,
     peft_config,
 )
-from megatrain.engine.lora import ExpertLoRA, LoRA, adapters_disabled, merged_weight, trainable_parameters
+from megatrain.engine.lora import ExpertLoRA, adapters_disabled, merged_weight, trainable_parameters
 from megatrain.peft_config import ADAPTER_CONFIG
 from megatrain.spec import parse_spec
 
+from .lora_helpers import assert_trains_as_peft, offset_adapters
 from .parallel._tp_common import fake_state
 from .test_hf_interop import VOCAB, hf_model
 from .test_hf_moe_interop import CASES
@@ -53,15 +52,7 @@ def _pair(case: str, lora: LoRAConfig, tmp: Path) -> tuple[Any, Any, Transformer
         ours = build_model(
             mcfg, fake_state(1, 0), seed=3, device="cpu", weights=weights.fill, lora=lora
         ).module
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(5)
-        for mod in ours.modules():
-            names = (
-                ("B",) if isinstance(mod, LoRA) else ("fc1_B", "fc2_B") if isinstance(mod, ExpertLoRA) else ()
-            )
-            for name in names:
-                p = getattr(mod, name)
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    offset_adapters(ours)
     model_type = config["model_type"]
     settings = peft_config(mcfg, lora, model_type)
     keys = ("r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "target_parameters")
@@ -72,60 +63,13 @@ def _pair(case: str, lora: LoRAConfig, tmp: Path) -> tuple[Any, Any, Transformer
     return ours, ref, mcfg, model_type
 
 
-def _batches(steps: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(11)
-    out = []
-    for _ in range(steps):
-        seq = [torch.randint(0, VOCAB, (4, 1), generator=gen)]
-        for _ in range(16):
-            seq.append((5 * seq[-1] + 3) % VOCAB)
-        out.append(torch.cat(seq, dim=1))
-    return out
-
-
-def _loss(logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[..., :VOCAB].reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
-
-
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe"])
 def test_expert_adapters_train_as_peft_does(case: str, tmp_path: Path) -> None:
     ours, ref, mcfg, model_type = _pair(case, LORA, tmp_path)
     trainable, total = trainable_parameters(ours)
     assert trainable == sum(p.numel() for p in ref.parameters() if p.requires_grad) == LORA.num_params(mcfg)
     assert sum(isinstance(m, ExpertLoRA) for m in ours.modules()) == 2  # both layers' experts
-    seq = _batches(1)[0]
-    ours_loss, ref_loss = _loss(ours(seq[:, :-1].contiguous()), seq), _loss(ref(seq[:, :-1]).logits, seq)
-    torch.testing.assert_close(ours_loss, ref_loss, atol=1e-6, rtol=0)
-    ours_loss.backward()
-    ref_loss.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    ours_peft = adapter_to_peft(grads.__getitem__, mcfg, LORA, model_type)
-    ref_grads = {n.replace(".default", ""): p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    assert set(ours_peft) == set(ref_grads)
-    for name, g in ours_peft.items():
-        torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
-
-    ours_opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=3e-3, eps=1e-6)
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=3e-3, eps=1e-6)
-    losses = []
-    for seq in _batches(20):
-        for opt in (ours_opt, ref_opt):
-            opt.zero_grad()
-        ours_loss = _loss(ours(seq[:, :-1].contiguous()), seq)
-        ref_loss = _loss(ref(seq[:, :-1]).logits, seq)
-        torch.testing.assert_close(ours_loss, ref_loss, atol=1e-4, rtol=0)
-        ours_loss.backward()
-        ref_loss.backward()
-        ours_opt.step()
-        ref_opt.step()
-        losses.append(ours_loss.item())
-    assert losses[-1] < losses[0]
-    state = ours.state_dict()
-    ref_state = peft.get_peft_model_state_dict(ref)
-    for name, t in adapter_to_peft(state.__getitem__, mcfg, LORA, model_type).items():
-        torch.testing.assert_close(t, ref_state[name], atol=1e-4, rtol=0, msg=name)
-    for name, t in adapter_from_peft(ref_state, mcfg, LORA, model_type).items():
-        torch.testing.assert_close(t, state[name], atol=1e-4, rtol=0, msg=name)
+    assert_trains_as_peft(ours, ref, mcfg, LORA, model_type)
 
 
 def test_expert_adapters_merge_and_switch_off(tmp_path: Path) -> None:
