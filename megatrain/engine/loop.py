@@ -362,6 +362,8 @@ class TrainLoop:
         skipped = f" | skipped {w.skipped} (loss scale {w.loss_scale:g})" if w.skipped else ""
         if "moe_aux_loss" in row:
             skipped += f" | moe aux {row['moe_aux_loss']:.4g} imbalance {row['moe_load_imbalance']:.2f}"
+        if "rewards/accuracies" in row:  # preference training: what TRL's console shows
+            skipped += f" | reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.3f}"
         self.log.say(
             f"step {step}/{self.cfg.train_iters} | loss {loss_mean:.4f} | lr {lr:.3e} | grad_norm "
             f"{w.grad_norm:.3f} | {rates['tokens_per_s']:.0f} tok/s | "
