@@ -373,6 +373,32 @@ def test_a_job_must_use_the_datasets_tokenizer(api: Api) -> None:
     )
 
 
+def test_a_job_reading_records_gets_the_uploaded_jsonl(api: Api) -> None:
+    """The index holds the json_key text alone: a dpo job, and a fine-tune of prompt/response records,
+    read the uploaded file's records; pretraining and a fine-tune of plain text read the index."""
+    transformers = pytest.importorskip("transformers")
+    folder = api.data_root / "llama"
+    transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, vocab_size=300).save_pretrained(folder)  # fmt: skip
+    pairs = [{"prompt": f"q{i}?", "chosen": "yes", "rejected": "no", "response": "ok"} for i in range(4)]
+    records = upload(api, "pairs", _jsonl(pairs), json_key="prompt").json()
+    plain = upload(api, "plain", _jsonl(DOCS)).json()
+    _mark_ready(api, "pairs")
+    _mark_ready(api, "plain")
+
+    def path(kind: str, name: str) -> str:
+        spec = _spec_with(api, name)
+        spec["kind"], spec["model"] = kind, {"init_from": f"hf:{folder.as_uri()}", "seq_length": 32}
+        resp = api.client.post("/v1/spec/validate", json=spec, headers=api.headers)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["spec"]["data"]["train"][0]["path"]
+
+    assert path("dpo", "pairs") == path("finetune", "pairs") == records["source_url"]
+    assert records["source_url"].endswith(".jsonl")
+    assert path("pretrain", "pairs") == records["path"]
+    assert path("finetune", "plain") == plain["path"] and path("dpo", "plain") == plain["source_url"]
+
+
 def test_a_failed_dataset_is_refused_with_its_reason(api: Api) -> None:
     assert upload(api, "broken", _jsonl(DOCS)).status_code == 201
     with session_scope(api.db_url) as s:

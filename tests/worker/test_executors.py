@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -14,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from fixtures.celery import celery_worker
 from sqlalchemy import select, update
 from worker_helpers import alive, wait_for
 
@@ -155,39 +155,6 @@ def celery_settings(settings: Settings, redis_url: str) -> Iterator[Settings]:
     client = redis.Redis.from_url(redis_url)
     for key in client.scan_iter(f"megatrain.{pool}*"):
         client.delete(key)
-
-
-@contextlib.contextmanager
-def celery_worker(settings: Settings, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`python -m megatrain.worker.celery_app` for `settings`, once its node is registered."""
-    url = settings.resolved_database_url
-    log = open(log_path, "wb")  # noqa: SIM115 - closed below
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "megatrain.worker.celery_app"],
-        env=runner_env(settings),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-    def registered() -> bool:
-        with session_scope(url) as s:
-            return (
-                s.scalar(select(Node.id).join(NodePool).where(NodePool.name == settings.pool_name))
-                is not None
-            )
-
-    try:
-        wait_for(registered, 30)
-        yield worker
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-        log.close()
 
 
 @pytest.mark.redis

@@ -45,7 +45,9 @@ class DatasetPublic(BaseModel):
     """pending (waiting for a worker) → processing → ready | failed."""
     state_reason: str
     path: str
-    """The indexed dataset's prefix (PREFIX.bin, PREFIX.idx): what a JobSpec naming it reads."""
+    """The indexed dataset's prefix (PREFIX.bin, PREFIX.idx): what a JobSpec naming it reads, unless
+    the job reads records (kind dpo, or a fine-tune whose json_key is data.prompt_key): then
+    `source_url`."""
     source_url: str
     uploaded: bool
     tokenizer: dict[str, Any]

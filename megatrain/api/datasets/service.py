@@ -225,10 +225,22 @@ def delete_dataset(session: Session, settings: Settings, tenant: Tenant, name: s
     delete_objects(settings, tenant.name, name, dataset_id)
 
 
+def reads_records(spec: JobSpec, ds: Dataset) -> bool:
+    """Whether the job reads the dataset's JSONL records rather than its indexed tokens. The index
+    holds the `json_key` text alone, every token of it trained on: right for pretraining and a plain
+    fine-tune, wrong for preference pairs (the engine refuses an index for kind dpo) and for
+    prompt/response records (a fine-tune would train on the prompts alone, loss on every token).
+    Every record holds a string under json_key, so a json_key naming the prompt (or chat) field
+    says the file holds records: the engine's own test of a JSONL file's first record."""
+    record_keys = {spec.data.prompt_key, spec.data.messages_key}
+    return spec.kind == "dpo" or (spec.kind == "finetune" and ds.json_key in record_keys)
+
+
 def resolve_datasets(session: Session, spec: JobSpec, tenant: Tenant) -> None:
-    """Fill `path` of every `data.train` source that names a dataset with its indexed prefix;
-    SpecError naming `data.train.N.dataset` for one that is unknown, not visible, not ready, or
-    tokenized with another tokenizer than the spec's."""
+    """Fill `path` of every `data.train` source that names a dataset with its indexed prefix, or
+    with its JSONL source for a job that reads records (`reads_records`); SpecError naming
+    `data.train.N.dataset` for one that is unknown, not visible, not ready, or tokenized with
+    another tokenizer than the spec's."""
     errors = []
     for i, src in enumerate(spec.data.train):
         if src.dataset is None:
@@ -252,6 +264,6 @@ def resolve_datasets(session: Session, spec: JobSpec, tenant: Tenant) -> None:
                 }
             )
         else:
-            src.path = ds.prefix_url
+            src.path = ds.source_url if reads_records(spec, ds) else ds.prefix_url
     if errors:
         raise SpecError(errors)
