@@ -9,6 +9,8 @@ shape and the same tokens, one method after another (a shared, noisy host moves 
 
     python benchmarks/lora.py                      # ~110M Llama, seq 256, batch 4, fp32 (~3 min)
     python benchmarks/lora.py --model tiny --steps 2   # seconds: a smoke run
+    python benchmarks/lora.py --model moe          # a Mixtral-shaped MoE: full, LoRA on attention,
+                                                   # and LoRA on attention and every routed expert
 
 What it cannot show on a CPU: the GPU step time (a LoRA step skips the frozen weights' gradient
 GEMMs, a third of a step's FLOPs; QLoRA adds a dequantisation per GEMM), and bf16 base weights (the
@@ -34,8 +36,13 @@ MODELS: dict[str, dict[str, int]] = {
              "ffn_hidden_size": 2048, "vocab_size": 32000},
     "tiny": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 256, "vocab_size": 512},
+    # Mixtral-shaped (every layer 8 experts, top-2, no dense MLP), ~150M parameters.
+    "moe": {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+            "ffn_hidden_size": 1024, "vocab_size": 32000},
 }  # fmt: skip
-METHODS = ("full", "lora", "qlora")
+MOE = {"num_experts": 8, "router_topk": 2, "ffn_hidden_size": 1024}
+METHODS = {"moe": ("full", "lora", "lora-experts")}
+"""Per model; others: full, lora, qlora."""
 
 
 def child(args: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +50,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from megatrain.engine.build import build_model, lm_loss, make_trainable
-    from megatrain.engine.config import LoRAConfig, TrainConfig, TransformerConfig
+    from megatrain.engine.config import LoRAConfig, MoEConfig, TrainConfig, TransformerConfig
     from megatrain.engine.lora import trainable_parameters
     from megatrain.engine.microbatch import MicroBatch
     from megatrain.engine.parallel.state import ParallelState
@@ -52,9 +59,12 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(args["threads"])
     seq, batch = args["seq"], args["batch"]
-    mcfg = TransformerConfig.preset("tiny-llama", seq_length=seq, **MODELS[args["model"]])
+    moe = MoEConfig(**MOE) if args["model"] == "moe" else None
+    mcfg = TransformerConfig.preset("tiny-llama", seq_length=seq, moe=moe, **MODELS[args["model"]])
     method = args["method"]
-    lora = None if method == "full" else LoRAConfig(rank=16, alpha=32.0, quantize_base=method == "qlora")
+    targets = ("qkv", "proj", "experts") if method == "lora-experts" else LoRAConfig.targets
+    nf4 = method == "qlora"
+    lora = None if method == "full" else LoRAConfig(16, 32.0, targets=targets, quantize_base=nf4)
     cfg = TrainConfig(
         train_iters=100, global_batch_size=batch, micro_batch_size=batch, data_parallel_size=1,
         seq_length=seq, lr=1e-4, min_lr=0.0, lr_schedule="constant", warmup_iters=0, weight_decay=0.0,
@@ -112,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(json.loads(a.child))))
         return 0
     rows = []
-    for method in METHODS:
+    for method in METHODS.get(a.model, ("full", "lora", "qlora")):
         args = {
             "method": method,
             **{k: getattr(a, k) for k in ("model", "seq", "batch", "steps", "warmup", "threads")},
@@ -131,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {a.model}, seq {a.seq}, batch {a.batch}, fp32 on CPU, {a.steps} timed steps after {a.warmup}"
     )
-    print(f"{'method':8} {'trainable':>12} {'total':>12} {'share':>7} {'weights MB':>10} {'peak MB':>9} "
+    print(f"{'method':12} {'trainable':>12} {'total':>12} {'share':>7} {'weights MB':>10} {'peak MB':>9} "
           f"{'vs full':>8} {'step s':>8} {'vs full':>8} {'loss 1st→last':>16}")  # fmt: skip
     for r in rows:
         share = 100 * r["trainable"] / r["total"]
         print(
-            f"{r['method']:8} {r['trainable']:>12,} {r['total']:>12,} {share:>6.2f}% "
+            f"{r['method']:12} {r['trainable']:>12,} {r['total']:>12,} {share:>6.2f}% "
             f"{r['weights_mb']:>10.0f} {r['peak_mb']:>9.0f} "
             f"{r['peak_mb'] / base['peak_mb']:>7.2f}x {r['step_s']:>8.3f} "
             f"{r['step_s'] / base['step_s']:>7.2f}x {r['first_loss']:>7.3f}→{r['last_loss']:.3f}"
