@@ -425,16 +425,19 @@ def dpo_problems(spec: JobSpec) -> list[Problem]:
             out.append(_rule("training.dpo", why))
         return out
     mbs = t.micro_batch_size
-    if mbs == "auto" or mbs % 2:
-        why = "auto" if mbs == "auto" else str(mbs)
+    if mbs != "auto" and mbs % 2:
         out.append(
             _rule(
                 "training.micro_batch_size",
-                f"training.micro_batch_size={why} must be an even number for kind dpo (it counts "
+                f"training.micro_batch_size={mbs} must be an even number for kind dpo (it counts "
                 "sequences: each pair's chosen and rejected response train in one micro-batch)",
             )
         )
-    # An even micro-batch makes the global batch even too (it divides it): no second rule.
+    elif mbs == "auto" and t.global_batch_size % 2:
+        # (an even micro-batch divides the global batch, so a number written makes it even too)
+        gbs = t.global_batch_size
+        why = f"training.global_batch_size={gbs} must be even for kind dpo (two sequences a pair)"
+        out.append(_rule("training.global_batch_size", why))
     if spec.data.packing:
         out.append(_rule("data.packing", "data.packing must be off for kind dpo (one sequence per row)"))
     par = spec.parallelism

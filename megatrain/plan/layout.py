@@ -327,8 +327,15 @@ def micro_batch_size(spec: JobSpec, layout: Layout) -> int:
     tr = spec.training
     if isinstance(tr.micro_batch_size, int):
         return tr.micro_batch_size
-    sizes = range(min(MICRO_BATCH_FALLBACK, tr.global_batch_size), 0, -1)
-    return next((n for n in sizes if not batch_problems(layout, tr.global_batch_size, n)), 1)
+    gbs = tr.global_batch_size
+    sizes = [n for n in range(min(MICRO_BATCH_FALLBACK, gbs), 0, -1) if pairs_whole(spec, n)] or [1]
+    return next((n for n in sizes if not batch_problems(layout, gbs, n)), sizes[-1])
+
+
+def pairs_whole(spec: JobSpec, micro_batch_size: int) -> bool:
+    """Whether a micro-batch size keeps preference pairs whole: kind dpo counts sequences, a pair's
+    chosen and rejected one in the same micro-batch, so its micro-batches are even."""
+    return spec.kind != "dpo" or micro_batch_size % 2 == 0
 
 
 def with_micro_batch_size(spec: JobSpec, size: int | None = None, layout: Layout | None = None) -> JobSpec:

@@ -32,6 +32,7 @@ from megatrain.plan.layout import (
     context_problems,
     expert_problems,
     model_problems,
+    pairs_whole,
     resolve_layout,
 )
 from megatrain.plan.memory import GiB, MemoryEstimate, chunks_in_flight, fits, from_spec, planned_precision
@@ -301,7 +302,8 @@ class _Search:
         vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
         saved = {sp: saved_per_token(m, self.precision, tp, sp) for sp in sps}
         # The spec's micro-batch size when it gives one (families checked it divides per_rank).
-        for mbs in [self.fixed_micro_batch] if self.fixed_micro_batch else divisors(per_rank):
+        auto = [n for n in divisors(per_rank) if pairs_whole(self.spec, n)]
+        for mbs in [self.fixed_micro_batch] if self.fixed_micro_batch else auto:
             n_micro = per_rank // mbs
             for v in vs:
                 if v > 1 and n_micro % pp:
@@ -476,7 +478,7 @@ def _explicit(search: _Search, layout: Layout) -> Plan:
     # The spec's micro-batch size, or (auto) every one the batch rules allow on this layout.
     sizes = [search.fixed_micro_batch] if search.fixed_micro_batch else [
         n for n in divisors(tr.global_batch_size // layout.dp)
-        if not batch_problems(layout, tr.global_batch_size, n)
+        if not batch_problems(layout, tr.global_batch_size, n) and pairs_whole(spec, n)
     ]  # fmt: skip
     best: tuple[Choice, StepTime, MemoryEstimate] | None = None
     for n in sizes:

@@ -116,6 +116,27 @@ def test_dpo_rules_name_their_fields(tmp_path: Path) -> None:
     assert parse_spec(raw).training.dpo is not None
 
 
+def test_an_auto_micro_batch_keeps_pairs_whole(tmp_path: Path) -> None:
+    """micro_batch_size auto for kind dpo: the planner and the fallback choose even sizes only."""
+    from megatrain.plan.layout import Layout, micro_batch_size
+    from megatrain.plan.planner import plan
+    from megatrain.plan.pool import PoolSpec
+
+    raw = tiny_spec(tmp_path / "p.jsonl", micro_batch_size="auto", global_batch_size=12)
+    raw["kind"], raw["model"]["init_from"] = "dpo", "hf:/models/x"
+    spec = parse_spec(raw)
+    assert micro_batch_size(spec, Layout()) == 4 and micro_batch_size(spec, Layout(dp=2)) == 2  # 3: odd
+    pool = PoolSpec(name="cpu", accelerator="cpu", device_memory_bytes=8 << 30, peak_tflops={"fp32": 1.0},
+                    devices_per_node=1, nodes=1, intra_node_bandwidth_gbps=10.0,
+                    inter_node_bandwidth_gbps=10.0)  # fmt: skip
+    chosen = plan(spec, pool, 1, tokenizer_vocab=257)
+    sizes = {chosen.choice.micro_batch_size, *(c.micro_batch_size for c, _, _ in chosen.runners_up)}
+    assert len(sizes) > 1 and all(n % 2 == 0 for n in sizes), sizes  # of 1, 2, 3, 4, 6, 12
+    raw["training"]["global_batch_size"] = 9
+    with pytest.raises(SpecError, match="training.global_batch_size=9 must be even for kind dpo"):
+        parse_spec(raw)
+
+
 def test_pair_losses_are_trls_definitions() -> None:
     gen = torch.Generator().manual_seed(0)
     logps, ref = -torch.rand(6, generator=gen) * 10, -torch.rand(6, generator=gen) * 10
