@@ -440,10 +440,6 @@ def dpo_problems(spec: JobSpec) -> list[Problem]:
         out.append(_rule("training.global_batch_size", why))
     if spec.data.packing:
         out.append(_rule("data.packing", "data.packing must be off for kind dpo (one sequence per row)"))
-    par = spec.parallelism
-    if isinstance(par, ParallelismSpec) and par.cp > 1:
-        why = f"parallelism.cp={par.cp} is not supported for kind dpo yet (per-sequence log-probs)"
-        out.append(_rule("parallelism.cp", why))
     return out
 
 

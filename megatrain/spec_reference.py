@@ -327,8 +327,6 @@ RULES: tuple[Rule, ...] = (
          {"kind": "dpo", "model.init_from": "hf:/m", "training.global_batch_size": 9}),
     Rule("data.packing", "kind dpo runs without packing",
          {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 2, "data.packing": True}),
-    Rule("parallelism.cp", "kind dpo runs without context parallelism (for now)",
-         {"kind": "dpo", "model.init_from": "hf:/m", "training.micro_batch_size": 2, "parallelism.cp": 2}),
     Rule("training.global_batch_size", "global_batch_size is divisible by micro_batch_size",
          {"training.global_batch_size": 10, "training.micro_batch_size": 4}),
     Rule("training.warmup_iters", "warmup_iters ≤ train_iters",

@@ -170,7 +170,7 @@ def make_trainable(
         )
         loss = _pipeline_loss(model.chunks, state, mcfg.real_vocab_size)
         if cfg.dpo is not None:
-            logps = _pipeline_logps(model.chunks, mcfg.real_vocab_size)
+            logps = _pipeline_logps(model.chunks, mcfg.real_vocab_size, state)
     return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss, logps)
 
 
@@ -204,11 +204,11 @@ def _pipeline_loss(chunks: list[StageModule], state: ParallelState, vocab: int) 
     )
 
 
-def _pipeline_logps(chunks: list[StageModule], vocab: int) -> LossFn:
+def _pipeline_logps(chunks: list[StageModule], vocab: int, state: ParallelState) -> LossFn:
     """The (B,) row log-probs a pipeline's last chunk feeds (preference training): its final norm's
     output through the LM head. Other ranks never call it."""
     last = chunks[-1] if chunks and chunks[-1].is_last else None
     if last is None:
         return lambda out, mb: out.new_zeros(out.shape[0])
     last.return_hidden = True
-    return lambda hidden, mb: head_logps(hidden, last.lm_head, mb, vocab)
+    return lambda hidden, mb: head_logps(hidden, last.lm_head, mb, vocab, state)

@@ -12,6 +12,11 @@ step reads the reference like any other column of the batch and no second model 
 The loss of a step is the mean over the global batch's pairs, TRL's DPOTrainer's definitions
 (sigmoid, ipo, hinge); each micro-batch contributes its pairs' summed loss over this rank's pairs,
 and DataParallel's average over dp makes the global mean, whatever the accumulation.
+
+Under context parallelism each cp rank holds a part of every row (microbatch.context_parallel_batch):
+its row sums are summed over cp (`sum_over_sequence`), so every cp rank computes the same pair
+losses, and each backpropagates them through its own tokens only, cp times over: DataParallel
+averages gradients over dp×cp, and the cp ranks' parts add up to the whole row's gradient.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 from megatrain.engine.config import DPOConfig, TransformerConfig
 from megatrain.engine.data.preference import PreferenceDataset
 from megatrain.engine.lora import adapters_disabled
-from megatrain.engine.microbatch import MicroBatch
+from megatrain.engine.microbatch import MicroBatch, context_parallel_batch
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.layers import ColumnParallelLinear
 from megatrain.engine.parallel.schedules import pipeline_loss
@@ -59,6 +64,18 @@ def _sum_forward_only(x: torch.Tensor, group: Group) -> torch.Tensor:
     total = x.detach().clone()
     dist.all_reduce(total, group=group)
     return x + (total - x.detach())
+
+
+def sum_over_sequence(rows: torch.Tensor, state: ParallelState | None) -> torch.Tensor:
+    """Per-row sums (B,) of this cp rank's part of each sequence -> the whole sequences' sums, on
+    every cp rank. The gradient reaching this rank's part is cp× the sum's: DataParallel divides the
+    replicas' gradients by dp×cp, where each cp rank's tokens hold a disjoint part of the whole."""
+    if state is None or state.cp_size == 1:
+        return rows
+    total = rows.detach().clone()
+    dist.all_reduce(total, group=state.cp_group)
+    cp = state.cp_size
+    return rows * cp + (total - rows.detach() * cp)
 
 
 def token_logps(
@@ -90,19 +107,26 @@ def token_logps(
     return target - sum_exp.log()
 
 
-def head_logps(hidden: torch.Tensor, head: nn.Module, mb: MicroBatch, vocab_limit: int) -> torch.Tensor:
+def head_logps(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    mb: MicroBatch,
+    vocab_limit: int,
+    state: ParallelState | None = None,
+) -> torch.Tensor:
     """(B,) each row's log-probability summed over its loss tokens, from the final norm's output
-    through the LM head (a sequence-parallel head gathers the sequence itself)."""
-    logp = token_logps(head(hidden), mb.labels, head, vocab_limit)  # (B, T)
+    through the LM head (a sequence-parallel head gathers the sequence itself); under context
+    parallelism over the whole rows (sum_over_sequence)."""
+    logp = token_logps(head(hidden), mb.labels, head, vocab_limit)  # (B, T), T/cp under cp
     assert mb.loss_mask is not None, "preference rows always carry a loss mask"
-    return (logp * mb.loss_mask).sum(dim=-1)
+    return sum_over_sequence((logp * mb.loss_mask).sum(dim=-1), state)
 
 
-def sequence_logps(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """(B,) row log-probabilities of a model without a pipeline (any tp, sp)."""
+def sequence_logps(model: nn.Module, mb: MicroBatch, state: ParallelState | None = None) -> torch.Tensor:
+    """(B,) row log-probabilities of a model without a pipeline (any tp, sp, cp)."""
     plain = model.module if isinstance(model, DataParallel) else model
     hidden = plain.hidden_states(mb.tokens, **mb.model_inputs)  # (B, T, C); T/tp under sp
-    return head_logps(hidden, plain.lm_head, mb, plain.config.real_vocab_size)
+    return head_logps(hidden, plain.lm_head, mb, plain.config.real_vocab_size, state)
 
 
 def pair_losses(
@@ -131,15 +155,25 @@ class PreferenceLoss:
     """The loop's side of DPO: each micro-batch's share of the step loss, and the step metrics
     (TRL's rewards/* and logps/*) accumulated until the next log row."""
 
-    def __init__(self, cfg: DPOConfig, pairs_per_rank: int, device: str | torch.device):
-        self.cfg, self.pairs_per_rank = cfg, pairs_per_rank
+    def __init__(
+        self,
+        cfg: DPOConfig,
+        pairs_per_rank: int,
+        device: str | torch.device,
+        state: ParallelState | None = None,
+    ):
+        self.cfg, self.pairs_per_rank, self.state = cfg, pairs_per_rank, state
         # Σ over pairs: rewards chosen, rejected, accuracy, margin, logps chosen, rejected; pairs.
         self.sums = torch.zeros(7, dtype=torch.float64, device=device)
 
     def _losses(self, logps: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if mb.ref_logps is None or mb.loss_mask is None:
             raise ValueError("a preference micro-batch needs its reference log-probs (prepare_reference)")
-        return pair_losses(logps, mb.ref_logps, mb.loss_mask.sum(dim=-1), self.cfg)
+        counts = mb.loss_mask.sum(dim=-1)
+        if self.cfg.loss_type == "ipo" and self.state is not None and self.state.cp_size > 1:
+            counts = counts.float()  # ipo's per-token ratios: the whole rows' token counts
+            dist.all_reduce(counts, group=self.state.cp_group)
+        return pair_losses(logps, mb.ref_logps, counts, self.cfg)
 
     def share(self, logps: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's pairs' summed loss over this rank's pairs in the step; records metrics."""
@@ -204,14 +238,16 @@ def reference_logps(
 ) -> np.ndarray:
     """(documents in the cache,) float32 log-probs of every sequence of the split under the model
     as it is, NaN for documents outside the split. Each rank runs its slices of global batches over
-    one epoch of sequence ids; the values are summed over dp×cp and pp (with a count, so a pair a
-    wrapped last batch visits twice stays itself)."""
+    one epoch of sequence ids (its cp part of them); the values are summed over dp×cp and pp with a
+    count (cp ranks each hold the whole rows' sums; a pair a wrapped last batch visits twice stays
+    itself)."""
     n_docs = len(ds.tokens)
     values = torch.zeros(n_docs, dtype=torch.float64, device=device)
     counts = torch.zeros(n_docs, dtype=torch.float64, device=device)
     for start in range(0, len(ds), global_batch_size):
         ids = micro_ids(start)
-        batches = [MicroBatch.from_batch(ds.batch(i), device) for i in ids]
+        parts = [context_parallel_batch(ds.batch(i), state.cp_rank, state.cp_size) for i in ids]
+        batches = [MicroBatch.from_batch(part, device) for part in parts]
         for i, logps in zip(ids, run_logps(batches), strict=True):
             if logps is None:  # not the last pipeline stage
                 continue

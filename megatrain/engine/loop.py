@@ -109,7 +109,9 @@ class TrainLoop:
         self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
         self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
         # kind dpo: the loss over pairs of rows instead of the per-token LM loss (engine.dpo).
-        self.preference = PreferenceLoss(cfg.dpo, cfg.samples_per_rank // 2, self.device) if cfg.dpo else None
+        self.preference = None
+        if cfg.dpo:
+            self.preference = PreferenceLoss(cfg.dpo, cfg.samples_per_rank // 2, self.device, self.state)
 
     def _micro_ids(self, start: int) -> list[list[int]]:
         c, s = self.cfg, self.state
@@ -169,7 +171,7 @@ class TrainLoop:
     def _share(self, mb: MicroBatch, denominator: float) -> torch.Tensor:
         """A micro-batch's share of the step loss, without a pipeline."""
         if self.preference is not None:
-            return self.preference.share(sequence_logps(self.train.ddp, mb), mb)
+            return self.preference.share(sequence_logps(self.train.ddp, mb, self.state), mb)
         return token_share(lm_loss(self.train.ddp, mb, self.state), mb.num_loss_tokens, denominator)
 
     def _pipeline_share(self, out: torch.Tensor, mb: MicroBatch, denominator: float) -> torch.Tensor:
@@ -185,7 +187,7 @@ class TrainLoop:
         pipeline stages other than the last)."""
         ddp, pipeline = self.train.ddp, self.train.pipeline
         if pipeline is None:
-            return [sequence_logps(ddp, mb) for mb in batches]
+            return [sequence_logps(ddp, mb, self.state) for mb in batches]
         logps, found = self.train.logps, {}
         assert logps is not None
 

@@ -109,9 +109,6 @@ def test_dpo_rules_name_their_fields(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="training.dpo is set but kind is 'pretrain'"):
         parse_spec(raw)
     raw["kind"], raw["model"]["init_from"] = "dpo", "hf:/models/x"
-    raw["parallelism"] = {"cp": 2}
-    with pytest.raises(SpecError, match="parallelism.cp=2 is not supported for kind dpo"):
-        parse_spec(raw)
     raw["parallelism"], raw["training"]["dpo"] = "auto", {"loss_type": "hinge", "label_smoothing": 0.0}
     assert parse_spec(raw).training.dpo is not None
 
@@ -307,7 +304,7 @@ def test_dpo_in_every_layout_equals_one_process(tmp_path: Path, lora: bool) -> N
     assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["rewards/accuracies"] > 0.5  # it learns
     layouts: list[dict[str, Any]] = [{"dp": 2, "distributed_optimizer": True}]
     if not lora:  # LoRA's own layouts are proven in test_lora_train; the DPO parts are the same code
-        layouts += [{"tp": 2, "dp": 1, "sequence_parallel": True}, {"pp": 2, "dp": 1}]
+        layouts += [{"tp": 2, "dp": 1, "sequence_parallel": True}, {"pp": 2, "dp": 1}, {"cp": 2, "dp": 1}]
     for layout in layouts:
         got = run_distributed(_dpo_rank, 2, str(tmp_path), layout, lora)[0]["steps"]
         _assert_same(got, ref, layout)
