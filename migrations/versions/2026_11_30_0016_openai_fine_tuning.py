@@ -57,11 +57,10 @@ def downgrade() -> None:
     with op.batch_alter_table("fine_tuning_job", schema=None) as batch_op:
         batch_op.drop_index("ix_fine_tuning_job_tenant_created")
     op.drop_table("fine_tuning_job")
-    with op.batch_alter_table("job", schema=None) as batch_op:
-        batch_op.drop_column("paused_at")
+    # Plain ALTER TABLE … DROP COLUMN (SQLite 3.35+), not a batch copy: on SQLite that drops and
+    # recreates the job table, and the drop would cascade to every job's events, metrics and exports.
+    op.drop_column("job", "paused_at")
     # Record datasets have no place in the older schema: a job naming one would read no index.
     op.execute("DELETE FROM dataset WHERE record_format != 'text'")
-    with op.batch_alter_table("dataset", schema=None) as batch_op:
-        batch_op.drop_column("filename")
-        batch_op.drop_column("records_url")
-        batch_op.drop_column("record_format")
+    for column in ("filename", "records_url", "record_format"):
+        op.drop_column("dataset", column)
