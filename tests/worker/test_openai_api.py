@@ -140,13 +140,16 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
     with pytest.raises(openai.BadRequestError) as err:
         client.fine_tuning.jobs.create(model="tiny", training_file=prefs.id)
     assert err.value.param == "training_file"
-    dpo = client.fine_tuning.jobs.create(
-        model="tiny",
-        training_file=prefs.id,
-        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2}}},
-    )
+    method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2}}}
+    full = {"megatrain": {"training_method": "full"}}
+    dpo = client.fine_tuning.jobs.create(model="tiny", training_file=prefs.id, method=method, extra_body=full)
     assert dpo.method.dpo.hyperparameters.beta == 0.2 and dpo.method.type == "dpo"
+    assert dpo.model_extra["megatrain"]["training_method"] == "full"
     assert wait_for(lambda: _finished(client, dpo.id)).status == "succeeded"
+    # Continuing from a LoRA fine-tuned model is refused (its checkpoints hold the adapters alone).
+    with pytest.raises(openai.BadRequestError, match="LoRA") as err:
+        client.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=chat.id)
+    assert err.value.param == "model"
 
     # Jobs: newest first, cursor pages, a metadata filter.
     assert [j.id for j in client.fine_tuning.jobs.list()] == [dpo.id, job.id]
@@ -172,15 +175,29 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(pc.id)
 
+    # Continuing from a full fine-tuned model: a job starting from its last checkpoint.
+    dpo_model = client.fine_tuning.jobs.retrieve(dpo.id).fine_tuned_model
+    more = client.fine_tuning.jobs.create(model=dpo_model, training_file=chat.id, extra_body=full)
+    assert more.model == dpo_model
+    job_id = more.model_extra["megatrain"]["job_id"]
+    spec = httpx.get(
+        f"{stack.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {stack.key}"}
+    ).json()["spec"]
+    last = client.fine_tuning.jobs.checkpoints.list(dpo.id).data[0].step_number
+    assert spec["model"]["init_from"] == f"checkpoint:{dpo.id.removeprefix('ft')}@{last}"
+    assert client.fine_tuning.jobs.cancel(more.id).status in ("cancelled", "running")
+
     every = {"file", "file_list", "file_deleted", "job", "job_list", "event_list", "checkpoint_list", "model",
              "model_list", "model_deleted", "error"}  # fmt: skip
     assert check.checked.keys() >= every
 
 
 def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 30 steps of 0.1 s: the pause (asked at step 3) lands well before the end.
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.1")  # (read by the runners this process spawns)
     register_model(stack.url, stack.key, "tiny", tiny_model(stack.data_path.parent / "tiny"))
     client = sdk(stack.url, stack.key, check)
-    train = _upload(client, prompt_completion_records(40))
+    train = _upload(client, prompt_completion_records(30))
     hp = {"n_epochs": 1, "batch_size": 1}
     job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, hyperparameters=hp)
 
@@ -197,7 +214,7 @@ def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch
     held = client.fine_tuning.jobs.retrieve(job.id)
     assert held.status == "queued" and "paused" in held.model_extra["megatrain"]["status_reason"]
     saved = client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number
-    assert 3 <= saved < 40
+    assert 3 <= saved < 30
     client.fine_tuning.jobs.resume(job.id)
     with pytest.raises(openai.ConflictError):
         client.fine_tuning.jobs.resume(job.id)  # no longer paused
@@ -207,7 +224,7 @@ def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch
     steps = [
         e.data["step"] for e in client.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"
     ]
-    assert sorted(steps) == list(range(1, 41))
+    assert sorted(steps) == list(range(1, 31))
     with pytest.raises(openai.ConflictError):
         client.fine_tuning.jobs.pause(job.id)
 

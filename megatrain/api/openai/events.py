@@ -28,7 +28,7 @@ _TABLES = {"e": EventRow, "m": JobMetric}
 def _level(row: EventRow) -> str:
     if row.kind == "failed":
         return "error"
-    if row.data.get("level") == "warn" or (
+    if (row.data or {}).get("level") == "warn" or (
         row.kind == "queued" and row.from_status in ("running", "scheduled")
     ):
         return "warn" if "paused" not in row.reason else "info"
@@ -36,12 +36,12 @@ def _level(row: EventRow) -> str:
 
 
 def _message(row: EventRow, ft_id: str, model: str | None) -> str:
-    step = row.data.get("step")
+    step = (row.data or {}).get("step")
     match row.kind:
         case "queued" if row.reason == "submitted":
             return f"Created fine-tuning job: {ft_id}"
         case "running":
-            attempt = row.data.get("attempt")
+            attempt = (row.data or {}).get("attempt")
             return "Fine-tuning job started" + (f" (attempt {attempt})" if attempt and attempt > 1 else "")
         case "checkpoint_saved":
             return f"Checkpoint created at step {step}"
