@@ -177,8 +177,8 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
 
     # Continuing from a full fine-tuned model: a job starting from its last checkpoint.
     dpo_model = client.fine_tuning.jobs.retrieve(dpo.id).fine_tuned_model
-    more = client.fine_tuning.jobs.create(model=dpo_model, training_file=chat.id, extra_body=full)
-    assert more.model == dpo_model
+    more = client.fine_tuning.jobs.create(model=dpo_model, training_file=chat.id)  # (full: as it was)
+    assert more.model == dpo_model and more.model_extra["megatrain"]["training_method"] == "full"
     job_id = more.model_extra["megatrain"]["job_id"]
     spec = httpx.get(
         f"{stack.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {stack.key}"}

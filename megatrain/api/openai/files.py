@@ -69,25 +69,36 @@ class _Form:
     kept (short strings). Runs in a worker thread (the check writes to storage)."""
 
     def __init__(self, check: JsonlCheck):
-        self.check, self.fields, self.filename = check, {}, None  # type: ignore[var-annotated]
+        self.check = check
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
         self.saw_file = False
         self._headers: dict[bytes, bytes] = {}
-        self._field: bytes = b""
-        self._name: str | None = None
+        self._field = b""  # the header name being read
+        self._name: str | None = None  # the part's form name
         self._value = bytearray()
 
     def callbacks(self) -> dict[str, Any]:
+        """python-multipart's callbacks (data callbacks get a buffer and the slice that is theirs)."""
         return {
             "on_part_begin": self._begin,
-            "on_header_field": lambda d, s, e: setattr(self, "_field", self._field + d[s:e]),
-            "on_header_value": lambda d, s, e: self._headers.__setitem__(
-                self._field.lower(), self._headers.get(self._field.lower(), b"") + d[s:e]
-            ),
-            "on_header_end": lambda: setattr(self, "_field", b""),
+            "on_header_field": self._header_field,
+            "on_header_value": self._header_value,
+            "on_header_end": self._header_end,
             "on_headers_finished": self._headers_done,
             "on_part_data": self._data,
             "on_part_end": self._end,
         }
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        name = self._field.lower()
+        self._headers[name] = self._headers.get(name, b"") + data[start:end]
+
+    def _header_end(self) -> None:
+        self._field = b""
 
     def _begin(self) -> None:
         self._headers, self._name, self._value = {}, None, bytearray()

@@ -73,14 +73,16 @@ def _base(
     if ref.step is None:
         raise openai_error(400, f"{ref.id} has no checkpoint to continue from", param="model")
     prior = ref.job.spec
-    if (prior["training"].get("method") or "full") != "full" or method != "full":
+    if (prior["training"].get("method") or "full") != "full":
         raise openai_error(
             400,
             "continuing from a LoRA fine-tuned model is not supported yet (its checkpoints hold the "
-            "adapters alone); fine-tune its base, or continue a full fine-tune with "
-            'megatrain={"training_method": "full"}',
+            "adapters alone): fine-tune its base again, or continue from a full fine-tune",
             param="model",
         )
+    # A full checkpoint is a whole model: trained on in full (unless the request asks for LoRA
+    # adapters over it), whatever the operator's default for a base.
+    method = (ext.training_method if ext else None) or "full"
     model = {**prior["model"], "init_from": f"checkpoint:{ref.job.id}@{ref.step}"}
     data = {k: prior["data"].get(k) for k in ("tokenizer", "chat_template")}
     return model, data, ref.ft.base_model, method
