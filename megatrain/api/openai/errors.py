@@ -10,11 +10,13 @@ code or param to give raises `openai_error`, whose detail carries them.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger("megatrain.api")
 MAX_ERROR_BODY = 1 << 20
 """An error answer larger than this is passed on as it is (ours are a few hundred bytes)."""
 _TYPES = {429: "requests", 401: "invalid_request_error"}
@@ -83,14 +85,16 @@ class OpenAIErrorMiddleware:
             await self.app(scope, receive, send)
             return
         start: Message | None = None
+        sent_body = False  # anything of a (non-error) answer went out
         body = bytearray()
 
         async def rewrite(message: Message) -> None:
-            nonlocal start
+            nonlocal start, sent_body
             if message["type"] == "http.response.start" and message["status"] >= 400:
                 start = message  # held until the body is known
                 return
             if start is None or message["type"] != "http.response.body":
+                sent_body = True
                 await send(message)
                 return
             body.extend(message.get("body", b""))
@@ -108,7 +112,17 @@ class OpenAIErrorMiddleware:
             if not message.get("more_body", False):
                 await self._send_error(send, start, bytes(body))
 
-        await self.app(scope, receive, rewrite)
+        try:
+            await self.app(scope, receive, rewrite)
+        except Exception:
+            # Unhandled errors are answered outside this middleware (Starlette's outermost layer):
+            # answered here instead, in OpenAI's shape, when nothing was sent yet.
+            if start is not None or sent_body:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), path)
+            await self._send_error(
+                send, {"status": 500, "headers": []}, b'{"detail": "internal server error"}'
+            )
 
     @staticmethod
     async def _send_error(send: Send, start: Message, body: bytes) -> None:

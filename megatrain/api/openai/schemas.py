@@ -3,11 +3,13 @@ OpenAI's API reference and its `openai` SDK's types name them. Extensions live u
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Auto = Literal["auto"]
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 SUFFIX_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 """A suffix becomes part of a model id ft:BASE:TENANT:SUFFIX:ID, so it holds no colon."""
 
@@ -91,7 +93,7 @@ class JobCreate(_Request):
     validation_file: str | None = Field(None, min_length=1, max_length=64)
     suffix: str | None = Field(None, pattern=SUFFIX_PATTERN)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     integrations: list[Integration] | None = Field(None, max_length=8)
     hyperparameters: Hyperparameters | None = None
     """Deprecated by OpenAI in favour of method; still honoured (supervised)."""
