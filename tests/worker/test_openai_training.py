@@ -56,14 +56,17 @@ def _train_losses(client: Any, job_id: str) -> list[tuple[int, float]]:
     return sorted((e.data["step"], e.data["train_loss"]) for e in events if e.type == "metrics")
 
 
-def _supervised(client: Any, live: LiveApi, records: list[dict[str, Any]]) -> Any:
+def _create_supervised(client: Any, records: list[dict[str, Any]]) -> Any:
     """8 records, batch 4, 1 epoch: 2 steps, a checkpoint at the end."""
     train = client.files.create(file=("train.jsonl", jsonl(records)), purpose="fine-tune")
     hp = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50.0}
-    job = client.fine_tuning.jobs.create(
+    return client.fine_tuning.jobs.create(
         model="tiny", training_file=train.id, suffix="sft", extra_body=EXTENSION,
         method={"type": "supervised", "supervised": {"hyperparameters": hp}},
     )  # fmt: skip
+
+
+def _check_supervised(client: Any, job: Any, live: LiveApi) -> Any:
     done = _succeeded(client, job.id, live)
     losses = _train_losses(client, job.id)
     assert [s for s, _ in losses] == [1, 2] and all(math.isfinite(loss) for _, loss in losses)
@@ -78,14 +81,15 @@ def _the_embedded_default(live: LiveApi) -> None:
     check = SchemaCheck()
     register_model(live.url, live.key, "tiny", tiny_model(live.data_path.parent / "tiny", real=True))
     client = sdk(live.url, live.key, check)
-    _supervised(client, live, chat_records(8))
-
+    sft = _create_supervised(client, chat_records(8))
     prefs = client.files.create(file=("prefs.jsonl", jsonl(preference_records(4))), purpose="fine-tune")
     hp = {"n_epochs": 1, "batch_size": 2, "beta": 0.1}
     dpo = client.fine_tuning.jobs.create(
         model="tiny", training_file=prefs.id, extra_body=EXTENSION,
         method={"type": "dpo", "dpo": {"hyperparameters": hp}},
     )  # fmt: skip
+    # The two run side by side (a CPU slot each).
+    _check_supervised(client, sft, live)
     _succeeded(client, dpo.id, live)
     # The policy starts as the reference (the adapters' B is zero): -log σ(0) = log 2. The pairs
     # were read as OpenAI's preference records (input, preferred_output, non_preferred_output).
@@ -132,7 +136,7 @@ def test_supervised_on_postgres_celery_and_s3(
         check = SchemaCheck()
         register_model(live.url, live.key, "tiny", tiny_model(live.data_path.parent / "tiny", real=True))
         client = sdk(live.url, live.key, check)
-        done = _supervised(client, live, prompt_completion_records(8))
+        done = _check_supervised(client, _create_supervised(client, prompt_completion_records(8)), live)
         # The upload, its records and the checkpoints are in the bucket.
         job = client.fine_tuning.jobs.retrieve(done.id).model_extra["megatrain"]["job_id"]
         import boto3
