@@ -29,6 +29,8 @@ from fixtures.openai_kit import (
 )
 
 from megatrain.api.auth import create_api_key
+from megatrain.api.models.schemas import ModelCreate
+from megatrain.api.models.service import register_shared
 from megatrain.db.session import session_scope
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -300,6 +302,16 @@ def test_errors_are_openais(stack: LiveApi, check: SchemaCheck) -> None:
     assert err.value.response.headers["retry-after"] == "30" and err.value.code == "rate_limit_exceeded"
     for job in held:
         client.fine_tuning.jobs.cancel(job.id)
+    # Base models: the tenant's own is forgotten on delete; the operator's shared one is not its to delete.
+    with session_scope(stack.settings.resolved_database_url) as s:
+        body = ModelCreate(name="common", url=(stack.data_path.parent / "tiny").as_uri())
+        register_shared(s, stack.settings, body)
+    assert {m.id: m.owned_by for m in client.models.list()} == {"common": "system", "tiny": "local"}
+    with pytest.raises(openai.PermissionDeniedError):
+        client.models.delete("common")
+    assert client.models.delete("tiny").deleted
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("tiny")
     # Our own /v1 keeps its shape.
     resp = httpx.get(f"{stack.url}/v1/jobs/nope", headers={"Authorization": f"Bearer {stack.key}"})
     assert resp.status_code == 404 and "detail" in resp.json()
