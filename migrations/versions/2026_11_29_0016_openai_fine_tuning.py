@@ -4,7 +4,7 @@ and fine_tuning_job (what each OpenAI fine-tuning job was asked as)
 
 Revision ID: 0016
 Revises: 0015
-Create Date: 2026-11-30 10:00:00.000000
+Create Date: 2026-11-29 16:00:00.000000
 """
 
 from alembic import op
