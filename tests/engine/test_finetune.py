@@ -57,6 +57,24 @@ def test_builtin_templates_render_and_mask_the_assistant_turns() -> None:
     assert flags.sum() == len("Blue.") + 1
 
 
+def test_an_assistant_turn_of_weight_zero_is_context() -> None:
+    """OpenAI's per-turn `weight`: the same text, no loss on the turn with weight 0; a chat with no
+    trained turn is a record error naming it."""
+    weighted = [dict(m) for m in CHAT]
+    weighted[2]["weight"] = 0
+    text, loss = assistant_text(weighted, "chatml")
+    assert text == assistant_text(CHAT, "chatml")[0]
+    assert loss == "Red, or green.<|im_end|>\n"
+    weighted[4]["weight"] = 0
+    from megatrain.engine.data.finetune import record_messages
+
+    with pytest.raises(RecordError, match="no assistant message to train on"):
+        record_messages({"messages": weighted}, DataSpec(train=[{"path": "file:///x"}]), "x.jsonl:1")
+    weighted[4]["weight"] = 2
+    with pytest.raises(RecordError, match=r"messages\[4\].weight must be 0 or 1"):
+        record_messages({"messages": weighted}, DataSpec(train=[{"path": "file:///x"}]), "x.jsonl:1")
+
+
 def test_bad_templates_are_named() -> None:
     with pytest.raises(ChatTemplateError, match="neither a built-in template"):
         load_chat_template("vicuna")

@@ -1,15 +1,14 @@
 """Record formats of an uploaded JSONL file: each line checked and turned into the record the
 engine's readers take (engine/data/finetune.py and preference.py), or refused with the reason.
 
-- chat: OpenAI's {"messages": [{"role", "content", "weight"?}, ...]} → {"messages": [{"role", "content"}]}
+- chat: OpenAI's {"messages": [{"role", "content", "weight"?}, ...]} → {"messages": [{"role", "content",
+  "weight"?}]} (weight 0 kept: the engine's chat templates train no assistant turn that has it)
 - prompt_completion: {"prompt", "completion"} → {"prompt", "response"}
 - preference: OpenAI's {"input": {"messages"}, "preferred_output", "non_preferred_output"}
   → TRL's {"messages", "chosen", "rejected"}
 
-The engine trains on every assistant turn of a chat, so a `weight` of 0 is honoured where it is
-exact, on the trailing assistant turns (they and what follows them are dropped: nothing after the
-last trained turn changes its loss), and refused before a trained turn. Tools are refused by name:
-the engine trains on plain text chats.
+Trailing turns after the last trained assistant turn are dropped (nothing after it changes its
+loss). Tools are refused by name: the engine trains on plain text chats.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def _text(content: Any, where: str) -> str:
     raise RecordProblem(f"{where}.content must be a string or a list of text parts")
 
 
-def _message(m: Any, where: str) -> dict[str, str]:
+def _message(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise RecordProblem(f"{where} must be a JSON object")
     role = m.get("role")
@@ -102,12 +101,9 @@ def _chat(obj: dict[str, Any]) -> dict[str, Any]:
         why = "no assistant message" if none else "every assistant message has weight 0"
         raise RecordProblem(f"nothing to train on: {why}")
     last = trained[-1]
-    skipped = [i for i, m in enumerate(messages[:last]) if m["role"] == "assistant" and i not in trained]
-    if skipped:
-        raise RecordProblem(
-            f"messages[{skipped[0]}].weight=0 before a trained assistant message is not supported "
-            "(the engine trains every assistant turn of a chat): split the chat there"
-        )
+    for i, m in enumerate(messages[:last]):
+        if m["role"] == "assistant" and i not in trained:
+            m["weight"] = 0  # context for the turns after it (engine.data.chat_templates.spans)
     return {"messages": messages[: last + 1]}
 
 

@@ -80,12 +80,14 @@ class ChatTemplate:
 
     def spans(self, messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, bool]]:
         """The rendered chat as consecutive pieces (text, is_assistant): their concatenation is
-        render(messages); assistant pieces are what each assistant turn adds to the text."""
+        render(messages); assistant pieces are what each trained assistant turn adds to the text.
+        An assistant message with `"weight": 0` (OpenAI's fine-tuning format) is context, not
+        trained on: its text falls in the piece around it."""
         full = self.render(messages)
         pieces: list[tuple[str, bool]] = []
         done = 0  # characters of `full` already in pieces
         for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
+            if message.get("role") != "assistant" or message.get("weight", 1) == 0:
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
             upto = self.render(messages[: i + 1])

@@ -5,6 +5,7 @@ once into a cache, packed (or padded) into samples whose loss counts only assist
     datasets["train"].batch([0, 1, 2, 3])   # -> data.Batch with loss_mask (and ids when packed)
 
 A record is {prompt_key: str, response_key: str} or {messages_key: [{"role", "content"}, ...]}
+(an assistant message may carry OpenAI's "weight": 0 or 1; 0 is context, not trained on)
 (keys from the spec). Its tokens and a per-token target flag (1 on assistant / response tokens) are
 written to two Megatron indexed datasets beside the run (`finetune-<hash>.bin/.idx` and
 `finetune-<hash>-mask.bin/.idx`, uint8), keyed by a hash of everything that shaped them (the sources
@@ -40,7 +41,7 @@ from megatrain.engine.data.remote import source_identity
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.spec import DataSpec
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: assistant turns of weight 0 carry no loss
 
 
 class RecordError(ValueError):
@@ -78,6 +79,10 @@ def record_messages(obj: Any, data: DataSpec, where: str) -> list[dict[str, str]
                 and isinstance(m.get("content"), str)
             ):
                 raise RecordError(f"{where}: {data.messages_key}[{i}] needs string 'role' and 'content'")
+            if m.get("weight", 1) not in (0, 1) or isinstance(m.get("weight"), bool):
+                raise RecordError(f"{where}: {data.messages_key}[{i}].weight must be 0 or 1")
+        if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages):
+            raise RecordError(f"{where}: no assistant message to train on (none, or every one has weight 0)")
         return [dict(m) for m in messages]
     prompt, response = obj.get(data.prompt_key), obj.get(data.response_key)
     if isinstance(prompt, str) and isinstance(response, str):
