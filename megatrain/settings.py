@@ -159,6 +159,13 @@ class Settings(BaseSettings):
     """Live streams (SSE) one tenant may hold open on one API process; past it, a 429."""
     max_pending_samples_per_tenant: int = Field(default=8, ge=1)
     """Samples (text generated from a checkpoint) one tenant may have waiting or running; past it, a 429."""
+    serve_idle_timeout_s: float = Field(default=600.0, gt=0)
+    """A serve job (the model server behind /openai/v1/chat/completions) ends after this long without
+    a request; the next request starts another."""
+    serve_start_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a chat request waits for its model's serve job to listen before a 503 (Retry-After)."""
+    serve_max_batch: int = Field(default=16, ge=1, le=4096)
+    """Sequences one model server decodes together (continuous batching: more wait for a free row)."""
 
     @field_validator("home", mode="before")
     @classmethod
