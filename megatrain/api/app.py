@@ -32,6 +32,7 @@ from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
 from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
 from megatrain.api.models.router import router as models_router
+from megatrain.api.openai.chat import router as openai_chat_router
 from megatrain.api.plan.router import router as plan_router
 from megatrain.api.pools.router import router as pools_router
 from megatrain.api.samples.router import router as samples_router
@@ -131,6 +132,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app.add_exception_handler(TooManyStreams, _too_many_streams)
     routers = (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router)
     extra = (pools_router, datasets_router, models_router, exports_router, samples_router, plan_router)
+    app.include_router(openai_chat_router)
     for router in (*routers, *extra):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]

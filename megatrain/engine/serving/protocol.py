@@ -96,6 +96,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    chat_template: str | None = Field(None, max_length=2048)
+    """megatrain's extension (set by the API): the fine-tuned job's data.chat_template, which
+    renders the chat as its training data was; None: the server's own."""
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False

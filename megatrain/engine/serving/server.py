@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from megatrain.engine.data.chat_templates import ChatTemplate, ChatTemplateError
+from megatrain.engine.data.chat_templates import ChatTemplate, ChatTemplateError, load_chat_template
 from megatrain.engine.serving.adapters import Adapter, AdapterBank, AdapterError
 from megatrain.engine.serving.batcher import Batcher, Delta, SamplingParams, Sequence
 from megatrain.engine.serving.protocol import (
@@ -66,8 +66,22 @@ class ModelServer:
             return 0.0
         return now - max(self.last_request_at, self.batcher.last_busy)
 
+    templates: dict[str, ChatTemplate] = field(default_factory=dict)
+
     def text_of(self, token: int) -> str:
         return self.batcher.tokenizer.decode([token])
+
+    async def template_for(self, name: str | None) -> ChatTemplate:
+        """The chat template a request names (a built-in, or a tokenizer_config.json's URL, loaded
+        once), else the server's own."""
+        if name is None:
+            return self.template
+        if name not in self.templates:
+            try:
+                self.templates[name] = await anyio.to_thread.run_sync(load_chat_template, name)
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), "chat_template") from None
+        return self.templates[name]
 
 
 class Run:
@@ -156,7 +170,7 @@ async def _chat(request: Request, server: ModelServer) -> Response:
     tokenizer, seq_length = server.batcher.tokenizer, server.batcher.seq_length
     messages = [m.as_template_message(i) for i, m in enumerate(req.messages)]
     try:
-        prompt = encode_chat_prompt(messages, server.template, tokenizer)
+        prompt = encode_chat_prompt(messages, await server.template_for(req.chat_template), tokenizer)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), "messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens or max(seq_length - len(prompt), 1)
