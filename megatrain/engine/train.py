@@ -347,7 +347,8 @@ def _serve(spec: JobSpec, out: Path, activity: Activity) -> int:
     from megatrain.engine.serving.job import serve_job
 
     try:
-        return serve_job(spec, out, activity=activity)
+        ended = serve_job(spec, out, activity=activity)
+        return EXIT_PREEMPTED if ended == "preempted" else 0  # (a preempted job is queued again)
     except Terminated:  # uvicorn hands a cancel's SIGTERM back once it has stopped
         sys.stdout.flush()
         os._exit(EXIT_SIGTERM)

@@ -94,7 +94,9 @@ class Run:
         self.seqs: list[Sequence] = []
         self.prompt_tokens = 0
 
-    def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> None:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, adapter: Adapter | None, param: str = "messages"
+    ) -> None:
         choice = len(self.seqs)
         sink: Callable[[Delta], None] = lambda d: self.loop.call_soon_threadsafe(  # noqa: E731
             self.queue.put_nowait, (choice, d)
@@ -103,7 +105,7 @@ class Run:
             self.seqs.append(self.server.batcher.submit(prompt, params, sink, adapter))
         except ValueError as exc:
             self.cancel()
-            raise ApiError(400, str(exc), "messages") from None
+            raise ApiError(400, str(exc), param) from None
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         left = len(self.seqs)
@@ -222,7 +224,7 @@ async def _completion(request: Request, server: ModelServer) -> Response:
     n = req.n or 1
     for prompt in prompts:
         for j in range(n):
-            run.submit(prompt, _params(req, req.max_tokens or 16, req.logprobs, j), adapter)
+            run.submit(prompt, _params(req, req.max_tokens or 16, req.logprobs, j), adapter, "prompt")
     run.prompt_tokens = sum(len(p) for p in prompts) * n
     head = envelope("text_completion", new_id("cmpl"), req.model)
     lp_of = completion_logprobs if req.logprobs is not None else None
