@@ -164,28 +164,45 @@ def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) ->
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_errors_come_back_in_openai_shape(live_api: LiveApi) -> None:
-    sdk = openai.OpenAI(base_url=f"{live_api.url}/openai/v1", api_key=live_api.key, max_retries=0)
+def test_models_resolve_per_tenant_and_errors_come_back_in_openai_shape(live_api: LiveApi) -> None:
+    from megatrain.api.auth import create_api_key
+    from megatrain.db.session import session_scope
+
+    url = f"{live_api.url}/openai/v1"
+    sdk = openai.OpenAI(base_url=url, api_key=live_api.key, max_retries=0)
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.chat.completions.create(model="no-such-model", messages=CHAT)
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
-    bad_key = openai.OpenAI(base_url=f"{live_api.url}/openai/v1", api_key="mt_wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad_key.chat.completions.create(model="no-such-model", messages=CHAT)
+        openai.OpenAI(base_url=url, api_key="mt_wrong", max_retries=0).chat.completions.create(
+            model="no-such-model", messages=CHAT
+        )
     with Client(api_url=live_api.url, api_key=live_api.key) as client:
         job = client.submit(live_api.spec())  # stays queued: no scheduler here
-    with pytest.raises(openai.NotFoundError, match="no checkpoint yet"):
-        sdk.chat.completions.create(model=f"ft:tiny:acme:x:{job.id}", messages=CHAT)
-    # A checkpoint to serve, but no scheduler to start its server: a 503 with Retry-After, once
-    # serve_start_timeout_s has passed; a second request waits on the same serve job.
-    add_checkpoint(live_api.settings, job.id, 5)
-    live_api.settings.serve_start_timeout_s = 0.5
-    for _ in range(2):
-        with pytest.raises(openai.InternalServerError) as busy:
-            sdk.chat.completions.create(model=f"checkpoint:{job.id}@5", messages=CHAT)
-        assert busy.value.status_code == 503 and busy.value.response.headers["retry-after"] == "10"
-    with Client(api_url=live_api.url, api_key=live_api.key) as client:
-        serve = [j for j in client.list_jobs() if j.kind == "serve"]
-    assert len(serve) == 1 and serve[0].spec["model"]["init_from"] == f"checkpoint:{job.id}@5"
-    with pytest.raises(openai.BadRequestError):  # parsed here, before any server: not a JSON object
+        with pytest.raises(openai.NotFoundError, match="no checkpoint yet"):
+            sdk.chat.completions.create(model=f"ft:tiny:acme:x:{job.id}", messages=CHAT)
+        # A checkpoint to serve, but no scheduler to start its server: a 503 with Retry-After, once
+        # serve_start_timeout_s has passed; a second request waits on the same serve job.
+        add_checkpoint(live_api.settings, job.id, 5)
+        live_api.settings.serve_start_timeout_s = 0.5
+        for model in (f"checkpoint:{job.id}@5", f"ft:tiny:acme:x:{job.id}:ckpt-step-5"):
+            with pytest.raises(openai.InternalServerError) as busy:
+                sdk.chat.completions.create(model=model, messages=CHAT)
+            assert busy.value.status_code == 503 and busy.value.response.headers["retry-after"] == "10"
+        # A registered model is a base of its own, served with its folder's tokenizer.
+        base = _tiny_base(live_api.data_path.parent / "tiny-llama")
+        client.register_model("tiny-llama", base.as_uri())
+        with pytest.raises(openai.InternalServerError):
+            sdk.completions.create(model="tiny-llama", prompt="def")
+        serve = {j.spec["model"]["init_from"]: j for j in client.list_jobs() if j.kind == "serve"}
+    assert set(serve) == {f"checkpoint:{job.id}@5", f"hf:{base.as_uri()}"}
+    assert serve[f"hf:{base.as_uri()}"].spec["data"]["tokenizer"]["path"] == f"{base.as_uri()}/tokenizer.json"
+    # Another tenant's job is the same 404 as a missing one.
+    with session_scope(live_api.settings.resolved_database_url) as session:
+        other = create_api_key(session, "other-tenant")
+    theirs = openai.OpenAI(base_url=url, api_key=other, max_retries=0)
+    for model in (f"checkpoint:{job.id}@5", f"ft:tiny:acme:x:{job.id}", job.id):
+        with pytest.raises(openai.NotFoundError):
+            theirs.chat.completions.create(model=model, messages=CHAT)
+    with pytest.raises(openai.BadRequestError):  # refused here, before any server: no model named
         sdk.chat.completions.create(model="", messages=CHAT)
