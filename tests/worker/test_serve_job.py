@@ -17,6 +17,7 @@ from megatrain.db.jobs import reserve_and_schedule
 from megatrain.db.models import CANCELLED, SUCCEEDED, Job, JobEvent, JobLog, Node
 from megatrain.db.session import session_scope
 from megatrain.plan.layout import resolve_layout
+from megatrain.progress_files import read_progress
 from megatrain.settings import Settings, get_settings, reset_settings_cache
 from megatrain.spec import parse_spec
 from megatrain.worker.shard import run_shard
@@ -108,6 +109,9 @@ def test_a_serve_job_answers_then_ends_when_idle(
     runner.join(timeout=60)  # idle for 2 s: the server stops by itself
     status, why = _status(settings, job_id)
     assert not runner.is_alive() and status == SUCCEEDED, why
+    # The batching thread ticked the hang watch's progress file while it served.
+    (progress,) = read_progress(settings.runs_dir / job_id / "attempt-1")
+    assert progress.phase == "serving" and progress.step >= 1
 
 
 def test_a_cancelled_serve_job_stops_cleanly(
