@@ -192,3 +192,15 @@ def test_text_stream_holds_back_a_possible_stop_and_incomplete_characters() -> N
     for t in b"ok E":
         stream.push(t)
     assert stream.rest() == "E"  # the sequence ended: what was held back is final
+
+
+def test_a_full_queue_says_busy() -> None:
+    from megatrain.engine.serving import Busy
+
+    batcher = Batcher(tiny("tiny-llama"), BYTES, max_batch=1, max_waiting=2)
+    for _ in range(2):
+        batcher.submit([1, 2], GREEDY)
+    with pytest.raises(Busy):
+        batcher.submit([1, 2], GREEDY)
+    batcher.step()  # one joins the batch: a place to wait is free again
+    batcher.submit([1, 2], GREEDY)

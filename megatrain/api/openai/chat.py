@@ -37,8 +37,8 @@ from megatrain.settings import Settings
 
 router = APIRouter(prefix="/openai/v1", tags=["openai"])
 
-SERVER_HEADERS = ("x-megatrain-server",)
-"""Headers of the model server's answer passed on (which process answered)."""
+SERVER_HEADERS = ("x-megatrain-server", "retry-after")
+"""Headers of the model server's answer passed on: which process answered, when to retry a 429."""
 JOB_HEADER = "x-megatrain-serve-job"
 POLL_S = 0.25
 RETRY_AFTER_S = 10

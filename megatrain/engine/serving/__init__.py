@@ -8,7 +8,7 @@ serve job's process (`kind: serve`, started by a worker like any job; the API pr
 """
 
 from megatrain.engine.serving.adapters import Adapter, AdapterBank, AdapterError, read_adapter
-from megatrain.engine.serving.batcher import Batcher, Delta, SamplingParams, Sequence, TokenLogprob
+from megatrain.engine.serving.batcher import Batcher, Busy, Delta, SamplingParams, Sequence, TokenLogprob
 from megatrain.engine.serving.cache import SlotCache
 from megatrain.engine.serving.text import TextStream, encode_chat_prompt
 
@@ -17,6 +17,7 @@ __all__ = [
     "AdapterBank",
     "AdapterError",
     "Batcher",
+    "Busy",
     "Delta",
     "SamplingParams",
     "Sequence",

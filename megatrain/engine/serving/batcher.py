@@ -77,6 +77,10 @@ class Delta:
     error: str | None = None
 
 
+class Busy(Exception):
+    """The batch is full and `max_waiting` sequences already wait: come back later (a 429)."""
+
+
 class Sequence:
     """One sequence being generated: a prompt, its settings, its state in the batch."""
 
@@ -137,6 +141,7 @@ class Batcher:
         max_batch: int = 16,
         adapters: AdapterBank | None = None,
         eos_id: int | None = None,
+        max_waiting: int | None = None,
     ):
         cfg = model.config
         self.model, self.tokenizer, self.adapters = model.eval(), tokenizer, adapters
@@ -146,6 +151,8 @@ class Batcher:
         )
         self.device = model.embed.weight.device
         self.max_batch, self.seq_length = max_batch, cfg.seq_length
+        self.max_waiting = 8 * max_batch if max_waiting is None else max_waiting
+        """Sequences that may wait for a row; past it, submit raises Busy."""
         self.cache = SlotCache(max_batch, cfg.seq_length)
         self.pending: deque[Sequence] = deque()
         self.rows: list[Sequence] = []
@@ -165,7 +172,7 @@ class Batcher:
         sink: Callable[[Delta], None] | None = None,
         adapter: Adapter | None = None,
     ) -> Sequence:
-        """Queue a sequence; ValueError for one this model cannot run."""
+        """Queue a sequence; ValueError for one this model cannot run, Busy when too many wait."""
         problem = params.problem()
         if problem:
             raise ValueError(problem)
@@ -181,6 +188,8 @@ class Batcher:
             raise ValueError("this server has no adapters")
         seq = Sequence(list(prompt), params, TextStream(self.tokenizer, params.stop), sink, adapter)
         with self._cv:
+            if len(self.pending) >= self.max_waiting:
+                raise Busy(f"{len(self.rows)} sequences run and {len(self.pending)} wait; retry shortly")
             self.pending.append(seq)
             self.last_busy = time.monotonic()
             self._cv.notify()

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from megatrain.engine.data.chat_templates import ChatTemplate, ChatTemplateError, load_chat_template
 from megatrain.engine.serving.adapters import Adapter, AdapterBank, AdapterError
-from megatrain.engine.serving.batcher import Batcher, Delta, SamplingParams, Sequence
+from megatrain.engine.serving.batcher import Batcher, Busy, Delta, SamplingParams, Sequence
 from megatrain.engine.serving.protocol import (
     ApiError,
     ChatRequest,
@@ -106,6 +106,9 @@ class Run:
         except ValueError as exc:
             self.cancel()
             raise ApiError(400, str(exc), param) from None
+        except Busy as exc:  # the SDK retries a 429 after its retry-after
+            self.cancel()
+            raise ApiError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error") from None
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         left = len(self.seqs)
@@ -297,9 +300,10 @@ def create_app(server: ModelServer) -> Starlette:
             try:
                 return await handler(request, server)  # type: ignore[no-any-return]
             except ApiError as exc:
-                return JSONResponse(
-                    exc.body(), status_code=exc.status, headers={SERVER_HEADER: server.identity}
-                )
+                headers = {SERVER_HEADER: server.identity}
+                if exc.status == 429:
+                    headers["retry-after"] = "1"
+                return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
             finally:
                 server.inflight -= 1
                 server.last_request_at = time.monotonic()
