@@ -159,6 +159,11 @@ class Settings(BaseSettings):
     """Live streams (SSE) one tenant may hold open on one API process; past it, a 429."""
     max_pending_samples_per_tenant: int = Field(default=8, ge=1)
     """Samples (text generated from a checkpoint) one tenant may have waiting or running; past it, a 429."""
+    openai_training_method: Literal["lora", "full"] = "lora"
+    """How a job of the OpenAI-compatible fine-tuning API (/openai/v1/fine_tuning/jobs) trains
+    unless its request chooses (`megatrain.training_method`): LoRA adapters, or every weight."""
+    max_active_fine_tuning_jobs_per_tenant: int = Field(default=16, ge=1)
+    """Unfinished jobs one tenant may have through /openai/v1/fine_tuning/jobs; past it, a 429."""
     serve_idle_timeout_s: float = Field(default=600.0, gt=0)
     """A serve job (the model server behind /openai/v1/chat/completions) ends after this long without
     a request; the next request starts another."""

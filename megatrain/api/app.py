@@ -32,7 +32,10 @@ from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
 from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
 from megatrain.api.models.router import router as models_router
+from megatrain.api.openai import PREFIX as OPENAI_PREFIX
+from megatrain.api.openai import router as openai_router
 from megatrain.api.openai.chat import router as openai_chat_router
+from megatrain.api.openai.errors import OpenAIErrorMiddleware
 from megatrain.api.plan.router import router as plan_router
 from megatrain.api.pools.router import router as pools_router
 from megatrain.api.samples.router import router as samples_router
@@ -132,17 +135,20 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app.add_exception_handler(TooManyStreams, _too_many_streams)
     routers = (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router)
     extra = (pools_router, datasets_router, models_router, exports_router, samples_router, plan_router)
-    app.include_router(openai_chat_router)
-    for router in (*routers, *extra):
+    # The chat routes before openai_router, whose catch-all answers any other /openai/v1 path.
+    for router in (*routers, *extra, openai_chat_router, openai_router):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
     install_docs(app)
 
     # Added last = outermost: metrics see every answer, including 413s and 500s.
     # Dataset uploads stream to storage under a cap of their own (JSON bodies there keep the usual one).
-    uploads = {datasets_router.prefix: settings.max_dataset_upload_bytes}
+    upload_paths = (datasets_router.prefix, f"{OPENAI_PREFIX}/files")
+    uploads = dict.fromkeys(upload_paths, settings.max_dataset_upload_bytes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, overrides=uploads)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.http_body_timeout_s)
+    # Every error under /openai/v1 in OpenAI's shape, whichever layer inside answered it.
+    app.add_middleware(OpenAIErrorMiddleware, prefix=OPENAI_PREFIX)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
 
     # The dashboard's static files, served at / (index.html for "/"); mounted after every API route.

@@ -81,13 +81,22 @@ def upload(
     ] = True,
     wait: Annotated[bool, typer.Option("--wait", "-w", help="Wait until the workers made it ready.")] = False,
     timeout: Annotated[float | None, typer.Option(min=0, help="With --wait: give up after SECONDS.")] = None,
+    record_format: Annotated[
+        str, typer.Option(help="text, or (uploads) OpenAI's chat, prompt_completion or preference records.")
+    ] = "text",
 ) -> None:
     """Upload a JSONL corpus (or register one in storage) for the workers to preprocess."""
     with Client() as client:
         if source.startswith(("file://", "s3://")):
+            if record_format != "text":
+                raise typer.BadParameter(
+                    "records are checked as they upload: send a local file", param_hint="--record-format"
+                )
             ds = client.register_dataset(source, name, tokenizer, json_key, append_eod)
         else:
-            ds = client.upload_dataset(Path(source), name, tokenizer, json_key, append_eod)
+            ds = client.upload_dataset(
+                Path(source), name, tokenizer, json_key, append_eod, record_format=record_format
+            )
         _out().print(
             f"dataset [bold]{escape(ds.name)}[/bold] {_state(ds)} ({_size(ds.input_bytes)} uploaded)"
         )

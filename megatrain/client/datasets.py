@@ -51,14 +51,18 @@ class DatasetsMixin:
         append_eod: bool = True,
         wait: bool = False,
         timeout_s: float | None = None,
+        record_format: str = "text",
     ) -> Dataset:
         """Upload a JSONL file (streamed from disk, never read whole) as the dataset `name`; returns
-        it `pending`, or with `wait=True` once the workers have made it ready (DatasetFailed if not)."""
+        it `pending`, or with `wait=True` once the workers have made it ready (DatasetFailed if not).
+        `record_format` chat, prompt_completion or preference: OpenAI's fine-tuning records, checked
+        line by line and ready at once."""
         p = Path(path)
         if not p.is_file():
             raise MegatrainError(f"dataset file {p} does not exist")
         params = {"name": name, "tokenizer": tokenizer_arg(tokenizer), "json_key": json_key}
         params["append_eod"] = "true" if append_eod else "false"
+        params["record_format"] = record_format
         headers = {"Content-Type": "application/x-ndjson", "Content-Length": str(p.stat().st_size)}
         with open(p, "rb") as f:
             data = self._json(

@@ -173,6 +173,8 @@ class Dataset:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     json_key: str = "text"
     append_eod: bool = True
+    record_format: str = "text"
+    records_url: str | None = None
     documents: int | None = None
     tokens: int | None = None
     vocab_size: int | None = None

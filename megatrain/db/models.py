@@ -185,6 +185,9 @@ class Job(Base):
     """Attempts that ended at an allocation's time limit shorter than max_runtime_s and continued
     (a chain on Slurm): not failures either."""
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    paused_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """Set while the user holds the job (a pause): the scheduler leaves it queued. A running job
+    asked to pause is first checkpointed and stopped (preempt_for = job_states.PAUSE_REQUEST)."""
     preempt_for: Mapped[str | None] = mapped_column(String(40), nullable=True)
     """While running: the id of the higher-priority job it is being preempted for (its runner then
     checkpoints, stops and requeues it); cleared when it goes back to the queue."""
@@ -330,6 +333,14 @@ class Dataset(Base):
     """Where the indexed dataset lives: PREFIX.bin + PREFIX.idx (what a JobSpec's path becomes)."""
     tokenizer: Mapped[dict[str, Any]] = mapped_column(JSON)
     json_key: Mapped[str] = mapped_column(String(128), default="text")
+    record_format: Mapped[str] = mapped_column(String(32), default="text", server_default="text")
+    """text: documents under json_key, preprocessed into the index. chat, prompt_completion,
+    preference: records a fine-tune or DPO job reads as they are (checked at upload; ready at once)."""
+    records_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Record formats: the records in the engine's shape (written beside the upload, converted line
+    by line), which jobs read; source_url keeps the file as uploaded."""
+    filename: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    """The uploaded file's own name, where the client sent one (the OpenAI Files API's filename)."""
     append_eod: Mapped[bool] = mapped_column(Boolean, default=True)
     documents: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -464,3 +475,8 @@ class RegisteredModel(Base):
     adapter: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """An adapter's settings as training.lora takes them (rank, alpha, dropout, targets, use_rslora)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+# The OpenAI-compatible surface's own rows (kept apart to keep this module short); imported here so
+# that Base.metadata, and therefore migrations and create_all, know its tables.
+from megatrain.db import fine_tuning  # noqa: E402, F401

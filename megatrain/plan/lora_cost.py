@@ -13,6 +13,10 @@ row-parallel: A split, B replicated). With sequence parallelism a column-paralle
 multiplies the sequence shard by A and all-gathers the rank-r product forward, reduce-scattering its
 gradient back: two small collectives per such target, paid mostly in latency. (The replicated
 factors' gradients are summed over tp once per step: small, not counted.)
+
+QLoRA (lora.quantize_base) holds the layer's frozen linear weights in NF4 and dequantises each per
+GEMM, forward and again for the input gradient backward: a pass reading NF4_BYTES and writing the
+activation dtype per weight, memory-bound, each way.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import NamedTuple
 
 from megatrain.plan.cost_constants import CostConstants, gemm_efficiency
 from megatrain.plan.links import ring_time
-from megatrain.plan.shapes import ModelShape, lora_layer_targets, lora_linears
+from megatrain.plan.shapes import NF4_BYTES, ModelShape, lora_layer_targets, lora_linears, nf4_layer_params
 
 
 class LoRASeconds(NamedTuple):
@@ -74,6 +78,10 @@ def lora_layer_seconds(
         if sp and column:
             u = act * tokens * pr  # the gathered rank-r product
             comm += 2 * ring_time("all_gather", u, tp, tp_bandwidth_gbps, tp_latency_us)
+    if m.lora.quantize_base:
+        dequantize = nf4_layer_params(m, tp, moe) * (NF4_BYTES + act) / bandwidth
+        forward += dequantize
+        backward += dequantize
     return LoRASeconds(forward, forward + backward, comm)
 
 

@@ -67,7 +67,7 @@ def read_snapshot(session: Session, now: datetime) -> Snapshot:
             Job.cancel_requested, Job.status_reason, Job.wait_reason, Job.layout, Job.avoid_nodes,
             _max_runtime().label("max_runtime_s"),
         )
-        .where(Job.status == QUEUED)
+        .where(Job.status == QUEUED, Job.paused_at.is_(None))  # a paused job waits for its resume
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
     ).all()  # fmt: skip
     if not rows:

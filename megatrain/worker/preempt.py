@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from megatrain.db.jobs import transition
-from megatrain.db.models import FAILED, QUEUED, RUNNING
+from megatrain.db.models import FAILED, QUEUED, RUNNING, Job
+from megatrain.job_states import PAUSE_REQUEST
 from megatrain.settings import Settings
 from megatrain.worker.procs import descendants
 
@@ -87,13 +89,17 @@ def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
 
 def requeue_preempted(s: Session, att: Attempt, step: int | None, clear: dict[str, object]) -> bool:
     """running → queued after a preemption (not a retry), to resume from `step`; counted in the
-    job's `preemptions` (once they reach max_preemptions it is no longer preempted)."""
+    job's `preemptions` (once they reach max_preemptions it is no longer preempted). A pause its
+    user asked for (preempt_for PAUSE_REQUEST) stops the same way and stays queued, held, until
+    its resume."""
     count = att.preemptions + 1
     last = "; it will not be preempted again" if count >= att.max_preemptions else ""
     reason = (
         f"preempted by a higher-priority job ({count} of at most {att.max_preemptions}); "
         f"resumes from {_where(step)}{last}"
     )
+    if s.scalar(select(Job.preempt_for).where(Job.id == att.job_id)) == PAUSE_REQUEST:
+        reason = f"paused by its user at {_where(step)}; it resumes from there when resumed"
     data = {
         "attempt": att.attempt,
         "step": step,

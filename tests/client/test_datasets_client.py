@@ -113,3 +113,13 @@ def test_a_job_trains_from_an_uploaded_dataset(live_stack: LiveApi, tmp_path: Pa
         assert final.status == "succeeded", final.status_reason
         losses = [m["loss"] for m in c.metrics(job.id) if m.get("kind") == "train"]
         assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+
+
+def test_upload_fine_tuning_records(live_api: LiveApi, tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps(chat) + "\n")
+    with Client() as c:
+        ds = c.upload_dataset(path, "chat", record_format="chat", wait=True, timeout_s=10)
+        assert (ds.state, ds.record_format, ds.documents) == ("ready", "chat", 1)
+        assert ds.records_url and ds.records_url.endswith("/records.jsonl")

@@ -50,9 +50,9 @@ def test_0014_export_form_keeps_earlier_exports_and_downgrades(db_url: str) -> N
     """An export from before 0014 holds the whole model; a downgrade drops the adapter exports the
     older schema has no place for and keeps the rest."""
     cfg = _config(db_url)
+    job_id = seed_job(db_url)  # at head (the ORM's columns): later migrations keep the row
     command.downgrade(cfg, "0013")
     engine = get_engine(db_url)
-    job_id = seed_job(db_url)
     with engine.begin() as conn:
         conn.execute(
             text(

@@ -11,6 +11,7 @@ from plan_cases import gpu_pool, spec
 
 from megatrain.engine.config import LoRAConfig, MoEConfig, TransformerConfig, lora_config, transformer_config
 from megatrain.plan.cost import StepSettings, predict_step
+from megatrain.plan.cost_constants import constants_for
 from megatrain.plan.flops import flops_per_iteration, flops_per_token, layer_forward_flops
 from megatrain.plan.layout import Layout
 from megatrain.plan.memory import estimate_memory, from_spec
@@ -189,6 +190,22 @@ def test_a_lora_step_is_predicted_faster_with_tiny_data_parallel_traffic() -> No
     assert lora.optimizer_s < full.optimizer_s / 100
     assert lora.step_time_s < 0.9 * full.step_time_s
     assert 0.2 < lora.mfu < 1  # against the LoRA FLOPs, not 6N
+
+
+def test_qlora_pays_a_dequantisation_per_gemm() -> None:
+    """Each NF4 weight is dequantised forward and again backward: a memory-bound pass reading 0.53
+    bytes and writing 2 per weight, each way, on top of LoRA's step (and nothing else changes)."""
+    m = shape_of_spec(spec(LLAMA3_70B, **LORA_70B), 128256)
+    q = replace(m, lora=replace(m.lora, quantize_base=True))
+    lay = Layout(tp=8, pp=4, dp=4, virtual_stages=2, sequence_parallel=True)
+    settings = StepSettings(micro_batch_size=1, global_batch_size=64)
+    pool = gpu_pool(nodes=2)
+    lora, qlora = predict_step(m, lay, settings, pool), predict_step(q, lay, settings, pool)
+    assert qlora.model_flops == lora.model_flops and qlora.dp_comm_s == lora.dp_comm_s
+    bandwidth = constants_for(pool).memory_bandwidth_gbps * 1e9
+    per_pass = nf4_stage_params(q, 8, 4, 0) * (NF4_BYTES + 2) / bandwidth
+    micro_batches = 64 // 4
+    assert qlora.compute_s - lora.compute_s == pytest.approx(2 * per_pass * micro_batches, rel=0.05)
 
 
 def test_llama3_70b_lora_fits_eight_80gb_gpus_where_full_training_does_not() -> None:

@@ -4,7 +4,7 @@ POST takes either
   - a JSON body (`DatasetCreate`): a JSONL file already in storage, by URL; or
   - the JSONL file itself as the body (Content-Type application/x-ndjson, application/jsonl,
     text/plain or application/octet-stream) with the options in the query:
-    `?name=NAME&tokenizer=byte&json_key=text&append_eod=true`.
+    `?name=NAME&tokenizer=byte&json_key=text&append_eod=true&record_format=text`.
 An upload streams through a line-by-line check straight into storage (an S3 multipart upload, or a
 temporary file beside the object on file://), never spooled on the API's disk; only a complete,
 valid upload becomes an object and is registered (201, state `pending`), a refused or abandoned one
@@ -15,6 +15,8 @@ into an indexed dataset and mark it `ready` with its statistics, or `failed` wit
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio
@@ -23,11 +25,19 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.datasets import service
-from megatrain.api.datasets.schemas import DatasetCreate, DatasetList, DatasetOptions, DatasetPublic
+from megatrain.api.datasets.records import TEXT
+from megatrain.api.datasets.schemas import (
+    DatasetCreate,
+    DatasetList,
+    DatasetOptions,
+    DatasetPublic,
+    RecordFormat,
+)
 from megatrain.api.datasets.upload import JsonlCheck
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.errors import FieldError
 from megatrain.api.middleware import RequestTooLarge
+from megatrain.db.models import Tenant
 from megatrain.settings import Settings
 from megatrain.spec import NAME_PATTERN, SpecError
 
@@ -71,7 +81,7 @@ async def _json_body(request: Request, settings: Settings) -> Any:
         raise FieldError("body", f"not valid JSON: {str(exc)[:300]}") from None
 
 
-async def _stream(request: Request, settings: Settings, check: JsonlCheck) -> None:
+async def stream_body(request: Request, settings: Settings, check: JsonlCheck) -> None:
     """Check the body and write it on, refusing it past the upload cap (also when no Content-Length
     announced its size)."""
     cap = settings.max_dataset_upload_bytes
@@ -119,11 +129,13 @@ async def create_dataset(
     tokenizer: Annotated[str, Query(max_length=2048)] = "byte",
     json_key: Annotated[str, Query(min_length=1, max_length=128)] = "text",
     append_eod: bool = True,
+    record_format: RecordFormat = "text",
 ) -> DatasetPublic:
     """Register a dataset from a JSON body naming `source_url`, or from the JSONL file sent as the
-    body (options in the query); 201 with the pending dataset. Bad uploads (not JSON, a line
-    without a non-empty string under `json_key`, empty, over the cap) are 422/413 naming the line
-    or the cap, and leave nothing behind."""
+    body (options in the query); 201 with the pending dataset (a record format's is ready at
+    once: see `record_format`). Bad uploads (not JSON, a line without a non-empty string under
+    `json_key` or not a record of its format, empty, over the cap) are 422/413 naming the line or
+    the cap, and leave nothing behind."""
     ctype = _content_type(request)
     if ctype in JSON_TYPES or ctype.endswith("+json"):
         body = _options(DatasetCreate, await _json_body(request, settings))
@@ -138,28 +150,46 @@ async def create_dataset(
         )
     if name is None:
         raise FieldError("name", "an upload needs ?name=NAME")
-    options = _options(
-        DatasetOptions, {"name": name, "tokenizer": tokenizer, "json_key": json_key, "append_eod": append_eod}
-    )
+    fields = {"name": name, "tokenizer": tokenizer, "json_key": json_key, "append_eod": append_eod}
+    options = _options(DatasetOptions, fields | {"record_format": record_format})
     await run_in_threadpool(service.check_options, session, settings, tenant, options)
     session.close()  # no connection held while the body streams in
-    # The storage writer is entered, fed and left from worker threads, one step at a time.
-    writing = service.upload_writer(settings, tenant, options)
-    dataset_id, url, sink = await run_in_threadpool(writing.__enter__)
-    check = JsonlCheck(options.json_key, sink)
+    records = options.record_format != TEXT
+    async with stream_upload(settings, tenant, options.name, records) as target:
+        check = JsonlCheck(options.json_key, target.source, options.record_format, target.records)
+        await stream_body(request, settings, check)
+    ds = await run_in_threadpool(
+        service.register_upload, session, settings, tenant, options, stored(target, check)
+    )
+    return service.public_dataset(ds)
+
+
+@asynccontextmanager
+async def stream_upload(
+    settings: Settings, tenant: Tenant, name: str, records: bool, dataset_id: str | None = None
+) -> AsyncIterator[service.UploadTarget]:
+    """service.upload_writer driven from the event loop: the storage writers are entered, fed and
+    left from worker threads, one step at a time; on any error (a bad line, the cap, a client
+    gone) aborted, so no part of the upload stays in storage."""
+    writing = service.upload_writer(settings, tenant, name, records, dataset_id)
+    target = await run_in_threadpool(writing.__enter__)
     try:
-        await _stream(request, settings, check)
+        yield target
     except BaseException as exc:
-        # A bad line, the cap, a client gone: abort, so no part of it stays in storage. Shielded,
-        # as a cancelled request would otherwise skip the cleanup.
+        # Shielded, as a cancelled request would otherwise skip the cleanup.
         with anyio.CancelScope(shield=True):
             await run_in_threadpool(writing.__exit__, type(exc), exc, exc.__traceback__)
         raise
-    await run_in_threadpool(writing.__exit__, None, None, None)  # the object is whole and visible
-    ds = await run_in_threadpool(
-        service.register_upload, session, settings, tenant, options, dataset_id, url, check.size
+    await run_in_threadpool(writing.__exit__, None, None, None)  # the objects are whole and visible
+
+
+def stored(target: service.UploadTarget, check: JsonlCheck, filename: str | None = None) -> service.Stored:
+    """What registering a checked, stored upload records."""
+    fmt = check.record_format or TEXT
+    records = check.documents if fmt != TEXT else None
+    return service.Stored(
+        target.dataset_id, target.source_url, check.size, fmt, target.records_url, records, filename
     )
-    return service.public_dataset(ds)
 
 
 @router.get("", response_model=DatasetList)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatrain.spec import NAME_PATTERN, TokenizerSpec
+
+RecordFormat = Literal["text", "chat", "prompt_completion", "preference"]
 
 
 class DatasetOptions(BaseModel):
@@ -22,6 +24,12 @@ class DatasetOptions(BaseModel):
     """The JSONL field holding each document's text."""
     append_eod: bool = True
     """End every document with the tokenizer's end-of-document token (Megatron's --append-eod)."""
+    record_format: RecordFormat = "text"
+    """text: a document's text under json_key, preprocessed into an index. chat (OpenAI's
+    `messages`, `weight` per assistant turn), prompt_completion (`prompt`, `completion`) or
+    preference (OpenAI's `input`, `preferred_output`, `non_preferred_output`): records a fine-tune
+    (preference: a dpo job) reads as they are; each line is checked at upload, and the dataset is
+    ready at once (uploads only)."""
 
 
 class DatasetCreate(DatasetOptions):
@@ -46,13 +54,18 @@ class DatasetPublic(BaseModel):
     state_reason: str
     path: str
     """The indexed dataset's prefix (PREFIX.bin, PREFIX.idx): what a JobSpec naming it reads, unless
-    the job reads records (kind dpo, or a fine-tune whose json_key is data.prompt_key): then
-    `source_url`."""
+    the job reads records (a record format; kind dpo, or a fine-tune whose json_key is
+    data.prompt_key): then `records_url`, else `source_url`."""
     source_url: str
     uploaded: bool
     tokenizer: dict[str, Any]
     json_key: str
     append_eod: bool
+    record_format: str
+    records_url: str | None
+    """Record formats: the records in the engine's shape, which jobs read (source_url is the file
+    as uploaded)."""
+    filename: str | None
     documents: int | None
     tokens: int | None
     vocab_size: int | None

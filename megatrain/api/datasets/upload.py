@@ -1,15 +1,18 @@
 """Checking an uploaded JSONL corpus while it streams in, on its way to storage (never to local disk).
 
 What is cheap is checked here, line by line, so a bad upload is refused before anything is stored
-or registered: every line (blank ones aside) a JSON object with a non-empty string under the key,
-valid UTF-8, no line longer than the cap, at least one document. Tokenizing is the workers' job.
+or registered: every line (blank ones aside) a JSON object with a non-empty string under the key
+(text) or a record of its format (api/datasets/records.py, each also written, in the engine's
+shape, to a second object), valid UTF-8, no line longer than the cap, at least one document.
+Tokenizing is the workers' job.
 """
 
 from __future__ import annotations
 
 import json
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+from megatrain.api.datasets.records import TEXT, RecordProblem, detect_format, engine_record
 from megatrain.api.errors import FieldError
 
 MAX_LINE_BYTES = 64 << 20
@@ -26,13 +29,19 @@ class JsonlCheck:
     """`feed` chunks of the body as they arrive, `finish` at its end; each complete line is checked
     and only then written on to `sink` (a storage writer), so what reaches it is checked lines."""
 
-    def __init__(self, json_key: str, sink: BinaryIO):
+    def __init__(
+        self, json_key: str, sink: BinaryIO, record_format: str | None = TEXT, records: BinaryIO | None = None
+    ):
+        """`record_format` None: the first record's keys decide (chat, prompt_completion or
+        preference). A record format needs `records`, the sink of the engine-shaped records."""
         self.json_key = json_key
+        self.record_format = record_format
         self.lines = 0
         self.documents = 0
         self.size = 0
         self._rest = b""  # the unfinished last line of what arrived so far
         self._sink = sink
+        self._records = records
 
     def _check(self, raw: bytes) -> None:
         self.lines += 1
@@ -49,6 +58,9 @@ class JsonlCheck:
             raise _problem(n, f"not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(obj, dict):
             raise _problem(n, f"expected a JSON object, got {type(obj).__name__}")
+        if self.record_format != TEXT:
+            self._record(n, obj)
+            return
         if self.json_key not in obj:
             raise _problem(n, f"no field {self.json_key!r} (json_key)")
         value = obj[self.json_key]
@@ -56,6 +68,19 @@ class JsonlCheck:
             raise _problem(n, f"field {self.json_key!r} must be a string, got {type(value).__name__}")
         if not value:
             raise _problem(n, f"field {self.json_key!r} is empty")
+        self.documents += 1
+
+    def _record(self, n: int, obj: dict[str, Any]) -> None:
+        """Check a record of the file's format and write it on in the engine's shape."""
+        assert self._records is not None, "a record format needs a sink for its records"
+        try:
+            if self.record_format is None:
+                self.record_format = detect_format(obj)
+            record = engine_record(self.record_format, obj)
+        except RecordProblem as exc:
+            where = f"{self.record_format} record: " if self.record_format else ""
+            raise _problem(n, f"{where}{exc}") from None
+        self._records.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
         self.documents += 1
 
     def feed(self, chunk: bytes) -> None:

@@ -4,7 +4,8 @@ A requested `model` is resolved in the tenant's own namespace (another tenant's 
 model is the same 404 as a missing one) to a Target: the base a server must hold, and the LoRA
 adapters it adds, if any:
 
-- a fine-tuned model `ft:BASE:TENANT:SUFFIX:JOB_ID` (read loosely: the job id is the last field),
+- a fine-tuned model `ft:BASE:TENANT:SUFFIX:JOB_ID` (read loosely: the last field is the job id,
+  or its hex as /openai/v1/fine_tuning writes it),
   or one of its checkpoints (`…:JOB_ID:ckpt-step-N`, `checkpoint:JOB_ID[@STEP]`, or the bare job
   id): a LoRA job's checkpoint is its adapters over the base it names (model.init_from), so every
   LoRA job on one base shares one server; a full job's checkpoint is a base of its own;
@@ -40,6 +41,7 @@ from megatrain.storage import StorageError, open_store
 SERVE = "serve"
 WAITING = (QUEUED, SCHEDULED, RUNNING)
 CHECKPOINT_FIELD = re.compile(r"ckpt-step-(\d+)")
+JOB_PREFIX = "job-"
 MAX_RUNTIME_S = 30 * 86400
 """A server ends when idle (settings.serve_idle_timeout_s), not at a training job's day."""
 
@@ -83,9 +85,14 @@ def parse_job_model(model: str) -> tuple[str, int | None] | None:
     if model.startswith("ft:") and len(fields) >= 2:
         step = CHECKPOINT_FIELD.fullmatch(fields[-1])
         if step is not None and len(fields) >= 3:
-            return fields[-2], int(step.group(1))
-        return fields[-1], None
-    return (model, None) if JOB_ID_PATTERN.match(model) and model.startswith("job-") else None
+            return _job_id(fields[-2]), int(step.group(1))
+        return _job_id(fields[-1]), None
+    return (model, None) if JOB_ID_PATTERN.match(model) and model.startswith(JOB_PREFIX) else None
+
+
+def _job_id(field: str) -> str:
+    """A job id from an ft: id's last field: the id itself, or its hex (as /openai/v1 writes it)."""
+    return field if field.startswith(JOB_PREFIX) else JOB_PREFIX + field
 
 
 def resolve_model(session: Session, settings: Settings, tenant: Tenant, model: str) -> Target:

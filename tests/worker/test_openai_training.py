@@ -1,0 +1,149 @@
+"""Real training through the OpenAI-compatible API, driven by the `openai` SDK: a tiny Hugging Face
+Llama registered as the base, fine-tuning files uploaded through /openai/v1/files, jobs created,
+polled to success with the real engine on CPU, their metrics events and checkpoints read back and
+the fine-tuned models listed. On the embedded default (SQLite, the local executor): a supervised
+LoRA job on a chat file and a dpo job on a preference file; on PostgreSQL + Celery (Redis) + S3
+(moto): a supervised job on a prompt/completion file. A few steps each: the API's own behaviour is
+test_openai_api.py's (fake engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures.celery import celery_worker
+from fixtures.live import LiveApi, start_live_api
+from fixtures.openai_kit import (
+    SchemaCheck,
+    chat_records,
+    jsonl,
+    preference_records,
+    prompt_completion_records,
+    register_model,
+    sdk,
+    tiny_model,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+JOB_TIMEOUT_S = 240.0
+"""Far above a run here (seconds on two CPU cores): only a stuck job reaches it."""
+EXTENSION = {"megatrain": {"seq_length": 32}}
+
+
+def _succeeded(client: Any, job_id: str, live: LiveApi) -> Any:
+    """The job once it has finished; the test fails with its events unless it succeeded."""
+
+    def finished() -> Any:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        return job if job.status in ("succeeded", "failed", "cancelled") else None
+
+    job = wait_for(finished, JOB_TIMEOUT_S, 0.5)
+    if job.status != "succeeded":
+        events = "\n".join(e.message for e in client.fine_tuning.jobs.list_events(job_id, limit=50).data)
+        pytest.fail(f"{job_id} {job.status}: {job.error}\n{events}")
+    return job
+
+
+def _train_losses(client: Any, job_id: str) -> list[tuple[int, float]]:
+    events = client.fine_tuning.jobs.list_events(job_id, limit=100).data
+    return sorted((e.data["step"], e.data["train_loss"]) for e in events if e.type == "metrics")
+
+
+def _create_supervised(client: Any, records: list[dict[str, Any]]) -> Any:
+    """8 records, batch 4, 1 epoch: 2 steps, a checkpoint at the end."""
+    train = client.files.create(file=("train.jsonl", jsonl(records)), purpose="fine-tune")
+    hp = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50.0}
+    return client.fine_tuning.jobs.create(
+        model="tiny", training_file=train.id, suffix="sft", extra_body=EXTENSION,
+        method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+    )  # fmt: skip
+
+
+def _check_supervised(client: Any, job: Any, live: LiveApi) -> Any:
+    done = _succeeded(client, job.id, live)
+    losses = _train_losses(client, job.id)
+    assert [s for s, _ in losses] == [1, 2] and all(math.isfinite(loss) for _, loss in losses)
+    (ckpt,) = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert ckpt.step_number == 2 and ckpt.metrics.train_loss == losses[-1][1]
+    assert done.fine_tuned_model in {m.id for m in client.models.list()}
+    assert done.trained_tokens == 2 * 4 * 32  # steps x rows x seq_length
+    return done
+
+
+def _the_embedded_default(live: LiveApi) -> None:
+    check = SchemaCheck()
+    register_model(live.url, live.key, "tiny", tiny_model(live.data_path.parent / "tiny", real=True))
+    client = sdk(live.url, live.key, check)
+    sft = _create_supervised(client, chat_records(8))
+    prefs = client.files.create(file=("prefs.jsonl", jsonl(preference_records(4))), purpose="fine-tune")
+    hp = {"n_epochs": 1, "batch_size": 2, "beta": 0.1}
+    dpo = client.fine_tuning.jobs.create(
+        model="tiny", training_file=prefs.id, extra_body=EXTENSION,
+        method={"type": "dpo", "dpo": {"hyperparameters": hp}},
+    )  # fmt: skip
+    # The two run side by side (a CPU slot each).
+    _check_supervised(client, sft, live)
+    _succeeded(client, dpo.id, live)
+    # The policy starts as the reference (the adapters' B is zero): -log σ(0) = log 2. The pairs
+    # were read as OpenAI's preference records (input, preferred_output, non_preferred_output).
+    losses = _train_losses(client, dpo.id)
+    assert [s for s, _ in losses] == [1, 2] and losses[0][1] == pytest.approx(math.log(2), abs=1e-4)
+    assert check.violations == []
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_supervised_and_dpo_on_the_embedded_default(live_stack: LiveApi) -> None:
+    _the_embedded_default(live_stack)
+
+
+@contextlib.contextmanager
+def _celery_s3_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, bucket: str
+) -> Iterator[LiveApi]:
+    """API + scheduler with the Celery executor and S3 storage, and one worker: a pool (and
+    queues) of this test's own."""
+    pool = f"celery-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("MEGATRAIN_EXECUTOR", "celery")
+    monkeypatch.setenv("MEGATRAIN_REDIS_URL", redis_url)
+    monkeypatch.setenv("MEGATRAIN_POOL_NAME", pool)
+    monkeypatch.setenv("MEGATRAIN_STORAGE_URL", f"{bucket}/store")
+    stack = contextlib.contextmanager(start_live_api)(tmp_path, monkeypatch, with_scheduler=True)
+    try:
+        with stack as live, celery_worker(live.settings, tmp_path / "worker.log"):
+            yield live
+    finally:
+        import redis
+
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(f"megatrain.{pool}*"):
+            client.delete(key)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_supervised_on_postgres_celery_and_s3(
+    db_url: str, redis_url: str, s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _celery_s3_stack(tmp_path, monkeypatch, redis_url, s3_bucket_url) as live:
+        check = SchemaCheck()
+        register_model(live.url, live.key, "tiny", tiny_model(live.data_path.parent / "tiny", real=True))
+        client = sdk(live.url, live.key, check)
+        done = _check_supervised(client, _create_supervised(client, prompt_completion_records(8)), live)
+        # The upload, its records and the checkpoints are in the bucket.
+        job = client.fine_tuning.jobs.retrieve(done.id).model_extra["megatrain"]["job_id"]
+        import boto3
+
+        bucket = s3_bucket_url.removeprefix("s3://")
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=live.settings.s3_endpoint_url)
+                .list_objects_v2(Bucket=bucket)["Contents"]]  # fmt: skip
+        assert any(k.endswith("records.jsonl") for k in keys)
+        assert any(k.startswith(f"store/jobs/{job}/checkpoints/iter_0000002/") for k in keys)
+        assert check.violations == []
