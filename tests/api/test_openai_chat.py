@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from fixtures.checkpoints import write_bpe_tokenizer
 from fixtures.live import LiveApi, add_checkpoint, start_live_api
+from fixtures.openai_kit import chat_records, jsonl, register_model, wait_for
 
 from megatrain.client import Client
 
@@ -47,19 +48,24 @@ def _tiny_base(folder: Path) -> Path:
     return folder
 
 
-def _spec(name: str, base: Path, data: Path, lr: float) -> dict[str, Any]:
+def _spec(name: str, folder: str, data: Path, lr: float) -> dict[str, Any]:
+    """A LoRA fine-tune of the registered base `tiny` (whose folder is `folder`)."""
     return {
         "name": name,
         "kind": "finetune",
-        "model": {"init_from": f"hf:{base.as_uri()}", "seq_length": 32},
+        "model": {"init_from": "hf:tiny", "seq_length": 32},
         "data": {
-            "tokenizer": {"type": "hf", "path": (base / "tokenizer.json").as_uri()},
+            "tokenizer": {"type": "hf", "path": f"{folder}/tokenizer.json"},
             "train": [{"path": data.as_uri()}],
             "split": "1,0,0",
         },  # fmt: skip
         "training": TRAINING | {"lr": lr},
         "resources": {"devices": 1, "max_runtime_s": 600},
     }
+
+
+def _finished(job: Any) -> Any:
+    return job if job.status in ("succeeded", "failed", "cancelled") else None
 
 
 def _megatrain_generate(checkpoint_uri: str, spec: dict[str, Any], n: int) -> tuple[list[int], str]:
@@ -105,17 +111,30 @@ def live_stack(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) -> None:
     base = _tiny_base(live_stack.data_path.parent / "tiny-llama")
+    folder = register_model(live_stack.url, live_stack.key, "tiny", base)["url"]
+    sdk = openai.OpenAI(base_url=f"{live_stack.url}/openai/v1", api_key=live_stack.key, max_retries=0)
+    # Adapter a: a fine-tuning job of OpenAI's API (LoRA, the operator's default) on the registered base.
+    train = sdk.files.create(file=("train.jsonl", jsonl(chat_records(8))), purpose="fine-tune")
+    hp = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50.0}
+    ft = sdk.fine_tuning.jobs.create(
+        model="tiny", training_file=train.id, suffix="sft", extra_body={"megatrain": {"seq_length": 32}},
+        method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+    )  # fmt: skip
+    # Adapter b: one of our own LoRA jobs on the same base.
     data = live_stack.data_path.parent / "sft.jsonl"
     records = [{"prompt": f"def add(a, b): # {i}", "response": "    return a + b"} for i in range(8)]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    specs = {"a": _spec("sft-a", base, data, 5e-2), "b": _spec("sft-b", base, data, 2e-2)}
     with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
-        jobs = {name: client.submit(spec) for name, spec in specs.items()}
-        for job in jobs.values():
-            _wait_succeeded(client, job.id)
-        checkpoint = {name: client.checkpoints(job.id)[-1].uri for name, job in jobs.items()}
-    models = {name: f"ft:tiny-llama:acme:{name}:{job.id}" for name, job in jobs.items()}
-    sdk = openai.OpenAI(base_url=f"{live_stack.url}/openai/v1", api_key=live_stack.key, max_retries=0)
+        ours = client.submit(_spec("sft-b", folder, data, 2e-2))
+        _wait_succeeded(client, ours.id)
+        done = wait_for(lambda: _finished(sdk.fine_tuning.jobs.retrieve(ft.id)), JOB_TIMEOUT_S, 0.5)
+        assert done.status == "succeeded", done.error
+        jobs = {"a": done.id.removeprefix("ft"), "b": ours.id}
+        specs = {name: client.get_job(job_id).spec for name, job_id in jobs.items()}
+        checkpoint = {name: client.checkpoints(job_id)[-1].uri for name, job_id in jobs.items()}
+    # a: the id OpenAI's API gives (the job id's hex last); b: with our job id, read as loosely.
+    models = {"a": done.fine_tuned_model, "b": f"ft:tiny:acme:b:{ours.id}"}
+    assert models["a"].startswith("ft:tiny:") and models["a"] in {m.id for m in sdk.models.list()}
 
     # Not streamed: greedy equals megatrain's generate on the checkpoint (its adapters merged).
     prompt, want = _megatrain_generate(checkpoint["a"], specs["a"], 8)

@@ -56,7 +56,7 @@ async def completions(request: Request) -> Response:
     return await _answer(request, "/v1/completions", chat=False)
 
 
-def openai_error(
+def _error_response(
     status: int,
     message: str,
     param: str | None = None,
@@ -93,9 +93,9 @@ async def _answer(request: Request, path: str, chat: bool) -> Response:
         raise AssertionError("unreachable")
     except HTTPException as exc:  # authentication
         code = "invalid_api_key" if exc.status_code == 401 else None
-        return openai_error(exc.status_code, str(exc.detail), code=code)
+        return _error_response(exc.status_code, str(exc.detail), code=code)
     except ServeError as exc:
-        return openai_error(exc.status, exc.message, exc.param, exc.code, exc.retry_after)
+        return _error_response(exc.status, exc.message, exc.param, exc.code, exc.retry_after)
 
 
 def _db(settings: Settings, fn: Any, *args: Any) -> Any:

@@ -32,7 +32,17 @@ from sqlalchemy.orm import Session
 from megatrain.api.jobs.service import submit_job
 from megatrain.api.jobs.validation import JOB_ID_PATTERN
 from megatrain.api.registry import find_named
-from megatrain.db.models import QUEUED, RUNNING, SCHEDULED, Checkpoint, Job, JobEvent, RegisteredModel, Tenant
+from megatrain.db.models import (
+    QUEUED,
+    RUNNING,
+    SCHEDULED,
+    Checkpoint,
+    Job,
+    JobEvent,
+    NodePool,
+    RegisteredModel,
+    Tenant,
+)
 from megatrain.settings import Settings
 from megatrain.spec import SpecError
 from megatrain.spec_data import TokenizerSpec
@@ -106,7 +116,7 @@ def resolve_model(session: Session, settings: Settings, tenant: Tenant, model: s
     if (found.kind or "model") != "model":
         raise ServeError(400, f"{model!r} is a registered LoRA adapter folder; serve it by fine-tuning "
                          "from it, or name a fine-tuned job's model", param="model")  # fmt: skip
-    return _from_folder(settings, found, model)
+    return _from_folder(session, settings, found, model)
 
 
 def _from_job(session: Session, tenant: Tenant, model: str, job_id: str, step: int | None) -> Target:
@@ -134,11 +144,11 @@ def _from_job(session: Session, tenant: Tenant, model: str, job_id: str, step: i
     tokenizer = data.get("tokenizer") or {"type": "byte"}
     # Named by the base alone: the LoRA jobs of one base ask for one and the same serve job.
     name = f"serve-{hashlib.sha256(base.encode()).hexdigest()[:12]}"
-    served = serve_spec(name, model_section, tokenizer, training.get("precision", "auto"), pool)
+    served = serve_spec(session, name, model_section, tokenizer, pool)
     return Target(served, checkpoint.uri if lora else None, data.get("chat_template"))
 
 
-def _from_folder(settings: Settings, found: RegisteredModel, model: str) -> Target:
+def _from_folder(session: Session, settings: Settings, found: RegisteredModel, model: str) -> Target:
     """A registered Hugging Face folder: its tokenizer.json, its tokenizer_config.json's template."""
     url = found.url.rstrip("/")
     try:
@@ -158,26 +168,31 @@ def _from_folder(settings: Settings, found: RegisteredModel, model: str) -> Targ
     except (StorageError, ValueError) as exc:
         raise ServeError(400, f"cannot read the folder of {model!r}: {exc}", param="model") from None
     name = re.sub(r"[^A-Za-z0-9._-]", "-", f"serve-{found.name}")[:100]
-    spec = serve_spec(name, {"init_from": f"hf:{url}"}, {"type": "hf", "path": f"{url}/tokenizer.json"},
-                      "auto", "default", template)  # fmt: skip
+    tokenizer = {"type": "hf", "path": f"{url}/tokenizer.json"}
+    spec = serve_spec(session, name, {"init_from": f"hf:{url}"}, tokenizer, "default", template)
     return Target(spec, None, template)
 
 
 def serve_spec(
+    session: Session,
     name: str,
     model: dict[str, Any],
     tokenizer: Any,
-    precision: str,
     pool: str,
     chat_template: str | None = None,
 ) -> dict[str, Any]:
-    """A serve job's spec: one process (its layout planned as any job's), for as long as it is used."""
+    """A serve job's spec: one process (its layout planned as any job's), for as long as it is used.
+
+    Its precision is the pool's, not a fine-tune's (every adapter of a base shares one server):
+    fp32 on CPUs, where a greedy answer is then `megatrain generate`'s token for token (a CPU with
+    native bf16 would otherwise take `auto` to bf16), bf16 on GPUs."""
+    accelerator = session.scalar(select(NodePool.accelerator).where(NodePool.name == pool)) or "cpu"
     return {
         "name": name,
         "kind": SERVE,
         "model": model,
         "data": {"tokenizer": tokenizer, "chat_template": chat_template},
-        "training": {"precision": "bf16" if precision == "fp8" else precision},
+        "training": {"precision": "fp32" if accelerator == "cpu" else "bf16"},
         "parallelism": {"tp": 1, "pp": 1, "dp": 1},
         "resources": {"pool": pool, "devices": 1, "max_runtime_s": MAX_RUNTIME_S},
     }
