@@ -193,8 +193,9 @@ def engine_throughput(
         run(Batcher(model, tokenizer, max_batch=1, eos_id=-1), 1)  # warm
         rows = []
         for n in concurrency:
-            batched_s = run(Batcher(model, tokenizer, max_batch=max(concurrency), eos_id=-1), n)
-            alone_s = run(Batcher(model, tokenizer, max_batch=1, eos_id=-1), n)
+            most = max(concurrency)  # every request may wait (one at a time: all but one do)
+            batched_s = run(Batcher(model, tokenizer, max_batch=most, eos_id=-1, max_waiting=most), n)
+            alone_s = run(Batcher(model, tokenizer, max_batch=1, eos_id=-1, max_waiting=most), n)
             total = n * max_tokens
             rows.append(
                 {"n": n, "batched": total / batched_s, "alone": total / alone_s, "tokens": (total, total)}
