@@ -31,6 +31,7 @@ PHASES = {
     "training": "training",
     "evaluation": "evaluating",
     "checkpoint": "saving a checkpoint",
+    "serving": "serving the model",
 }
 """What a rank can be doing, in the words of a reason ("reading the data failed on rank 0 ...")."""
 

@@ -164,6 +164,13 @@ class Settings(BaseSettings):
     unless its request chooses (`megatrain.training_method`): LoRA adapters, or every weight."""
     max_active_fine_tuning_jobs_per_tenant: int = Field(default=16, ge=1)
     """Unfinished jobs one tenant may have through /openai/v1/fine_tuning/jobs; past it, a 429."""
+    serve_idle_timeout_s: float = Field(default=600.0, gt=0)
+    """A serve job (the model server behind /openai/v1/chat/completions) ends after this long without
+    a request; the next request starts another."""
+    serve_start_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a chat request waits for its model's serve job to listen before a 503 (Retry-After)."""
+    serve_max_batch: int = Field(default=16, ge=1, le=4096)
+    """Sequences one model server decodes together (continuous batching: more wait for a free row)."""
 
     @field_validator("home", mode="before")
     @classmethod

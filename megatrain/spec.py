@@ -367,7 +367,7 @@ class TrainingSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field(..., pattern=NAME_PATTERN)
-    kind: Literal["pretrain", "finetune", "dpo"] = "pretrain"
+    kind: Literal["pretrain", "finetune", "dpo", "serve"] = "pretrain"
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
@@ -377,8 +377,11 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:
         out: list[Problem] = []
-        if self.kind in ("finetune", "dpo") and not self.model.init_from:
+        if self.kind in ("finetune", "dpo", "serve") and not self.model.init_from:
             out.append(_rule("model.init_from", f"model.init_from is required when kind is '{self.kind}'"))
+        if (self.kind == "serve") == bool(self.data.train):  # a model server reads no data
+            why = "kind serve reads no data: leave data.train empty" if self.data.train else ""
+            out.append(_rule("data.train", why or "data.train needs at least 1 item (a path or a dataset)"))
         lora = self.training.lora
         if lora is not None and self.training.method != "full" and "targets" in lora.model_fields_set:
             absent = absent_targets(lora.targets, self.model.moe, self.model.num_layers)

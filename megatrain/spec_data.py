@@ -85,7 +85,7 @@ class DataSource(_Strict):
 
 class DataSpec(_Strict):
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
-    train: list[DataSource] = Field(..., min_length=1, max_length=64)
+    train: list[DataSource] = Field(default_factory=list, max_length=64)
     text_key: str = Field("text", min_length=1, max_length=128)
     """The JSONL field holding a pretraining document's text."""
     split: str = "98,2,0"

@@ -60,7 +60,8 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "kind": "pretrain: next-token loss on every token. finetune: loss on responses / assistant turns "
     "only, starting from model.init_from (required). dpo: preference training on {prompt | messages, "
     "chosen, rejected} records (training.dpo), from model.init_from (required), which is also the "
-    "reference.",
+    "reference. serve: the model server behind /openai/v1/chat/completions (the API submits it): "
+    "holds model.init_from, answers with it and the LoRA adapters trained on it; reads no data.",
     "model": "The network: its architecture and shape, and the weights it starts from.",
     "data": "What the job trains on, and how text becomes tokens.",
     "training": "Steps, batch sizes, optimizer, precision, checkpoints, logging and evaluation.",
@@ -68,7 +69,7 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "resources": "Where the job runs, on how many processes, for how long, how urgently.",
     "data.tokenizer": "An object as below, or the shorthand string byte, hf:URL, tiktoken:NAME or "
     "sentencepiece:URL.",
-    "data.train": "One or more sources, sampled in proportion to their weights.",
+    "data.train": "One or more sources, sampled in proportion to their weights (none for kind serve).",
     "model.num_layers": "Transformer layers.",
     "model.hidden_size": "Width of the residual stream; divisible by num_attention_heads.",
     "model.num_attention_heads": "Query heads; head size is hidden_size / num_attention_heads.",
@@ -300,6 +301,9 @@ RULES: tuple[Rule, ...] = (
          "hf:URL (file:///abs/path or s3://bucket/prefix)", {"model.init_from": "gpt2"}),
     Rule("model.init_from", "kind finetune needs model.init_from", {"kind": "finetune"}),
     Rule("model.init_from", "kind dpo needs model.init_from", {"kind": "dpo"}),
+    Rule("model.init_from", "kind serve needs model.init_from", {"kind": "serve", "data.train": []}),
+    Rule("data.train", "at least one data source (kind serve: none)", {"data.train": []}),
+    Rule("data.train", "kind serve reads no data", {"kind": "serve", "model.init_from": "hf:/m"}),
     Rule("data.tokenizer.path", "tokenizer type hf or sentencepiece needs a path",
          {"data.tokenizer": {"type": "hf"}}),
     Rule("data.tokenizer.name", "tokenizer type tiktoken needs a name",

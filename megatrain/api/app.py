@@ -34,6 +34,7 @@ from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMid
 from megatrain.api.models.router import router as models_router
 from megatrain.api.openai import PREFIX as OPENAI_PREFIX
 from megatrain.api.openai import router as openai_router
+from megatrain.api.openai.chat import router as openai_chat_router
 from megatrain.api.openai.errors import OpenAIErrorMiddleware
 from megatrain.api.plan.router import router as plan_router
 from megatrain.api.pools.router import router as pools_router
@@ -134,7 +135,8 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app.add_exception_handler(TooManyStreams, _too_many_streams)
     routers = (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router)
     extra = (pools_router, datasets_router, models_router, exports_router, samples_router, plan_router)
-    for router in (*routers, *extra, openai_router):
+    # The chat routes before openai_router, whose catch-all answers any other /openai/v1 path.
+    for router in (*routers, *extra, openai_chat_router, openai_router):
         app.include_router(router)
     app.openapi = lambda: _openapi_with_spec(app)  # type: ignore[method-assign]
     install_docs(app)

@@ -342,6 +342,23 @@ def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 
     threading.Thread(target=loop, daemon=True, name="progress").start()
 
 
+def _serve(spec: JobSpec, out: Path, activity: Activity) -> int:
+    """A serve job's process (engine.serving.job): its failures recorded as a run's are."""
+    from megatrain.engine.serving.job import serve_job
+
+    try:
+        ended = serve_job(spec, out, activity=activity)
+        return EXIT_PREEMPTED if ended == "preempted" else 0  # (a preempted job is queued again)
+    except Terminated:  # uvicorn hands a cancel's SIGTERM back once it has stopped
+        sys.stdout.flush()
+        os._exit(EXIT_SIGTERM)
+    except Exception as exc:
+        traceback.print_exc()
+        record = record_failure(out, 0, exc, activity)
+        print(f"serve: {summary_line(record)}", file=sys.stderr, flush=True)
+        return _EXIT_CODES.get(record["kind"], EXIT_FAILURE)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -407,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(out, int(os.environ.get("RANK", "0")), exc, activity)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if spec.kind == "serve":  # the model server, not a training run
+        return _serve(spec, out, activity)
     ctx = Dist(rank=int(os.environ.get("RANK", "0")))
     try:
         ctx = init_distributed()

@@ -145,11 +145,14 @@ EVENT_DATA_KEYS = (
     "size_bytes",
     "steps",
     "reason",
+    "url",
+    "startup_s",
 )
 
 
 def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], attempt: int) -> None:
-    """started → job_event (+ resumed, num_params); checkpoint_saved → checkpoint row + job_event;
+    """started → job_event (+ resumed, num_params); serving (a serve job listens) → job_event with
+    its url; checkpoint_saved → checkpoint row + job_event;
     checkpoints_deleted (retention) → those rows removed + job_event; checkpoint_corrupt → job_event.
 
     Rows are applied in file order, so a re-read that saves and then deletes a step ends deleted."""
@@ -188,6 +191,9 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
             record_event(
                 session, job_id, "checkpoint_corrupt", f"checkpoint at step {step} skipped: {why}", data
             )
+        elif kind == "serving" and isinstance(row.get("url"), str):
+            # A serve job's model server listens: the API proxies its model's requests there.
+            record_event(session, job_id, "serving", f"serving at {row['url']}", data)
         elif kind == "finished":
             record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
 

@@ -118,6 +118,8 @@ def _plan(
     auto (a number written is planned with, and kept)."""
     if findings.errors:  # a spec the rules refuse is judged as written: no plan to hide its errors
         return spec, None
+    if spec.kind == "serve":  # a model server: one process, no training step to plan
+        return spec, None
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
         return spec, None
     row = session.scalar(select(NodePool).where(NodePool.name == spec.resources.pool))
@@ -195,8 +197,8 @@ def _fit(
     problem = fit_problem(layout, slots, pool, multi_node=multi_node)
     if problem:
         findings.add([_problem("resources.pool" if not slots else "resources.devices", problem)])
-    if findings.has_error(*MEMORY_INPUTS):
-        return
+    if findings.has_error(*MEMORY_INPUTS) or spec.kind == "serve":
+        return  # (a model server holds no gradients nor optimizer state: training's estimate overshoots)
     # A job whose per-device memory (the engine's analytical estimate, worst pipeline stage, in the
     # precision the pool's devices run) exceeds every device of its pool would fail allocating on
     # every attempt.

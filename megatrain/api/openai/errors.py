@@ -47,9 +47,18 @@ def _error_type(status: int) -> str:
 def openai_body(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
     """(status, OpenAI error object) for one of our error answers (its JSON `detail`, or its text)."""
     try:
-        detail: Any = json.loads(body).get("detail")
+        data: Any = json.loads(body)
+        detail: Any = data.get("detail")
     except (ValueError, AttributeError):
-        detail = body.decode("utf-8", "replace").strip() or None
+        data, detail = None, body.decode("utf-8", "replace").strip() or None
+    shaped = data.get("error") if isinstance(data, dict) else None
+    if isinstance(shaped, dict) and isinstance(shaped.get("message"), str):
+        # Already OpenAI's (the chat routes', a model server's answer passed on): kept as it is.
+        keys = ("message", "type", "param", "code")
+        return status, {
+            "error": {"type": _error_type(status), "param": None, "code": None}
+            | {k: shaped[k] for k in keys if k in shaped}
+        }
     param = code = None
     if isinstance(detail, dict):
         message, param, code = str(detail.get("message", "")), detail.get("param"), detail.get("code")
