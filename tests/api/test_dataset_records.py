@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from api_handle import Api
 
-from megatrain.api.datasets.records import RecordProblem, engine_record
+from megatrain.api.datasets.records import engine_record
 from megatrain.storage import open_store, split_url
 
 SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -195,8 +195,8 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
 
 
 def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 30 steps of 0.1 s: the pause (asked at step 3) lands well before the end.
-    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.1")  # (read by the runners this process spawns)
+    # 30 steps of 0.25 s: the pause (asked at step 3) lands well before the end, on a loaded host too.
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.25")  # (read by the runners this process spawns)
     register_model(stack.url, stack.key, "tiny", tiny_model(stack.data_path.parent / "tiny"))
     client = sdk(stack.url, stack.key, check)
     train = _upload(client, prompt_completion_records(30))
@@ -215,7 +215,8 @@ def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch
     wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).model_extra["megatrain"]["status"] == "queued")
     held = client.fine_tuning.jobs.retrieve(job.id)
     assert held.status == "queued" and "paused" in held.model_extra["megatrain"]["status_reason"]
-    saved = client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number
+    # The runner's checkpoint reaches the database when the scheduler ingests it, maybe just after.
+    saved = wait_for(lambda: client.fine_tuning.jobs.checkpoints.list(job.id).data)[0].step_number
     assert 3 <= saved < 30
     client.fine_tuning.jobs.resume(job.id)
     with pytest.raises(openai.ConflictError):
