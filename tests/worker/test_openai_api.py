@@ -234,6 +234,8 @@ def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch
     # Cancel: a queued (paused) job is cancelled at once; a finished one is a 409.
     other = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, hyperparameters=hp)
     client.fine_tuning.jobs.pause(other.id)
+    # (the scheduler may have started it already: then the pause checkpoints and stops it first)
+    wait_for(lambda: client.fine_tuning.jobs.retrieve(other.id).model_extra["megatrain"]["status"] == "queued")
     assert client.fine_tuning.jobs.cancel(other.id).status == "cancelled"
     with pytest.raises(openai.ConflictError):
         client.fine_tuning.jobs.cancel(other.id)
