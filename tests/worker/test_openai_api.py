@@ -235,7 +235,8 @@ def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch
     other = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, hyperparameters=hp)
     client.fine_tuning.jobs.pause(other.id)
     # (the scheduler may have started it already: then the pause checkpoints and stops it first)
-    wait_for(lambda: client.fine_tuning.jobs.retrieve(other.id).model_extra["megatrain"]["status"] == "queued")
+    held_other = lambda: client.fine_tuning.jobs.retrieve(other.id).model_extra["megatrain"]["status"]  # noqa: E731
+    wait_for(lambda: held_other() == "queued")
     assert client.fine_tuning.jobs.cancel(other.id).status == "cancelled"
     with pytest.raises(openai.ConflictError):
         client.fine_tuning.jobs.cancel(other.id)
