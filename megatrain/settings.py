@@ -26,6 +26,11 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+SERVE_TOKEN_ENV = "MEGATRAIN_SERVE_TOKEN"
+"""Where a serve job's engine process finds its attempt's bearer token (db.models.Job.serve_token),
+put there by its runner; not an operator's setting."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEGATRAIN_", extra="ignore")
 

@@ -122,6 +122,7 @@ def transition(
         values["node_id"] = None
         values["devices"] = None
         values["preempt_for"] = None  # a preemption request ends with the attempt it was for
+        values["serve_token"] = None  # and a model server's token with the server
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status == row.status)

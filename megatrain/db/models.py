@@ -199,6 +199,10 @@ class Job(Base):
     """Ids of nodes an attempt of this job was lost on: placement prefers any other node with room."""
     runner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     runner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    serve_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """A serve job's current attempt: the bearer token its model server asks of every request (set
+    by the runner that claims the attempt, handed to the server in its environment, sent by the
+    API that forwards to it; never in a response, an event or the spec)."""
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     current_step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int] = mapped_column(Integer, default=0)

@@ -47,6 +47,8 @@ class Attempt:
     max_preemptions: int = 10
     continuations: int = 0
     """Earlier attempts that ended at an allocation's time limit and continued (not failures)."""
+    serve_token: str | None = None
+    """A serve job's bearer token for this attempt (db.models.Job.serve_token)."""
 
 
 def end_failed_attempt(

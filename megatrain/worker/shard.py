@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import socket
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
-from megatrain.settings import Settings, get_settings
+from megatrain.settings import SERVE_TOKEN_ENV, Settings, get_settings
 from megatrain.worker.attempt import Attempt, end_failed_attempt
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
@@ -103,6 +104,8 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             total_steps = job.total_steps
         now = utcnow()
         queued_s, prev_step = _queued_s(s, job, now), job.current_step or 0
+        # A fresh token per attempt: a model server of an earlier attempt answers no one.
+        serve_token = secrets.token_urlsafe(32) if job.kind == "serve" else None
         ok = transition(
             s,
             job_id,
@@ -115,6 +118,7 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             started_at=now,
             heartbeat_at=now,
             total_steps=total_steps,
+            serve_token=serve_token,
         )
         if not ok:
             return None
@@ -137,6 +141,7 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             preemptions=job.preemptions,
             max_preemptions=job.max_preemptions,
             continuations=job.continuations,
+            serve_token=serve_token,
         )
         if gang:
             from megatrain.worker.gang import lead
@@ -352,8 +357,11 @@ class _Runner:
 
 
 def runner_env_for(att: Attempt, job_id: str) -> dict[str, str]:
-    """The engine's environment: this process's, plus the devices the attempt was placed on."""
+    """The engine's environment: this process's, plus the devices the attempt was placed on (and a
+    serve job's token)."""
     env = os.environ | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
+    if att.serve_token is not None:
+        env[SERVE_TOKEN_ENV] = att.serve_token
     return env | device_env(att.devices, att.accelerator, os.environ)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fixtures.checkpoints import write_bpe_tokenizer
 from fixtures.live import LiveApi, add_checkpoint, start_live_api
-from fixtures.openai_kit import chat_records, jsonl, register_model, wait_for
+from fixtures.openai_kit import chat_records, jsonl, megatrain_generate, register_model, wait_for
 
 from megatrain.client import Client
 
@@ -66,23 +66,6 @@ def _spec(name: str, folder: str, data: Path, lr: float) -> dict[str, Any]:
 
 def _finished(job: Any) -> Any:
     return job if job.status in ("succeeded", "failed", "cancelled") else None
-
-
-def _megatrain_generate(checkpoint_uri: str, spec: dict[str, Any], n: int) -> tuple[list[int], str]:
-    """What `megatrain generate` answers CHAT with on that checkpoint: (prompt ids, the text)."""
-    from megatrain.engine.checkpoint import load_checkpoint
-    from megatrain.engine.data import build_tokenizer
-    from megatrain.engine.data.chat_templates import load_chat_template
-    from megatrain.engine.generate import generate
-    from megatrain.engine.serving import encode_chat_prompt
-    from megatrain.spec import parse_spec
-
-    model, _ = load_checkpoint(checkpoint_uri)
-    tokenizer = build_tokenizer(parse_spec(spec).data.tokenizer)
-    prompt = encode_chat_prompt(CHAT, load_chat_template(spec["data"].get("chat_template")), tokenizer)
-    limit = min(model.config.real_vocab_size, tokenizer.vocab_size)
-    new = generate(model, prompt, n, eos_id=tokenizer.eod, vocab_limit=limit)
-    return prompt, tokenizer.decode([t for t in new if t != tokenizer.eod])
 
 
 def _wait_succeeded(client: Client, job_id: str) -> None:
@@ -137,7 +120,7 @@ def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) ->
     assert models["a"].startswith("ft:tiny:") and models["a"] in {m.id for m in sdk.models.list()}
 
     # Not streamed: greedy equals megatrain's generate on the checkpoint (its adapters merged).
-    prompt, want = _megatrain_generate(checkpoint["a"], specs["a"], 8)
+    prompt, want = megatrain_generate(checkpoint["a"], specs["a"], CHAT, 8)
     answer = sdk.chat.completions.create(model=models["a"], messages=CHAT, temperature=0, max_tokens=8)
     assert answer.object == "chat.completion" and answer.model == models["a"]
     assert answer.choices[0].message.content == want and answer.choices[0].finish_reason in ("stop", "length")
@@ -172,7 +155,7 @@ def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) ->
     servers = {r.headers["x-megatrain-server"] for r in raw.values()}
     serve_jobs = {r.headers["x-megatrain-serve-job"] for r in raw.values()}
     assert len(servers) == 1 and len(serve_jobs) == 1
-    _, want_b = _megatrain_generate(checkpoint["b"], specs["b"], 16)
+    _, want_b = megatrain_generate(checkpoint["b"], specs["b"], CHAT, 16)
     assert raw["b"].parse().choices[0].message.content == want_b
     with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
         assert [j.id for j in client.list_jobs() if j.kind == "serve"] == list(serve_jobs)

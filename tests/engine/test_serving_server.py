@@ -1,6 +1,7 @@
 """The model server's HTTP side (megatrain/engine/serving/server.py) through the `openai` package
 (its own client over the ASGI app): n choices with seeds, stop strings, log-probabilities, streams
-ending with a usage chunk, the legacy completions, and errors as the SDK's exception classes."""
+ending with a usage chunk, the legacy completions, errors as the SDK's exception classes, and the
+server's bearer token asked of every request."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from megatrain.engine.serving.server import ModelServer, create_app
 openai = pytest.importorskip("openai")
 BYTES = ByteTokenizer()
 CHAT = [{"role": "user", "content": "hi"}]
+TOKEN = "serve-token"
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,9 @@ def sdk() -> Iterator[tuple[Any, Batcher]]:
     torch.manual_seed(0)
     cfg = TransformerConfig.preset("tiny-llama", init_method_std=0.3, vocab_size=384, seq_length=48)
     batcher = Batcher(GPTModel(cfg).eval(), BYTES, max_batch=4).start()
-    app = create_app(ModelServer(batcher, load_chat_template(None), "tiny"))
+    app = create_app(ModelServer(batcher, load_chat_template(None), "tiny"), token=TOKEN)
     with TestClient(app) as http:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http), batcher
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key=TOKEN, http_client=http), batcher
     batcher.stop()
 
 
@@ -90,3 +92,14 @@ def test_errors_are_the_sdks_exceptions(sdk: tuple[Any, Batcher]) -> None:
         client.completions.create(model="m", prompt="x" * 60)
     with pytest.raises(openai.BadRequestError, match="adapters"):
         client.chat.completions.create(model="m", messages=CHAT, extra_body={"adapter": "file:///nowhere"})
+
+
+def test_every_request_needs_the_servers_token(sdk: tuple[Any, Batcher]) -> None:
+    client, _ = sdk
+    for key in ("wrong", TOKEN + "x"):
+        with pytest.raises(openai.AuthenticationError, match="control plane"):
+            client.with_options(api_key=key).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    http = client._client  # the TestClient: /health names the adapters, so it asks for the token too
+    assert http.get("http://testserver/health").status_code == 401
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert http.get("http://testserver/health", headers=auth).json()["status"] == "ok"

@@ -3,12 +3,14 @@ Llama registered as the base, fine-tuning files uploaded through /openai/v1/file
 polled to success with the real engine on CPU, their metrics events and checkpoints read back and
 the fine-tuned models listed. On the embedded default (SQLite, the local executor): a supervised
 LoRA job on a chat file and a dpo job on a preference file; on PostgreSQL + Celery (Redis) + S3
-(moto): a supervised job on a prompt/completion file. A few steps each: the API's own behaviour is
+(moto): a supervised job on a prompt/completion file, whose model then answers chats from a model
+server the Celery worker runs. A few steps each: the API's own behaviour is
 test_openai_api.py's (fake engine)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import uuid
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from fixtures.openai_kit import (
     SchemaCheck,
     chat_records,
     jsonl,
+    megatrain_generate,
     preference_records,
     prompt_completion_records,
     register_model,
@@ -114,6 +117,7 @@ def _celery_s3_stack(
     monkeypatch.setenv("MEGATRAIN_REDIS_URL", redis_url)
     monkeypatch.setenv("MEGATRAIN_POOL_NAME", pool)
     monkeypatch.setenv("MEGATRAIN_STORAGE_URL", f"{bucket}/store")
+    monkeypatch.setenv("MEGATRAIN_NODE_ADDRESS", "127.0.0.1")  # where its model servers are reached
     stack = contextlib.contextmanager(start_live_api)(tmp_path, monkeypatch, with_scheduler=True)
     try:
         with stack as live, celery_worker(live.settings, tmp_path / "worker.log"):
@@ -146,4 +150,37 @@ def test_supervised_on_postgres_celery_and_s3(
                 .list_objects_v2(Bucket=bucket)["Contents"]]  # fmt: skip
         assert any(k.endswith("records.jsonl") for k in keys)
         assert any(k.startswith(f"store/jobs/{job}/checkpoints/iter_0000002/") for k in keys)
+        _chat_on_the_celery_node(live, client, done, job)
         assert check.violations == []
+
+
+def _chat_on_the_celery_node(live: LiveApi, client: Any, done: Any, job_id: str) -> None:
+    """The fine-tuned model answers through a serve job the Celery worker runs: its model server
+    listens on the node's published address and answers only requests with its token; greedy
+    equals megatrain's generate on the checkpoint in the bucket."""
+    import httpx
+
+    from megatrain.client import Client
+
+    chat = [{"role": "user", "content": "def add(a, b): # 1"}]
+    with Client(api_url=live.url, api_key=live.key) as ours:
+        spec, uri = ours.get_job(job_id).spec, ours.checkpoints(job_id)[-1].uri
+    prompt, want = megatrain_generate(uri, spec, chat, 6)
+    raw = client.chat.completions.with_raw_response.create(
+        model=done.fine_tuned_model, messages=chat, temperature=0, max_tokens=6
+    )
+    answer = raw.parse()
+    assert answer.choices[0].message.content == want and answer.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(
+        model=done.fine_tuned_model, messages=chat, temperature=0, max_tokens=6, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    serve_id = raw.headers["x-megatrain-serve-job"]
+    with Client(api_url=live.url, api_key=live.key) as ours:
+        (serving,) = [e["data"] for e in ours.events(serve_id) if e["kind"] == "serving"]
+        assert serving["url"].startswith("http://127.0.0.1:")  # MEGATRAIN_NODE_ADDRESS
+        assert "token" not in json.dumps(serving)
+        body = {"model": "m", "messages": chat, "max_tokens": 1}
+        assert httpx.post(f"{serving['url']}/v1/chat/completions", json=body).status_code == 401
+        ours.cancel(serve_id)
+        assert ours.wait(serve_id, timeout_s=60, poll_interval_s=0.2).status == "cancelled"

@@ -1,5 +1,5 @@
 """A serve job under the shard runner with the real engine: the model server starts on a free port,
-publishes its address as a `serving` job event, answers (greedy: generate()'s tokens), and ends
+publishes its address as a `serving` job event, answers (greedy: generate()'s tokens) the requests that carry its attempt's token, and ends
 cleanly: by itself once idle (succeeded), or on cancel (cancelled)."""
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ def _status(settings: Settings, job_id: str) -> tuple[str, str]:
         return job.status, f"{job.status_reason}\n--- log ---\n{log}"
 
 
+def _auth(settings: Settings, job_id: str) -> dict[str, str]:
+    """The header the running attempt's server asks for (the token its runner set on the job)."""
+    with session_scope(settings.resolved_database_url) as s:
+        return {"authorization": f"Bearer {s.get(Job, job_id).serve_token}"}
+
+
 def _start(settings: Settings, make_job: Callable[..., str]) -> tuple[str, threading.Thread, str, Any]:
     model = _base_checkpoint(settings)
     job_id = _serve_job(settings, make_job)
@@ -97,7 +103,10 @@ def test_a_serve_job_answers_then_ends_when_idle(
 
     job_id, runner, url, model = _start(settings, make_job)
     body = {"model": "base", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 401  # no token
+    answer = httpx.post(
+        f"{url}/v1/completions", json=body, headers=_auth(settings, job_id), timeout=30
+    ).json()
     choice = answer["choices"][0]
     want = generate(model, PROMPT, 8, eos_id=256, vocab_limit=257)
     assert answer["usage"] == {
@@ -109,6 +118,8 @@ def test_a_serve_job_answers_then_ends_when_idle(
     runner.join(timeout=60)  # idle for 2 s: the server stops by itself
     status, why = _status(settings, job_id)
     assert not runner.is_alive() and status == SUCCEEDED, why
+    with session_scope(settings.resolved_database_url) as s:  # the token ended with its server
+        assert s.get(Job, job_id).serve_token is None
     # The batching thread ticked the hang watch's progress file while it served.
     (progress,) = read_progress(settings.runs_dir / job_id / "attempt-1")
     assert progress.phase == "serving" and progress.step >= 1
@@ -118,7 +129,7 @@ def test_a_cancelled_serve_job_stops_cleanly(
     real_engine: None, settings: Settings, make_job: Callable[..., str]
 ) -> None:
     job_id, runner, url, _ = _start(settings, make_job)
-    assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+    assert httpx.get(f"{url}/health", headers=_auth(settings, job_id), timeout=10).json()["status"] == "ok"
     with session_scope(settings.resolved_database_url) as s:
         s.get(Job, job_id).cancel_requested = True
     runner.join(timeout=60)

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from megatrain.api.deps import bearer_key, tenant_of
 from megatrain.api.openai.serve_jobs import (
     ServeError,
+    Serving,
     Target,
     find_or_submit,
     resolve_model,
@@ -83,9 +84,9 @@ async def _answer(request: Request, path: str, chat: bool) -> Response:
         if chat:
             payload["chat_template"] = target.chat_template
         for tries_left in (1, 0):
-            job_id, url = await _address(settings, tenant, target)
+            job_id, at = await _address(settings, tenant, target)
             try:
-                return await _forward(f"{url}{path}", payload, bool(body.get("stream")), job_id)
+                return await _forward(at, path, payload, bool(body.get("stream")), job_id)
             except httpx.TransportError:
                 if not tries_left:  # the server went away (idle) just as we came: once more
                     raise ServeError(503, "the model server went away; retry", retry_after=1) from None
@@ -129,16 +130,18 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _address(settings: Settings, tenant: Tenant, target: Target) -> tuple[str, str]:
-    """(serve job id, its url) once its model server listens; ServeError 503 past the timeout."""
+async def _address(settings: Settings, tenant: Tenant, target: Target) -> tuple[str, Serving]:
+    """(serve job id, where it stands) once its model server listens; ServeError 503 past the
+    timeout."""
     deadline = time.monotonic() + settings.serve_start_timeout_s
     job_id = None
     while True:
         if job_id is None:
             job_id = await run_in_threadpool(_db, settings, _serve_job_id, settings, tenant, target)
-        status, reason, url = await run_in_threadpool(_db, settings, serving_address, job_id)
-        if url is not None:
-            return job_id, url
+        at = await run_in_threadpool(_db, settings, serving_address, job_id)
+        status, reason = at.status, at.reason
+        if at.url is not None:
+            return job_id, at
         if status == FAILED:
             raise ServeError(500, f"the model server (job {job_id}) failed: {reason}", code="server_failed")
         if status not in (QUEUED, SCHEDULED, RUNNING):  # ended (idle, cancelled): start another
@@ -153,11 +156,13 @@ async def _address(settings: Settings, tenant: Tenant, target: Target) -> tuple[
         await asyncio.sleep(POLL_S)
 
 
-async def _forward(url: str, payload: dict[str, Any], stream: bool, job_id: str) -> Response:
+async def _forward(at: Serving, path: str, payload: dict[str, Any], stream: bool, job_id: str) -> Response:
     """POST `payload` to the model server; its answer (streamed through when it streams)."""
     client = httpx.AsyncClient(timeout=HTTP_TIMEOUT)
+    auth = {"authorization": f"Bearer {at.token}"} if at.token else {}
     try:
-        upstream = await client.send(client.build_request("POST", url, json=payload), stream=True)
+        request = client.build_request("POST", f"{at.url}{path}", json=payload, headers=auth)
+        upstream = await client.send(request, stream=True)
     except BaseException:
         await client.aclose()
         raise

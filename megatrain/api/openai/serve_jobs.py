@@ -24,7 +24,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -238,13 +238,22 @@ def _tokenizer_key(tokenizer: Any) -> Any:
         return tokenizer
 
 
-def serving_address(session: Session, job_id: str) -> tuple[str, str, str | None]:
-    """(status, reason, url): the url once the job's current attempt listens, else None."""
+class Serving(NamedTuple):
+    status: str
+    reason: str
+    url: str | None
+    """The model server's address once the job's current attempt listens, else None."""
+    token: str | None
+    """The bearer token it asks of every request (db.models.Job.serve_token)."""
+
+
+def serving_address(session: Session, job_id: str) -> Serving:
+    """Where the serve job stands, and its server's address and token once it listens."""
     job = session.get(Job, job_id)
     if job is None:
-        return "missing", "the serve job is gone", None
+        return Serving("missing", "the serve job is gone", None, None)
     if job.status != RUNNING:
-        return job.status, job.status_reason, None
+        return Serving(job.status, job.status_reason, None, None)
     events = session.scalars(
         select(JobEvent.data)
         .where(JobEvent.job_id == job_id, JobEvent.kind == "serving")
@@ -252,5 +261,5 @@ def serving_address(session: Session, job_id: str) -> tuple[str, str, str | None
     )
     for data in events:
         if data.get("attempt") == job.attempt and isinstance(data.get("url"), str):
-            return job.status, job.status_reason, data["url"]
-    return job.status, job.status_reason, None
+            return Serving(job.status, job.status_reason, data["url"], job.serve_token)
+    return Serving(job.status, job.status_reason, None, None)

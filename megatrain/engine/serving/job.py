@@ -4,7 +4,10 @@ The engine's entry point (`python -m megatrain.engine.train --spec ... --out DIR
 a spec of kind serve, so the worker starts a serve job as it starts any job. The process loads the
 base (serving.loader), starts the batching thread and uvicorn on a port the OS picks, and writes
 to DIR/events.jsonl what the runner forwards to the job's events: `started`, then `serving` with
-{"url": "http://HOST:PORT"} once it listens (the API reads the address there). The batching thread
+{"url": "http://HOST:PORT"} once it listens (the API reads the address there). Every request must
+carry the attempt's token (`Authorization: Bearer`, from the runner through MEGATRAIN_SERVE_TOKEN;
+the API reads it from the job's row): a node's other users cannot ask the server for a tenant's
+adapters. The batching thread
 ticks DIR/progress.rank0 every second (the runner's hang watch sees a live server, not a stalled
 step), and the process ends by itself, exit 0, once no request came for settings.serve_idle_timeout_s;
 a cancel's SIGTERM stops uvicorn, which finishes the answers in flight first.
@@ -13,6 +16,7 @@ a cancel's SIGTERM stops uvicorn, which finishes the answers in flight first.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -27,7 +31,7 @@ from megatrain.engine.serving.server import ModelServer, create_app
 from megatrain.engine.sink import RunLog
 from megatrain.failures import Activity
 from megatrain.progress_files import write_progress
-from megatrain.settings import Settings, get_settings
+from megatrain.settings import SERVE_TOKEN_ENV, Settings, get_settings
 from megatrain.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -36,10 +40,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def bind_address(settings: Settings) -> tuple[str, str]:
+def bind_address(settings: Settings, token: str | None) -> tuple[str, str]:
     """(address to bind, host to publish): loopback for the local executor (the API runs on the
-    same machine), else every interface, published as the node's address."""
-    if settings.executor == "local":
+    same machine) and for a server without a token (started by hand), else every interface,
+    published as the node's address."""
+    if settings.executor == "local" or token is None:
         return "127.0.0.1", "127.0.0.1"
     return "0.0.0.0", settings.node_address or socket.gethostname()
 
@@ -59,12 +64,14 @@ def serve_job(
     activity.phase = "init"  # a missing or malformed base is the job's own input
     server = _load(spec, out_dir, settings, run_log)
     activity.phase = "serving"
-    host, public = bind_address(settings)
+    token = os.environ.get(SERVE_TOKEN_ENV) or None
+    host, public = bind_address(settings, token)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     url = f"http://{public}:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=10))
+    config = uvicorn.Config(create_app(server, token), log_level="warning", timeout_graceful_shutdown=10)
+    uv = uvicorn.Server(config)
     ended = {"why": "stopped"}
 
     def on_preempt(signum: int, frame: object) -> None:  # answers in flight finish first

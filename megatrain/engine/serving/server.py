@@ -14,6 +14,7 @@ test can tell that one process served several requests.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import socket
@@ -291,8 +292,28 @@ def _streaming(server: ModelServer, body: AsyncIterator[bytes]) -> StreamingResp
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
-def create_app(server: ModelServer) -> Starlette:
-    """The server's routes over `server` (its batcher must be running)."""
+class BearerAuth:
+    """ASGI middleware: a request without `Authorization: Bearer TOKEN` is answered 401 (OpenAI's
+    error shape) before any route sees it."""
+
+    def __init__(self, app: Any, token: str):
+        self.app, self.expected = app, f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(
+                    401, "this model server answers its control plane alone", code="invalid_api_key"
+                )
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(server: ModelServer, token: str | None = None) -> Starlette:
+    """The server's routes over `server` (its batcher must be running); with a token, only requests
+    that carry it (BearerAuth)."""
 
     def route(handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -325,4 +346,7 @@ def create_app(server: ModelServer) -> Starlette:
         Route("/v1/chat/completions", route(_chat), methods=["POST"]),
         Route("/v1/completions", route(_completion), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token)
+    return app
