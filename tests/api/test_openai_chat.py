@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 from fixtures.checkpoints import write_bpe_tokenizer
 from fixtures.live import LiveApi, add_checkpoint, start_live_api
-from fixtures.openai_kit import chat_records, jsonl, megatrain_generate, register_model, wait_for
+from fixtures.openai_kit import (
+    SchemaCheck,
+    chat_records,
+    jsonl,
+    megatrain_generate,
+    register_model,
+    wait_for,
+)
+from fixtures.openai_kit import sdk as checked_sdk
 
 from megatrain.client import Client
 
@@ -95,7 +103,8 @@ def live_stack(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) -> None:
     base = _tiny_base(live_stack.data_path.parent / "tiny-llama")
     folder = register_model(live_stack.url, live_stack.key, "tiny", base)["url"]
-    sdk = openai.OpenAI(base_url=f"{live_stack.url}/openai/v1", api_key=live_stack.key, max_retries=0)
+    check = SchemaCheck()  # every answer and stream chunk against OpenAI's published document
+    sdk = checked_sdk(live_stack.url, live_stack.key, check)
     # Adapter a: a fine-tuning job of OpenAI's API (LoRA, the operator's default) on the registered base.
     train = sdk.files.create(file=("train.jsonl", jsonl(chat_records(8))), purpose="fine-tune")
     hp = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50.0}
@@ -163,6 +172,9 @@ def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) ->
     # The legacy completions endpoint on the same server.
     text = sdk.completions.create(model=models["b"], prompt="def add", max_tokens=4, temperature=0)
     assert text.object == "text_completion" and text.usage is not None and text.usage.completion_tokens <= 4
+    assert list(sdk.completions.create(model=models["b"], prompt="def add", max_tokens=4, stream=True))
+    assert check.violations == [], "\n".join(check.violations)
+    assert check.checked["document"] >= 10  # answers, stream chunks, pages
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -171,7 +183,8 @@ def test_models_resolve_per_tenant_and_errors_come_back_in_openai_shape(live_api
     from megatrain.db.session import session_scope
 
     url = f"{live_api.url}/openai/v1"
-    sdk = openai.OpenAI(base_url=url, api_key=live_api.key, max_retries=0)
+    check = SchemaCheck()
+    sdk = checked_sdk(live_api.url, live_api.key, check)
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.chat.completions.create(model="no-such-model", messages=CHAT)
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
@@ -208,3 +221,4 @@ def test_models_resolve_per_tenant_and_errors_come_back_in_openai_shape(live_api
             theirs.chat.completions.create(model=model, messages=CHAT)
     with pytest.raises(openai.BadRequestError):  # refused here, before any server: no model named
         sdk.chat.completions.create(model="", messages=CHAT)
+    assert check.violations == [] and check.checked["document"] >= 5, check.violations

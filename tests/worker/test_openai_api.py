@@ -190,7 +190,7 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
     assert client.fine_tuning.jobs.cancel(more.id).status in ("cancelled", "running")
 
     every = {"file", "file_list", "file_deleted", "job", "job_list", "event_list", "checkpoint_list", "model",
-             "model_list", "model_deleted", "error"}  # fmt: skip
+             "model_list", "model_deleted", "error", "document"}  # fmt: skip
     assert check.checked.keys() >= every
 
 

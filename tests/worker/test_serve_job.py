@@ -1,6 +1,7 @@
 """A serve job under the shard runner with the real engine: the model server starts on a free port,
-publishes its address as a `serving` job event, answers (greedy: generate()'s tokens) the requests that carry its attempt's token, and ends
-cleanly: by itself once idle (succeeded), or on cancel (cancelled)."""
+publishes its address as a `serving` job event, answers (greedy: generate()'s tokens) the requests
+that carry its attempt's token, and ends cleanly: by itself once idle (succeeded), or on cancel
+(cancelled)."""
 
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ def list_files(
 ) -> FileList:
     """The tenant's fine-tuning files (and the operator's shared ones) by creation time."""
     if purpose not in (None, PURPOSE):
-        return FileList(data=[], has_more=False, first_id=None, last_id=None)
+        return FileList(data=[], has_more=False, first_id="", last_id="")
     q = select(Dataset).where(visible(Dataset, tenant), Dataset.record_format != TEXT)
     key = (Dataset.created_at, Dataset.id)
     if after:
@@ -213,7 +213,7 @@ def list_files(
     q = q.order_by(*(k.desc() if order == "desc" else k for k in key)).limit(limit + 1)
     rows = list(session.scalars(q).all())
     data = [public_file(d) for d in rows[:limit]]
-    first, last = (data[0].id, data[-1].id) if data else (None, None)
+    first, last = (data[0].id, data[-1].id) if data else ("", "")
     return FileList(data=data, has_more=len(rows) > limit, first_id=first, last_id=last)
 
 

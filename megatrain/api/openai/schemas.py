@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 Auto = Literal["auto"]
 MetadataKey = Annotated[str, Field(max_length=64)]
@@ -30,13 +30,23 @@ class FileObject(BaseModel):
     expires_at: int | None = None
     status_details: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI's document has these two optional, never null: absent when they say nothing.
+        out: dict[str, Any] = handler(self)
+        for name in ("expires_at", "status_details"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
+
 
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
     has_more: bool
-    first_id: str | None
-    last_id: str | None
+    first_id: str
+    """The first file's id; "" on an empty page (OpenAI's document has a string, never null)."""
+    last_id: str
 
 
 class FileDeleted(BaseModel):
