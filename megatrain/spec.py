@@ -382,6 +382,8 @@ class JobSpec(_Strict):
         if (self.kind == "serve") == bool(self.data.train):  # a model server reads no data
             why = "kind serve reads no data: leave data.train empty" if self.data.train else ""
             out.append(_rule("data.train", why or "data.train needs at least 1 item (a path or a dataset)"))
+        if self.kind == "serve" and self.data.valid:
+            out.append(_rule("data.valid", "kind serve reads no data: leave data.valid empty"))
         lora = self.training.lora
         if lora is not None and self.training.method != "full" and "targets" in lora.model_fields_set:
             absent = absent_targets(lora.targets, self.model.moe, self.model.num_layers)

@@ -75,7 +75,7 @@ class DataSource(_Strict):
     def _path_or_dataset(self, info: ValidationInfo) -> DataSource:
         # A collector hears it from DataSpec, which knows the source's index.
         if self.path is None and self.dataset is None and not collecting(info):
-            raise ValueError("data.train needs a path or a dataset name in every source")
+            raise ValueError("data.train and data.valid need a path or a dataset name in every source")
         return self
 
     @property
@@ -86,6 +86,10 @@ class DataSource(_Strict):
 class DataSpec(_Strict):
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
     train: list[DataSource] = Field(default_factory=list, max_length=64)
+    valid: list[DataSource] = Field(default_factory=list, max_length=64)
+    """Held-out sources, each read whole into the validation split (Megatron's --valid-data-path),
+    besides any valid share data.split takes from data.train (set it to 0 to validate on these
+    alone). Their kind matches data.train's (records for a fine-tune or dpo, text for pretraining)."""
     text_key: str = Field("text", min_length=1, max_length=128)
     """The JSONL field holding a pretraining document's text."""
     split: str = "98,2,0"
@@ -122,12 +126,18 @@ class DataSpec(_Strict):
         report_rules(
             info,
             [
-                _rule(f"data.train.{i}", f"data.train.{i} needs a path or a dataset name")
-                for i, src in enumerate(self.train)
+                _rule(field, f"{field} needs a path or a dataset name")
+                for field, src in self.sources()
                 if src.path is None and src.dataset is None
             ],
         )
         return self
+
+    def sources(self) -> list[tuple[str, DataSource]]:
+        """Every source with its field: data.train.N, then data.valid.N."""
+        return [(f"data.train.{i}", s) for i, s in enumerate(self.train)] + [
+            (f"data.valid.{i}", s) for i, s in enumerate(self.valid)
+        ]
 
     @property
     def split_fractions(self) -> tuple[float, float, float]:

@@ -38,21 +38,23 @@ def _tokenizer(value: Any, base: Path) -> Any:
 
 
 def resolve_spec_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """A copy of the raw spec `data` with `data.train[].path`, `data.tokenizer(.path)` and a
-    `data.chat_template` file (*.json) that have no scheme resolved against `base` (the spec
-    file's folder) into file:///abs URLs. Anything malformed is left for the server to name."""
+    """A copy of the raw spec `data` with `data.train[].path` (and data.valid's),
+    `data.tokenizer(.path)` and a `data.chat_template` file (*.json) that have no scheme resolved
+    against `base` (the spec file's folder) into file:///abs URLs. Anything malformed is left for
+    the server to name."""
     section = data.get("data")
     if not isinstance(section, dict):
         return data
     section = dict(section)
-    train = section.get("train")
-    if isinstance(train, list):
-        section["train"] = [
-            {**src, "path": _file_url(src["path"], base)}
-            if isinstance(src, dict) and isinstance(src.get("path"), str) and src["path"]
-            else src
-            for src in train
-        ]
+    for part in ("train", "valid"):
+        sources = section.get(part)
+        if isinstance(sources, list):
+            section[part] = [
+                {**src, "path": _file_url(src["path"], base)}
+                if isinstance(src, dict) and isinstance(src.get("path"), str) and src["path"]
+                else src
+                for src in sources
+            ]
     if "tokenizer" in section:
         section["tokenizer"] = _tokenizer(section["tokenizer"], base)
     template = section.get("chat_template")

@@ -95,3 +95,20 @@ def test_packing_follows_the_kind_unless_set(tmp_path: Path) -> None:
     assert plain.batch([0]).segment_ids is None
     segs = packed.batch(range(4)).segment_ids
     assert segs is not None and segs.max() >= 1  # 23-token documents: a 16-token sample crosses one
+
+
+def test_a_held_out_source_is_validated_whole(tmp_path: Path) -> None:
+    """data.valid (Megatron's --valid-data-path): its documents blend into the validation split with
+    data.train's valid share, and never into training."""
+    a = _indexed(tmp_path / "a", 50, 1000)
+    held = _indexed(tmp_path / "held", 10, 2000)
+    spec = _spec([{"path": a.as_uri()}], valid=[{"path": held.as_uri()}], split="1,0,0")
+    ds = build_datasets(spec, TOKENIZER, seq_length=16, cache_root=tmp_path / "cache")
+    assert ds["valid"] is not None and ds["test"] is None
+    assert 2000 not in ds["train"].batch(range(20)).tokens  # the held-out marker
+    valid = ds["valid"].batch(range(8)).tokens
+    assert 2000 in valid and 1000 not in valid
+    spec = _spec([{"path": a.as_uri()}], valid=[{"path": held.as_uri()}], split="80,20,0")
+    both = build_datasets(spec, TOKENIZER, seq_length=16, cache_root=tmp_path / "cache2")["valid"]
+    tokens = both.batch(range(8)).tokens
+    assert 1000 in tokens and 2000 in tokens  # data.train's last 20% and the held-out source

@@ -308,3 +308,11 @@ def test_dpo_in_every_layout_equals_one_process(tmp_path: Path, lora: bool) -> N
     for layout in layouts:
         got = run_distributed(_dpo_rank, 2, str(tmp_path), layout, lora)[0]["steps"]
         _assert_same(got, ref, layout)
+
+
+def test_a_held_out_file_validates_pairs(tmp_path: Path) -> None:
+    train, held = write_pairs(tmp_path / "pairs.jsonl", 20), write_pairs(tmp_path / "held.jsonl", 6)
+    data = DataSpec(train=[{"path": train.as_uri()}], valid=[{"path": held.as_uri()}], split="1,0,0")
+    built = build_preference_datasets(data, ByteTokenizer(), 48, 1, tmp_path / "c")
+    assert built["train"].stats["pairs"] == 20 and built["valid"].stats["pairs"] == 6
+    assert built["test"] is None

@@ -377,3 +377,30 @@ def test_the_step_loss_is_per_token_over_the_global_batch_in_every_layout(tmp_pa
         assert abs(got["loss"] - ref["loss"]) < 1e-5, layout
         assert abs(got["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], layout
         assert abs(got["val"] - ref["val"]) < 1e-5, layout
+
+
+def test_a_held_out_file_is_the_validation_split_whole(tmp_path: Path) -> None:
+    """data.valid (OpenAI's validation_file): every record of it validates, none trains; data.split
+    still takes its own valid share of data.train."""
+    train_path = write_records(tmp_path / "train.jsonl", 30)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"question": f"h{i}:", "answer": "z" * 3}) + "\n" for i in range(5)))
+    keys = {"prompt_key": "question", "response_key": "answer"}
+    only = DataSpec(
+        train=[{"path": train_path.as_uri()}], valid=[{"path": held.as_uri()}], split="1,0,0", **keys
+    )
+    built = build_finetune_datasets(
+        only, ByteTokenizer(), 24, seed=5, cache_dir=tmp_path / "c", packing=False
+    )
+    train, valid = built["train"], built["valid"]
+    assert train is not None and valid is not None and built["test"] is None
+    assert train.stats["records"] == 30 and valid.stats["records"] == 5
+    answers = valid.batch(list(range(len(valid))))
+    assert set(answers.labels[answers.loss_mask > 0].tolist()) == {ord("z"), 256}  # the held-out answers
+    shared = DataSpec(
+        train=[{"path": train_path.as_uri()}], valid=[{"path": held.as_uri()}], split="80,20,0", **keys
+    )
+    both = build_finetune_datasets(
+        shared, ByteTokenizer(), 24, seed=5, cache_dir=tmp_path / "c", packing=False
+    )
+    assert both["train"].stats["records"] == 24 and both["valid"].stats["records"] == 6 + 5

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from fixtures.celery import celery_worker
 from fixtures.live import LiveApi, start_live_api
@@ -56,15 +57,20 @@ def _succeeded(client: Any, job_id: str, live: LiveApi) -> Any:
 
 def _train_losses(client: Any, job_id: str) -> list[tuple[int, float]]:
     events = client.fine_tuning.jobs.list_events(job_id, limit=100).data
-    return sorted((e.data["step"], e.data["train_loss"]) for e in events if e.type == "metrics")
+    return sorted((e.data["step"], e.data["train_loss"]) for e in events if "train_loss" in (e.data or {}))
 
 
-def _create_supervised(client: Any, records: list[dict[str, Any]]) -> Any:
-    """8 records, batch 4, 1 epoch: 2 steps, a checkpoint at the end."""
+def _create_supervised(client: Any, records: list[dict[str, Any]], held_out: list[Any] | None = None) -> Any:
+    """8 records, batch 4, 1 epoch: 2 steps, a checkpoint at the end (and a validation file
+    evaluated every step when `held_out`)."""
     train = client.files.create(file=("train.jsonl", jsonl(records)), purpose="fine-tune")
+    valid = (
+        client.files.create(file=("valid.jsonl", jsonl(held_out)), purpose="fine-tune") if held_out else None
+    )
     hp = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50.0}
     return client.fine_tuning.jobs.create(
         model="tiny", training_file=train.id, suffix="sft", extra_body=EXTENSION,
+        validation_file=valid.id if valid else openai.NOT_GIVEN,
         method={"type": "supervised", "supervised": {"hyperparameters": hp}},
     )  # fmt: skip
 
@@ -84,7 +90,7 @@ def _the_embedded_default(live: LiveApi) -> None:
     check = SchemaCheck()
     register_model(live.url, live.key, "tiny", tiny_model(live.data_path.parent / "tiny", real=True))
     client = sdk(live.url, live.key, check)
-    sft = _create_supervised(client, chat_records(8))
+    sft = _create_supervised(client, chat_records(8), held_out=chat_records(12)[8:])
     prefs = client.files.create(file=("prefs.jsonl", jsonl(preference_records(4))), purpose="fine-tune")
     hp = {"n_epochs": 1, "batch_size": 2, "beta": 0.1}
     dpo = client.fine_tuning.jobs.create(
@@ -93,6 +99,12 @@ def _the_embedded_default(live: LiveApi) -> None:
     )  # fmt: skip
     # The two run side by side (a CPU slot each).
     _check_supervised(client, sft, live)
+    # The validation file, held out whole, evaluated every step (steps_per_epoch // 4, at least 1).
+    events = client.fine_tuning.jobs.list_events(sft.id, limit=100).data
+    valid = sorted((e.data["step"], e.data["valid_loss"]) for e in events if "valid_loss" in (e.data or {}))
+    assert [s for s, _ in valid] == [1, 2] and all(math.isfinite(v) for _, v in valid)
+    (ckpt,) = client.fine_tuning.jobs.checkpoints.list(sft.id).data
+    assert ckpt.metrics.valid_loss == valid[-1][1]
     _succeeded(client, dpo.id, live)
     # The policy starts as the reference (the adapters' B is zero): -log σ(0) = log 2. The pairs
     # were read as OpenAI's preference records (input, preferred_output, non_preferred_output).

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from fastapi import HTTPException
 from sqlalchemy import select
@@ -270,9 +270,12 @@ def _jobs_naming(session: Session, tenant: Tenant, name: str) -> list[str]:
     rows = session.execute(
         select(Job.id, Job.spec).where(Job.tenant_id == tenant.id, Job.status.in_((QUEUED, *ACTIVE_STATES)))
     ).all()
-    return [
-        r.id for r in rows if any(s.get("dataset") == name for s in r.spec.get("data", {}).get("train", []))
-    ]
+
+    def reads(spec: dict[str, Any]) -> bool:
+        data = spec.get("data") or {}
+        return any(s.get("dataset") == name for part in ("train", "valid") for s in data.get(part) or [])
+
+    return [r.id for r in rows if reads(r.spec)]
 
 
 def delete_dataset(session: Session, settings: Settings, tenant: Tenant, name: str) -> None:
@@ -324,15 +327,15 @@ def _source_problem(spec: JobSpec, ds: Dataset, field: str, name: str) -> str | 
 
 
 def resolve_datasets(session: Session, spec: JobSpec, tenant: Tenant) -> None:
-    """Fill `path` of every `data.train` source that names a dataset with its indexed prefix, or
-    with its JSONL source for a job that reads records (`reads_records`); SpecError naming
-    `data.train.N.dataset` for one that is unknown, not visible, not ready, or tokenized with
-    another tokenizer than the spec's."""
+    """Fill `path` of every `data.train` and `data.valid` source that names a dataset with its
+    indexed prefix, or with its JSONL source for a job that reads records (`reads_records`);
+    SpecError naming `data.train.N.dataset` (or data.valid's) for one that is unknown, not visible,
+    not ready, or tokenized with another tokenizer than the spec's."""
     errors = []
-    for i, src in enumerate(spec.data.train):
+    for source_field, src in spec.data.sources():
         if src.dataset is None:
             continue
-        field = f"data.train.{i}.dataset"
+        field = f"{source_field}.dataset"
         ds = find_dataset(session, tenant, src.dataset)
         if ds is None:
             errors.append({"field": field, "message": f"{field}={src.dataset!r}: no such dataset"})

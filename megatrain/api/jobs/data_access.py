@@ -121,7 +121,7 @@ def is_url(text: str) -> bool:
 def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
     """(field, URL) of everything a job reads besides its init_from: data sources, tokenizer file,
     chat template file."""
-    urls = [(f"data.train.{i}.path", src.path) for i, src in enumerate(spec.data.train) if src.path]
+    urls = [(f"{field}.path", src.path) for field, src in spec.data.sources() if src.path]
     if spec.data.tokenizer.path:
         urls.append(("data.tokenizer.path", spec.data.tokenizer.path))
     if spec.data.chat_template and is_url(spec.data.chat_template):

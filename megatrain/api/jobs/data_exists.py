@@ -40,8 +40,8 @@ def data_checks(spec: JobSpec) -> list[DataCheck]:
     """What must exist for `spec` to run. Sources that name a registered dataset are left out: the
     API wrote those prefixes itself and lists the dataset only once it is ready."""
     checks = [
-        DataCheck(f"data.train.{i}.path", src.path, indexed=not src.is_jsonl)
-        for i, src in enumerate(spec.data.train)
+        DataCheck(f"{field}.path", src.path, indexed=not src.is_jsonl)
+        for field, src in spec.data.sources()
         if src.path and src.dataset is None
     ]
     if spec.data.tokenizer.path:

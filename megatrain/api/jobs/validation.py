@@ -218,7 +218,7 @@ def _fit(
 
 def _datasets(session: Session, spec: JobSpec, tenant: Tenant, findings: Findings) -> None:
     """Named datasets become their indexed prefixes (megatrain.api.datasets)."""
-    named = [f"data.train.{i}.dataset" for i, src in enumerate(spec.data.train) if src.dataset]
+    named = [f"{field}.dataset" for field, src in spec.data.sources() if src.dataset]
     if not named or findings.depends_on_unknown("data.tokenizer", *named):
         return
     try:

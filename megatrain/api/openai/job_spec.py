@@ -33,6 +33,9 @@ DEFAULT_MAX_SEQ_LENGTH = 4096
 """A record is cut to the model's context, at most this (the extension's seq_length overrides)."""
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+EVALS_PER_EPOCH = 4
+MAX_EVAL_BATCHES = 64
+"""A validation file is evaluated whole up to this many batches (its first ones, the same each time)."""
 METHODS = {"supervised": "finetune", "dpo": "dpo"}
 """OpenAI's method type → our job kind."""
 
@@ -130,9 +133,12 @@ def plan(
     training_method: str,
     seed: int,
     name: str,
+    validation: Dataset | None = None,
 ) -> Plan:
     """The spec of the request. `model`: the spec's model section (init_from, seq_length …);
-    `data`: its tokenizer and chat template (tokenizer_and_template, or the continued job's)."""
+    `data`: its tokenizer and chat template (tokenizer_and_template, or the continued job's).
+    `validation`: the validation file, held out whole (data.valid) and evaluated EVALS_PER_EPOCH
+    times an epoch and at the end, every record of it each time (at most MAX_EVAL_BATCHES batches)."""
     kind = method_type(req)
     records = training.documents or 0
     hp = resolve(_asked(req, kind), records, kind)
@@ -153,6 +159,10 @@ def plan(
         "seed": seed,
         "method": training_method,
     }
+    if validation is not None:
+        spec_training["eval_interval"] = max(1, steps_per_epoch // EVALS_PER_EPOCH)
+        batches = math.ceil((validation.documents or 1) / hp.batch_size)
+        spec_training["eval_iters"] = max(1, min(MAX_EVAL_BATCHES, batches))
     if kind == "dpo":
         spec_training["dpo"] = {"beta": hp.beta}
     spec = {
@@ -162,6 +172,7 @@ def plan(
         "data": {
             **data,
             "train": [{"dataset": training.name}],
+            **({"valid": [{"dataset": validation.name}]} if validation is not None else {}),
             "split": "1,0,0",
             **({"packing": False} if kind == "supervised" else {}),
         },

@@ -110,13 +110,14 @@ def create_job(session: Session, settings: Settings, tenant: Tenant, req: JobCre
     kind = job_spec.method_type(req)
     _check_cap(session, settings, tenant)
     training = _file(session, tenant, req.training_file, "training_file", kind)
+    validation = None
     if req.validation_file is not None:
-        _file(session, tenant, req.validation_file, "validation_file", kind)
+        validation = _file(session, tenant, req.validation_file, "validation_file", kind)
     ref = resolve_model(session, tenant, req.model)
     model, data, base, method = _base(ref, settings, req)
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
     name = f"ft-{req.suffix or base}"[:100]
-    plan = job_spec.plan(req, settings, training, model, data, method, seed, name)
+    plan = job_spec.plan(req, settings, training, model, data, method, seed, name, validation)
     job, _ = jobs.submit_job(session, settings, tenant, plan.spec, None)
     ft = FineTuningJob(
         job_id=job.id,
@@ -134,10 +135,6 @@ def create_job(session: Session, settings: Settings, tenant: Tenant, req: JobCre
         created_at=job.created_at,
     )
     session.add(ft)
-    if req.validation_file is not None:
-        # The engine validates on a split of its training sources: a file of its own is not read yet.
-        why = f"validation_file {req.validation_file} is recorded; no validation metrics come from it yet"
-        record_event(session, job.id, "notice", why, {"level": "warn"})
     session.commit()
     return public_job(session, tenant, ft, job)
 

@@ -81,17 +81,23 @@ def build_datasets(
     tok_id = json.dumps(data.tokenizer.model_dump(mode="json"), sort_keys=True)
     per_split: dict[str, list[tuple[SampleDataset, float]]] = {s: [] for s in SPLITS}
     weights = [s.weight for s in data.train]
-    for n, source in enumerate(data.train):
-        prefix = local_prefix(source, n, data.tokenizer, data.text_key, cache_root)
+    # The valid split blends data.train's valid shares with data.valid's sources (held out whole).
+    valid_weights = weights + [s.weight for s in data.valid]
+    for n, (field, source) in enumerate(data.sources()):
+        prefix = local_prefix(source, field, data.tokenizer, data.text_key, cache_root)
         indexed = IndexedDataset(prefix)
         if len(indexed) == 0:
-            raise ValueError(f"data.train.{n}.path={source.path!r} holds no documents")
-        for name, bounds in zip(SPLITS, split_bounds(len(indexed), fractions), strict=True):
+            raise ValueError(f"{field}.path={source.path!r} holds no documents")
+        held_out = n >= len(data.train)
+        split = "held-out" if held_out else data.split
+        every = [(0, 0), (0, len(indexed)), (0, 0)] if held_out else split_bounds(len(indexed), fractions)
+        for name, bounds in zip(SPLITS, every, strict=True):
             if bounds[1] <= bounds[0]:
                 continue
             planned = getattr(sizes, name)
-            if len(data.train) > 1:
-                planned = blended_sizes(weights, planned)[n]
+            among = valid_weights if name == "valid" and data.valid else weights
+            if len(among) > 1:
+                planned = blended_sizes(among, planned)[n]
             ds = GPTDataset(
                 indexed,
                 bounds,
@@ -99,7 +105,7 @@ def build_datasets(
                 planned,
                 seed,
                 indices_dir(prefix, cache_root),
-                {"dataset_path": str(prefix), "index_split": name, "split": data.split, "tokenizer": tok_id},
+                {"dataset_path": str(prefix), "index_split": name, "split": split, "tokenizer": tok_id},
                 eod=tokenizer.eod if spec.packing else None,
             )
             per_split[name].append((ds, source.weight))
@@ -120,9 +126,9 @@ def build_datasets(
 def _holds_records(data: DataSpec) -> bool:
     """Whether a fine-tune's sources are prompt/response or chat records (loss on responses only);
     plain text (JSONL documents, indexed datasets) fine-tunes on every token, as pretraining does."""
-    kinds = {n: _first_record_kind(s, data) for n, s in enumerate(data.train)}
+    kinds = {field: _first_record_kind(s, data) for field, s in data.sources()}
     if len(set(kinds.values())) > 1:
-        records = [n for n, k in kinds.items() if k]
+        records = [field for field, k in kinds.items() if k]
         raise ValueError(
             f"data.train: sources {records} hold prompt/response or chat records and the others plain "
             "text; a fine-tune reads one kind"
@@ -144,12 +150,12 @@ def _first_record_kind(source: DataSource, data: DataSpec) -> bool:
 
 
 def local_prefix(
-    source: DataSource, n: int, tokenizer: TokenizerSpec, text_key: str, cache_root: Path
+    source: DataSource, field: str, tokenizer: TokenizerSpec, text_key: str, cache_root: Path
 ) -> Path:
     """The local `.bin`/`.idx` prefix serving `source` (downloaded or tokenized into the cache)."""
     if source.path is None:
         raise ValueError(
-            f"data.train.{n} names dataset {source.dataset!r} without a path; registered datasets are "
+            f"{field} names dataset {source.dataset!r} without a path; registered datasets are "
             "resolved by the API when the job is submitted"
         )
     if source.is_jsonl:
@@ -157,7 +163,7 @@ def local_prefix(
     prefix = cached_prefix(source.path, cache_root)
     if not Path(str(prefix) + ".idx").is_file():
         raise FileNotFoundError(
-            f"data.train.{n}.path={source.path!r}: no {prefix}.idx (a JSONL file must end in .jsonl, "
+            f"{field}.path={source.path!r}: no {prefix}.idx (a JSONL file must end in .jsonl, "
             ".json, .jsonl.gz or .jsonl.zst; anything else names an indexed dataset's .bin/.idx prefix)"
         )
     return prefix

@@ -110,7 +110,7 @@ def encode_chat(
 
 def _cache_key(data: DataSpec, tokenizer: Tokenizer, template: ChatTemplate) -> str:
     sources = []
-    for s in data.train:
+    for _, s in data.sources():
         assert s.path is not None  # the API resolves named datasets to paths
         sources.append([s.path, source_identity(s.path)])  # size and mtime, or size and ETag
     shape = {
@@ -140,7 +140,7 @@ def tokenize_to_cache(
                 IndexedDatasetWriter(f"{prefix}-mask", np.uint8) as masks,
                 IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)) as tokens,
             ):
-                for source in data.train:
+                for _, source in data.sources():
                     assert source.path is not None
                     n = 0
                     for lineno, obj in iter_records(source.path):
@@ -158,6 +158,23 @@ def tokenize_to_cache(
             tmp.write_text(json.dumps({"records_per_source": counts}))
             os.replace(tmp, meta)
     return prefix, json.loads(meta.read_text())["records_per_source"]
+
+
+def record_splits(data: DataSpec, counts: list[int]) -> dict[str, np.ndarray]:
+    """Each split's record indices in a cache built over data.sources() in order (`counts`: each
+    source's records): every data.train source split by data.split on its own, in file order;
+    every data.valid source whole into valid."""
+    per_split: dict[str, list[np.ndarray]] = {s: [np.zeros(0, np.int64)] for s in SPLITS}
+    first = 0
+    for n, (field, _) in zip(counts, data.sources(), strict=True):
+        if field.startswith("data.valid."):
+            bounds = [(0, 0), (0, n), (0, 0)]
+        else:
+            bounds = split_bounds(n, data.split_fractions)
+        for name, (lo, hi) in zip(SPLITS, bounds, strict=True):
+            per_split[name].append(np.arange(first + lo, first + hi, dtype=np.int64))
+        first += n
+    return {name: np.concatenate(parts) for name, parts in per_split.items()}
 
 
 class FinetuneDataset:
@@ -228,24 +245,20 @@ class FinetuneDataset:
 def build_finetune_datasets(
     data: DataSpec, tokenizer: Tokenizer, seq_length: int, seed: int, cache_dir: Path, packing: bool
 ) -> dict[str, FinetuneDataset | None]:
-    """train/valid/test fine-tuning datasets from data.train's JSONL records (None: an empty split)."""
-    for source in data.train:
+    """train/valid/test fine-tuning datasets from data.train's and data.valid's JSONL records (None:
+    an empty split; see record_splits)."""
+    for field, source in data.sources():
         if source.path is None or not source.is_jsonl:
             raise RecordError(
-                f"data.train: fine-tuning reads JSONL records; {source.path or source.dataset!r} is not"
+                f"{field}: fine-tuning reads JSONL records; {source.path or source.dataset!r} is not"
             )
     template = load_chat_template(data.chat_template)
     prefix, counts = tokenize_to_cache(data, tokenizer, template, cache_dir)
     tokens, targets = IndexedDataset(prefix), IndexedDataset(f"{prefix}-mask")
-    per_split: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    first = 0
-    for n in counts:
-        for name, (lo, hi) in zip(SPLITS, split_bounds(n, data.split_fractions), strict=True):
-            per_split[name].append(np.arange(first + lo, first + hi, dtype=np.int64))
-        first += n
+    per_split = record_splits(data, counts)
     out: dict[str, FinetuneDataset | None] = {}
     for i, name in enumerate(SPLITS):
-        records = np.concatenate(per_split[name])
+        records = per_split[name]
         ds = None
         if len(records):
             ds = FinetuneDataset(tokens, targets, records, seq_length, seed, packing, tokenizer.eod, key=(i,))

@@ -30,8 +30,8 @@ import numpy as np
 
 from megatrain.engine.data.batch import Batch
 from megatrain.engine.data.chat_templates import ChatTemplate, load_chat_template
-from megatrain.engine.data.finetune import RecordError, iter_records
-from megatrain.engine.data.gpt_dataset import SPLITS, split_bounds
+from megatrain.engine.data.finetune import RecordError, iter_records, record_splits
+from megatrain.engine.data.gpt_dataset import SPLITS
 from megatrain.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from megatrain.engine.data.packing import batch_from_samples, packed_sample
 from megatrain.engine.data.remote import source_identity
@@ -102,7 +102,7 @@ def encode_response(
 
 def _cache_key(data: DataSpec, tokenizer: Tokenizer, template: ChatTemplate) -> str:
     sources = []
-    for s in data.train:
+    for _, s in data.sources():
         assert s.path is not None  # the API resolves named datasets to paths
         sources.append([s.path, source_identity(s.path)])
     shape = {
@@ -133,7 +133,7 @@ def tokenize_pairs(
                 IndexedDatasetWriter(f"{prefix}-mask", np.uint8) as masks,
                 IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)) as tokens,
             ):
-                for source in data.train:
+                for _, source in data.sources():
                     assert source.path is not None
                     n = 0
                     for lineno, obj in iter_records(source.path):
@@ -224,26 +224,20 @@ class PreferenceDataset:
 def build_preference_datasets(
     data: DataSpec, tokenizer: Tokenizer, seq_length: int, seed: int, cache_dir: Path
 ) -> dict[str, PreferenceDataset | None]:
-    """train/valid/test preference datasets from data.train's JSONL records (None: an empty split);
-    records split by data.split, each source on its own, in file order."""
-    for source in data.train:
+    """train/valid/test preference datasets from data.train's and data.valid's JSONL records (None:
+    an empty split; finetune.record_splits)."""
+    for field, source in data.sources():
         if source.path is None or not source.is_jsonl:
             raise RecordError(
-                "data.train: preference training reads JSONL records; "
-                f"{source.path or source.dataset!r} is not"
+                f"{field}: preference training reads JSONL records; {source.path or source.dataset!r} is not"
             )
     template = load_chat_template(data.chat_template)
     prefix, counts = tokenize_pairs(data, tokenizer, template, cache_dir)
     tokens, targets = IndexedDataset(prefix), IndexedDataset(f"{prefix}-mask")
-    per_split: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    first = 0
-    for n in counts:
-        for name, (lo, hi) in zip(SPLITS, split_bounds(n, data.split_fractions), strict=True):
-            per_split[name].append(np.arange(first + lo, first + hi, dtype=np.int64))
-        first += n
+    per_split = record_splits(data, counts)
     out: dict[str, PreferenceDataset | None] = {}
     for i, name in enumerate(SPLITS):
-        records = np.concatenate(per_split[name])
+        records = per_split[name]
         ds = None
         if len(records):
             ds = PreferenceDataset(tokens, targets, records, seq_length, seed, tokenizer.eod, (i,), prefix)
