@@ -83,6 +83,7 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "data.tokenizer.path": "hf: a tokenizer.json; sentencepiece: a .model file; tiktoken: an optional "
     ".tiktoken ranks file. A URL (file:///abs/path or s3://bucket/key).",
     "data.train[].weight": "Relative sampling weight of this source when several are blended.",
+    "data.valid[].weight": "Relative sampling weight of this held-out source in the validation blend.",
     "training.train_iters": "Optimizer steps to train for.",
     "training.global_batch_size": "Samples per optimizer step, over all data-parallel ranks.",
     "training.lr": "Peak learning rate, reached at the end of warmup.",
