@@ -5,7 +5,6 @@ with a red line naming the field."""
 from __future__ import annotations
 
 import re
-
 from datetime import timedelta
 from pathlib import Path
 
