@@ -38,6 +38,7 @@ from megatrain.engine.sink import RunLog
 from megatrain.engine.timers import StepTimers
 from megatrain.failures import Activity
 from megatrain.hostinfo import HostLoad, job_root_pid
+from megatrain.kernels.linear_cross_entropy import counting_token_hits
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,25 @@ def reduce_mean(value: torch.Tensor, state: ParallelState) -> float:
         dist.all_reduce(value, group=group)
         value /= size
     return float(value.item())
+
+
+def total_hits(hits: torch.Tensor, state: ParallelState) -> tuple[float, float]:
+    """(correct tokens, fused cross-entropy calls) over every rank, from this rank's: the last
+    pipeline stage's counts (the other stages hold zero) summed over the dp·cp ranks, each of which
+    counts its own tokens (tensor-parallel ranks count the same tokens: not summed)."""
+    hits = pipeline_loss(hits, state)
+    if state.dp_cp_group is not None:
+        hits = hits.clone()
+        dist.all_reduce(hits, group=state.dp_cp_group)
+    correct, calls = hits.tolist()
+    return correct, calls
+
+
+def token_accuracy(hits: torch.Tensor, tokens: float, state: ParallelState) -> float | None:
+    """The share of loss tokens whose label was the logits' argmax: `hits` this rank's (correct,
+    calls), `tokens` every dp·cp rank's loss tokens. None where no fused cross-entropy counted."""
+    correct, calls = total_hits(hits, state)
+    return correct / tokens if calls and tokens else None
 
 
 def batch_of(
@@ -126,7 +146,7 @@ class TrainLoop:
 
         The loss is the global batch's per-token loss: every micro-batch's loss-token sum over the
         loss tokens of all micro-batches on all data-parallel ranks (microbatch.token_share)."""
-        train, timers, pipeline = self.train, self.timers, self.train.pipeline
+        train, timers = self.train, self.timers
         ddp, optimizer = train.ddp, train.optimizer
         optimizer.zero_grad()
         micro_ids = self._micro_ids(consumed)
@@ -134,6 +154,28 @@ class TrainLoop:
         with timers("data"):
             batches = [batch_of(self.train_ds, ids, self.device, self.state) for ids in micro_ids]
             denominator = loss_denominator(batches, self.state)
+        with counting_token_hits() as hits:
+            self._forward_backward(batches, denominator, loss_sum)
+        correct = hits.correct if hits.correct is not None else loss_sum.new_zeros(())
+        # (correct, calls) on this rank, and every dp·cp rank's loss tokens: for token_accuracy.
+        counts = torch.stack([correct, correct.new_tensor(float(hits.calls))])
+        self.last_hits: tuple[torch.Tensor, float] = (counts, denominator * self.state.dp_cp_size)
+        with timers("grad_sync"):
+            ddp.finish_grad_sync()
+            if train.model.chunks:
+                allreduce_tied_embedding_grads(train.model.chunks, ddp, self.state)
+            allreduce_sequence_parallel_grads(train.model.module, self.state)
+        with timers("optimizer"):
+            result = optimizer.step()
+        return loss_sum, result
+
+    def _forward_backward(
+        self, batches: list[MicroBatch], denominator: float, loss_sum: torch.Tensor
+    ) -> None:
+        """Every micro-batch's forward and backward (through the pipeline's schedule when there is
+        one), their loss shares added into loss_sum."""
+        train, timers, pipeline = self.train, self.timers, self.train.pipeline
+        ddp, optimizer = train.ddp, train.optimizer
         if pipeline is not None:
             fwd0, bwd0 = pipeline.times.forward_s, pipeline.times.backward_s
             loss_sum += pipeline.forward_backward(
@@ -159,14 +201,6 @@ class TrainLoop:
                     with timers("backward"):
                         optimizer.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-        with timers("grad_sync"):
-            ddp.finish_grad_sync()
-            if train.model.chunks:
-                allreduce_tied_embedding_grads(train.model.chunks, ddp, self.state)
-            allreduce_sequence_parallel_grads(train.model.module, self.state)
-        with timers("optimizer"):
-            result = optimizer.step()
-        return loss_sum, result
 
     def _share(self, mb: MicroBatch, denominator: float) -> torch.Tensor:
         """A micro-batch's share of the step loss, without a pipeline."""
@@ -288,7 +322,7 @@ class TrainLoop:
             loss, result = self.step(consumed)
             timers.end_step()
             step, consumed = step + 1, consumed + cfg.global_batch_size
-            window.add(loss, result)
+            window.add(loss, result, self.last_hits)
             final = step == cfg.train_iters
             if step % cfg.log_interval == 0 or final:
                 self._sync()
@@ -352,6 +386,10 @@ class TrainLoop:
         row.update(moe_metrics(self.train.model.module, self.moe, self.state))  # {} when dense
         if self.preference is not None:
             row.update(self.preference.metrics(self.state))
+        elif w.hits is not None:
+            accuracy = token_accuracy(w.hits, w.tokens, self.state)
+            if accuracy is not None:
+                row["token_accuracy"] = accuracy
         bubble = ""
         pipeline = self.train.pipeline
         if pipeline is not None:
@@ -364,6 +402,8 @@ class TrainLoop:
         skipped = f" | skipped {w.skipped} (loss scale {w.loss_scale:g})" if w.skipped else ""
         if "moe_aux_loss" in row:
             skipped += f" | moe aux {row['moe_aux_loss']:.4g} imbalance {row['moe_load_imbalance']:.2f}"
+        if "token_accuracy" in row:
+            skipped += f" | acc {row['token_accuracy']:.3f}"
         if "rewards/accuracies" in row:  # preference training: what TRL's console shows
             skipped += f" | reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.3f}"
         self.log.say(
@@ -379,6 +419,10 @@ class _Window:
 
     def __init__(self, previous: _Window | None) -> None:
         self.loss_sum: torch.Tensor | float = 0.0
+        self.hits: torch.Tensor | None = None
+        """Σ (correctly predicted loss tokens, fused cross-entropy calls) on this rank."""
+        self.tokens = 0.0
+        """Σ every dp·cp rank's loss tokens."""
         self.steps = 0
         self.skipped = 0
         # An interval of skipped (fp16 overflow) steps still shows the last real norm.
@@ -388,8 +432,11 @@ class _Window:
         self.excluded = 0.0
         """Seconds spent validating and checkpointing, kept out of the iteration time."""
 
-    def add(self, loss: torch.Tensor, result: Any) -> None:
+    def add(self, loss: torch.Tensor, result: Any, hits: tuple[torch.Tensor, float] | None = None) -> None:
         self.loss_sum = loss if isinstance(self.loss_sum, float) else self.loss_sum + loss
+        if hits is not None:
+            self.hits = hits[0] if self.hits is None else self.hits + hits[0]
+            self.tokens += hits[1]
         self.steps += 1
         if result.skipped:
             self.skipped += 1

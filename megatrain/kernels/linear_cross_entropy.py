@@ -21,7 +21,9 @@ a process group the weight is one vocab shard whose row statistics the ranks all
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +47,10 @@ class ChunkOps:
     """(logits, labels, max, global max, global Σ exp, weights) -> the logits overwritten with
     (softmax - onehot) · weights, after stats gave `max` and the ranks agreed on the row's max and
     Σ exp(x - global max)."""
-    rows_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    """(logits, labels, weights) -> each row's lse - logit[label], on one rank's whole vocabulary;
-    with weights, the logits become their gradient as grad_ makes it."""
+    rows_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+    """(logits, labels, weights) -> each row's lse - logit[label], and whether logit[label] is the
+    row's max (bool, False for -1), on one rank's whole vocabulary; with weights, the logits become
+    their gradient as grad_ makes it."""
     fp32_logits: bool
     """Whether 16-bit logits are cast to fp32 first (torch's ops) or read as they are (Triton's)."""
 
@@ -80,14 +83,43 @@ def _torch_grad_(
     return logits
 
 
-def _torch_rows_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def _torch_rows_(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     top, total, target = _torch_stats(logits, labels)
     if weights is not None:
         _torch_grad_(logits, labels, top, top, total, weights)
-    return total.log() + top - target
+    return total.log() + top - target, (target >= top) & (labels >= 0)
 
 
 TORCH_OPS = ChunkOps(stats=_torch_stats, grad_=_torch_grad_, rows_=_torch_rows_, fp32_logits=True)
+
+
+@dataclass
+class TokenHits:
+    """What counting_token_hits() collects: the loss tokens whose label is the logits' argmax (a
+    tie counts), summed over every fused cross-entropy run within it on this rank; a 0-dim fp32
+    tensor on the device (no host sync), None when none ran. Every tensor-parallel rank of a
+    vocab-parallel loss counts the same tokens (they agree on each row's max and target)."""
+
+    correct: torch.Tensor | None = None
+    calls: int = 0
+    """How many fused cross-entropies counted (the unfused reference twins do not)."""
+
+
+_HITS: ContextVar[TokenHits | None] = ContextVar("megatrain_token_hits", default=None)
+
+
+@contextlib.contextmanager
+def counting_token_hits() -> Iterator[TokenHits]:
+    """Count the correctly predicted loss tokens of the fused cross-entropies run within (the
+    training loop's token accuracy, free: the chunk loop already has each row's max and target)."""
+    hits = TokenHits()
+    token = _HITS.set(hits)
+    try:
+        yield hits
+    finally:
+        _HITS.reset(token)
 
 
 def _all_reduce_stats(
@@ -143,6 +175,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_param.zero_()
         # fp32: every chunk's logits land in one block (fewer fresh pages than a block per chunk);
         # 16-bit: each chunk's logits (or their fp32 cast) are their own block, freed before the next.
+        hits = _HITS.get()
+        correct = torch.zeros((), dtype=torch.float32, device=hidden.device)
         block = None
         if weight.dtype == torch.float32 and vocab:
             block = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=hidden.device)
@@ -156,6 +190,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.full_like(empty, float("-inf")), empty, empty, group
                 )
                 loss_sum += ((total.log() + top_all - target) * w).sum()
+                correct += ((target >= top_all) & (w > 0)).sum()
                 if grad_hidden is not None:
                     grad_hidden[start : start + rows].zero_()
                 continue
@@ -166,14 +201,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if ops.fp32_logits:
                     logits = logits.float()
             if group is None:
-                row_loss = ops.rows_(logits, y, w if want_grad else None)
+                row_loss, hit = ops.rows_(logits, y, w if want_grad else None)
             else:
                 top, total, target = ops.stats(logits, y)
                 top_all, total_all, target = _all_reduce_stats(top, total, target, group)
-                row_loss = total_all.log() + top_all - target
+                row_loss, hit = total_all.log() + top_all - target, target >= top_all
                 if want_grad:
                     ops.grad_(logits, y, top, top_all, total_all, w)
             loss_sum += (row_loss * w).sum()
+            correct += (hit & (w > 0)).sum()
             if not want_grad:
                 del logits
                 continue
@@ -193,6 +229,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_weight.addmm_(g.t(), h)
             del logits, g  # before the next chunk's logits: one 16-bit block alive, not two
+        if hits is not None:
+            hits.correct = correct if hits.correct is None else hits.correct + correct
+            hits.calls += 1
         ctx.save_for_backward(grad_hidden, grad_param)
         ctx.weight_dtype = param.dtype
         # Under DataParallel the weight gradient is added straight into main_grad in backward.

@@ -354,13 +354,22 @@ def _step_rank(rank: int, world: int, workdir: str, parallelism: dict) -> dict:
             logits = train.model.module(whole.tokens, **whole.model_inputs)
             real = train.model.module.config.real_vocab_size  # padding rows are not in the softmax
             extra["by_hand"] = lm_loss(logits[..., :real], whole.labels, whole.loss_mask).item()
+            kept = whole.loss_mask > 0
+            right = (logits[..., :real].argmax(-1) == whole.labels) & kept
+            extra["accuracy_by_hand"] = (right.sum() / kept.sum()).item()
+            extra["tokens"] = int(kept.sum())
         extra["counts"] = [
             MicroBatch.from_batch(ds["train"].batch(ids), "cpu").num_loss_tokens for ids in loop._micro_ids(0)
         ]
     loss, result = loop.step(0)
-    from megatrain.engine.loop import reduce_mean
+    from megatrain.engine.loop import reduce_mean, token_accuracy, total_hits
 
-    return {"loss": reduce_mean(loss, state), "grad_norm": result.grad_norm, "val": loop.evaluate(), **extra}
+    # The step's, counted in its forward passes: each of the 4 micro-batches' loss once, whatever
+    # the layout (the pipeline's last stage, every dp rank's own, tensor-parallel ranks not twice).
+    calls = total_hits(loop.last_hits[0], state)[1]
+    accuracy = token_accuracy(*loop.last_hits, state)
+    return {"loss": reduce_mean(loss, state), "grad_norm": result.grad_norm, "val": loop.evaluate(),
+            "accuracy": accuracy, "calls": calls, "tokens_counted": loop.last_hits[1], **extra}  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -372,11 +381,16 @@ def test_the_step_loss_is_per_token_over_the_global_batch_in_every_layout(tmp_pa
     # Micro-batches with different loss-token counts: a mean of per-micro-batch means would differ.
     assert len(set(ref["counts"])) > 1
     assert abs(ref["loss"] - ref["by_hand"]) < 1e-5  # Σ masked token losses / loss tokens, in one go
+    assert ref["accuracy"] == pytest.approx(ref["accuracy_by_hand"], abs=1e-9)
+    assert ref["calls"] == 4 and ref["tokens_counted"] == ref["tokens"]
+    one_token = 1 / ref["tokens"]  # another summation order may flip a near-tie's argmax, not more
     for layout in ({"dp": 2}, {"pp": 2, "dp": 1}, {"tp": 2, "dp": 1, "sequence_parallel": True}):
         got = run_distributed(_step_rank, 2, str(tmp_path), layout)[0]
         assert abs(got["loss"] - ref["loss"]) < 1e-5, layout
         assert abs(got["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], layout
         assert abs(got["val"] - ref["val"]) < 1e-5, layout
+        assert abs(got["accuracy"] - ref["accuracy"]) <= one_token + 1e-9, layout
+        assert got["calls"] == 4 and got["tokens_counted"] == ref["tokens"], layout
 
 
 def test_a_held_out_file_is_the_validation_split_whole(tmp_path: Path) -> None:

@@ -121,3 +121,24 @@ def test_one_fp32_logits_block_alive(dtype: torch.dtype) -> None:
     block = chunk * v * 4
     sixteen_bit = (chunk * v + v * h) * 2 if dtype != torch.float32 else 0
     assert grads + block <= live.peak < grads + block + sixteen_bit + 4096
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_counts_the_tokens_predicted_right(chunk: int | None) -> None:
+    """counting_token_hits(): the kept tokens whose label is the logits' argmax (token accuracy)."""
+    from megatrain.kernels.linear_cross_entropy import counting_token_hits
+
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(3, 11, 24, generator=g), torch.randn(30, 24, generator=g)
+    logits = (hidden.reshape(-1, 24) @ weight.t()).float()
+    labels = torch.randint(0, 30, (33,), generator=g)
+    labels[::3] = logits.argmax(-1)[::3]  # a third of the tokens predicted right, at least
+    mask = (torch.rand(33, generator=g) < 0.6).float()
+    want = ((logits.argmax(-1) == labels) & (mask > 0)).sum()
+    with counting_token_hits() as hits:
+        linear_cross_entropy(hidden, weight, labels.reshape(3, 11), chunk, loss_mask=mask.reshape(3, 11))
+        with torch.no_grad():  # evaluation counts too: twice the tokens
+            linear_cross_entropy(hidden, weight, labels.reshape(3, 11), chunk, loss_mask=mask.reshape(3, 11))
+    assert want >= 4 and hits.calls == 2 and hits.correct == 2 * want
+    linear_cross_entropy(hidden, weight, labels.reshape(3, 11), chunk)  # outside: nobody counts
+    assert hits.calls == 2

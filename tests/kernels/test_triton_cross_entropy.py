@@ -37,17 +37,20 @@ def test_rows_kernel_loss_and_gradient(rows: int, vocab: int, dtype: torch.dtype
     labels = torch.randint(0, vocab, (rows,), generator=g)
     labels[0] = -1  # no label here: no target term, no onehot
     weights = torch.rand(rows, generator=g)
+    got_grad = logits.clone()
+    labels[1] = int(logits[1].float().argmax())  # a row predicted right: at least one hit
     x = logits.float().requires_grad_()
     target = x.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) * (labels >= 0)
     want = torch.logsumexp(x, 1) - target
     (want * weights).sum().backward()
-    got_grad = logits.clone()
-    got = cross_entropy_rows_(got_grad, labels, weights)
+    got, hit = cross_entropy_rows_(got_grad, labels, weights)
     _close(got, want.detach(), dtype)
+    argmax = logits.float().argmax(1)
+    assert torch.equal(hit, (labels == argmax) & (labels >= 0)) and hit[1] and not hit[0]
     _close(got_grad, x.grad, dtype, grad=True)
     assert got_grad.dtype == dtype  # written over the logits, in their dtype
     untouched = logits.clone()
-    _close(cross_entropy_rows_(untouched, labels, None), want.detach(), dtype)
+    _close(cross_entropy_rows_(untouched, labels, None)[0], want.detach(), dtype)
     assert torch.equal(untouched, logits)  # without weights the logits are only read
 
 

@@ -79,6 +79,9 @@ def _check_supervised(client: Any, job: Any, live: LiveApi) -> Any:
     done = _succeeded(client, job.id, live)
     losses = _train_losses(client, job.id)
     assert [s for s, _ in losses] == [1, 2] and all(math.isfinite(loss) for _, loss in losses)
+    events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+    accuracy = [e.data["train_mean_token_accuracy"] for e in events if "train_loss" in (e.data or {})]
+    assert len(accuracy) == 2 and all(0.0 <= a <= 1.0 for a in accuracy)  # the engine's token_accuracy
     (ckpt,) = client.fine_tuning.jobs.checkpoints.list(job.id).data
     assert ckpt.step_number == 2 and ckpt.metrics.train_loss == losses[-1][1]
     assert done.fine_tuned_model in {m.id for m in client.models.list()}

@@ -63,8 +63,8 @@ def _metrics(row: JobMetric, total: int) -> tuple[str, dict[str, Any]]:
     else:
         loss, key, what = row.loss if row.loss is not None else values.get("loss"), "train_loss", "training"
     data = {"step": row.step, key: loss, "total_steps": total}
-    if "train_mean_token_accuracy" in values:
-        data["train_mean_token_accuracy"] = values["train_mean_token_accuracy"]
+    if isinstance(values.get("token_accuracy"), int | float):  # the engine's; DPO steps have none
+        data["train_mean_token_accuracy"] = values["token_accuracy"]
     shown = f": {what} loss={loss:.4f}" if isinstance(loss, int | float) else ""
     return f"Step {row.step}/{total}{shown}", data
 
@@ -136,6 +136,8 @@ def _checkpoint_metrics(session: Session, job_id: str, step: int) -> dict[str, f
     for kind, loss, data in rows:
         if kind == "train" and loss is not None:
             out["train_loss"] = float(loss)
+            if isinstance((data or {}).get("token_accuracy"), int | float):
+                out["train_mean_token_accuracy"] = float(data["token_accuracy"])
         elif kind == "val" and (data or {}).get("val_loss") is not None:
             out["valid_loss"] = out["full_valid_loss"] = float(data["val_loss"])
     return out

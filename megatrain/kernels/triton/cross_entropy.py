@@ -66,12 +66,14 @@ def _row_grad(x_ptr, y, m, d, w, n_cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cross_entropy_kernel(X, stride, Y, W, LOSS, n_cols, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+def _cross_entropy_kernel(X, stride, Y, W, LOSS, HIT, n_cols, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_ptr = X + row * stride
     y = tl.load(Y + row)
     m, d = _row_lse(x_ptr, n_cols, BLOCK)
-    tl.store(LOSS + row, tl.log(d) + m - _row_target(x_ptr, y))  # read before the gradient overwrites it
+    target = _row_target(x_ptr, y)  # read before the gradient overwrites it
+    tl.store(LOSS + row, tl.log(d) + m - target)
+    tl.store(HIT + row, ((target >= m) & (y >= 0)).to(tl.int8))
     if HAS_GRAD:
         _row_grad(x_ptr, y, m, d, tl.load(W + row), n_cols, BLOCK)
 
@@ -106,12 +108,14 @@ def _check(logits: torch.Tensor, labels: torch.Tensor) -> None:
 
 def cross_entropy_rows_(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
-) -> torch.Tensor:
-    """Each row's lse - logit[label] (fp32, (rows,)); with `weights` (rows,) the logits become their
-    gradient (softmax - onehot) · weights in place. labels: column ids, -1 for none."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's lse - logit[label] (fp32, (rows,)) and whether logit[label] is the row's max (bool,
+    False for -1); with `weights` (rows,) the logits become their gradient (softmax - onehot) ·
+    weights in place. labels: column ids, -1 for none."""
     _check(logits, labels)
     rows, n_cols = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    hit = torch.empty(rows, dtype=torch.int8, device=logits.device)
     if rows:
         w = weights if weights is not None else loss  # not read without HAS_GRAD
         _cross_entropy_kernel[(rows,)](
@@ -120,11 +124,12 @@ def cross_entropy_rows_(
             labels,
             w,
             loss,
+            hit,
             n_cols,
             HAS_GRAD=weights is not None,
             BLOCK=_block(n_cols),
         )
-    return loss
+    return loss, hit.bool()
 
 
 def cross_entropy_stats(

@@ -42,20 +42,22 @@ def _unfused(
     keep = mask.reshape(-1) * (labels.reshape(-1) != -100)
     loss = (per_token * keep).sum() / keep.sum()
     (3.0 * loss).backward()
-    return loss.detach(), h.grad, w.grad
+    hits = ((logits.argmax(-1) == labels.reshape(-1)) & (keep > 0)).sum()
+    return loss.detach(), h.grad, w.grad, hits
 
 
 def _fused_rank(rank: int, world: int, sp: bool) -> None:
     from megatrain import kernels
     from megatrain.engine.parallel.fused_loss import fused_parallel_lm_loss
     from megatrain.engine.parallel.layers import ColumnParallelLinear
+    from megatrain.kernels.linear_cross_entropy import counting_token_hits
 
     state = tp_state(world, sp)
     local = V // world
     tol = {"rtol": 1e-5, "atol": 1e-6}
     for limit in (V - 3, local - 2):  # padding in the last shard; a last shard of padding only
         hidden, weight, labels, mask = _data(limit)
-        loss_ref, grad_h, grad_w = _unfused(hidden, weight, labels, mask, limit)
+        loss_ref, grad_h, grad_w, hits_ref = _unfused(hidden, weight, labels, mask, limit)
         grad_w = torch.cat([grad_w, torch.zeros(V - grad_w.shape[0], C)])  # padding rows: no gradient
         for backend in BACKENDS:
             os.environ[kernels.ENV] = f"vocab_parallel_linear_cross_entropy={backend}"
@@ -63,9 +65,20 @@ def _fused_rank(rank: int, world: int, sp: bool) -> None:
             fn = kernels.get("vocab_parallel_linear_cross_entropy")
             h = hidden.clone().requires_grad_()
             w = weight.chunk(world)[rank].clone().requires_grad_()
-            loss = fn(
-                h, w, labels, state.tp_group, rank * local, chunk_tokens=5, loss_mask=mask, vocab_limit=limit
-            )
+            with counting_token_hits() as hits:
+                loss = fn(
+                    h,
+                    w,
+                    labels,
+                    state.tp_group,
+                    rank * local,
+                    chunk_tokens=5,
+                    loss_mask=mask,
+                    vocab_limit=limit,
+                )
+            # Every shard counts the kept tokens whose label is the argmax (the reference does not count).
+            assert hits.calls == (backend != "reference")
+            assert backend == "reference" or hits.correct == hits_ref, (backend, hits.correct, hits_ref)
             (3.0 * loss).backward()
             torch.testing.assert_close(loss, loss_ref, **tol, msg=backend)
             dist.all_reduce(h.grad, group=state.tp_group)
