@@ -132,8 +132,9 @@ class ModelSpec(_Strict):
     safetensors, as file:///abs/path or s3://bucket/prefix)."""
     adapter_from: str | None = Field(None, max_length=1024)
     """training.method lora or qlora: hf:URL of a PEFT LoRA folder (adapter_config.json and
-    adapter_model.safetensors, file:///abs/path or s3://bucket/prefix) whose adapters the run starts
-    from instead of fresh ones (its rank, alpha, targets and rsLoRA must be training.lora's)."""
+    adapter_model.safetensors, file:///abs/path or s3://bucket/prefix), or checkpoint:JOB_ID[@STEP]
+    of a LoRA job trained on this model.init_from, whose adapters the run starts from instead of
+    fresh ones (its rank, alpha, targets and rsLoRA must be training.lora's)."""
 
     @model_validator(mode="after")
     def _shapes(self, info: ValidationInfo) -> ModelSpec:
@@ -172,10 +173,11 @@ class ModelSpec(_Strict):
         attention = dropout_problem(self.attention_backend, self.attention_dropout)
         if attention:
             out.append(_rule("model.attention_backend", attention))
-        if self.adapter_from is not None and not (
-            self.adapter_from.startswith("hf:") and _valid_init_from(self.adapter_from)
-        ):
-            why = "model.adapter_from must be null or hf:URL (a PEFT folder: file:///abs/path or s3://bucket/prefix)"
+        if self.adapter_from is not None and not _valid_init_from(self.adapter_from):
+            why = (
+                "model.adapter_from must be null, hf:URL (a PEFT folder: file:///abs/path or "
+                "s3://bucket/prefix) or checkpoint:JOB_ID[@STEP] (a LoRA job's adapters)"
+            )
             out.append(_rule("model.adapter_from", why))
         if self.init_from is not None and not _valid_init_from(self.init_from):
             out.append(

@@ -242,11 +242,17 @@ def _start_model(
     hf_start = (init_from or "").startswith("hf:")
     activity.phase = "init" if hf_start else "model"  # a Hugging Face start reads while it builds
     adapters = None
-    if spec.model.adapter_from and cfg.lora and init_from == spec.model.init_from:  # a first attempt
-        from megatrain.engine.interop.peft_load import peft_adapter_source
+    start = spec.model.adapter_from
+    if start and cfg.lora and init_from == spec.model.init_from:  # a first attempt
+        from megatrain.engine.interop.peft_load import checkpoint_adapter_source, peft_adapter_source
 
-        adapters = peft_adapter_source(spec.model.adapter_from, mcfg, cfg.lora)
-        log.say(f"adapters start from the PEFT folder at {spec.model.adapter_from.removeprefix('hf:')}")
+        if start.startswith("checkpoint:"):
+            storage = get_settings().resolved_storage_url
+            adapters = checkpoint_adapter_source(start, init_from, cfg.lora, storage)
+            log.say(f"adapters start from {start}'s (a LoRA fine-tune continued)")
+        else:
+            adapters = peft_adapter_source(start, mcfg, cfg.lora)
+            log.say(f"adapters start from the PEFT folder at {start.removeprefix('hf:')}")
     with _hf_weights(init_from, mcfg) as hf:
         dtype = PARAM_DTYPES[cfg.precision]
         model = build_model(

@@ -177,6 +177,15 @@ def test_init_from_other_tenants_job_is_refused(api: Api) -> None:
         assert resp.status_code == (201 if ok else 422), resp.text
         if not ok:
             assert _fields(resp) == ["model.init_from"]
+    # A LoRA fine-tune continued from another tenant's adapters is refused the same way.
+    lora = {"method": "lora", "lora": {"rank": 4}}
+    for job_id, ok in ((theirs["id"], False), (mine["id"], True)):
+        model = {"init_from": f"checkpoint:{mine['id']}", "adapter_from": f"checkpoint:{job_id}"}
+        spec = api.spec("cont", kind="finetune", training={**api.spec()["training"], **lora}, model=model)
+        resp = api.client.post("/v1/jobs", json=spec, headers=api.headers)
+        assert resp.status_code == (201 if ok else 422), resp.text
+        if not ok:
+            assert _fields(resp) == ["model.adapter_from"]
 
 
 def test_number_edge_cases_in_raw_json(api: Api) -> None:

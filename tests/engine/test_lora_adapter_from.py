@@ -1,4 +1,5 @@
-"""model.adapter_from: a LoRA run's adapters start from a PEFT folder that peft itself wrote."""
+"""model.adapter_from: a LoRA run's adapters start from a PEFT folder that peft itself wrote, or
+from a LoRA job's checkpoint."""
 
 from __future__ import annotations
 
@@ -79,7 +80,47 @@ def test_adapter_from_is_judged(tmp_path: Path) -> None:
         parse_spec(raw)
     raw["training"]["method"] = "lora"
     raw["model"]["adapter_from"] = "peft:somewhere"
-    with pytest.raises(SpecError, match="PEFT folder"):
+    with pytest.raises(SpecError, match="PEFT folder.*checkpoint:JOB_ID"):
         parse_spec(raw)
     raw["model"]["adapter_from"] = "hf:file:///abs/adapter"
     assert parse_spec(raw).model.adapter_from == "hf:file:///abs/adapter"
+    raw["model"]["adapter_from"] = "checkpoint:job_abc@2"  # a LoRA job's adapters
+    assert parse_spec(raw).model.adapter_from == "checkpoint:job_abc@2"
+
+
+def test_a_lora_jobs_checkpoint_continues(folders: tuple[Path, Path, object], tmp_path: Path) -> None:
+    """model.adapter_from: checkpoint:JOB: a LoRA job's adapters (a fine-tune continued), on the base
+    they were trained on; another shape, another base or a full fine-tune's checkpoint is named."""
+    from megatrain.engine.checkpoint import save_model
+    from megatrain.engine.interop.hf_slices import hf_slices
+    from megatrain.engine.interop.peft_load import checkpoint_adapter_source
+
+    base, adapter, ref = folders
+    base_url, storage = f"hf:{base.as_uri()}", (tmp_path / "storage").as_uri()
+    peft_start = peft_adapter_source(f"hf:{adapter.as_uri()}", MCFG, LORA)
+    with hf_slices(base.as_uri(), MCFG) as weights:
+        trained = build_model(MCFG, fake_state(1, 0), seed=9, device="cpu", weights=weights.fill, lora=LORA,
+                              adapters=peft_start).module  # fmt: skip
+    raw = tiny_spec(tmp_path / "c.jsonl")
+    raw["model"]["init_from"] = base_url
+    raw["training"].update(method="lora", lora={"rank": 4, "alpha": 8.0})
+    state = {"base_init_from": base_url}
+    save_model(f"{storage}/jobs/job_lora/checkpoints", 2, trained, parse_spec(raw), state)
+    source = checkpoint_adapter_source("checkpoint:job_lora", base_url, LORA, storage)
+    with hf_slices(base.as_uri(), MCFG) as weights:
+        ours = build_model(MCFG, fake_state(1, 0), seed=5, device="cpu", weights=weights.fill, lora=LORA,
+                           adapters=source).module  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens)[..., :VOCAB], ref(tokens).logits, atol=1e-5, rtol=0)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"the adapter's r gives 4, training.lora.rank is 8"):
+        checkpoint_adapter_source("checkpoint:job_lora@2", base_url, LoRAConfig(rank=8, alpha=8.0), storage)
+    with pytest.raises(ValueError, match="holds adapters of hf:file://"):
+        checkpoint_adapter_source("checkpoint:job_lora", "hf:file:///another/base", LORA, storage)
+    with pytest.raises(ValueError, match="cannot read checkpoint:job_none"):
+        checkpoint_adapter_source("checkpoint:job_none", base_url, LORA, storage)
+    raw["training"]["method"] = "full"
+    del raw["training"]["lora"]
+    save_model(f"{storage}/jobs/job_full/checkpoints", 1, trained, parse_spec(raw), state)
+    with pytest.raises(ValueError, match="full fine-tune's checkpoint"):
+        checkpoint_adapter_source("checkpoint:job_full", base_url, LORA, storage)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from fixtures.celery import celery_worker
@@ -113,7 +114,27 @@ def _the_embedded_default(live: LiveApi) -> None:
     # were read as OpenAI's preference records (input, preferred_output, non_preferred_output).
     losses = _train_losses(client, dpo.id)
     assert [s for s, _ in losses] == [1, 2] and losses[0][1] == pytest.approx(math.log(2), abs=1e-4)
+    _continue_the_lora_fine_tune(live, client, client.fine_tuning.jobs.retrieve(sft.id))
     assert check.violations == []
+
+
+def _continue_the_lora_fine_tune(live: LiveApi, client: Any, done: Any) -> None:
+    """A LoRA fine-tuned model as `model`: its adapters train on over the same base. Same file,
+    seed and batches: fresh adapters would start at the first job's step-1 loss exactly."""
+    hp = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50.0}
+    more = client.fine_tuning.jobs.create(
+        model=done.fine_tuned_model, training_file=done.training_file, seed=done.seed,
+        extra_body=EXTENSION, method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+    )  # fmt: skip
+    _succeeded(client, more.id, live)
+    first, again = _train_losses(client, done.id), _train_losses(client, more.id)
+    assert again[0][1] < first[0][1] - 1e-3, (first, again)
+    job = more.model_extra["megatrain"]["job_id"]
+    spec = httpx.get(f"{live.url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {live.key}"}).json()[
+        "spec"
+    ]
+    prior = done.model_extra["megatrain"]["job_id"]
+    assert spec["model"]["adapter_from"] == f"checkpoint:{prior}@2" and spec["training"]["method"] == "lora"
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -126,6 +126,6 @@ def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
         urls.append(("data.tokenizer.path", spec.data.tokenizer.path))
     if spec.data.chat_template and is_url(spec.data.chat_template):
         urls.append(("data.chat_template", spec.data.chat_template))
-    if spec.model.adapter_from:
+    if spec.model.adapter_from and spec.model.adapter_from.startswith("hf:"):  # checkpoint: is a job's
         urls.append(("model.adapter_from", spec.model.adapter_from.removeprefix("hf:")))
     return urls

@@ -243,21 +243,21 @@ def _data(spec: JobSpec, settings: Settings, tenant: Tenant, findings: Findings)
     findings.add(missing_data(checks, settings.s3_endpoint_url))
 
 
-def _init_from(session: Session, spec: JobSpec, tenant: Tenant) -> Problem | None:
-    """`checkpoint:JOB_ID[@STEP]` must name one of the tenant's own jobs (no reading others' weights);
-    hf:URL was checked (and the model filled) before parsing, by hf_init.fill_model."""
-    if not spec.model.init_from or not spec.model.init_from.startswith("checkpoint:"):
+def _init_from(session: Session, spec: JobSpec, tenant: Tenant, field: str) -> Problem | None:
+    """`checkpoint:JOB_ID[@STEP]` in model.init_from (or model.adapter_from) must name one of the
+    tenant's own jobs (no reading others' weights); hf:URL was checked (and the model filled) before
+    parsing, by hf_init.fill_model (an adapter folder by the data-access rules)."""
+    value = getattr(spec.model, field.removeprefix("model."))
+    if not value or not value.startswith("checkpoint:"):
         return None
-    ref = spec.model.init_from.removeprefix("checkpoint:")
-    job_id, _, step = ref.partition("@")
-    field = "model.init_from"
+    job_id, _, step = value.removeprefix("checkpoint:").partition("@")
     if step and not step.isdigit():
-        return _problem(field, f"model.init_from={spec.model.init_from!r}: STEP must be an integer")
+        return _problem(field, f"{field}={value!r}: STEP must be an integer")
     owned = JOB_ID_PATTERN.match(job_id) and session.scalar(
         select(Job.id).where(Job.id == job_id, Job.tenant_id == tenant.id)
     )
     if not owned:
-        return _problem(field, f"model.init_from names job {job_id!r}, which does not exist")
+        return _problem(field, f"{field} names job {job_id!r}, which does not exist")
     return None
 
 
@@ -320,8 +320,9 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         _fit(spec, layout, *pool, findings, multi_node=settings.multi_node_executor)
     _datasets(session, spec, tenant, findings)
     _data(spec, settings, tenant, findings)
-    if not findings.depends_on_unknown("model.init_from"):
-        findings.add(filter(None, [_init_from(session, spec, tenant)]))
+    for field in ("model.init_from", "model.adapter_from"):
+        if not findings.depends_on_unknown(field):
+            findings.add(filter(None, [_init_from(session, spec, tenant, field)]))
     if not findings.depends_on_unknown("resources.priority"):
         findings.add(filter(None, [_priority(spec, tenant)]))
     if not findings.depends_on_unknown("resources.pool"):

@@ -27,7 +27,7 @@ AUTO_BETA = 0.1
 AUTO_BATCH_FRACTION = 0.002
 """batch_size auto: this share of the records (OpenAI's rule of thumb), from 1 to MAX_AUTO_BATCH."""
 MAX_AUTO_BATCH = 256
-BASE_LR = {"lora": 1e-4, "full": 1e-5}
+BASE_LR = {"lora": 1e-4, "qlora": 1e-4, "full": 1e-5}
 """learning_rate_multiplier scales these: the usual LoRA and full fine-tuning rates."""
 DEFAULT_MAX_SEQ_LENGTH = 4096
 """A record is cut to the model's context, at most this (the extension's seq_length overrides)."""
@@ -134,11 +134,13 @@ def plan(
     seed: int,
     name: str,
     validation: Dataset | None = None,
+    adapters: dict[str, Any] | None = None,
 ) -> Plan:
     """The spec of the request. `model`: the spec's model section (init_from, seq_length …);
     `data`: its tokenizer and chat template (tokenizer_and_template, or the continued job's).
     `validation`: the validation file, held out whole (data.valid) and evaluated EVALS_PER_EPOCH
-    times an epoch and at the end, every record of it each time (at most MAX_EVAL_BATCHES batches)."""
+    times an epoch and at the end, every record of it each time (at most MAX_EVAL_BATCHES batches).
+    `adapters`: training.method and training.lora of the LoRA fine-tune this one continues."""
     kind = method_type(req)
     records = training.documents or 0
     hp = resolve(_asked(req, kind), records, kind)
@@ -159,6 +161,7 @@ def plan(
         "seed": seed,
         "method": training_method,
     }
+    spec_training.update(adapters or {})
     if validation is not None:
         spec_training["eval_interval"] = max(1, steps_per_epoch // EVALS_PER_EPOCH)
         batches = math.ceil((validation.documents or 1) / hp.batch_size)

@@ -58,8 +58,9 @@ def _file(session: Session, tenant: Tenant, file_id: str, param: str, kind: str)
 
 def _base(
     ref: ModelRef, settings: Settings, req: JobCreate
-) -> tuple[dict[str, Any], dict[str, Any], str, str]:
-    """(spec model section, data tokenizer and template, base model name, training method)."""
+) -> tuple[dict[str, Any], dict[str, Any], str, str, dict[str, Any]]:
+    """(spec model section, data tokenizer and template, base model name, training method, the
+    training section's adapter settings when it continues a LoRA fine-tune)."""
     ext = req.megatrain
     method = (ext.training_method if ext else None) or settings.openai_training_method
     if ref.registered is not None:
@@ -67,25 +68,31 @@ def _base(
         own = int(m.fields.get("seq_length") or job_spec.DEFAULT_MAX_SEQ_LENGTH)
         seq = (ext.seq_length if ext else None) or min(own, job_spec.DEFAULT_MAX_SEQ_LENGTH)
         model = {"init_from": f"hf:{m.name}", "seq_length": seq}
-        return model, job_spec.tokenizer_and_template(m, settings), m.name, method
+        return model, job_spec.tokenizer_and_template(m, settings), m.name, method, {}
     # Continuing from a fine-tuned model (or a checkpoint of one): its job's model, from that step.
     assert ref.ft is not None and ref.job is not None
     if ref.step is None:
         raise openai_error(400, f"{ref.id} has no checkpoint to continue from", param="model")
     prior = ref.job.spec
-    if (prior["training"].get("method") or "full") != "full":
-        raise openai_error(
-            400,
-            "continuing from a LoRA fine-tuned model is not supported yet (its checkpoints hold the "
-            "adapters alone): fine-tune its base again, or continue from a full fine-tune",
-            param="model",
-        )
+    data = {k: prior["data"].get(k) for k in ("tokenizer", "chat_template")}
+    checkpoint = f"checkpoint:{ref.job.id}@{ref.step}"
+    prior_method = prior["training"].get("method") or "full"
+    if prior_method != "full":
+        # Its checkpoint holds adapters: they train on, over the same base, shaped as they were.
+        if ext is not None and ext.training_method not in (None, "lora"):
+            raise openai_error(
+                400,
+                f"{ref.id} is a LoRA fine-tune: continuing it trains its adapters (training_method lora)",
+                param="megatrain.training_method",
+            )
+        model = {**prior["model"], "adapter_from": checkpoint}
+        adapters = {"method": prior_method, "lora": prior["training"].get("lora") or {}}
+        return model, data, ref.ft.base_model, prior_method, adapters
     # A full checkpoint is a whole model: trained on in full (unless the request asks for LoRA
     # adapters over it), whatever the operator's default for a base.
     method = (ext.training_method if ext else None) or "full"
-    model = {**prior["model"], "init_from": f"checkpoint:{ref.job.id}@{ref.step}"}
-    data = {k: prior["data"].get(k) for k in ("tokenizer", "chat_template")}
-    return model, data, ref.ft.base_model, method
+    model = {**prior["model"], "init_from": checkpoint}
+    return model, data, ref.ft.base_model, method, {}
 
 
 def _check_cap(session: Session, settings: Settings, tenant: Tenant) -> None:
@@ -114,10 +121,10 @@ def create_job(session: Session, settings: Settings, tenant: Tenant, req: JobCre
     if req.validation_file is not None:
         validation = _file(session, tenant, req.validation_file, "validation_file", kind)
     ref = resolve_model(session, tenant, req.model)
-    model, data, base, method = _base(ref, settings, req)
+    model, data, base, method, adapters = _base(ref, settings, req)
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
     name = f"ft-{req.suffix or base}"[:100]
-    plan = job_spec.plan(req, settings, training, model, data, method, seed, name, validation)
+    plan = job_spec.plan(req, settings, training, model, data, method, seed, name, validation, adapters)
     job, _ = jobs.submit_job(session, settings, tenant, plan.spec, None)
     ft = FineTuningJob(
         job_id=job.id,

@@ -1,9 +1,12 @@
-"""`model.adapter_from: hf:URL`: a run's LoRA adapters start from a PEFT folder's.
+"""`model.adapter_from`: a run's LoRA adapters start from a PEFT folder's (`hf:URL`), or from a
+LoRA job's checkpoint (`checkpoint:JOB_ID[@STEP]`: continuing a LoRA fine-tune).
 
-The folder's adapter_config.json must describe the adapters the spec trains (rank, alpha, targets,
-rsLoRA): a mismatch is named field by field rather than silently retrained from another shape.
-Its tensors are mapped to ours (interop.peft.adapter_from_peft) and handed to build_model as a
-weight source; adapters are small, so the folder is read whole, once.
+The folder's adapter_config.json (or the job's training.lora) must describe the adapters the spec
+trains (rank, alpha, targets, rsLoRA): a mismatch is named field by field rather than silently
+retrained from another shape. A PEFT folder's tensors are mapped to ours
+(interop.peft.adapter_from_peft); a checkpoint's are ours already, and must sit on the same base
+(its base_init_from is the run's model.init_from). Either is handed to build_model as a weight
+source; adapters are small, so they are read whole, once.
 """
 
 from __future__ import annotations
@@ -64,6 +67,42 @@ def peft_adapter_source(url: str, mcfg: TransformerConfig, lora: LoRAConfig) -> 
         full = adapter_from_peft(tensors, mcfg, lora, model_type)
     except KeyError as exc:
         raise ValueError(f"model.adapter_from: {exc.args[0]}") from None
+    return _source(full)
+
+
+def checkpoint_adapter_source(
+    ref: str, init_from: str | None, lora: LoRAConfig, storage_url: str
+) -> WeightSource:
+    """A weight source for the adapters of a LoRA job's checkpoint (`checkpoint:JOB_ID[@STEP]`),
+    which must have been trained on `init_from` (the run's base) with the adapters `lora` asks for."""
+    from megatrain.engine.checkpoint import CheckpointReader
+    from megatrain.engine.checkpoint.sharded import resolve_init_from
+
+    try:
+        url = resolve_init_from(ref, storage_url)
+        reader = CheckpointReader(url)
+    except (FileNotFoundError, StorageError, OSError, ValueError) as exc:
+        raise ValueError(f"model.adapter_from: cannot read {ref}: {exc}") from None
+    try:
+        theirs = reader.lora
+        if theirs is None:
+            raise ValueError(f"model.adapter_from: {ref} is a full fine-tune's checkpoint, not LoRA adapters")
+        problems = adapter_problems(theirs, lora)
+        if problems:
+            raise ValueError(f"model.adapter_from: {'; '.join(problems)}")
+        trained_on = reader.folder.trainer_state.get("base_init_from")
+        if trained_on != init_from:
+            raise ValueError(
+                f"model.adapter_from: {ref} holds adapters of {trained_on}, model.init_from is {init_from}"
+            )
+        full = {name: reader.tensor(name) for name in reader.names() if ".lora." in name}
+    finally:
+        reader.close()
+    return _source(full)
+
+
+def _source(full: dict[str, torch.Tensor]) -> WeightSource:
+    """build_model's weight source over whole adapter tensors: each rank copies its shard's box."""
 
     def fill(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
         t = full[name]
