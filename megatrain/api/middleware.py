@@ -1,11 +1,12 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware, so streaming responses pass straight through):
-a request-body size limit and Prometheus request metrics."""
+a request-body size limit and Prometheus request metrics; and stream_body, the size-capped reading
+of an upload that its routes share."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -13,6 +14,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megatrain.db.models import JOB_STATES, Job
@@ -23,6 +26,25 @@ class RequestTooLarge(Exception):
     def __init__(self, limit: int):
         self.limit = limit
         super().__init__(f"request body exceeds {limit} bytes")
+
+
+BODY_CHUNK = 1 << 20
+"""An upload is handed on in pieces of about this size (a thread call each, not one per packet)."""
+
+
+async def stream_body(request: Request, cap: int, feed: Callable[[bytes], object]) -> None:
+    """Hand a request's body to `feed` (run in a worker thread) in BODY_CHUNK pieces, refusing it
+    (RequestTooLarge) once past `cap` bytes, announced or not; then `feed(b"")`'s last piece."""
+    pending, received = bytearray(), 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > cap:
+            raise RequestTooLarge(cap)
+        pending += chunk
+        if len(pending) >= BODY_CHUNK:
+            await run_in_threadpool(feed, bytes(pending))
+            pending.clear()
+    await run_in_threadpool(feed, bytes(pending))
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:

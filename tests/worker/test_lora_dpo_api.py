@@ -7,18 +7,15 @@ local executor) and on PostgreSQL + Celery (Redis), with the real engine on CPU.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.celery import celery_worker
+from fixtures.celery import celery_stack
 from fixtures.checkpoints import write_bpe_tokenizer
-from fixtures.live import LiveApi, start_live_api
+from fixtures.live import LiveApi
 
 from megatrain.client import Client
 
@@ -180,31 +177,12 @@ def test_lora_and_dpo_on_the_embedded_default(live_stack: LiveApi, tmp_path: Pat
     _lora_and_dpo_through_the_api(live_stack, tmp_path, "default", None)
 
 
-@contextlib.contextmanager
-def _celery_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> Iterator[LiveApi]:
-    """API + scheduler with the Celery executor, and one worker: a pool (and queues) of this test's own."""
-    pool = f"celery-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("MEGATRAIN_EXECUTOR", "celery")
-    monkeypatch.setenv("MEGATRAIN_REDIS_URL", redis_url)
-    monkeypatch.setenv("MEGATRAIN_POOL_NAME", pool)
-    stack = contextlib.contextmanager(start_live_api)(tmp_path, monkeypatch, with_scheduler=True)
-    try:
-        with stack as live, celery_worker(live.settings, tmp_path / "worker.log"):
-            yield live
-    finally:
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(f"megatrain.{pool}*"):
-            client.delete(key)
-
-
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_lora_and_dpo_on_postgres_and_celery(
     db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _celery_stack(tmp_path, monkeypatch, redis_url) as live:
+    with celery_stack(tmp_path, monkeypatch, redis_url) as live:
         pool = live.settings.pool_name
         _lora_and_dpo_through_the_api(live, tmp_path, pool, tmp_path / "worker.log")

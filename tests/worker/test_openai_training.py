@@ -9,19 +9,16 @@ test_openai_api.py's (fake engine)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from fixtures.celery import celery_worker
-from fixtures.live import LiveApi, start_live_api
+from fixtures.celery import celery_stack
+from fixtures.live import LiveApi
 from fixtures.openai_kit import (
     SchemaCheck,
     chat_records,
@@ -142,37 +139,15 @@ def test_supervised_and_dpo_on_the_embedded_default(live_stack: LiveApi) -> None
     _the_embedded_default(live_stack)
 
 
-@contextlib.contextmanager
-def _celery_s3_stack(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, bucket: str
-) -> Iterator[LiveApi]:
-    """API + scheduler with the Celery executor and S3 storage, and one worker: a pool (and
-    queues) of this test's own."""
-    pool = f"celery-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("MEGATRAIN_EXECUTOR", "celery")
-    monkeypatch.setenv("MEGATRAIN_REDIS_URL", redis_url)
-    monkeypatch.setenv("MEGATRAIN_POOL_NAME", pool)
-    monkeypatch.setenv("MEGATRAIN_STORAGE_URL", f"{bucket}/store")
-    monkeypatch.setenv("MEGATRAIN_NODE_ADDRESS", "127.0.0.1")  # where its model servers are reached
-    stack = contextlib.contextmanager(start_live_api)(tmp_path, monkeypatch, with_scheduler=True)
-    try:
-        with stack as live, celery_worker(live.settings, tmp_path / "worker.log"):
-            yield live
-    finally:
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(f"megatrain.{pool}*"):
-            client.delete(key)
-
-
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_supervised_on_postgres_celery_and_s3(
     db_url: str, redis_url: str, s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _celery_s3_stack(tmp_path, monkeypatch, redis_url, s3_bucket_url) as live:
+    # Its model servers are reached at MEGATRAIN_NODE_ADDRESS.
+    env = {"STORAGE_URL": f"{s3_bucket_url}/store", "NODE_ADDRESS": "127.0.0.1"}
+    with celery_stack(tmp_path, monkeypatch, redis_url, **env) as live:
         check = SchemaCheck()
         register_model(live.url, live.key, "tiny", tiny_model(live.data_path.parent / "tiny", real=True))
         client = sdk(live.url, live.key, check)

@@ -37,6 +37,7 @@ from megatrain.api.datasets.upload import JsonlCheck
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
 from megatrain.api.errors import FieldError
 from megatrain.api.middleware import RequestTooLarge
+from megatrain.api.middleware import stream_body as stream_to
 from megatrain.db.models import Tenant
 from megatrain.settings import Settings
 from megatrain.spec import NAME_PATTERN, SpecError
@@ -45,8 +46,6 @@ router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
 UPLOAD_TYPES = {"application/x-ndjson", "application/jsonl", "text/plain", "application/octet-stream"}
 JSON_TYPES = {"application/json"}
-BODY_CHUNK = 1 << 20
-"""Bytes gathered from the body before a worker thread checks them and writes them on."""
 
 
 def _content_type(request: Request) -> str:
@@ -88,17 +87,7 @@ async def stream_body(request: Request, settings: Settings, check: JsonlCheck) -
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > cap:
         raise RequestTooLarge(cap)
-    pending = bytearray()
-    received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > cap:
-            raise RequestTooLarge(cap)
-        pending += chunk
-        if len(pending) >= BODY_CHUNK:
-            await run_in_threadpool(check.feed, bytes(pending))
-            pending.clear()
-    await run_in_threadpool(check.feed, bytes(pending))
+    await stream_to(request, cap, check.feed)
     await run_in_threadpool(check.finish)
 
 

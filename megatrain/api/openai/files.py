@@ -25,7 +25,7 @@ from megatrain.api.datasets.router import stored, stream_upload
 from megatrain.api.datasets.schemas import DatasetOptions
 from megatrain.api.datasets.upload import JsonlCheck
 from megatrain.api.deps import CurrentTenant, SessionDep, SettingsDep
-from megatrain.api.middleware import RequestTooLarge
+from megatrain.api.middleware import BODY_CHUNK, stream_body
 from megatrain.api.openai.errors import openai_error
 from megatrain.api.openai.schemas import FileDeleted, FileList, FileObject
 from megatrain.api.registry import visible
@@ -35,7 +35,6 @@ from megatrain.storage import open_store, split_url
 
 router = APIRouter(prefix="/files", tags=["openai: files"])
 PURPOSE = "fine-tune"
-BODY_CHUNK = 1 << 20
 MAX_FIELD_BYTES = 1024
 """A form field other than the file (purpose, expires_after) is a short string."""
 
@@ -147,16 +146,7 @@ async def _read_form(request: Request, settings: Settings, form: _Form) -> None:
             400, "send the file as multipart/form-data (fields file and purpose)", param="file"
         )
     parser = MultipartParser(boundary, form.callbacks())  # type: ignore[arg-type]
-    cap, received, pending = settings.max_dataset_upload_bytes, 0, bytearray()
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > cap:
-            raise RequestTooLarge(cap)
-        pending += chunk
-        if len(pending) >= BODY_CHUNK:
-            await run_in_threadpool(parser.write, bytes(pending))
-            pending.clear()
-    await run_in_threadpool(parser.write, bytes(pending))
+    await stream_body(request, settings.max_dataset_upload_bytes, parser.write)
     await run_in_threadpool(parser.finalize)
     if not form.saw_file:
         raise openai_error(400, "the upload has no 'file' part", param="file")
