@@ -26,7 +26,7 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_de
                "time", "skipped_iters", "data_time_s", "forward_time_s", "backward_time_s",
                "grad_sync_time_s", "optimizer_time_s", "cpu_util", "device_memory_used_bytes",
                "device_memory_total_bytes", "host_other_cores", "host_job_cores", "host_cores",
-               "host_under_load"}  # fmt: skip
+               "host_under_load", "token_accuracy"}  # fmt: skip
 PIPELINE_KEYS = {"pipeline_bubble_fraction", "pipeline_wait_time_s", "pipeline_compute_time_s",
                  "pipeline_max_stage_wait_time_s"}  # fmt: skip
 
@@ -145,6 +145,9 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
         assert b["lr"] == a["lr"] and b["consumed_samples"] == a["consumed_samples"]
+        # Counted on the last stage, summed over dp, once per tp group: a near-tie may flip a token.
+        assert b["token_accuracy"] == pytest.approx(a["token_accuracy"], abs=2e-3)
+    assert [r for r in ref if "loss" in r][-1]["token_accuracy"] > 0.05  # the corpus's commonest bytes
     val_ref = [r["val_loss"] for r in ref if "val_loss" in r]
     val_got = [r["val_loss"] for r in got if "val_loss" in r]
     assert len(val_got) == 2 and val_got == pytest.approx(val_ref, rel=1e-4)
