@@ -379,6 +379,7 @@ class TrainLoop:
             "iter_time_s": iter_time,
             **{f"{k}_time_s": v for k, v in self.timers.means().items()},
             "consumed_samples": consumed,
+            "trained_tokens": self.train_ds.trained_tokens(consumed, self.cfg.seq_length),
             "skipped_iters": w.skipped,
         }
         if w.loss_scale is not None:

@@ -77,6 +77,10 @@ def test_records_become_pairs_of_rows_with_loss_on_the_response_only(tmp_path: P
     assert sorted(train.document(2 * k) // 2 for k in range(32)) == sorted(train.pairs[:, 0] // 2)
     with pytest.raises(ValueError, match="whole pairs"):
         train.batch([1, 2])
+    # Trained tokens: each sequence's tokens within its row (padding not), into the next epoch.
+    for n in (0, 7, 64, 64 + 9):
+        rows = [train.tokens[train.document(i)][: train.capacity] for i in range(n)]
+        assert train.tokens_through(n) == sum(len(r) for r in rows), n
 
 
 @pytest.mark.parametrize(

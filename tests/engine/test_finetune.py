@@ -228,6 +228,13 @@ def test_records_are_tokenized_once_split_packed_and_counted(tmp_path: Path) -> 
     assert flat["train"] is not None and len(flat["train"]) == 16
     unpacked = flat["train"].batch(list(range(16)))
     assert unpacked.segment_ids is None and unpacked.loss_mask.sum() == batch.loss_mask.sum()
+    # Trained tokens count the records' tokens, not the padding: in an unpacked sample, segment 0.
+    one = flat["train"]
+    for n in (0, 5, 16, 16 + 7):
+        real = sum(int((one.sample(i)[2] == 0).sum()) for i in range(n))
+        assert one.tokens_through(n) == real <= n * 25 - n, n
+    # Packed or not, an epoch trains on the same tokens.
+    assert train.tokens_through(2 * len(train)) == 2 * one.tokens_through(16)
 
 
 def test_long_records_are_truncated_on_the_right(tmp_path: Path) -> None:

@@ -162,7 +162,9 @@ def get_job(session: Session, tenant: Tenant, ft_id: str) -> tuple[FineTuningJob
 
 
 def _trained_tokens(session: Session, job: Job) -> int | None:
-    """Tokens the job trained on (rows x seq_length, padding included) once it has finished."""
+    """Tokens the job trained on once it has finished: the records' tokens of every sample it
+    consumed, epochs counted again, padding not (the engine's `trained_tokens` metric; a run logged
+    before that metric existed counts whole rows)."""
     if job.status != SUCCEEDED:
         return None
     data = session.scalar(
@@ -171,7 +173,10 @@ def _trained_tokens(session: Session, job: Job) -> int | None:
         .order_by(JobMetric.step.desc())
         .limit(1)
     )
-    rows = (data or {}).get("consumed_samples")
+    data = data or {}
+    if isinstance(data.get("trained_tokens"), int):
+        return int(data["trained_tokens"])
+    rows = data.get("consumed_samples")
     return int(rows) * int(job.spec["model"]["seq_length"]) if isinstance(rows, int) else 0
 
 

@@ -36,7 +36,7 @@ from megatrain.engine.data.chat_templates import ChatTemplate, load_chat_templat
 from megatrain.engine.data.corpus import open_corpus, split_lines
 from megatrain.engine.data.gpt_dataset import SPLITS, split_bounds
 from megatrain.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
-from megatrain.engine.data.packing import batch_from_samples, pack, packed_sample
+from megatrain.engine.data.packing import batch_from_samples, pack, packed_sample, tokens_through
 from megatrain.engine.data.remote import source_identity
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.spec import DataSpec
@@ -209,9 +209,12 @@ class FinetuneDataset:
             "dropped": int((~useful).sum()),
         }
         if packing:
-            self.samples = [self.records[b] for b in pack(self.lengths, self.capacity, seed, key)]
+            bins = pack(self.lengths, self.capacity, seed, key)
+            self.samples = [self.records[b] for b in bins]
+            self.sample_tokens = np.array([self.lengths[b].sum() for b in bins], dtype=np.int64)
         else:
             self.samples = [self.records[i : i + 1] for i in range(len(self.records))]
+            self.sample_tokens = self.lengths.copy()
         self.stats["samples"] = len(self.samples)
         self._orders: dict[int, np.ndarray] = {}
 
@@ -225,6 +228,10 @@ class FinetuneDataset:
             order = np.random.default_rng([self.seed, *self.key, epoch]).permutation(len(self.samples))
             self._orders = {epoch: order}
         return order
+
+    def tokens_through(self, consumed: int) -> int:
+        """The records' tokens in samples [0, consumed): padding is not trained on, so not counted."""
+        return tokens_through(self.sample_tokens, self._order, consumed)
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(window, target, segment, position) of sample `index` (see packing.packed_sample)."""

@@ -80,6 +80,12 @@ class Loader:
         """This rank's micro-batches of the step at `consumed`."""
         return [self.batch(ids) for ids in self.microbatch_ids(consumed)]
 
+    def trained_tokens(self, consumed: int, seq_length: int) -> int:
+        """Tokens trained on in samples [0, consumed): a fine-tuning dataset counts its records'
+        tokens (padding excluded); pretraining windows are seq_length tokens each."""
+        count = getattr(self.dataset, "tokens_through", None)
+        return int(count(consumed)) if count is not None else consumed * seq_length
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

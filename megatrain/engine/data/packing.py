@@ -9,7 +9,7 @@ function of (lengths, capacity, seed, key).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -93,3 +93,11 @@ def batch_from_samples(
         position_ids=position[:, :-1] if packed else None,
         segment_ids=segment[:, :-1] if packed else None,
     )
+
+
+def tokens_through(per_sample: np.ndarray, order: Callable[[int], np.ndarray], count: int) -> int:
+    """Real tokens (padding and truncated tails not counted) in the first `count` samples of a
+    dataset whose epochs visit its samples in `order(epoch)`, sample i holding per_sample[i] tokens:
+    what a run that consumed `count` samples trained on."""
+    epochs, pos = divmod(int(count), len(per_sample))
+    return epochs * int(per_sample.sum()) + int(per_sample[order(epochs)[:pos]].sum())

@@ -33,7 +33,7 @@ from megatrain.engine.data.chat_templates import ChatTemplate, load_chat_templat
 from megatrain.engine.data.finetune import RecordError, iter_records, record_splits
 from megatrain.engine.data.gpt_dataset import SPLITS
 from megatrain.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
-from megatrain.engine.data.packing import batch_from_samples, packed_sample
+from megatrain.engine.data.packing import batch_from_samples, packed_sample, tokens_through
 from megatrain.engine.data.remote import source_identity
 from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.spec import DataSpec
@@ -180,6 +180,7 @@ class PreferenceDataset:
         ok = np.array([useful(c, nc) and useful(r, nr) for (c, r), (nc, nr) in zip(docs, kept, strict=True)])
         ok = ok.astype(bool).reshape(-1)
         self.pairs = docs[ok]  # (pairs kept, 2) document ids
+        self.pair_tokens = kept[ok]  # (pairs kept, 2) each sequence's tokens within its row
         self.stats = {
             "records": int(len(records)),
             "truncated": int(((lengths > self.capacity).any(axis=1) & ok).sum()),
@@ -200,6 +201,14 @@ class PreferenceDataset:
             order = np.random.default_rng([self.seed, *self.key, epoch]).permutation(len(self.pairs))
             self._orders = {epoch: order}
         return order
+
+    def tokens_through(self, consumed: int) -> int:
+        """Both sequences' tokens of the pairs in sequences [0, consumed) (padding not counted)."""
+        whole = tokens_through(self.pair_tokens.sum(axis=1), self._order, consumed // 2)
+        if consumed % 2:  # a chosen sequence without its rejected one
+            epoch, pos = divmod(consumed // 2, len(self.pairs))
+            whole += int(self.pair_tokens[int(self._order(epoch)[pos]), 0])
+        return whole
 
     def document(self, index: int) -> int:
         """The cache document of sequence `index`."""
