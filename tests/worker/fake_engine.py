@@ -35,9 +35,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from megatrain.progress_files import write_progress
+from megatrain.storage import open_store
 
 
 def _emit(path: Path, row: dict) -> None:
@@ -109,12 +109,14 @@ def main() -> int:
     tr = spec.get("training", {})
     iters, log_every = int(tr.get("train_iters", 20)), int(tr.get("log_interval", 1))
     ckpt_every = int(tr.get("checkpoint_interval", 0))
-    ckpt = Path(unquote(urlparse(args.checkpoint_url).path)) if args.checkpoint_url else out / "checkpoints"
+    # The checkpoint store, as the engine's: file:// or s3:// (the runner's --checkpoint-url).
+    ckpt_url = args.checkpoint_url or (out / "checkpoints").as_uri()
+    ckpt = open_store(ckpt_url, os.environ.get("MEGATRAIN_S3_ENDPOINT_URL"))
     step_s = float(os.environ.get("FAKE_ENGINE_STEP_S", "0.01"))
     fail_at = int(os.environ.get("FAKE_ENGINE_FAIL_AT", "0"))
     marker = os.environ.get("FAKE_ENGINE_FAIL_MARKER")
 
-    start = int((ckpt / "latest").read_text()) if (ckpt / "latest").exists() else 0
+    start = int(ckpt.get_bytes("latest")) if ckpt.exists("latest") else 0
     lead = rank == 0
     if os.environ.get("FAKE_ENGINE_PHASE", "training") != "training" and _should_fail(marker):
         return _fail(out, rank, None)
@@ -174,14 +176,14 @@ def main() -> int:
             )
             print(f"step {step} loss {loss:.4f}", flush=True)
         if (ckpt_every and step % ckpt_every == 0) or (preempted and step < iters):
-            folder = ckpt / f"iter_{step:07d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
-            (folder / "manifest.json").write_text(json.dumps({"files": ["trainer_state.json"]}))
-            (ckpt / "latest").write_text(str(step))
+            folder = f"iter_{step:07d}"
+            ckpt.put_bytes(f"{folder}/trainer_state.json", json.dumps({"step": step}).encode())
+            ckpt.put_bytes(f"{folder}/manifest.json", json.dumps({"files": ["trainer_state.json"]}).encode())
+            ckpt.put_bytes("latest", str(step).encode())
+            uri = f"{ckpt_url.rstrip('/')}/{folder}"
             _emit(
                 out / "events.jsonl",
-                {"event": "checkpoint_saved", "step": step, "uri": folder.as_uri(), "size_bytes": 42},
+                {"event": "checkpoint_saved", "step": step, "uri": uri, "size_bytes": 42},
             )
         if preempted and step < iters:
             _emit(out / "events.jsonl", {"event": "preempted", "step": step})

@@ -19,7 +19,9 @@ from fixtures.live import LiveApi, start_live_api
 from fixtures.openai_kit import (
     SchemaCheck,
     chat_records,
+    finished_job,
     jsonl,
+    pause_resume_and_cancel,
     preference_records,
     prompt_completion_records,
     register_model,
@@ -59,11 +61,6 @@ def _other_key(live: LiveApi) -> str:
 
 def _upload(client: Any, records: list[Any], name: str = "train.jsonl") -> Any:
     return client.files.create(file=(name, jsonl(records)), purpose="fine-tune")
-
-
-def _finished(client: Any, job_id: str) -> Any:
-    job = client.fine_tuning.jobs.retrieve(job_id)
-    return job if job.status in ("succeeded", "failed", "cancelled") else None
 
 
 def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaCheck) -> None:
@@ -107,7 +104,7 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
     assert job.method.supervised.hyperparameters.learning_rate_multiplier == 1.0  # auto, resolved
     assert (job.hyperparameters.n_epochs, job.hyperparameters.batch_size) == (2, 2)
     assert job.integrations[0].wandb.project == "p"
-    done = wait_for(lambda: _finished(client, job.id))
+    done = wait_for(lambda: finished_job(client, job.id))
     assert done.status == "succeeded", done
     assert done.fine_tuned_model == f"ft:tiny:local:mine:{job.id.removeprefix('ftjob-')}"
     assert done.trained_tokens and done.finished_at and done.error is None
@@ -147,7 +144,7 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
     dpo = client.fine_tuning.jobs.create(model="tiny", training_file=prefs.id, method=method, extra_body=full)
     assert dpo.method.dpo.hyperparameters.beta == 0.2 and dpo.method.type == "dpo"
     assert dpo.model_extra["megatrain"]["training_method"] == "full"
-    assert wait_for(lambda: _finished(client, dpo.id)).status == "succeeded"
+    assert wait_for(lambda: finished_job(client, dpo.id)).status == "succeeded"
     # Continuing a LoRA fine-tuned model trains its adapters (test_openai_training): not every weight.
     with pytest.raises(openai.BadRequestError, match="LoRA fine-tune") as err:
         client.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=chat.id, extra_body=full)
@@ -164,7 +161,7 @@ def test_files_jobs_and_models_through_the_sdk(stack: LiveApi, check: SchemaChec
     ids = [m.id for m in client.models.list()]
     assert ids[0] == "tiny" and set(ids[1:]) == {
         done.fine_tuned_model,
-        _finished(client, dpo.id).fine_tuned_model,
+        finished_job(client, dpo.id).fine_tuned_model,
     }
     assert client.models.retrieve("tiny").owned_by == "local"
     assert client.models.delete(done.fine_tuned_model).deleted
@@ -198,48 +195,7 @@ def test_pause_resume_and_cancel(stack: LiveApi, check: SchemaCheck, monkeypatch
     # 30 steps of 0.25 s: the pause (asked at step 3) lands well before the end, on a loaded host too.
     monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.25")  # (read by the runners this process spawns)
     register_model(stack.url, stack.key, "tiny", tiny_model(stack.data_path.parent / "tiny"))
-    client = sdk(stack.url, stack.key, check)
-    train = _upload(client, prompt_completion_records(30))
-    hp = {"n_epochs": 1, "batch_size": 1}
-    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, hyperparameters=hp)
-
-    def at_step(n: int) -> bool:
-        return any(
-            e.type == "metrics" and e.data["step"] >= n for e in client.fine_tuning.jobs.list_events(job.id)
-        )
-
-    wait_for(lambda: at_step(3))
-    paused = client.fine_tuning.jobs.pause(job.id)
-    assert paused.model_extra["megatrain"]["paused"] is True
-    # Checkpointed, stopped, and held in the queue.
-    wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).model_extra["megatrain"]["status"] == "queued")
-    held = client.fine_tuning.jobs.retrieve(job.id)
-    assert held.status == "queued" and "paused" in held.model_extra["megatrain"]["status_reason"]
-    # The runner's checkpoint reaches the database when the scheduler ingests it, maybe just after.
-    saved = wait_for(lambda: client.fine_tuning.jobs.checkpoints.list(job.id).data)[0].step_number
-    assert 3 <= saved < 30
-    client.fine_tuning.jobs.resume(job.id)
-    with pytest.raises(openai.ConflictError):
-        client.fine_tuning.jobs.resume(job.id)  # no longer paused
-    done = wait_for(lambda: _finished(client, job.id))
-    assert done.status == "succeeded"
-    # It resumed from the pause's checkpoint: every step trained once.
-    steps = [
-        e.data["step"] for e in client.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"
-    ]
-    assert sorted(steps) == list(range(1, 31))
-    with pytest.raises(openai.ConflictError):
-        client.fine_tuning.jobs.pause(job.id)
-
-    # Cancel: a queued (paused) job is cancelled at once; a finished one is a 409.
-    other = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, hyperparameters=hp)
-    client.fine_tuning.jobs.pause(other.id)
-    # (the scheduler may have started it already: then the pause checkpoints and stops it first)
-    held_other = lambda: client.fine_tuning.jobs.retrieve(other.id).model_extra["megatrain"]["status"]  # noqa: E731
-    wait_for(lambda: held_other() == "queued")
-    assert client.fine_tuning.jobs.cancel(other.id).status == "cancelled"
-    with pytest.raises(openai.ConflictError):
-        client.fine_tuning.jobs.cancel(other.id)
+    pause_resume_and_cancel(sdk(stack.url, stack.key, check))
 
 
 def test_another_tenants_ids_are_404_everywhere(stack: LiveApi, check: SchemaCheck) -> None:
@@ -248,7 +204,7 @@ def test_another_tenants_ids_are_404_everywhere(stack: LiveApi, check: SchemaChe
     theirs = sdk(stack.url, _other_key(stack), check)
     f = _upload(mine, chat_records(2))
     job = mine.fine_tuning.jobs.create(model="tiny", training_file=f.id, hyperparameters={"batch_size": 1})
-    done = wait_for(lambda: _finished(mine, job.id))
+    done = wait_for(lambda: finished_job(mine, job.id))
     ckpt = mine.fine_tuning.jobs.checkpoints.list(job.id).data[0]
     calls = {
         "files.retrieve": lambda: theirs.files.retrieve(f.id),
