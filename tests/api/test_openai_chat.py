@@ -173,6 +173,32 @@ def test_fine_tuned_models_answer_through_the_openai_sdk(live_stack: LiveApi) ->
     text = sdk.completions.create(model=models["b"], prompt="def add", max_tokens=4, temperature=0)
     assert text.object == "text_completion" and text.usage is not None and text.usage.completion_tokens <= 4
     assert list(sdk.completions.create(model=models["b"], prompt="def add", max_tokens=4, stream=True))
+
+    # A PEFT adapter folder registered over the base answers on the same server, as peft's own model.
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(2)
+    tuned = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(r=4, init_lora_weights=False)
+    ).eval()
+    tuned.save_pretrained(base.parent / "tiny-peft")
+    with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
+        client.register_model("tiny-peft", (base.parent / "tiny-peft").as_uri(), base="tiny")
+    raw_peft = sdk.completions.with_raw_response.create(model="tiny-peft", prompt="def add", max_tokens=8,
+                                                        temperature=0)  # fmt: skip
+    assert raw_peft.headers["x-megatrain-serve-job"] in serve_jobs
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    ids = tokenizer("def add", return_tensors="pt").input_ids
+    with torch.no_grad():
+        eos = tokenizer.eos_token_id
+        out = tuned.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+    want_peft = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert raw_peft.parse().choices[0].text == want_peft
+    plain = sdk.completions.create(model="tiny", prompt="def add", max_tokens=8, temperature=0)
+    assert plain.choices[0].text != want_peft  # the adapters are what answered
     assert check.violations == [], "\n".join(check.violations)
     assert check.checked["document"] >= 10  # answers, stream chunks, pages
 
@@ -209,8 +235,18 @@ def test_models_resolve_per_tenant_and_errors_come_back_in_openai_shape(live_api
         client.register_model("tiny-llama", base.as_uri())
         with pytest.raises(openai.InternalServerError):
             sdk.completions.create(model="tiny-llama", prompt="def")
+        # A PEFT adapter folder registered over it: its adapters answer on that base's server.
+        import peft
+        import transformers
+
+        adapter = live_api.data_path.parent / "tiny-lora"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+        peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8.0)).save_pretrained(adapter)
+        client.register_model("tiny-lora", adapter.as_uri(), base="tiny-llama")
+        with pytest.raises(openai.InternalServerError):
+            sdk.chat.completions.create(model="tiny-lora", messages=CHAT)
         serve = {j.spec["model"]["init_from"]: j for j in client.list_jobs() if j.kind == "serve"}
-    assert set(serve) == {f"checkpoint:{job.id}@5", f"hf:{base.as_uri()}"}
+    assert set(serve) == {f"checkpoint:{job.id}@5", f"hf:{base.as_uri()}"}  # no third server
     assert serve[f"hf:{base.as_uri()}"].spec["data"]["tokenizer"]["path"] == f"{base.as_uri()}/tokenizer.json"
     # Another tenant's job is the same 404 as a missing one.
     with session_scope(live_api.settings.resolved_database_url) as session:

@@ -124,3 +124,35 @@ def test_a_lora_jobs_checkpoint_continues(folders: tuple[Path, Path, object], tm
     save_model(f"{storage}/jobs/job_full/checkpoints", 1, trained, parse_spec(raw), state)
     with pytest.raises(ValueError, match="full fine-tune's checkpoint"):
         checkpoint_adapter_source("checkpoint:job_full", base_url, LORA, storage)
+
+
+def test_peft_defaults_q_and_v_alone_start_the_run_with_k_unadapted(tmp_path: Path) -> None:
+    """PEFT's default Llama targets (q_proj, v_proj) on our fused qkv: k's factors are zero, so the
+    run starts at peft's model exactly, and k's adapters get no gradient (each factor's is a
+    product with the other, zero)."""
+    from megatrain.engine.interop.hf_slices import hf_slices
+
+    base = build_model(MCFG, fake_state(1, 0), seed=3, device="cpu").module
+    export_model_hf(base, tmp_path / "base", dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    ref = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8.0, init_lora_weights=False)).eval()
+    assert set(ref.peft_config["default"].target_modules) == {"q_proj", "v_proj"}
+    ref.save_pretrained(tmp_path / "adapter")
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("qkv",))
+    source = peft_adapter_source(f"hf:{(tmp_path / 'adapter').as_uri()}", MCFG, lora)
+    with hf_slices((tmp_path / "base").as_uri(), MCFG) as weights:
+        ours = build_model(MCFG, fake_state(1, 0), seed=9, device="cpu", weights=weights.fill, lora=lora,
+                           adapters=source).module  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+    logits = ours(tokens)[..., :VOCAB]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    logits.square().mean().backward()
+    qkv = ours.layers[0].attn.qkv.lora
+    hd, heads, groups = MCFG.head_dim, MCFG.num_attention_heads, MCFG.num_query_groups
+    # Our qkv rows per group: [heads/groups query heads; k; v], each hd rows; A's rows: [q; k; v] · r.
+    k_rows = torch.zeros(groups, heads // groups + 2, hd, dtype=torch.bool)
+    k_rows[:, heads // groups] = True
+    assert qkv.A.grad[4:8].abs().max() == 0 and qkv.A.grad[:4].abs().max() > 0
+    assert qkv.B.grad[k_rows.reshape(-1)].abs().max() == 0

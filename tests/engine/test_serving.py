@@ -149,6 +149,52 @@ def test_an_adapter_of_another_base_is_refused(lora_runs: dict[str, Any]) -> Non
         AdapterBank(base, mcfg, "hf:file:///elsewhere").read((tmp / "a" / "checkpoints").as_uri())
 
 
+@pytest.mark.parametrize(
+    ("targets", "rslora"),
+    [(["q_proj", "v_proj"], False),  # PEFT's default for Llama: k_proj's part of our qkv stays zero
+     (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], True)],  # up_proj's too
+)  # fmt: skip
+def test_a_peft_adapter_folder_answers_as_peft_does(targets: list[str], rslora: bool, tmp_path: Path) -> None:
+    """A PEFT LoRA folder (written by peft on the exported base, its B random: a fresh one is zero)
+    served over our base beside a row without it: greedy equals peft's own model's generate."""
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    from megatrain.engine.interop.hf import export_model_hf
+
+    model = tiny("tiny-llama", num_query_groups=2)
+    export_model_hf(model, tmp_path / "base", dtype=torch.float32, extra_config={"eos_token_id": EOD})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, use_rslora=rslora, target_modules=targets
+    )
+    tuned = peft.get_peft_model(hf, config).eval()
+    for name, p in tuned.named_parameters():  # peaked: no near-ties for a rounding difference to flip
+        if "lora_B" in name:
+            p.data.normal_(0.0, 0.5)
+    tuned.save_pretrained(tmp_path / "adapter")
+    bank = AdapterBank(model, model.config, "hf:base")
+    adapter = bank.read(f"hf:{(tmp_path / 'adapter').as_uri()}")
+    batcher = Batcher(model, BYTES, max_batch=2, adapters=bank)
+    prompt = [72, 101, 108, 108, 111]
+    seqs = [batcher.submit(prompt, GREEDY, adapter=adapter), batcher.submit(prompt, GREEDY)]
+    while batcher.busy:
+        batcher.step()
+    ids = torch.tensor([prompt])
+    bad = [[t] for t in range(BYTES.vocab_size, model.config.vocab_size)]
+    with torch.no_grad():
+        out = tuned.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False, pad_token_id=EOD, eos_token_id=EOD,
+                             bad_words_ids=bad)  # fmt: skip
+    assert seqs[0].tokens == out[0, len(prompt) :].tolist()
+    assert seqs[1].tokens == generate(model, prompt, 12, eos_id=EOD, vocab_limit=BYTES.vocab_size)
+    assert seqs[0].tokens != seqs[1].tokens and batcher.stats.mixed_steps > 0
+    # A folder that is no adapter is named.
+    from megatrain.engine.serving import AdapterError
+
+    with pytest.raises(AdapterError, match="adapter_config.json"):
+        bank.read(f"hf:{(tmp_path / 'base').as_uri()}")
+
+
 def test_a_chat_prompt_is_tokenized_as_finetuning_tokenized_the_chat() -> None:
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye?"}]  # fmt: skip

@@ -9,7 +9,8 @@ adapters it adds, if any:
   or one of its checkpoints (`…:JOB_ID:ckpt-step-N`, `checkpoint:JOB_ID[@STEP]`, or the bare job
   id): a LoRA job's checkpoint is its adapters over the base it names (model.init_from), so every
   LoRA job on one base shares one server; a full job's checkpoint is a base of its own;
-- a registered model's name (/v1/models): its Hugging Face folder is the base.
+- a registered model's name (/v1/models): its Hugging Face folder is the base; a registered PEFT
+  LoRA adapter folder's adapters answer over the server of the base it was registered on.
 
 The server is a job of kind `serve` (placed by the scheduler, run by a worker like any job), found
 among the tenant's queued or running ones by its base, or submitted through the job service. A
@@ -31,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.api.jobs.service import submit_job
 from megatrain.api.jobs.validation import JOB_ID_PATTERN
-from megatrain.api.registry import find_named
+from megatrain.api.registry import find_named, visible
 from megatrain.db.models import (
     QUEUED,
     RUNNING,
@@ -113,10 +114,20 @@ def resolve_model(session: Session, settings: Settings, tenant: Tenant, model: s
     found = find_named(session, RegisteredModel, tenant, model)
     if found is None:
         raise _not_found(model)
-    if (found.kind or "model") != "model":
-        raise ServeError(400, f"{model!r} is a registered LoRA adapter folder; serve it by fine-tuning "
-                         "from it, or name a fine-tuned job's model", param="model")  # fmt: skip
-    return _from_folder(session, settings, found, model)
+    if (found.kind or "model") == "model":
+        return _from_folder(session, settings, found.url, found.name, model)
+    # A PEFT adapter folder: its adapters over the server of the base it was registered on.
+    base_url = str(found.base_url)
+    bases = session.scalars(
+        select(RegisteredModel).where(visible(RegisteredModel, tenant), RegisteredModel.url == base_url)
+    ).all()
+    named = min((b.name for b in bases if (b.kind or "model") == "model"), default=None)
+    base = _from_folder(session, settings, base_url, named or _digest(base_url), model)
+    return Target(base.spec, f"hf:{found.url.rstrip('/')}", base.chat_template)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _from_job(session: Session, tenant: Tenant, model: str, job_id: str, step: int | None) -> Target:
@@ -143,14 +154,15 @@ def _from_job(session: Session, tenant: Tenant, model: str, job_id: str, step: i
     pool = (spec.get("resources") or {}).get("pool", "default")
     tokenizer = data.get("tokenizer") or {"type": "byte"}
     # Named by the base alone: the LoRA jobs of one base ask for one and the same serve job.
-    name = f"serve-{hashlib.sha256(base.encode()).hexdigest()[:12]}"
+    name = f"serve-{_digest(base)}"
     served = serve_spec(session, name, model_section, tokenizer, pool)
     return Target(served, checkpoint.uri if lora else None, data.get("chat_template"))
 
 
-def _from_folder(session: Session, settings: Settings, found: RegisteredModel, model: str) -> Target:
-    """A registered Hugging Face folder: its tokenizer.json, its tokenizer_config.json's template."""
-    url = found.url.rstrip("/")
+def _from_folder(session: Session, settings: Settings, url: str, name: str, model: str) -> Target:
+    """The Hugging Face folder at `url` (registered as `name`) as a base: its tokenizer.json, its
+    tokenizer_config.json's template."""
+    url = url.rstrip("/")
     try:
         store = open_store(url, settings.s3_endpoint_url)
         if not store.exists("tokenizer.json"):
@@ -167,7 +179,7 @@ def _from_folder(session: Session, settings: Settings, found: RegisteredModel, m
             )
     except (StorageError, ValueError) as exc:
         raise ServeError(400, f"cannot read the folder of {model!r}: {exc}", param="model") from None
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"serve-{found.name}")[:100]
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"serve-{name}")[:100]
     tokenizer = {"type": "hf", "path": f"{url}/tokenizer.json"}
     spec = serve_spec(session, name, {"init_from": f"hf:{url}"}, tokenizer, "default", template)
     return Target(spec, None, template)

@@ -81,13 +81,30 @@ def adapter_from_peft(
     tensors: dict[str, torch.Tensor], cfg: TransformerConfig, lora: LoRAConfig, model_type: str
 ) -> dict[str, torch.Tensor]:
     """Our canonical adapter tensors (`….lora.A`, `….lora.B`) from PEFT's state dict. The parts of
-    one fused linear must share the rank; a missing tensor is a KeyError naming it."""
+    one fused linear must share the rank. A part without adapters (PEFT's default for Llama targets
+    q_proj and v_proj, not k_proj; our qkv is one linear) gets zero factors: its update is exactly
+    zero, and stays so in training (each factor's gradient is a product with the other). A fused
+    linear with no part adapted is a KeyError naming the missing tensor."""
     out: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for rule in _target_rules(cfg, lora, model_type):
         base = rule.name.removesuffix(".weight")
         modules = [PEFT_PREFIX + hf.removesuffix(".weight") for hf in rule.hf]
-        a = [_get(tensors, m + ".lora_A.weight") for m in modules]
-        b = [_get(tensors, m + ".lora_B.weight") for m in modules]
+        a = [_find(tensors, m + ".lora_A.weight") for m in modules]
+        b = [_find(tensors, m + ".lora_B.weight") for m in modules]
+        have = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x is not None and y is not None]
+        if len(have) < len(modules):
+            if not have:
+                _get(tensors, modules[0] + ".lora_A.weight")  # the KeyError naming it
+            if not shapes:
+                from megatrain.engine.checkpoint.lora_base import base_shapes
+
+                shapes = base_shapes(cfg)
+            like = a[have[0]]
+            assert like is not None
+            zero_b = _b_to_hf(rule, like.new_zeros(shapes[rule.name][0], like.shape[0]), model_type)
+            a = [x if i in have else like.new_zeros(like.shape) for i, x in enumerate(a)]
+            b = [y if i in have else zero_b[i] for i, y in enumerate(b)]
         out[base + ".lora.A"] = torch.cat(a)
         # GPT-2's rules take a Conv1D (in, out) weight: hand them B transposed.
         out[base + ".lora.B"] = rule.from_hf(*(t.t() for t in b) if model_type == "gpt2" else b)
@@ -99,16 +116,21 @@ def adapter_from_peft(
     return out
 
 
-def _get(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def _find(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     if name in tensors:
         return tensors[name]
     # PEFT also saves without the adapter name, and some tools add `.default`.
     alt = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
         ".lora_B.weight", ".lora_B.default.weight"
     )
-    if alt in tensors:
-        return tensors[alt]
-    raise KeyError(f"the adapter has no {name}")
+    return tensors.get(alt)
+
+
+def _get(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    found = _find(tensors, name)
+    if found is None:
+        raise KeyError(f"the adapter has no {name}")
+    return found
 
 
 def peft_config(

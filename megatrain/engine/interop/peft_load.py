@@ -44,8 +44,9 @@ def adapter_problems(theirs: LoRAConfig, ours: LoRAConfig) -> list[str]:
     return out
 
 
-def peft_adapter_source(url: str, mcfg: TransformerConfig, lora: LoRAConfig) -> WeightSource:
-    """A weight source for the adapters (canonical `….lora.A/B` names) of the PEFT folder at `url`."""
+def read_peft_adapter(url: str, mcfg: TransformerConfig) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """The settings and canonical adapter tensors (`….lora.A/B`) of the PEFT folder at `url`
+    (`hf:` prefix optional) for a model of `mcfg`; ValueError naming what is wrong."""
     from safetensors.torch import load as load_safetensors
 
     from megatrain.engine.interop.lora_export import hf_model_type
@@ -53,20 +54,25 @@ def peft_adapter_source(url: str, mcfg: TransformerConfig, lora: LoRAConfig) -> 
     folder = url.removeprefix("hf:").rstrip("/")
     config = json.loads(_read(f"{folder}/{ADAPTER_CONFIG}"))
     try:
-        theirs = lora_from_peft_config(config)
+        lora = lora_from_peft_config(config)
     except (KeyError, ValueError) as exc:
         raise ValueError(
             f"model.adapter_from: {folder}/{ADAPTER_CONFIG} is not a LoRA adapter: {exc}"
         ) from None
+    tensors = load_safetensors(_read(f"{folder}/{ADAPTER_WEIGHTS}"))
+    try:
+        return lora, adapter_from_peft(tensors, mcfg, lora, hf_model_type(mcfg))
+    except KeyError as exc:
+        raise ValueError(f"model.adapter_from: {exc.args[0]}") from None
+
+
+def peft_adapter_source(url: str, mcfg: TransformerConfig, lora: LoRAConfig) -> WeightSource:
+    """A weight source for the adapters (canonical `….lora.A/B` names) of the PEFT folder at `url`,
+    which must be the adapters training.lora (`lora`) describes."""
+    theirs, full = read_peft_adapter(url, mcfg)
     problems = adapter_problems(theirs, lora)
     if problems:
         raise ValueError(f"model.adapter_from: {'; '.join(problems)}")
-    model_type = hf_model_type(mcfg)
-    tensors = load_safetensors(_read(f"{folder}/{ADAPTER_WEIGHTS}"))
-    try:
-        full = adapter_from_peft(tensors, mcfg, lora, model_type)
-    except KeyError as exc:
-        raise ValueError(f"model.adapter_from: {exc.args[0]}") from None
     return _source(full)
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.engine.checkpoint import CheckpointReader
-from megatrain.engine.config import TransformerConfig
+from megatrain.engine.config import LoRAConfig, TransformerConfig
 from megatrain.engine.lora import TARGETS, expand_B, lora_targets, part_of_rows
 
 LINEAR_TARGETS = tuple(t for t in TARGETS if t != "experts")
@@ -98,8 +98,11 @@ class BatchedLoRA(nn.Module):
 
 
 def read_adapter(url: str, base: str | None, mcfg: TransformerConfig) -> Adapter:
-    """The adapters of the LoRA checkpoint folder at `url`, checked to sit on this server's base
-    (`base`, the serve job's model.init_from, and the same model shape); AdapterError if not."""
+    """The adapters at `url`: a LoRA checkpoint folder, checked to sit on this server's base
+    (`base`, the serve job's model.init_from, and the same model shape), or `hf:FOLDER`, a PEFT
+    adapter folder (the API registered it over this base: api/models); AdapterError if not."""
+    if url.startswith("hf:"):
+        return _read_peft(url, mcfg)
     reader = CheckpointReader(url)
     try:
         lora = reader.lora
@@ -110,26 +113,41 @@ def read_adapter(url: str, base: str | None, mcfg: TransformerConfig) -> Adapter
             raise AdapterError(f"{url} holds adapters of {trained_on}; this server holds {base}")
         if _shape(reader.model_config) != _shape(mcfg):
             raise AdapterError(f"{url} was trained on a model of another shape than this server's")
-        if "experts" in lora.targets and mcfg.moe is not None:
-            raise AdapterError(f"{url} has adapters on routed experts, which the server cannot batch yet")
-        factors = {}
-        for name in reader.names():
-            if not name.endswith(".lora.A"):
-                continue
-            linear = name.removesuffix(".lora.A")
-            a = reader.tensor(name, torch.float32)  # (parts·r, in)
-            b = reader.tensor(f"{linear}.lora.B", torch.float32)  # (out, r)
-            shared = ".shared_expert." in linear and mcfg.moe is not None
-            ffn = mcfg.moe.shared_expert_ffn_hidden_size if shared and mcfg.moe else None
-            part = part_of_rows(linear.rsplit(".", 1)[-1], mcfg, ffn)
-            if part is not None:
-                b = expand_B(b, F.one_hot(part, int(part.max()) + 1).float())  # (out, parts·r)
-            factors[linear] = (a, b * lora.scale)
-        if not factors:
-            raise AdapterError(f"{url} holds no adapters")
-        return Adapter(url, factors)
+        full = {name: reader.tensor(name, torch.float32) for name in reader.names() if ".lora." in name}
     finally:
         reader.close()
+    return _adapter(url, lora, full, mcfg)
+
+
+def _read_peft(url: str, mcfg: TransformerConfig) -> Adapter:
+    from megatrain.engine.interop.peft_load import read_peft_adapter
+
+    try:
+        lora, full = read_peft_adapter(url, mcfg)
+    except ValueError as exc:
+        raise AdapterError(str(exc).removeprefix("model.adapter_from: ")) from None
+    return _adapter(url, lora, {k: v.float() for k, v in full.items()}, mcfg)
+
+
+def _adapter(url: str, lora: LoRAConfig, full: dict[str, torch.Tensor], mcfg: TransformerConfig) -> Adapter:
+    """Each target linear's A (parts·r, in) and scaled, expanded B̃ from canonical `….lora.A/B`."""
+    if "experts" in lora.targets and mcfg.moe is not None:
+        raise AdapterError(f"{url} has adapters on routed experts, which the server cannot batch yet")
+    factors = {}
+    for name, a in full.items():
+        if not name.endswith(".lora.A"):
+            continue
+        linear = name.removesuffix(".lora.A")
+        b = full[f"{linear}.lora.B"]  # (out, r)
+        shared = ".shared_expert." in linear and mcfg.moe is not None
+        ffn = mcfg.moe.shared_expert_ffn_hidden_size if shared and mcfg.moe else None
+        part = part_of_rows(linear.rsplit(".", 1)[-1], mcfg, ffn)
+        if part is not None:
+            b = expand_B(b, F.one_hot(part, int(part.max()) + 1).float())  # (out, parts·r)
+        factors[linear] = (a, b * lora.scale)
+    if not factors:
+        raise AdapterError(f"{url} holds no adapters")
+    return Adapter(url, factors)
 
 
 def _shape(cfg: TransformerConfig) -> dict[str, object]:
@@ -164,6 +182,12 @@ class AdapterBank:
         unknown = set(adapter.factors) - set(self.linears)
         if unknown:
             raise AdapterError(f"{url} has adapters on {sorted(unknown)[0]}, which this model lacks")
+        for name, (a, b) in adapter.factors.items():
+            want = (self.linears[name].A.shape[2], self.linears[name].B.shape[1])
+            if (a.shape[1], b.shape[0]) != want:
+                raise AdapterError(
+                    f"{url}: {name}'s adapter is {a.shape[1]} -> {b.shape[0]}, the linear {want}"
+                )
         with self._lock:
             return self._read.setdefault(url, adapter)
 
