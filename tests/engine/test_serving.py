@@ -96,6 +96,21 @@ def test_continuous_batching_gives_each_request_its_tokens_alone() -> None:
     assert alone[2] == want
 
 
+def test_a_requests_n_choices_share_one_prefill() -> None:
+    """n sequences of one prompt (a request's `n`, seeded apart) prefill it once: the others copy the
+    first one's cached prompt, and each draws what it draws alone; a later arrival with the same
+    prompt copies it from a running row too, another prompt prefills its own."""
+    model = tiny("tiny-llama")
+    prompt = [7, 8, 9, 10, 11, 12]
+    requests = [(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=i)) for i in range(4)]
+    requests += [(prompt, GREEDY), ([5, 6], GREEDY)]
+    alone = [serve(Batcher(model, BYTES, max_batch=1), [r])[0] for r in requests]
+    batched = Batcher(model, BYTES, max_batch=4)
+    assert serve(batched, requests) == alone
+    assert batched.stats.prefills == 2 and batched.stats.shared_prefills == 4
+    assert len({tuple(t) for t in alone[:4]}) > 1  # the seeds drew differently
+
+
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two LoRA runs on one (seeded) base, trained apart: their checkpoints hold adapters only."""

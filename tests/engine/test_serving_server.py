@@ -42,12 +42,14 @@ def test_chat_choices_seeds_stops_and_logprobs(sdk: tuple[Any, Batcher]) -> None
     ids = encode_chat_prompt(CHAT, load_chat_template(None), BYTES)
     assert greedy.usage.prompt_tokens == len(ids) and greedy.choices[0].finish_reason in ("stop", "length")
     text = greedy.choices[0].message.content
+    shared = batcher.stats.shared_prefills
     sampled = [
         client.chat.completions.create(
             model="m", messages=CHAT, n=3, seed=7, max_tokens=10, logprobs=True, top_logprobs=2
         )  # fmt: skip
         for _ in range(2)
     ]
+    assert batcher.stats.shared_prefills - shared == 4  # each request's 3 choices: one prefill
     assert [c.message.content for c in sampled[0].choices] == [c.message.content for c in sampled[1].choices]
     assert sampled[0].usage.completion_tokens == sum(len(c.logprobs.content) for c in sampled[0].choices)
     first = sampled[0].choices[0].logprobs.content[0]

@@ -105,6 +105,9 @@ class Sequence:
         """The adapter slot (0: the base alone)."""
         self.cached = 0
         """Positions of this sequence in its cache slot."""
+        self.prompt_hidden: torch.Tensor | None = None
+        """The prompt's last hidden state (1, C): a later sequence with this prompt and adapter (one
+        of a request's `n`) copies this one's cached prompt instead of prefilling it again."""
         self.generator: torch.Generator | None = None
 
     def emit(self, delta: Delta) -> None:
@@ -128,6 +131,10 @@ class Stats:
     mixed_steps: int = 0
     """Decode steps whose rows used two or more different adapters (the base alone counts as one)."""
     adapters_seen: set[int] = field(default_factory=set)
+    prefills: int = 0
+    """Prompts run through the model."""
+    shared_prefills: int = 0
+    """Prompts copied from a running sequence's cache slot instead (the same prompt and adapter)."""
 
 
 class Batcher:
@@ -279,10 +286,20 @@ class Batcher:
             seq.generator.manual_seed(seq.params.seed)
         if seq.adapter is not None and self.adapters is not None:
             seq.slot = self.adapters.install(seq.adapter)
-        self.cache.prefill(len(self.rows))
-        tokens = torch.tensor([seq.prompt], device=self.device)
-        with self._adapters([seq.slot]):
-            hidden = self.model.hidden_states(tokens, kv_cache=self.cache)[:, -1]  # (1, C)
+        donor = next((r for r in self.rows if r.slot == seq.slot and r.prompt == seq.prompt), None)
+        if donor is not None and donor.prompt_hidden is not None:
+            # Its slot's first len(prompt) positions are this prompt's keys and values, computed as a
+            # prefill here would compute them.
+            self.cache.move(self.rows.index(donor), len(self.rows), len(seq.prompt))
+            hidden = donor.prompt_hidden
+            self.stats.shared_prefills += 1
+        else:
+            self.cache.prefill(len(self.rows))
+            tokens = torch.tensor([seq.prompt], device=self.device)
+            with self._adapters([seq.slot]):
+                hidden = self.model.hidden_states(tokens, kv_cache=self.cache)[:, -1]  # (1, C)
+            self.stats.prefills += 1
+        seq.prompt_hidden = hidden
         seq.cached = len(seq.prompt)
         self._draw([seq], self.model.lm_head(hidden)[:, : self.limit].float())
 

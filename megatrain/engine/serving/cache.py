@@ -57,7 +57,8 @@ class SlotCache(KVCache):
         self._end = max(positions) + 1  # keys read: up to the furthest row's position
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot `src`'s first `length` positions into slot `dst` (a row that moves down)."""
+        """Copy slot `src`'s first `length` positions into slot `dst` (a row that moves down, or a
+        prompt another row already holds)."""
         for keys, values in self._buffers.values():
             keys[dst, :, :length] = keys[src, :, :length]
             values[dst, :, :length] = values[src, :, :length]

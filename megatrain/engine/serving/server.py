@@ -338,7 +338,8 @@ def create_app(server: ModelServer, token: str | None = None) -> Starlette:
              "adapters": sorted(server.adapters.slots) if server.adapters else [],
              "running": len(server.batcher.rows), "waiting": len(server.batcher.pending),
              "steps": stats.steps, "tokens": stats.tokens, "most_rows": stats.most_rows,
-             "mixed_adapter_steps": stats.mixed_steps},
+             "mixed_adapter_steps": stats.mixed_steps, "prefills": stats.prefills,
+             "shared_prefills": stats.shared_prefills},
         )  # fmt: skip
 
     routes = [
