@@ -1,9 +1,9 @@
 """The OpenAI-compatible API's job controls on the production stack: PostgreSQL, the scheduler on the
 Celery executor with a real worker (Redis), and S3 (moto's server) for files and checkpoints, driven
 by the `openai` SDK with the fake engine. A job paused checkpoints to the bucket, is held, and resumes
-from that checkpoint on the worker; a paused job is cancelled; the fine-tuned model and the file are
-deleted, the file's objects with it. The same controls on the embedded default: test_openai_api.py;
-real training on this stack: test_openai_training.py."""
+from that checkpoint on the worker; a paused job is cancelled; a dpo job runs; jobs are paged; the
+fine-tuned model and the file are deleted, the file's objects with it. The same controls on the
+embedded default: test_openai_api.py; real training on this stack: test_openai_training.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ import boto3
 import openai
 import pytest
 from fixtures.celery import celery_stack
-from fixtures.openai_kit import SchemaCheck, pause_resume_and_cancel, register_model, sdk, tiny_model
+from fixtures.openai_kit import (
+    SchemaCheck,
+    finished_job,
+    jsonl,
+    pause_resume_and_cancel,
+    preference_records,
+    register_model,
+    sdk,
+    tiny_model,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.postgres,
@@ -52,13 +62,28 @@ def test_pause_resume_cancel_and_delete_on_postgres_celery_and_s3(
         for step in steps:
             assert any(k.startswith(f"store/jobs/{job}/checkpoints/iter_{step:07d}/") for k in stored), step
 
+        # A dpo job on a preference file, run by the worker; the jobs paged newest first.
+        prefs = client.files.create(file=("prefs.jsonl", jsonl(preference_records(4))), purpose="fine-tune")
+        dpo = client.fine_tuning.jobs.create(
+            model="tiny", training_file=prefs.id,
+            method={"type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 1, "batch_size": 2, "beta": 0.2}}},
+        )  # fmt: skip
+        finished = wait_for(lambda: finished_job(client, dpo.id), 120)
+        assert finished.status == "succeeded" and finished.method.dpo.hyperparameters.beta == 0.2
+        metrics = [e for e in client.fine_tuning.jobs.list_events(dpo.id, limit=100) if e.type == "metrics"]
+        assert sorted(e.data["step"] for e in metrics) == [1, 2]
+        first = client.fine_tuning.jobs.list(limit=1)
+        assert [j.id for j in first.data] == [dpo.id] and first.has_more
+        rest = client.fine_tuning.jobs.list(limit=10, after=dpo.id)
+        assert done.id in {j.id for j in rest.data} and not rest.has_more
+
         # Deletes: the fine-tuned model is gone from the tenant's models; the file with its objects.
         model = done.fine_tuned_model
         assert client.models.delete(model).deleted
         assert model not in {m.id for m in client.models.list()}
         with pytest.raises(openai.NotFoundError):
             client.models.retrieve(model)
-        uploaded = [k for k in keys() if k.endswith("records.jsonl")]
+        uploaded = [k for k in keys() if f"/datasets/{train.id}/" in k]
         assert uploaded
         assert client.files.delete(train.id).deleted
         with pytest.raises(openai.NotFoundError):
