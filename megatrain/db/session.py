@@ -61,12 +61,27 @@ def session_scope(url: str) -> Iterator[Session]:
         session.close()
 
 
-def upgrade_database(url: str) -> None:
-    """Bring the schema to Alembic's head (idempotent; the embedded default runs it at start)."""
-    from alembic import command
+def _alembic_config(url: str | None = None):  # type: ignore[no-untyped-def]
     from alembic.config import Config
 
     cfg = Config()
     cfg.set_main_option("script_location", str(resource_dir("migrations")))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(cfg, "head")
+    if url is not None:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade_database(url: str) -> None:
+    """Bring the schema to Alembic's head (idempotent; the embedded default runs it at start)."""
+    from alembic import command
+
+    command.upgrade(_alembic_config(url), "head")
+
+
+@lru_cache(maxsize=1)
+def schema_head() -> str:
+    """The schema revision this code's migrations end at."""
+    from alembic.script import ScriptDirectory
+
+    (head,) = ScriptDirectory.from_config(_alembic_config()).get_heads()
+    return str(head)

@@ -1,5 +1,5 @@
 """Request hardening and the service endpoints: body limits, malformed bodies, path tricks, JSON
-errors everywhere, /healthz, /metrics, the schema, and the placeholder page at /."""
+errors everywhere, /healthz and /readyz, /metrics, the schema, and the placeholder page at /."""
 
 from __future__ import annotations
 
@@ -101,10 +101,14 @@ def test_request_validation_errors_use_the_field_shape(api: Api) -> None:
     assert resp.status_code == 405 and isinstance(resp.json()["detail"], str)
 
 
-def test_healthz(api: Api) -> None:
+def test_healthz_and_readyz(api: Api) -> None:
     for path in ("/healthz", "/v1/healthz"):
         resp = api.client.get(path)  # no key needed
-        assert resp.status_code == 200 and resp.json()["status"] == "ok" and resp.json()["database"] == "ok"
+        assert resp.status_code == 200 and resp.json()["status"] == "ok"
+    for path in ("/readyz", "/v1/readyz"):
+        resp = api.client.get(path)
+        assert resp.status_code == 200 and resp.json()["status"] == "ready", resp.json()
+        assert resp.json()["checks"] == {"database": "ok", "migrations": "ok", "threads": "ok"}
 
 
 def test_database_down_is_503_not_500(megatrain_home: object) -> None:
@@ -112,8 +116,11 @@ def test_database_down_is_503_not_500(megatrain_home: object) -> None:
         update={"database_url": "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=2"}
     )
     with TestClient(create_app(settings)) as client:  # starts anyway
-        health = client.get("/healthz")
-        assert health.status_code == 503 and health.json()["database"] == "error"
+        assert client.get("/healthz").status_code == 200  # alive: a restart cannot fix the database
+        ready = client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["status"] == "unready"
+        assert ready.json()["checks"]["database"].startswith("does not answer")
+        assert ready.json()["detail"].startswith("database: does not answer")
         jobs = client.get("/v1/jobs", headers={"Authorization": "Bearer mt_" + "a" * 40})
         assert jobs.status_code == 503 and "database" in jobs.json()["detail"]
         assert "megatrain_database_up 0.0" in client.get("/metrics").text
