@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     slurm_jwt_file: str | None = None
     """A file holding the JWT instead, re-read when it changes, so an operator can rotate it."""
 
+    secrets_key: str | None = None
+    """Fernet key(s) tenant secrets are encrypted under, comma-separated: the first encrypts, every one
+    decrypts (to rotate, put a new key first; rows written before stay readable under the old one).
+    Unset: on the embedded default (SQLite) a key is made once in {home}/secrets.key (mode 0600);
+    with a server database, storing a secret is refused (503) until it is set."""
+
     api_url: str = "http://127.0.0.1:8000"
     """Where the CLI and SDK find the API (MEGATRAIN_API_URL)."""
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from megatrain.secret_names import name_problem
 from megatrain.spec_attention import AttentionBackend, dropout_problem, precision_problem
 from megatrain.spec_base import NAME_PATTERN  # noqa: F401  (re-exported)
 from megatrain.spec_base import Strict as _Strict
@@ -375,6 +376,18 @@ class JobSpec(_Strict):
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     parallelism: Annotated[ParallelismSpec | Literal["auto"], Field(union_mode="left_to_right")] = "auto"
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    secrets: list[str] = Field(default_factory=list, max_length=32)
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            problem = name_problem(name)
+            if problem:
+                raise ValueError(problem)
+        if len(set(names)) != len(names):
+            raise ValueError("each secret is named once")
+        return names
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:

@@ -106,6 +106,8 @@ MISSING_DOCSTRINGS: dict[str, str] = {
     "resources.priority": "Higher runs first; capped per tenant by the operator.",
     "resources.max_runtime_s": "Wall-clock limit of one attempt; past it the job fails.",
     "resources.max_retries": "Attempts after a failed one (each resumes from the latest checkpoint).",
+    "secrets": "Tenant secrets (PUT /v1/secrets/NAME) the job's processes get as environment "
+    "variables of those names; their values are redacted from its logs and events.",
 }
 
 

@@ -170,6 +170,7 @@ SUBMISSION_CHECKS: tuple[tuple[str, str], ...] = (
     ("resources.priority", "at most the tenant's priority cap"),
     ("model.attention_backend", "flash and te need their package installed (flash-attn, "
      "transformer-engine: `pip install megatrain[gpu]`)"),
+    ("secrets", "each names a secret the tenant stored (PUT /v1/secrets/NAME)"),
 )  # fmt: skip
 
 

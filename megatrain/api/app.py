@@ -39,6 +39,7 @@ from megatrain.api.openai.errors import OpenAIErrorMiddleware
 from megatrain.api.plan.router import router as plan_router
 from megatrain.api.pools.router import router as pools_router
 from megatrain.api.samples.router import router as samples_router
+from megatrain.api.secrets.router import router as secrets_router
 from megatrain.api.server import BodyTimeoutMiddleware
 from megatrain.api.spec.router import router as spec_router
 from megatrain.api.streams import StreamHub, TooManyStreams
@@ -134,7 +135,15 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app.add_exception_handler(RequestTooLarge, _too_large)
     app.add_exception_handler(TooManyStreams, _too_many_streams)
     routers = (health_router, spec_router, jobs_router, checkpoints_router, keys_router, cluster_router)
-    extra = (pools_router, datasets_router, models_router, exports_router, samples_router, plan_router)
+    extra = (
+        pools_router,
+        datasets_router,
+        models_router,
+        exports_router,
+        samples_router,
+        plan_router,
+        secrets_router,
+    )
     # The chat routes before openai_router, whose catch-all answers any other /openai/v1 path.
     for router in (*routers, *extra, openai_chat_router, openai_router):
         app.include_router(router)

@@ -7,7 +7,7 @@ and for every shard of a gang (megatrain.worker.gang), and names the nodes to av
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy import select
@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import FAILED, QUEUED, RUNNING, Job
 from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
+from megatrain.secrets_box import Redactor
 from megatrain.worker.launch import Rendezvous
 
 MAX_REASON_CHARS = 4000
@@ -49,6 +50,13 @@ class Attempt:
     """Earlier attempts that ended at an allocation's time limit and continued (not failures)."""
     serve_token: str | None = None
     """A serve job's bearer token for this attempt (db.models.Job.serve_token)."""
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    """The tenant secrets the job names (spec `secrets`), decrypted for its engine's environment."""
+
+    @property
+    def redact(self) -> Redactor:
+        """Removes those secrets' values from what the attempt reports (lines, events, reasons)."""
+        return Redactor(self.secret_env)
 
 
 def end_failed_attempt(
@@ -84,6 +92,8 @@ def end_failed_attempt(
         data = data | {"silent_nodes": [name for _, name in silent]}
     if retrying and avoid:
         fields = fields | {"avoid_nodes": sorted(avoid)}
-    reason = reason[: MAX_REASON_CHARS - len(suffix)] + suffix
+    redact = att.redact  # an error message may quote a secret the job was given
+    reason = redact.text(reason)[: MAX_REASON_CHARS - len(suffix)] + suffix
+    data = redact.value(data)
     ok = transition(s, att.job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
     return ok, infra

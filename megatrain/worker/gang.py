@@ -26,11 +26,13 @@ from megatrain.db.jobs import record_event
 from megatrain.db.models import RUNNING, SCHEDULED, Job, JobAllocation, JobEvent, Node, NodePool
 from megatrain.db.session import session_scope
 from megatrain.failures import read_records
+from megatrain.secrets_box import SecretsUnavailable
 from megatrain.settings import Settings
 from megatrain.worker.attempt import Attempt, end_failed_attempt
 from megatrain.worker.launch import Rendezvous
 from megatrain.worker.nodes import node_name
 from megatrain.worker.preempt import TimeLimit
+from megatrain.worker.secrets import job_secrets
 from megatrain.worker.shard import _Runner, supervise
 
 log = logging.getLogger(__name__)
@@ -150,6 +152,10 @@ def _await_leader(settings: Settings, job_id: str, share: Share) -> Attempt | No
                     run_id(job_id, share.attempt),
                     settings.rendezvous_timeout_s,
                 )
+                try:
+                    secret_env = job_secrets(s, settings, job)
+                except SecretsUnavailable:
+                    return None  # node rank 0 fails the job, naming why
                 return Attempt(
                     job_id,
                     share.attempt,
@@ -162,6 +168,7 @@ def _await_leader(settings: Settings, job_id: str, share: Share) -> Attempt | No
                     rendezvous=rdzv,
                     preemptions=job.preemptions,
                     continuations=job.continuations,
+                    secret_env=secret_env,
                 )
         time.sleep(WAIT_POLL_S)
     log.warning("job %s: node rank 0 never started attempt %d; giving up", job_id, share.attempt)

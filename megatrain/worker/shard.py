@@ -45,6 +45,7 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.session import get_sessionmaker, session_scope
+from megatrain.secrets_box import SecretsUnavailable
 from megatrain.settings import SERVE_TOKEN_ENV, Settings, get_settings
 from megatrain.worker.attempt import Attempt, end_failed_attempt
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
@@ -62,6 +63,7 @@ from megatrain.worker.nodes import device_env, node_name, package_problem
 from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop, end_at_time_limit, requeue_preempted
 from megatrain.worker.procs import die_with_parent, terminate_tree
+from megatrain.worker.secrets import job_secrets
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,11 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
         missing = package_problem(job.spec, node_name(settings))
         if missing:  # no retry installs a package: fail at once, in one line
             transition(s, job_id, FAILED, from_statuses=(SCHEDULED,), reason=missing)
+            return None
+        try:
+            secret_env = job_secrets(s, settings, job)
+        except SecretsUnavailable as exc:  # deleted since submission, or the key changed: no retry helps
+            transition(s, job_id, FAILED, from_statuses=(SCHEDULED,), reason=str(exc))
             return None
         out_dir = settings.runs_dir / job_id / f"attempt-{job.attempt}"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +149,7 @@ def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | Non
             max_preemptions=job.max_preemptions,
             continuations=job.continuations,
             serve_token=serve_token,
+            secret_env=secret_env,
         )
         if gang:
             from megatrain.worker.gang import lead
@@ -214,6 +222,8 @@ class _Runner:
         self.engine_started = False
         """Whether the engine said it started (its ranks' signal handlers are in place by then)."""
         self.stop_sent = False
+        self.redact = att.redact
+        """Secret values out of every line and event this runner stores."""
 
     def tick(self, heartbeat: bool) -> str | None:
         """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
@@ -239,7 +249,7 @@ class _Runner:
                     self.preempted_step = row["step"]
                 self.engine_started |= row.get("event") == "started"
             ingest_metrics(session, self.att.job_id, metrics)
-            ingest_events(session, self.att.job_id, events, self.att.attempt)
+            ingest_events(session, self.att.job_id, self.redact.value(events), self.att.attempt)
             verdict = self.check(session, heartbeat)
             session.commit()
         except SQLAlchemyError as exc:
@@ -358,8 +368,8 @@ class _Runner:
 
 def runner_env_for(att: Attempt, job_id: str) -> dict[str, str]:
     """The engine's environment: this process's, plus the devices the attempt was placed on (and a
-    serve job's token)."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
+    serve job's token, and the tenant secrets the job names)."""
+    env = os.environ | att.secret_env | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
     if att.serve_token is not None:
         env[SERVE_TOKEN_ENV] = att.serve_token
     return env | device_env(att.devices, att.accelerator, os.environ)
@@ -480,7 +490,7 @@ def _drain(lines: queue.Queue[str | None], runner: _Runner) -> None:
         except queue.Empty:
             return
         if line is not None:
-            runner.pending_lines.append(line)
+            runner.pending_lines.append(runner.redact.text(line))
             runner.oom.observe(line)
 
 

@@ -16,6 +16,8 @@ OUT/pids/. Behaviour knobs (environment):
                              memory.events: what the kernel's OOM killer does as it kills)
   FAKE_ENGINE_IGNORE_SIGTERM 1: ignore SIGTERM (the runner must SIGKILL)
   FAKE_ENGINE_IGNORE_SIGUSR2 1: ignore SIGUSR2 (a preempted run that never stops by itself)
+  FAKE_ENGINE_PRINT_ENV      print this variable's value (a tenant secret leaking into the log) and
+                             write its sha256 to OUT/pids/rank{R}.env.sha256
   FAKE_ENGINE_HANG_AT        rank FAKE_ENGINE_HANG_RANK (default 0) stops making progress before
                              this step (once, with FAKE_ENGINE_FAIL_MARKER); the others stop at
                              the step after it, as at their next collective with it
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import faulthandler
+import hashlib
 import json
 import os
 import signal
@@ -105,6 +108,11 @@ def main() -> int:
     # The devices this rank was given (the runner's CUDA_* variables), for the placement tests.
     cuda = {k: v for k, v in os.environ.items() if k.startswith("CUDA_")}
     (out / "pids" / f"rank{rank}.cuda.json").write_text(json.dumps(cuda))
+    leak = os.environ.get("FAKE_ENGINE_PRINT_ENV")
+    if leak:
+        value = os.environ.get(leak, "")
+        print(f"fake engine: {leak}={value}", flush=True)
+        (out / "pids" / f"rank{rank}.env.sha256").write_text(hashlib.sha256(value.encode()).hexdigest())
     spec = json.loads(Path(args.spec).read_text())
     tr = spec.get("training", {})
     iters, log_every = int(tr.get("train_iters", 20)), int(tr.get("log_interval", 1))

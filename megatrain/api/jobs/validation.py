@@ -261,6 +261,26 @@ def _init_from(session: Session, spec: JobSpec, tenant: Tenant, field: str) -> P
     return None
 
 
+def _secrets(session: Session, spec: JobSpec, tenant: Tenant) -> list[Problem]:
+    """Each secret the job names must be one the tenant stored (PUT /v1/secrets/NAME)."""
+    from megatrain.db.secrets import TenantSecret
+
+    if not spec.secrets:
+        return []
+    stored = set(
+        session.scalars(
+            select(TenantSecret.name).where(
+                TenantSecret.tenant_id == tenant.id, TenantSecret.name.in_(spec.secrets)
+            )
+        )
+    )
+    return [
+        _problem(f"secrets[{i}]", f"no secret named {name!r}: store it first (PUT /v1/secrets/{name})")
+        for i, name in enumerate(spec.secrets)
+        if name not in stored
+    ]
+
+
 def _priority(spec: JobSpec, tenant: Tenant) -> Problem | None:
     if spec.resources.priority <= tenant.max_priority:
         return None
@@ -325,6 +345,7 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
             findings.add(filter(None, [_init_from(session, spec, tenant, field)]))
     if not findings.depends_on_unknown("resources.priority"):
         findings.add(filter(None, [_priority(spec, tenant)]))
+    findings.add(_secrets(session, spec, tenant))
     if not findings.depends_on_unknown("resources.pool"):
         findings.add(_packages(session, spec))
     findings.raise_if_any()
