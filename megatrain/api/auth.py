@@ -68,13 +68,20 @@ def create_api_key(session: Session, tenant_name: str, key_name: str = "") -> st
 
 def authenticate(session: Session, key: str) -> Tenant | None:
     """The tenant of a live (not revoked) key, or None."""
+    found = authenticate_key(session, key)
+    return found[0] if found is not None else None
+
+
+def authenticate_key(session: Session, key: str) -> tuple[Tenant, str] | None:
+    """(the tenant, the key's id) of a live (not revoked) key, or None."""
     if not KEY_PATTERN.match(key):
         return None  # no database round trip for keys that cannot exist
-    return session.scalar(
-        select(Tenant)
+    row = session.execute(
+        select(Tenant, ApiKey.id)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
-    )
+    ).first()
+    return (row[0], row[1]) if row is not None else None
 
 
 def _read_key(path: Path) -> str | None:

@@ -11,7 +11,8 @@ from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from megatrain.api.auth import authenticate
+from megatrain.api.auth import authenticate_key
+from megatrain.db.audit import ACTOR, Actor
 from megatrain.db.models import Tenant
 from megatrain.db.session import get_sessionmaker
 from megatrain.settings import Settings
@@ -72,10 +73,13 @@ def bearer_key(request: Request) -> str:
 
 
 def tenant_of(session: Session, key: str) -> Tenant:
-    """The key's tenant (401 for an unknown or revoked key)."""
-    tenant = authenticate(session, key)
-    if tenant is None:
+    """The key's tenant (401 for an unknown or revoked key); the session records what it changes
+    in the audit log as this key's doing (db.audit)."""
+    found = authenticate_key(session, key)
+    if found is None:
         raise HTTPException(401, "invalid or revoked API key", headers=_UNAUTHORIZED)
+    tenant, key_id = found
+    session.info[ACTOR] = Actor("key", key_id, tenant.id)
     return tenant
 
 

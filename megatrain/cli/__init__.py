@@ -10,6 +10,7 @@ from __future__ import annotations
 
 # Importing the command modules registers their commands on `app`.
 from megatrain.cli import (  # noqa: F401
+    audit,
     cluster,
     data,
     datasets,

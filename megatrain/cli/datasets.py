@@ -188,6 +188,7 @@ def share(
     from megatrain.api.datasets.schemas import DatasetCreate
     from megatrain.api.datasets.service import register_shared
     from megatrain.api.errors import FieldError
+    from megatrain.db.audit import as_operator
     from megatrain.db.session import get_sessionmaker, upgrade_database
 
     settings = get_settings()
@@ -199,6 +200,7 @@ def share(
         raise _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
     upgrade_database(settings.resolved_database_url)
     with get_sessionmaker(settings.resolved_database_url)() as session:
+        as_operator(session)  # its changes go in the audit log as the operator's
         try:
             ds = register_shared(session, settings, body)
         except FieldError as exc:

@@ -110,6 +110,7 @@ def share(
     from megatrain.api.errors import FieldError
     from megatrain.api.models.schemas import ModelCreate
     from megatrain.api.models.service import register_shared
+    from megatrain.db.audit import as_operator
     from megatrain.db.session import get_sessionmaker, upgrade_database
 
     settings = get_settings()
@@ -119,6 +120,7 @@ def share(
         raise _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
     upgrade_database(settings.resolved_database_url)
     with get_sessionmaker(settings.resolved_database_url)() as session:
+        as_operator(session)  # its changes go in the audit log as the operator's
         try:
             m = register_shared(session, settings, body)
         except FieldError as exc:

@@ -250,11 +250,13 @@ def keys_create(
 ) -> None:
     """Create an API key for a tenant and print it (it is shown only this once)."""
     from megatrain.api.auth import create_api_key
+    from megatrain.db.audit import as_operator
     from megatrain.db.session import session_scope, upgrade_database
 
     settings = get_settings()
     upgrade_database(settings.resolved_database_url)
     with session_scope(settings.resolved_database_url) as session:
+        as_operator(session)  # its changes go in the audit log as the operator's
         key = create_api_key(session, tenant, name)
     _err().print(f"API key for tenant '{escape(tenant)}' (store it now; it is not shown again):")
     typer.echo(key)
@@ -268,11 +270,13 @@ def tenants_set_max_priority(
 ) -> None:
     """Cap the priority a tenant's jobs may ask for (default 0: no boost above the others)."""
     from megatrain.api.auth import get_or_create_tenant
+    from megatrain.db.audit import as_operator
     from megatrain.db.session import session_scope, upgrade_database
 
     settings = get_settings()
     upgrade_database(settings.resolved_database_url)
     with session_scope(settings.resolved_database_url) as session:
+        as_operator(session)  # its changes go in the audit log as the operator's
         get_or_create_tenant(session, tenant).max_priority = priority
     _out().print(f"tenant '{escape(tenant)}' may now submit jobs with priority up to {priority}")
 
@@ -301,12 +305,14 @@ def tenants_set_quota(
     """Cap the devices (GPUs or CPU slots, over all pools) a tenant's jobs may hold at once; a job
     that would go over waits in the queue with that reason."""
     from megatrain.api.auth import get_or_create_tenant
+    from megatrain.db.audit import as_operator
     from megatrain.db.session import session_scope, upgrade_database
 
     quota = _quota_value(devices)
     settings = get_settings()
     upgrade_database(settings.resolved_database_url)
     with session_scope(settings.resolved_database_url) as session:
+        as_operator(session)  # its changes go in the audit log as the operator's
         get_or_create_tenant(session, tenant).max_devices = quota
     limit = "no device quota" if quota is None else f"a quota of {quota} device{'s' * (quota != 1)}"
     _out().print(f"tenant '{escape(tenant)}' now has {limit}")

@@ -26,7 +26,7 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_de
                "time", "skipped_iters", "data_time_s", "forward_time_s", "backward_time_s",
                "grad_sync_time_s", "optimizer_time_s", "cpu_util", "device_memory_used_bytes",
                "device_memory_total_bytes", "host_other_cores", "host_job_cores", "host_cores",
-               "host_under_load", "token_accuracy"}  # fmt: skip
+               "host_under_load", "token_accuracy", "trained_tokens"}  # fmt: skip
 PIPELINE_KEYS = {"pipeline_bubble_fraction", "pipeline_wait_time_s", "pipeline_compute_time_s",
                  "pipeline_max_stage_wait_time_s"}  # fmt: skip
 

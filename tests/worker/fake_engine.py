@@ -38,6 +38,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from megatrain.progress_files import write_progress
 from megatrain.storage import open_store
@@ -77,6 +78,16 @@ def _fail(out: Path, rank: int, step: int | None) -> int:
     return int(os.environ.get("FAKE_ENGINE_EXIT_CODE", "3"))
 
 
+def _wait_for_save(ckpt: Any, step: int, timeout_s: float = 60.0) -> None:
+    """Until rank 0's checkpoint store says `latest` is `step` or later (the engine's ranks finish a
+    save together)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ckpt.exists("latest") and int(ckpt.get_bytes("latest")) >= step:
+            return
+        time.sleep(0.05)
+
+
 def _hang_forever() -> None:
     """Stand still as a deadlocked collective would (a named frame for the stack dump to show)."""
     print("fake engine: hanging", flush=True)
@@ -95,6 +106,11 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ.get("RANK", "0"))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    preempted: list[int] = []
+    if os.environ.get("FAKE_ENGINE_IGNORE_SIGUSR2") == "1":
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
     hang_at = int(os.environ.get("FAKE_ENGINE_HANG_AT", "0"))
     hang_rank = int(os.environ.get("FAKE_ENGINE_HANG_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -128,13 +144,13 @@ def main() -> int:
     lead = rank == 0
     if os.environ.get("FAKE_ENGINE_PHASE", "training") != "training" and _should_fail(marker):
         return _fail(out, rank, None)
-    # Before 'started', as the engine: the runner signals only a started engine.
-    preempted: list[int] = []
-    if os.environ.get("FAKE_ENGINE_IGNORE_SIGUSR2") == "1":
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGUSR2, lambda *_: preempted.append(1))
+    (out / "pids" / f"rank{rank}.ready").touch()
     if lead:
+        # As the engine's first collective: 'started' once every rank has its handlers in place
+        # (the runner signals only a started engine).
+        deadline = time.monotonic() + 60
+        while len(list((out / "pids").glob("rank*.ready"))) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
         print(f"fake engine: world={world} resuming from {start or None}", flush=True)
         _emit(
             out / "events.jsonl",
@@ -163,6 +179,9 @@ def main() -> int:
         write_progress(out, rank, step)
         if not lead:
             if preempted and step < iters:
+                # A save is collective: no rank leaves before rank 0 has saved (torchrun stops every
+                # rank once one exits, mid-write on a slow store otherwise).
+                _wait_for_save(ckpt, step)
                 return 75
             continue
         if step % log_every == 0:
