@@ -35,8 +35,10 @@ from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
 from megatrain.engine.parallel.schedules import PipelineSchedule, pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.sink import RunLog
+from megatrain.engine.stragglers import StragglerWatch, report_stragglers
 from megatrain.engine.timers import StepTimers
 from megatrain.failures import Activity
+from megatrain.faults import RankFaults
 from megatrain.hostinfo import HostLoad, job_root_pid
 from megatrain.kernels.linear_cross_entropy import counting_token_hits
 
@@ -107,6 +109,7 @@ class TrainLoop:
         poll: Callable[[], None] = lambda: None,
         activity: Activity | None = None,
         stop: Callable[[], bool] = lambda: False,
+        faults: RankFaults | None = None,
     ):
         """`save(progress)` writes a checkpoint (perhaps in the background); `poll()` is called after
         every step to report background saves that have finished. `activity` is told the step in
@@ -115,6 +118,9 @@ class TrainLoop:
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
         self.poll, self.stop = poll, stop
         self.activity = activity or Activity()
+        self.faults = faults or RankFaults([], 0)
+        """Operator-injected faults (megatrain.faults): a slowed rank's steps are stretched here."""
+        self.stragglers = StragglerWatch()
         train_ds = data["train"]
         assert train_ds is not None
         self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
@@ -319,7 +325,10 @@ class TrainLoop:
                 self.train_ds.prefetch(consumed)
             if step + 1 < cfg.train_iters:
                 self.train_ds.prefetch(consumed + cfg.global_batch_size)  # read while this step runs
+            began = time.perf_counter()
             loss, result = self.step(consumed)
+            if self.faults:
+                self.faults.stretch(step + 1, time.perf_counter() - began)
             timers.end_step()
             step, consumed = step + 1, consumed + cfg.global_batch_size
             window.add(loss, result, self.last_hits)
@@ -391,8 +400,12 @@ class TrainLoop:
             accuracy = token_accuracy(w.hits, w.tokens, self.state)
             if accuracy is not None:
                 row["token_accuracy"] = accuracy
-        bubble = ""
         pipeline = self.train.pipeline
+        # Time in the step's collectives (the rest of a step is the rank's own work): stragglers.
+        wait = self.timers.means().get("grad_sync", 0.0)
+        wait += pipeline.times.wait_s / w.steps if pipeline is not None else 0.0
+        row.update(report_stragglers(self.stragglers, iter_time, wait, self.state.device, self.log, step))
+        bubble = ""
         if pipeline is not None:
             row.update(pipeline_metrics(pipeline, self.state, w.steps))
             bubble = f" | bubble {row['pipeline_bubble_fraction']:.1%}"

@@ -49,6 +49,7 @@ from megatrain.engine.runtime import Dist, effective_precision, init_distributed
 from megatrain.engine.sink import RunLog
 from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
+from megatrain.faults import RankFaults
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout, with_micro_batch_size
 from megatrain.progress_files import LOOP_PHASES, write_progress
 from megatrain.settings import get_settings
@@ -119,7 +120,8 @@ def run(
         init_from = spec.model.init_from if latest is None or cfg.lora or cfg.dpo else None
         train = _start_model(spec, mcfg, cfg, state, ctx.device, init_from, activity, log)
         checkpointer = _checkpointer(ckpt_url, train, spec, mcfg, cfg, log)
-        poll = _test_hang(checkpointer.poll, activity, ctx.rank)
+        faults = RankFaults.from_env(ctx.rank)  # an operator's fault injection (megatrain.faults)
+        poll = _with_faults(checkpointer.poll, activity, faults)
         loop = TrainLoop(
             train,
             cfg,
@@ -130,6 +132,7 @@ def run(
             poll,
             activity,
             _preempt_check(ctx),
+            faults,
         )
         if cfg.dpo is not None:
             activity.phase = "evaluation"  # forwards only, a pause the hang watch allows for
@@ -307,25 +310,17 @@ def _init_from_checkpoint(model: RankModel, init_from: str, log: RunLog) -> None
     log.say(f"initialised from {src} (step {step})")
 
 
-def _test_hang(poll: Callable[[], None], activity: Activity, rank: int) -> Callable[[], None]:
-    """Tests only: MEGATRAIN_TEST_HANG_AT_STEP=N makes rank MEGATRAIN_TEST_HANG_RANK (default 0)
-    stand still after step N, as a deadlocked rank would (once, if MEGATRAIN_TEST_HANG_MARKER names
-    a file: it is created, and a later attempt runs through)."""
-    at = int(os.environ.get("MEGATRAIN_TEST_HANG_AT_STEP") or 0)
-    if not at or rank != int(os.environ.get("MEGATRAIN_TEST_HANG_RANK") or 0):
+def _with_faults(poll: Callable[[], None], activity: Activity, faults: RankFaults) -> Callable[[], None]:
+    """`poll`, after which (each step's checkpoint saved) an injected fault may hang, kill or stop
+    this rank."""
+    if not faults:
         return poll
-    marker = os.environ.get("MEGATRAIN_TEST_HANG_MARKER")
 
-    def hanging_poll() -> None:
-        if activity.step == at and not (marker and Path(marker).exists()):
-            if marker:
-                Path(marker).write_text(f"hung at step {at}")
-            print(f"rank {rank}: hanging after step {at} (MEGATRAIN_TEST_HANG_AT_STEP)", flush=True)
-            while True:
-                time.sleep(1)
+    def faulty_poll() -> None:
+        faults.after_step(activity.step)
         poll()
 
-    return hanging_poll
+    return faulty_poll
 
 
 def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 1.0) -> None:

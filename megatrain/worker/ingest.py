@@ -147,13 +147,18 @@ EVENT_DATA_KEYS = (
     "reason",
     "url",
     "startup_s",
+    "rank",
+    "host",
+    "ratio",
+    "median_s",
 )
 
 
 def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], attempt: int) -> None:
     """started → job_event (+ resumed, num_params); serving (a serve job listens) → job_event with
     its url; checkpoint_saved → checkpoint row + job_event;
-    checkpoints_deleted (retention) → those rows removed + job_event; checkpoint_corrupt → job_event.
+    checkpoints_deleted (retention) → those rows removed + job_event; checkpoint_corrupt and straggler
+    → job_event.
 
     Rows are applied in file order, so a re-read that saves and then deletes a step ends deleted."""
     for row in rows:
@@ -194,6 +199,9 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
         elif kind == "serving" and isinstance(row.get("url"), str):
             # A serve job's model server listens: the API proxies its model's requests there.
             record_event(session, job_id, "serving", f"serving at {row['url']}", data)
+        elif kind == "straggler" and isinstance(row.get("rank"), int):
+            # A rank persistently slower than its peers (engine.stragglers): named on the job.
+            record_event(session, job_id, "straggler", str(row.get("reason") or "")[:1000], data)
         elif kind == "finished":
             record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
 

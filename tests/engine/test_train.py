@@ -27,6 +27,9 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_de
                "grad_sync_time_s", "optimizer_time_s", "cpu_util", "device_memory_used_bytes",
                "device_memory_total_bytes", "host_other_cores", "host_job_cores", "host_cores",
                "host_under_load", "token_accuracy", "trained_tokens"}  # fmt: skip
+SPREAD_KEYS = {"rank_busy_time_min_s", "rank_busy_time_median_s", "rank_busy_time_max_s", "slowest_rank",
+               "rank_wait_time_max_s"}  # fmt: skip
+"""Several ranks: each rank's own work and waiting per step (engine.stragglers)."""
 PIPELINE_KEYS = {"pipeline_bubble_fraction", "pipeline_wait_time_s", "pipeline_compute_time_s",
                  "pipeline_max_stage_wait_time_s"}  # fmt: skip
 
@@ -137,7 +140,7 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     got = read_jsonl(tmp_path / "par" / "metrics.jsonl")
     train_rows = [r for r in got if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
-    keys = METRIC_KEYS | (PIPELINE_KEYS if parallelism.get("pp", 1) > 1 else set())
+    keys = METRIC_KEYS | SPREAD_KEYS | (PIPELINE_KEYS if parallelism.get("pp", 1) > 1 else set())
     assert all(set(r) == keys for r in train_rows), set(train_rows[0]) ^ keys
     if parallelism.get("pp", 1) > 1:
         assert all(0 < r["pipeline_bubble_fraction"] < 1 for r in train_rows)

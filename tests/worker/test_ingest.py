@@ -128,3 +128,17 @@ def test_corrupt_checkpoint_becomes_an_event_with_its_reason(
         )
     assert ev is not None and "crc32 mismatch in model_0.bin" in ev.reason and "step 9" in ev.reason
     assert ev.data == {"step": 9, "reason": "crc32 mismatch in model_0.bin", "attempt": 2}
+
+
+def test_a_straggler_is_named_on_the_job(settings: Settings, make_job: Callable[..., str]) -> None:
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    text = "rank 3 on node-b is a straggler: its own work per step took 1.62x the median rank's 0.410 s"
+    row = {"event": "straggler", "step": 30, "rank": 3, "host": "node-b", "ratio": 1.62, "median_s": 0.41,
+           "reason": text}  # fmt: skip
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [row, {"event": "straggler", "reason": "no rank: ignored"}], attempt=1)
+    with session_scope(url) as s:
+        (ev,) = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "straggler"))
+    assert ev.reason == text
+    assert ev.data == {k: v for k, v in row.items() if k != "event"} | {"attempt": 1}

@@ -191,8 +191,8 @@ def test_a_real_engine_made_to_hang_is_detected_and_its_retry_finishes(
 ) -> None:
     pytest.importorskip("torch")
     monkeypatch.delenv("MEGATRAIN_ENGINE_MODULE", raising=False)
-    monkeypatch.setenv("MEGATRAIN_TEST_HANG_AT_STEP", "5")
-    monkeypatch.setenv("MEGATRAIN_TEST_HANG_MARKER", str(tmp_path / "hung-once"))
+    # The operator's fault injection: rank 0 stands still after step 5, the first attempt only.
+    monkeypatch.setenv("MEGATRAIN_FAULTS", f"hang:rank=0,at_step=5,once={tmp_path / 'hung-once'}")
     monkeypatch.setattr(settings, "hang_min_s", 2.0)
     # The ranks' progress files say when they save (a save in flight when the rank hangs is never
     # reported saved): the grace, far above any wait here, never applies to the hung step.
@@ -208,7 +208,7 @@ def test_a_real_engine_made_to_hang_is_detected_and_its_retry_finishes(
             job.status_reason.startswith("hung: rank 0 on ")
             and " stopped at step 4 for " in job.status_reason
         )
-    assert "most recent call first" in log and "hanging_poll" in log  # faulthandler's dump
+    assert "most recent call first" in log and "in after_step" in log  # faulthandler's dump, at the fault
     from megatrain.db.jobs import reserve_and_schedule
     from megatrain.db.models import Node
 

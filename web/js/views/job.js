@@ -62,6 +62,7 @@ const EVENT_LABELS = {
   checkpoint_saved: "Checkpoint saved", checkpoints_deleted: "Checkpoints deleted (retention)",
   checkpoint_corrupt: "Corrupt checkpoint skipped", cancel_requested: "Cancel requested", succeeded: "Succeeded",
   failed: "Failed", cancelled: "Cancelled", info: "Info", preempted: "Preempted",
+  straggler: "Straggler rank",
 };
 
 function eventLabel(ev) {
