@@ -141,6 +141,10 @@ class Settings(BaseSettings):
     """An attempt is hung when its step counter stops for hang_factor x its median step time (at
     least hang_min_s); before its first step, and while a checkpoint is being saved, it is allowed
     hang_grace_s (setup, compilation, resuming and saving are slower than a step)."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """A job's process group gives up on a collective after this long (the attempt fails naming it,
+    and is retried) instead of waiting forever; on CUDA, NCCL's flight recorder then dumps each
+    rank's last collectives into the attempt folder (nccl_trace.rank{R})."""
     preempt_grace_s: float = Field(default=120.0, gt=0)
     """A preempted job's engine gets this long to checkpoint at its next step boundary and exit
     before its runner sends SIGTERM (the attempt is requeued either way)."""

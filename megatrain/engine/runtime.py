@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,22 @@ def _set_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, cores // local_world_size))
 
 
-def init_distributed() -> Dist:
-    """Join torchrun's process group (nccl on CUDA, gloo on CPU), or a single process's Dist."""
+def flight_recorder_env(out_dir: Path) -> dict[str, str]:
+    """NCCL's flight recorder (read when the process group is made): a ring of each rank's last
+    collectives, dumped to out_dir/nccl_trace.rank{R} when a collective times out, so a hang names
+    the collective and the ranks that never joined it."""
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(out_dir / "nccl_trace.rank"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(out_dir / "nccl_trace.rank"),  # its older name
+    }
+
+
+def init_distributed(out_dir: Path | None = None, timeout_s: float | None = None) -> Dist:
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU), or a single process's Dist. A
+    collective waits at most `timeout_s` (settings.collective_timeout_s); on CUDA the flight recorder
+    dumps into `out_dir` when one times out (an operator's own TORCH_* settings win)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if not torch.cuda.is_available():
@@ -88,11 +103,14 @@ def init_distributed() -> Dist:
     if world_size <= 1:
         return Dist()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = timedelta(seconds=timeout_s or get_settings().collective_timeout_s)
     if torch.cuda.is_available():
+        for key, value in flight_recorder_env(out_dir or Path.cwd()).items():
+            os.environ.setdefault(key, value)
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return Dist(
         rank=dist.get_rank(),
         world_size=world_size,

@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(spec, out, activity)
     ctx = Dist(rank=int(os.environ.get("RANK", "0")))
     try:
-        ctx = init_distributed()
+        ctx = init_distributed(out)
         summary = run(spec, out, args.checkpoint_url, ctx, layout, activity=activity)
     except Terminated:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
