@@ -161,6 +161,9 @@ class Settings(BaseSettings):
     # within bounds; past max concurrent connections + requests, a 503.
     http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1 << 20)
     http_max_headers: int = Field(default=100, ge=8, le=10_000)
+    http_first_byte_timeout_s: float = Field(default=3.0, gt=0)
+    """A new connection that sends nothing this long is closed (idle sockets held open count against
+    http_max_concurrency)."""
     http_header_timeout_s: float = Field(default=10.0, gt=0)
     http_body_timeout_s: float = Field(default=30.0, gt=0)
     http_keepalive_timeout_s: float = Field(default=5.0, gt=0)

@@ -7,9 +7,11 @@ headers or a body that trickle in, and has no header-count limit. Here:
     first byte (or after the connection opened) with 408, closing the connection;
   - `BodyTimeoutMiddleware` answers 408 when a request body chunk does not arrive within
     `body_timeout_s` (responses are not timed: a live stream may run for hours);
-  - uvicorn's own `limit_concurrency` answers 503 past `max_concurrency` connections + tasks,
-    `timeout_keep_alive` closes idle keep-alive connections, and a stopping server cancels what is
-    still running (live streams) after `shutdown_timeout_s`.
+  - a new connection that sends nothing within `first_byte_timeout_s` is closed;
+  - uvicorn's own `limit_concurrency` answers 503 past `max_concurrency` connections + tasks, except
+    to the probes (/healthz, /readyz: an orchestrator must not restart a healthy API that a flood of
+    idle sockets fills), `timeout_keep_alive` closes idle keep-alive connections, and a stopping
+    server cancels what is still running (live streams) after `shutdown_timeout_s`.
 `megatrain api` (the production entry point, several worker processes) and `megatrain up` (the
 embedded stack) both serve through `api_config`.
 """
@@ -41,6 +43,7 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024
     max_headers: int = 100
     header_timeout_s: float = 10.0
+    first_byte_timeout_s: float = 3.0
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 5.0
     max_concurrency: int = 2048
@@ -52,6 +55,7 @@ class HttpLimits:
             max_header_bytes=settings.http_max_header_bytes,
             max_headers=settings.http_max_headers,
             header_timeout_s=settings.http_header_timeout_s,
+            first_byte_timeout_s=settings.http_first_byte_timeout_s,
             body_timeout_s=settings.http_body_timeout_s,
             keepalive_timeout_s=settings.http_keepalive_timeout_s,
             max_concurrency=settings.http_max_concurrency,
@@ -77,6 +81,10 @@ class ApiServerConfig(uvicorn.Config):
         self.http_limits = limits
 
 
+PROBES = frozenset({b"/healthz", b"/readyz", b"/v1/healthz", b"/v1/readyz"})
+"""Answered past the concurrency limit: they are how an orchestrator tells a full API from a dead one."""
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str):
         self.status, self.message = status, message
@@ -94,13 +102,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._fields = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_deadline: asyncio.TimerHandle | None = None
+        self._first_byte: asyncio.TimerHandle | None = None
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._begin_head()  # a connection that sends nothing is a slow head too
+        self._first_byte = self.loop.call_later(self.limits.first_byte_timeout_s, self._silent)
+
+    def _silent(self) -> None:
+        self._first_byte = None
+        if not self.transport.is_closing():
+            log.info("closed %s: nothing sent within %g s", self.client, self.limits.first_byte_timeout_s)
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._first_byte is not None:
+            self._first_byte.cancel()
+            self._first_byte = None
         self._end_head()
         self._cancel_body_deadline()
         super().connection_lost(exc)
@@ -140,6 +159,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # uvicorn's, with the head's size counted and our refusals told apart from parse errors.
         if self.transport.is_closing() or self._refused:
             return  # a refused connection's input is dropped until it closes
+        if self._first_byte is not None:
+            self._first_byte.cancel()
+            self._first_byte = None
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -186,7 +208,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._end_head()
-        super().on_headers_complete()
+        limit = self.limit_concurrency
+        if self.url.split(b"?", 1)[0] in PROBES:
+            self.limit_concurrency = None  # a probe is answered however full the server is
+        try:
+            super().on_headers_complete()
+        finally:
+            self.limit_concurrency = limit
         # A body must arrive whole within body_timeout_s of the head: also after the app answered
         # without reading it (a 401, a 413), when each trickled byte would otherwise keep the
         # connection from its keep-alive timeout forever.

@@ -183,22 +183,28 @@ def test_a_live_stream_outlives_every_timeout(server: LiveApi) -> None:
     assert text.rstrip().endswith('data: {"status":"cancelled"}'), text
 
 
-def test_past_the_concurrency_limit_a_503(
+def test_past_the_concurrency_limit_a_503_but_probes_answer(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MEGATRAIN_HTTP_MAX_CONCURRENCY", "3")
+    monkeypatch.setenv("MEGATRAIN_HTTP_FIRST_BYTE_TIMEOUT_S", "1")
     live_gen = start_live_api(tmp_path, monkeypatch, with_scheduler=False)
     live = next(live_gen)
     try:
-        held = [_connect(live) for _ in range(3)]  # three open connections (each waiting to send)
+        held = [_connect(live) for _ in range(3)]  # three open connections that send nothing
         with httpx.Client(base_url=live.url, timeout=10) as client:
-            assert client.get("/healthz").status_code == 503
-        for sock in held:
-            sock.close()
+            assert client.get("/v1/jobs").status_code == 503
+            # The probes still answer: a full API is not a dead one (nothing to restart).
+            assert client.get("/healthz").status_code == 200
+            assert client.get("/readyz").status_code == 200
+        # The silent ones are closed after the first-byte timeout, without an answer: room again.
+        started = time.monotonic()
+        assert [_answer(sock) for sock in held] == [b""] * 3
+        assert time.monotonic() - started < 5
         deadline = time.monotonic() + 10
         while True:
             with httpx.Client(base_url=live.url, timeout=10) as client:
-                if client.get("/healthz").status_code == 200:
+                if client.get("/v1/jobs").status_code == 401:  # served (no key): not 503
                     break
             assert time.monotonic() < deadline
             time.sleep(0.1)
