@@ -23,3 +23,14 @@ def name_problem(name: str) -> str | None:
     if RESERVED.match(name):
         return f"{name} is set by megatrain or the runtime itself and cannot be a secret"
     return None
+
+
+def check_secret_names(names: list[str]) -> list[str]:
+    """`names` (a spec's `secrets`), or ValueError for a bad or repeated one."""
+    for name in names:
+        problem = name_problem(name)
+        if problem:
+            raise ValueError(problem)
+    if len(set(names)) != len(names):
+        raise ValueError("each secret is named once")
+    return names

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from megatrain.secret_names import name_problem
+from megatrain.secret_names import check_secret_names
 from megatrain.spec_attention import AttentionBackend, dropout_problem, precision_problem
 from megatrain.spec_base import NAME_PATTERN  # noqa: F401  (re-exported)
 from megatrain.spec_base import Strict as _Strict
@@ -378,16 +378,7 @@ class JobSpec(_Strict):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     secrets: list[str] = Field(default_factory=list, max_length=32)
 
-    @field_validator("secrets")
-    @classmethod
-    def _secret_names(cls, names: list[str]) -> list[str]:
-        for name in names:
-            problem = name_problem(name)
-            if problem:
-                raise ValueError(problem)
-        if len(set(names)) != len(names):
-            raise ValueError("each secret is named once")
-        return names
+    _secret_names = field_validator("secrets")(check_secret_names)
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:

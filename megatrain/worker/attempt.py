@@ -7,6 +7,7 @@ and for every shard of a gang (megatrain.worker.gang), and names the nodes to av
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import FAILED, QUEUED, RUNNING, Job
 from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.secrets_box import Redactor
+from megatrain.settings import SERVE_TOKEN_ENV
 from megatrain.worker.launch import Rendezvous
+from megatrain.worker.nodes import device_env
 
 MAX_REASON_CHARS = 4000
 """A job event's reason is cut to this (the tail of an engine's traceback can be long)."""
@@ -57,6 +60,14 @@ class Attempt:
     def redact(self) -> Redactor:
         """Removes those secrets' values from what the attempt reports (lines, events, reasons)."""
         return Redactor(self.secret_env)
+
+    def engine_env(self) -> dict[str, str]:
+        """The engine's environment: this process's, the tenant secrets the job names, the devices
+        the attempt was placed on (and a serve job's token)."""
+        env = os.environ | self.secret_env | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": self.job_id}
+        if self.serve_token is not None:
+            env[SERVE_TOKEN_ENV] = self.serve_token
+        return env | device_env(self.devices, self.accelerator, os.environ)
 
 
 def end_failed_attempt(

@@ -46,7 +46,7 @@ from megatrain.db.models import (
 )
 from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.secrets_box import SecretsUnavailable
-from megatrain.settings import SERVE_TOKEN_ENV, Settings, get_settings
+from megatrain.settings import Settings, get_settings
 from megatrain.worker.attempt import Attempt, end_failed_attempt
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
@@ -59,7 +59,7 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     free_port,
 )
 from megatrain.worker.ledger import AttemptClock
-from megatrain.worker.nodes import device_env, node_name, package_problem
+from megatrain.worker.nodes import node_name, package_problem
 from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop, end_at_time_limit, requeue_preempted
 from megatrain.worker.procs import die_with_parent, terminate_tree
@@ -366,15 +366,6 @@ class _Runner:
                 log.warning("node %s quarantined: %s", self.host, why)
 
 
-def runner_env_for(att: Attempt, job_id: str) -> dict[str, str]:
-    """The engine's environment: this process's, plus the devices the attempt was placed on (and a
-    serve job's token, and the tenant secrets the job names)."""
-    env = os.environ | att.secret_env | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": job_id}
-    if att.serve_token is not None:
-        env[SERVE_TOKEN_ENV] = att.serve_token
-    return env | device_env(att.devices, att.accelerator, os.environ)
-
-
 def run_shard(
     job_id: str, settings: Settings | None = None, gang: bool = False, stop: TimeLimit | None = None
 ) -> int:
@@ -400,7 +391,7 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
     job_id = att.job_id
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
     cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url, att.rendezvous)
-    env = runner_env_for(att, job_id)
+    env = att.engine_env()
     log.info("job %s attempt %d: %s", job_id, att.attempt, " ".join(cmd))
     try:
         proc = subprocess.Popen(
