@@ -30,6 +30,17 @@ SERVE_TOKEN_ENV = "MEGATRAIN_SERVE_TOKEN"
 """Where a serve job's engine process finds its attempt's bearer token (db.models.Job.serve_token),
 put there by its runner; not an operator's setting."""
 
+CONTROL_PLANE_SETTINGS = (
+    "database_url",
+    "redis_url",
+    "secrets_key",
+    "api_key",
+    "slurm_jwt",
+    "slurm_jwt_file",
+)
+"""Credentials of the control plane: a node that holds a node token gets none of them (it reaches
+the control plane through the API), and a job's engine never does (its runner reports for it)."""
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEGATRAIN_", extra="ignore")
@@ -100,6 +111,10 @@ class Settings(BaseSettings):
     """Comma-separated roots (file:///… or s3://…) any tenant may read training data from, added to
     the defaults: in dev, the user's home directory and the checkout's examples/ (when megatrain
     runs from a checkout); in production, none."""
+
+    node_token: str | None = None
+    """This node's token (`megatrain nodes token create POOL`): with it, the node's worker and runners
+    reach the control plane only through the API at api_url, and need no database URL."""
 
     pool_name: str = "default"
     node_name: str | None = None

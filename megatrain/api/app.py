@@ -32,6 +32,8 @@ from megatrain.api.jobs.router import router as jobs_router
 from megatrain.api.keys.router import router as keys_router
 from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMiddleware, RequestTooLarge
 from megatrain.api.models.router import router as models_router
+from megatrain.api.node.router import MAX_BODY_BYTES as NODE_BODY_BYTES
+from megatrain.api.node.router import router as node_router
 from megatrain.api.openai import PREFIX as OPENAI_PREFIX
 from megatrain.api.openai import router as openai_router
 from megatrain.api.openai.chat import router as openai_chat_router
@@ -143,6 +145,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         samples_router,
         plan_router,
         secrets_router,
+        node_router,
     )
     # The chat routes before openai_router, whose catch-all answers any other /openai/v1 path.
     for router in (*routers, *extra, openai_chat_router, openai_router):
@@ -154,6 +157,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     # Dataset uploads stream to storage under a cap of their own (JSON bodies there keep the usual one).
     upload_paths = (datasets_router.prefix, f"{OPENAI_PREFIX}/files")
     uploads = dict.fromkeys(upload_paths, settings.max_dataset_upload_bytes)
+    uploads[node_router.prefix] = max(NODE_BODY_BYTES, settings.max_request_bytes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, overrides=uploads)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.http_body_timeout_s)
     # Every error under /openai/v1 in OpenAI's shape, whichever layer inside answered it.

@@ -118,6 +118,7 @@ class Rule:
 def _rules() -> list[Rule]:
     from megatrain.db.fine_tuning import FineTuningJob
     from megatrain.db.models import CheckpointExport, JobEvent
+    from megatrain.db.node_tokens import NodeToken
     from megatrain.db.secrets import TenantSecret
 
     # A job's cancel, pause and resume are guarded UPDATEs (no lost race), not attribute changes:
@@ -139,6 +140,8 @@ def _rules() -> list[Rule]:
         Rule(CheckpointExport, "new", "export.create", lambda o: {"job_id": o.job_id, "step": o.step}),
         Rule(ApiKey, "new", "key.create", _named),
         Rule(ApiKey, "dirty", "key.revoke", _named, _set("revoked_at")),
+        Rule(NodeToken, "new", "node_token.create", lambda o: {"node": o.node_name, "prefix": o.prefix}),
+        Rule(NodeToken, "dirty", "node_token.revoke", lambda o: {"node": o.node_name}, _set("revoked_at")),
         Rule(TenantSecret, "new", "secret.put"),
         Rule(TenantSecret, "dirty", "secret.put", when=_changed("ciphertext")),
         Rule(TenantSecret, "deleted", "secret.delete"),

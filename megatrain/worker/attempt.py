@@ -8,8 +8,9 @@ and for every shard of a gang (megatrain.worker.gang), and names the nodes to av
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -18,7 +19,7 @@ from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import FAILED, QUEUED, RUNNING, Job
 from megatrain.failures import NOT_RETRIED, attempt_reason, event_data, pick, read_records
 from megatrain.secrets_box import Redactor
-from megatrain.settings import SERVE_TOKEN_ENV
+from megatrain.settings import CONTROL_PLANE_SETTINGS, SERVE_TOKEN_ENV
 from megatrain.worker.launch import Rendezvous
 from megatrain.worker.nodes import device_env
 
@@ -61,25 +62,46 @@ class Attempt:
         """Removes those secrets' values from what the attempt reports (lines, events, reasons)."""
         return Redactor(self.secret_env)
 
+    def to_wire(self) -> dict[str, Any]:
+        """The attempt as JSON (the API's claim answer), without the node's own folder."""
+        wire = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "out_dir"}
+        wire["rendezvous"] = asdict(self.rendezvous) if self.rendezvous is not None else None
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any], out_dir: Path) -> Attempt:
+        rdzv = wire.get("rendezvous")
+        names = {f.name for f in fields(cls)} - {"out_dir", "rendezvous"}
+        values = {k: v for k, v in wire.items() if k in names}
+        return cls(out_dir=out_dir, rendezvous=Rendezvous(**rdzv) if rdzv else None, **values)
+
     def engine_env(self) -> dict[str, str]:
-        """The engine's environment: this process's, the tenant secrets the job names, the devices
-        the attempt was placed on (and a serve job's token)."""
-        env = os.environ | self.secret_env | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": self.job_id}
+        """The engine's environment: this process's without the control plane's credentials (nor
+        this node's token: the engine reports through its runner), the tenant secrets the job
+        names, the devices the attempt was placed on (and a serve job's token)."""
+        hidden = {f"MEGATRAIN_{name.upper()}" for name in (*CONTROL_PLANE_SETTINGS, "node_token")}
+        env = {k: v for k, v in os.environ.items() if k not in hidden}
+        env |= self.secret_env | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": self.job_id}
         if self.serve_token is not None:
             env[SERVE_TOKEN_ENV] = self.serve_token
         return env | device_env(self.devices, self.accelerator, os.environ)
 
 
 def end_failed_attempt(
-    s: Session, att: Attempt, rc: int, silent: list[tuple[str, str]] | None = None, node: str | None = None
+    s: Session,
+    att: Attempt,
+    rc: int,
+    silent: list[tuple[str, str]] | None = None,
+    node: str | None = None,
+    records: list[dict[str, Any]] | None = None,
 ) -> tuple[bool, bool]:
     """running → queued (retried) or failed, explained by the attempt's failure records: this
     node's, and for a gang every shard's that reported its own (worker.gang.shard_records).
     `silent` (node id, hostname): a gang's nodes whose shard never reported its end (gone with
     its worker): named in the reason and avoided by the retry, as is this node after an
     infrastructure failure. `node`: this node's name, for its records. Returns (transitioned, an
-    infrastructure failure)."""
-    records = read_records(att.out_dir, node)
+    infrastructure failure). `records`: this node's, as its runner read them (default: read here)."""
+    records = list(records) if records is not None else read_records(att.out_dir, node)
     if att.rendezvous is not None:
         from megatrain.worker.gang import shard_records
 

@@ -79,11 +79,12 @@ def create_celery_app(settings: Settings) -> Celery:
             from megatrain.worker.gang import Share, run_follower
 
             return run_follower(job_id, Share(**share), settings)
-        with session_scope(settings.resolved_database_url) as s:
-            status = s.scalar(select(Job.status).where(Job.id == job_id))
-        if status != SCHEDULED:
-            log.info("job %s is %s, not scheduled: skipping this delivery", job_id, status)
-            return None
+        if not settings.node_token:  # with one, the claim through the API says so
+            with session_scope(settings.resolved_database_url) as s:
+                status = s.scalar(select(Job.status).where(Job.id == job_id))
+            if status != SCHEDULED:
+                log.info("job %s is %s, not scheduled: skipping this delivery", job_id, status)
+                return None
         from megatrain.worker.shard import run_shard
 
         return run_shard(job_id, settings, gang=share is not None)

@@ -23,7 +23,7 @@ from sqlalchemy import select
 
 from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
 from megatrain.db.session import session_scope
-from megatrain.settings import Settings
+from megatrain.settings import CONTROL_PLANE_SETTINGS, Settings
 from megatrain.worker.nodes import ensure_local_pool
 from megatrain.worker.procs import pid_alive
 
@@ -86,13 +86,17 @@ class StatusUnknown(RuntimeError):
 
 def runner_env(settings: Settings) -> dict[str, str]:
     """The caller's environment plus every setting as MEGATRAIN_*, so the runner sees the same world
-    even when `settings` was built in code rather than read from the environment."""
+    even when `settings` was built in code rather than read from the environment. With a node token
+    the runner reaches the control plane through the API: it gets none of its credentials."""
     env = dict(os.environ)
     for name, value in settings.model_dump().items():
         if value is not None:
             env[f"MEGATRAIN_{name.upper()}"] = str(value)
     env["MEGATRAIN_DATABASE_URL"] = settings.resolved_database_url
     env["MEGATRAIN_STORAGE_URL"] = settings.resolved_storage_url
+    if settings.node_token:
+        for name in CONTROL_PLANE_SETTINGS:
+            env.pop(f"MEGATRAIN_{name.upper()}", None)
     return env
 
 

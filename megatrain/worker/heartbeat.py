@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from sqlalchemy import update
-from sqlalchemy.exc import SQLAlchemyError
+from megatrain.worker.reporter import ReportError
 
-from megatrain.db.models import RUNNING, Job, utcnow
-from megatrain.db.session import session_scope
+if TYPE_CHECKING:
+    from megatrain.worker.reporter import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,15 @@ MAX_STALL_S = 300.0
 
 class Heartbeat:
     def __init__(
-        self, url: str, job_id: str, host: str, pid: int, interval_s: float, max_stall_s: float = MAX_STALL_S
+        self,
+        reporter: Reporter,
+        job_id: str,
+        host: str,
+        pid: int,
+        interval_s: float,
+        max_stall_s: float = MAX_STALL_S,
     ):
-        self.url, self.job_id, self.host, self.pid = url, job_id, host, pid
+        self.reporter, self.job_id, self.host, self.pid = reporter, job_id, host, pid
         self.interval_s, self.max_stall_s = interval_s, max_stall_s
         self.seen = time.monotonic()
         self._stop = threading.Event()
@@ -50,20 +56,8 @@ class Heartbeat:
     def beat(self) -> bool:
         """One heartbeat if this runner still owns the running job; False if it does not (or failed)."""
         try:
-            with session_scope(self.url) as s:
-                owned = s.execute(
-                    update(Job)
-                    .where(
-                        Job.id == self.job_id,
-                        Job.status == RUNNING,
-                        Job.runner_host == self.host,
-                        Job.runner_pid == self.pid,
-                    )
-                    .values(heartbeat_at=utcnow())
-                    .execution_options(synchronize_session=False)
-                ).rowcount
-            return owned == 1
-        except SQLAlchemyError as exc:
+            return self.reporter.heartbeat(self.job_id, self.host, self.pid)
+        except ReportError as exc:
             log.warning("job %s: heartbeat failed (will retry): %s", self.job_id, exc)
             return False
 

@@ -110,15 +110,15 @@ def requeue_preempted(s: Session, att: Attempt, step: int | None, clear: dict[st
 
 
 def end_at_time_limit(
-    s: Session, att: Attempt, step: int | None, stop: TimeLimit, clear: dict[str, object]
+    s: Session, att: Attempt, step: int | None, limit_s: float, clear: dict[str, object]
 ) -> bool:
     """The attempt checkpointed (at `step`) and stopped before its allocation's time limit. Shorter
     than the job's max_runtime_s, the limit splits a long job into a chain: queued again, resuming
     there, and not a retry (as a preemption). Otherwise it is the job's own max_runtime_s: failed, as
     the local executor fails a job that exceeds it (with its progress saved)."""
-    data = {"attempt": att.attempt, "step": step, "time_limit_s": stop.limit_s}
-    if stop.limit_s < att.max_runtime_s:
-        reason = f"reached the allocation's time limit ({stop.limit_s:g}s); resumes from {_where(step)}"
+    data = {"attempt": att.attempt, "step": step, "time_limit_s": limit_s}
+    if limit_s < att.max_runtime_s:
+        reason = f"reached the allocation's time limit ({limit_s:g}s); resumes from {_where(step)}"
         return _queue_again(s, att, reason, data, clear | {"continuations": att.continuations + 1})
     saved = f"; checkpointed at step {step}" if step is not None else ""
     reason = f"exceeded max_runtime_s={att.max_runtime_s:g}{saved}"

@@ -1,9 +1,10 @@
-"""The shard runner: runs one attempt of a job under torchrun and reports it to the database.
+"""The shard runner: runs one attempt of a job under torchrun and reports it to the control plane.
 
 `run_shard(job_id, settings)` claims a `scheduled` job (→ running), launches the engine, then loops:
-forward its output to job_log, tail metrics.jsonl/events.jsonl into the job's tables, heartbeat,
-honour cancel requests and max_runtime_s. On exit the job succeeds, is queued again (the engine
-resumes from the latest checkpoint) or fails. Every state change goes through db.jobs.transition.
+forward its output to the job's log, its metrics.jsonl/events.jsonl to the job's tables, in numbered
+batches (worker.control.report), heartbeat, honour cancel requests and max_runtime_s. On exit the
+job succeeds, is queued again (the engine resumes from the latest checkpoint) or fails. Every call
+goes through a worker.reporter.Reporter: the database itself, or the API with a node token.
 
 CLI: `python -m megatrain.worker.shard --job-id ID` (what the local executor spawns).
 """
@@ -16,41 +17,19 @@ import json
 import logging
 import os
 import queue
-import secrets
 import socket
 import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
-from typing import IO
+from typing import IO, Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
-
-from megatrain.db.goodput import quarantine_if_failing, record_attempt
-from megatrain.db.jobs import retry_allowed, transition
-from megatrain.db.models import (
-    CANCELLED,
-    FAILED,
-    QUEUED,
-    RUNNING,
-    SCHEDULED,
-    SUCCEEDED,
-    Job,
-    JobEvent,
-    Node,
-    NodePool,
-    utcnow,
-)
-from megatrain.db.session import get_sessionmaker, session_scope
-from megatrain.secrets_box import SecretsUnavailable
+from megatrain.failures import read_records
 from megatrain.settings import Settings, get_settings
-from megatrain.worker.attempt import Attempt, end_failed_attempt
+from megatrain.worker.attempt import Attempt
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
-from megatrain.worker.ingest import JsonlTail, append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.worker.ingest import JsonlTail
 from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     DEFAULT_ENGINE_MODULE,
     ENGINE_MODULE_ENV,
@@ -59,11 +38,11 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     free_port,
 )
 from megatrain.worker.ledger import AttemptClock
-from megatrain.worker.nodes import node_name, package_problem
+from megatrain.worker.nodes import _packages, node_name
 from megatrain.worker.oom import OomWatch
-from megatrain.worker.preempt import TimeLimit, ask_to_stop, end_at_time_limit, requeue_preempted
+from megatrain.worker.preempt import TimeLimit, ask_to_stop
 from megatrain.worker.procs import die_with_parent, terminate_tree
-from megatrain.worker.secrets import job_secrets
+from megatrain.worker.reporter import Reporter, ReportError, ReportRefused, reporter_for
 
 log = logging.getLogger(__name__)
 
@@ -77,113 +56,75 @@ def hang_rule(settings: Settings) -> HangRule:
     return HangRule(settings.hang_factor, settings.hang_min_s, settings.hang_grace_s)
 
 
-def _claim(settings: Settings, job_id: str, gang: bool = False) -> Attempt | None:
+MAX_BATCH_LINES = 5000
+"""Log lines per batch of reports (the rest wait for the next tick)."""
+FLUSH_S = 60.0
+"""How long an ended attempt's runner keeps trying to report the engine's last rows before it
+reports the end anyway (the control plane may be restarting)."""
+CLAIM_RETRY_S = (1, 2, 4, 8, 15, 30)
+"""Waits between tries of a claim or an attempt's end the control plane could not take (an API
+restarting): both are safe to repeat."""
+
+
+def _claim(
+    settings: Settings,
+    job_id: str,
+    gang: bool = False,
+    reporter: Reporter | None = None,
+    attempt: int | None = None,
+) -> Attempt | None:
     """scheduled → running, owned by this process; None when there is nothing (more) to do.
 
     For a multi-node job (`gang`) this process is node rank 0's shard: it owns the attempt, runs its
     node's share and publishes the rendezvous endpoint the other shards join (worker.gang)."""
-    rendezvous_port = free_port() if gang else 0
-    with session_scope(settings.resolved_database_url) as s:
-        job = s.get(Job, job_id)
-        if job is None or job.status != SCHEDULED:
-            log.info("job %s is %s, not scheduled: nothing to do", job_id, job.status if job else "missing")
-            return None
-        if job.cancel_requested:
-            transition(s, job_id, CANCELLED, from_statuses=(SCHEDULED,), reason="cancelled before it started")
-            return None
-        missing = package_problem(job.spec, node_name(settings))
-        if missing:  # no retry installs a package: fail at once, in one line
-            transition(s, job_id, FAILED, from_statuses=(SCHEDULED,), reason=missing)
-            return None
+    reporter = reporter or reporter_for(settings)
+    endpoint = f"{settings.node_address or socket.gethostname()}:{free_port()}" if gang else None
+    node, host = node_name(settings), socket.gethostname()
+    for delay in (*CLAIM_RETRY_S, None):
         try:
-            secret_env = job_secrets(s, settings, job)
-        except SecretsUnavailable as exc:  # deleted since submission, or the key changed: no retry helps
-            transition(s, job_id, FAILED, from_statuses=(SCHEDULED,), reason=str(exc))
+            answer = reporter.claim(
+                job_id,
+                node=node,
+                host=host,
+                pid=os.getpid(),
+                packages=_packages(),
+                endpoint=endpoint,
+                attempt=attempt,
+            )
+            break
+        except ReportRefused as exc:
+            log.error("job %s: the control plane refused this node's claim: %s", job_id, exc)
             return None
-        out_dir = settings.runs_dir / job_id / f"attempt-{job.attempt}"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "spec.json").write_text(json.dumps(job.spec, indent=2, sort_keys=True))
-        (out_dir / "layout.json").write_text(json.dumps(job.layout, indent=2, sort_keys=True))
-        max_runtime_s = float((job.spec.get("resources") or {}).get("max_runtime_s") or 86400)
-        try:
-            total_steps = int(job.spec["training"]["train_iters"])
-        except (KeyError, TypeError, ValueError):
-            total_steps = job.total_steps
-        now = utcnow()
-        queued_s, prev_step = _queued_s(s, job, now), job.current_step or 0
-        # A fresh token per attempt: a model server of an earlier attempt answers no one.
-        serve_token = secrets.token_urlsafe(32) if job.kind == "serve" else None
-        ok = transition(
-            s,
-            job_id,
-            RUNNING,
-            from_statuses=(SCHEDULED,),
-            reason=f"attempt {job.attempt} running on {socket.gethostname()}",
-            data={"attempt": job.attempt, "host": socket.gethostname(), "pid": os.getpid()},
-            runner_host=socket.gethostname(),
-            runner_pid=os.getpid(),
-            started_at=now,
-            heartbeat_at=now,
-            total_steps=total_steps,
-            serve_token=serve_token,
-        )
-        if not ok:
-            return None
-        accelerator = s.scalar(
-            select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
-        )
-        att = Attempt(
-            job_id,
-            job.attempt,
-            job.max_retries,
-            job.num_procs,
-            max_runtime_s,
-            out_dir,
-            devices=job.devices,
-            accelerator=accelerator or "cpu",
-            node_id=job.node_id,
-            queued_s=queued_s,
-            prev_step=prev_step,
-            checkpoint_interval=int((job.spec.get("training") or {}).get("checkpoint_interval") or 0),
-            preemptions=job.preemptions,
-            max_preemptions=job.max_preemptions,
-            continuations=job.continuations,
-            serve_token=serve_token,
-            secret_env=secret_env,
-        )
-        if gang:
-            from megatrain.worker.gang import lead
-
-            lead(s, settings, att, rendezvous_port)
-        return att
+        except ReportError as exc:
+            if delay is None:
+                raise
+            log.warning("job %s: could not claim it yet (%s); retrying in %ss", job_id, exc, delay)
+            time.sleep(delay)
+    if "skip" in answer:
+        log.info("job %s: nothing to run: %s", job_id, answer["skip"])
+        return None
+    wire = answer["attempt"]
+    out_dir = settings.runs_dir / job_id / f"attempt-{wire['attempt']}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "spec.json").write_text(json.dumps(answer["spec"], indent=2, sort_keys=True))
+    (out_dir / "layout.json").write_text(json.dumps(answer["layout"], indent=2, sort_keys=True))
+    return Attempt.from_wire(wire, out_dir)
 
 
-def _queued_s(s: Session, job: Job, now: datetime) -> float:
-    """Seconds since the job last entered the queue (its creation, or its last requeue)."""
-    since = s.scalar(
-        select(func.max(JobEvent.created_at)).where(JobEvent.job_id == job.id, JobEvent.to_status == QUEUED)
-    )
-    since = since or job.created_at
-    return max((now - since).total_seconds(), 0.0) if since else 0.0
-
-
-def _backfill_earlier_attempts(settings: Settings, att: Attempt) -> None:
-    """Ingest what earlier attempts on this host wrote after their runner's last tick (a runner
+def _backfill_earlier_attempts(settings: Settings, att: Attempt, reporter: Reporter) -> None:
+    """Report what earlier attempts on this host wrote after their runner's last tick (a runner
     killed with -9 leaves such lines behind); the inserts are idempotent, so re-reading is safe."""
     for n in range(1, att.attempt):
         out = settings.runs_dir / att.job_id / f"attempt-{n}"
         if not out.is_dir():
             continue
         metrics = JsonlTail(out / "metrics.jsonl").read()
-        # Checkpoint bookkeeping only (saves, retention's deletions, corrupt ones skipped): the
-        # attempt's lifecycle events were reported by its own runner.
-        kinds = ("checkpoint_saved", "checkpoints_deleted", "checkpoint_corrupt")
-        checkpoints = [r for r in JsonlTail(out / "events.jsonl").read() if r.get("event") in kinds]
+        # Checkpoint bookkeeping only (the control plane keeps those kinds): the attempt's
+        # lifecycle events were reported by its own runner.
+        events = JsonlTail(out / "events.jsonl").read()
         try:
-            with session_scope(settings.resolved_database_url) as s:
-                ingest_metrics(s, att.job_id, metrics)
-                ingest_events(s, att.job_id, checkpoints, n)
-        except SQLAlchemyError as exc:
+            reporter.backfill(att.job_id, n, metrics, events)
+        except ReportError as exc:
             log.warning("job %s: could not backfill attempt %d: %s", att.job_id, n, exc)
 
 
@@ -194,14 +135,24 @@ def _pump(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
 
 
 class _Runner:
-    """One attempt's reporting loop; all database work happens in short transactions per tick."""
+    """One attempt's reporting loop: each tick sends one numbered batch (lines, metrics, events),
+    and a batch the control plane did not acknowledge is sent again, unchanged, on the next."""
 
-    def __init__(self, settings: Settings, att: Attempt, stop: TimeLimit | None = None):
+    follower = False
+    """A non-zero node rank of a gang (worker.gang._FollowerRunner): it owns nothing."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        att: Attempt,
+        stop: TimeLimit | None = None,
+        reporter: Reporter | None = None,
+    ):
         self.settings = settings
         self.att = att
         self.stop = stop
         """Where the allocation's time limit comes from, on a cluster that has one (Slurm)."""
-        self.url = settings.resolved_database_url
+        self.reporter = reporter or reporter_for(settings)
         self.host = socket.gethostname()
         self.node = node_name(settings)
         self.oom = OomWatch(launcher=att.num_procs > 1 or att.rendezvous is not None)
@@ -210,7 +161,11 @@ class _Runner:
         self.metrics = JsonlTail(att.out_dir / "metrics.jsonl")
         self.events = JsonlTail(att.out_dir / "events.jsonl")
         self.pending_lines: list[str] = []
-        self.next_seq = 0
+        self.seq = 0
+        self.unacked: dict[str, Any] | None = None
+        """The batch sent last and not acknowledged: sent again as it is, with its number."""
+        self.caught_up = False
+        """Whether the last tick's batch, acknowledged, held everything the engine had written."""
         self.last_heartbeat = time.monotonic()
         self.watch = HangWatch(hang_rule(settings), self.last_heartbeat, att.checkpoint_interval)
         self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
@@ -223,135 +178,98 @@ class _Runner:
         """Whether the engine said it started (its ranks' signal handlers are in place by then)."""
         self.stop_sent = False
         self.redact = att.redact
-        """Secret values out of every line and event this runner stores."""
+        """Secret values out of every line and event this runner reports."""
+
+    def prefix(self, lines: list[str]) -> list[str]:
+        """The lines as the job's log shows them (a follower names its node)."""
+        return lines
+
+    def _next_batch(self) -> dict[str, Any]:
+        """Everything new since the last batch, numbered; the files' offsets move past it now (the
+        batch holds the rows until the control plane acknowledges them)."""
+        metrics, events = self.metrics.read(), self.events.read()
+        now = time.monotonic()
+        self.watch.observe_metrics(metrics, now)
+        self.watch.observe_events(events, now)
+        self.clock.observe_metrics(metrics, now)
+        self.clock.observe_events(events)
+        for row in events:
+            if row.get("event") == "preempted" and isinstance(row.get("step"), int):
+                self.preempted_step = row["step"]
+            self.engine_started |= row.get("event") == "started"
+        self.metrics.commit()
+        self.events.commit()
+        lines = self.prefix(self.pending_lines[:MAX_BATCH_LINES])
+        del self.pending_lines[:MAX_BATCH_LINES]
+        self.seq += 1
+        rank = self.att.rendezvous.node_rank if self.att.rendezvous is not None else 0
+        return {
+            "attempt": self.att.attempt,
+            "node_rank": rank,
+            "seq": self.seq,
+            "host": self.host,
+            "pid": self.pid,
+            "follower": self.follower,
+            "lines": lines,
+            "metrics": metrics,
+            "events": self.redact.value(events),
+        }
 
     def tick(self, heartbeat: bool) -> str | None:
-        """Flush logs, metrics and events; heartbeat. Returns 'cancel' / 'lost' when the loop must stop."""
-        verdict = None
-        session = get_sessionmaker(self.url)()
+        """Report what is new; heartbeat. Returns 'cancel' / 'lost' / 'preempt' when the loop must stop."""
+        fresh, self.caught_up = self.unacked is None, False
+        if fresh:
+            self.unacked = self._next_batch()
         try:
-            # The shards of a gang write one job's log: each numbers its lines after the last stored
-            # (a clash with another shard's insert rolls back and retries on the next tick).
-            if self.next_seq == 0 or self.att.rendezvous is not None:
-                self.next_seq = next_log_seq(session, self.att.job_id)
-            seq = append_logs(
-                session, self.att.job_id, self.pending_lines, self.next_seq, self.settings.max_log_lines
-            )
-            metrics, events = self.metrics.read(), self.events.read()
-            now = time.monotonic()
-            # Fed before the database: a re-read after a failed transaction is harmless to both.
-            self.watch.observe_metrics(metrics, now)
-            self.watch.observe_events(events, now)
-            self.clock.observe_metrics(metrics, now)
-            self.clock.observe_events(events)
-            for row in events:
-                if row.get("event") == "preempted" and isinstance(row.get("step"), int):
-                    self.preempted_step = row["step"]
-                self.engine_started |= row.get("event") == "started"
-            ingest_metrics(session, self.att.job_id, metrics)
-            ingest_events(session, self.att.job_id, self.redact.value(events), self.att.attempt)
-            verdict = self.check(session, heartbeat)
-            session.commit()
-        except SQLAlchemyError as exc:
-            # A database blip must not kill the training run: keep the lines, re-read the files next tick.
-            session.rollback()
-            log.warning("job %s: database error while reporting (will retry): %s", self.att.job_id, exc)
+            answer = self.reporter.report(self.att.job_id, self.unacked | {"heartbeat": heartbeat})
+        except ReportRefused as exc:
+            log.warning("job %s: the control plane refused this runner's report: %s", self.att.job_id, exc)
+            return "lost"
+        except ReportError as exc:
+            # A blip must not kill the training run: the batch goes again next tick, new lines wait.
+            log.warning("job %s: could not report (will retry): %s", self.att.job_id, exc)
             if len(self.pending_lines) > self.settings.max_log_lines:
                 del self.pending_lines[: -self.settings.max_log_lines]
             return None
-        finally:
-            session.close()
-        self.next_seq = seq
-        self.pending_lines = []
-        self.metrics.commit()
-        self.events.commit()
-        return verdict
-
-    def check(self, session: Session, heartbeat: bool) -> str | None:
-        """Heartbeat the job this runner owns; 'lost' when it no longer does, 'cancel' when asked,
-        'preempt' when the scheduler preempts it for a higher-priority job."""
-        verdict = None
-        if heartbeat:
-            owned = session.execute(
-                update(Job)
-                .where(
-                    Job.id == self.att.job_id,
-                    Job.status == RUNNING,
-                    Job.runner_host == self.host,
-                    Job.runner_pid == self.pid,
-                )
-                .values(heartbeat_at=utcnow())
-                .execution_options(synchronize_session=False)
-            ).rowcount
-            if owned != 1:
-                verdict = "lost"
-        row = session.execute(
-            select(Job.status, Job.cancel_requested, Job.runner_pid, Job.preempt_for).where(
-                Job.id == self.att.job_id
-            )
-        ).first()
-        if row is None or row.status != RUNNING or row.runner_pid != self.pid:
-            verdict = "lost"
-        elif row.cancel_requested:
-            verdict = "cancel"
-        elif row.preempt_for is not None:
-            verdict = "preempt"
-        return verdict
+        self.unacked = None
+        self.caught_up = fresh and not self.pending_lines
+        return answer.get("verdict")
 
     def finish(self, outcome: str, rc: int) -> None:
-        """Move the job out of running according to how the attempt ended. A failed attempt's reason
-        is one line (its traceback is in the job's log); its ranks' records decide whether it is
-        retried: an error of the job's own inputs would only repeat, so it fails the job at once."""
-        job_id, att = self.att.job_id, self.att
+        """Tell the control plane how the attempt ended (worker.control.finish decides what becomes
+        of the job). A failed attempt's records say whether it is retried: an error of the job's own
+        inputs would only repeat, so it fails the job at once."""
+        att = self.att
+        if outcome == "lost":
+            log.warning("job %s: no longer owned by this runner; engine stopped", att.job_id)
+            return
         silent: list[tuple[str, str]] = []
         if outcome == "exited" and rc != 0 and att.rendezvous is not None:
             from megatrain.worker.gang import silent_shares
 
-            silent = silent_shares(self.settings, att)
-        failure = None
-        clear: dict[str, object] = {"runner_pid": None, "runner_host": None, "heartbeat_at": None}
-        with session_scope(self.url) as s:
-            if outcome == "lost":
-                log.warning("job %s: no longer owned by this runner; engine stopped", job_id)
-                return
-            # Avoiding the node that failed is a preference: placement still uses it if nothing
-            # else has room.
-            avoid = sorted({*self._avoid_nodes(s), att.node_id}) if att.node_id else None
-            if outcome == "hung" and self.hang is not None:
-                failure = "hung"
-                retrying = retry_allowed(att)
-                reason = self.hang.reason() + ("; retrying from the latest checkpoint" if retrying else "")
-                data = self.hang.data() | {"attempt": att.attempt}
-                to, fields = (QUEUED, clear | {"avoid_nodes": avoid}) if retrying else (FAILED, {})
-                ok = transition(s, job_id, to, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
-            elif outcome == "cancel":
-                ok = transition(s, job_id, CANCELLED, from_statuses=(RUNNING,), reason="cancelled by request")
-            elif outcome == "preempt" and rc != 0:
-                ok = requeue_preempted(s, att, self.preempted_step, clear)
-            elif outcome == "time_limit" and rc != 0 and self.stop is not None:
-                ok = end_at_time_limit(s, att, self.preempted_step, self.stop, clear)
-            elif outcome == "timeout":
-                reason = f"exceeded max_runtime_s={att.max_runtime_s:g}"
-                ok = transition(s, job_id, FAILED, from_statuses=(RUNNING,), reason=reason)
-            elif rc == 0:
-                ok = transition(s, job_id, SUCCEEDED, from_statuses=(RUNNING,), reason="engine exited 0")
-            else:
-                ok, infra = end_failed_attempt(s, att, rc, silent, self.node)
-                failure = "infrastructure" if infra else None
-            if not ok:
-                log.warning("job %s: someone else moved it out of running before this runner", job_id)
-                return
-            status = s.scalar(select(Job.status).where(Job.id == job_id)) or outcome
-            if outcome in ("preempt", "time_limit") and status == QUEUED:
-                status = "preempted" if outcome == "preempt" else "continued"
-            self._record_ledger(s, status, failure)
+            silent = silent_shares(self.settings, att, reporter=self.reporter)
+        hang = None
+        if outcome == "hung" and self.hang is not None:
+            hang = {
+                "reason": self.redact.text(self.hang.reason()),
+                "data": self.redact.value(self.hang.data()),
+            }
+        end = {
+            "outcome": outcome,
+            "rc": rc,
+            "node": self.node,
+            "records": self.redact.value(read_records(att.out_dir, self.node)),
+            "silent": silent,
+            "preempted_step": self.preempted_step,
+            "hang": hang,
+            "time_limit_s": self.stop.limit_s if self.stop is not None else None,
+            "seconds": self._ledger_seconds(),
+        }
+        if self.reporter.finish(att, end) is None:
+            log.warning("job %s: someone else moved it out of running before this runner", att.job_id)
 
-    def _avoid_nodes(self, s: Session) -> list[str]:
-        return list(s.scalar(select(Job.avoid_nodes).where(Job.id == self.att.job_id)) or ())
-
-    def _record_ledger(self, s: Session, outcome: str, failure: str | None) -> None:
-        """The attempt's row in the goodput ledger; an infrastructure failure may quarantine its node."""
-        att = self.att
+    def _ledger_seconds(self) -> dict[str, float]:
+        """The attempt's row in the goodput ledger (worker.ledger)."""
         self.clock.hang_s = self.hang.stalled_s if self.hang is not None else 0.0
         now = time.monotonic()
         seconds = self.clock.seconds(now)
@@ -359,28 +277,30 @@ class _Runner:
             # Checkpointing and stopping on request is lost time, not progress.
             lost = min(max(now - self.preempt_asked, 0.0), seconds["productive_s"])
             seconds |= {"preempt_s": lost, "productive_s": seconds["productive_s"] - lost}
-        record_attempt(s, att.job_id, att.node_id, att.attempt, outcome, failure, seconds)
-        if failure is not None and att.node_id is not None:
-            why = quarantine_if_failing(s, att.node_id, self.settings)
-            if why is not None:
-                log.warning("node %s quarantined: %s", self.host, why)
+        return seconds
 
 
 def run_shard(
-    job_id: str, settings: Settings | None = None, gang: bool = False, stop: TimeLimit | None = None
+    job_id: str,
+    settings: Settings | None = None,
+    gang: bool = False,
+    stop: TimeLimit | None = None,
+    attempt: int | None = None,
 ) -> int:
     """Run one attempt of a scheduled job to its end; returns the engine's exit code (0 if skipped).
     `gang`: the job spans several nodes and this is node rank 0's shard (worker.gang). `stop`: the
-    allocation's time limit (Slurm), before which the attempt checkpoints and stops."""
+    allocation's time limit (Slurm), before which the attempt checkpoints and stops. `attempt`:
+    the attempt this runner was started for (none other is run)."""
     settings = settings or get_settings()
-    att = _claim(settings, job_id, gang)
+    reporter = reporter_for(settings)
+    att = _claim(settings, job_id, gang, reporter, attempt)
     if att is None:
         return 0
-    url, interval = settings.resolved_database_url, settings.heartbeat_interval_s
-    heartbeat = Heartbeat(url, job_id, socket.gethostname(), os.getpid(), interval).start()
+    interval = settings.heartbeat_interval_s
+    heartbeat = Heartbeat(reporter, job_id, socket.gethostname(), os.getpid(), interval).start()
     try:
-        _backfill_earlier_attempts(settings, att)
-        return supervise(settings, att, _Runner(settings, att, stop), heartbeat)
+        _backfill_earlier_attempts(settings, att, reporter)
+        return supervise(settings, att, _Runner(settings, att, stop, reporter), heartbeat)
     finally:
         heartbeat.stop()
 
@@ -446,19 +366,21 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
     # Whatever the engine wrote last (its final metrics, the last lines of a traceback) still counts.
     pump.join(timeout=5)
     _drain(lines, runner)
-    for _ in range(3):
-        if runner.tick(heartbeat=False) is not None or not runner.pending_lines:
-            break
+    deadline = time.monotonic() + FLUSH_S
+    while runner.tick(heartbeat=False) is None and not runner.caught_up and time.monotonic() < deadline:
         time.sleep(1)
     rc = proc.returncode
     if outcome == "exited" and rc != 0 and runner.oom.conclude(rc, att.out_dir, runner.node) is not None:
         log.warning("job %s: the kernel's OOM killer ended a rank on %s", job_id, runner.node)
-    for delay in (0, 1, 5):
+    for delay in (0, *CLAIM_RETRY_S):
         time.sleep(delay)
         try:
             runner.finish(outcome, rc)
             break
-        except SQLAlchemyError as exc:
+        except ReportRefused as exc:
+            log.warning("job %s: the control plane refused the attempt's end: %s", job_id, exc)
+            break
+        except ReportError as exc:
             # If this keeps failing the reconciler requeues the job once heartbeats stop.
             log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc

@@ -75,3 +75,30 @@ def test_goodput_line(db_url: str) -> None:
     assert line == "92.3% productive (1h 00m of 1h 05m); lost: restarts 3m, hangs 2m"
     preempted = goodput_line({"attempts": 2, "productive_s": 3540, "preempt_s": 60, "goodput": 0.983})
     assert preempted == "98.3% productive (59m of 1h 00m); lost: preemptions 1m"
+
+
+def test_node_tokens_are_created_shown_once_listed_revoked_and_audited(db_url: str) -> None:
+    from megatrain.db.audit import AuditEvent
+    from megatrain.db.node_tokens import TOKEN_PATTERN, NodeToken, authenticate_node, hash_token
+
+    code, out = run("nodes", "token", "create", "h100", "--node", "gpu-1")
+    assert code == 0 and "for node 'gpu-1' of pool 'h100' (shown once)" in out, out
+    token = out.strip().splitlines()[-1]
+    assert TOKEN_PATTERN.match(token)
+    with session_scope(db_url) as s:
+        (row,) = s.scalars(select(NodeToken)).all()
+        assert row.token_hash == hash_token(token) and token not in str(vars(row))  # only its hash
+        assert authenticate_node(s, token) is not None
+        token_id = row.id
+    code, out = run("nodes", "token", "list")
+    assert code == 0 and token_id in out and "gpu-1" in out and token[:10] in out and token not in out
+    code, out = run("nodes", "token", "revoke", token_id)
+    assert code == 0 and f"node token {token_id} revoked" in out
+    code, out = run("nodes", "token", "revoke", token_id)
+    assert code == 1 and "was revoked already" in out
+    code, out = run("nodes", "token", "revoke", "ntok-nope")
+    assert code == 1 and "no node token 'ntok-nope'" in out
+    with session_scope(db_url) as s:
+        assert authenticate_node(s, token) is None
+        actions = s.scalars(select(AuditEvent.action).order_by(AuditEvent.at)).all()
+        assert actions == ["node_token.create", "node_token.revoke"]

@@ -78,6 +78,7 @@ def test_a_wedged_runner_stops_beating(settings: Settings, make_job: Callable[..
     from megatrain.db.jobs import transition
     from megatrain.db.models import RUNNING, SCHEDULED
     from megatrain.worker.heartbeat import Heartbeat
+    from megatrain.worker.reporter import DbReporter
 
     url = settings.resolved_database_url
     job_id = make_job()
@@ -88,8 +89,9 @@ def test_a_wedged_runner_stops_beating(settings: Settings, make_job: Callable[..
         with session_scope(url) as s:
             return s.scalar(select(Job.heartbeat_at).where(Job.id == job_id))
 
-    assert not Heartbeat(url, job_id, "h", 6, 1.0).beat()  # not its owner: no beat
-    beats = Heartbeat(url, job_id, "h", 5, interval_s=0.1, max_stall_s=0.5).start()
+    reporter = DbReporter(settings)
+    assert not Heartbeat(reporter, job_id, "h", 6, 1.0).beat()  # not its owner: no beat
+    beats = Heartbeat(reporter, job_id, "h", 5, interval_s=0.1, max_stall_s=0.5).start()
     try:
         time.sleep(0.4)
         assert last_beat() is not None

@@ -50,14 +50,15 @@ def run_node(job_id: str, attempt: int, settings: Settings, environ: dict[str, s
     stop = time_limit(environ)
     if node_rank > 0:
         return run_follower(job_id, Share(node_rank, nnodes, attempt), settings, stop)
-    if not _current(settings, job_id, attempt):
+    if not settings.node_token and not _current(settings, job_id, attempt):
         log.info("job %s: attempt %d is not the scheduled one; nothing to run", job_id, attempt)
         return 0
     if nnodes > 1:
         # Publish the address the script found for the first node: its Slurm name need not resolve.
         host = environ.get(HEAD_ADDR_ENV)
         settings = settings.model_copy(update={"node_address": host or settings.node_address})
-    return run_shard(job_id, settings, gang=nnodes > 1, stop=stop)
+    # With a node token the claim itself refuses another attempt (the node has no database).
+    return run_shard(job_id, settings, gang=nnodes > 1, stop=stop, attempt=attempt)
 
 
 def time_limit(environ: dict[str, str]) -> TimeLimit | None:

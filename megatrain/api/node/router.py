@@ -1,0 +1,233 @@
+"""/v1/node: where a node's worker and runners report, holding a node token instead of a database URL.
+
+Each route is one of worker.control's functions (or worker.gang's), run here on the API's database
+connection: a runner speaking HTTP (worker.reporter.HttpReporter) gets the same answers as one
+writing to the database. A token reports only for its own node's attempts: a job placed elsewhere
+is 404 to it, as a job of another tenant is to an API key; a revoked token is 401.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from megatrain.api.deps import SessionDep, SettingsDep, bearer_key, release
+from megatrain.db.audit import ACTOR, Actor
+from megatrain.db.models import Job, JobAllocation, Node, utcnow
+from megatrain.db.node_tokens import authenticate_node
+from megatrain.worker import control
+from megatrain.worker.gang import Share, join, shard_failed, silent_now
+
+router = APIRouter(prefix="/v1/node", tags=["nodes"])
+
+MAX_BODY_BYTES = 64 << 20
+"""A batch of reports (lines, metrics, events) may be larger than an API request."""
+
+
+LAST_USED_EVERY_S = 60.0
+"""A token's last use is recorded at most this often (a runner reports several times a second)."""
+
+
+@dataclass(frozen=True)
+class NodeCaller:
+    """Who a node token speaks for."""
+
+    token_id: str
+    pool_id: str
+    node: str | None
+    """Its node's name (None: the token was never bound to one)."""
+
+
+def node_of(session: Session, token: str) -> NodeCaller:
+    row = authenticate_node(session, token)
+    if row is None:
+        raise HTTPException(401, "invalid or revoked node token", headers={"WWW-Authenticate": "Bearer"})
+    caller = NodeCaller(row.id, row.pool_id, row.node_name)
+    now = utcnow()
+    if row.last_used_at is None or (now - row.last_used_at).total_seconds() > LAST_USED_EVERY_S:
+        row.last_used_at = now
+        session.commit()
+    session.info[ACTOR] = Actor("node", row.node_name or row.id)
+    return caller
+
+
+async def get_node(request: Request, session: SessionDep) -> NodeCaller:
+    return await run_in_threadpool(release, session, node_of, bearer_key(request))
+
+
+CurrentNode = Annotated[NodeCaller, Depends(get_node)]
+
+
+def _own_job(session: Session, caller: NodeCaller, job_id: str) -> None:
+    """404 unless the job runs (or is placed) on the caller's node."""
+    node_id = session.scalar(
+        select(Node.id).where(Node.pool_id == caller.pool_id, Node.hostname == caller.node)
+    )
+    placed = session.scalar(
+        select(Job.id)
+        .outerjoin(JobAllocation, JobAllocation.job_id == Job.id)
+        .where(Job.id == job_id, or_(Job.node_id == node_id, JobAllocation.node_id == node_id))
+    )
+    if node_id is None or placed is None:
+        raise HTTPException(404, f"job {job_id} is not placed on this node")
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ClaimBody(Body):
+    host: str = Field(..., min_length=1, max_length=255)
+    pid: int = Field(..., ge=1)
+    packages: dict[str, str] = Field(default_factory=dict)
+    endpoint: str | None = Field(default=None, max_length=300)
+    attempt: int | None = Field(default=None, ge=1)
+
+
+class ReportBody(Body):
+    attempt: int = Field(..., ge=1)
+    node_rank: int = Field(default=0, ge=0)
+    seq: int = Field(..., ge=1)
+    host: str = Field(..., min_length=1, max_length=255)
+    pid: int = Field(..., ge=1)
+    follower: bool = False
+    heartbeat: bool = False
+    lines: list[str] = Field(default_factory=list)
+    metrics: list[dict[str, Any]] = Field(default_factory=list)
+    events: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class HeartbeatBody(Body):
+    host: str = Field(..., min_length=1, max_length=255)
+    pid: int = Field(..., ge=1)
+
+
+class BackfillBody(Body):
+    attempt: int = Field(..., ge=1)
+    metrics: list[dict[str, Any]] = Field(default_factory=list)
+    events: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class AttemptRef(Body):
+    attempt: int = Field(..., ge=1)
+    rendezvous: dict[str, Any] | None = None
+
+
+class FinishBody(AttemptRef):
+    end: dict[str, Any]
+
+
+class JoinBody(Body):
+    node_rank: int = Field(..., ge=1)
+    nnodes: int = Field(..., ge=2)
+    attempt: int = Field(..., ge=1)
+
+
+class ShardFailedBody(AttemptRef):
+    rc: int
+    node_rank: int = Field(..., ge=1)
+    records: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def _node_name(caller: NodeCaller) -> str:
+    if caller.node is None:
+        raise HTTPException(403, "this node token is bound to no node yet: register the node first")
+    return caller.node
+
+
+@router.post("/jobs/{job_id}/claim")
+def claim_job(
+    job_id: str, body: ClaimBody, session: SessionDep, settings: SettingsDep, caller: CurrentNode
+) -> dict[str, Any]:
+    """scheduled → running, owned by the calling runner: the attempt to run, with the job's spec,
+    layout and the tenant secrets its engine gets; {"skip": why} when there is nothing to run."""
+    _own_job(session, caller, job_id)
+    answer = control.claim(
+        session,
+        settings,
+        job_id,
+        node=_node_name(caller),
+        host=body.host,
+        pid=body.pid,
+        packages=body.packages,
+        endpoint=body.endpoint,
+        attempt=body.attempt,
+    )
+    session.commit()
+    return answer
+
+
+@router.post("/jobs/{job_id}/reports")
+def report(
+    job_id: str, body: ReportBody, session: SessionDep, settings: SettingsDep, caller: CurrentNode
+) -> dict[str, Any]:
+    """One numbered batch of the runner's lines, metrics and events, applied once; the verdict."""
+    _own_job(session, caller, job_id)
+    answer = control.report(session, job_id, body.model_dump(), settings.max_log_lines)
+    session.commit()
+    return answer
+
+
+@router.post("/jobs/{job_id}/heartbeat")
+def heartbeat(job_id: str, body: HeartbeatBody, session: SessionDep, caller: CurrentNode) -> dict[str, bool]:
+    _own_job(session, caller, job_id)
+    owned = control.heartbeat(session, job_id, body.host, body.pid)
+    session.commit()
+    return {"owned": owned}
+
+
+@router.post("/jobs/{job_id}/backfill")
+def backfill(job_id: str, body: BackfillBody, session: SessionDep, caller: CurrentNode) -> dict[str, bool]:
+    _own_job(session, caller, job_id)
+    control.backfill(session, job_id, body.attempt, body.metrics, body.events)
+    session.commit()
+    return {"ok": True}
+
+
+@router.post("/jobs/{job_id}/finish")
+def finish(
+    job_id: str, body: FinishBody, session: SessionDep, settings: SettingsDep, caller: CurrentNode
+) -> dict[str, Any]:
+    """How the attempt ended: the status the job moved to (null when someone else moved it first)."""
+    _own_job(session, caller, job_id)
+    att = control.attempt_of(session, job_id, body.attempt, body.rendezvous)
+    status = None if att is None else control.finish(session, settings, att, body.end)
+    session.commit()
+    return {"status": status}
+
+
+@router.post("/jobs/{job_id}/join")
+def join_attempt(
+    job_id: str, body: JoinBody, session: SessionDep, settings: SettingsDep, caller: CurrentNode
+) -> dict[str, Any]:
+    """A follower shard's turn in a multi-node attempt (worker.gang.join)."""
+    _own_job(session, caller, job_id)
+    answer = join(
+        session, settings, job_id, Share(body.node_rank, body.nnodes, body.attempt), _node_name(caller)
+    )
+    session.commit()
+    return answer
+
+
+@router.get("/jobs/{job_id}/attempts/{attempt}/silent")
+def silent(job_id: str, attempt: int, session: SessionDep, caller: CurrentNode) -> dict[str, Any]:
+    _own_job(session, caller, job_id)
+    return {"silent": silent_now(session, job_id, attempt)}
+
+
+@router.post("/jobs/{job_id}/shard-failed")
+def shard_failed_route(
+    job_id: str, body: ShardFailedBody, session: SessionDep, caller: CurrentNode
+) -> dict[str, bool]:
+    _own_job(session, caller, job_id)
+    att = control.attempt_of(session, job_id, body.attempt, body.rendezvous)
+    if att is not None:
+        shard_failed(session, att, body.rc, _node_name(caller), body.node_rank, body.records)
+    session.commit()
+    return {"ok": True}

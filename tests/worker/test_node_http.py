@@ -1,0 +1,251 @@
+"""A node that holds no database URL: its runner reaches the control plane through the API alone,
+with a node token (worker.reporter.HttpReporter, api/node/router.py).
+
+The API runs as its own process (`megatrain api`), the runner as a node's would: its environment has
+the API's URL, the token and storage, and no database URL, which /proc/PID/environ of the runner and
+of the engine must show. The API is killed mid-run and started again: the numbered batches make the
+job's rows whole, none lost and none doubled. A revoked token reports nothing more, and a token
+reports only for its own node's jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures.cluster import seed_job, seed_node
+from sqlalchemy import select
+from worker_helpers import job_spec, wait_for
+
+from megatrain.db.jobs import reserve_and_schedule
+from megatrain.db.models import RUNNING, SUCCEEDED, Checkpoint, Job, JobLog, JobMetric
+from megatrain.db.node_tokens import create_node_token
+from megatrain.db.session import session_scope, upgrade_database
+from megatrain.worker import control
+
+FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without any megatrain setting (the test's database URL included)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRAIN_", "FAKE_ENGINE_"))}
+
+
+class Api:
+    """`megatrain api` on the test's database, in a process of its own that a test can kill."""
+
+    def __init__(self, db_url: str, home: Path):
+        self.port, self.home = _port(), home
+        self.env = _clean_env() | {
+            "MEGATRAIN_DATABASE_URL": db_url,
+            "MEGATRAIN_HOME": str(home),
+        }
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "megatrain.cli", "api", "--port", str(self.port), "--workers", "1"]
+        log = open(self.home / "api.log", "ab")  # noqa: SIM115  (the process holds it)
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._up, timeout=60, interval=0.1)
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    home = tmp_path / "control"
+    home.mkdir()
+    upgrade_database(db_url)
+    server = Api(db_url, home)
+    server.start()
+    yield server
+    server.kill()
+
+
+def _placed_job(db_url: str, node: str, train_iters: int, checkpoint_interval: int) -> str:
+    with session_scope(db_url) as s:
+        from megatrain.db.models import Node
+
+        node_id = s.scalar(select(Node.id).where(Node.hostname == node))
+    job_id = seed_job(db_url, 1, spec=job_spec(train_iters, checkpoint_interval), max_retries=2)
+    with session_scope(db_url) as s:
+        assert reserve_and_schedule(s, job_id, node_id, "test")
+    return job_id
+
+
+def _token(db_url: str, node: str) -> tuple[str, str]:
+    with session_scope(db_url) as s:
+        row, token = create_node_token(s, "default", node)
+        return row.id, token
+
+
+def _runner(api: Api, token: str, node: str, home: Path, job_id: str, step_s: float) -> subprocess.Popen:
+    """A node's runner: the API's URL, its token and storage; no database URL anywhere."""
+    env = _clean_env() | {
+        "MEGATRAIN_HOME": str(home),
+        "MEGATRAIN_API_URL": api.url,
+        "MEGATRAIN_NODE_TOKEN": token,
+        "MEGATRAIN_NODE_NAME": node,
+        "MEGATRAIN_STORAGE_URL": (api.home / "storage").as_uri(),
+        "MEGATRAIN_HEARTBEAT_INTERVAL_S": "0.3",
+        "MEGATRAIN_ENGINE_MODULE": str(FAKE_ENGINE),
+        "FAKE_ENGINE_STEP_S": str(step_s),
+    }
+    cmd = [sys.executable, "-m", "megatrain.worker.shard", "--job-id", job_id]
+    log = open(home / "runner.log", "ab")  # noqa: SIM115
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _status(db_url: str, job_id: str) -> str:
+    with session_scope(db_url) as s:
+        return str(s.scalar(select(Job.status).where(Job.id == job_id)))
+
+
+def _metric_steps(db_url: str, job_id: str) -> list[int]:
+    with session_scope(db_url) as s:
+        q = select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.kind == "train")
+        return sorted(s.scalars(q))
+
+
+def test_a_node_with_only_a_token_runs_a_job_through_an_api_restart(
+    api: Api, db_url: str, tmp_path: Path
+) -> None:
+    seed_node(db_url, 4, "default", "node-a")
+    _, token = _token(db_url, "node-a")
+    job_id = _placed_job(db_url, "node-a", train_iters=60, checkpoint_interval=10)
+    node_home = tmp_path / "node-a"
+    node_home.mkdir()
+    runner = _runner(api, token, "node-a", node_home, job_id, step_s=0.05)
+    try:
+        wait_for(lambda: len(_metric_steps(db_url, job_id)) >= 5, timeout=60)
+        assert _status(db_url, job_id) == RUNNING
+        pids = node_home / "runs" / job_id / "attempt-1" / "pids" / "rank0.pid"
+        engine = int(wait_for(lambda: pids.is_file() and pids.read_text(), timeout=30))
+        for pid in (runner.pid, engine):
+            env = _environ(pid)
+            assert "MEGATRAIN_DATABASE_URL" not in env and db_url not in "\0".join(env.values())
+            assert env["MEGATRAIN_NODE_TOKEN"] == token if pid == runner.pid else True
+
+        # The API dies mid-stream: the runner keeps its unacknowledged batch and sends it again.
+        api.kill()
+        time.sleep(1.5)
+        api.start()
+        assert runner.wait(timeout=90) == 0
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == SUCCEEDED, job.status_reason
+        assert job.current_step == 60
+        lines = list(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+        seqs = list(s.scalars(select(JobLog.seq).where(JobLog.job_id == job_id).order_by(JobLog.seq)))
+        ckpts = sorted(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
+    assert _metric_steps(db_url, job_id) == list(range(1, 61))  # none lost, none doubled
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in steps] == list(range(1, 61))  # each line once, in order
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert ckpts == [10, 20, 30, 40, 50, 60]
+    assert not (node_home / "megatrain.db").exists()  # the node never opened a database
+
+
+def test_a_revoked_token_reports_nothing_more_and_its_runner_stops(
+    api: Api, db_url: str, tmp_path: Path
+) -> None:
+    seed_node(db_url, 4, "default", "node-a")
+    token_id, token = _token(db_url, "node-a")
+    job_id = _placed_job(db_url, "node-a", train_iters=400, checkpoint_interval=0)
+    node_home = tmp_path / "node-a"
+    node_home.mkdir()
+    runner = _runner(api, token, "node-a", node_home, job_id, step_s=0.05)
+    try:
+        wait_for(lambda: len(_metric_steps(db_url, job_id)) >= 3, timeout=60)
+        from megatrain.db.models import utcnow
+        from megatrain.db.node_tokens import NodeToken
+
+        with session_scope(db_url) as s:
+            s.get(NodeToken, token_id).revoked_at = utcnow()
+        seen = len(_metric_steps(db_url, job_id))
+        assert runner.wait(timeout=30) == 1  # refused: it stops its engine
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+    assert len(_metric_steps(db_url, job_id)) <= seen + 8  # at most the batch in flight
+    assert "refused" in (node_home / "runner.log").read_text()
+    r = httpx.post(f"{api.url}/v1/node/jobs/{job_id}/heartbeat", json={"host": "h", "pid": 1},
+                   headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    assert r.status_code == 401
+
+
+def test_a_token_reports_only_for_its_own_nodes_jobs(api: Api, db_url: str) -> None:
+    seed_node(db_url, 4, "default", "node-a")
+    seed_node(db_url, 4, "default", "node-b")
+    _, token_b = _token(db_url, "node-b")
+    job_id = _placed_job(db_url, "node-a", train_iters=5, checkpoint_interval=0)
+    headers = {"Authorization": f"Bearer {token_b}"}
+    body = {"host": "h", "pid": 1, "packages": {}}
+    r = httpx.post(f"{api.url}/v1/node/jobs/{job_id}/claim", json=body, headers=headers)
+    assert r.status_code == 404 and "not placed on this node" in r.text
+    assert _status(db_url, job_id) == "scheduled"
+    bad = httpx.post(
+        f"{api.url}/v1/node/jobs/{job_id}/claim", json=body, headers={"Authorization": "Bearer x"}
+    )
+    assert bad.status_code == 401
+
+
+def test_a_batch_sent_twice_is_applied_once(db_url: str) -> None:
+    """The answer to a batch was lost after the API committed it: the same batch again changes nothing."""
+    from megatrain.settings import Settings
+
+    upgrade_database(db_url)
+    seed_node(db_url, 4, "default", "node-a")
+    job_id = _placed_job(db_url, "node-a", train_iters=5, checkpoint_interval=0)
+    settings = Settings(database_url=db_url)
+    with session_scope(db_url) as s:
+        answer = control.claim(s, settings, job_id, node="node-a", host="h", pid=7, packages={})
+        assert answer["attempt"]["attempt"] == 1
+    batch = {
+        "attempt": 1, "seq": 1, "host": "h", "pid": 7, "heartbeat": True,
+        "lines": ["one", "two"],
+        "metrics": [{"step": 1, "loss": 2.0}],
+        "events": [{"event": "checkpoint_saved", "step": 1, "uri": "file:///x"}],
+    }  # fmt: skip
+    for applied in (True, False):
+        with session_scope(db_url) as s:
+            assert control.report(s, job_id, batch, 1000) == {"verdict": None, "applied": applied}
+    with session_scope(db_url) as s:
+        assert list(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id))) == ["one", "two"]
+        assert len(s.scalars(select(Checkpoint.id).where(Checkpoint.job_id == job_id)).all()) == 1
+    with session_scope(db_url) as s:  # the next batch is applied
+        answer = control.report(s, job_id, batch | {"seq": 2, "lines": ["three"], "metrics": []}, 1000)
+        assert answer["applied"]
+        assert len(s.scalars(select(JobLog.id).where(JobLog.job_id == job_id)).all()) == 3
