@@ -17,7 +17,9 @@ def upgrade() -> None:
     op.create_table(
         "node_token",
         sa.Column("id", sa.String(length=40), primary_key=True),
-        sa.Column("pool_id", sa.String(length=40), sa.ForeignKey("node_pool.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "pool_id", sa.String(length=40), sa.ForeignKey("node_pool.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("node_name", sa.String(length=255), nullable=True),
         sa.Column("token_hash", sa.String(length=64), nullable=False, unique=True),
         sa.Column("prefix", sa.String(length=16), nullable=False),
@@ -28,7 +30,9 @@ def upgrade() -> None:
     op.create_index("ix_node_token_pool_id", "node_token", ["pool_id"])
     op.create_table(
         "report_cursor",
-        sa.Column("job_id", sa.String(length=40), sa.ForeignKey("job.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column(
+            "job_id", sa.String(length=40), sa.ForeignKey("job.id", ondelete="CASCADE"), primary_key=True
+        ),
         sa.Column("attempt", sa.Integer(), primary_key=True),
         sa.Column("node_rank", sa.Integer(), primary_key=True),
         sa.Column("seq", sa.Integer(), nullable=False),
