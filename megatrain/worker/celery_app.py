@@ -19,17 +19,16 @@ import argparse
 import logging
 import threading
 import time
-from typing import Any
 
 from celery import Celery
-from sqlalchemy import case, select, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import select
 
-from megatrain.db.models import QUARANTINED, SCHEDULED, Job, Node, utcnow
+from megatrain.db.models import SCHEDULED, Job
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
-from megatrain.worker.nodes import ensure_local_pool, local_capacity, record_cached_facts
+from megatrain.worker.nodes import cached_spec, device_memory, local_capacity, node_name, node_report
 from megatrain.worker.pool_facts import heartbeat_values
+from megatrain.worker.reporter import Reporter, ReportError, reporter_for
 
 log = logging.getLogger(__name__)
 
@@ -123,40 +122,28 @@ def worker_slots(settings: Settings, concurrency: int | None = None) -> int:
     return detected if concurrency is None else max(1, min(detected, concurrency))
 
 
-def node_heartbeat(settings: Settings, node_id: str, accelerator: str, slots: int) -> None:
-    """One heartbeat of this worker's node: seen now, ready (a node marked lost comes back), and
-    what it reports: devices free, free memory, health (worker.pool_facts.heartbeat_values)."""
-    values: dict[str, Any] = heartbeat_values(accelerator, slots, busy=None)
-    if values["devices_free"] is None:
-        # A CPU node cannot see which slots are busy: the scheduler's count says.
-        values["devices_free"] = Node.slots_total - Node.slots_used
-    with session_scope(settings.resolved_database_url) as s:
-        s.execute(
-            update(Node)
-            .where(Node.id == node_id)
-            # A quarantined node stays so (only an operator lifts it); a lost one comes back.
-            .values(
-                last_seen_at=utcnow(),
-                status=case((Node.status == QUARANTINED, QUARANTINED), else_="ready"),
-                **values,
-            )
-            .execution_options(synchronize_session=False)
-        )
+def node_heartbeat(
+    settings: Settings, node_id: str, accelerator: str, slots: int, reporter: Reporter | None = None
+) -> bool:
+    """One heartbeat of this worker's node (worker.nodes.node_seen): devices free, free memory,
+    health, and its pool's measured description until that is final; whether it is."""
+    values = heartbeat_values(accelerator, slots, busy=None)
+    spec, final = cached_spec(settings, accelerator, slots, device_memory(accelerator, slots))
+    (reporter or reporter_for(settings)).node_seen(node_id, values, spec)
+    return final
 
 
-def _keep_node_seen(settings: Settings, node_id: str, accelerator: str, slots: int) -> None:
+def _keep_node_seen(
+    settings: Settings, node_id: str, accelerator: str, slots: int, reporter: Reporter
+) -> None:
     """Heartbeat the node every heartbeat interval while the worker lives: a task waiting in this
     node's queue counts as waiting, not lost, only while its node is seen, and a node unseen for
     node_lost_after_s is marked lost by the scheduler (its jobs fail over)."""
-    described = False
     while True:
         time.sleep(settings.heartbeat_interval_s)
         try:
-            node_heartbeat(settings, node_id, accelerator, slots)
-            if not described:  # the pool's measured description, once its measurement is done
-                with session_scope(settings.resolved_database_url) as s:
-                    described = record_cached_facts(s, settings, node_id, accelerator, slots)
-        except SQLAlchemyError as exc:
+            node_heartbeat(settings, node_id, accelerator, slots, reporter)
+        except ReportError as exc:
             log.warning("could not refresh node %s: %s", node_id, exc)
 
 
@@ -164,19 +151,27 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
     """Register this machine in its pool and consume its node's queue until stopped (blocks).
 
     The node advertises its slots (GPUs, or settings.resolved_cpu_slots), capped by `concurrency` when given,
-    and the worker runs that many tasks at once: what the scheduler counts is what runs.
+    and the worker runs that many tasks at once: what the scheduler counts is what runs. With a node
+    token (settings.node_token) it registers, heartbeats and runs its jobs through the API, and
+    consumes only its node's queue: a pool's datasets, exports and samples need a worker that holds
+    the database URL.
     """
     slots = worker_slots(settings, concurrency)
-    with session_scope(settings.resolved_database_url) as s:
-        # Measuring the device's peak takes seconds (once per host, then cached): it runs in the
-        # background, and a heartbeat records the pool's description once it is done.
-        node = ensure_local_pool(s, settings, slots=slots)
-        hostname, node_id = node.hostname, node.id
+    reporter = reporter_for(settings)
+    # Measuring the device's peak takes seconds (once per host, then cached): it runs in the
+    # background, and a heartbeat records the pool's description once it is done.
+    node_id = reporter.register(node_report(settings, slots))
+    hostname = node_name(settings)
     accelerator, _ = local_capacity(settings)
     beat = threading.Thread(
-        target=_keep_node_seen, args=(settings, node_id, accelerator, slots), daemon=True, name="node-seen"
+        target=_keep_node_seen,
+        args=(settings, node_id, accelerator, slots, reporter),
+        daemon=True,
+        name="node-seen",
     )
     beat.start()
+    if settings.node_token and not queues:
+        queues = [queue_name(settings.pool_name, hostname)]
     app = create_celery_app(settings)
     shared = datasets_queue(settings.pool_name)
     queues = queues or [queue_name(settings.pool_name, hostname), shared]

@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import case, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -114,6 +114,27 @@ def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str
     return {"CUDA_VISIBLE_DEVICES": ",".join(names), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"} | queues
 
 
+def measured_spec(
+    settings: Settings, accelerator: str, slots: int, memory: int | None, wait: bool, cached: bool = False
+) -> dict[str, Any] | None:
+    """This machine's pool description by measurement (a PoolSpec dict), or None while it is not
+    measured. Without `wait`, a first measurement runs in the background and a later call finds it;
+    `cached`: only a measurement made before (never start one)."""
+    if cached:
+        facts = cached_facts(settings, accelerator, slots)
+    else:
+        facts = local_facts(settings, accelerator, slots, wait=wait)
+    return None if facts is None else pool_spec_dict(settings.pool_name, accelerator, slots, memory, facts)
+
+
+def apply_measured_spec(pool: NodePool, spec: dict[str, Any] | None) -> None:
+    """Describe `pool` by a worker's measurement, unless an operator described it."""
+    if pool.spec_source == "operator" or spec is None:
+        return
+    if pool.spec != spec or pool.spec_source != "measured":
+        pool.spec, pool.spec_source = spec, "measured"
+
+
 def record_measured_spec(
     pool: NodePool, settings: Settings, accelerator: str, slots: int, memory: int | None, wait: bool
 ) -> None:
@@ -121,10 +142,18 @@ def record_measured_spec(
     `wait`, a first measurement runs in the background and a later registration records it."""
     if pool.spec_source == "operator":
         return
-    facts = local_facts(settings, accelerator, slots, wait=wait)
-    spec = None if facts is None else pool_spec_dict(pool.name, accelerator, slots, memory, facts)
-    if spec is not None and (pool.spec != spec or pool.spec_source != "measured"):
-        pool.spec, pool.spec_source = spec, "measured"
+    apply_measured_spec(pool, measured_spec(settings, accelerator, slots, memory, wait))
+
+
+def cached_spec(
+    settings: Settings, accelerator: str, slots: int, memory: int | None
+) -> tuple[dict | None, bool]:
+    """(this machine's pool description once measured, whether the measurement is final): a worker's
+    heartbeat sends it until it is (one measured beside other work is measured again)."""
+    facts = cached_facts(settings, accelerator, slots)
+    if facts is None:
+        return None, False
+    return pool_spec_dict(settings.pool_name, accelerator, slots, memory, facts), not facts.get("contended")
 
 
 def record_cached_facts(
@@ -133,14 +162,12 @@ def record_cached_facts(
     """Describe the node's pool by this machine's facts once they are measured (a worker's
     heartbeat asks until then); False while they are not, or were measured beside other work
     (measured again, pool_facts.stale). The caller commits."""
-    facts = cached_facts(settings, accelerator, slots)
-    if facts is None:
-        return False
     node = session.get(Node, node_id)
+    spec, final = cached_spec(settings, accelerator, slots, node.device_memory_bytes if node else None)
     pool = None if node is None else session.get(NodePool, node.pool_id)
-    if node is not None and pool is not None:
-        record_measured_spec(pool, settings, accelerator, slots, node.device_memory_bytes, wait=False)
-    return not facts.get("contended")
+    if pool is not None:
+        apply_measured_spec(pool, spec)
+    return final
 
 
 _packages = functools.cache(installed_packages)
@@ -152,6 +179,30 @@ def package_problem(spec: dict[str, Any], hostname: str) -> str | None:
     Judged as it is claimed: the API judged it only against nodes that reported their packages."""
     problems = package_problems(parse_spec(spec), {hostname: _packages()}, f"node {hostname}")
     return "; ".join(p["message"] for p in problems) or None
+
+
+def node_report(
+    settings: Settings, slots: int | None = None, *, wait_for_facts: bool = False, busy: int | None = None
+) -> dict[str, Any]:
+    """What this machine registers as a node (worker.control's register_node, or the API's
+    /v1/node/register): its name, pool, capacity, device memory, packages, health and, once
+    measured, its pool's description. `slots` overrides the detected capacity; `busy` as in
+    ensure_local_pool."""
+    accelerator, detected = local_capacity(settings)
+    slots = detected if slots is None else slots
+    memory = device_memory(accelerator, slots)
+    return {
+        "pool": settings.pool_name,
+        "node": node_name(settings),
+        "accelerator": accelerator,
+        "slots": slots,
+        "device_memory_bytes": memory,
+        "packages": _packages(),
+        # Measured here (the API's machine is not this one); a CPU node's free slots, unknown here
+        # unless `busy` says, are the scheduler's count (register_node).
+        "heartbeat": heartbeat_values(accelerator, slots, busy),
+        "pool_spec": measured_spec(settings, accelerator, slots, memory, wait_for_facts),
+    }
 
 
 def ensure_local_pool(
@@ -167,18 +218,22 @@ def ensure_local_pool(
     `slots` overrides the detected capacity (a worker advertises only what it can run at once);
     `busy` is the devices its jobs hold (default: the slots the scheduler counts as used), for the
     heartbeat's devices_free.
-    A lost node registering again is ready. Safe to call from several processes at once: a lost
-    insert race is retried as a lookup.
     """
-    accelerator, detected = local_capacity(settings)
-    slots = detected if slots is None else slots
-    hostname = node_name(settings)
+    return register_node(session, node_report(settings, slots, wait_for_facts=wait_for_facts, busy=busy))
+
+
+def register_node(session: Session, report: dict[str, Any]) -> Node:
+    """Register (or refresh) the node a node_report describes; the caller commits. A lost node
+    registering again is ready. Safe to call from several processes at once: a lost insert race is
+    retried as a lookup."""
+    pool_name, hostname = str(report["pool"]), str(report["node"])
+    accelerator, slots = str(report["accelerator"]), int(report["slots"])
     for _ in range(3):
-        pool = session.scalar(select(NodePool).where(NodePool.name == settings.pool_name))
+        pool = session.scalar(select(NodePool).where(NodePool.name == pool_name))
         if pool is None:
             try:
                 with session.begin_nested():
-                    pool = NodePool(name=settings.pool_name, accelerator=accelerator)
+                    pool = NodePool(name=pool_name, accelerator=accelerator)
                     session.add(pool)
             except IntegrityError:
                 continue
@@ -191,16 +246,47 @@ def ensure_local_pool(
             except IntegrityError:
                 continue
         node.slots_total = slots
-        node.device_memory_bytes = device_memory(accelerator, slots)
-        node.packages = _packages()
+        node.device_memory_bytes = report.get("device_memory_bytes")
+        node.packages = report.get("packages")
         node.last_seen_at = utcnow()
         if node.status != QUARANTINED:  # only an operator lifts a quarantine
             node.status = "ready"
-        busy = (node.slots_used or 0) if busy is None else busy
-        for column, value in heartbeat_values(accelerator, slots, busy).items():
-            setattr(node, column, value)
+        values = dict(report.get("heartbeat") or {})
+        if values.get("devices_free") is None and accelerator == "cpu":
+            values["devices_free"] = max(0, slots - (node.slots_used or 0))
+        for column in ("devices_free", "memory_free_bytes", "health"):
+            setattr(node, column, values.get(column))
         pool.accelerator = accelerator
-        record_measured_spec(pool, settings, accelerator, slots, node.device_memory_bytes, wait_for_facts)
+        apply_measured_spec(pool, report.get("pool_spec"))
         session.flush()
         return node
-    raise RuntimeError(f"could not register node {hostname} in pool {settings.pool_name}")
+    raise RuntimeError(f"could not register node {hostname} in pool {pool_name}")
+
+
+def node_seen(
+    session: Session, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None
+) -> None:
+    """One heartbeat of a worker's node: seen now, ready (a node marked lost comes back; a
+    quarantined one stays so: only an operator lifts it), what it measured (`values`: devices free,
+    free memory, health; a CPU node's free slots are the scheduler's count) and, once measured, its
+    pool's description. The caller commits."""
+    fields: dict[str, Any] = {k: values.get(k) for k in ("devices_free", "memory_free_bytes", "health")}
+    if fields["devices_free"] is None:
+        # A CPU node cannot see which slots are busy: the scheduler's count says.
+        fields["devices_free"] = Node.slots_total - Node.slots_used
+    session.execute(
+        update(Node)
+        .where(Node.id == node_id)
+        .values(
+            last_seen_at=utcnow(),
+            status=case((Node.status == QUARANTINED, QUARANTINED), else_="ready"),
+            **fields,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if pool_spec is not None:
+        pool = session.scalar(
+            select(NodePool).join(Node, Node.pool_id == NodePool.id).where(Node.id == node_id)
+        )
+        if pool is not None:
+            apply_measured_spec(pool, pool_spec)

@@ -79,6 +79,14 @@ class Reporter(Protocol):
 
     def shard_failed(self, att: Attempt, rc: int, node: str, node_rank: int, records: list[dict]) -> None: ...
 
+    def register(self, report: dict[str, Any]) -> str:
+        """worker.nodes.register_node of a node_report: the node's id."""
+        ...
+
+    def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
+        """worker.nodes.node_seen."""
+        ...
+
 
 def attempt_ref(att: Attempt) -> dict[str, Any]:
     """What names an attempt to the control plane when it ends (it rebuilds the rest from the job)."""
@@ -162,6 +170,16 @@ class DbReporter:
             if found is not None:
                 shard_failed(s, found, rc, node, node_rank, records)
 
+    def register(self, report: dict[str, Any]) -> str:
+        from megatrain.worker.nodes import register_node
+
+        return self._run(lambda s: register_node(s, report).id)
+
+    def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
+        from megatrain.worker.nodes import node_seen
+
+        self._run(node_seen, node_id, values, pool_spec)
+
 
 class HttpReporter:
     """The same calls as HTTP requests to the API's /v1/node routes, authenticated by a node token."""
@@ -223,6 +241,13 @@ class HttpReporter:
     def shard_failed(self, att: Attempt, rc: int, node: str, node_rank: int, records: list[dict]) -> None:
         body = attempt_ref(att) | {"rc": rc, "node_rank": node_rank, "records": records}
         self._post(f"/jobs/{att.job_id}/shard-failed", body)
+
+    def register(self, report: dict[str, Any]) -> str:
+        return str(self._post("/register", report)["node_id"])
+
+    def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
+        # The token names the node: `node_id` is the database's business.
+        self._post("/heartbeat", {"values": values, "pool_spec": pool_spec})
 
 
 def reporter_for(settings: Settings) -> Reporter:

@@ -249,3 +249,74 @@ def test_a_batch_sent_twice_is_applied_once(db_url: str) -> None:
         answer = control.report(s, job_id, batch | {"seq": 2, "lines": ["three"], "metrics": []}, 1000)
         assert answer["applied"]
         assert len(s.scalars(select(JobLog.id).where(JobLog.job_id == job_id)).all()) == 3
+
+
+@pytest.mark.redis
+def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
+    api: Api, db_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """`megatrain worker` with MEGATRAIN_NODE_TOKEN and no database URL: it registers its node through
+    the API (binding the token to it), heartbeats, and runs the job the executor sends its queue."""
+    import uuid
+
+    import redis
+
+    from megatrain.db.models import Node, NodePool
+    from megatrain.db.node_tokens import NodeToken
+    from megatrain.settings import Settings
+    from megatrain.worker.executors import CeleryExecutor
+
+    pool = f"tok-{uuid.uuid4().hex[:8]}"
+    with session_scope(db_url) as s:
+        row, token = create_node_token(s, pool)  # bound to the first node that registers
+        token_id = row.id
+    node_home = tmp_path / "node"
+    node_home.mkdir()
+    env = _clean_env() | {
+        "MEGATRAIN_HOME": str(node_home),
+        "MEGATRAIN_API_URL": api.url,
+        "MEGATRAIN_NODE_TOKEN": token,
+        "MEGATRAIN_NODE_NAME": "tok-node",
+        "MEGATRAIN_POOL_NAME": pool,
+        "MEGATRAIN_REDIS_URL": redis_url,
+        "MEGATRAIN_STORAGE_URL": (api.home / "storage").as_uri(),
+        "MEGATRAIN_CPU_SLOTS": "2",
+        "MEGATRAIN_HEARTBEAT_INTERVAL_S": "0.3",
+        "MEGATRAIN_ENGINE_MODULE": str(FAKE_ENGINE),
+        "FAKE_ENGINE_STEP_S": "0.02",
+    }
+    log = open(node_home / "worker.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "megatrain.worker.celery_app"]
+    worker = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def node() -> Node | None:
+        with session_scope(db_url) as s:
+            q = select(Node).join(NodePool).where(NodePool.name == pool, Node.hostname == "tok-node")
+            return s.scalar(q)
+
+    try:
+        registered = wait_for(node, timeout=60)
+        assert registered.slots_total == 2 and registered.packages
+        with session_scope(db_url) as s:
+            assert s.get(NodeToken, token_id).node_name == "tok-node"
+        wait_for(lambda: node().last_seen_at > registered.last_seen_at, timeout=10)  # it heartbeats
+        job_id = seed_job(db_url, 1, spec=job_spec(20, 5), max_retries=1, pool=pool)
+        with session_scope(db_url) as s:
+            assert reserve_and_schedule(s, job_id, registered.id, "test")
+        settings = Settings(database_url=db_url, executor="celery", redis_url=redis_url, pool_name=pool)
+        CeleryExecutor(settings).submit(job_id)
+        wait_for(lambda: _status(db_url, job_id) == SUCCEEDED, timeout=90)
+        env_seen = _environ(worker.pid)
+        assert "MEGATRAIN_DATABASE_URL" not in env_seen and db_url not in "\0".join(env_seen.values())
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+        log.close()
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(f"megatrain.{pool}*"):
+            client.delete(key)
+    assert _metric_steps(db_url, job_id) == list(range(1, 21))
+    assert not (node_home / "megatrain.db").exists()

@@ -19,10 +19,11 @@ from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.deps import SessionDep, SettingsDep, bearer_key, release
 from megatrain.db.audit import ACTOR, Actor
-from megatrain.db.models import Job, JobAllocation, Node, utcnow
-from megatrain.db.node_tokens import authenticate_node
+from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
+from megatrain.db.node_tokens import NodeToken, authenticate_node
 from megatrain.worker import control
 from megatrain.worker.gang import Share, join, shard_failed, silent_now
+from megatrain.worker.nodes import node_seen, register_node
 
 router = APIRouter(prefix="/v1/node", tags=["nodes"])
 
@@ -133,6 +134,56 @@ class ShardFailedBody(AttemptRef):
     rc: int
     node_rank: int = Field(..., ge=1)
     records: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class RegisterBody(Body):
+    """worker.nodes.node_report."""
+
+    pool: str = Field(..., min_length=1, max_length=100)
+    node: str = Field(..., min_length=1, max_length=255)
+    accelerator: str = Field(..., min_length=1, max_length=32)
+    slots: int = Field(..., ge=1, le=1024)
+    device_memory_bytes: int | None = Field(default=None, ge=0)
+    packages: dict[str, str] = Field(default_factory=dict)
+    heartbeat: dict[str, Any] = Field(default_factory=dict)
+    pool_spec: dict[str, Any] | None = None
+
+
+class NodeHeartbeatBody(Body):
+    values: dict[str, Any] = Field(default_factory=dict)
+    pool_spec: dict[str, Any] | None = None
+
+
+@router.post("/register")
+def register(body: RegisterBody, session: SessionDep, caller: CurrentNode) -> dict[str, str]:
+    """Register (or refresh) the token's node in its pool; a token bound to no node yet is bound to
+    this one. 403 for another node's name or another pool's."""
+    token = session.get(NodeToken, caller.token_id)
+    pool = session.get(NodePool, caller.pool_id)
+    if token is None or pool is None:
+        raise HTTPException(401, "invalid or revoked node token")
+    if body.pool != pool.name:
+        raise HTTPException(403, f"this token is for pool '{pool.name}', not '{body.pool}'")
+    if token.node_name is None:
+        token.node_name = body.node
+    elif token.node_name != body.node:
+        raise HTTPException(403, f"this token speaks for node '{token.node_name}', not '{body.node}'")
+    node = register_node(session, body.model_dump())
+    node_id = node.id
+    session.commit()
+    return {"node_id": node_id}
+
+
+@router.post("/heartbeat")
+def node_heartbeat(body: NodeHeartbeatBody, session: SessionDep, caller: CurrentNode) -> dict[str, bool]:
+    node_id = session.scalar(
+        select(Node.id).where(Node.pool_id == caller.pool_id, Node.hostname == caller.node)
+    )
+    if node_id is None:
+        raise HTTPException(404, "this token's node is not registered: register it first")
+    node_seen(session, node_id, body.values, body.pool_spec)
+    session.commit()
+    return {"ok": True}
 
 
 def _node_name(caller: NodeCaller) -> str:
