@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     """Folder of sbatch, squeue, sacct, scancel and sinfo; None: found on PATH."""
     slurm_python: str | None = None
     """The interpreter (with megatrain installed) on the cluster's nodes; None: this one."""
+    slurm_nodes_via_api: bool = False
+    """Slurm's nodes reach the control plane through the API at api_url, each attempt's runners with
+    a token of their own (minted at submission, valid for that job only, revoked when the attempt
+    ends): the batch script carries no database URL, and the nodes need reach only the API."""
     slurm_requeue: bool = False
     """Let Slurm requeue a job after a node failure or preemption itself (else the product retries)."""
     slurm_rest_url: str | None = None

@@ -36,7 +36,7 @@ from megatrain.db.models import (
     NodePool,
     utcnow,
 )
-from megatrain.db.node_tokens import ReportCursor
+from megatrain.db.node_tokens import ReportCursor, revoke_attempt_tokens
 from megatrain.secrets_box import SecretsUnavailable
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
@@ -63,12 +63,14 @@ def claim(
     packages: dict[str, str],
     endpoint: str | None = None,
     attempt: int | None = None,
+    node_id: str | None = None,
 ) -> dict[str, Any]:
     """scheduled → running, owned by runner `pid` on `host` of node `node`. {"attempt": the attempt
     as Attempt.to_wire, "spec", "layout"}, or {"skip": why} when there is nothing (more) to do.
     `endpoint` (HOST:PORT): the attempt spans several nodes and this is node rank 0, whose
     rendezvous the other shards meet (worker.gang). `packages`: what the node can import.
-    `attempt`: the attempt the caller was started for (a Slurm job of an older attempt runs nothing)."""
+    `attempt`: the attempt the caller was started for (a Slurm job of an older attempt runs nothing).
+    `node_id`: the calling node's, when the API knows it (it may report for the attempt later)."""
     job = s.get(Job, job_id)
     if job is not None and job.status == RUNNING and (job.runner_host, job.runner_pid) == (host, pid):
         # This runner's claim again: the answer to its first was lost (the API restarted).
@@ -114,7 +116,18 @@ def claim(
     )
     if not ok:
         return {"skip": "another runner claimed it first"}
+    cursor(s, job_id, job.attempt, 0, node_id)
     return _answer(s, settings, job, serve_token, endpoint, queued_s)
+
+
+def cursor(s: Session, job_id: str, attempt: int, node_rank: int, node_id: str | None) -> ReportCursor:
+    """The report cursor of an attempt's node rank, made when its runner claims or joins it."""
+    row = s.get(ReportCursor, (job_id, attempt, node_rank), with_for_update=True)
+    if row is None:
+        row = ReportCursor(job_id=job_id, attempt=attempt, node_rank=node_rank, seq=0, node_id=node_id)
+        s.add(row)
+        s.flush()
+    return row
 
 
 def _answer(
@@ -169,13 +182,10 @@ def report(s: Session, job_id: str, batch: dict[str, Any], max_log_lines: int) -
     heartbeat (whether this tick beats), host and pid (the runner), follower (a non-zero node rank
     of a gang: it owns nothing and only learns whether the attempt still runs)."""
     attempt, node_rank, seq = int(batch["attempt"]), int(batch.get("node_rank") or 0), int(batch["seq"])
-    cursor = s.get(ReportCursor, (job_id, attempt, node_rank), with_for_update=True)
-    applied = cursor is None or seq > cursor.seq
+    row = cursor(s, job_id, attempt, node_rank, None)
+    applied = seq > row.seq
     if applied:
-        if cursor is None:
-            s.add(ReportCursor(job_id=job_id, attempt=attempt, node_rank=node_rank, seq=seq))
-        else:
-            cursor.seq = seq
+        row.seq = seq
         if batch.get("lines"):
             append_logs(s, job_id, list(batch["lines"]), next_log_seq(s, job_id), max_log_lines)
         ingest_metrics(s, job_id, list(batch.get("metrics") or ()))
@@ -287,6 +297,7 @@ def finish(s: Session, settings: Settings, att: Attempt, end: dict[str, Any]) ->
     if not ok:
         log.warning("job %s: someone else moved it out of running before this runner", job_id)
         return None
+    revoke_attempt_tokens(s, job_id)
     status = s.scalar(select(Job.status).where(Job.id == job_id)) or outcome
     if outcome in ("preempt", "time_limit") and status == QUEUED:
         status = "preempted" if outcome == "preempt" else "continued"

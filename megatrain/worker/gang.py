@@ -128,7 +128,9 @@ def silent_shares(
         time.sleep(WAIT_POLL_S)
 
 
-def join(s: Session, settings: Settings, job_id: str, share: Share, node: str) -> dict[str, Any]:
+def join(
+    s: Session, settings: Settings, job_id: str, share: Share, node: str, node_id: str | None = None
+) -> dict[str, Any]:
     """A follower shard's turn: {"state": "wait"} until node rank 0 runs the attempt, {"state":
     "gone"} when the attempt is over (or never ran), or this share was joined already (a
     redelivery), else {"state": "go", "attempt": its Attempt.to_wire, "spec", "layout"}."""
@@ -151,6 +153,9 @@ def join(s: Session, settings: Settings, job_id: str, share: Share, node: str) -
     data = {"attempt": share.attempt, "node_rank": share.node_rank, "node": node}
     text = f"node {node} joins attempt {share.attempt} as node rank {share.node_rank}"
     record_event(s, job_id, SHARD_JOINED_EVENT, text, data)
+    from megatrain.worker.control import cursor
+
+    cursor(s, job_id, share.attempt, share.node_rank, node_id)
     spec_runtime = (job.spec.get("resources") or {}).get("max_runtime_s") or 86400
     rdzv = Rendezvous(
         share.node_rank,

@@ -215,6 +215,7 @@ class HttpReporter:
         attempt: int | None = None,
     ) -> dict[str, Any]:
         body = {"host": host, "pid": pid, "packages": packages, "endpoint": endpoint, "attempt": attempt}
+        body["node"] = node
         return dict(self._post(f"/jobs/{job_id}/claim", body))
 
     def report(self, job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +232,7 @@ class HttpReporter:
         return answer["status"]  # type: ignore[no-any-return]
 
     def join(self, job_id: str, share: Share, node: str) -> dict[str, Any]:
-        body = {"node_rank": share.node_rank, "nnodes": share.nnodes, "attempt": share.attempt}
+        body = {"node_rank": share.node_rank, "nnodes": share.nnodes, "attempt": share.attempt, "node": node}
         return dict(self._post(f"/jobs/{job_id}/join", body))
 
     def silent(self, job_id: str, attempt: int) -> list[tuple[str, str]] | None:
@@ -239,7 +240,7 @@ class HttpReporter:
         return None if answer is None else [(a, b) for a, b in answer]
 
     def shard_failed(self, att: Attempt, rc: int, node: str, node_rank: int, records: list[dict]) -> None:
-        body = attempt_ref(att) | {"rc": rc, "node_rank": node_rank, "records": records}
+        body = attempt_ref(att) | {"rc": rc, "node_rank": node_rank, "records": records, "node": node}
         self._post(f"/jobs/{att.job_id}/shard-failed", body)
 
     def register(self, report: dict[str, Any]) -> str:

@@ -23,11 +23,14 @@ def upgrade() -> None:
         sa.Column("node_name", sa.String(length=255), nullable=True),
         sa.Column("token_hash", sa.String(length=64), nullable=False, unique=True),
         sa.Column("prefix", sa.String(length=16), nullable=False),
+        sa.Column("job_id", sa.String(length=40), sa.ForeignKey("job.id", ondelete="CASCADE"), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("last_used_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
     )
     op.create_index("ix_node_token_pool_id", "node_token", ["pool_id"])
+    op.create_index("ix_node_token_job_id", "node_token", ["job_id"])
     op.create_table(
         "report_cursor",
         sa.Column(
@@ -36,10 +39,12 @@ def upgrade() -> None:
         sa.Column("attempt", sa.Integer(), primary_key=True),
         sa.Column("node_rank", sa.Integer(), primary_key=True),
         sa.Column("seq", sa.Integer(), nullable=False),
+        sa.Column("node_id", sa.String(length=40), nullable=True),
     )
 
 
 def downgrade() -> None:
     op.drop_table("report_cursor")
+    op.drop_index("ix_node_token_job_id", table_name="node_token")
     op.drop_index("ix_node_token_pool_id", table_name="node_token")
     op.drop_table("node_token")

@@ -145,11 +145,15 @@ def main() -> int:
     if os.environ.get("FAKE_ENGINE_PHASE", "training") != "training" and _should_fail(marker):
         return _fail(out, rank, None)
     (out / "pids" / f"rank{rank}.ready").touch()
+    if world > 1 and not lead:
+        print(f"fake engine: rank {rank} of {world} ready", flush=True)
     if lead:
         # As the engine's first collective: 'started' once every rank has its handlers in place
         # (the runner signals only a started engine).
+        # The ranks on this node (a gang's other nodes write their own folders).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         deadline = time.monotonic() + 60
-        while len(list((out / "pids").glob("rank*.ready"))) < world and time.monotonic() < deadline:
+        while len(list((out / "pids").glob("rank*.ready"))) < local and time.monotonic() < deadline:
             time.sleep(0.02)
         print(f"fake engine: world={world} resuming from {start or None}", flush=True)
         _emit(

@@ -10,14 +10,17 @@ reports only for its own node's jobs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -251,63 +254,31 @@ def test_a_batch_sent_twice_is_applied_once(db_url: str) -> None:
         assert len(s.scalars(select(JobLog.id).where(JobLog.job_id == job_id)).all()) == 3
 
 
-@pytest.mark.redis
-def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
-    api: Api, db_url: str, redis_url: str, tmp_path: Path
-) -> None:
-    """`megatrain worker` with MEGATRAIN_NODE_TOKEN and no database URL: it registers its node through
-    the API (binding the token to it), heartbeats, and runs the job the executor sends its queue."""
-    import uuid
-
-    import redis
-
-    from megatrain.db.models import Node, NodePool
-    from megatrain.db.node_tokens import NodeToken
-    from megatrain.settings import Settings
-    from megatrain.worker.executors import CeleryExecutor
-
-    pool = f"tok-{uuid.uuid4().hex[:8]}"
-    with session_scope(db_url) as s:
-        row, token = create_node_token(s, pool)  # bound to the first node that registers
-        token_id = row.id
-    node_home = tmp_path / "node"
-    node_home.mkdir()
+@contextlib.contextmanager
+def _token_worker(
+    api: Api, token: str, pool: str, node: str, redis_url: str, home: Path
+) -> Iterator[subprocess.Popen]:
+    """`megatrain worker` as a node with only a token: the API's URL, the broker and storage."""
+    home.mkdir()
     env = _clean_env() | {
-        "MEGATRAIN_HOME": str(node_home),
+        "MEGATRAIN_HOME": str(home),
         "MEGATRAIN_API_URL": api.url,
         "MEGATRAIN_NODE_TOKEN": token,
-        "MEGATRAIN_NODE_NAME": "tok-node",
+        "MEGATRAIN_NODE_NAME": node,
         "MEGATRAIN_POOL_NAME": pool,
         "MEGATRAIN_REDIS_URL": redis_url,
         "MEGATRAIN_STORAGE_URL": (api.home / "storage").as_uri(),
         "MEGATRAIN_CPU_SLOTS": "2",
         "MEGATRAIN_HEARTBEAT_INTERVAL_S": "0.3",
+        "MEGATRAIN_RENDEZVOUS_TIMEOUT_S": "60",
         "MEGATRAIN_ENGINE_MODULE": str(FAKE_ENGINE),
         "FAKE_ENGINE_STEP_S": "0.02",
     }
-    log = open(node_home / "worker.log", "wb")  # noqa: SIM115
+    log = open(home / "worker.log", "wb")  # noqa: SIM115
     cmd = [sys.executable, "-m", "megatrain.worker.celery_app"]
     worker = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def node() -> Node | None:
-        with session_scope(db_url) as s:
-            q = select(Node).join(NodePool).where(NodePool.name == pool, Node.hostname == "tok-node")
-            return s.scalar(q)
-
     try:
-        registered = wait_for(node, timeout=60)
-        assert registered.slots_total == 2 and registered.packages
-        with session_scope(db_url) as s:
-            assert s.get(NodeToken, token_id).node_name == "tok-node"
-        wait_for(lambda: node().last_seen_at > registered.last_seen_at, timeout=10)  # it heartbeats
-        job_id = seed_job(db_url, 1, spec=job_spec(20, 5), max_retries=1, pool=pool)
-        with session_scope(db_url) as s:
-            assert reserve_and_schedule(s, job_id, registered.id, "test")
-        settings = Settings(database_url=db_url, executor="celery", redis_url=redis_url, pool_name=pool)
-        CeleryExecutor(settings).submit(job_id)
-        wait_for(lambda: _status(db_url, job_id) == SUCCEEDED, timeout=90)
-        env_seen = _environ(worker.pid)
-        assert "MEGATRAIN_DATABASE_URL" not in env_seen and db_url not in "\0".join(env_seen.values())
+        yield worker
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         try:
@@ -315,8 +286,147 @@ def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
         log.close()
+        import redis
+
         client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(f"megatrain.{pool}*"):
+        for key in client.scan_iter(f"megatrain.{pool}.{node}*"):
             client.delete(key)
+
+
+def _node(db_url: str, pool: str, name: str) -> Any:
+    from megatrain.db.models import Node, NodePool
+
+    with session_scope(db_url) as s:
+        return s.scalar(select(Node).join(NodePool).where(NodePool.name == pool, Node.hostname == name))
+
+
+def _celery(db_url: str, redis_url: str, pool: str) -> Any:
+    from megatrain.settings import Settings
+    from megatrain.worker.executors import CeleryExecutor
+
+    return CeleryExecutor(
+        Settings(database_url=db_url, executor="celery", redis_url=redis_url, pool_name=pool)
+    )
+
+
+@pytest.mark.redis
+def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
+    api: Api, db_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """`megatrain worker` with MEGATRAIN_NODE_TOKEN and no database URL: it registers its node through
+    the API (binding the token to it), heartbeats, and runs the job the executor sends its queue."""
+    from megatrain.db.node_tokens import NodeToken
+
+    pool = f"tok-{uuid.uuid4().hex[:8]}"
+    with session_scope(db_url) as s:
+        row, token = create_node_token(s, pool)  # bound to the first node that registers
+        token_id = row.id
+    node_home = tmp_path / "node"
+    with _token_worker(api, token, pool, "tok-node", redis_url, node_home) as worker:
+        registered = wait_for(lambda: _node(db_url, pool, "tok-node"), timeout=60)
+        assert registered.slots_total == 2 and registered.packages
+        with session_scope(db_url) as s:
+            assert s.get(NodeToken, token_id).node_name == "tok-node"
+        seen = registered.last_seen_at
+        wait_for(lambda: _node(db_url, pool, "tok-node").last_seen_at > seen, timeout=10)  # it heartbeats
+        job_id = seed_job(db_url, 1, spec=job_spec(20, 5), max_retries=1, pool=pool)
+        with session_scope(db_url) as s:
+            assert reserve_and_schedule(s, job_id, registered.id, "test")
+        _celery(db_url, redis_url, pool).submit(job_id)
+        wait_for(lambda: _status(db_url, job_id) == SUCCEEDED, timeout=90)
+        env_seen = _environ(worker.pid)
+        assert "MEGATRAIN_DATABASE_URL" not in env_seen and db_url not in "\0".join(env_seen.values())
     assert _metric_steps(db_url, job_id) == list(range(1, 21))
     assert not (node_home / "megatrain.db").exists()
+
+
+@pytest.mark.redis
+def test_a_gang_over_two_token_nodes_meets_and_reports_through_the_api(
+    api: Api, db_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """A job over two nodes that hold only their tokens: node rank 0 claims and publishes the
+    rendezvous through the API, the follower joins through it, its lines reach the job's log named
+    by its node, and the attempt ends once."""
+    from megatrain.db.jobs import reserve_gang
+    from megatrain.db.models import JobEvent
+    from megatrain.plan.layout import Layout
+
+    pool = f"gang-{uuid.uuid4().hex[:8]}"
+    tokens = {}
+    with session_scope(db_url) as s:
+        for name in ("node-a", "node-b"):
+            tokens[name] = create_node_token(s, pool, name)[1]
+    with (
+        _token_worker(api, tokens["node-a"], pool, "node-a", redis_url, tmp_path / "a"),
+        _token_worker(api, tokens["node-b"], pool, "node-b", redis_url, tmp_path / "b"),
+    ):
+        a, b = (wait_for(lambda n=n: _node(db_url, pool, n), timeout=60) for n in ("node-a", "node-b"))
+        spec = job_spec(20, 5)
+        layout = Layout(dp=2).as_dict()
+        job_id = seed_job(db_url, 2, spec=spec, layout=layout, max_retries=0, pool=pool)
+        with session_scope(db_url) as s:
+            assert reserve_gang(s, job_id, [(a.id, [0]), (b.id, [0])], "test")
+        _celery(db_url, redis_url, pool).submit(job_id)
+        wait_for(lambda: _status(db_url, job_id) not in ("scheduled", RUNNING), timeout=120)
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+        kinds = s.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
+    assert job.status == SUCCEEDED, job.status_reason + "\n" + "\n".join(lines[-40:])
+    assert kinds.count("rendezvous") == 1 and kinds.count("shard_joined") == 1
+    assert any(line.startswith("[node-b] ") for line in lines)  # the follower's, named by its node
+    assert _metric_steps(db_url, job_id) == list(range(1, 21))
+
+
+@pytest.mark.slow
+def test_a_slurm_attempt_reports_through_the_api_with_a_token_of_its_own(
+    api: Api, db_url: str, slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MEGATRAIN_SLURM_NODES_VIA_API: the batch script carries an attempt token and the API's URL,
+    no database URL; the runner on the Slurm node claims, reports and ends the attempt through the
+    API, and the token is revoked once the attempt is over."""
+    if db_url.startswith("sqlite"):
+        pytest.skip("Slurm's nodes reach PostgreSQL in production; one database is enough here")
+    from slurm_jobs import drive
+
+    from megatrain.db.models import Node, NodePool
+    from megatrain.db.node_tokens import NodeToken
+    from megatrain.scheduler.loop import Scheduler
+    from megatrain.settings import get_settings, reset_settings_cache
+    from megatrain.worker.slurm.commands import SlurmCli
+    from megatrain.worker.slurm.executor import SlurmExecutor
+
+    for name, value in {
+        "EXECUTOR": "slurm",
+        "POOL_NAME": "slurm",
+        "SLURM_PARTITION": slurm_cluster.partition,
+        "HEARTBEAT_INTERVAL_S": "0.5",
+        "API_URL": api.url,
+        "SLURM_NODES_VIA_API": "true",
+        "STORAGE_URL": (api.home / "storage").as_uri(),
+        "ENGINE_MODULE": str(FAKE_ENGINE),
+    }.items():
+        monkeypatch.setenv(f"MEGATRAIN_{name}", value)
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.02")
+    monkeypatch.setenv("FAKE_ENGINE_PRINT_ENV", "MEGATRAIN_DATABASE_URL")
+    reset_settings_cache()
+    settings = get_settings()
+    scheduler = Scheduler(settings, executor=SlurmExecutor(settings, SlurmCli(env=slurm_cluster.env)))
+    scheduler.reconcile_once()  # the pool's nodes, from sinfo
+    with session_scope(db_url) as s:
+        node_id = s.scalar(select(Node.id).join(NodePool).where(NodePool.name == "slurm").limit(1))
+    job_id = seed_job(db_url, 1, spec=job_spec(20, 5), max_retries=0, pool="slurm")
+    with session_scope(db_url) as s:
+        assert reserve_and_schedule(s, job_id, node_id, "test")
+    scheduler.executor.submit(job_id)
+    job = drive(scheduler, db_url, job_id, lambda j: j.status not in ("scheduled", RUNNING), timeout=120)
+    assert job.status == SUCCEEDED, job.status_reason
+    assert _metric_steps(db_url, job_id) == list(range(1, 21))
+    script = (settings.runs_dir / job_id / "attempt-1" / "slurm" / "job.sbatch").read_text()
+    assert "MEGATRAIN_DATABASE_URL" not in script and db_url not in script
+    assert "export MEGATRAIN_NODE_TOKEN=(attempt token)" in script  # the copy keeps no token
+    with session_scope(db_url) as s:
+        lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id)).all()
+        tokens = s.scalars(select(NodeToken).where(NodeToken.job_id == job_id)).all()
+        assert len(tokens) == 1 and tokens[0].revoked_at is not None  # over with its attempt
+    assert "fake engine: MEGATRAIN_DATABASE_URL=" in lines  # the engine had none

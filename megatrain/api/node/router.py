@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from megatrain.api.deps import SessionDep, SettingsDep, bearer_key, release
 from megatrain.db.audit import ACTOR, Actor
 from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
-from megatrain.db.node_tokens import NodeToken, authenticate_node
+from megatrain.db.node_tokens import NodeToken, ReportCursor, authenticate_node
 from megatrain.worker import control
 from megatrain.worker.gang import Share, join, shard_failed, silent_now
 from megatrain.worker.nodes import node_seen, register_node
@@ -42,14 +42,16 @@ class NodeCaller:
     token_id: str
     pool_id: str
     node: str | None
-    """Its node's name (None: the token was never bound to one)."""
+    """Its node's name (None: the token was never bound to one, or is an attempt token)."""
+    job_id: str | None = None
+    """An attempt token's job (db.node_tokens.create_attempt_token): the only one it reports for."""
 
 
 def node_of(session: Session, token: str) -> NodeCaller:
     row = authenticate_node(session, token)
     if row is None:
         raise HTTPException(401, "invalid or revoked node token", headers={"WWW-Authenticate": "Bearer"})
-    caller = NodeCaller(row.id, row.pool_id, row.node_name)
+    caller = NodeCaller(row.id, row.pool_id, row.node_name, row.job_id)
     now = utcnow()
     if row.last_used_at is None or (now - row.last_used_at).total_seconds() > LAST_USED_EVERY_S:
         row.last_used_at = now
@@ -65,8 +67,14 @@ async def get_node(request: Request, session: SessionDep) -> NodeCaller:
 CurrentNode = Annotated[NodeCaller, Depends(get_node)]
 
 
-def _own_job(session: Session, caller: NodeCaller, job_id: str) -> None:
-    """404 unless the job runs (or is placed) on the caller's node."""
+def _own_job(session: Session, caller: NodeCaller, job_id: str) -> str | None:
+    """404 unless the job runs (or is placed) on the caller's node, or the node ran an attempt of it
+    (a follower's last lines arrive after the job gave its placement back), or it is the attempt
+    token's job. The caller's node id (None for an attempt token)."""
+    if caller.job_id is not None:
+        if caller.job_id != job_id:
+            raise HTTPException(404, f"job {job_id} is not this token's job")
+        return None
     node_id = session.scalar(
         select(Node.id).where(Node.pool_id == caller.pool_id, Node.hostname == caller.node)
     )
@@ -75,8 +83,12 @@ def _own_job(session: Session, caller: NodeCaller, job_id: str) -> None:
         .outerjoin(JobAllocation, JobAllocation.job_id == Job.id)
         .where(Job.id == job_id, or_(Job.node_id == node_id, JobAllocation.node_id == node_id))
     )
-    if node_id is None or placed is None:
+    ran = session.scalar(
+        select(ReportCursor.job_id).where(ReportCursor.job_id == job_id, ReportCursor.node_id == node_id)
+    )
+    if node_id is None or (placed is None and ran is None):
         raise HTTPException(404, f"job {job_id} is not placed on this node")
+    return node_id
 
 
 class Body(BaseModel):
@@ -89,6 +101,8 @@ class ClaimBody(Body):
     packages: dict[str, str] = Field(default_factory=dict)
     endpoint: str | None = Field(default=None, max_length=300)
     attempt: int | None = Field(default=None, ge=1)
+    node: str | None = Field(default=None, max_length=255)
+    """The node's name (read only with an attempt token: a node's own token names it)."""
 
 
 class ReportBody(Body):
@@ -128,12 +142,14 @@ class JoinBody(Body):
     node_rank: int = Field(..., ge=1)
     nnodes: int = Field(..., ge=2)
     attempt: int = Field(..., ge=1)
+    node: str | None = Field(default=None, max_length=255)
 
 
 class ShardFailedBody(AttemptRef):
     rc: int
     node_rank: int = Field(..., ge=1)
     records: list[dict[str, Any]] = Field(default_factory=list)
+    node: str | None = Field(default=None, max_length=255)
 
 
 class RegisterBody(Body):
@@ -186,10 +202,13 @@ def node_heartbeat(body: NodeHeartbeatBody, session: SessionDep, caller: Current
     return {"ok": True}
 
 
-def _node_name(caller: NodeCaller) -> str:
-    if caller.node is None:
-        raise HTTPException(403, "this node token is bound to no node yet: register the node first")
-    return caller.node
+def _node_name(caller: NodeCaller, named: str | None = None) -> str:
+    """The calling node's name: its token's; an attempt token's caller names itself."""
+    if caller.node is not None:
+        return caller.node
+    if caller.job_id is not None and named:
+        return named
+    raise HTTPException(403, "this node token is bound to no node yet: register the node first")
 
 
 @router.post("/jobs/{job_id}/claim")
@@ -198,17 +217,18 @@ def claim_job(
 ) -> dict[str, Any]:
     """scheduled → running, owned by the calling runner: the attempt to run, with the job's spec,
     layout and the tenant secrets its engine gets; {"skip": why} when there is nothing to run."""
-    _own_job(session, caller, job_id)
+    node_id = _own_job(session, caller, job_id)
     answer = control.claim(
         session,
         settings,
         job_id,
-        node=_node_name(caller),
+        node=_node_name(caller, body.node),
         host=body.host,
         pid=body.pid,
         packages=body.packages,
         endpoint=body.endpoint,
         attempt=body.attempt,
+        node_id=node_id,
     )
     session.commit()
     return answer
@@ -258,10 +278,9 @@ def join_attempt(
     job_id: str, body: JoinBody, session: SessionDep, settings: SettingsDep, caller: CurrentNode
 ) -> dict[str, Any]:
     """A follower shard's turn in a multi-node attempt (worker.gang.join)."""
-    _own_job(session, caller, job_id)
-    answer = join(
-        session, settings, job_id, Share(body.node_rank, body.nnodes, body.attempt), _node_name(caller)
-    )
+    node_id = _own_job(session, caller, job_id)
+    share = Share(body.node_rank, body.nnodes, body.attempt)
+    answer = join(session, settings, job_id, share, _node_name(caller, body.node), node_id)
     session.commit()
     return answer
 
@@ -279,6 +298,6 @@ def shard_failed_route(
     _own_job(session, caller, job_id)
     att = control.attempt_of(session, job_id, body.attempt, body.rendezvous)
     if att is not None:
-        shard_failed(session, att, body.rc, _node_name(caller), body.node_rank, body.records)
+        shard_failed(session, att, body.rc, _node_name(caller, body.node), body.node_rank, body.records)
     session.commit()
     return {"ok": True}

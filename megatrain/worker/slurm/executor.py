@@ -35,6 +35,7 @@ from megatrain.db.models import (
     NodePool,
     utcnow,
 )
+from megatrain.db.node_tokens import create_attempt_token
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
 from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env
@@ -52,6 +53,8 @@ STATE_EVENT = "slurm_state"
 LOG_TAIL_LINES = 40
 """Lines of each Slurm output file (batch.log, node-N.log) put in the job's log when Slurm ends an
 attempt its runners did not."""
+ATTEMPT_TOKEN_SLACK_S = 3600
+"""An attempt token outlives the attempt's time limit by this (a Slurm job may wait in the queue)."""
 NODE_REFRESH_S = 30.0
 """How often sinfo is asked for the partition's nodes."""
 ENV_PREFIXES = ("MEGATRAIN_",)
@@ -126,9 +129,21 @@ class SlurmExecutor:
             partition=self.partitions.get(pool_name, self.settings.slurm_partition),
             account=self.settings.slurm_account,
             qos=self.settings.slurm_qos,
-            env=runner_settings_env(self.settings, runner_env(self.settings)),
+            env=self._env(s, job, limit),
             requeue=self.settings.slurm_requeue,
         )
+
+    def _env(self, s: Session, job: Job, limit_s: int) -> dict[str, str]:
+        """What the batch script exports: the settings; with slurm_nodes_via_api, an attempt token
+        in place of the control plane's credentials (valid a little past the attempt's limit)."""
+        if not self.settings.slurm_nodes_via_api:
+            return runner_settings_env(self.settings, runner_env(self.settings))
+        pool_id = s.scalar(select(Node.pool_id).where(Node.id == job.node_id))
+        if pool_id is None:
+            raise LookupError(f"job {job.id} is placed on no node")
+        token = create_attempt_token(s, job.id, pool_id, ttl_s=limit_s + ATTEMPT_TOKEN_SLACK_S)
+        settings = self.settings.model_copy(update={"node_token": token})
+        return runner_settings_env(settings, runner_env(settings))
 
     def log_dir(self, job_id: str, attempt: int) -> Any:
         return self.settings.runs_dir / job_id / f"attempt-{attempt}" / "slurm"
@@ -143,7 +158,9 @@ class SlurmExecutor:
             req = self.request(s, job)
         req.log_dir.mkdir(parents=True, exist_ok=True)
         script = render_sbatch(req)
-        (req.log_dir / "job.sbatch").write_text(script)
+        token = req.env.get("MEGATRAIN_NODE_TOKEN")
+        # The copy in the run folder is for reading: an attempt token is in Slurm's hands only.
+        (req.log_dir / "job.sbatch").write_text(script.replace(token, "(attempt token)") if token else script)
         slurm_id = self.commands.submit(script)
         with session_scope(self.settings.resolved_database_url) as s:
             data = {"attempt": req.attempt, "slurm_id": slurm_id, "nodes": req.nodes}
