@@ -35,6 +35,8 @@ from megatrain.db.session import session_scope, upgrade_database
 from megatrain.worker import control
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+SECRETS_KEY = "Zm9yLXRlc3RzLW9ubHktMzItYnl0ZXMtb2Yta2V5ISE="
+"""The API's Fernet key (32 url-safe base64 bytes); the nodes never see it."""
 
 
 def _port() -> int:
@@ -56,6 +58,7 @@ class Api:
         self.env = _clean_env() | {
             "MEGATRAIN_DATABASE_URL": db_url,
             "MEGATRAIN_HOME": str(home),
+            "MEGATRAIN_SECRETS_KEY": SECRETS_KEY,
         }
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -106,7 +109,9 @@ def _token(db_url: str, node: str) -> tuple[str, str]:
         return row.id, token
 
 
-def _runner(api: Api, token: str, node: str, home: Path, job_id: str, step_s: float) -> subprocess.Popen:
+def _runner(
+    api: Api, token: str, node: str, home: Path, job_id: str, step_s: float, print_secret: bool = False
+) -> subprocess.Popen:
     """A node's runner: the API's URL, its token and storage; no database URL anywhere."""
     env = _clean_env() | {
         "MEGATRAIN_HOME": str(home),
@@ -118,6 +123,8 @@ def _runner(api: Api, token: str, node: str, home: Path, job_id: str, step_s: fl
         "MEGATRAIN_ENGINE_MODULE": str(FAKE_ENGINE),
         "FAKE_ENGINE_STEP_S": str(step_s),
     }
+    if print_secret:
+        env["FAKE_ENGINE_PRINT_ENV"] = "WANDB_API_KEY"
     cmd = [sys.executable, "-m", "megatrain.worker.shard", "--job-id", job_id]
     log = open(home / "runner.log", "ab")  # noqa: SIM115
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -179,6 +186,42 @@ def test_a_node_with_only_a_token_runs_a_job_through_an_api_restart(
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     assert ckpts == [10, 20, 30, 40, 50, 60]
     assert not (node_home / "megatrain.db").exists()  # the node never opened a database
+
+
+def test_the_claim_answer_carries_the_jobs_secrets_and_the_node_no_key(
+    api: Api, db_url: str, tmp_path: Path
+) -> None:
+    """The API decrypts the secrets a job names and hands them over with the attempt: the engine has
+    them, the node holds no secrets key, and the value is redacted from what the runner reports."""
+    import hashlib
+
+    from megatrain.api.auth import create_api_key
+
+    value = "wandb-" + uuid.uuid4().hex
+    with session_scope(db_url) as s:
+        key = create_api_key(s, "acme", "test")
+    headers = {"Authorization": f"Bearer {key}"}
+    put = httpx.put(f"{api.url}/v1/secrets/WANDB_API_KEY", json={"value": value}, headers=headers)
+    assert put.status_code == 201, put.text
+    seed_node(db_url, 4, "default", "node-a")
+    _, token = _token(db_url, "node-a")
+    job_id = seed_job(db_url, 1, spec=job_spec(5, 0) | {"secrets": ["WANDB_API_KEY"]}, max_retries=0)
+    with session_scope(db_url) as s:
+        from megatrain.db.models import Node
+
+        node_id = s.scalar(select(Node.id).where(Node.hostname == "node-a"))
+        assert reserve_and_schedule(s, job_id, node_id, "test")
+    node_home = tmp_path / "node-a"
+    node_home.mkdir()
+    runner = _runner(api, token, "node-a", node_home, job_id, step_s=0.01, print_secret=True)
+    assert runner.wait(timeout=60) == 0
+    sha = node_home / "runs" / job_id / "attempt-1" / "pids" / "rank0.env.sha256"
+    assert sha.read_text() == hashlib.sha256(value.encode()).hexdigest()  # the engine had it
+    assert not (node_home / "secrets.key").exists()
+    with session_scope(db_url) as s:
+        lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id)).all()
+    assert "fake engine: WANDB_API_KEY=[secret:WANDB_API_KEY]" in lines
+    assert value not in "\n".join(lines)
 
 
 def test_a_revoked_token_reports_nothing_more_and_its_runner_stops(
