@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         # Few threads: request work is short and holds the GIL; dozens of threads contending for it
         # cost more CPU per request than they hide database latency (measured: BENCHMARKS.md).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        streams.listen()
         try:
             yield
         finally:

@@ -10,15 +10,21 @@ behind is told to catch up from the database again instead of growing a queue wi
 Streams hold no database connection between ticks and use their own small pool (`STREAM_POOL`), so
 open streams never exhaust the connections request handlers and the scheduler need. Each tick reads
 the job's status before its rows: rows written before the job became terminal are always sent before
-`event: end`. Polling (rather than LISTEN/NOTIFY or Redis) works the same on SQLite and PostgreSQL and
-keeps API replicas stateless: every replica polls for the streams it serves.
+`event: end`. On PostgreSQL a feed ticks when its job is notified (db.notify, api/notifications.py):
+a row reaches its streams within one query of its commit, and an idle stream costs nothing but a
+slow fallback poll; on SQLite (or while the listening connection is lost) feeds poll every
+`poll_interval_s`. Either way API replicas stay stateless: each serves its own streams.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import socket
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +37,17 @@ from starlette.types import Receive, Scope, Send
 
 from megatrain.api.jobs.schemas import LogLinePublic
 from megatrain.api.jobs.service import metric_row
+from megatrain.api.notifications import JobListener
 from megatrain.db.models import TERMINAL_STATES, Job, JobLog, JobMetric
 from megatrain.db.session import make_engine
+from megatrain.db.stream_leases import (
+    LEASE_TTL_S,
+    LeaseRefused,
+    drop_lease,
+    drop_process_leases,
+    refresh_leases,
+    take_lease,
+)
 
 log = logging.getLogger("megatrain.api.streams")
 
@@ -41,6 +56,8 @@ KEEPALIVE_S = 15.0
 MAX_PENDING = 10 * BATCH
 STREAM_POOL = 4
 """Connections (and threads) all streams of one API process share."""
+LISTENING_POLL_S = 5.0
+"""How often a feed polls while notifications arrive (in case one was missed)."""
 
 
 def wants_event_stream(accept: str | None) -> bool:
@@ -144,6 +161,8 @@ class Subscriber:
     """Only rows of this kind (metrics)."""
     queue: asyncio.Queue[list[Row] | _Lagged | _End | _Failed] = field(default_factory=asyncio.Queue)
     pending: int = 0
+    lease: str | None = None
+    """Its place under the tenant's cap across API processes (db.stream_leases), if shared."""
 
     def keeps(self, row: Row) -> bool:
         return (self.since is None or row.step > self.since) and (self.kind is None or row.kind == self.kind)
@@ -177,6 +196,8 @@ class Feed:
         self.subscribers: set[Subscriber] = set()
         self.mark = 0
         self.primed = asyncio.Event()
+        self.wakeup = asyncio.Event()
+        """Set when the job is notified (new rows or status): the feed ticks at once."""
         self.task: asyncio.Task[None] | None = None
 
     def _tick(self, prime: bool) -> tuple[str | None, list[Row]]:
@@ -191,6 +212,7 @@ class Feed:
         prime = True
         try:
             while self.subscribers:
+                self.wakeup.clear()  # a notification during the tick below ticks again at once
                 status, rows = await self.hub.db(self._tick, prime)
                 if prime:
                     prime = False
@@ -205,7 +227,8 @@ class Feed:
                     for sub in self.subscribers:
                         sub.queue.put_nowait(_End(status))
                     return
-                await anyio.sleep(self.hub.poll_interval_s)
+                with anyio.move_on_after(self.hub.interval_s()):
+                    await self.wakeup.wait()
         except Exception:
             # The clients reconnect (SSE's retry) and resume by Last-Event-ID on a fresh feed.
             log.exception("the %s feed of job %s failed; its streams end", self.channel.name, self.job_id)
@@ -228,6 +251,36 @@ class StreamHub:
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
         self._limiter = anyio.CapacityLimiter(STREAM_POOL)
+        self.listener: JobListener | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.shared_cap = JobListener.supported(database_url)
+        """Whether the tenant cap holds across API processes (PostgreSQL: stream leases)."""
+        self.process = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._lease_task: asyncio.Task[None] | None = None
+
+    def listen(self) -> None:
+        """On PostgreSQL: wake feeds on the database's job notifications, and keep this process's
+        stream leases (the tenant cap across processes); a no-op elsewhere."""
+        if self.listener is None and self.shared_cap:
+            self._loop = asyncio.get_running_loop()
+            self.listener = JobListener(self.database_url, self._notified).start()
+            self._lease_task = self._loop.create_task(self._keep_leases())
+
+    def _notified(self, job_id: str | None) -> None:
+        """From the listener's thread: wake the job's feeds (every feed for None)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.wake, job_id)
+
+    def wake(self, job_id: str | None) -> None:
+        for (feed_job, _), feed in list(self.feeds.items()):
+            if job_id is None or feed_job == job_id:
+                feed.wakeup.set()
+
+    def interval_s(self) -> float:
+        """How long a feed waits for a notification before it polls."""
+        if self.listener is not None and self.listener.connected:
+            return max(self.poll_interval_s, LISTENING_POLL_S)
+        return self.poll_interval_s
 
     def sessions(self) -> Session:
         if self._sessions is None:
@@ -239,35 +292,69 @@ class StreamHub:
         """Run a blocking database read off the event loop, on the streams' own threads and pool."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    def subscribe(
+    async def subscribe(
         self, tenant_id: str, job_id: str, channel: Channel, since: int | None = None, kind: str | None = None
     ) -> Subscriber:
-        """A place in the feed of (job, channel); raises TooManyStreams past the tenant's cap."""
+        """A place in the feed of (job, channel); raises TooManyStreams past the tenant's cap (held
+        across every API process on PostgreSQL: db.stream_leases)."""
         if self.open.get(tenant_id, 0) >= self.max_per_tenant:
             raise TooManyStreams(self.max_per_tenant)
+        lease = None
+        if self.shared_cap:
+            try:
+                lease = await self.db(self._take_lease, tenant_id)
+            except LeaseRefused:
+                raise TooManyStreams(self.max_per_tenant) from None
         feed = self.feeds.get((job_id, channel.name))
         if feed is None:
             feed = self.feeds[(job_id, channel.name)] = Feed(self, job_id, channel)
-        sub = Subscriber(feed, tenant_id, since, kind)
+        sub = Subscriber(feed, tenant_id, since, kind, lease=lease)
         feed.subscribers.add(sub)
         self.open[tenant_id] = self.open.get(tenant_id, 0) + 1
         if feed.task is None:
             feed.task = asyncio.get_running_loop().create_task(feed.run())
         return sub
 
-    def unsubscribe(self, sub: Subscriber) -> None:
+    async def unsubscribe(self, sub: Subscriber) -> None:
         if sub not in sub.feed.subscribers:
             return
         sub.feed.subscribers.discard(sub)
         self.open[sub.tenant_id] -= 1
         if not self.open[sub.tenant_id]:
             del self.open[sub.tenant_id]
+        if sub.lease is not None:
+            with anyio.CancelScope(shield=True):
+                await self.db(self._leases, drop_lease, sub.lease)
+
+    def _take_lease(self, tenant_id: str) -> str:
+        with self.sessions() as s, s.begin():
+            return take_lease(s, tenant_id, self.process, self.max_per_tenant)
+
+    def _leases(self, fn: Callable[[Session, str], None], arg: str) -> None:
+        with self.sessions() as s, s.begin():
+            fn(s, arg)
+
+    async def _keep_leases(self) -> None:
+        """Refresh this process's leases while it lives (a dead process's lapse: LEASE_TTL_S)."""
+        while True:
+            await anyio.sleep(LEASE_TTL_S / 4)
+            try:
+                await self.db(self._leases, refresh_leases, self.process)
+            except Exception as exc:  # the database is away: the leases may lapse, streams go on
+                log.warning("could not refresh this process's stream leases: %s", exc)
 
     def drop_feed(self, feed: Feed) -> None:
         if self.feeds.get((feed.job_id, feed.channel.name)) is feed:
             del self.feeds[(feed.job_id, feed.channel.name)]
 
     async def close(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        if self.listener is not None:
+            await anyio.to_thread.run_sync(self.listener.stop)
+        if self.shared_cap and self._sessions is not None:
+            with contextlib.suppress(Exception):  # they lapse anyway
+                await self.db(self._leases, drop_process_leases, self.process)
         for feed in list(self.feeds.values()):
             if feed.task is not None:
                 feed.task.cancel()
@@ -325,4 +412,4 @@ class EventStreamResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.hub.unsubscribe(self.sub)
+            await self.hub.unsubscribe(self.sub)

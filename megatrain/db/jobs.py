@@ -23,6 +23,7 @@ from megatrain.db.models import (
     Node,
     utcnow,
 )
+from megatrain.db.notify import notify_job
 
 
 class _Attempts(Protocol):
@@ -134,6 +135,7 @@ def transition(
     if leaving_active:
         _release(session, job_id, row.node_id, row.num_procs)
     record_event(session, job_id, to_status, reason, data, from_status=row.status, to_status=to_status)
+    notify_job(session, job_id)  # a stream of a job that just ended ends at once
     return True
 
 

@@ -483,4 +483,4 @@ class RegisteredModel(Base):
 
 # The OpenAI-compatible surface's own rows (kept apart to keep this module short); imported here so
 # that Base.metadata, and therefore migrations and create_all, know its tables.
-from megatrain.db import audit, fine_tuning, secrets  # noqa: E402, F401
+from megatrain.db import audit, fine_tuning, node_tokens, secrets, stream_leases  # noqa: E402, F401

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from megatrain.db.jobs import record_event
 from megatrain.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric, utcnow
+from megatrain.db.notify import notify_job
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def ingest_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) ->
     inserted = _insert_ignoring_duplicates(
         session, JobMetric, list(records.values()), ["job_id", "kind", "step"]
     )
+    if inserted:
+        notify_job(session, job_id)
     if latest_train is not None:
         # The newest line is the truth even after a resume rewound the step counter.
         session.execute(
@@ -257,5 +260,6 @@ def append_logs(session: Session, job_id: str, lines: list[str], first_seq: int,
         ],
     )
     next_seq = first_seq + len(lines)
+    notify_job(session, job_id)
     session.execute(delete(JobLog).where(JobLog.job_id == job_id, JobLog.seq < next_seq - max_lines))
     return next_seq

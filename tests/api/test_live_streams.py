@@ -137,7 +137,7 @@ def test_a_slow_reader_catches_up_from_the_database(
 
     async def main() -> list[str]:
         hub = StreamHub(db_url, poll_interval_s=0.01, max_per_tenant=10)
-        sub = hub.subscribe("acme", job_id, METRICS)
+        sub = await hub.subscribe("acme", job_id, METRICS)
         events = hub.events(sub, cursor=0)
         out = [await events.__anext__()]  # "retry:", then it waits for the feed's first tick
         await asyncio.to_thread(_add_rows, db_url, job_id, range(1, 21))  # 5× what may wait

@@ -135,7 +135,7 @@ def _resume_from(query_value: int | None, last_event_id: int | None) -> int | No
 LastEventId = Annotated[int | None, Header(ge=0, le=2**62, description="SSE resume point")]
 
 
-def _follow(
+async def _follow(
     request: Request,
     session: Session,
     tenant_id: str,
@@ -149,7 +149,7 @@ def _follow(
     closed first, so an open stream holds no database connection."""
     session.close()
     hub: StreamHub = request.app.state.streams
-    return EventStreamResponse(hub, hub.subscribe(tenant_id, job_id, channel, since, kind), cursor)
+    return EventStreamResponse(hub, await hub.subscribe(tenant_id, job_id, channel, since, kind), cursor)
 
 
 @router.get(
@@ -180,7 +180,7 @@ async def list_metrics(
     """
     since = _resume_from(since_step, last_event_id)
     if wants_event_stream(request.headers.get("accept")):
-        return _follow(request, session, job.tenant_id, job.id, METRICS, 0, since, kind)
+        return await _follow(request, session, job.tenant_id, job.id, METRICS, 0, since, kind)
     if max_points is None:
         return await run_in_threadpool(service.list_metrics, session, job.id, since, kind, limit)
     rows, total = await run_in_threadpool(
@@ -210,7 +210,7 @@ async def list_logs(
     until the job ends (`event: end`)."""
     after = _resume_from(after_seq, last_event_id) or 0
     if follow or wants_event_stream(request.headers.get("accept")):
-        return _follow(request, session, job.tenant_id, job.id, LOGS, after)
+        return await _follow(request, session, job.tenant_id, job.id, LOGS, after)
     if tail is not None:
         return await run_in_threadpool(service.list_log_tail, session, job.id, tail)
     return await run_in_threadpool(service.list_logs, session, job.id, after, limit)
