@@ -154,8 +154,8 @@ class MetricWriter(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        from megatrain.db.models import JobMetric
         from megatrain.db.session import session_scope
+        from megatrain.worker.ingest import ingest_metrics
 
         jitter = random.Random(0)
         next_at = time.monotonic()
@@ -164,8 +164,8 @@ class MetricWriter(threading.Thread):
                 step = len(self.committed_at) + 1
                 loss = 10.0 / (1 + 0.01 * step)
                 row = {"loss": loss, "lr": 3e-4, "grad_norm": 1.0, "tokens_per_s": 12000.0, "mfu": 0.41}
-                with session_scope(self.db_url) as s:
-                    s.add(JobMetric(job_id=self.job_id, kind="train", step=step, loss=loss, data=row))
+                with session_scope(self.db_url) as s:  # as the runner's reports are stored
+                    ingest_metrics(s, self.job_id, [{"step": step, **row}])
                 self.committed_at[step] = time.monotonic()
                 # Jittered around the mean interval, so that the rows do not phase-lock with the
                 # server's polls (a steady 0.5 s writer against a 0.5 s poller would see one delay only).

@@ -13,7 +13,7 @@ from pathlib import Path
 import megatrain
 
 PACKAGE = Path(megatrain.__file__).parent
-CONTROL_PLANE = {"api", "db", "scheduler", "worker", "cli", "client", "demo"}
+CONTROL_PLANE = {"api", "attempts", "db", "scheduler", "worker", "cli", "client", "demo"}
 
 
 def _part(module: str) -> str | None:

@@ -125,7 +125,7 @@ def worker_slots(settings: Settings, concurrency: int | None = None) -> int:
 def node_heartbeat(
     settings: Settings, node_id: str, accelerator: str, slots: int, reporter: Reporter | None = None
 ) -> bool:
-    """One heartbeat of this worker's node (worker.nodes.node_seen): devices free, free memory,
+    """One heartbeat of this worker's node (db.node_registry.node_seen): devices free, free memory,
     health, and its pool's measured description until that is final; whether it is."""
     values = heartbeat_values(accelerator, slots, busy=None)
     spec, final = cached_spec(settings, accelerator, slots, device_memory(accelerator, slots))

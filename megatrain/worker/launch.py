@@ -6,41 +6,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+
+from megatrain.attempts.model import Rendezvous  # noqa: F401  (re-exported)
 
 ENGINE_MODULE_ENV = "MEGATRAIN_ENGINE_MODULE"
 """Module (or path to a .py script) the runner starts; tests point it at a fake engine."""
 DEFAULT_ENGINE_MODULE = "megatrain.engine.train"
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """How the shards of a multi-node attempt meet: torchrun's c10d rendezvous at node rank 0."""
-
-    node_rank: int
-    nnodes: int
-    endpoint: str
-    """HOST:PORT of node rank 0's rendezvous store."""
-    run_id: str
-    """torchrun's --rdzv-id: one per attempt, so a late shard of an older attempt never joins."""
-    timeout_s: float = 300.0
-
-    def torchrun_args(self) -> list[str]:
-        # Node rank 0 hosts the store (is_host), whatever the hostnames say: two nodes on one
-        # machine would otherwise both try. c10d orders the nodes itself (by address and pid), so
-        # each node's ranks stay contiguous (whole tp×cp groups) but which node holds global
-        # rank 0 is torchrun's choice: every shard reports the metrics and events of its ranks.
-        conf = f"is_host={int(self.node_rank == 0)},join_timeout={int(self.timeout_s)}"
-        return [
-            # No --node-rank: c10d ignores it (with a warning) and orders the nodes itself.
-            f"--nnodes={self.nnodes}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.endpoint}",
-            f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf={conf}",
-            "--max-restarts=0",
-        ]
 
 
 def engine_command(

@@ -19,12 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
-from megatrain.db.jobs import transition
-from megatrain.db.models import FAILED, QUEUED, RUNNING, Job
-from megatrain.job_states import PAUSE_REQUEST
+from megatrain.attempts.ending import end_at_time_limit, requeue_preempted  # noqa: F401  (re-exported)
 from megatrain.settings import Settings
 from megatrain.worker.procs import descendants
 
@@ -85,54 +80,3 @@ def rank_pids(proc: subprocess.Popen, att: Attempt) -> list[int]:
             if int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]) == proc.pid:
                 children.append(pid)
     return children
-
-
-def requeue_preempted(s: Session, att: Attempt, step: int | None, clear: dict[str, object]) -> bool:
-    """running → queued after a preemption (not a retry), to resume from `step`; counted in the
-    job's `preemptions` (once they reach max_preemptions it is no longer preempted). A pause its
-    user asked for (preempt_for PAUSE_REQUEST) stops the same way and stays queued, held, until
-    its resume."""
-    count = att.preemptions + 1
-    last = "; it will not be preempted again" if count >= att.max_preemptions else ""
-    reason = (
-        f"preempted by a higher-priority job ({count} of at most {att.max_preemptions}); "
-        f"resumes from {_where(step)}{last}"
-    )
-    if s.scalar(select(Job.preempt_for).where(Job.id == att.job_id)) == PAUSE_REQUEST:
-        reason = f"paused by its user at {_where(step)}; it resumes from there when resumed"
-    data = {
-        "attempt": att.attempt,
-        "step": step,
-        "preemptions": count,
-        "max_preemptions": att.max_preemptions,
-    }
-    return _queue_again(s, att, reason, data, clear | {"preemptions": count})
-
-
-def end_at_time_limit(
-    s: Session, att: Attempt, step: int | None, limit_s: float, clear: dict[str, object]
-) -> bool:
-    """The attempt checkpointed (at `step`) and stopped before its allocation's time limit. Shorter
-    than the job's max_runtime_s, the limit splits a long job into a chain: queued again, resuming
-    there, and not a retry (as a preemption). Otherwise it is the job's own max_runtime_s: failed, as
-    the local executor fails a job that exceeds it (with its progress saved)."""
-    data = {"attempt": att.attempt, "step": step, "time_limit_s": limit_s}
-    if limit_s < att.max_runtime_s:
-        reason = f"reached the allocation's time limit ({limit_s:g}s); resumes from {_where(step)}"
-        return _queue_again(s, att, reason, data, clear | {"continuations": att.continuations + 1})
-    saved = f"; checkpointed at step {step}" if step is not None else ""
-    reason = f"exceeded max_runtime_s={att.max_runtime_s:g}{saved}"
-    return transition(s, att.job_id, FAILED, from_statuses=(RUNNING,), reason=reason, data=data)
-
-
-def _queue_again(
-    s: Session, att: Attempt, reason: str, data: dict[str, object], fields: dict[str, object]
-) -> bool:
-    """running → queued, not as a retry: `fields` count the attempt as a preemption or a
-    continuation, which db.jobs.retry_allowed leaves out of the failed attempts (the user's
-    max_retries is never changed)."""
-    return transition(s, att.job_id, QUEUED, from_statuses=(RUNNING,), reason=reason, data=data, **fields)
-
-
-def _where(step: int | None) -> str:
-    return f"step {step}" if step is not None else "its latest checkpoint"

@@ -3,7 +3,7 @@
 `DbReporter` writes to the database itself (the embedded default, and any node an operator trusts
 with the database URL); `HttpReporter` holds only the API's URL and a node token
 (`megatrain nodes token create`) and asks the API's /v1/node routes to do the same work. Both end in
-worker.control's functions, so what a claim, a batch of reports or an attempt's end does is one
+megatrain.attempts' functions, so what a claim, a batch of reports or an attempt's end does is one
 piece of code whichever way it travels. `reporter_for(settings)` picks: a node token in the
 settings (MEGATRAIN_NODE_TOKEN) means HTTP.
 
@@ -54,11 +54,11 @@ class Reporter(Protocol):
         endpoint: str | None,
         attempt: int | None = None,
     ) -> dict[str, Any]:
-        """worker.control.claim."""
+        """attempts.reports.claim."""
         ...
 
     def report(self, job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        """worker.control.report: {"verdict", "applied"}."""
+        """attempts.reports.report: {"verdict", "applied"}."""
         ...
 
     def heartbeat(self, job_id: str, host: str, pid: int) -> bool: ...
@@ -66,25 +66,25 @@ class Reporter(Protocol):
     def backfill(self, job_id: str, attempt: int, metrics: list[dict], events: list[dict]) -> None: ...
 
     def finish(self, att: Attempt, end: dict[str, Any]) -> str | None:
-        """worker.control.finish: the status the attempt ended the job in (None: someone else did)."""
+        """attempts.reports.finish: the status the attempt ended the job in (None: someone else did)."""
         ...
 
     def join(self, job_id: str, share: Share, node: str) -> dict[str, Any]:
-        """worker.gang.join."""
+        """attempts.gang.join."""
         ...
 
     def silent(self, job_id: str, attempt: int) -> list[tuple[str, str]] | None:
-        """worker.gang.silent_now."""
+        """attempts.gang.silent_now."""
         ...
 
     def shard_failed(self, att: Attempt, rc: int, node: str, node_rank: int, records: list[dict]) -> None: ...
 
     def register(self, report: dict[str, Any]) -> str:
-        """worker.nodes.register_node of a node_report: the node's id."""
+        """db.node_registry.register_node of a node_report: the node's id."""
         ...
 
     def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
-        """worker.nodes.node_seen."""
+        """db.node_registry.node_seen."""
         ...
 
 
@@ -124,46 +124,46 @@ class DbReporter:
         endpoint: str | None,
         attempt: int | None = None,
     ) -> dict[str, Any]:
-        from megatrain.worker import control
+        from megatrain.attempts import reports as control
 
         kw = {"node": node, "host": host, "pid": pid, "packages": packages, "endpoint": endpoint}
         return self._run(control.claim, self.settings, job_id, attempt=attempt, **kw)
 
     def report(self, job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        from megatrain.worker import control
+        from megatrain.attempts import reports as control
 
         return self._run(control.report, job_id, batch, self.settings.max_log_lines)
 
     def heartbeat(self, job_id: str, host: str, pid: int) -> bool:
-        from megatrain.worker import control
+        from megatrain.attempts import reports as control
 
         return self._run(control.heartbeat, job_id, host, pid)
 
     def backfill(self, job_id: str, attempt: int, metrics: list[dict], events: list[dict]) -> None:
-        from megatrain.worker import control
+        from megatrain.attempts import reports as control
 
         self._run(control.backfill, job_id, attempt, metrics, events)
 
     def finish(self, att: Attempt, end: dict[str, Any]) -> str | None:
-        from megatrain.worker import control
+        from megatrain.attempts import reports as control
 
         with self._session() as s:
             found = control.attempt_of(s, att.job_id, **attempt_ref(att))
             return None if found is None else control.finish(s, self.settings, found, end)
 
     def join(self, job_id: str, share: Share, node: str) -> dict[str, Any]:
-        from megatrain.worker.gang import join
+        from megatrain.attempts.gang import join
 
         return self._run(join, self.settings, job_id, share, node)
 
     def silent(self, job_id: str, attempt: int) -> list[tuple[str, str]] | None:
-        from megatrain.worker.gang import silent_now
+        from megatrain.attempts.gang import silent_now
 
         return self._run(silent_now, job_id, attempt)
 
     def shard_failed(self, att: Attempt, rc: int, node: str, node_rank: int, records: list[dict]) -> None:
-        from megatrain.worker import control
-        from megatrain.worker.gang import shard_failed
+        from megatrain.attempts import reports as control
+        from megatrain.attempts.gang import shard_failed
 
         with self._session() as s:
             found = control.attempt_of(s, att.job_id, **attempt_ref(att))
@@ -171,12 +171,12 @@ class DbReporter:
                 shard_failed(s, found, rc, node, node_rank, records)
 
     def register(self, report: dict[str, Any]) -> str:
-        from megatrain.worker.nodes import register_node
+        from megatrain.db.node_registry import register_node
 
         return self._run(lambda s: register_node(s, report).id)
 
     def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
-        from megatrain.worker.nodes import node_seen
+        from megatrain.db.node_registry import node_seen
 
         self._run(node_seen, node_id, values, pool_spec)
 

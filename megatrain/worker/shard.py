@@ -2,7 +2,7 @@
 
 `run_shard(job_id, settings)` claims a `scheduled` job (→ running), launches the engine, then loops:
 forward its output to the job's log, its metrics.jsonl/events.jsonl to the job's tables, in numbered
-batches (worker.control.report), heartbeat, honour cancel requests and max_runtime_s. On exit the
+batches (attempts.reports.report), heartbeat, honour cancel requests and max_runtime_s. On exit the
 job succeeds, is queued again (the engine resumes from the latest checkpoint) or fails. Every call
 goes through a worker.reporter.Reporter: the database itself, or the API with a node token.
 
@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from megatrain.failures import read_records
 from megatrain.settings import Settings, get_settings
-from megatrain.worker.attempt import Attempt
+from megatrain.worker.attempt import Attempt, engine_env
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail
@@ -236,7 +236,7 @@ class _Runner:
         return answer.get("verdict")
 
     def finish(self, outcome: str, rc: int) -> None:
-        """Tell the control plane how the attempt ended (worker.control.finish decides what becomes
+        """Tell the control plane how the attempt ended (attempts.reports.finish decides what becomes
         of the job). A failed attempt's records say whether it is retried: an error of the job's own
         inputs would only repeat, so it fails the job at once."""
         att = self.att
@@ -311,7 +311,7 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
     job_id = att.job_id
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
     cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url, att.rendezvous)
-    env = att.engine_env()
+    env = engine_env(att)
     log.info("job %s attempt %d: %s", job_id, att.attempt, " ".join(cmd))
     try:
         proc = subprocess.Popen(

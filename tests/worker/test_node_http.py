@@ -28,11 +28,11 @@ from fixtures.cluster import seed_job, seed_node
 from sqlalchemy import select
 from worker_helpers import job_spec, wait_for
 
+from megatrain.attempts import reports as control
 from megatrain.db.jobs import reserve_and_schedule
 from megatrain.db.models import RUNNING, SUCCEEDED, Checkpoint, Job, JobLog, JobMetric
 from megatrain.db.node_tokens import create_node_token
 from megatrain.db.session import session_scope, upgrade_database
-from megatrain.worker import control
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 SECRETS_KEY = "Zm9yLXRlc3RzLW9ubHktMzItYnl0ZXMtb2Yta2V5ISE="

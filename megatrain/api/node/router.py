@@ -1,6 +1,6 @@
 """/v1/node: where a node's worker and runners report, holding a node token instead of a database URL.
 
-Each route is one of worker.control's functions (or worker.gang's), run here on the API's database
+Each route is one of megatrain.attempts' functions (or db.node_registry's), run here on the API's database
 connection: a runner speaking HTTP (worker.reporter.HttpReporter) gets the same answers as one
 writing to the database. A token reports only for its own node's attempts: a job placed elsewhere
 is 404 to it, as a job of another tenant is to an API key; a revoked token is 401.
@@ -18,12 +18,12 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from megatrain.api.deps import SessionDep, SettingsDep, bearer_key, release
+from megatrain.attempts import reports as control
+from megatrain.attempts.gang import Share, join, shard_failed, silent_now
 from megatrain.db.audit import ACTOR, Actor
 from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
+from megatrain.db.node_registry import node_seen, register_node
 from megatrain.db.node_tokens import NodeToken, ReportCursor, authenticate_node
-from megatrain.worker import control
-from megatrain.worker.gang import Share, join, shard_failed, silent_now
-from megatrain.worker.nodes import node_seen, register_node
 
 router = APIRouter(prefix="/v1/node", tags=["nodes"])
 
@@ -277,7 +277,7 @@ def finish(
 def join_attempt(
     job_id: str, body: JoinBody, session: SessionDep, settings: SettingsDep, caller: CurrentNode
 ) -> dict[str, Any]:
-    """A follower shard's turn in a multi-node attempt (worker.gang.join)."""
+    """A follower shard's turn in a multi-node attempt (attempts.gang.join)."""
     node_id = _own_job(session, caller, job_id)
     share = Share(body.node_rank, body.nnodes, body.attempt)
     answer = join(session, settings, job_id, share, _node_name(caller, body.node), node_id)

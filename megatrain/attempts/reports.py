@@ -21,6 +21,10 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from megatrain.attempts.ending import end_at_time_limit, end_failed_attempt, requeue_preempted
+from megatrain.attempts.ingest import append_logs, ingest_events, ingest_metrics, next_log_seq
+from megatrain.attempts.model import Attempt, Rendezvous
+from megatrain.attempts.secrets import job_secrets
 from megatrain.db.goodput import quarantine_if_failing, record_attempt
 from megatrain.db.jobs import retry_allowed, transition
 from megatrain.db.models import (
@@ -41,11 +45,6 @@ from megatrain.secrets_box import SecretsUnavailable
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
 from megatrain.spec_packages import package_problems
-from megatrain.worker.attempt import Attempt, end_failed_attempt
-from megatrain.worker.ingest import append_logs, ingest_events, ingest_metrics, next_log_seq
-from megatrain.worker.launch import Rendezvous
-from megatrain.worker.preempt import end_at_time_limit, requeue_preempted
-from megatrain.worker.secrets import job_secrets
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ def _answer(
         secret_env=job_secrets(s, settings, job),
     )
     if endpoint is not None:
-        from megatrain.worker.gang import lead
+        from megatrain.attempts.gang import lead
 
         lead(s, settings, att, endpoint)
     return {"attempt": att.to_wire(), "spec": job.spec, "layout": job.layout}
