@@ -5,7 +5,8 @@ The API runs as its own process (`megatrain api`), the runner as a node's would:
 the API's URL, the token and storage, and no database URL, which /proc/PID/environ of the runner and
 of the engine must show. The API is killed mid-run and started again: the numbered batches make the
 job's rows whole, none lost and none doubled. A revoked token reports nothing more, and a token
-reports only for its own node's jobs.
+reports only for its own node's jobs. What does not depend on the database runs on PostgreSQL only
+(as clusters do).
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ def test_a_node_with_only_a_token_runs_a_job_through_an_api_restart(
     assert not (node_home / "megatrain.db").exists()  # the node never opened a database
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_the_claim_answer_carries_the_jobs_secrets_and_the_node_no_key(
     api: Api, db_url: str, tmp_path: Path
 ) -> None:
@@ -224,6 +226,7 @@ def test_the_claim_answer_carries_the_jobs_secrets_and_the_node_no_key(
     assert value not in "\n".join(lines)
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_a_revoked_token_reports_nothing_more_and_its_runner_stops(
     api: Api, db_url: str, tmp_path: Path
 ) -> None:
@@ -352,6 +355,7 @@ def _celery(db_url: str, redis_url: str, pool: str) -> Any:
     )
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 @pytest.mark.redis
 def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
     api: Api, db_url: str, redis_url: str, tmp_path: Path
@@ -383,6 +387,7 @@ def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
     assert not (node_home / "megatrain.db").exists()
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 @pytest.mark.redis
 def test_a_gang_over_two_token_nodes_meets_and_reports_through_the_api(
     api: Api, db_url: str, redis_url: str, tmp_path: Path
@@ -421,6 +426,7 @@ def test_a_gang_over_two_token_nodes_meets_and_reports_through_the_api(
     assert _metric_steps(db_url, job_id) == list(range(1, 21))
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 @pytest.mark.slow
 def test_a_slurm_attempt_reports_through_the_api_with_a_token_of_its_own(
     api: Api, db_url: str, slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -428,8 +434,6 @@ def test_a_slurm_attempt_reports_through_the_api_with_a_token_of_its_own(
     """MEGATRAIN_SLURM_NODES_VIA_API: the batch script carries an attempt token and the API's URL,
     no database URL; the runner on the Slurm node claims, reports and ends the attempt through the
     API, and the token is revoked once the attempt is over."""
-    if db_url.startswith("sqlite"):
-        pytest.skip("Slurm's nodes reach PostgreSQL in production; one database is enough here")
     from slurm_jobs import drive
 
     from megatrain.db.models import Node, NodePool
