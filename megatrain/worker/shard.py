@@ -58,6 +58,9 @@ def hang_rule(settings: Settings) -> HangRule:
 
 MAX_BATCH_LINES = 5000
 """Log lines per batch of reports (the rest wait for the next tick)."""
+IDLE_REPORT_S = 1.0
+"""With nothing new to report, the control plane is still asked this often (its answer says whether
+the job was cancelled or preempted); the loop itself looks at the engine every POLL_S."""
 FLUSH_S = 60.0
 """How long an ended attempt's runner keeps trying to report the engine's last rows before it
 reports the end anyway (the control plane may be restarting)."""
@@ -166,6 +169,8 @@ class _Runner:
         """The batch sent last and not acknowledged: sent again as it is, with its number."""
         self.caught_up = False
         """Whether the last tick's batch, acknowledged, held everything the engine had written."""
+        self.reported_at = float("-inf")
+        """time.monotonic() of the last acknowledged batch."""
         self.last_heartbeat = time.monotonic()
         self.watch = HangWatch(hang_rule(settings), self.last_heartbeat, att.checkpoint_interval)
         self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
@@ -184,9 +189,10 @@ class _Runner:
         """The lines as the job's log shows them (a follower names its node)."""
         return lines
 
-    def _next_batch(self) -> dict[str, Any]:
+    def _next_batch(self, heartbeat: bool) -> dict[str, Any] | None:
         """Everything new since the last batch, numbered; the files' offsets move past it now (the
-        batch holds the rows until the control plane acknowledges them)."""
+        batch holds the rows until the control plane acknowledges them). None when there is
+        nothing new, no heartbeat is due and the control plane was asked within IDLE_REPORT_S."""
         metrics, events = self.metrics.read(), self.events.read()
         now = time.monotonic()
         self.watch.observe_metrics(metrics, now)
@@ -199,6 +205,9 @@ class _Runner:
             self.engine_started |= row.get("event") == "started"
         self.metrics.commit()
         self.events.commit()
+        idle = not (metrics or events or self.pending_lines or heartbeat)
+        if idle and now - self.reported_at < IDLE_REPORT_S:
+            return None
         lines = self.prefix(self.pending_lines[:MAX_BATCH_LINES])
         del self.pending_lines[:MAX_BATCH_LINES]
         self.seq += 1
@@ -219,7 +228,10 @@ class _Runner:
         """Report what is new; heartbeat. Returns 'cancel' / 'lost' / 'preempt' when the loop must stop."""
         fresh, self.caught_up = self.unacked is None, False
         if fresh:
-            self.unacked = self._next_batch()
+            self.unacked = self._next_batch(heartbeat)
+            if self.unacked is None:  # nothing new, and the last answer is recent
+                self.caught_up = True
+                return None
         try:
             answer = self.reporter.report(self.att.job_id, self.unacked | {"heartbeat": heartbeat})
         except ReportRefused as exc:
@@ -232,6 +244,7 @@ class _Runner:
                 del self.pending_lines[: -self.settings.max_log_lines]
             return None
         self.unacked = None
+        self.reported_at = time.monotonic()
         self.caught_up = fresh and not self.pending_lines
         return answer.get("verdict")
 
