@@ -107,6 +107,8 @@ class Server:
             MEGATRAIN_API_URL=self.url,
             # The load test's streams all belong to one tenant; its cap (default 256) is not measured.
             MEGATRAIN_MAX_STREAMS_PER_TENANT=str(max_streams),
+            # ... and all come from one address (megatrain.api.server caps a client's connections).
+            MEGATRAIN_HTTP_MAX_CONNECTIONS_PER_CLIENT=str(max_streams + 256),
         )
         self.log_path = home / "uvicorn.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop(), after the server

@@ -187,6 +187,13 @@ class Settings(BaseSettings):
     http_body_timeout_s: float = Field(default=30.0, gt=0)
     http_keepalive_timeout_s: float = Field(default=5.0, gt=0)
     http_max_concurrency: int = Field(default=2048, ge=1)
+    http_max_connections_per_client: int = Field(default=512, ge=1)
+    """Connections one client address may hold open on one API process; its requests past them are a
+    429 (the probes still answer), so one client cannot take every place of http_max_concurrency."""
+    http_trusted_proxies: str = ""
+    """Comma-separated addresses or networks (10.0.0.0/8) of the proxies and load balancers in front
+    of the API: their connections carry many clients' requests and are not capped per client (the
+    proxy is where per-client limits belong then)."""
     http_shutdown_timeout_s: float = Field(default=10.0, gt=0)
     api_workers: int = Field(default=2, ge=1, le=256)
     """API processes `megatrain api` runs (the production entry point; `megatrain up` runs one)."""

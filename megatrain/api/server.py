@@ -8,6 +8,9 @@ headers or a body that trickle in, and has no header-count limit. Here:
   - `BodyTimeoutMiddleware` answers 408 when a request body chunk does not arrive within
     `body_timeout_s` (responses are not timed: a live stream may run for hours);
   - a new connection that sends nothing within `first_byte_timeout_s` is closed;
+  - one client address holding more than `max_per_client` connections gets a 429 for each request
+    past them (not for the probes; a trusted proxy's connections are not counted), so a flood of
+    sockets from one client leaves room for everyone else;
   - uvicorn's own `limit_concurrency` answers 503 past `max_concurrency` connections + tasks, except
     to the probes (/healthz, /readyz: an orchestrator must not restart a healthy API that a flood of
     idle sockets fills), `timeout_keep_alive` closes idle keep-alive connections, and a stopping
@@ -19,11 +22,13 @@ embedded stack) both serve through `api_config`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import resource
+from collections import Counter
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import httptools
@@ -48,6 +53,17 @@ class HttpLimits:
     keepalive_timeout_s: float = 5.0
     max_concurrency: int = 2048
     shutdown_timeout_s: float = 10.0
+    max_per_client: int = 512
+    trusted_proxies: tuple[str, ...] = ()
+    """Addresses or networks whose connections are not capped per client."""
+
+    def capped(self, host: str) -> bool:
+        """Whether connections from `host` count against max_per_client (not a trusted proxy's)."""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return True
+        return not any(address in ipaddress.ip_network(net, strict=False) for net in self.trusted_proxies)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HttpLimits:
@@ -60,6 +76,8 @@ class HttpLimits:
             keepalive_timeout_s=settings.http_keepalive_timeout_s,
             max_concurrency=settings.http_max_concurrency,
             shutdown_timeout_s=settings.http_shutdown_timeout_s,
+            max_per_client=settings.http_max_connections_per_client,
+            trusted_proxies=tuple(p.strip() for p in settings.http_trusted_proxies.split(",") if p.strip()),
         )
 
 
@@ -91,7 +109,11 @@ class _Refused(Exception):
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bounded request head: size, field count and time."""
+    """uvicorn's httptools protocol with a bounded request head (size, field count, time) and a cap
+    on one client's connections."""
+
+    open_by_client: ClassVar[Counter[str]] = Counter()
+    """This process's open connections per client address (the event loop's thread only)."""
 
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)
@@ -104,9 +126,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._body_deadline: asyncio.TimerHandle | None = None
         self._first_byte: asyncio.TimerHandle | None = None
         self._refused = False
+        self._counted: str | None = None
+        """The client address this connection counts against (None: a trusted proxy's)."""
+        self._over_cap = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        host = self.client[0] if self.client else None
+        if host is not None and self.limits.capped(host):
+            self._counted = host
+            self.open_by_client[host] += 1
+            self._over_cap = self.open_by_client[host] > self.limits.max_per_client
         self._begin_head()  # a connection that sends nothing is a slow head too
         self._first_byte = self.loop.call_later(self.limits.first_byte_timeout_s, self._silent)
 
@@ -117,6 +147,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted is not None:
+            self.open_by_client[self._counted] -= 1
+            if self.open_by_client[self._counted] <= 0:
+                del self.open_by_client[self._counted]
+            self._counted = None
         if self._first_byte is not None:
             self._first_byte.cancel()
             self._first_byte = None
@@ -209,7 +244,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._end_head()
         limit = self.limit_concurrency
-        if self.url.split(b"?", 1)[0] in PROBES:
+        probe = self.url.split(b"?", 1)[0] in PROBES
+        if self._over_cap and not probe and self.open_by_client[self._counted] > self.limits.max_per_client:
+            raise _Refused(
+                429,
+                f"more than {self.limits.max_per_client} open connections from {self._counted}; close some",
+            )
+        if probe:
             self.limit_concurrency = None  # a probe is answered however full the server is
         try:
             super().on_headers_complete()

@@ -317,3 +317,31 @@ def test_a_stopping_server_does_not_wait_for_live_streams(
     assert time.monotonic() - start < 5
     reader.join(5)
     assert not reader.is_alive() and ended == ["RemoteProtocolError"]  # the client saw it end
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("trusted", [False, True])
+def test_one_clients_connections_are_capped_but_probes_and_trusted_proxies_pass(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trusted: bool
+) -> None:
+    monkeypatch.setenv("MEGATRAIN_HTTP_MAX_CONNECTIONS_PER_CLIENT", "3")
+    monkeypatch.setenv("MEGATRAIN_HTTP_FIRST_BYTE_TIMEOUT_S", "2")
+    if trusted:  # a load balancer on loopback: its connections carry many clients
+        monkeypatch.setenv("MEGATRAIN_HTTP_TRUSTED_PROXIES", "10.0.0.0/8, 127.0.0.1")
+    live_gen = start_live_api(tmp_path, monkeypatch, with_scheduler=False)
+    live = next(live_gen)
+    try:
+        held = [_connect(live) for _ in range(3)]  # the client's three places, silent
+        with httpx.Client(base_url=live.url, timeout=10) as client:
+            over = client.get("/v1/jobs")
+            assert over.status_code == (401 if trusted else 429), over.text
+            if not trusted:
+                assert "more than 3 open connections from 127.0.0.1" in over.text
+        with httpx.Client(base_url=live.url, timeout=10) as client:
+            assert client.get("/healthz").status_code == 200  # a probe answers past the cap
+            assert client.get("/readyz").status_code == 200
+        assert [_answer(sock) for sock in held] == [b""] * 3  # closed at the first-byte timeout
+        with httpx.Client(base_url=live.url, timeout=10) as client:
+            assert client.get("/v1/jobs").status_code == 401  # its places are back
+    finally:
+        next(live_gen, None)
