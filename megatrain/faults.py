@@ -8,34 +8,44 @@ spec carries no environment, and a secret may not be named MEGATRAIN_*.
 - `kill:rank=R,at_step=N[,signal=9][,once=PATH]`: rank R dies of that signal after step N;
 - `stop:rank=R,at_step=N[,once=PATH]`: rank R stops itself (SIGSTOP: frozen, not dead);
 - `slow:rank=R,factor=F[,from_step=N]`: rank R's steps take F times as long (a thermally throttled
-  or shared device).
+  or shared device);
+- `storage:rate=P[,status=503]`: that fraction of this process's object-store (S3) requests is
+  answered with that 5xx before it leaves the process, below boto's own retries, as a struggling
+  endpoint answers (every process of the job that has the variable: its ranks, its runner).
 `once=PATH`: the fault fires only if PATH does not exist yet, and creates it, so a retry runs through.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ENV = "MEGATRAIN_FAULTS"
 KINDS = {"hang": {"rank", "at_step", "once"}, "kill": {"rank", "at_step", "signal", "once"},
-         "stop": {"rank", "at_step", "once"}, "slow": {"rank", "factor", "from_step"}}  # fmt: skip
+         "stop": {"rank", "at_step", "once"}, "slow": {"rank", "factor", "from_step"},
+         "storage": {"rate", "status"}}  # fmt: skip
 REQUIRED = {"hang": {"rank", "at_step"}, "kill": {"rank", "at_step"}, "stop": {"rank", "at_step"},
-            "slow": {"rank", "factor"}}  # fmt: skip
+            "slow": {"rank", "factor"}, "storage": {"rate"}}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    rank: int
+    rank: int = -1
+    """-1: every rank (a storage fault is the process's)."""
     at_step: int = 0
     factor: float = 1.0
     from_step: int = 1
     signal: int = signal.SIGKILL
     once: str | None = None
+    rate: float = 0.0
+    status: int = 503
 
 
 def parse(text: str) -> list[Fault]:
@@ -56,16 +66,19 @@ def parse(text: str) -> list[Fault]:
             raise ValueError(f"{ENV}: {entry!r}: {kind} needs {', '.join(sorted(missing))}")
         try:
             fault = Fault(
-                kind, int(fields["rank"]), int(fields.get("at_step", 0)), float(fields.get("factor", 1.0)),
-                int(fields.get("from_step", 1)), int(fields.get("signal", signal.SIGKILL)),
-                fields.get("once"),
+                kind, int(fields.get("rank", -1)), int(fields.get("at_step", 0)),
+                float(fields.get("factor", 1.0)), int(fields.get("from_step", 1)),
+                int(fields.get("signal", signal.SIGKILL)), fields.get("once"),
+                float(fields.get("rate", 0.0)), int(fields.get("status", 503)),
             )  # fmt: skip
         except ValueError:
             raise ValueError(
-                f"{ENV}: {entry!r}: rank, steps and signal are integers, factor a number"
+                f"{ENV}: {entry!r}: rank, steps, signal and status are integers, factor and rate numbers"
             ) from None
         if fault.kind == "slow" and fault.factor < 1:
             raise ValueError(f"{ENV}: {entry!r}: factor is at least 1")
+        if fault.kind == "storage" and not (0 <= fault.rate <= 1 and 500 <= fault.status <= 599):
+            raise ValueError(f"{ENV}: {entry!r}: rate is within 0..1 and status a 5xx")
         faults.append(fault)
     return faults
 
@@ -75,7 +88,7 @@ class RankFaults:
 
     def __init__(self, faults: list[Fault], rank: int):
         self.rank = rank
-        self.faults = [f for f in faults if f.rank == rank]
+        self.faults = [f for f in faults if f.rank == rank and f.kind != "storage"]
 
     @classmethod
     def from_env(cls, rank: int) -> RankFaults:
@@ -100,6 +113,43 @@ class RankFaults:
                 while True:
                     time.sleep(1)
             os.kill(os.getpid(), f.signal if f.kind == "kill" else signal.SIGSTOP)
+
+
+class _Body:
+    """The body of an injected answer, as botocore reads one."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self.data
+
+
+def install_storage_faults(client: Any, environ: Mapping[str, str] | None = None) -> StorageFaults | None:
+    """Make a boto3 S3 client fail requests as `storage:` faults say (None when none is set): an
+    answer with the fault's 5xx instead of sending the request, which botocore then retries."""
+    faults = [f for f in parse((environ or os.environ).get(ENV, "")) if f.kind == "storage"]
+    if not faults:
+        return None
+    injector = StorageFaults(faults[0].rate, faults[0].status)
+    client.meta.events.register("before-send.s3", injector.before_send)
+    return injector
+
+
+class StorageFaults:
+    def __init__(self, rate: float, status: int):
+        self.rate, self.status = rate, status
+        self.injected = 0
+        self._random = random.Random()
+
+    def before_send(self, request: Any, **_: Any) -> Any:
+        if self._random.random() >= self.rate:
+            return None  # sent as usual
+        from botocore.awsrequest import AWSResponse
+
+        self.injected += 1
+        body = b"<Error><Code>ServiceUnavailable</Code><Message>injected (MEGATRAIN_FAULTS)</Message></Error>"
+        return AWSResponse(request.url, self.status, {"Content-Type": "application/xml"}, _Body(body))
 
 
 def _first_time(marker: str | None) -> bool:

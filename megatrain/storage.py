@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 from urllib.parse import unquote, urlparse
 
+from megatrain.faults import install_storage_faults
 from megatrain.storage_s3 import S3StreamWriter
 from megatrain.storage_s3 import b64_crc32 as _b64_crc32
 
@@ -68,6 +69,8 @@ def _check_key(key: str) -> str:
 # Creating clients from boto3's default session is not thread-safe, and the API opens stores from
 # several request threads at once.
 _BOTO_CLIENT_LOCK = threading.Lock()
+S3_ATTEMPTS = 8
+"""Tries of one S3 request (the first and its retries) before a StorageError."""
 
 
 class Store(Protocol):
@@ -239,6 +242,7 @@ class S3Store:
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None):
         import boto3
+        from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -246,8 +250,12 @@ class S3Store:
         if not bucket:
             raise StorageError("an s3:// URL needs a bucket: s3://bucket/prefix")
         self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        # Transient 5xx and throttling are retried with backoff (boto's default stops after 3 tries:
+        # one checkpoint's hundreds of writes would fail on a briefly struggling endpoint).
+        config = Config(retries={"mode": "standard", "max_attempts": S3_ATTEMPTS})
         with _BOTO_CLIENT_LOCK:
-            self._client = boto3.client("s3", endpoint_url=endpoint_url)
+            self._client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
+        self.faults = install_storage_faults(self._client)  # an operator's MEGATRAIN_FAULTS only
 
     def _key(self, key: str) -> str:
         key = _check_key(key)
