@@ -9,6 +9,9 @@ spec carries no environment, and a secret may not be named MEGATRAIN_*.
 - `stop:rank=R,at_step=N[,once=PATH]`: rank R stops itself (SIGSTOP: frozen, not dead);
 - `slow:rank=R,factor=F[,from_step=N]`: rank R's steps take F times as long (a thermally throttled
   or shared device);
+- `corrupt:at_step=N[,once=PATH]`: the runner flips one bit in the largest file of the checkpoint
+  saved at step N, once it is complete (bit rot, a torn write that passed): the next resume must
+  find it and fall back to the checkpoint before;
 - `storage:rate=P[,status=503]`: that fraction of this process's object-store (S3) requests is
   answered with that 5xx before it leaves the process, below boto's own retries, as a struggling
   endpoint answers (every process of the job that has the variable: its ranks, its runner).
@@ -29,9 +32,9 @@ from typing import Any
 ENV = "MEGATRAIN_FAULTS"
 KINDS = {"hang": {"rank", "at_step", "once"}, "kill": {"rank", "at_step", "signal", "once"},
          "stop": {"rank", "at_step", "once"}, "slow": {"rank", "factor", "from_step"},
-         "storage": {"rate", "status"}}  # fmt: skip
+         "storage": {"rate", "status"}, "corrupt": {"at_step", "once"}}  # fmt: skip
 REQUIRED = {"hang": {"rank", "at_step"}, "kill": {"rank", "at_step"}, "stop": {"rank", "at_step"},
-            "slow": {"rank", "factor"}, "storage": {"rate"}}  # fmt: skip
+            "slow": {"rank", "factor"}, "storage": {"rate"}, "corrupt": {"at_step"}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class RankFaults:
 
     def __init__(self, faults: list[Fault], rank: int):
         self.rank = rank
-        self.faults = [f for f in faults if f.rank == rank and f.kind != "storage"]
+        self.faults = [f for f in faults if f.rank == rank and f.kind in ("hang", "kill", "stop", "slow")]
 
     @classmethod
     def from_env(cls, rank: int) -> RankFaults:
@@ -113,6 +116,29 @@ class RankFaults:
                 while True:
                     time.sleep(1)
             os.kill(os.getpid(), f.signal if f.kind == "kill" else signal.SIGSTOP)
+
+
+def checkpoints_to_corrupt(environ: Mapping[str, str] | None = None) -> dict[int, Fault]:
+    """Step → the `corrupt:` fault of the checkpoint saved at that step (the runner's to inject)."""
+    return {f.at_step: f for f in parse((environ or os.environ).get(ENV, "")) if f.kind == "corrupt"}
+
+
+def corrupt_checkpoint(uri: str, fault: Fault | None = None) -> str | None:
+    """Flip one bit in the middle of the largest file of the checkpoint folder at `uri` (file:// or
+    s3://); the file's key, or None when the fault fired before (`once`) or the folder is empty."""
+    from megatrain.storage import open_store
+
+    if fault is not None and not _first_time(fault.once):
+        return None
+    store = open_store(uri)
+    files = [o for o in store.list() if not o.key.endswith("manifest.json")]
+    if not files:
+        return None
+    victim = max(files, key=lambda o: o.size).key
+    data = bytearray(store.get_bytes(victim))
+    data[len(data) // 2] ^= 0x01
+    store.put_bytes(victim, bytes(data))
+    return victim
 
 
 class _Body:

@@ -25,6 +25,7 @@ import time
 from typing import IO, Any
 
 from megatrain.failures import read_records
+from megatrain.faults import checkpoints_to_corrupt, corrupt_checkpoint
 from megatrain.settings import Settings, get_settings
 from megatrain.worker.attempt import Attempt, engine_env
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
@@ -184,6 +185,19 @@ class _Runner:
         self.stop_sent = False
         self.redact = att.redact
         """Secret values out of every line and event this runner reports."""
+        self.corrupt = checkpoints_to_corrupt()
+        """Step → an operator's fault that corrupts the checkpoint saved there (megatrain.faults)."""
+
+    def _inject_corruption(self, saved: dict[str, Any]) -> None:
+        """An operator's `corrupt:` fault (megatrain.faults): one bit of the checkpoint just saved."""
+        key = corrupt_checkpoint(str(saved.get("uri") or ""), self.corrupt[saved["step"]])
+        if key is not None:
+            step = saved["step"]
+            line = (
+                f"megatrain: injected fault corrupt: flipped a bit of {key} in the checkpoint at step {step}"
+            )
+            log.warning("job %s: %s", self.att.job_id, line)
+            self.pending_lines.append(line)
 
     def prefix(self, lines: list[str]) -> list[str]:
         """The lines as the job's log shows them (a follower names its node)."""
@@ -203,6 +217,8 @@ class _Runner:
             if row.get("event") == "preempted" and isinstance(row.get("step"), int):
                 self.preempted_step = row["step"]
             self.engine_started |= row.get("event") == "started"
+            if row.get("event") == "checkpoint_saved" and row.get("step") in self.corrupt:
+                self._inject_corruption(row)
         self.metrics.commit()
         self.events.commit()
         idle = not (metrics or events or self.pending_lines or heartbeat)

@@ -229,6 +229,24 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path, corpus: Pat
     assert events[1]["event"] == "started" and events[1]["resumed_from"] == 2
 
 
+def test_the_corrupt_fault_is_found_on_resume(tmp_path: Path, corpus: Path) -> None:
+    """What an operator's `corrupt:` fault does to a checkpoint (megatrain.faults) is what a resume
+    catches: the damaged checkpoint is skipped for the one before it."""
+    from megatrain.faults import corrupt_checkpoint
+
+    spec = parse_spec(tiny_spec(corpus, train_iters=4, checkpoint_interval=2, eval_interval=0))
+    out = tmp_path / "run"
+    run(spec, out)
+    (out / "checkpoints" / "iter_0000004" / "manifest.json").unlink()  # as if it died saving 4
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints" / "iter_0000002").iterdir()}
+    key = corrupt_checkpoint((out / "checkpoints" / "iter_0000002").as_uri())
+    after = {p.name: p.read_bytes() for p in (out / "checkpoints" / "iter_0000002").iterdir()}
+    assert key is not None and [n for n in before if before[n] != after[n]] == [key]
+    assert key == max(before, key=lambda n: len(before[n]) if n != "manifest.json" else -1)
+    with pytest.raises(CorruptCheckpoint, match="do not match their checksum"):
+        run(spec, out)  # its only complete checkpoint is damaged: nothing silent
+
+
 def test_retention_policy() -> None:
     steps = list(range(10, 110, 10))
     assert retained(steps, 0, 0) == set(steps)  # keep_last=0: everything

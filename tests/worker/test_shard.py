@@ -318,3 +318,24 @@ def test_inside_a_slurm_step_slurms_gpus_stand() -> None:
     # where it constrains devices): its CUDA_VISIBLE_DEVICES is kept as it is.
     slurm = {"SLURM_STEP_GPUS": "5,6", "CUDA_VISIBLE_DEVICES": "0,1"}
     assert device_env([2, 3], "NVIDIA H100", slurm) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_the_corrupt_fault_damages_the_checkpoint_the_engine_saved(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MEGATRAIN_FAULTS `corrupt:at_step=N`: once the engine reports the checkpoint of step N saved,
+    the runner flips a bit of its largest file (tests/engine/test_checkpoint.py: a resume catches
+    it), once, and says so in the job's log; the other checkpoints are untouched."""
+    once = Path(settings.home) / "corrupt-once"
+    monkeypatch.setenv("MEGATRAIN_FAULTS", f"corrupt:at_step=10,once={once}")
+    job_id = make_job(train_iters=15, checkpoint_interval=5)
+    assert run_shard(job_id, settings) == 0
+    ckpts = Path(settings.resolved_storage_url.removeprefix("file://")) / "jobs" / job_id / "checkpoints"
+    states = {s: json.loads((ckpts / f"iter_{s:07d}" / "trainer_state.json").read_bytes()) for s in (5, 15)}
+    assert states == {5: {"step": 5}, 15: {"step": 15}}
+    damaged = (ckpts / "iter_0000010" / "trainer_state.json").read_bytes()
+    assert damaged != json.dumps({"step": 10}).encode() and once.exists()
+    url = settings.resolved_database_url
+    assert "injected fault corrupt: flipped a bit of trainer_state.json in the checkpoint at step 10" in _log(
+        url, job_id
+    )
