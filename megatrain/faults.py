@@ -12,6 +12,9 @@ spec carries no environment, and a secret may not be named MEGATRAIN_*.
 - `corrupt:at_step=N[,once=PATH]`: the runner flips one bit in the largest file of the checkpoint
   saved at step N, once it is complete (bit rot, a torn write that passed): the next resume must
   find it and fall back to the checkpoint before;
+- `silence:node=NAME,after_s=S,for_s=D`: from S seconds after a worker or runner process of node
+  NAME starts, for D seconds, nothing it sends reaches the control plane (a network partition): no
+  node or job heartbeat, no report; what it holds is sent once the silence ends;
 - `storage:rate=P[,status=503]`: that fraction of this process's object-store (S3) requests is
   answered with that 5xx before it leaves the process, below boto's own retries, as a struggling
   endpoint answers (every process of the job that has the variable: its ranks, its runner).
@@ -32,9 +35,11 @@ from typing import Any
 ENV = "MEGATRAIN_FAULTS"
 KINDS = {"hang": {"rank", "at_step", "once"}, "kill": {"rank", "at_step", "signal", "once"},
          "stop": {"rank", "at_step", "once"}, "slow": {"rank", "factor", "from_step"},
-         "storage": {"rate", "status"}, "corrupt": {"at_step", "once"}}  # fmt: skip
+         "storage": {"rate", "status"}, "corrupt": {"at_step", "once"},
+         "silence": {"node", "after_s", "for_s"}}  # fmt: skip
 REQUIRED = {"hang": {"rank", "at_step"}, "kill": {"rank", "at_step"}, "stop": {"rank", "at_step"},
-            "slow": {"rank", "factor"}, "storage": {"rate"}, "corrupt": {"at_step"}}  # fmt: skip
+            "slow": {"rank", "factor"}, "storage": {"rate"}, "corrupt": {"at_step"},
+            "silence": {"node", "after_s", "for_s"}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class Fault:
     once: str | None = None
     rate: float = 0.0
     status: int = 503
+    node: str | None = None
+    after_s: float = 0.0
+    for_s: float = 0.0
 
 
 def parse(text: str) -> list[Fault]:
@@ -72,11 +80,12 @@ def parse(text: str) -> list[Fault]:
                 kind, int(fields.get("rank", -1)), int(fields.get("at_step", 0)),
                 float(fields.get("factor", 1.0)), int(fields.get("from_step", 1)),
                 int(fields.get("signal", signal.SIGKILL)), fields.get("once"),
-                float(fields.get("rate", 0.0)), int(fields.get("status", 503)),
+                float(fields.get("rate", 0.0)), int(fields.get("status", 503)), fields.get("node"),
+                float(fields.get("after_s", 0.0)), float(fields.get("for_s", 0.0)),
             )  # fmt: skip
         except ValueError:
             raise ValueError(
-                f"{ENV}: {entry!r}: rank, steps, signal and status are integers, factor and rate numbers"
+                f"{ENV}: {entry!r}: rank, steps, signal and status are integers, the others numbers"
             ) from None
         if fault.kind == "slow" and fault.factor < 1:
             raise ValueError(f"{ENV}: {entry!r}: factor is at least 1")
@@ -116,6 +125,20 @@ class RankFaults:
                 while True:
                     time.sleep(1)
             os.kill(os.getpid(), f.signal if f.kind == "kill" else signal.SIGSTOP)
+
+
+STARTED = time.monotonic()
+"""When this process started (as near as its first import of this module): `silence` counts from it."""
+
+
+def silences(node: str, environ: Mapping[str, str] | None = None) -> list[tuple[float, float]]:
+    """(from, until) in this process's time.monotonic() of the `silence:` faults of `node`."""
+    faults = parse((environ or os.environ).get(ENV, ""))
+    return [
+        (STARTED + f.after_s, STARTED + f.after_s + f.for_s)
+        for f in faults
+        if f.kind == "silence" and f.node == node
+    ]
 
 
 def checkpoints_to_corrupt(environ: Mapping[str, str] | None = None) -> dict[int, Fault]:

@@ -15,6 +15,7 @@ answered no (a revoked token, a job not this node's, a job deleted): retrying wi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -251,8 +252,32 @@ class HttpReporter:
         self._post("/heartbeat", {"values": values, "pool_spec": pool_spec})
 
 
+class SilencedReporter:
+    """A reporter whose calls fail as if the network were down while an operator's `silence:` fault
+    (megatrain.faults) holds: the runner keeps its batches and sends them once it lifts."""
+
+    def __init__(self, inner: Reporter, windows: list[tuple[float, float]]):
+        self.inner, self.windows = inner, windows
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.inner, name)
+
+        def silenced(*args: Any, **kwargs: Any) -> Any:
+            now = time.monotonic()
+            if any(start <= now < end for start, end in self.windows):
+                raise ReportError("injected fault silence: the control plane is out of reach")
+            return call(*args, **kwargs)
+
+        return silenced
+
+
 def reporter_for(settings: Settings) -> Reporter:
     """HTTP to settings.api_url when this node holds a node token, else the database."""
-    if settings.node_token:
-        return HttpReporter(settings.api_url, settings.node_token)
-    return DbReporter(settings)
+    from megatrain.faults import silences
+    from megatrain.worker.nodes import node_name
+
+    reporter: Reporter = (
+        HttpReporter(settings.api_url, settings.node_token) if settings.node_token else DbReporter(settings)
+    )
+    windows = silences(node_name(settings))
+    return SilencedReporter(reporter, windows) if windows else reporter  # type: ignore[return-value]

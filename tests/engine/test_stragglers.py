@@ -35,7 +35,7 @@ def test_faults_parse_and_belong_to_their_rank() -> None:
         ("explode:rank=0", "unknown fault 'explode'"),
         ("hang:rank=0", "hang needs at_step"),
         ("slow:rank=0,factor=2,at_step=3", "slow takes factor, from_step, rank"),
-        ("kill:rank=x,at_step=1", "rank, steps, signal and status are integers"),
+        ("kill:rank=x,at_step=1", "rank, steps, signal and status are integers, the others numbers"),
         ("slow:rank=0,factor=0.5", "factor is at least 1"),
         ("hang:rank", "hang takes at_step, once, rank"),
     ]:

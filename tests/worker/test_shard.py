@@ -339,3 +339,42 @@ def test_the_corrupt_fault_damages_the_checkpoint_the_engine_saved(
     assert "injected fault corrupt: flipped a bit of trainer_state.json in the checkpoint at step 10" in _log(
         url, job_id
     )
+
+
+def test_the_silence_fault_cuts_a_node_off_and_its_reports_arrive_after(
+    settings: Settings, make_job: Callable[..., str], fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MEGATRAIN_FAULTS `silence:node=N,after_s=S,for_s=D`: for D seconds nothing of node N's
+    reaches the control plane (no heartbeat: the job's stops advancing); what the runner held is
+    reported once the silence lifts, each row once."""
+    import time
+
+    from megatrain import faults
+    from megatrain.worker.nodes import node_name
+
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    monkeypatch.setattr(faults, "STARTED", time.monotonic())
+    monkeypatch.setenv("MEGATRAIN_FAULTS", f"silence:node={node_name(settings)},after_s=0.6,for_s=1.5")
+    url = settings.resolved_database_url
+    job_id = make_job(train_iters=50, checkpoint_interval=0)
+    beats: list[tuple[float, Any]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            beats.append((time.monotonic(), _job(url, job_id).heartbeat_at))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert run_shard(job_id, settings) == 0
+    finally:
+        done.set()
+        watcher.join(5)
+    changes = [t for (t, b), (_, prev) in zip(beats[1:], beats, strict=False) if b != prev]
+    assert max(b - a for a, b in zip(changes, changes[1:], strict=False)) > 1.2  # the silence
+    assert _job(url, job_id).status == SUCCEEDED
+    with session_scope(url) as s:
+        steps = s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.step))
+        assert list(steps) == list(range(1, 51))
