@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import multiprocessing
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -58,10 +59,36 @@ class PhaseResult:
     first_error: str = ""
     streams: dict[str, Any] | None = None
     """The streams phase's own figures (opened, complete, disconnects, rows written, ...)."""
+    cpu_ms_per_request: float = math.nan
+    """The server's CPU time (every process of it, user + system) over the phase, per request."""
 
     @property
     def rate(self) -> float:
         return self.count / self.wall_s if self.wall_s else 0.0
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid` and every process under it (uvicorn's
+    workers), from /proc; the dead children of a live process are counted in its own times."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        child = int(stat.parent.name)
+        parents[child] = int(fields[1])
+        times[child] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    total = 0.0
+    for child, cpu in times.items():
+        node = child
+        while node and node != pid:
+            node = parents.get(node, 0)
+        if node == pid:
+            total += cpu
+    return total
 
 
 # --- /healthz prober ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-from _load import HealthzProber, PhaseResult, healthz_stats, run_httpx, run_wrk, wrk_script
+from _load import HealthzProber, PhaseResult, healthz_stats, run_httpx, run_wrk, tree_cpu_s, wrk_script
 from _load_streams import run_streams
 
 POSTGRES_URL = os.environ.get(
@@ -186,6 +186,7 @@ async def request_phase(
     names = itertools.count()
     prober = await asyncio.to_thread(HealthzProber, server.url)
     started = time.monotonic()
+    cpu_before = tree_cpu_s(server.proc.pid)
     try:
         if args.client == "wrk":
             if phase == "post":
@@ -209,7 +210,11 @@ async def request_phase(
             await run_httpx(result, client, requests[phase], args.duration, args.max_requests)
     finally:
         ended = time.monotonic()
+        cpu_s = tree_cpu_s(server.proc.pid) - cpu_before
         result.healthz = healthz_stats(await asyncio.to_thread(prober.stop), started, ended)
+    # The probes' requests (every 50 ms) are served too: counted with the phase's own.
+    served = result.count + result.errors + result.healthz.probes
+    result.cpu_ms_per_request = 1000 * cpu_s / served if served else math.nan
     return result
 
 
@@ -303,10 +308,14 @@ def _ms(value: float) -> str:
     return f"{value:8.1f}" if not math.isnan(value) else f"{'-':>8}"
 
 
+def _cpu(value: float) -> str:
+    return f"{value:7.2f}" if not math.isnan(value) else f"{'-':>7}"
+
+
 def print_table(results: list[PhaseResult]) -> None:
     header = (
         f"{'backend':<9} {'phase':<27} {'client':<6} {'conc':>5} {'count':>7} {'errors':>6} {'5xx':>4} "
-        f"{'per s':>7} {'p50 ms':>8} {'p99 ms':>8} {'healthz p50':>11} {'p99':>8} {'max':>8}"
+        f"{'per s':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms':>7} {'healthz p50':>11} {'p99':>8} {'max':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -314,8 +323,8 @@ def print_table(results: list[PhaseResult]) -> None:
         h = r.healthz
         print(
             f"{r.backend:<9} {r.phase:<27} {r.client:<6} {r.concurrency:>5} {r.count:>7} {r.errors:>6} "
-            f"{r.server_errors:>4} {r.rate:>7.0f} {_ms(r.p50_ms)} {_ms(r.p99_ms)} {_ms(h.p50_ms):>11} "
-            f"{_ms(h.p99_ms)} {_ms(h.max_ms)}"
+            f"{r.server_errors:>4} {r.rate:>7.0f} {_ms(r.p50_ms)} {_ms(r.p99_ms)} "
+            f"{_cpu(r.cpu_ms_per_request)} {_ms(h.p50_ms):>11} {_ms(h.p99_ms)} {_ms(h.max_ms)}"
         )
     for r in results:
         if r.streams:
@@ -360,6 +369,11 @@ def print_targets(results: list[PhaseResult]) -> None:
             goal = DEFAULT_STREAMS[r.backend]
             text = f"{goal} streams complete, no 5xx ({where}): {complete} complete, {r.server_errors} 5xx"
             checks.append((text, complete == r.concurrency >= goal and not r.server_errors))
+        # Issue 31's: the server's CPU per request (every process of it; the database's not counted).
+        cpu_goal = {PHASES["get"]: 1.0, PHASES["list"]: 3.0, PHASES["post"]: 3.0}.get(r.phase)
+        if cpu_goal is not None and not math.isnan(r.cpu_ms_per_request):
+            text = f"server CPU ≤ {cpu_goal:g} ms per request ({where}): {r.cpu_ms_per_request:.2f} ms"
+            checks.append((text, r.cpu_ms_per_request <= cpu_goal))
     for text, ok in checks:
         print(f"  {'ok  ' if ok else 'MISS'} {text}")
 
