@@ -160,7 +160,10 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
     reporter = reporter_for(settings)
     # Measuring the device's peak takes seconds (once per host, then cached): it runs in the
     # background, and a heartbeat records the pool's description once it is done.
-    node_id = reporter.register(node_report(settings, slots))
+    try:
+        node_id = reporter.register(node_report(settings, slots))
+    except ReportError as exc:  # a revoked or mistyped token, an API out of reach: one line, no traceback
+        raise SystemExit(f"megatrain worker: could not register node {node_name(settings)}: {exc}") from None
     hostname = node_name(settings)
     accelerator, _ = local_capacity(settings)
     beat = threading.Thread(

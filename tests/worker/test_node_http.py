@@ -269,6 +269,14 @@ def test_a_token_reports_only_for_its_own_nodes_jobs(api: Api, db_url: str) -> N
         f"{api.url}/v1/node/jobs/{job_id}/claim", json=body, headers={"Authorization": "Bearer x"}
     )
     assert bad.status_code == 401
+    # Registering as another node, or in another pool, is refused with the reason.
+    report = {"pool": "default", "node": "node-a", "accelerator": "cpu", "slots": 2}
+    other = httpx.post(f"{api.url}/v1/node/register", json=report, headers=headers)
+    assert other.status_code == 403 and "speaks for node 'node-b', not 'node-a'" in other.text
+    report_b = report | {"node": "node-b"}
+    elsewhere = httpx.post(f"{api.url}/v1/node/register", json=report_b | {"pool": "gpu"}, headers=headers)
+    assert elsewhere.status_code == 403 and "this token is for pool 'default', not 'gpu'" in elsewhere.text
+    assert httpx.post(f"{api.url}/v1/node/register", json=report_b, headers=headers).status_code == 200
 
 
 def test_a_batch_sent_twice_is_applied_once(db_url: str) -> None:
