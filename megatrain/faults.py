@@ -146,14 +146,12 @@ def checkpoints_to_corrupt(environ: Mapping[str, str] | None = None) -> dict[int
     return {f.at_step: f for f in parse((environ or os.environ).get(ENV, "")) if f.kind == "corrupt"}
 
 
-def corrupt_checkpoint(uri: str, fault: Fault | None = None) -> str | None:
-    """Flip one bit in the middle of the largest file of the checkpoint folder at `uri` (file:// or
-    s3://); the file's key, or None when the fault fired before (`once`) or the folder is empty."""
-    from megatrain.storage import open_store
-
+def corrupt_checkpoint(store: Any, fault: Fault | None = None) -> str | None:
+    """Flip one bit in the middle of the largest file of a checkpoint folder (`store`: a
+    megatrain.storage Store opened on it, file:// or s3://); the file's key, or None when the
+    fault fired before (`once`) or the folder is empty."""
     if fault is not None and not _first_time(fault.once):
         return None
-    store = open_store(uri)
     files = [o for o in store.list() if not o.key.endswith("manifest.json")]
     if not files:
         return None

@@ -27,6 +27,7 @@ from typing import IO, Any
 from megatrain.failures import read_records
 from megatrain.faults import checkpoints_to_corrupt, corrupt_checkpoint
 from megatrain.settings import Settings, get_settings
+from megatrain.storage import open_store
 from megatrain.worker.attempt import Attempt, engine_env
 from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
 from megatrain.worker.heartbeat import Heartbeat
@@ -190,7 +191,7 @@ class _Runner:
 
     def _inject_corruption(self, saved: dict[str, Any]) -> None:
         """An operator's `corrupt:` fault (megatrain.faults): one bit of the checkpoint just saved."""
-        key = corrupt_checkpoint(str(saved.get("uri") or ""), self.corrupt[saved["step"]])
+        key = corrupt_checkpoint(open_store(str(saved.get("uri") or "")), self.corrupt[saved["step"]])
         if key is not None:
             step = saved["step"]
             line = (

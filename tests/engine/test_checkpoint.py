@@ -239,7 +239,7 @@ def test_the_corrupt_fault_is_found_on_resume(tmp_path: Path, corpus: Path) -> N
     run(spec, out)
     (out / "checkpoints" / "iter_0000004" / "manifest.json").unlink()  # as if it died saving 4
     before = {p.name: p.read_bytes() for p in (out / "checkpoints" / "iter_0000002").iterdir()}
-    key = corrupt_checkpoint((out / "checkpoints" / "iter_0000002").as_uri())
+    key = corrupt_checkpoint(open_store((out / "checkpoints" / "iter_0000002").as_uri()))
     after = {p.name: p.read_bytes() for p in (out / "checkpoints" / "iter_0000002").iterdir()}
     assert key is not None and [n for n in before if before[n] != after[n]] == [key]
     assert key == max(before, key=lambda n: len(before[n]) if n != "manifest.json" else -1)
