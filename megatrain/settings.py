@@ -80,10 +80,6 @@ class Settings(BaseSettings):
     """Folder of sbatch, squeue, sacct, scancel and sinfo; None: found on PATH."""
     slurm_python: str | None = None
     """The interpreter (with megatrain installed) on the cluster's nodes; None: this one."""
-    slurm_nodes_via_api: bool = False
-    """Slurm's nodes reach the control plane through the API at api_url, each attempt's runners with
-    a token of their own (minted at submission, valid for that job only, revoked when the attempt
-    ends): the batch script carries no database URL, and the nodes need reach only the API."""
     slurm_requeue: bool = False
     """Let Slurm requeue a job after a node failure or preemption itself (else the product retries)."""
     slurm_rest_url: str | None = None
@@ -115,6 +111,12 @@ class Settings(BaseSettings):
     """Comma-separated roots (file:///… or s3://…) any tenant may read training data from, added to
     the defaults: in dev, the user's home directory and the checkout's examples/ (when megatrain
     runs from a checkout); in production, none."""
+
+    runners_via_api: bool | None = None
+    """The local and Slurm executors' runners reach the control plane through the API at api_url,
+    each attempt with a token of its own (minted at submission, valid for that job only, revoked when
+    the attempt ends): no process of a job holds the database's URL, and a Slurm node need reach
+    only the API. None: on under `megatrain up` (its API is right there), off otherwise."""
 
     node_token: str | None = None
     """This node's token (`megatrain nodes token create POOL`): with it, the node's worker and runners

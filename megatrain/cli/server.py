@@ -60,10 +60,21 @@ class EmbeddedStack:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def runner_settings(self) -> Settings:
+        """The scheduler's settings: unless told otherwise, the local executor's runners report
+        through this API (on loopback) with a token per attempt, and hold no database URL. (Slurm's
+        nodes reach the API at the api_url an operator sets, so runners_via_api stays theirs.)"""
+        if self.settings.runners_via_api is not None or self.settings.executor != "local":
+            return self.settings
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return self.settings.model_copy(update={"runners_via_api": True, "api_url": url})
+
     def start_scheduler(self) -> None:
         from megatrain.scheduler.loop import Scheduler
 
-        scheduler = Scheduler(self.settings)
+        scheduler = Scheduler(self.runner_settings)
         thread = threading.Thread(
             target=scheduler.run, args=(self.stop_event,), name="scheduler", daemon=True
         )

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
+from megatrain.db.node_tokens import create_attempt_token
 from megatrain.db.session import session_scope
 from megatrain.settings import CONTROL_PLANE_SETTINGS, Settings
 from megatrain.worker.nodes import ensure_local_pool
@@ -100,6 +102,22 @@ def runner_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def with_attempt_token(session: Session, settings: Settings, job: Job, ttl_s: float) -> Settings:
+    """`settings` for the runners of the job's current attempt when they reach the control plane
+    through the API (settings.runners_via_api): a token valid for this job only, for `ttl_s` or
+    until the attempt ends (attempts.reports.finish revokes it). The caller commits."""
+    pool_id = session.scalar(select(Node.pool_id).where(Node.id == job.node_id))
+    if pool_id is None:
+        raise LookupError(f"job {job.id} is placed on no node")
+    token = create_attempt_token(session, job.id, pool_id, ttl_s=ttl_s)
+    return settings.model_copy(update={"node_token": token})
+
+
+LOCAL_TOKEN_TTL_S = 30 * 86400.0
+"""How long a local runner's attempt token lives at most (a job without max_runtime_s); the
+attempt's end revokes it sooner."""
+
+
 def pid_verdict(host: str | None, pid: int | None) -> bool | None:
     """False when process `pid` was on this host and has exited; None otherwise (another host's
     process cannot be seen from here, and a live pid may still be hung: heartbeats judge that)."""
@@ -119,7 +137,15 @@ class LocalExecutor:
         self._refreshed_at = float("-inf")
 
     def submit(self, job_id: str) -> None:
-        self._spawn(self.settings.runs_dir / job_id, "megatrain.worker.shard", "--job-id", job_id)
+        settings = self.settings
+        if settings.runners_via_api:
+            with session_scope(settings.resolved_database_url) as s:
+                job = s.get(Job, job_id)
+                if job is None:
+                    raise LookupError(f"job {job_id} does not exist")
+                limit = float((job.spec.get("resources") or {}).get("max_runtime_s") or LOCAL_TOKEN_TTL_S)
+                settings = with_attempt_token(s, settings, job, ttl_s=limit + 3600)
+        self._spawn(settings.runs_dir / job_id, "megatrain.worker.shard", "--job-id", job_id, settings)
 
     def submit_dataset(self, dataset_id: str) -> None:
         """One detached `python -m megatrain.worker.datasets` process per dataset; its output goes
@@ -139,7 +165,9 @@ class LocalExecutor:
         run_dir = self.settings.runs_dir / "samples" / sample_id
         self._spawn(run_dir, "megatrain.worker.samples", "--sample-id", sample_id)
 
-    def _spawn(self, run_dir: Path, module: str, flag: str, ident: str) -> None:
+    def _spawn(
+        self, run_dir: Path, module: str, flag: str, ident: str, settings: Settings | None = None
+    ) -> None:
         """`python -m module flag ident`, detached, its output in run_dir/runner.log."""
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "runner.log", "ab") as out:
@@ -148,7 +176,7 @@ class LocalExecutor:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=runner_env(self.settings),
+                env=runner_env(settings or self.settings),
                 cwd=run_dir,
                 start_new_session=True,
                 close_fds=True,

@@ -439,7 +439,7 @@ def test_a_gang_over_two_token_nodes_meets_and_reports_through_the_api(
 def test_a_slurm_attempt_reports_through_the_api_with_a_token_of_its_own(
     api: Api, db_url: str, slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """MEGATRAIN_SLURM_NODES_VIA_API: the batch script carries an attempt token and the API's URL,
+    """MEGATRAIN_RUNNERS_VIA_API: the batch script carries an attempt token and the API's URL,
     no database URL; the runner on the Slurm node claims, reports and ends the attempt through the
     API, and the token is revoked once the attempt is over."""
     from slurm_jobs import drive
@@ -457,7 +457,7 @@ def test_a_slurm_attempt_reports_through_the_api_with_a_token_of_its_own(
         "SLURM_PARTITION": slurm_cluster.partition,
         "HEARTBEAT_INTERVAL_S": "0.5",
         "API_URL": api.url,
-        "SLURM_NODES_VIA_API": "true",
+        "RUNNERS_VIA_API": "true",
         "STORAGE_URL": (api.home / "storage").as_uri(),
         "ENGINE_MODULE": str(FAKE_ENGINE),
     }.items():
@@ -485,3 +485,34 @@ def test_a_slurm_attempt_reports_through_the_api_with_a_token_of_its_own(
         tokens = s.scalars(select(NodeToken).where(NodeToken.job_id == job_id)).all()
         assert len(tokens) == 1 and tokens[0].revoked_at is not None  # over with its attempt
     assert "fake engine: MEGATRAIN_DATABASE_URL=" in lines  # the engine had none
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_under_megatrain_up_a_local_runner_holds_no_database_url(
+    live_stack: Any, fake_engine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded stack's local executor mints a token per attempt and hands its runner the API's
+    URL instead of the database's: neither the runner nor the engine can open the database, the job
+    runs to its end through the API, and the attempt's token is revoked once it is over."""
+    from megatrain.client import Client
+    from megatrain.db.node_tokens import NodeToken
+
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.2")
+    db = live_stack.settings.resolved_database_url
+    with Client() as c:
+        job = c.submit(live_stack.spec("via-api"))
+        pids = live_stack.settings.runs_dir / job.id / "attempt-1" / "pids" / "rank0.pid"
+        engine = int(wait_for(lambda: pids.is_file() and pids.read_text(), timeout=60))
+        with session_scope(db) as s:
+            runner = s.get(Job, job.id).runner_pid
+        for pid in (runner, engine):
+            env = _environ(pid)
+            assert "MEGATRAIN_DATABASE_URL" not in env and db not in "\0".join(env.values())
+        assert _environ(runner)["MEGATRAIN_API_URL"] == live_stack.url
+        assert _environ(runner)["MEGATRAIN_NODE_TOKEN"].startswith("mtn_")
+        final = c.wait(job.id, timeout_s=90, poll_interval_s=0.3)
+        assert final.status == "succeeded", final.status_reason
+        assert [m["step"] for m in c.metrics(job.id) if m.get("kind", "train") == "train"][-1] == 10
+    with session_scope(db) as s:
+        tokens = list(s.scalars(select(NodeToken).where(NodeToken.job_id == job.id)))
+    assert len(tokens) == 1 and tokens[0].revoked_at is not None

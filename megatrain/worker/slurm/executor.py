@@ -35,10 +35,9 @@ from megatrain.db.models import (
     NodePool,
     utcnow,
 )
-from megatrain.db.node_tokens import create_attempt_token
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings
-from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env
+from megatrain.worker.executors import LocalExecutor, StatusUnknown, runner_env, with_attempt_token
 from megatrain.worker.ingest import append_logs, next_log_seq
 from megatrain.worker.shard import KILL_GRACE_S
 from megatrain.worker.slurm.commands import SlurmCommands, SlurmError, SlurmNode
@@ -134,15 +133,11 @@ class SlurmExecutor:
         )
 
     def _env(self, s: Session, job: Job, limit_s: int) -> dict[str, str]:
-        """What the batch script exports: the settings; with slurm_nodes_via_api, an attempt token
-        in place of the control plane's credentials (valid a little past the attempt's limit)."""
-        if not self.settings.slurm_nodes_via_api:
-            return runner_settings_env(self.settings, runner_env(self.settings))
-        pool_id = s.scalar(select(Node.pool_id).where(Node.id == job.node_id))
-        if pool_id is None:
-            raise LookupError(f"job {job.id} is placed on no node")
-        token = create_attempt_token(s, job.id, pool_id, ttl_s=limit_s + ATTEMPT_TOKEN_SLACK_S)
-        settings = self.settings.model_copy(update={"node_token": token})
+        """What the batch script exports: the settings; with runners_via_api, an attempt token in
+        place of the control plane's credentials (valid a little past the attempt's limit)."""
+        settings = self.settings
+        if settings.runners_via_api:
+            settings = with_attempt_token(s, settings, job, ttl_s=limit_s + ATTEMPT_TOKEN_SLACK_S)
         return runner_settings_env(settings, runner_env(settings))
 
     def log_dir(self, job_id: str, attempt: int) -> Any:
