@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from megatrain.worker.gang import Share
 
 log = logging.getLogger(__name__)
+# httpx says every request at INFO: a runner's reports and heartbeats, once a second, would bury its
+# log (a refused or failed one is logged here, with why).
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 T = TypeVar("T")
 

@@ -1,0 +1,280 @@
+"""The soak's cluster on one machine, as production runs it: `megatrain api` (two processes) and
+`megatrain scheduler` on PostgreSQL and Redis (the Celery executor), and two `megatrain worker`
+"nodes" that hold only a node token, the API's URL, the broker and storage (no database URL).
+
+Every process is started in a session of its own so that a fault can kill it whole (a node's worker
+with its runners and engines) and start it again. The database is a fresh schema of the `test`
+database whose connections carry an application_name of their own, so a fault can drop exactly the
+soak's connections (pg_terminate_backend) and nothing else's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+POSTGRES_URL = os.environ.get(
+    "MEGATRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("MEGATRAIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+SECRETS_KEY = "c29hay1iZW5jaG1hcmstb25seS0zMi1ieXRlcy1rZXk="
+NODES = ("node-a", "node-b")
+TENANTS = ("acme", "globex", "initech")
+
+
+def _dsn(url: str) -> str:
+    return url.split("?")[0].replace("postgresql+psycopg://", "postgresql://")
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """One long-lived process of the cluster (its whole session is what a fault kills)."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    cpus: set[int] | None = None
+    """The cores it (and every process it starts) may run on: a node's own, as on a real cluster."""
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cpus = self.cpus
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=pin,
+            )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+@dataclass
+class Cluster:
+    home: Path
+    hang_min_s: float = 15.0
+    heartbeat_timeout_s: float = 20.0
+    db_url: str = ""
+    schema: str = ""
+    app_name: str = ""
+    redis_url: str = ""
+    api_url: str = ""
+    keys: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def create(self) -> None:
+        """A fresh schema, a Redis database of its own, the tenants' keys and the nodes' tokens."""
+        import psycopg
+        import redis
+
+        from megatrain.api.auth import create_api_key
+        from megatrain.db.node_tokens import create_node_token
+        from megatrain.db.session import get_engine, session_scope, upgrade_database
+
+        tag = uuid.uuid4().hex[:10]
+        self.schema, self.app_name = f"soak_{tag}", f"megatrain-soak-{tag}"
+        with psycopg.connect(_dsn(POSTGRES_URL), autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f"CREATE SCHEMA {self.schema}")
+        sep = "&" if "?" in POSTGRES_URL else "?"
+        self.db_url = (
+            f"{POSTGRES_URL}{sep}options=-csearch_path%3D{self.schema}&application_name={self.app_name}"
+        )
+        base, _, _ = REDIS_URL.rpartition("/")
+        self.redis_url = f"{base}/13"  # a database of its own, emptied here and at the end
+        redis.Redis.from_url(self.redis_url).flushdb()
+        upgrade_database(self.db_url)
+        tokens = {}
+        with session_scope(self.db_url) as s:
+            for tenant in TENANTS:
+                self.keys[tenant] = create_api_key(s, tenant, "soak")
+            for node in NODES:
+                tokens[node] = create_node_token(s, "default", node)[1]
+        get_engine(self.db_url).dispose()
+        (self.home / "data").mkdir(parents=True, exist_ok=True)
+        port = _port()
+        self.api_url = f"http://127.0.0.1:{port}"
+        control = self._control_env()
+        api_cmd = [sys.executable, "-m", "megatrain.cli", "api", "--port", str(port), "--workers", "2"]
+        self._add("api", api_cmd, control)
+        self._add("scheduler", [sys.executable, "-m", "megatrain.cli", "scheduler"], control)
+        cores = sorted(os.sched_getaffinity(0))
+        for i, node in enumerate(NODES):
+            worker = [sys.executable, "-m", "megatrain.cli", "worker"]
+            # One core each where there are enough: two engines sharing every core run slower than
+            # two with one each, and a node's engine would compete with the other node's.
+            mine = set(cores[i :: len(NODES)]) if len(cores) >= len(NODES) else None
+            self._add(node, worker, self._node_env(node, tokens[node]), mine)
+
+    def _add(self, name: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> None:
+        self.procs[name] = Proc(name, cmd, env, self.home / f"{name}.log", cpus)
+
+    def _control_env(self) -> dict[str, str]:
+        home = self.home / "control"
+        home.mkdir(parents=True, exist_ok=True)
+        return _clean_env() | {
+            "MEGATRAIN_HOME": str(home),
+            "MEGATRAIN_DATABASE_URL": self.db_url,
+            "MEGATRAIN_REDIS_URL": self.redis_url,
+            "MEGATRAIN_EXECUTOR": "celery",
+            "MEGATRAIN_STORAGE_URL": self.storage_url,
+            "MEGATRAIN_SECRETS_KEY": SECRETS_KEY,
+            "MEGATRAIN_API_URL": self.api_url,
+            "MEGATRAIN_ALLOWED_DATA_ROOTS": (self.home / "data").as_uri(),
+            "MEGATRAIN_SCHEDULER_INTERVAL_S": "0.5",
+            "MEGATRAIN_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s),
+            "MEGATRAIN_NODE_LOST_AFTER_S": str(self.heartbeat_timeout_s),
+            # The faults are the soak's own: a node that suffers them is not a bad node.
+            "MEGATRAIN_NODE_QUARANTINE_FAILURES": "1000",
+        }
+
+    def _node_env(self, node: str, token: str) -> dict[str, str]:
+        home = self.home / node
+        home.mkdir(parents=True, exist_ok=True)
+        return _clean_env() | {
+            "MEGATRAIN_HOME": str(home),
+            "MEGATRAIN_API_URL": self.api_url,
+            "MEGATRAIN_NODE_TOKEN": token,
+            "MEGATRAIN_NODE_NAME": node,
+            "MEGATRAIN_REDIS_URL": self.redis_url,
+            "MEGATRAIN_STORAGE_URL": self.storage_url,
+            "MEGATRAIN_CPU_SLOTS": "1",
+            "MEGATRAIN_HEARTBEAT_INTERVAL_S": "1.0",
+            "MEGATRAIN_HANG_MIN_S": str(self.hang_min_s),
+            "MEGATRAIN_HANG_GRACE_S": "120",
+        }
+
+    @property
+    def storage_url(self) -> str:
+        return (self.home / "storage").as_uri()
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.procs["api"].start()
+        self.wait_api(timeout_s)
+        for name in ("scheduler", *NODES):
+            self.procs[name].start()
+        self.wait_nodes(timeout_s)
+
+    def wait_api(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.procs["api"].alive():
+                raise RuntimeError(f"megatrain api exited; see {self.procs['api'].log_path}")
+            try:
+                if httpx.get(self.api_url + "/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"megatrain api did not answer within {timeout_s:.0f} s")
+
+    def wait_nodes(self, timeout_s: float) -> None:
+        """Until both nodes registered and are ready."""
+        from sqlalchemy import select
+
+        from megatrain.db.models import Node
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.session() as s:
+                ready = set(s.scalars(select(Node.hostname).where(Node.status == "ready")))
+            if ready >= set(NODES):
+                return
+            for name in NODES:
+                if not self.procs[name].alive():
+                    raise RuntimeError(f"worker {name} exited; see {self.procs[name].log_path}")
+            time.sleep(0.5)
+        raise RuntimeError(f"the nodes did not register within {timeout_s:.0f} s")
+
+    def restart(self, name: str, down_s: float = 0.0) -> None:
+        self.procs[name].kill()
+        time.sleep(down_s)
+        self.procs[name].start()
+        if name == "api":
+            self.wait_api()
+
+    def session(self):  # type: ignore[no-untyped-def]
+        from megatrain.db.session import session_scope
+
+        return session_scope(self.db_url)
+
+    def drop_connections(self) -> int:
+        """Terminate every database connection of the soak's processes; how many there were."""
+        import psycopg
+
+        with psycopg.connect(_dsn(POSTGRES_URL), autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s "
+                "AND pid <> pg_backend_pid()",
+                (self.app_name,),
+            ).fetchall()
+        return len(rows)
+
+    def engine_pid(self, node: str, job_id: str, attempt: int) -> int | None:
+        """Rank 0's pid of the job's attempt on `node`, from its progress file (once it stepped)."""
+        from megatrain.progress_files import read_progress
+
+        out = self.home / node / "runs" / job_id / f"attempt-{attempt}"
+        ranks = [r for r in read_progress(out) if r.rank == 0 and r.pid and r.step > 0]
+        return ranks[0].pid if ranks else None
+
+    def stop(self, keep: bool = False) -> None:
+        for name in (*NODES, "scheduler", "api"):
+            if name in self.procs:
+                self.procs[name].kill(signal.SIGTERM)
+        if keep or not self.schema:
+            return
+        import psycopg
+        import redis
+
+        from megatrain.db.session import get_engine
+
+        get_engine(self.db_url).dispose()
+        with psycopg.connect(_dsn(POSTGRES_URL), autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")
+        redis.Redis.from_url(self.redis_url).flushdb()
+
+    def describe(self) -> str:
+        return json.dumps({"home": str(self.home), "api": self.api_url, "schema": self.schema})
