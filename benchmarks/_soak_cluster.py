@@ -91,6 +91,8 @@ class Proc:
 @dataclass
 class Cluster:
     home: Path
+    redis_db: int = 13
+    """The Redis database the cluster's broker uses, emptied at the start and the end."""
     hang_min_s: float = 15.0
     heartbeat_timeout_s: float = 20.0
     db_url: str = ""
@@ -121,7 +123,7 @@ class Cluster:
             f"{POSTGRES_URL}{sep}options=-csearch_path%3D{self.schema}&application_name={self.app_name}"
         )
         base, _, _ = REDIS_URL.rpartition("/")
-        self.redis_url = f"{base}/13"  # a database of its own, emptied here and at the end
+        self.redis_url = f"{base}/{self.redis_db}"
         redis.Redis.from_url(self.redis_url).flushdb()
         upgrade_database(self.db_url)
         tokens = {}

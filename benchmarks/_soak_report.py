@@ -21,7 +21,7 @@ from typing import Any
 STEP = re.compile(r"\bstep (\d+)/(\d+) \| loss")
 RESUMED = re.compile(r"\bresumed from \S+ step (\d+)")
 START = re.compile(r"\bmodel \S+ params \| layout ")
-"""The line the engine prints as it starts (engine/run_report.py), before any `resumed from`."""
+"""The line the engine prints as it starts (engine/run_report.py), after any `resumed from`."""
 
 ENDING_FAULTS = ("kill_rank", "stop_rank", "corrupt_checkpoint", "kill_node")
 """Faults that end the attempt they hit (the others must end none)."""
@@ -74,8 +74,8 @@ def audit_lines(lines: list[str], log_interval: int) -> tuple[int, int, int]:
     for line in lines:
         if m := RESUMED.search(line):
             start = int(m.group(1))
-        elif START.search(line):
-            start = 0
+        elif START.search(line) and start is None:
+            start = 0  # a fresh start (the engine says `resumed from` before this line)
         elif m := STEP.search(line):
             step, total = int(m.group(1)), int(m.group(2))
             if start is not None:
@@ -86,7 +86,7 @@ def audit_lines(lines: list[str], log_interval: int) -> tuple[int, int, int]:
                 lost += (step - nxt + log_interval - 1) // log_interval
             elif step < nxt:
                 doubled += 1
-            reached, expected = max(reached, step), step + log_interval
+            reached, expected = max(reached, step), max(expected, step + log_interval)
     return lost, doubled, recomputed
 
 

@@ -205,15 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=60.0, help="how long jobs and faults keep coming")
     p.add_argument("--fault-every", type=float, default=180.0, help="seconds between faults (+-20%%)")
     p.add_argument("--faults", default=",".join(ROTATION), help="the fault kinds, in turn")
-    p.add_argument("--iters", type=int, default=4000, help="steps per job")
-    p.add_argument("--checkpoint-interval", type=int, default=1000)
-    p.add_argument("--log-interval", type=int, default=50)
+    p.add_argument("--iters", type=int, default=27000, help="steps per job (~3 min here)")
+    p.add_argument("--checkpoint-interval", type=int, default=9000, help="~1 min here")
+    p.add_argument("--log-interval", type=int, default=300)
     p.add_argument("--node-down-s", type=float, default=10.0, help="how long a killed node stays down")
     p.add_argument("--hang-min-s", type=float, default=15.0, help="the nodes' MEGATRAIN_HANG_MIN_S")
     p.add_argument("--drain-minutes", type=float, default=15.0, help="how long to wait for the last jobs")
     p.add_argument(
         "--home", type=Path, default=None, help="keep the cluster's files here (default: a temp dir)"
     )
+    p.add_argument("--redis-db", type=int, default=13, help="the broker's Redis database (emptied)")
     p.add_argument("--keep", action="store_true", help="keep the database schema and the files")
     p.add_argument("--json", type=Path, default=None, help="write the summary here")
     p.add_argument("--goodput-target", type=float, default=0.90)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--faults: unknown {sorted(unknown)} (known: {', '.join(ROTATION)})")
     home = args.home or Path(tempfile.mkdtemp(prefix="megatrain-soak-"))
-    cluster = Cluster(home, hang_min_s=args.hang_min_s)
+    cluster = Cluster(home, redis_db=args.redis_db, hang_min_s=args.hang_min_s)
     try:
         cluster.create()
         cluster.start()

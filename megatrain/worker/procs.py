@@ -83,7 +83,8 @@ def _signal_all(groups: set[int], pids: set[int], sig: int) -> None:
 
 
 def terminate_tree(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group of `proc` and of each descendant; SIGKILL what is left after grace_s.
+    """SIGTERM (and SIGCONT) the process group of `proc` and of each descendant; SIGKILL what is left
+    after grace_s.
 
     torchrun starts every rank in a session of its own, so killing torchrun's group alone would
     orphan the ranks: the tree is snapshotted first, while the ranks still hang below torchrun.
@@ -94,6 +95,9 @@ def terminate_tree(proc: subprocess.Popen, grace_s: float) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             groups.add(os.getpgid(pid))
     _signal_all(groups, pids, signal.SIGTERM)
+    # A stopped process (SIGSTOP, a debugger's) acts on SIGTERM only once continued; without this a
+    # frozen rank would sit out the whole grace and die of SIGKILL, its last words unsaid.
+    _signal_all(groups, pids, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if proc.poll() is not None and not any(pid_alive(p) for p in pids):
