@@ -111,19 +111,23 @@ class Driver:
             return
         raise RuntimeError("the API took no job for a minute")
 
-    def running_target(self) -> tuple[str, int, str] | None:
-        """(job, attempt, node) of a running job that has stepped, chosen at random."""
+    def running_target(self, with_checkpoint: bool = False) -> tuple[str, int, str] | None:
+        """(job, attempt, node) of a running job that has stepped (and, if asked, checkpointed) and
+        has steps left, chosen at random."""
         from sqlalchemy import select
 
-        from megatrain.db.models import Job, Node
+        from megatrain.db.models import Checkpoint, Job, Node
 
+        q = (
+            select(Job.id, Job.attempt, Node.hostname)
+            .join(Node, Node.id == Job.node_id)
+            .where(Job.id.in_(self.jobs), Job.status == "running", Job.current_step > 0)
+            .where(Job.current_step < Job.total_steps)
+        )
+        if with_checkpoint:
+            q = q.where(select(Checkpoint.id).where(Checkpoint.job_id == Job.id).exists())
         with self.cluster.session() as s:
-            rows = s.execute(
-                select(Job.id, Job.attempt, Node.hostname)
-                .join(Node, Node.id == Job.node_id)
-                .where(Job.id.in_(self.jobs), Job.status == "running", Job.current_step > 0)
-                .where(Job.current_step < Job.total_steps)
-            ).all()
+            rows = s.execute(q).all()
         rows = [r for r in rows if self.cluster.engine_pid(r[2], r[0], r[1]) is not None]
         return tuple(random.choice(rows)) if rows else None  # type: ignore[return-value]
 
@@ -134,7 +138,7 @@ class Driver:
             return Fault(kind, now)
         if kind == "drop_db":
             return Fault(kind, now, detail=f"{self.cluster.drop_connections()} connections")
-        target = self.running_target()
+        target = self.running_target(with_checkpoint=kind == "corrupt_checkpoint")
         if target is None:
             return None
         job_id, attempt, node = target
@@ -145,7 +149,7 @@ class Driver:
             self.cluster.procs[node].start()
             return fault
         if kind == "corrupt_checkpoint":
-            fault.detail = self._corrupt_latest(job_id) or "no checkpoint yet"
+            fault.detail = self._corrupt_latest(job_id) or "its checkpoint is gone"
         pid = self.cluster.engine_pid(node, job_id, attempt)
         if pid is None:
             return None
