@@ -232,9 +232,14 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
         return Job.from_dict(self._json("GET", f"/v1/jobs/{job_id}"))
 
     def list_jobs(
-        self, status: str | None = None, limit: int | None = None, page_size: int = 100
+        self,
+        status: str | None = None,
+        limit: int | None = None,
+        page_size: int = 100,
+        include_spec: bool = False,
     ) -> Iterator[Job]:
-        """Jobs newest first, following the API's cursor across pages; at most `limit` of them."""
+        """Jobs newest first, following the API's cursor across pages; at most `limit` of them.
+        Their `spec` is None unless `include_spec` (get_job always has it)."""
         cursor: str | None = None
         seen = 0
         while True:
@@ -246,6 +251,8 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
                 params["status"] = status
             if cursor:
                 params["cursor"] = cursor
+            if include_spec:
+                params["include"] = "spec"
             page = self._json("GET", "/v1/jobs", params=params)
             for item in _items(page):
                 yield Job.from_dict(item)

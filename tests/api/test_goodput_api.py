@@ -8,7 +8,7 @@ from api_handle import Api
 from sqlalchemy import select, update
 
 from megatrain.db.goodput import record_attempt
-from megatrain.db.models import QUARANTINED, Node
+from megatrain.db.models import QUARANTINED, Job, Node
 from megatrain.db.session import session_scope
 
 
@@ -23,6 +23,7 @@ def test_job_and_node_goodput_and_a_quarantined_node(api: Api) -> None:
         loss = {"queued_s": 5, "restart_s": 0, "checkpoint_stall_s": 1, "hang_s": 30}
         record_attempt(s, job_id, node_id, 1, "queued", "hung", loss | {"productive_s": 60})
         record_attempt(s, job_id, node_id, 2, "succeeded", None, {"productive_s": 100, "restart_s": 4})
+        s.execute(update(Job).where(Job.id == job_id).values(attempt=2))  # as its runners claimed them
         s.execute(
             update(Node).where(Node.id == node_id).values(status=QUARANTINED, quarantine_reason="3 failures")
         )

@@ -80,6 +80,14 @@ def test_list_filter_and_paginate(api: Api) -> None:
         if not cursor:
             break
     assert pages == 3 and seen == ids[::-1]  # newest first, each exactly once
+    # Items are summaries (the spec is most of a job's bytes) unless it is asked for; the
+    # estimates made from it stay, and one job's answer always has it.
+    one = api.client.get(f"/v1/jobs/{ids[0]}", headers=api.headers).json()
+    summary = api.client.get("/v1/jobs", params={"limit": 1}, headers=api.headers).json()["items"][0]
+    assert summary["spec"] is None and summary["params_estimate"] == one["params_estimate"] > 0
+    full = api.client.get("/v1/jobs", params={"limit": 1, "include": "spec"}, headers=api.headers).json()
+    assert full["items"][0]["spec"]["name"] == "j4" and one["spec"]["name"] == "j0"
+    assert _fields(api.client.get("/v1/jobs", params={"include": "all"}, headers=api.headers)) == ["include"]
     api.client.post(f"/v1/jobs/{ids[1]}/cancel", headers=api.headers)
     cancelled = api.client.get("/v1/jobs", params={"status": "cancelled"}, headers=api.headers).json()
     assert [j["id"] for j in cancelled["items"]] == [ids[1]] and cancelled["next_cursor"] is None

@@ -245,7 +245,8 @@ def test_models_resolve_per_tenant_and_errors_come_back_in_openai_shape(live_api
         client.register_model("tiny-lora", adapter.as_uri(), base="tiny-llama")
         with pytest.raises(openai.InternalServerError):
             sdk.chat.completions.create(model="tiny-lora", messages=CHAT)
-        serve = {j.spec["model"]["init_from"]: j for j in client.list_jobs() if j.kind == "serve"}
+        jobs = client.list_jobs(include_spec=True)
+        serve = {j.spec["model"]["init_from"]: j for j in jobs if j.kind == "serve"}
     assert set(serve) == {f"checkpoint:{job.id}@5", f"hf:{base.as_uri()}"}  # no third server
     assert serve[f"hf:{base.as_uri()}"].spec["data"]["tokenizer"]["path"] == f"{base.as_uri()}/tokenizer.json"
     # Another tenant's job is the same 404 as a missing one.

@@ -92,16 +92,21 @@ def list_jobs(
     status: Annotated[str | None, Query(max_length=32)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
+    include: Literal["spec"] | None = None,
 ) -> dict[str, Any]:
-    """The tenant's jobs, newest first; follow `next_cursor` for older pages."""
-    jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor)
-    items = [service.public_job(j, job_pace(session, j)) for j in jobs]
+    """The tenant's jobs, newest first, as summaries (`spec` null; `?include=spec` adds it); follow
+    `next_cursor` for older pages. GET /v1/jobs/{id} always has the spec."""
+    with_spec = include == "spec"
+    jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor, with_spec)
+    items = [service.public_job(j, job_pace(session, j), with_spec) for j in jobs]
     return {"items": items, "next_cursor": next_cursor}
 
 
 def _public_owned_job(session: Session, key: str, job_id: str) -> JobPublic:
     job = _owned_job(session, key, job_id)
     public = service.public_job(job, job_pace(session, job))  # a query only while it runs (its ETA)
+    if job.attempt == 0:
+        return public  # never claimed: no attempt has ended, the ledger has nothing
     goodput = job_goodput(session, job.id)
     return public.model_copy(update={"goodput": goodput if goodput["attempts"] else None})
 

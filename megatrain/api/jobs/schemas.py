@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
@@ -10,6 +10,34 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_fie
 
 from megatrain.plan.shapes import spec_param_counts
 from megatrain.spec import JobSpec
+
+PARAM_COUNTS_KEPT = 4096
+_param_counts_by_hash: OrderedDict[str, dict[str, int] | None] = OrderedDict()
+"""A stored job's spec never changes, so its spec_hash names its parameter counts: validating the
+whole JobSpec again for every answer was a fifth of a list page's CPU."""
+
+
+def has_param_counts(spec_hash: str | None) -> bool:
+    return spec_hash is not None and spec_hash in _param_counts_by_hash
+
+
+def param_counts(spec_hash: str | None, spec: dict[str, Any] | None) -> dict[str, int] | None:
+    """The planner's parameter counts of a stored spec (None when its vocabulary is a tokenizer
+    file's, or the spec is one an older release wrote and this one cannot read)."""
+    if spec_hash is not None and spec_hash in _param_counts_by_hash:
+        _param_counts_by_hash.move_to_end(spec_hash)
+        return _param_counts_by_hash[spec_hash]
+    if spec is None:
+        return None
+    try:
+        counts = spec_param_counts(JobSpec.model_validate(spec))
+    except (ValidationError, ValueError):
+        counts = None
+    if spec_hash is not None:
+        _param_counts_by_hash[spec_hash] = counts
+        while len(_param_counts_by_hash) > PARAM_COUNTS_KEPT:
+            _param_counts_by_hash.popitem(last=False)
+    return counts
 
 
 class JobPublic(BaseModel):
@@ -22,7 +50,9 @@ class JobPublic(BaseModel):
     kind: str
     status: str
     status_reason: str
-    spec: dict[str, Any]
+    spec: dict[str, Any] | None
+    """The job's spec; null in list pages unless asked for (`?include=spec`)."""
+    spec_hash: str | None = Field(None, exclude=True)
     priority: int
     pool: str
     layout: dict[str, Any]
@@ -107,12 +137,9 @@ class JobPublic(BaseModel):
         counts = self._param_counts
         return counts.get("trainable") if counts else None
 
-    @functools.cached_property
+    @property
     def _param_counts(self) -> dict[str, int] | None:
-        try:
-            return spec_param_counts(JobSpec.model_validate(self.spec))
-        except (ValidationError, ValueError):  # a stored spec an older release wrote, unreadable now
-            return None
+        return param_counts(self.spec_hash, self.spec)
 
 
 class JobPage(BaseModel):

@@ -14,12 +14,12 @@ import yaml
 from fastapi import HTTPException
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from megatrain.api.errors import FieldError
 from megatrain.api.jobs.downsample import minmax_indices
 from megatrain.api.jobs.progress import Pace
-from megatrain.api.jobs.schemas import JobPublic
+from megatrain.api.jobs.schemas import JobPublic, has_param_counts, param_counts
 from megatrain.api.jobs.validation import JOB_ID_PATTERN, check_submission
 from megatrain.db.jobs import record_event, transition
 from megatrain.db.models import (
@@ -223,12 +223,21 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 def list_jobs(
-    session: Session, tenant: Tenant, status: str | None, limit: int, cursor: str | None
+    session: Session,
+    tenant: Tenant,
+    status: str | None,
+    limit: int,
+    cursor: str | None,
+    with_spec: bool = True,
 ) -> tuple[list[Job], str | None]:
-    """The tenant's jobs newest first, `limit` at a time, keyed on (created_at, id)."""
+    """The tenant's jobs newest first, `limit` at a time, keyed on (created_at, id). Without
+    `with_spec`, the spec column is left unread (decoding it was a list page's largest cost) but for
+    the specs whose parameter estimates no answer has counted yet."""
     if status is not None and status not in JOB_STATES:
         raise FieldError("status", f"status={status!r} is not one of {', '.join(JOB_STATES)}")
     q = select(Job).where(Job.tenant_id == tenant.id)
+    if not with_spec:
+        q = q.options(defer(Job.spec, raiseload=True))
     if status is not None:
         q = q.where(Job.status == status)
     if cursor:
@@ -236,7 +245,17 @@ def list_jobs(
         q = q.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
     rows = list(session.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).all())
     page = rows[:limit]
+    if not with_spec:
+        _count_params(session, page)
     return page, encode_cursor(page[-1]) if len(rows) > limit else None
+
+
+def _count_params(session: Session, jobs: list[Job]) -> None:
+    """Count the parameters of the jobs' specs not counted before, reading those specs only."""
+    missing = {j.id for j in jobs if not has_param_counts(j.spec_hash)}
+    if missing:
+        for digest, spec in session.execute(select(Job.spec_hash, Job.spec).where(Job.id.in_(missing))):
+            param_counts(digest, spec)
 
 
 # Past tense by state: "has already cancelled" would say the job cancelled something.
@@ -344,16 +363,22 @@ def list_log_tail(session: Session, job_id: str, tail: int) -> list[JobLog]:
     return list(reversed(session.scalars(q).all()))
 
 
-def public_job(job: Job, pace: Pace | None = None) -> JobPublic:
-    """The job as the API answers it; `pace` (api.jobs.progress) adds a running job's ETA."""
+def public_job(job: Job, pace: Pace | None = None, with_spec: bool = True) -> JobPublic:
+    """The job as the API answers it; `pace` (api.jobs.progress) adds a running job's ETA; without
+    `with_spec`, a summary (a list page's: the spec is most of a job's bytes)."""
     # status_reason is written for the job's own tenant (the scheduler renders wait reasons from
     # data and names another tenant's job only by its place in the queue): nothing to redact.
-    public = JobPublic.model_validate(job)
+    if with_spec:
+        public = JobPublic.model_validate(job)
+    else:  # the spec's column is not even read (list_jobs defers it): the estimates are cached
+        public = JobPublic.model_validate({k: getattr(job, k) for k in _SUMMARY_COLUMNS} | {"spec": None})
     if pace is not None:
-        public = public.model_copy(
-            update={"step_time_s": pace.step_time_s, "eta_s": pace.eta_s, "eta_at": pace.eta_at}
-        )
+        update = {"step_time_s": pace.step_time_s, "eta_s": pace.eta_s, "eta_at": pace.eta_at}
+        public = public.model_copy(update=update)
     return public
+
+
+_SUMMARY_COLUMNS = [name for name in JobPublic.model_fields if name != "spec" and hasattr(Job, name)]
 
 
 def list_logs(session: Session, job_id: str, after_seq: int, limit: int) -> list[JobLog]:
