@@ -19,6 +19,7 @@ from megatrain.api.jobs.schemas import JobEventPublic, JobPage, JobPublic, LogLi
 from megatrain.api.streams import LOGS, METRICS, Channel, EventStreamResponse, StreamHub, wants_event_stream
 from megatrain.db.goodput import job_goodput
 from megatrain.db.models import Job
+from megatrain.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -65,7 +66,6 @@ async def create_job(
     response: Response,
     session: SessionDep,
     settings: SettingsDep,
-    tenant: CurrentTenant,
     idempotency_key: IdempotencyKey = None,
 ) -> JobPublic:
     """Submit a JobSpec (JSON, or YAML with Content-Type application/yaml); 201 with the queued job.
@@ -74,21 +74,32 @@ async def create_job(
     rule is a 422 listing `{"field", "message"}` items. With `Idempotency-Key`, a repeat with the same
     spec answers 200 with the first job; a different spec under the same key is a 409.
     """
-    raw = await request.body()
-    data = await run_in_threadpool(service.parse_body, raw, request.headers.get("content-type", ""))
+    key, raw = bearer_key(request), await request.body()
+    ctype = request.headers.get("content-type", "")
     job, created = await run_in_threadpool(
-        service.submit_job, session, settings, tenant, data, idempotency_key
+        release, session, _submit, settings, key, raw, ctype, idempotency_key
     )
     if not created:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return service.public_job(job)
+    return job
+
+
+def _submit(
+    session: Session, settings: Settings, key: str, raw: bytes, ctype: str, idempotency_key: str | None
+) -> tuple[JobPublic, bool]:
+    """Authenticate, parse and submit in one worker-thread hop (each hop costs the event loop about
+    a fifth of a millisecond of CPU: it was three per submission)."""
+    tenant = tenant_of(session, key)
+    data = service.parse_body(raw, ctype)
+    job, created = service.submit_job(session, settings, tenant, data, idempotency_key)
+    return service.public_job(job), created
 
 
 @router.get("", response_model=JobPage)
-def list_jobs(
+async def list_jobs(
+    request: Request,
     session: SessionDep,
-    tenant: CurrentTenant,
     status: Annotated[str | None, Query(max_length=32)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
@@ -96,7 +107,14 @@ def list_jobs(
 ) -> dict[str, Any]:
     """The tenant's jobs, newest first, as summaries (`spec` null; `?include=spec` adds it); follow
     `next_cursor` for older pages. GET /v1/jobs/{id} always has the spec."""
-    with_spec = include == "spec"
+    args = (bearer_key(request), status, limit, cursor, include == "spec")
+    return await run_in_threadpool(release, session, _list_page, *args)
+
+
+def _list_page(
+    session: Session, key: str, status: str | None, limit: int, cursor: str | None, with_spec: bool
+) -> dict[str, Any]:
+    tenant = tenant_of(session, key)
     jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor, with_spec)
     items = [service.public_job(j, job_pace(session, j), with_spec) for j in jobs]
     return {"items": items, "next_cursor": next_cursor}
