@@ -1,8 +1,9 @@
 """The API load test: POST /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs (a page of 50) under N clients,
 then N live SSE streams on a training job, each phase with /healthz probed every 50 ms beside it.
 
-Starts a real uvicorn server (a subprocess on a free loopback port, fresh MEGATRAIN_HOME) per database
-backend (SQLite, and PostgreSQL in a fresh schema of the `test` database). No scheduler runs: jobs
+Starts `megatrain api`, the production entry point with its access log on (a subprocess on a free
+loopback port, fresh MEGATRAIN_HOME) per database backend (SQLite, and PostgreSQL in a fresh schema
+of the `test` database). No scheduler runs: jobs
 stay queued, and the streams' job is marked running and fed metric rows by this process, as the
 engine's reporter would, then finished; every stream must receive every row once, in order, then
 `event: end`. Request phases are driven by `wrk` when it is on PATH (else asyncio httpx); streams by
@@ -92,7 +93,8 @@ def prepare_database(db_url: str, home: Path) -> str:
 
 
 class Server:
-    """`uvicorn megatrain.api.app:create_app --factory` in a subprocess on a free loopback port."""
+    """`megatrain api` (the production entry point: its request limits, access log on) in a
+    subprocess on a free loopback port."""
 
     def __init__(self, home: Path, db_url: str, workers: int, max_streams: int):
         self.port = free_port()
@@ -113,9 +115,8 @@ class Server:
         self.log_path = home / "uvicorn.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop(), after the server
         cmd = [
-            sys.executable, "-m", "uvicorn", "megatrain.api.app:create_app", "--factory",
+            sys.executable, "-m", "megatrain.cli", "api",
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(workers),
-            "--log-level", "warning", "--no-access-log",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
