@@ -52,6 +52,8 @@ class Attempt:
     devices: list[int] | None = None
     """The node's device indices the scheduler placed this attempt on."""
     accelerator: str = "cpu"
+    node_slots: int | None = None
+    """The slots of the node it was placed on (a CPU node's share its devices by: worker.nodes)."""
     rendezvous: Rendezvous | None = None
     """Set for one node's share of a multi-node attempt (a gang)."""
     node_id: str | None = None

@@ -134,9 +134,12 @@ def _answer(
 ) -> dict[str, Any]:
     """A claim's answer: the attempt (with the secrets its engine gets), the job's spec and layout."""
     s.refresh(job)
-    accelerator = s.scalar(
-        select(NodePool.accelerator).join(Node, Node.pool_id == NodePool.id).where(Node.id == job.node_id)
-    )
+    placed = s.execute(
+        select(NodePool.accelerator, Node.slots_total)
+        .join(Node, Node.pool_id == NodePool.id)
+        .where(Node.id == job.node_id)
+    ).first()
+    accelerator, node_slots = placed if placed is not None else (None, None)
     att = Attempt(
         job.id,
         job.attempt,
@@ -146,6 +149,7 @@ def _answer(
         out_dir=None,  # type: ignore[arg-type]  # the node's folder: the runner sets it
         devices=job.devices,
         accelerator=accelerator or "cpu",
+        node_slots=node_slots,
         node_id=job.node_id,
         queued_s=queued_s,
         prev_step=job.current_step or 0,

@@ -113,6 +113,22 @@ def device_env(devices: Sequence[int] | None, accelerator: str, env: Mapping[str
     return {"CUDA_VISIBLE_DEVICES": ",".join(names), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"} | queues
 
 
+def slot_cpus(devices: Sequence[int] | None, slots: int | None, cores: Sequence[int]) -> set[int] | None:
+    """On a CPU node, the cores of a job placed on `devices` of the node's `slots`: each slot owns
+    an equal share of the cores (several slots per core where there are more slots than cores), so
+    jobs side by side do not each spread a thread per core over every core (two such 1-slot jobs on
+    2 cores stepped 15-60x slower than with a core each: benchmarks/soak.py). None where nothing is
+    to be pinned: a job holding every slot, or indices this node does not have."""
+    if not devices or not slots or not cores or len(set(devices)) >= slots:
+        return None
+    if any(d < 0 or d >= slots for d in devices):
+        return None
+    cores = sorted(cores)
+    if slots >= len(cores):
+        return {cores[d * len(cores) // slots] for d in devices}
+    return {c for d in devices for c in cores[d * len(cores) // slots : (d + 1) * len(cores) // slots]}
+
+
 def measured_spec(
     settings: Settings, accelerator: str, slots: int, memory: int | None, wait: bool, cached: bool = False
 ) -> dict[str, Any] | None:

@@ -73,6 +73,14 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def start_engine(parent_pid: int, cpus: set[int] | None) -> None:
+    """preexec_fn of an engine: die_with_parent, and run on `cpus` only (with its children: torchrun's
+    ranks inherit the mask and size their thread pools by it) when given."""
+    die_with_parent(parent_pid)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def _signal_all(groups: set[int], pids: set[int], sig: int) -> None:
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):

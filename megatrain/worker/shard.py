@@ -40,10 +40,10 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     free_port,
 )
 from megatrain.worker.ledger import AttemptClock
-from megatrain.worker.nodes import _packages, node_name
+from megatrain.worker.nodes import _packages, node_name, slot_cpus
 from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop
-from megatrain.worker.procs import die_with_parent, terminate_tree
+from megatrain.worker.procs import start_engine, terminate_tree
 from megatrain.worker.reporter import Reporter, ReportError, ReportRefused, reporter_for
 
 log = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
             env=env,
             cwd=att.out_dir,
             start_new_session=True,  # its own process group, killed as one
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(start_engine, os.getpid(), _engine_cpus(att)),
         )
     except OSError as exc:
         runner.pending_lines.append(f"could not start the engine: {exc}")
@@ -414,6 +414,13 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
             # If this keeps failing the reconciler requeues the job once heartbeats stop.
             log.warning("job %s: could not record the attempt's end (%s); retrying", job_id, exc)
     return rc
+
+
+def _engine_cpus(att: Attempt) -> set[int] | None:
+    """The cores of the slots a CPU attempt was placed on (None: every core this runner has)."""
+    if att.accelerator != "cpu":
+        return None
+    return slot_cpus(att.devices, att.node_slots, sorted(os.sched_getaffinity(0)))
 
 
 def _report_hang(runner: _Runner, hang: Hang, lines: queue.Queue[str | None]) -> None:

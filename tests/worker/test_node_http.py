@@ -510,6 +510,10 @@ def test_under_megatrain_up_a_local_runner_holds_no_database_url(
             assert "MEGATRAIN_DATABASE_URL" not in env and db not in "\0".join(env.values())
         assert _environ(runner)["MEGATRAIN_API_URL"] == live_stack.url
         assert _environ(runner)["MEGATRAIN_NODE_TOKEN"].startswith("mtn_")
+        # One of the node's two CPU slots: the engine runs on its half of the cores.
+        cores = os.sched_getaffinity(0)
+        if len(cores) >= 2:
+            assert len(os.sched_getaffinity(engine)) == len(cores) // 2
         final = c.wait(job.id, timeout_s=90, poll_interval_s=0.3)
         assert final.status == "succeeded", final.status_reason
         assert [m["step"] for m in c.metrics(job.id) if m.get("kind", "train") == "train"][-1] == 10

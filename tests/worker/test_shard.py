@@ -32,7 +32,7 @@ from megatrain.db.session import session_scope
 from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
 from megatrain.worker import shard
-from megatrain.worker.nodes import device_env
+from megatrain.worker.nodes import device_env, slot_cpus
 from megatrain.worker.shard import run_shard
 
 
@@ -311,6 +311,15 @@ def test_device_env_counts_within_the_workers_own_devices() -> None:
     assert device_env([0], "NVIDIA A100", {})["CUDA_VISIBLE_DEVICES"] == "0"
     assert device_env([0], "NVIDIA A100", {})["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert device_env([0, 1], "cpu", {}) == {} and device_env(None, "NVIDIA A100", {}) == {}
+
+
+def test_a_cpu_slot_owns_its_share_of_the_cores() -> None:
+    """Jobs side by side on a CPU node each run on their slots' cores, not all on every core."""
+    assert slot_cpus([0], 2, [0, 1]) == {0} and slot_cpus([1], 2, [0, 1]) == {1}
+    assert slot_cpus([1], 2, range(8)) == {4, 5, 6, 7} and slot_cpus([1, 2], 3, range(6)) == {2, 3, 4, 5}
+    assert slot_cpus([3], 4, [0, 1]) == {1}  # more slots than cores: two slots to a core
+    assert slot_cpus([0, 1], 2, [0, 1]) is None  # the whole node: nothing to pin
+    assert slot_cpus([2], 2, [0, 1]) is None and slot_cpus(None, 2, [0, 1]) is None
 
 
 def test_inside_a_slurm_step_slurms_gpus_stand() -> None:
