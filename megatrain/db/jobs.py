@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import ColumnElement, delete, select, update
 from sqlalchemy.orm import Session
 
 from megatrain.db.models import (
@@ -31,6 +31,11 @@ class _Attempts(Protocol):
     max_retries: int
     preemptions: int
     continuations: int
+
+
+NOT_PAUSED = Job.paused_at.is_(None)
+"""Scheduling's guard: a job its user paused after the scheduler's snapshot stays queued (the
+snapshot skips paused jobs; this closes the window between it and the UPDATE)."""
 
 
 def failed_attempts(job: _Attempts) -> int:
@@ -98,9 +103,11 @@ def transition(
     from_statuses: tuple[str, ...],
     reason: str = "",
     data: dict[str, Any] | None = None,
+    only_if: ColumnElement[bool] | None = None,
     **fields: Any,
 ) -> bool:
-    """Move a job to `to_status` if it is in one of `from_statuses`; False if someone else moved it.
+    """Move a job to `to_status` if it is in one of `from_statuses` (and `only_if` holds, checked in
+    the same UPDATE); False if someone else moved it, or changed it so that it no longer holds.
 
     Leaving an active state (scheduled/running) returns the job's slots and devices to its node in
     the same transaction. Every transition clears the queued job's wait reason. The caller commits.
@@ -124,12 +131,10 @@ def transition(
         values["devices"] = None
         values["preempt_for"] = None  # a preemption request ends with the attempt it was for
         values["serve_token"] = None  # and a model server's token with the server
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == row.status)
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
+    guarded = update(Job).where(Job.id == job_id, Job.status == row.status)
+    if only_if is not None:
+        guarded = guarded.where(only_if)
+    result = session.execute(guarded.values(**values).execution_options(synchronize_session=False))
     if result.rowcount != 1:
         return False
     if leaving_active:
@@ -190,6 +195,7 @@ def reserve_and_schedule(
         scheduled_at=utcnow(),
         attempt=job.attempt + 1,
         cancel_requested=False,
+        only_if=NOT_PAUSED,
     )
 
 
@@ -227,6 +233,7 @@ def reserve_gang(
         scheduled_at=utcnow(),
         attempt=job.attempt + 1,
         cancel_requested=False,
+        only_if=NOT_PAUSED,
     ):
         return False
     for rank, (node_id, devices) in enumerate(shares):

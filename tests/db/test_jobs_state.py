@@ -51,6 +51,24 @@ def test_reserve_refuses_when_node_is_full(db_url: str) -> None:
         assert s.get(Node, node_id).slots_used == 0
 
 
+def test_a_job_paused_after_the_schedulers_snapshot_is_not_scheduled(db_url: str) -> None:
+    """The scheduler chose a queued job; its user paused it before the UPDATE: it stays queued (it
+    would otherwise run with the pause unseen) and its slots are not taken."""
+    from megatrain.db.models import utcnow
+
+    job_id, node_id = _seed(db_url)
+    with session_scope(db_url) as s:
+        s.get(Job, job_id).paused_at = utcnow()
+    with session_scope(db_url) as s:
+        assert not reserve_and_schedule(s, job_id, node_id)
+        s.rollback()
+    with session_scope(db_url) as s:
+        assert s.get(Job, job_id).status == QUEUED and s.get(Node, node_id).slots_used == 0
+        s.get(Job, job_id).paused_at = None
+    with session_scope(db_url) as s:
+        assert reserve_and_schedule(s, job_id, node_id)  # resumed: it runs
+
+
 def test_cancel_of_queued_job_needs_no_slots(db_url: str) -> None:
     job_id, node_id = _seed(db_url)
     with session_scope(db_url) as s:
