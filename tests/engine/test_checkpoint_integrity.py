@@ -101,10 +101,18 @@ def test_resume_falls_back_past_an_edited_trainer_state(tmp_path: Path, corpus: 
         _same_size_edit(path, f'"consumed_samples": {samples}', f'"consumed_samples": {samples + 1}')
     with pytest.raises(
         CorruptCheckpoint,
-        match=r"no usable checkpoint under .* \(delete them to start over\): step 6: .*step 4: .*step 2: ",
+        match=r"no usable checkpoint under .*: every one is corrupt, set aside .* starts over from step 0: "
+        r"step 6: .*step 4: .*step 2: ",
     ):
         run(spec, again)
-    assert not any(e["event"] == "started" for e in read_jsonl(again / "events.jsonl"))
+    events = read_jsonl(again / "events.jsonl")
+    assert not any(e["event"] == "started" for e in events)
+    assert [e["steps"] for e in events if e["event"] == "checkpoints_set_aside"] == [[6, 4, 2]]
+    # Kept for a post-mortem, no longer complete: the next attempt trains from step 0, as a fresh run.
+    assert (again / "checkpoints" / "iter_0000006" / "manifest.corrupt.json").is_file()
+    (again / "metrics.jsonl").unlink()
+    run(spec, again)
+    assert [r["loss"] for r in read_jsonl(again / "metrics.jsonl") if "loss" in r] == losses
 
 
 def test_a_save_fsyncs_the_folder_after_its_manifest_and_the_root_after_latest(

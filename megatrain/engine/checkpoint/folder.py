@@ -93,6 +93,20 @@ def complete_steps(root_url: str) -> list[int]:
     return sorted(steps)
 
 
+SET_ASIDE_MANIFEST = "manifest.corrupt.json"
+
+
+def set_aside(root_url: str, step: int) -> None:
+    """Take a corrupt checkpoint out of the complete ones (every reader then ignores it) and keep
+    its files for a post-mortem: its manifest is renamed to SET_ASIDE_MANIFEST."""
+    folder = open_store(root_url).child(iter_dir(step))
+    try:
+        folder.put_bytes(SET_ASIDE_MANIFEST, folder.get_bytes(MANIFEST_FILE))
+    except StorageError:
+        return  # another rank set it aside first
+    folder.delete_prefix(MANIFEST_FILE)
+
+
 def find_latest(root_url: str) -> int | None:
     """The step named by `latest` if its folder is complete, else the newest complete folder."""
     root = open_store(root_url)

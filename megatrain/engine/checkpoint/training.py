@@ -27,12 +27,14 @@ import torch.distributed as dist
 from megatrain.engine.build import RankModel, Trainable
 from megatrain.engine.checkpoint.dcp import CorruptCheckpoint
 from megatrain.engine.checkpoint.folder import (
+    SET_ASIDE_MANIFEST,
     SavedCheckpoint,
     UnsupportedCheckpoint,
     apply_retention,
     complete_steps,
     find_latest,
     iter_dir,
+    set_aside,
 )
 from megatrain.engine.checkpoint.sharded import Folder, load_state, open_folder, save_state
 from megatrain.engine.checkpoint.shards import (
@@ -271,9 +273,11 @@ class Checkpointer:
 
     def resume(self) -> Progress | None:
         """Load the newest usable checkpoint (the newest complete one; a corrupt one is reported and
-        the one before it tried). None when there is none; CorruptCheckpoint when every complete
-        checkpoint is corrupt: starting over would silently throw the run's progress away (and a
-        half-read checkpoint may already have filled some of the state)."""
+        the one before it tried). None when there is none. When every complete checkpoint is
+        corrupt, they are set aside (folder.set_aside: kept, no longer complete) and CorruptCheckpoint
+        ends this attempt, so that the next one starts over from step 0 in a fresh process (a
+        half-read checkpoint may already have filled some of this one's state). The progress is lost
+        either way; retrying into the same corrupt bytes would only lose the job too."""
         latest = find_latest(self.root_url)
         if latest is None:
             return None
@@ -293,9 +297,13 @@ class Checkpointer:
                 self.log.say(f"checkpoint {step} is unusable: {exc}; trying the one before it")
                 self.log.events.write({"event": "checkpoint_corrupt", "step": step, "reason": str(exc)})
                 reasons.append(f"step {step}: {exc}")
+        for step in steps:
+            set_aside(self.root_url, step)
+        self.log.events.write({"event": "checkpoints_set_aside", "steps": steps})
         # What to do first: a failure's reason keeps only its first few hundred characters.
         raise CorruptCheckpoint(
-            f"no usable checkpoint under {self.root_url} (delete them to start over): {'; '.join(reasons)}"
+            f"no usable checkpoint under {self.root_url}: every one is corrupt, set aside (manifest.json "
+            f"renamed {SET_ASIDE_MANIFEST}); the next attempt starts over from step 0: {'; '.join(reasons)}"
         )
 
     def load(self, folder: Folder) -> Progress:
