@@ -14,7 +14,7 @@ from sqlalchemy import select, update
 from web_helpers import signed_in_page
 
 from megatrain.db.goodput import record_attempt
-from megatrain.db.models import QUARANTINED, Node
+from megatrain.db.models import QUARANTINED, Job, Node
 from megatrain.db.session import session_scope
 
 pytestmark = [pytest.mark.browser, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
@@ -32,6 +32,7 @@ def test_goodput_panel_and_quarantined_node(
         loss = {"queued_s": 60, "hang_s": 120, "productive_s": 600}
         record_attempt(s, job_id, node_id, 1, "queued", "hung", loss)
         record_attempt(s, job_id, node_id, 2, "succeeded", None, {"productive_s": 1200, "restart_s": 20})
+        s.execute(update(Job).where(Job.id == job_id).values(attempt=2))  # as its runners claimed them
         s.execute(
             update(Node).where(Node.id == node_id).values(status=QUARANTINED, quarantine_reason="3 failures")
         )
