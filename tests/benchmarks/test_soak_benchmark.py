@@ -71,5 +71,7 @@ def test_the_ci_soak_holds_its_targets(postgres_available: bool, redis_url: str,
         "kill_rank", "restart_api", "stop_rank", "drop_db", "corrupt_checkpoint", "kill_node"
     }, report  # fmt: skip
     assert summary["resumes_missing"] == 0 and summary["resume_s_max"] <= 60, report
-    assert summary["unplanned_attempts"] == 0, report  # an API restart or a dropped connection ends none
+    # An API restart or a dropped connection ends no attempt. A corrupted checkpoint that was the
+    # job's only one costs one more: the attempt that finds it sets it aside, the next starts over.
+    assert summary["unplanned_attempts"] <= summary["faults_by_kind"]["corrupt_checkpoint"], report
     assert not summary["targets_missed"] and proc.returncode == 0, report
