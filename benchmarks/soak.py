@@ -13,7 +13,7 @@ bit in a running job's latest checkpoint, then kill its rank: the resume must fa
 before), drop_db (terminate every database connection of the cluster's processes).
 
     python benchmarks/soak.py                               # an hour, a fault every ~3 min
-    python benchmarks/soak.py --minutes 5 --fault-every 50  # the CI version's shape
+    python benchmarks/soak.py --minutes 4 --fault-every 34  # the CI version's shape
 
 Targets: 0 rows lost, 0 doubled, every job succeeded, goodput >= 90% with a checkpoint every
 minute, every resume <= 60 s. `--json PATH` writes the summary; exit status 1 if a target is missed.
