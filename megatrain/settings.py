@@ -60,6 +60,20 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     """Endpoint for S3-compatible stores (MinIO, moto); None means AWS."""
 
+    storage_role_arn: str | None = None
+    """An IAM role (arn:PARTITION:iam::ACCOUNT:role/NAME) the control plane assumes for each attempt
+    with a session policy (megatrain.storage_scope): the job's processes then hold a key that reads
+    and writes the job's own prefix and reads what its tenant may read, expiring within
+    storage_credentials_ttl_s and renewed by its runner, instead of the control plane's own key.
+    Needs s3:// storage; the role must trust the control plane's identity."""
+    storage_credentials_ttl_s: int = Field(3600, ge=1800, le=43200)
+    """How long each scoped key lives: at most the role's maximum session (an hour by default, and
+    always for a control plane that itself runs on an assumed role); at least 30 minutes, as a
+    runner renews a key 20 minutes before it expires and botocore wants 15 left."""
+    sts_endpoint_url: str | None = None
+    """Endpoint for AssumeRole on S3-compatible stores (MinIO serves it on its S3 port); None: the
+    s3_endpoint_url where one is set, else AWS."""
+
     executor: Literal["local", "celery", "slurm"] = "local"
     redis_url: str = "redis://127.0.0.1:6379/0"
 
@@ -246,6 +260,21 @@ class Settings(BaseSettings):
                 raise ValueError("MEGATRAIN_DATABASE_URL must name a server database in production")
             if not self.storage_url.startswith("s3://"):
                 raise ValueError("MEGATRAIN_STORAGE_URL must be s3://… in production")
+        return self
+
+    @model_validator(mode="after")
+    def _check_storage_role(self) -> Settings:
+        if self.storage_role_arn is None:
+            return self
+        if not re.fullmatch(r"arn:[a-z-]+:iam::\d{12}:role/[\w+=,.@/-]{1,512}", self.storage_role_arn):
+            raise ValueError(
+                f"MEGATRAIN_STORAGE_ROLE_ARN={self.storage_role_arn!r} is not an IAM role ARN "
+                "(arn:aws:iam::123456789012:role/NAME)"
+            )
+        if not self.resolved_storage_url.startswith("s3://"):
+            raise ValueError(
+                "MEGATRAIN_STORAGE_ROLE_ARN scopes S3 credentials: MEGATRAIN_STORAGE_URL must be s3://…"
+            )
         return self
 
     @property

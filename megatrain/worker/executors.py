@@ -28,6 +28,7 @@ from megatrain.db.session import session_scope
 from megatrain.settings import CONTROL_PLANE_SETTINGS, Settings
 from megatrain.worker.nodes import ensure_local_pool
 from megatrain.worker.procs import pid_alive
+from megatrain.worker.storage_access import OTHER_IDENTITIES, scoped
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -89,7 +90,8 @@ class StatusUnknown(RuntimeError):
 def runner_env(settings: Settings) -> dict[str, str]:
     """The caller's environment plus every setting as MEGATRAIN_*, so the runner sees the same world
     even when `settings` was built in code rather than read from the environment. With a node token
-    the runner reaches the control plane through the API: it gets none of its credentials."""
+    the runner reaches the control plane through the API: it gets none of its credentials (nor its
+    object-store key where attempts get scoped ones: worker.storage_access)."""
     env = dict(os.environ)
     for name, value in settings.model_dump().items():
         if value is not None:
@@ -99,6 +101,9 @@ def runner_env(settings: Settings) -> dict[str, str]:
     if settings.node_token:
         for name in CONTROL_PLANE_SETTINGS:
             env.pop(f"MEGATRAIN_{name.upper()}", None)
+        if scoped(settings):  # it asks for its attempt's key: the control plane's own is not its
+            for name in OTHER_IDENTITIES:
+                env.pop(name, None)
     return env
 
 

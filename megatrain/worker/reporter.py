@@ -87,6 +87,11 @@ class Reporter(Protocol):
         """db.node_registry.register_node of a node_report: the node's id."""
         ...
 
+    def storage_key(self, job_id: str, attempt: int) -> dict[str, Any]:
+        """attempts.storage_keys.attempt_storage_key: a scoped object-store key for the attempt's
+        ranks (ReportRefused when the attempt is over or none is handed out)."""
+        ...
+
     def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
         """db.node_registry.node_seen."""
         ...
@@ -184,6 +189,19 @@ class DbReporter:
 
         self._run(node_seen, node_id, values, pool_spec)
 
+    def storage_key(self, job_id: str, attempt: int) -> dict[str, Any]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        from megatrain.attempts.storage_keys import NoStorageKey, attempt_storage_key
+        from megatrain.storage_scope import StorageScopeError
+
+        try:
+            return self._run(attempt_storage_key, self.settings, job_id, attempt)
+        except (NoStorageKey, StorageScopeError) as exc:
+            raise ReportRefused(str(exc)) from exc
+        except (BotoCoreError, ClientError) as exc:
+            raise ReportError(f"STS refused a storage key: {exc}") from exc
+
 
 class HttpReporter:
     """The same calls as HTTP requests to the API's /v1/node routes, authenticated by a node token."""
@@ -253,6 +271,9 @@ class HttpReporter:
     def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
         # The token names the node: `node_id` is the database's business.
         self._post("/heartbeat", {"values": values, "pool_spec": pool_spec})
+
+    def storage_key(self, job_id: str, attempt: int) -> dict[str, Any]:
+        return dict(self._post(f"/jobs/{job_id}/storage-key", {"attempt": attempt}))
 
 
 class SilencedReporter:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO, Any
 
 from megatrain.failures import read_records
@@ -45,6 +46,7 @@ from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop
 from megatrain.worker.procs import start_engine, terminate_tree
 from megatrain.worker.reporter import Reporter, ReportError, ReportRefused, reporter_for
+from megatrain.worker.storage_access import StorageKeys, scoped
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +344,32 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
     checkpoint_url = f"{settings.resolved_storage_url}/jobs/{job_id}/checkpoints"
     cmd = engine_command(att.num_procs, att.out_dir, checkpoint_url, att.rendezvous)
     env = engine_env(att)
+    keys = None
+    if scoped(settings):
+        try:
+            keys = StorageKeys(runner.reporter, job_id, att.attempt, Path(att.out_dir) / "storage").start()
+        except ReportError as exc:  # ReportRefused too
+            runner.pending_lines.append(f"could not get the attempt's scoped storage key: {exc}")
+            runner.tick(heartbeat=False)
+            runner.finish("exited", 127)
+            return 127
+        env = keys.env(env)
+    try:
+        return _supervise(settings, att, runner, heartbeat, cmd, env)
+    finally:
+        if keys is not None:
+            keys.stop()
+
+
+def _supervise(
+    settings: Settings,
+    att: Attempt,
+    runner: _Runner,
+    heartbeat: Heartbeat | None,
+    cmd: list[str],
+    env: dict[str, str],
+) -> int:
+    job_id = att.job_id
     log.info("job %s attempt %d: %s", job_id, att.attempt, " ".join(cmd))
     try:
         proc = subprocess.Popen(

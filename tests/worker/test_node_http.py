@@ -27,7 +27,7 @@ import httpx
 import pytest
 from fixtures.cluster import seed_job, seed_node
 from sqlalchemy import select
-from worker_helpers import job_spec, wait_for
+from worker_helpers import environ_of, job_spec, wait_for
 
 from megatrain.attempts import reports as control
 from megatrain.db.jobs import reserve_and_schedule
@@ -131,11 +131,6 @@ def _runner(
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
 def _status(db_url: str, job_id: str) -> str:
     with session_scope(db_url) as s:
         return str(s.scalar(select(Job.status).where(Job.id == job_id)))
@@ -162,7 +157,7 @@ def test_a_node_with_only_a_token_runs_a_job_through_an_api_restart(
         pids = node_home / "runs" / job_id / "attempt-1" / "pids" / "rank0.pid"
         engine = int(wait_for(lambda: pids.is_file() and pids.read_text(), timeout=30))
         for pid in (runner.pid, engine):
-            env = _environ(pid)
+            env = environ_of(pid)
             assert "MEGATRAIN_DATABASE_URL" not in env and db_url not in "\0".join(env.values())
             assert env["MEGATRAIN_NODE_TOKEN"] == token if pid == runner.pid else True
 
@@ -389,7 +384,7 @@ def test_a_celery_node_with_only_a_token_registers_heartbeats_and_runs_a_job(
             assert reserve_and_schedule(s, job_id, registered.id, "test")
         _celery(db_url, redis_url, pool).submit(job_id)
         wait_for(lambda: _status(db_url, job_id) == SUCCEEDED, timeout=90)
-        env_seen = _environ(worker.pid)
+        env_seen = environ_of(worker.pid)
         assert "MEGATRAIN_DATABASE_URL" not in env_seen and db_url not in "\0".join(env_seen.values())
     assert _metric_steps(db_url, job_id) == list(range(1, 21))
     assert not (node_home / "megatrain.db").exists()
@@ -506,10 +501,10 @@ def test_under_megatrain_up_a_local_runner_holds_no_database_url(
         with session_scope(db) as s:
             runner = s.get(Job, job.id).runner_pid
         for pid in (runner, engine):
-            env = _environ(pid)
+            env = environ_of(pid)
             assert "MEGATRAIN_DATABASE_URL" not in env and db not in "\0".join(env.values())
-        assert _environ(runner)["MEGATRAIN_API_URL"] == live_stack.url
-        assert _environ(runner)["MEGATRAIN_NODE_TOKEN"].startswith("mtn_")
+        assert environ_of(runner)["MEGATRAIN_API_URL"] == live_stack.url
+        assert environ_of(runner)["MEGATRAIN_NODE_TOKEN"].startswith("mtn_")
         # One of the node's two CPU slots: the engine runs on its half of the cores.
         cores = os.sched_getaffinity(0)
         if len(cores) >= 2:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megatrain.worker.procs import pid_alive
@@ -33,6 +34,12 @@ def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """Process `pid`'s environment as /proc shows it."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def alive(pid: int) -> bool:

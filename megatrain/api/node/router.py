@@ -301,3 +301,31 @@ def shard_failed_route(
         shard_failed(session, att, body.rc, _node_name(caller, body.node), body.node_rank, body.records)
     session.commit()
     return {"ok": True}
+
+
+class StorageKeyBody(Body):
+    attempt: int = Field(..., ge=1)
+
+
+@router.post("/jobs/{job_id}/storage-key")
+def storage_key(
+    job_id: str, body: StorageKeyBody, session: SessionDep, caller: CurrentNode, settings: SettingsDep
+) -> dict[str, Any]:
+    """A key for the attempt's ranks that reaches only the job's own storage prefix and what its
+    tenant may read (megatrain.storage_scope), in the shape of AWS's credential_process output.
+    409 once the attempt is over or where no role is configured; 422 when the job's prefixes do
+    not fit a session policy; 502 when STS refuses."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from megatrain.attempts.storage_keys import NoStorageKey, attempt_storage_key
+    from megatrain.storage_scope import StorageScopeError
+
+    _own_job(session, caller, job_id)
+    try:
+        return attempt_storage_key(session, settings, job_id, body.attempt)
+    except NoStorageKey as exc:
+        raise HTTPException(409, str(exc)) from None
+    except StorageScopeError as exc:
+        raise HTTPException(422, str(exc)) from None
+    except (BotoCoreError, ClientError) as exc:
+        raise HTTPException(502, f"STS refused a storage key: {exc}") from None
