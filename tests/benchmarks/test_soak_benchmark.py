@@ -51,6 +51,7 @@ def test_the_last_step_is_logged_off_the_interval() -> None:
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.redis
+@pytest.mark.timeout(960)  # 4 minutes of faults, up to 4 of draining, on a loaded 2-core machine
 def test_the_ci_soak_holds_its_targets(postgres_available: bool, redis_url: str, tmp_path: Path) -> None:
     if not postgres_available:
         pytest.skip("PostgreSQL unreachable")
