@@ -240,7 +240,9 @@ def _make_dirs(path: Path) -> list[Path]:
 class S3Store:
     """s3://bucket/prefix through boto3; MEGATRAIN_S3_ENDPOINT_URL points it at MinIO or moto."""
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None):
+    def __init__(
+        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, attempts: int = S3_ATTEMPTS
+    ):
         import boto3
         from botocore.config import Config
 
@@ -252,7 +254,7 @@ class S3Store:
         self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         # Transient 5xx and throttling are retried with backoff (boto's default stops after 3 tries:
         # one checkpoint's hundreds of writes would fail on a briefly struggling endpoint).
-        config = Config(retries={"mode": "standard", "max_attempts": S3_ATTEMPTS})
+        config = Config(retries={"mode": "standard", "max_attempts": attempts})
         with _BOTO_CLIENT_LOCK:
             self._client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
         self.faults = install_storage_faults(self._client)  # an operator's MEGATRAIN_FAULTS only
@@ -450,8 +452,9 @@ def _full_object_crc32(head: dict[str, Any], etag: str | None) -> str | None:
     return None
 
 
-def open_store(url: str, endpoint_url: str | None = None) -> Store:
-    """A Store for file:///abs/path or s3://bucket/prefix. A bare absolute path counts as file://."""
+def open_store(url: str, endpoint_url: str | None = None, *, attempts: int = S3_ATTEMPTS) -> Store:
+    """A Store for file:///abs/path or s3://bucket/prefix. A bare absolute path counts as file://.
+    `attempts`: tries per S3 request (fewer where someone waits for the answer)."""
     if url.startswith("/"):
         return FileStore(url)
     parsed = urlparse(url)
@@ -463,7 +466,7 @@ def open_store(url: str, endpoint_url: str | None = None) -> Store:
     if parsed.scheme == "s3":
         if endpoint_url is None:
             endpoint_url = os.environ.get("MEGATRAIN_S3_ENDPOINT_URL") or None
-        return S3Store(parsed.netloc, parsed.path, endpoint_url)
+        return S3Store(parsed.netloc, parsed.path, endpoint_url, attempts)
     raise StorageError(f"unsupported storage URL {url!r} (use file:///… or s3://bucket/prefix)")
 
 
