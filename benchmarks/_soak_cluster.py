@@ -10,6 +10,7 @@ soak's connections (pg_terminate_backend) and nothing else's.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from megatrain.worker.procs import start_engine
 
 POSTGRES_URL = os.environ.get(
     "MEGATRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -60,8 +63,8 @@ class Proc:
     popen: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cpus = self.cpus
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        # Dies with the driver (a driver killed by a timeout left the whole cluster running), pinned.
+        pin = functools.partial(start_engine, os.getpid(), self.cpus)
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.cmd,
