@@ -35,10 +35,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from megatrain.api.auth import forget_keys
 from megatrain.api.jobs.schemas import LogLinePublic
 from megatrain.api.jobs.service import metric_row
 from megatrain.api.notifications import JobListener
 from megatrain.db.models import TERMINAL_STATES, Job, JobLog, JobMetric
+from megatrain.db.notify import AUTH_CHANGED
 from megatrain.db.session import make_engine
 from megatrain.db.stream_leases import (
     LEASE_TTL_S,
@@ -267,7 +269,10 @@ class StreamHub:
             self._lease_task = self._loop.create_task(self._keep_leases())
 
     def _notified(self, job_id: str | None) -> None:
-        """From the listener's thread: wake the job's feeds (every feed for None)."""
+        """From the listener's thread: wake the job's feeds (every feed for None); a revoked key
+        (or, after a reconnect, maybe one) empties this process's cache of keys."""
+        if job_id is None or job_id == AUTH_CHANGED:
+            forget_keys()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.wake, job_id)
 

@@ -15,6 +15,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 CHANNEL = "megatrain_jobs"
+AUTH_CHANGED = "auth"
+"""Not a job id: an API key was revoked, every process drops its cache of keys (api.auth)."""
 
 
 def notify_job(session: Session, job_id: str) -> None:

@@ -128,3 +128,52 @@ def test_ensure_local_credentials(megatrain_home: Path) -> None:
         assert resp.status_code == 200
         with session_scope(settings.resolved_database_url) as s:
             assert s.scalar(select(Tenant.name)) == "local"
+
+
+def test_a_known_key_costs_no_query_until_revoked(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """API requests take a key this process found live within AUTH_CACHE_S without asking the
+    database; revoking it through the API forgets it at once; a key removed behind the API's back
+    (another process, an operator's SQL) stops working once its time in the cache is over."""
+    from sqlalchemy import event
+
+    from megatrain.api import auth
+    from megatrain.db.session import get_engine
+
+    new = api.client.post("/v1/keys", json={"name": "ci"}, headers=api.headers).json()
+    headers = {"Authorization": f"Bearer {new['key']}"}
+    statements: list[str] = []
+    engine = get_engine(api.db_url)
+    event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    assert api.client.get("/v1/jobs", headers=headers).status_code == 200
+    assert any("api_key" in s for s in statements)
+    statements.clear()
+    assert api.client.get("/v1/jobs", headers=headers).status_code == 200
+    assert statements and not any("api_key" in s for s in statements)  # the job list's query only
+    revoked = api.client.post(f"/v1/keys/{new['id']}/revoke", headers=api.headers)
+    assert revoked.status_code == 200
+    assert api.client.get("/v1/jobs", headers=headers).status_code == 401  # at once, in this process
+
+    second = api.client.post("/v1/keys", json={"name": "ci-2"}, headers=api.headers).json()
+    headers = {"Authorization": f"Bearer {second['key']}"}
+    assert api.client.get("/v1/jobs", headers=headers).status_code == 200
+    with session_scope(api.db_url) as s:
+        s.delete(s.get(ApiKey, second["id"]))
+    assert api.client.get("/v1/jobs", headers=headers).status_code == 200  # still within its 5 s
+    later = auth._clock() + auth.AUTH_CACHE_S + 1
+    monkeypatch.setattr(auth, "_clock", lambda: later)
+    assert api.client.get("/v1/jobs", headers=headers).status_code == 401
+
+
+def test_a_revocation_notified_by_another_api_process_empties_the_cache() -> None:
+    """On PostgreSQL a revocation is NOTIFYed (db.notify.AUTH_CHANGED); the listener of every API
+    process hands it to its stream hub, which forgets the cached keys (as after a reconnect, when a
+    notification may have been missed); a job's notification leaves them."""
+    from megatrain.api import auth
+    from megatrain.api.streams import StreamHub
+    from megatrain.db.notify import AUTH_CHANGED
+
+    hub = StreamHub("postgresql+psycopg://x@127.0.0.1/none", 0.5, 8)
+    for payload, kept in (("job-123", True), (AUTH_CHANGED, False), (None, False)):
+        auth._known[(1, "digest")] = (float("inf"), Tenant(id="ten-1", name="t"), "key-1")
+        hub._notified(payload)
+        assert bool(auth._known) is kept, payload

@@ -24,6 +24,12 @@ from megatrain.settings import Settings
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
+def _json(model: JobPublic | JobPage) -> Response:
+    """The model as its JSON, as FastAPI would answer it but without validating it once more
+    against the route's response_model first (a fifth of a GET's work in the route)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 def _owned_job(session: Session, key: str, job_id: str) -> Job:
     return service.get_job(session, tenant_of(session, key), job_id)
 
@@ -104,20 +110,20 @@ async def list_jobs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
     include: Literal["spec"] | None = None,
-) -> dict[str, Any]:
+) -> Response:
     """The tenant's jobs, newest first, as summaries (`spec` null; `?include=spec` adds it); follow
     `next_cursor` for older pages. GET /v1/jobs/{id} always has the spec."""
     args = (bearer_key(request), status, limit, cursor, include == "spec")
-    return await run_in_threadpool(release, session, _list_page, *args)
+    return _json(await run_in_threadpool(release, session, _list_page, *args))
 
 
 def _list_page(
     session: Session, key: str, status: str | None, limit: int, cursor: str | None, with_spec: bool
-) -> dict[str, Any]:
+) -> JobPage:
     tenant = tenant_of(session, key)
     jobs, next_cursor = service.list_jobs(session, tenant, status, limit, cursor, with_spec)
     items = [service.public_job(j, job_pace(session, j), with_spec) for j in jobs]
-    return {"items": items, "next_cursor": next_cursor}
+    return JobPage(items=items, next_cursor=next_cursor)
 
 
 def _public_owned_job(session: Session, key: str, job_id: str) -> JobPublic:
@@ -130,10 +136,10 @@ def _public_owned_job(session: Session, key: str, job_id: str) -> JobPublic:
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-async def get_job(request: Request, job_id: str, session: SessionDep) -> JobPublic:
+async def get_job(request: Request, job_id: str, session: SessionDep) -> Response:
     """The job; a queued one with its place in the queue and why it waits, a running one with its
     progress and ETA at its measured pace."""
-    return await run_in_threadpool(release, session, _public_owned_job, bearer_key(request), job_id)
+    return _json(await run_in_threadpool(release, session, _public_owned_job, bearer_key(request), job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

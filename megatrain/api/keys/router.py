@@ -7,10 +7,11 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from sqlalchemy import select
 
-from megatrain.api.auth import create_api_key, hash_key
+from megatrain.api.auth import create_api_key, forget_keys, hash_key
 from megatrain.api.deps import CurrentTenant, SessionDep
 from megatrain.api.keys.schemas import KeyCreate, KeyCreated, KeyPublic
 from megatrain.db.models import ApiKey, utcnow
+from megatrain.db.notify import AUTH_CHANGED, notify_job
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -38,5 +39,7 @@ def revoke_key(key_id: str, session: SessionDep, tenant: CurrentTenant) -> ApiKe
         raise HTTPException(404, f"key {key_id[:64]!r} not found")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
+        notify_job(session, AUTH_CHANGED)  # the other API processes forget their cached keys
         session.commit()
+        forget_keys()
     return row
