@@ -114,17 +114,12 @@ def authenticate_key(session: Session, key: str, cached: bool = False) -> tuple[
     return tenant, key_id
 
 
-_IMMUTABLE = ("id", "name", "created_at")
-"""What a cached tenant carries; the rest (max_priority, which an operator may change at any time)
-stays expired: read in a request, it is loaded then."""
-
-
 def _detached_copy(tenant: Tenant) -> Tenant:
-    """A copy of `tenant`'s unchanging columns that belongs to no session (what merge(load=False)
-    takes); its other columns are expired."""
+    """A copy of `tenant`'s columns that belongs to no session (what merge(load=False) takes). Its
+    max_priority may be a few seconds old: the one check that needs it reads it again."""
     from sqlalchemy.orm import make_transient_to_detached
 
-    copy = Tenant(**{name: getattr(tenant, name) for name in _IMMUTABLE})
+    copy = Tenant(**{c.key: getattr(tenant, c.key) for c in Tenant.__mapper__.column_attrs})
     make_transient_to_detached(copy)
     return copy
 

@@ -281,13 +281,17 @@ def _secrets(session: Session, spec: JobSpec, tenant: Tenant) -> list[Problem]:
     ]
 
 
-def _priority(spec: JobSpec, tenant: Tenant) -> Problem | None:
-    if spec.resources.priority <= tenant.max_priority:
+def _priority(session: Session, spec: JobSpec, tenant: Tenant) -> Problem | None:
+    if spec.resources.priority <= 0:
+        return None
+    # Read now: the request's tenant may be a few seconds old (api.auth's cache of keys), and an
+    # operator's `megatrain tenants set` counts from the moment it returns.
+    allowed = session.scalar(select(Tenant.max_priority).where(Tenant.id == tenant.id)) or 0
+    if spec.resources.priority <= allowed:
         return None
     return _problem(
         "resources.priority",
-        f"resources.priority={spec.resources.priority} exceeds this tenant's maximum priority "
-        f"{tenant.max_priority}",
+        f"resources.priority={spec.resources.priority} exceeds this tenant's maximum priority {allowed}",
     )
 
 
@@ -344,7 +348,7 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         if not findings.depends_on_unknown(field):
             findings.add(filter(None, [_init_from(session, spec, tenant, field)]))
     if not findings.depends_on_unknown("resources.priority"):
-        findings.add(filter(None, [_priority(spec, tenant)]))
+        findings.add(filter(None, [_priority(session, spec, tenant)]))
     findings.add(_secrets(session, spec, tenant))
     if not findings.depends_on_unknown("resources.pool"):
         findings.add(_packages(session, spec))
