@@ -33,7 +33,8 @@ def create_key(body: KeyCreate, session: SessionDep, tenant: CurrentTenant) -> d
 
 @router.post("/{key_id}/revoke", response_model=KeyPublic)
 def revoke_key(key_id: str, session: SessionDep, tenant: CurrentTenant) -> ApiKey:
-    """Revoke one of the tenant's keys (idempotent); requests with it get 401 from then on."""
+    """Revoke one of the tenant's keys (idempotent); requests with it get 401 from then on (from
+    other API processes too on PostgreSQL; on SQLite with `--workers N`, within 5 seconds)."""
     row = session.scalar(select(ApiKey).where(ApiKey.id == key_id[:64], ApiKey.tenant_id == tenant.id))
     if row is None:
         raise HTTPException(404, f"key {key_id[:64]!r} not found")
