@@ -5,7 +5,10 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +102,11 @@ def tiktoken_ranks_file(path: Path) -> Path:
     ]
     path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
     return path
+
+
+def torchrun(nproc: int, spec: Path, out: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone` of the engine on `spec` with `nproc` gloo ranks, output under `out`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatrain.engine.train", "--spec", str(spec), "--out", str(out)]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -16,7 +16,7 @@ from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.train import run
 from megatrain.spec import parse_spec
 
-from .helpers import read_jsonl, tiny_spec
+from .helpers import read_jsonl, tiny_spec, torchrun
 
 _MISMATCH = r": sha256 mismatch \(manifest [0-9a-f]{16}\.\.\., file [0-9a-f]{16}\.\.\.\)"
 
@@ -128,3 +128,39 @@ def test_a_save_fsyncs_the_folder_after_its_manifest_and_the_root_after_latest(
     published = [names for name, names in seen if name == folder.name and "manifest.json" in names]
     assert published and "trainer_state.json" in published[0]
     assert ("ckpt", ["iter_0000004", "latest"]) in seen
+
+
+@pytest.mark.distributed
+def test_ranks_agree_on_the_checkpoint_to_resume_when_one_rank_finds_its_shard_corrupt(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """At tp=2 rank 1 alone reads its optimizer shard: a bit flipped in it must send both ranks back
+    to the checkpoint before (dcp's load gathers every rank's failure), not rank 1 alone, which
+    would train on from another step than its peer (or wait in a collective it never joins). The
+    resumed run then repeats the straight run's losses exactly."""
+    raw = tiny_spec(corpus, train_iters=6, checkpoint_interval=2, eval_interval=0, log_interval=1)
+    raw["parallelism"] = {"tp": 2}
+    raw["resources"] = {"devices": 2}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(raw))
+    straight = tmp_path / "straight"
+    proc = torchrun(2, spec, straight)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [r["loss"] for r in read_jsonl(straight / "metrics.jsonl") if "loss" in r]
+
+    out = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints", out / "checkpoints")
+    (out / "checkpoints" / "iter_0000006" / "manifest.json").unlink()  # as if it died saving 6
+    shard = out / "checkpoints" / "iter_0000004" / "state_00001_000.bin"  # rank 1's alone
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = torchrun(2, spec, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "checkpoint_corrupt"] == [4]
+    started = next(e for e in events if e["event"] == "started")
+    assert started["resumed_from"] == 2
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == losses[2:]

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from megatrain.engine.optimizer import lr_at
 from megatrain.engine.train import EXIT_USAGE, UnsupportedLayout, main, run
 from megatrain.spec import parse_spec
 
-from .helpers import assert_adam_weights_close, read_jsonl, tiny_spec
+from .helpers import assert_adam_weights_close, read_jsonl, tiny_spec, torchrun
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
                "model_state_bytes", "measured_params_bytes", "measured_grads_bytes",
@@ -98,13 +97,6 @@ def test_loss_decreases_and_gpt2_trains(tmp_path: Path, corpus: Path) -> None:
     assert (tmp_path / "out" / "checkpoints" / "iter_0000030" / "manifest.json").exists()
 
 
-def _torchrun(nproc: int, spec: Path, out: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatrain.engine.train", "--spec", str(spec), "--out", str(out)]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 LAYOUTS = {
     "dp2": ({"dp": 2}, 2),
     "dp2-no-distopt": ({"dp": 2, "distributed_optimizer": False, "grad_bucket_elements": 2000}, 2),
@@ -133,7 +125,7 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     raw["parallelism"] = parallelism
     raw["resources"] = {"devices": nproc}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
-    proc = _torchrun(nproc, tmp_path / "spec.json", tmp_path / "par")
+    proc = torchrun(nproc, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     ref = read_jsonl(tmp_path / "single" / "metrics.jsonl")
@@ -189,7 +181,7 @@ def test_resume_in_another_layout(tmp_path: Path, corpus: Path) -> None:
     raw["parallelism"] = {"tp": 2, "dp": 2}
     raw["resources"] = {"devices": 4}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
-    proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
+    proc = torchrun(4, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ref = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if "loss" in r}
     got = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "par" / "metrics.jsonl") if "loss" in r}
@@ -214,7 +206,7 @@ def test_pipeline_resumes_a_single_process_checkpoint_and_back(tmp_path: Path, c
     raw["parallelism"] = {"pp": 2, "dp": 2, "distributed_optimizer": True}
     raw["resources"] = {"devices": 4}
     (tmp_path / "spec.json").write_text(json.dumps(raw))
-    proc = _torchrun(4, tmp_path / "spec.json", tmp_path / "par")
+    proc = torchrun(4, tmp_path / "spec.json", tmp_path / "par")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "par" / "metrics.jsonl") if "loss" in r}
     assert sorted(got) == [4, 5, 6]
