@@ -119,8 +119,8 @@ EVENT_DATA_KEYS = (
 def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], attempt: int) -> None:
     """started → job_event (+ resumed, num_params); serving (a serve job listens) → job_event with
     its url; checkpoint_saved → checkpoint row + job_event;
-    checkpoints_deleted (retention) → those rows removed + job_event; checkpoint_corrupt and straggler
-    → job_event.
+    checkpoints_deleted (retention), checkpoint_corrupt, checkpoints_set_aside → those rows removed
+    + job_event; straggler → job_event.
 
     Rows are applied in file order, so a re-read that saves and then deletes a step ends deleted."""
     for row in rows:
@@ -155,9 +155,16 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
             _delete_checkpoints(session, job_id, row["steps"], data)
         elif kind == "checkpoint_corrupt":
             step, why = row.get("step"), str(row.get("reason") or "unknown reason")
+            if isinstance(step, int):
+                _unlist(session, job_id, [step])  # never offered for download or init_from again
             record_event(
                 session, job_id, "checkpoint_corrupt", f"checkpoint at step {step} skipped: {why}", data
             )
+        elif kind == "checkpoints_set_aside" and isinstance(row.get("steps"), list):
+            _unlist(session, job_id, row["steps"])
+            steps = ", ".join(str(s) for s in row["steps"])
+            reason = f"every checkpoint was corrupt (steps {steps}): set aside, the next attempt starts over"
+            record_event(session, job_id, "checkpoints_set_aside", reason, data)
         elif kind == "serving" and isinstance(row.get("url"), str):
             # A serve job's model server listens: the API proxies its model's requests there.
             record_event(session, job_id, "serving", f"serving at {row['url']}", data)
@@ -168,30 +175,44 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
             record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
 
 
+_UNLISTING = ("checkpoints_deleted", "checkpoint_corrupt", "checkpoints_set_aside")
+
+
 def _deleted_since(session: Session, job_id: str, step: int, attempt: int) -> bool:
-    """Whether retention deleted `step` in this attempt or a later one (so a save read again, e.g.
-    by a backfill of an earlier attempt's files, must not bring the row back). A step saved anew
-    by a later attempt than its deletion is a new checkpoint."""
-    for data in session.scalars(
-        select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "checkpoints_deleted")
-    ):
-        if step in (data.get("steps") or ()) and int(data.get("attempt") or 0) >= attempt:
+    """Whether retention deleted `step` in this attempt or a later one, or a later attempt found it
+    corrupt (so a save read again, e.g. by a backfill of an earlier attempt's files, must not bring
+    the row back). A step saved anew after that (a resume below it) is a new checkpoint; a corrupt
+    one is found as its attempt starts, before any save of that attempt."""
+    rows = session.execute(
+        select(JobEvent.kind, JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind.in_(_UNLISTING))
+    )
+    for kind, data in rows:
+        steps = data.get("steps") or ([data["step"]] if "step" in data else [])
+        when = int(data.get("attempt") or 0)
+        if step in steps and (when >= attempt if kind == "checkpoints_deleted" else when > attempt):
             return True
     return False
+
+
+def _unlist(session: Session, job_id: str, steps: list[Any]) -> list[int]:
+    """Remove the rows of `steps` (integers only); the steps that were listed."""
+    wanted = sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
+    if not wanted:
+        return []
+    return sorted(
+        session.scalars(
+            delete(Checkpoint)
+            .where(Checkpoint.job_id == job_id, Checkpoint.step.in_(wanted))
+            .returning(Checkpoint.step)
+            .execution_options(synchronize_session=False)
+        ).all()
+    )
 
 
 def _delete_checkpoints(session: Session, job_id: str, steps: list[Any], data: dict[str, Any]) -> None:
     """Drop the rows of checkpoints the engine's retention deleted from storage; one event naming
     the steps that were still listed (none on a re-read: nothing is recorded twice)."""
-    wanted = sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
-    if not wanted:
-        return
-    gone = session.scalars(
-        delete(Checkpoint)
-        .where(Checkpoint.job_id == job_id, Checkpoint.step.in_(wanted))
-        .returning(Checkpoint.step)
-        .execution_options(synchronize_session=False)
-    ).all()
+    gone = _unlist(session, job_id, steps)
     if gone:
         listed = ", ".join(str(s) for s in sorted(gone))
         record_event(

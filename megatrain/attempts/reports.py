@@ -235,7 +235,7 @@ def heartbeat(s: Session, job_id: str, host: str, pid: int) -> bool:
 def backfill(s: Session, job_id: str, attempt: int, metrics: list[dict], events: list[dict]) -> None:
     """What an earlier attempt wrote after its runner's last tick (idempotent inserts only)."""
     ingest_metrics(s, job_id, metrics)
-    kinds = ("checkpoint_saved", "checkpoints_deleted", "checkpoint_corrupt")
+    kinds = ("checkpoint_saved", "checkpoints_deleted", "checkpoint_corrupt", "checkpoints_set_aside")
     ingest_events(s, job_id, [r for r in events if r.get("event") in kinds], attempt)
 
 

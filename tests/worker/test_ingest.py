@@ -130,6 +130,30 @@ def test_corrupt_checkpoint_becomes_an_event_with_its_reason(
     assert ev.data == {"step": 9, "reason": "crc32 mismatch in model_0.bin", "attempt": 2}
 
 
+def test_a_corrupt_checkpoint_is_no_longer_listed_until_saved_again(
+    settings: Settings, make_job: Callable[..., str]
+) -> None:
+    """Found corrupt by attempt 2's resume: its row goes (no download, no init_from of it), a
+    backfill of attempt 1's save does not bring it back, attempt 2's own save of the step does; when
+    every checkpoint was corrupt and set aside, none is listed."""
+    url = settings.resolved_database_url
+    job_id = make_job(schedule=False)
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [_saved(3), _saved(6)], attempt=1)
+        ingest_events(s, job_id, [{"event": "checkpoint_corrupt", "step": 6, "reason": "sha256"}], attempt=2)
+    assert _steps(url, job_id) == [3]
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [_saved(6)], attempt=1)  # a backfill of the first attempt's events
+    assert _steps(url, job_id) == [3]
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [_saved(6)], attempt=2)  # resumed from 3, saved 6 anew
+    assert _steps(url, job_id) == [3, 6]
+    with session_scope(url) as s:
+        ingest_events(s, job_id, [{"event": "checkpoints_set_aside", "steps": [6, 3]}], attempt=3)
+        reason = s.scalar(select(JobEvent.reason).where(JobEvent.kind == "checkpoints_set_aside"))
+    assert _steps(url, job_id) == [] and reason is not None and "steps 6, 3" in reason
+
+
 def test_a_straggler_is_named_on_the_job(settings: Settings, make_job: Callable[..., str]) -> None:
     url = settings.resolved_database_url
     job_id = make_job(schedule=False)

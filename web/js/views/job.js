@@ -60,7 +60,8 @@ const CHARTS = [
 const EVENT_LABELS = {
   queued: "Queued", scheduled: "Scheduled", running: "Running", started: "Engine started", resumed: "Resumed",
   checkpoint_saved: "Checkpoint saved", checkpoints_deleted: "Checkpoints deleted (retention)",
-  checkpoint_corrupt: "Corrupt checkpoint skipped", cancel_requested: "Cancel requested", succeeded: "Succeeded",
+  checkpoint_corrupt: "Corrupt checkpoint skipped", checkpoints_set_aside: "Corrupt checkpoints set aside",
+  cancel_requested: "Cancel requested", succeeded: "Succeeded",
   failed: "Failed", cancelled: "Cancelled", info: "Info", preempted: "Preempted",
   straggler: "Straggler rank",
 };
