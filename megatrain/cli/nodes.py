@@ -90,7 +90,8 @@ def token_create(
 @token_app.command("list")
 @_server_errors
 def token_list() -> None:
-    """Every node token: its id, pool, node, first characters, last use, and whether it is revoked."""
+    """Every node token: its id, pool, node (or an attempt token's job), first characters, last use,
+    and whether it is revoked."""
     from rich.table import Table
     from sqlalchemy import select
 
@@ -107,7 +108,9 @@ def token_list() -> None:
             when = [
                 f"{t:%Y-%m-%d %H:%M}" if t else "" for t in (row.created_at, row.last_used_at, row.revoked_at)
             ]
-            table.add_row(row.id, escape(pool), escape(row.node_name or "(unbound)"), row.prefix + "…", *when)
+            # An attempt token (minted per attempt by the local and Slurm executors) speaks for a job.
+            node = row.node_name or (f"(job {row.job_id})" if row.job_id else "(unbound)")
+            table.add_row(row.id, escape(pool), escape(node), row.prefix + "…", *when)
     _out().print(table)
 
 

@@ -4,7 +4,7 @@ and the goodput line of `megatrain status`."""
 from __future__ import annotations
 
 import pytest
-from fixtures.cluster import seed_node
+from fixtures.cluster import seed_job, seed_node
 from fixtures.live import LiveApi
 from sqlalchemy import select, update
 from typer.testing import CliRunner
@@ -79,7 +79,13 @@ def test_goodput_line(db_url: str) -> None:
 
 def test_node_tokens_are_created_shown_once_listed_revoked_and_audited(db_url: str) -> None:
     from megatrain.db.audit import AuditEvent
-    from megatrain.db.node_tokens import TOKEN_PATTERN, NodeToken, authenticate_node, hash_token
+    from megatrain.db.node_tokens import (
+        TOKEN_PATTERN,
+        NodeToken,
+        authenticate_node,
+        create_attempt_token,
+        hash_token,
+    )
 
     code, out = run("nodes", "token", "create", "h100", "--node", "gpu-1")
     assert code == 0 and "for node 'gpu-1' of pool 'h100' (shown once)" in out, out
@@ -92,6 +98,11 @@ def test_node_tokens_are_created_shown_once_listed_revoked_and_audited(db_url: s
         token_id = row.id
     code, out = run("nodes", "token", "list")
     assert code == 0 and token_id in out and "gpu-1" in out and token[:10] in out and token not in out
+    job_id = seed_job(db_url)
+    with session_scope(db_url) as s:  # an attempt's own token (local and Slurm executors) names its job
+        create_attempt_token(s, job_id, s.scalar(select(NodeToken.pool_id)), ttl_s=60)
+    code, out = run("nodes", "token", "list")
+    assert code == 0 and f"(job {job_id})" in out and "(unbound)" not in out, out
     code, out = run("nodes", "token", "revoke", token_id)
     assert code == 0 and f"node token {token_id} revoked" in out
     code, out = run("nodes", "token", "revoke", token_id)
