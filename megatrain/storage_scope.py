@@ -5,7 +5,7 @@ runner's request (POST /v1/node/jobs/{id}/storage-credentials, or the database r
 with STS AssumeRole on that role plus a session policy: what the key may do is the intersection of
 the role's policy and this one, so a job's ranks can
   - read, write and delete under `{storage}/jobs/{job_id}/` (its checkpoints),
-  - read what its tenant may read (api.jobs.data_access: `{storage}/tenants/{tenant}/`,
+  - read what its tenant may read (megatrain.data_access: `{storage}/tenants/{tenant}/`,
     `{storage}/datasets/`, the configured data roots), the data its spec names, and the model or
     adapter it starts from (another job's checkpoints, a Hugging Face folder),
 and nothing else: not another job's checkpoints, not another tenant's data, not the bucket's
@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from megatrain.api.jobs.data_access import DataUrlError, allowed_roots, data_urls, normalise_data_url
+from megatrain.data_access import DataUrlError, allowed_roots, data_urls, normalise_data_url
 from megatrain.settings import Settings
 from megatrain.spec import JobSpec
 

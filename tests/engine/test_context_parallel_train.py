@@ -22,7 +22,7 @@ from megatrain.engine.train import run
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
-from .test_train import _torchrun
+from .helpers import torchrun as _torchrun
 
 
 def _losses(folder: Path) -> dict[int, float]:

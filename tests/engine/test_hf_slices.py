@@ -25,10 +25,10 @@ from megatrain.hf_config import model_fields_from_hf
 from megatrain.spec import parse_spec
 
 from .helpers import read_jsonl, tiny_spec
+from .helpers import torchrun as _torchrun
 from .test_hf_interop import _LLAMA, hf_model
 from .test_hf_interop import CASES as DENSE
 from .test_hf_moe_interop import CASES as MOE
-from .test_train import _torchrun
 
 CASES = {**DENSE, **MOE}
 

@@ -15,7 +15,7 @@ from megatrain.engine.train import run
 from megatrain.spec import parse_spec
 
 from .helpers import assert_adam_weights_close, read_jsonl, tiny_spec
-from .test_train import _torchrun
+from .helpers import torchrun as _torchrun
 
 MOE = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32, "shared_expert_ffn_hidden_size": 16,
        "z_loss_coeff": 1e-3, "capacity_factor": 1.5}  # fmt: skip

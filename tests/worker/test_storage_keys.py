@@ -44,6 +44,9 @@ def scoped_stack(
            "MEGATRAIN_STORAGE_ROLE_ARN": iam_s3["role_arn"]}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # boto3's default session keeps the first credentials it found (an earlier test's dummies): the
+    # control plane running in this process must find the operator's.
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     for stack in start_live_api(tmp_path, monkeypatch, with_scheduler=True):
         yield stack, prefix
 
@@ -80,7 +83,8 @@ def test_a_job_writes_its_checkpoints_with_a_key_scoped_to_it(
 
     live, prefix = scoped_stack
     bucket, root = iam_s3["bucket"], prefix.removeprefix(f"s3://{iam_s3['bucket']}/")
-    operator = _s3(iam_s3["endpoint"])
+    operator = _s3(iam_s3["endpoint"], {"AccessKeyId": iam_s3["access_key_id"], "SessionToken": None,
+                                        "SecretAccessKey": iam_s3["secret_access_key"]})  # fmt: skip
     operator.put_object(Bucket=bucket, Key=f"{root}/jobs/job-elsewhere/checkpoints/latest", Body=b"7")
     operator.put_object(Bucket=bucket, Key=f"{root}/tenants/globex/private.jsonl", Body=b"{}")
     operator.put_object(Bucket=bucket, Key=f"{root}/datasets/shared.jsonl", Body=b"{}")
