@@ -1,6 +1,11 @@
 """The soak's cluster on one machine, as production runs it: `megatrain api` (two processes) and
-`megatrain scheduler` on PostgreSQL and Redis (the Celery executor), and two `megatrain worker`
-"nodes" that hold only a node token, the API's URL, the broker and storage (no database URL).
+`megatrain scheduler` on PostgreSQL and Redis (the Celery executor), object storage on S3 (moto's
+server over HTTP), and two `megatrain worker` "nodes" that hold only a node token, the API's URL,
+the broker and storage (no database URL).
+
+Each node reaches the API and S3 through a TCP forwarder of its own, as it would through its own
+network path: a fault cuts one (a partition: the node's heartbeats and reports stop, or its storage
+is unreachable) and restores it, with the services behind them untouched.
 
 Every process is started in a session of its own so that a fault can kill it whole (a node's worker
 with its runners and engines) and start it again. The database is a fresh schema of the `test`
@@ -25,11 +30,17 @@ import httpx
 
 from megatrain.worker.procs import start_engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fixtures.tcp_proxy import TcpProxy  # noqa: E402
+
 POSTGRES_URL = os.environ.get(
     "MEGATRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 REDIS_URL = os.environ.get("MEGATRAIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 SECRETS_KEY = "c29hay1iZW5jaG1hcmstb25seS0zMi1ieXRlcy1rZXk="
+BUCKET = "soak"
+AWS_DUMMIES = {"AWS_ACCESS_KEY_ID": "soak", "AWS_SECRET_ACCESS_KEY": "soak",
+               "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
 NODES = ("node-a", "node-b")
 TENANTS = ("acme", "globex", "initech")
 
@@ -98,13 +109,20 @@ class Cluster:
     """The Redis database the cluster's broker uses, emptied at the start and the end."""
     hang_min_s: float = 15.0
     heartbeat_timeout_s: float = 20.0
+    storage: str = "s3"
+    """'s3' (moto's server, each node through its own forwarder) or 'file' (a shared folder)."""
+    storage_error_rate: float = 0.0
+    """The fraction of the nodes' S3 requests answered 503 (megatrain.faults' `storage`)."""
     db_url: str = ""
     schema: str = ""
     app_name: str = ""
     redis_url: str = ""
     api_url: str = ""
+    s3_url: str = ""
     keys: dict[str, str] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
+    links: dict[tuple[str, str], TcpProxy] = field(default_factory=dict)
+    """(node, 'api' or 's3') -> the forwarder that node reaches that service through."""
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -139,6 +157,15 @@ class Cluster:
         (self.home / "data").mkdir(parents=True, exist_ok=True)
         port = _port()
         self.api_url = f"http://127.0.0.1:{port}"
+        for node in NODES:
+            self._link(node, "api", port)
+        if self.storage == "s3":
+            s3_port = _port()
+            self.s3_url = f"http://127.0.0.1:{s3_port}"
+            moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
+            self._add("s3", moto, _clean_env())
+            for node in NODES:
+                self._link(node, "s3", s3_port)
         control = self._control_env()
         api_cmd = [sys.executable, "-m", "megatrain.cli", "api", "--port", str(port), "--workers", "2"]
         self._add("api", api_cmd, control)
@@ -154,31 +181,42 @@ class Cluster:
     def _add(self, name: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> None:
         self.procs[name] = Proc(name, cmd, env, self.home / f"{name}.log", cpus)
 
+    def _link(self, node: str, service: str, port: int) -> None:
+        link = self.links[node, service] = TcpProxy(("127.0.0.1", port))
+        link.port = _port()  # known now, for the node's environment; it listens from start()
+
     def _control_env(self) -> dict[str, str]:
         home = self.home / "control"
         home.mkdir(parents=True, exist_ok=True)
-        return _clean_env() | {
-            "MEGATRAIN_HOME": str(home),
-            "MEGATRAIN_DATABASE_URL": self.db_url,
-            "MEGATRAIN_REDIS_URL": self.redis_url,
-            "MEGATRAIN_EXECUTOR": "celery",
-            "MEGATRAIN_STORAGE_URL": self.storage_url,
-            "MEGATRAIN_SECRETS_KEY": SECRETS_KEY,
-            "MEGATRAIN_API_URL": self.api_url,
-            "MEGATRAIN_ALLOWED_DATA_ROOTS": (self.home / "data").as_uri(),
-            "MEGATRAIN_SCHEDULER_INTERVAL_S": "0.5",
-            "MEGATRAIN_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s),
-            "MEGATRAIN_NODE_LOST_AFTER_S": str(self.heartbeat_timeout_s),
-            # The faults are the soak's own: a node that suffers them is not a bad node.
-            "MEGATRAIN_NODE_QUARANTINE_FAILURES": "1000",
-        }
+        return (
+            _clean_env()
+            | {
+                "MEGATRAIN_HOME": str(home),
+                "MEGATRAIN_DATABASE_URL": self.db_url,
+                "MEGATRAIN_REDIS_URL": self.redis_url,
+                "MEGATRAIN_EXECUTOR": "celery",
+                "MEGATRAIN_STORAGE_URL": self.storage_url,
+                "MEGATRAIN_SECRETS_KEY": SECRETS_KEY,
+                "MEGATRAIN_API_URL": self.api_url,
+                "MEGATRAIN_ALLOWED_DATA_ROOTS": (self.home / "data").as_uri(),
+                "MEGATRAIN_SCHEDULER_INTERVAL_S": "0.5",
+                "MEGATRAIN_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s),
+                "MEGATRAIN_NODE_LOST_AFTER_S": str(self.heartbeat_timeout_s),
+                # The faults are the soak's own: a node that suffers them is not a bad node.
+                "MEGATRAIN_NODE_QUARANTINE_FAILURES": "1000",
+            }
+            | self._s3_env(self.s3_url)
+        )
+
+    def _s3_env(self, endpoint: str) -> dict[str, str]:
+        return AWS_DUMMIES | {"MEGATRAIN_S3_ENDPOINT_URL": endpoint} if self.storage == "s3" else {}
 
     def _node_env(self, node: str, token: str) -> dict[str, str]:
         home = self.home / node
         home.mkdir(parents=True, exist_ok=True)
-        return _clean_env() | {
+        env = _clean_env() | {
             "MEGATRAIN_HOME": str(home),
-            "MEGATRAIN_API_URL": self.api_url,
+            "MEGATRAIN_API_URL": f"http://127.0.0.1:{self.links[node, 'api'].port}",
             "MEGATRAIN_NODE_TOKEN": token,
             "MEGATRAIN_NODE_NAME": node,
             "MEGATRAIN_REDIS_URL": self.redis_url,
@@ -188,14 +226,25 @@ class Cluster:
             "MEGATRAIN_HANG_MIN_S": str(self.hang_min_s),
             "MEGATRAIN_HANG_GRACE_S": "120",
         }
+        if self.storage == "s3":
+            env |= self._s3_env(f"http://127.0.0.1:{self.links[node, 's3'].port}")
+            if self.storage_error_rate:
+                env["MEGATRAIN_FAULTS"] = f"storage:rate={self.storage_error_rate:g},status=503"
+        return env
 
     @property
     def storage_url(self) -> str:
-        return (self.home / "storage").as_uri()
+        return f"s3://{BUCKET}/storage" if self.storage == "s3" else (self.home / "storage").as_uri()
 
     # -- processes -------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 120.0) -> None:
+        for link in self.links.values():
+            link.start()
+        if self.storage == "s3":
+            self.procs["s3"].start()
+            self.wait_s3(timeout_s)
+            os.environ.update(self._s3_env(self.s3_url))  # the driver reads checkpoints back
         self.procs["api"].start()
         self.wait_api(timeout_s)
         for name in ("scheduler", *NODES):
@@ -214,6 +263,33 @@ class Cluster:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"megatrain api did not answer within {timeout_s:.0f} s")
+
+    def wait_s3(self, timeout_s: float) -> None:
+        """Until moto's server answers; then the bucket."""
+        import boto3
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.procs["s3"].alive():
+                raise RuntimeError(f"moto's server exited; see {self.procs['s3'].log_path}")
+            try:
+                httpx.get(self.s3_url, timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError(f"moto's server did not answer within {timeout_s:.0f} s")
+        s3 = boto3.client("s3", endpoint_url=self.s3_url, **_boto_keys())
+        s3.create_bucket(Bucket=BUCKET)
+
+    def cut(self, node: str, service: str, for_s: float) -> None:
+        """Partition `node` from `service` ('api' or 's3') for `for_s` seconds, in the background:
+        its open connections reset, new ones refused, then the link is back on the same port."""
+        import threading
+
+        link = self.links[node, service]
+        link.stop()
+        threading.Timer(for_s, link.start).start()
 
     def wait_nodes(self, timeout_s: float) -> None:
         """Until both nodes registered and are ready."""
@@ -266,9 +342,11 @@ class Cluster:
         return ranks[0].pid if ranks else None
 
     def stop(self, keep: bool = False) -> None:
-        for name in (*NODES, "scheduler", "api"):
+        for name in (*NODES, "scheduler", "api", "s3"):
             if name in self.procs:
                 self.procs[name].kill(signal.SIGTERM)
+        for link in self.links.values():
+            link.stop()
         if keep or not self.schema:
             return
         import psycopg
@@ -282,4 +360,11 @@ class Cluster:
         redis.Redis.from_url(self.redis_url).flushdb()
 
     def describe(self) -> str:
-        return json.dumps({"home": str(self.home), "api": self.api_url, "schema": self.schema})
+        return json.dumps({"home": str(self.home), "api": self.api_url, "schema": self.schema,
+                           "storage": self.storage_url, "s3": self.s3_url or None})  # fmt: skip
+
+
+def _boto_keys() -> dict[str, str]:
+    return {"aws_access_key_id": AWS_DUMMIES["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": AWS_DUMMIES["AWS_SECRET_ACCESS_KEY"],
+            "region_name": AWS_DUMMIES["AWS_DEFAULT_REGION"]}  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 STEP = re.compile(r"\bstep (\d+)/(\d+) \| loss")
@@ -24,7 +24,13 @@ START = re.compile(r"\bmodel \S+ params \| layout ")
 """The line the engine prints as it starts (engine/run_report.py), after any `resumed from`."""
 
 ENDING_FAULTS = ("kill_rank", "stop_rank", "corrupt_checkpoint", "kill_node")
-"""Faults that end the attempt they hit (the others must end none)."""
+"""Faults that end the attempt they hit."""
+PARTITIONS = ("silence", "storage_outage")
+"""Faults that may end it: a node cut from the API past the node-lost bound, or from storage past
+its retries while it saves. Such a fault ended an attempt if the job started another within
+RESUME_WINDOW_S of the partition's end and before the next fault on that job. The others
+(restart_api, drop_db) must end none."""
+RESUME_WINDOW_S = 90.0
 
 
 @dataclass
@@ -35,6 +41,9 @@ class Fault:
     attempt: int | None = None
     node: str | None = None
     detail: str = ""
+    window_s: float = 0.0
+    """How long a partition lasted."""
+    ended_attempt: bool = False
     resume_s: float | None = None
 
 
@@ -52,6 +61,9 @@ class JobResult:
     doubled: int = 0
     checkpoint_period_s: float | None = None
     problems: list[str] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)
+    """Why each of its attempts but the last ended (when, and the control plane's reason): what an
+    attempt ended by no fault is explained by."""
 
     @property
     def goodput(self) -> float | None:
@@ -112,6 +124,12 @@ def collect(cluster: Any, job_ids: list[str], faults: list[Fault], log_interval:
             lost, doubled, recomputed = audit_lines(lines, log_interval)
             res = JobResult(job_id, tenant, job.status, job.status_reason or "", job.attempt,
                             job.current_step, seconds, recomputed, lost, doubled)  # fmt: skip
+            ends = select(JobEvent.created_at, JobEvent.reason).where(
+                JobEvent.job_id == job_id,
+                JobEvent.from_status == "running",
+                JobEvent.to_status != "succeeded",
+            )
+            res.ends = [f"{at:%H:%M:%S} {why}" for at, why in s.execute(ends.order_by(JobEvent.id))]
             if job.status == "succeeded":
                 q = select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.kind == "train")
                 missing = expected_metric_steps(job.total_steps, log_interval) - set(s.scalars(q))
@@ -123,18 +141,19 @@ def collect(cluster: Any, job_ids: list[str], faults: list[Fault], log_interval:
                 res.checkpoint_period_s = _period(sorted(c.created_at for c in ckpts))
             results.append(res)
         for fault in faults:
-            if fault.kind not in ENDING_FAULTS or fault.job_id is None:
+            if fault.job_id is None or fault.kind not in (*ENDING_FAULTS, *PARTITIONS):
                 continue
-            started = s.scalar(
-                select(JobEvent.created_at)
-                .where(
-                    JobEvent.job_id == fault.job_id,
-                    JobEvent.kind == "started",
-                    JobEvent.created_at > fault.at,
-                )
-                .order_by(JobEvent.created_at)
-                .limit(1)
+            q = select(JobEvent.created_at).where(
+                JobEvent.job_id == fault.job_id,
+                JobEvent.kind == "started",
+                JobEvent.created_at > fault.at,
             )
+            if fault.kind in PARTITIONS:  # a restart after the next fault on that job is that fault's
+                later = [f.at for f in faults if f.job_id == fault.job_id and f.at > fault.at]
+                until = min([fault.at + timedelta(seconds=fault.window_s + RESUME_WINDOW_S), *later])
+                q = q.where(JobEvent.created_at <= until)
+            started = s.scalar(q.order_by(JobEvent.created_at).limit(1))
+            fault.ended_attempt = fault.kind in ENDING_FAULTS or started is not None
             if started is None:
                 continue
             first_step = s.scalar(
@@ -176,7 +195,7 @@ def summarize(results: list[JobResult], faults: list[Fault], wall_s: float) -> d
     sums = {k: sum(r.seconds[k] for r in results) for k in results[0].seconds} if results else {}
     total = sum(sums.values())
     held = total - sums.get("queued_s", 0.0)
-    ending = [f for f in faults if f.kind in ENDING_FAULTS]
+    ending = [f for f in faults if f.ended_attempt]
     resumes = [f.resume_s for f in ending if f.resume_s is not None]
     attempts = sum(r.attempts for r in results)
     return {
@@ -185,7 +204,8 @@ def summarize(results: list[JobResult], faults: list[Fault], wall_s: float) -> d
         "succeeded": sum(r.status == "succeeded" for r in results),
         "failed": {r.job_id: r.reason for r in results if r.status != "succeeded"},
         "faults": len(faults),
-        "faults_by_kind": {k: sum(f.kind == k for f in faults) for k in sorted({f.kind for f in faults})},
+        "faults_by_kind": _by_kind(faults),
+        "attempts_ended_by_kind": _by_kind(ending),
         "goodput": round(sums["productive_s"] / total, 4) if total else None,
         "running_goodput": round(sums["productive_s"] / held, 4) if held > 0 else None,
         "seconds": {k: round(v, 1) for k, v in sums.items()},
@@ -193,6 +213,7 @@ def summarize(results: list[JobResult], faults: list[Fault], wall_s: float) -> d
         "lost": sum(r.lost for r in results),
         "doubled": sum(r.doubled for r in results),
         "problems": {r.job_id: r.problems for r in results if r.problems},
+        "attempt_ends": {r.job_id: r.ends for r in results if r.ends},
         "resume_s_max": round(max(resumes), 1) if resumes else None,
         "resume_s_median": round(statistics.median(resumes), 1) if resumes else None,
         "resumes_missing": sum(f.resume_s is None for f in ending),
@@ -200,6 +221,10 @@ def summarize(results: list[JobResult], faults: list[Fault], wall_s: float) -> d
         "checkpoint_period_s": _median([r.checkpoint_period_s for r in results]),
         "fault_log": [asdict(f) | {"at": f.at.isoformat()} for f in faults],
     }
+
+
+def _by_kind(faults: list[Fault]) -> dict[str, int]:
+    return {k: sum(f.kind == k for f in faults) for k in sorted({f.kind for f in faults})}
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -220,7 +245,7 @@ def table(results: list[JobResult], summary: dict[str, Any]) -> str:
     rows += [
         "",
         f"wall {s['wall_s']:.0f} s; {s['jobs']} jobs, {s['succeeded']} succeeded; {s['faults']} faults "
-        f"{s['faults_by_kind']}",
+        f"{s['faults_by_kind']}; attempts they ended {s['attempts_ended_by_kind']}",
         f"goodput {_pct(s['goodput'])} (ledger: productive over all job time, queue included); "
         f"{_pct(s['running_goodput'])} while holding a slot; seconds {s['seconds']}",
         f"recomputed steps {s['recomputed_steps']}; rows lost {s['lost']}, doubled {s['doubled']}; "
@@ -232,6 +257,10 @@ def table(results: list[JobResult], summary: dict[str, Any]) -> str:
         rows.append(f"failed: {s['failed']}")
     if s["problems"]:
         rows.append(f"problems: {s['problems']}")
+    if s["unplanned_attempts"]:
+        fault_times = ", ".join(f"{f['kind']} {f['job_id'] or ''} {f['at'][11:19]}" for f in s["fault_log"])
+        rows.append(f"faults at: {fault_times}")
+        rows += [f"{job} ended: {end}" for job, ends in s["attempt_ends"].items() for end in ends]
     return "\n".join(rows)
 
 

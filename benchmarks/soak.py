@@ -1,6 +1,7 @@
 """The soak: a stream of small training jobs from three tenants on a production-shaped cluster on this
 machine (benchmarks/_soak_cluster.py: `megatrain api` x2 processes, `megatrain scheduler`, two
-`megatrain worker` nodes that hold only a node token, PostgreSQL, Redis/Celery), with a fault every
+`megatrain worker` nodes that hold only a node token, PostgreSQL, Redis/Celery, S3 on moto's
+server with a share of the nodes' requests answered 503), with a fault every
 `--fault-every` seconds, then what it kept (benchmarks/_soak_report.py): goodput from the ledger,
 steps recomputed past the last checkpoint, jobs succeeded or failed and why, rows lost or doubled,
 and the time from each fault to the first step of the attempt that resumed after it.
@@ -10,10 +11,13 @@ they happen): kill_rank (SIGKILL a running job's rank), stop_rank (SIGSTOP: froz
 must end it), restart_api (SIGKILL both API processes, start them again), kill_node (SIGKILL a
 node's worker with its runners and engines, back after --node-down-s), corrupt_checkpoint (flip a
 bit in a running job's latest checkpoint, then kill its rank: the resume must fall back to the one
-before), drop_db (terminate every database connection of the cluster's processes).
+before), drop_db (terminate every database connection of the cluster's processes), silence (cut a
+running job's node from the API for --silence-s: past the node-lost bound its attempt fails over,
+below it the node's reports arrive once each after), storage_outage (cut that node from S3 for
+--storage-outage-s: the S3 clients' retries must ride it out).
 
     python benchmarks/soak.py                               # an hour, a fault every ~3 min
-    python benchmarks/soak.py --minutes 4 --fault-every 34  # the CI version's shape
+    python benchmarks/soak.py --minutes 5 --fault-every 30 --silence-s 10  # the CI version's shape
 
 Targets: 0 rows lost, 0 doubled, every job succeeded, goodput >= 90% with a checkpoint every
 minute, every resume <= 60 s. `--json PATH` writes the summary; exit status 1 if a target is missed.
@@ -38,7 +42,8 @@ import httpx
 from _soak_cluster import NODES, TENANTS, Cluster
 from _soak_report import Fault, collect, summarize, table
 
-ROTATION = ("kill_rank", "restart_api", "stop_rank", "drop_db", "corrupt_checkpoint", "kill_node")
+ROTATION = ("kill_rank", "restart_api", "stop_rank", "drop_db", "corrupt_checkpoint", "kill_node",
+            "silence", "storage_outage")  # fmt: skip
 UNFINISHED = ("queued", "scheduled", "running", "paused")
 
 
@@ -143,6 +148,11 @@ class Driver:
             return None
         job_id, attempt, node = target
         fault = Fault(kind, now, job_id, attempt, node)
+        if kind in ("silence", "storage_outage"):
+            fault.window_s = self.args.silence_s if kind == "silence" else self.args.storage_outage_s
+            self.cluster.cut(node, "api" if kind == "silence" else "s3", fault.window_s)
+            fault.detail = f"{node} cut for {fault.window_s:g} s"
+            return fault
         if kind == "kill_node":
             self.cluster.procs[node].kill()
             time.sleep(self.args.node_down_s)
@@ -158,6 +168,13 @@ class Driver:
         except ProcessLookupError:
             return None
         return fault
+
+    def _owed(self, start: float) -> bool:
+        """With --every-kind, whether a kind has not fired yet (for at most --minutes more): a slow
+        host starts jobs late, and a fault waits for a job to hit."""
+        if not self.args.every_kind or time.monotonic() > start + 2 * self.args.minutes * 60:
+            return False
+        return bool(set(self.args.faults) - {f.kind for f in self.faults})
 
     def _corrupt_latest(self, job_id: str) -> str | None:
         from sqlalchemy import select
@@ -184,7 +201,7 @@ class Driver:
         next_fault = start + args.fault_every * 0.5
         kinds = itertools.cycle(args.faults)
         kind = next(kinds)
-        while time.monotonic() < end:
+        while time.monotonic() < end or self._owed(start):
             while self.unfinished() < len(NODES):
                 self.submit()
             if time.monotonic() >= next_fault:
@@ -213,7 +230,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-interval", type=int, default=9000, help="~1 min here")
     p.add_argument("--log-interval", type=int, default=300)
     p.add_argument("--node-down-s", type=float, default=10.0, help="how long a killed node stays down")
+    p.add_argument(
+        "--silence-s",
+        type=float,
+        default=30.0,
+        help="how long `silence` cuts a node from the API (the node-lost bound is 20 s)",
+    )
+    p.add_argument(
+        "--storage-outage-s", type=float, default=10.0, help="how long `storage_outage` cuts a node from S3"
+    )
+    p.add_argument("--storage", choices=("s3", "file"), default="s3")
+    p.add_argument(
+        "--storage-error-rate",
+        type=float,
+        default=0.02,
+        help="the share of the nodes' S3 requests answered 503 throughout",
+    )
     p.add_argument("--hang-min-s", type=float, default=15.0, help="the nodes' MEGATRAIN_HANG_MIN_S")
+    p.add_argument(
+        "--every-kind",
+        action="store_true",
+        help="go on past --minutes (at most as long again) until each fault kind fired",
+    )
     p.add_argument("--drain-minutes", type=float, default=15.0, help="how long to wait for the last jobs")
     p.add_argument(
         "--home", type=Path, default=None, help="keep the cluster's files here (default: a temp dir)"
@@ -228,8 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.faults) - set(ROTATION)
     if unknown:
         p.error(f"--faults: unknown {sorted(unknown)} (known: {', '.join(ROTATION)})")
+    if args.storage == "file" and "storage_outage" in args.faults:
+        p.error("--faults: storage_outage needs --storage s3")
     home = args.home or Path(tempfile.mkdtemp(prefix="megatrain-soak-"))
-    cluster = Cluster(home, redis_db=args.redis_db, hang_min_s=args.hang_min_s)
+    cluster = Cluster(
+        home,
+        redis_db=args.redis_db,
+        hang_min_s=args.hang_min_s,
+        storage=args.storage,
+        storage_error_rate=args.storage_error_rate if args.storage == "s3" else 0.0,
+    )
     try:
         cluster.create()
         cluster.start()
@@ -240,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop(keep=args.keep)
     summary = summarize(results, driver.faults, wall)
+    summary["storage"] = {"url": cluster.storage_url, "error_rate": cluster.storage_error_rate}
     print(table(results, summary))
     missed = targets_missed(summary, args)
     summary["targets_missed"] = missed

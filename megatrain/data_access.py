@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from urllib.parse import unquote
 
 from megatrain.settings import Settings
@@ -74,9 +75,26 @@ def normalise_data_url(url: str, *, root: bool = False) -> str:
     raise DataUrlError("must be file:///abs/path or s3://bucket/key")
 
 
+ROOTS_TTL_S = 10.0
+"""How long the resolved roots of one tenant stand (resolving each root's symlinks costs more than
+the rest of the check); a symlink an operator re-points takes effect within this."""
+_roots: dict[tuple[str, ...], tuple[float, list[str]]] = {}
+
+
 def allowed_roots(settings: Settings, tenant_name: str) -> list[str]:
     storage = settings.resolved_storage_url
     raw = [f"{storage}/tenants/{tenant_name}", f"{storage}/datasets", *settings.data_roots]
+    key, now = tuple(raw), time.monotonic()
+    cached = _roots.get(key)
+    if cached is not None and now - cached[0] < ROOTS_TTL_S:
+        return list(cached[1])
+    if len(_roots) > 4096:  # (tenants come and go: keep the map bounded)
+        _roots.clear()
+    _roots[key] = now, _resolved(raw)
+    return list(_roots[key][1])
+
+
+def _resolved(raw: list[str]) -> list[str]:
     roots = []
     for r in raw:
         try:

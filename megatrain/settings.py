@@ -175,7 +175,9 @@ class Settings(BaseSettings):
     hang_grace_s: float = Field(default=900.0, gt=0)
     """An attempt is hung when its step counter stops for hang_factor x its median step time (at
     least hang_min_s); before its first step, and while a checkpoint is being saved, it is allowed
-    hang_grace_s (setup, compilation, resuming and saving are slower than a step)."""
+    what the control plane predicted for it (plan.attempt_times), or hang_grace_s where nothing was
+    predicted, and during an evaluation (setup, compilation, resuming and saving are slower than a
+    step)."""
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """A job's process group gives up on a collective after this long (the attempt fails naming it,
     and is retried) instead of waiting forever; on CUDA, NCCL's flight recorder then dumps each

@@ -119,23 +119,81 @@ def drop_postgres_schema(schema: str) -> None:
         conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
+# Migrating a database takes 0.2-0.4 s; ~700 tests want one. Each worker migrates once (Alembic, every
+# revision) and copies the result: the SQLite file, or PostgreSQL's schema as pg_dump writes it.
+TEMPLATE_SCHEMA = "megatrain_template_schema"
+
+
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from megatrain.db.session import get_engine, upgrade_database
+
+    path = tmp_path_factory.mktemp("db-template") / "megatrain.db"
+    upgrade_database(f"sqlite:///{path}")
+    get_engine(f"sqlite:///{path}").dispose()  # (no -wal file left beside it)
+    return path
+
+
+@pytest.fixture(scope="session")
+def _postgres_template() -> str | None:
+    """The migrated schema as SQL (its name TEMPLATE_SCHEMA), or None without pg_dump."""
+    import shutil
+    import subprocess
+
+    from megatrain.db.session import get_engine, upgrade_database
+
+    if not (_postgres_reachable() and shutil.which("pg_dump")):
+        return None
+    url, schema = make_postgres_schema_url()
+    upgrade_database(url)
+    get_engine(url).dispose()
+    dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+    dump = subprocess.run(
+        ["pg_dump", "--schema", schema, "--no-owner", "--no-privileges", "--inserts", dsn],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    drop_postgres_schema(schema)
+    if dump.returncode != 0:  # (a pg_dump older than the server): each test migrates its own
+        return None
+    # (psql's meta-commands, e.g. newer pg_dump's \restrict, are not SQL)
+    lines = [line for line in dump.stdout.splitlines() if not line.startswith("\\")]
+    return "\n".join(lines).replace(schema, TEMPLATE_SCHEMA)
+
+
+def _postgres_from_template(template: str) -> tuple[str, str]:
+    """A URL whose connections use a new schema made from the template; returns (url, schema)."""
+    import psycopg
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    dsn = POSTGRES_URL.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(template.replace(TEMPLATE_SCHEMA, schema).encode())
+    sep = "&" if "?" in POSTGRES_URL else "?"
+    return f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}", schema
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(
     request: pytest.FixtureRequest, megatrain_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
     """A migrated, empty database on SQLite and on PostgreSQL; MEGATRAIN_DATABASE_URL points at it."""
+    import shutil
+
     from megatrain.db.session import get_engine, upgrade_database
 
     schema = None
     if request.param == "sqlite":
+        megatrain_home.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(request.getfixturevalue("_sqlite_template"), megatrain_home / "megatrain.db")
         url = f"sqlite:///{megatrain_home / 'megatrain.db'}"
     else:
         if not _postgres_reachable():
             pytest.skip(f"PostgreSQL unreachable at {POSTGRES_URL}")
-        url, schema = make_postgres_schema_url()
+        template = request.getfixturevalue("_postgres_template")
+        url, schema = _postgres_from_template(template) if template else make_postgres_schema_url()
     monkeypatch.setenv("MEGATRAIN_DATABASE_URL", url)
     reset_settings_cache()
-    upgrade_database(url)
+    upgrade_database(url)  # (at head already where copied: Alembic only checks)
     yield url
     get_engine(url).dispose()
     if schema:

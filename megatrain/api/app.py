@@ -34,6 +34,7 @@ from megatrain.api.middleware import ApiMetrics, BodyLimitMiddleware, MetricsMid
 from megatrain.api.models.router import router as models_router
 from megatrain.api.node.router import MAX_BODY_BYTES as NODE_BODY_BYTES
 from megatrain.api.node.router import router as node_router
+from megatrain.api.node.tasks import router as node_tasks_router
 from megatrain.api.openai import PREFIX as OPENAI_PREFIX
 from megatrain.api.openai import router as openai_router
 from megatrain.api.openai.chat import router as openai_chat_router
@@ -147,6 +148,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         plan_router,
         secrets_router,
         node_router,
+        node_tasks_router,
     )
     # The chat routes before openai_router, whose catch-all answers any other /openai/v1 path.
     for router in (*routers, *extra, openai_chat_router, openai_router):

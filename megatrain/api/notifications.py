@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 
 from sqlalchemy.engine import make_url
@@ -33,6 +34,9 @@ class JobListener:
         self.on_job = on_job
         self.connected = False
         self._stop = threading.Event()
+        # This listener's own channel: stop() notifies it so that the wait ends at once (else an
+        # API's shutdown, and every test's, waits out WAIT_S).
+        self._wake = f"megatrain_stop_{uuid.uuid4().hex}"
         self._thread = threading.Thread(target=self._run, daemon=True, name="job-listener")
 
     @staticmethod
@@ -45,6 +49,14 @@ class JobListener:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.connected:
+            try:
+                import psycopg
+
+                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=2) as conn:
+                    conn.execute(f"NOTIFY {self._wake}")
+            except Exception:  # the thread still stops within WAIT_S
+                pass
         self._thread.join(timeout=WAIT_S + 2)
 
     def _run(self) -> None:
@@ -55,10 +67,13 @@ class JobListener:
             try:
                 with psycopg.connect(self.conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    conn.execute(f"LISTEN {self._wake}")
                     self.connected, failures = True, 0
                     self.on_job(None)  # anything notified while not listening is read now
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=WAIT_S):
+                            if note.channel == self._wake:
+                                break
                             self.on_job(note.payload)
             except Exception as exc:  # a lost connection: poll meanwhile, listen again soon
                 if self._stop.is_set():

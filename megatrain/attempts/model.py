@@ -61,6 +61,8 @@ class Attempt:
     """How long the job waited in the queue before this attempt (for the goodput ledger)."""
     prev_step: int = 0
     checkpoint_interval: int = 0
+    train_iters: int = 0
+    """The spec's last step (0: unknown): past it the engine is finishing, not stepping (worker.hang)."""
     preemptions: int = 0
     """Earlier attempts of the job that ended preempted (not failures: see db.jobs.retry_allowed)."""
     max_preemptions: int = 10
@@ -68,6 +70,10 @@ class Attempt:
     """Earlier attempts that ended at an allocation's time limit and continued (not failures)."""
     serve_token: str | None = None
     """A serve job's bearer token for this attempt (db.models.Job.serve_token)."""
+    first_step_bound_s: float | None = None
+    save_bound_s: float | None = None
+    """How long the hang watch allows before the first step and for a checkpoint's save, predicted
+    for this job on its pool (plan.attempt_times); None: settings.hang_grace_s for both."""
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     """The tenant secrets the job names (spec `secrets`), decrypted for its engine's environment."""
 

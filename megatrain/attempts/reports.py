@@ -41,6 +41,9 @@ from megatrain.db.models import (
     utcnow,
 )
 from megatrain.db.node_tokens import ReportCursor, revoke_attempt_tokens
+from megatrain.plan.attempt_times import predict_attempt_times
+from megatrain.plan.layout import Layout
+from megatrain.plan.pool import PoolSpec
 from megatrain.secrets_box import SecretsUnavailable
 from megatrain.settings import Settings
 from megatrain.spec import parse_spec
@@ -135,11 +138,11 @@ def _answer(
     """A claim's answer: the attempt (with the secrets its engine gets), the job's spec and layout."""
     s.refresh(job)
     placed = s.execute(
-        select(NodePool.accelerator, Node.slots_total)
+        select(NodePool.accelerator, Node.slots_total, NodePool.spec)
         .join(Node, Node.pool_id == NodePool.id)
         .where(Node.id == job.node_id)
     ).first()
-    accelerator, node_slots = placed if placed is not None else (None, None)
+    accelerator, node_slots, pool_spec = placed if placed is not None else (None, None, None)
     att = Attempt(
         job.id,
         job.attempt,
@@ -154,17 +157,37 @@ def _answer(
         queued_s=queued_s,
         prev_step=job.current_step or 0,
         checkpoint_interval=int((job.spec.get("training") or {}).get("checkpoint_interval") or 0),
+        train_iters=int((job.spec.get("training") or {}).get("train_iters") or 0),
         preemptions=job.preemptions,
         max_preemptions=job.max_preemptions,
         continuations=job.continuations,
         serve_token=serve_token,
         secret_env=job_secrets(s, settings, job),
+        **pause_bounds(settings, job, pool_spec, node_slots),
     )
     if endpoint is not None:
         from megatrain.attempts.gang import lead
 
         lead(s, settings, att, endpoint)
     return {"attempt": att.to_wire(), "spec": job.spec, "layout": job.layout}
+
+
+def pause_bounds(
+    settings: Settings, job: Job, pool_spec: dict[str, Any] | None, node_slots: int | None
+) -> dict[str, float]:
+    """The attempt's allowances before its first step and for a save (plan.attempt_times), or none
+    (the flat hang_grace_s) where its pool or its model's size is unknown."""
+    if not pool_spec:
+        return {}
+    try:
+        spec, layout = parse_spec(job.spec), Layout.from_dict(job.layout)
+        pool = PoolSpec.model_validate(pool_spec)
+        ranks = min(job.num_procs, node_slots or job.num_procs)
+        times = predict_attempt_times(spec, layout, pool, ranks, resuming=bool(job.current_step))
+    except Exception as exc:  # noqa: BLE001 - advisory: a prediction that fails must not fail the claim
+        log.info("job %s: no predicted pauses (%s); the hang watch allows hang_grace_s", job.id, exc)
+        return {}
+    return times.bounds(settings.hang_min_s)
 
 
 def _queued_s(s: Session, job: Job, now: datetime) -> float:
@@ -183,16 +206,26 @@ def report(s: Session, job_id: str, batch: dict[str, Any], max_log_lines: int) -
     batch: attempt, node_rank, seq (> 0, one more than the last), lines (already redacted and, for a
     follower, prefixed with its node), metrics and events (rows of the engine's JSONL files),
     heartbeat (whether this tick beats), host and pid (the runner), follower (a non-zero node rank
-    of a gang: it owns nothing and only learns whether the attempt still runs)."""
+    of a gang: it owns nothing and only learns whether the attempt still runs), progress (a follower's
+    ranks, kept for node rank 0's hang report) and gang (node rank 0 of a gang: the answer carries
+    the other shards' progress as "peers")."""
     attempt, node_rank, seq = int(batch["attempt"]), int(batch.get("node_rank") or 0), int(batch["seq"])
     row = cursor(s, job_id, attempt, node_rank, None)
     applied = seq > row.seq
+    if batch.get("progress") is not None:
+        row.progress = batch["progress"]
     if applied:
         row.seq = seq
-        if batch.get("lines"):
-            append_logs(s, job_id, list(batch["lines"]), next_log_seq(s, job_id), max_log_lines)
-        ingest_metrics(s, job_id, list(batch.get("metrics") or ()))
-        ingest_events(s, job_id, list(batch.get("events") or ()), attempt)
+        if follower_verdict(s, job_id, attempt) is None:
+            if batch.get("lines"):
+                append_logs(s, job_id, list(batch["lines"]), next_log_seq(s, job_id), max_log_lines)
+            ingest_metrics(s, job_id, list(batch.get("metrics") or ()))
+            ingest_events(s, job_id, list(batch.get("events") or ()), attempt)
+        else:
+            # An attempt the control plane has already ended (judged lost while cut off, say) whose
+            # runner is heard again: its lines and figures would interleave with the attempt that
+            # replaced it, and rewind the job's step. Only its saved checkpoints are kept on record.
+            stale_checkpoints(s, job_id, attempt, list(batch.get("events") or ()))
     if batch.get("follower"):
         return {"verdict": follower_verdict(s, job_id, attempt), "applied": applied}
     host, pid = str(batch["host"]), int(batch["pid"])
@@ -210,7 +243,20 @@ def report(s: Session, job_id: str, batch: dict[str, Any], max_log_lines: int) -
         verdict = verdict or "cancel"
     elif row.preempt_for is not None:
         verdict = verdict or "preempt"
-    return {"verdict": verdict, "applied": applied}
+    answer: dict[str, Any] = {"verdict": verdict, "applied": applied}
+    if batch.get("gang"):
+        answer["peers"] = peers_progress(s, job_id, attempt)
+    return answer
+
+
+def peers_progress(s: Session, job_id: str, attempt: int) -> list[dict[str, Any]]:
+    """What the other shards of a gang attempt last said of their ranks (ReportCursor.progress)."""
+    rows = s.scalars(
+        select(ReportCursor.progress).where(
+            ReportCursor.job_id == job_id, ReportCursor.attempt == attempt, ReportCursor.node_rank > 0
+        )
+    )
+    return [p for p in rows if p]
 
 
 def follower_verdict(s: Session, job_id: str, attempt: int) -> str | None:
@@ -232,11 +278,19 @@ def heartbeat(s: Session, job_id: str, host: str, pid: int) -> bool:
     return bool(owned == 1)
 
 
+CHECKPOINT_EVENTS = ("checkpoint_saved", "checkpoints_deleted", "checkpoint_corrupt", "checkpoints_set_aside")
+"""What an ended attempt reports that still stands: the checkpoints it left in storage."""
+
+
 def backfill(s: Session, job_id: str, attempt: int, metrics: list[dict], events: list[dict]) -> None:
     """What an earlier attempt wrote after its runner's last tick (idempotent inserts only)."""
     ingest_metrics(s, job_id, metrics)
-    kinds = ("checkpoint_saved", "checkpoints_deleted", "checkpoint_corrupt", "checkpoints_set_aside")
-    ingest_events(s, job_id, [r for r in events if r.get("event") in kinds], attempt)
+    stale_checkpoints(s, job_id, attempt, events)
+
+
+def stale_checkpoints(s: Session, job_id: str, attempt: int, events: list[dict]) -> None:
+    """Record the checkpoint events among an ended attempt's (idempotent)."""
+    ingest_events(s, job_id, [r for r in events if r.get("event") in CHECKPOINT_EVENTS], attempt)
 
 
 def attempt_of(s: Session, job_id: str, attempt: int, rendezvous: dict[str, Any] | None) -> Attempt | None:

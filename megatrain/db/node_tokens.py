@@ -18,8 +18,9 @@ import hashlib
 import re
 import secrets
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import ForeignKey, Integer, String, select, update
+from sqlalchemy import JSON, ForeignKey, Integer, String, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from megatrain.db.models import Base, NodePool, UTCDateTime, new_id, utcnow
@@ -56,6 +57,9 @@ class ReportCursor(Base):
     node_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     """The node whose runner claimed (or joined) the attempt as this node rank: it may still report
     for it once the job has given its placement back (a follower's last lines)."""
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """A gang shard's ranks as it last read them: {"node", "step" (the lowest), "ranks" (those at it)},
+    so node rank 0's hang report can name the node whose ranks stopped first."""
 
 
 def hash_token(token: str) -> str:

@@ -49,6 +49,8 @@ from megatrain.plan.result import (
 from megatrain.plan.shapes import (
     BYTE_TOKENIZER_VOCAB,
     ModelShape,
+    balanced_layers,
+    divisors,
     layers_on_stage,
     moe_layers_on_stage,
     param_counts,
@@ -66,26 +68,6 @@ MIN_CP_CHUNK = 4096
 its ring hops grow relative to block attention, while a shorter sequence's activations rarely
 need splitting (Megatron uses cp from 8K-token sequences up)."""
 MAX_RUNNERS_UP = 5
-
-
-def balanced_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...] | None:
-    """Layers per model chunk (chunk c on stage c % pp) when pp·v does not divide num_layers, else
-    None (the even split). The extra layers go to the middle stages first: the first stage also runs
-    the embedding and the last the LM head and the loss (as Llama 3 405B's 126 layers over pp=16)."""
-    chunks = pp * v
-    base, extra = divmod(num_layers, chunks)
-    if not extra:
-        return None
-    order = sorted(range(chunks), key=lambda c: (c % pp == pp - 1, c % pp == 0, c))
-    counts = [base] * chunks
-    for c in order[:extra]:
-        counts[c] += 1
-    return tuple(counts)
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 class _Search:

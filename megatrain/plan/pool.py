@@ -45,6 +45,13 @@ class PoolSpec(BaseModel):
     """Per device, one direction, across nodes (one 400 Gb/s NIC per GPU: ~50)."""
     inter_node_latency_us: float = Field(10.0, ge=0.0, le=1e6)
     """One message's latency across nodes."""
+    storage_write_gbps: float = Field(1.0, gt=0.0, le=1e5)
+    """What one node writes to the job's storage (its checkpoint shards), all its ranks together."""
+    storage_read_gbps: float = Field(2.0, gt=0.0, le=1e5)
+    """What one node reads from the job's storage (a checkpoint to resume from), all its ranks together."""
+    startup_s: float = Field(60.0, gt=0.0, le=86_400.0)
+    """An attempt's start before its first step, reading storage aside: processes, imports, process
+    groups, building the model. The hang watch allows a few times this (and the reads) before it."""
 
     @model_validator(mode="after")
     def _peaks(self) -> PoolSpec:

@@ -406,3 +406,24 @@ def moe_layers_on_stage(
             out += -(-(start + n) // f) - -(-start // f)  # multiples of f in [start, start + n)
         start += n
     return out
+
+
+def balanced_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...] | None:
+    """Layers per model chunk (chunk c on stage c % pp) when pp·v does not divide num_layers, else
+    None (the even split). The extra layers go to the middle stages first: the first stage also runs
+    the embedding and the last the LM head and the loss (as Llama 3 405B's 126 layers over pp=16)."""
+    chunks = pp * v
+    base, extra = divmod(num_layers, chunks)
+    if not extra:
+        return None
+    order = sorted(range(chunks), key=lambda c: (c % pp == pp - 1, c % pp == 0, c))
+    counts = [base] * chunks
+    for c in order[:extra]:
+        counts[c] += 1
+    return tuple(counts)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})

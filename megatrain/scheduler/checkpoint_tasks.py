@@ -21,6 +21,7 @@ from sqlalchemy import select, update
 
 from megatrain.db.models import FAILED, PENDING, RUNNING_EXPORT, utcnow
 from megatrain.db.session import session_scope
+from megatrain.scheduler.intake import Intake
 from megatrain.settings import Settings
 from megatrain.worker.executors import Executor
 
@@ -76,21 +77,33 @@ def dispatch_pending(settings: Settings, row: Any, submit: Callable[[str], None]
     return submitted
 
 
-def _lost_why(task: Any, settings: Settings, executor: Executor) -> str | None:
+def worker_lost_why(task: Any, settings: Settings, executor: Executor, intake: Intake | None) -> str | None:
+    """Why the worker of a running background row (a dataset, an export, a sample) is gone, or None:
+    the executor's definite "its process is gone", else a heartbeat older than heartbeat_timeout_s,
+    never judged while the control plane hears no node at all (scheduler.intake)."""
     if executor.worker_alive(task.runner_host, task.runner_pid) is False:
         return f"worker pid {task.runner_pid} on {task.runner_host} is gone"
+    now = utcnow()
+    if intake is not None and intake.deaf(now):
+        return None
     last = task.heartbeat_at or task.updated_at
-    if last is not None and utcnow() - last > timedelta(seconds=settings.heartbeat_timeout_s):
-        return f"no heartbeat from {task.runner_host} for {(utcnow() - last).total_seconds():.0f}s"
+    if intake is not None:
+        last = intake.heard_from(last)
+    if last is not None and now - last > timedelta(seconds=settings.heartbeat_timeout_s):
+        return f"no heartbeat from {task.runner_host} for {(now - last).total_seconds():.0f}s"
     return None
 
 
 def reconcile_lost(
-    settings: Settings, executor: Executor, row: Any, max_attempts: int, what: str
+    settings: Settings,
+    executor: Executor,
+    row: Any,
+    max_attempts: int,
+    what: str,
+    intake: Intake | None = None,
 ) -> list[str]:
     """Requeue (or fail, past `max_attempts`) the running rows of table `row` whose worker is lost
-    (`executor` judges whether its process is gone, heartbeats the rest), and hand out again the
-    ones nobody claimed; returns their ids."""
+    (worker_lost_why), and hand out again the ones nobody claimed; returns their ids."""
     url = settings.resolved_database_url
     stale = utcnow() - timedelta(seconds=max(UNCLAIMED_RESUBMIT_S, settings.heartbeat_timeout_s))
     with session_scope(url) as s:
@@ -103,7 +116,9 @@ def reconcile_lost(
         ).all()
     with session_scope(url) as s:
         running = s.scalars(select(row).where(row.status == RUNNING)).all()
-        lost = [(t.id, t.attempt, why) for t in running if (why := _lost_why(t, settings, executor))]
+        lost = [
+            (t.id, t.attempt, why) for t in running if (why := worker_lost_why(t, settings, executor, intake))
+        ]
     changed = list(unclaimed)
     for ident, attempt, why in lost:
         if attempt < max_attempts:
@@ -140,7 +155,7 @@ class CheckpointTaskKind:
         """Submit the pending rows nobody has submitted yet; returns their ids."""
         return dispatch_pending(settings, self.row, getattr(executor, self.submit), self.what)
 
-    def reconcile(self, settings: Settings, executor: Executor) -> list[str]:
+    def reconcile(self, settings: Settings, executor: Executor, intake: Intake | None = None) -> list[str]:
         """Requeue (or fail) running rows whose worker is lost, and hand out again the ones nobody
         claimed; returns their ids."""
-        return reconcile_lost(settings, executor, self.row, self.max_attempts, self.what)
+        return reconcile_lost(settings, executor, self.row, self.max_attempts, self.what, intake)

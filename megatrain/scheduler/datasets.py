@@ -10,12 +10,13 @@ MAX_DATASET_ATTEMPTS, its objects removed.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 
 from sqlalchemy import select, update
 
 from megatrain.db.models import FAILED, PENDING, PROCESSING, Dataset, utcnow
 from megatrain.db.session import session_scope
+from megatrain.scheduler.checkpoint_tasks import worker_lost_why
+from megatrain.scheduler.intake import Intake
 from megatrain.settings import Settings
 from megatrain.storage import StorageError, open_store, split_url
 from megatrain.worker.executors import Executor
@@ -63,16 +64,7 @@ def dispatch_datasets(settings: Settings, executor: Executor) -> list[str]:
     return submitted
 
 
-def _lost_why(ds: Dataset, settings: Settings, executor: Executor) -> str | None:
-    if executor.worker_alive(ds.runner_host, ds.runner_pid) is False:
-        return f"worker pid {ds.runner_pid} on {ds.runner_host} is gone"
-    last = ds.heartbeat_at or ds.updated_at
-    if last is not None and utcnow() - last > timedelta(seconds=settings.heartbeat_timeout_s):
-        return f"no heartbeat from {ds.runner_host} for {(utcnow() - last).total_seconds():.0f}s"
-    return None
-
-
-def reconcile_datasets(settings: Settings, executor: Executor) -> list[str]:
+def reconcile_datasets(settings: Settings, executor: Executor, intake: Intake | None = None) -> list[str]:
     """Requeue (or fail) datasets whose preprocessing worker is lost (`executor` judges whether its
     process is gone; heartbeats judge the rest); returns their ids."""
     url = settings.resolved_database_url
@@ -80,7 +72,9 @@ def reconcile_datasets(settings: Settings, executor: Executor) -> list[str]:
     with session_scope(url) as s:
         rows = s.scalars(select(Dataset).where(Dataset.state == PROCESSING)).all()
         lost = [
-            (d.id, d.attempt, d.prefix_url, why) for d in rows if (why := _lost_why(d, settings, executor))
+            (d.id, d.attempt, d.prefix_url, why)
+            for d in rows
+            if (why := worker_lost_why(d, settings, executor, intake))
         ]
     for dataset_id, attempt, prefix_url, why in lost:
         if attempt < MAX_DATASET_ATTEMPTS:

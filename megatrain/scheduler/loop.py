@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Select, select, update
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -39,6 +39,7 @@ from megatrain.db.session import get_sessionmaker, session_scope
 from megatrain.failures import NOT_RETRIED, attempt_reason, failure_data
 from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
 from megatrain.scheduler.exports import dispatch_exports, reconcile_exports
+from megatrain.scheduler.intake import Intake
 from megatrain.scheduler.placement import Decision, Placement, place
 from megatrain.scheduler.preemption import RunningJob, victims_by_pool
 from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, NO_FREE_SLOTS, render_wait
@@ -85,6 +86,7 @@ class Scheduler:
         self.settings = settings or get_settings()
         self.url = self.settings.resolved_database_url
         self._executor = executor
+        self.intake = Intake(self.settings.node_lost_after_s)
 
     @property
     def executor(self) -> Executor:
@@ -283,13 +285,15 @@ class Scheduler:
         if verdict is False:
             where = f"pid {job.runner_pid} on {job.runner_host}" if job.runner_pid else "process"
             return f"runner {where} is gone"
+        if self.intake.deaf(now):
+            return None  # no runner can be heard now: silence says nothing of this one
         timeout = timedelta(seconds=self.settings.heartbeat_timeout_s)
         if job.status == SCHEDULED:
-            since = job.scheduled_at or job.updated_at
+            since = self.intake.heard_from(job.scheduled_at or job.updated_at)
             if since is not None and now - since > timeout:
                 return f"scheduled {(now - since).total_seconds():.0f}s ago but no runner picked it up"
             return None
-        last = job.heartbeat_at or job.started_at or job.updated_at
+        last = self.intake.heard_from(job.heartbeat_at or job.started_at or job.updated_at)
         if last is not None and now - last > timeout:
             return f"no heartbeat from {job.runner_host} for {(now - last).total_seconds():.0f}s"
         return None
@@ -303,11 +307,22 @@ class Scheduler:
             log.warning("job %s: could not ask why its runner ended (%s)", job.id, exc)
             return None
 
+    def listen(self, now: datetime | None = None) -> None:
+        """Whether any ready node was heard from lately (scheduler.intake)."""
+        with session_scope(self.url) as s:
+            newest, ready = s.execute(
+                select(func.max(Node.last_seen_at), func.count()).where(Node.status == "ready")
+            ).one()
+        self.intake.observe(newest, ready, now or utcnow())
+
     def mark_lost_nodes(self, now: datetime | None = None) -> list[tuple[str, str]]:
         """Mark lost every ready node unseen for node_lost_after_s; (id, hostname) of those this
         scheduler marked. One guarded UPDATE: a second scheduler's finds them lost already."""
         now = now or utcnow()
         cutoff = now - timedelta(seconds=self.settings.node_lost_after_s)
+        resumed = self.intake.resumed_at
+        if self.intake.deaf(now) or (resumed is not None and resumed >= cutoff):
+            return []  # the control plane cannot hear nodes, or has heard again too recently to judge
         with session_scope(self.url) as s:
             rows = s.execute(
                 update(Node)
@@ -371,6 +386,7 @@ class Scheduler:
         # Nodes this executor registers itself (the local one: this very machine) are refreshed
         # before liveness is judged, so a slow tick never makes the scheduler's own host lost.
         self.executor.refresh_nodes()
+        self.listen()
         self.mark_lost_nodes()
         changed += self.fail_over_lost_nodes()
         with session_scope(self.url) as s:
@@ -418,19 +434,19 @@ class Scheduler:
 
     def datasets_once(self) -> list[str]:
         """Recover datasets whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_datasets(self.settings, self.executor) + dispatch_datasets(
+        return reconcile_datasets(self.settings, self.executor, self.intake) + dispatch_datasets(
             self.settings, self.executor
         )
 
     def exports_once(self) -> list[str]:
         """Recover exports whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_exports(self.settings, self.executor) + dispatch_exports(
+        return reconcile_exports(self.settings, self.executor, self.intake) + dispatch_exports(
             self.settings, self.executor
         )
 
     def samples_once(self) -> list[str]:
         """Recover samples whose worker is lost, then hand pending ones to the executor."""
-        return reconcile_samples(self.settings, self.executor) + dispatch_samples(
+        return reconcile_samples(self.settings, self.executor, self.intake) + dispatch_samples(
             self.settings, self.executor
         )
 

@@ -152,9 +152,9 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
 
     The node advertises its slots (GPUs, or settings.resolved_cpu_slots), capped by `concurrency` when given,
     and the worker runs that many tasks at once: what the scheduler counts is what runs. With a node
-    token (settings.node_token) it registers, heartbeats and runs its jobs through the API, and
-    consumes only its node's queue: a pool's datasets, exports and samples need a worker that holds
-    the database URL.
+    token (settings.node_token) it registers, heartbeats, runs its jobs and its pool's datasets,
+    exports and samples through the API (worker.reporter, worker.task_link): it needs no database
+    URL.
     """
     slots = worker_slots(settings, concurrency)
     reporter = reporter_for(settings)
@@ -173,8 +173,6 @@ def run_worker(settings: Settings, concurrency: int | None = None, queues: list[
         name="node-seen",
     )
     beat.start()
-    if settings.node_token and not queues:
-        queues = [queue_name(settings.pool_name, hostname)]
     app = create_celery_app(settings)
     shared = datasets_queue(settings.pool_name)
     queues = queues or [queue_name(settings.pool_name, hostname), shared]

@@ -18,85 +18,24 @@ import logging
 import os
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.exc import SQLAlchemyError
-
-from megatrain.db.models import FAILED, PENDING, PROCESSING, READY, Dataset, utcnow
-from megatrain.db.session import session_scope
+from megatrain.db.models import FAILED, READY
 from megatrain.settings import Settings, get_settings
 from megatrain.spec import TokenizerSpec
 from megatrain.storage import StorageError, open_store, split_url
+from megatrain.worker.checkpoint_tasks import claim_row, heartbeating
+from megatrain.worker.task_link import TaskLink, task_link
 
 log = logging.getLogger(__name__)
 
+KIND = "dataset"
 MAX_REASON_CHARS = 2000
 OUTPUT_NAMES = ("data.bin", "data.idx")
 """Uploaded in this order: the index last."""
-
-
-def claim(settings: Settings, dataset_id: str) -> int | None:
-    """pending → processing for this process; the attempt number, or None if it was not pending."""
-    with session_scope(settings.resolved_database_url) as s:
-        attempt = s.scalar(select(Dataset.attempt).where(Dataset.id == dataset_id, Dataset.state == PENDING))
-        if attempt is None:
-            return None
-        done = s.execute(
-            update(Dataset)
-            .where(Dataset.id == dataset_id, Dataset.state == PENDING, Dataset.attempt == attempt)
-            .values(
-                state=PROCESSING,
-                state_reason=f"preprocessing on {socket.gethostname()}",
-                attempt=attempt + 1,
-                runner_host=socket.gethostname(),
-                runner_pid=os.getpid(),
-                heartbeat_at=utcnow(),
-                updated_at=utcnow(),
-            )
-            .execution_options(synchronize_session=False)
-        )
-        return attempt + 1 if done.rowcount == 1 else None
-
-
-def _mine(dataset_id: str, attempt: int) -> Any:
-    return (Dataset.id == dataset_id, Dataset.state == PROCESSING, Dataset.attempt == attempt)
-
-
-def _finish(settings: Settings, dataset_id: str, attempt: int, **values: Any) -> bool:
-    """Set the outcome if the dataset is still this attempt's; False if it is gone or taken over."""
-    with session_scope(settings.resolved_database_url) as s:
-        done = s.execute(
-            update(Dataset)
-            .where(*_mine(dataset_id, attempt))
-            .values(runner_pid=None, heartbeat_at=None, finished_at=utcnow(), updated_at=utcnow(), **values)
-            .execution_options(synchronize_session=False)
-        )
-        return done.rowcount == 1
-
-
-def _heartbeat(
-    settings: Settings, dataset_id: str, attempt: int, stop: threading.Event, progress: _Progress
-) -> None:
-    host = socket.gethostname()
-    while not stop.wait(settings.heartbeat_interval_s):
-        values: dict[str, Any] = {"heartbeat_at": utcnow()}
-        if progress.text:
-            values["state_reason"] = f"preprocessing on {host}: {progress.text}"
-        try:
-            with session_scope(settings.resolved_database_url) as s:
-                s.execute(
-                    update(Dataset)
-                    .where(*_mine(dataset_id, attempt))
-                    .values(**values)
-                    .execution_options(synchronize_session=False)
-                )
-        except SQLAlchemyError as exc:
-            log.warning("dataset %s: heartbeat failed: %s", dataset_id, exc)
 
 
 PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -149,30 +88,35 @@ def preprocess_dataset(
 ) -> str | None:
     """Preprocess a pending dataset; its final state (ready/failed), or None if it was not pending
     (another delivery ran it) or was deleted meanwhile."""
-    attempt = claim(settings, dataset_id)
-    if attempt is None:
-        log.info("dataset %s is not pending: skipping this delivery", dataset_id)
+    link = task_link(settings)
+    host = socket.gethostname()
+    claimed = claim_row(link, KIND, dataset_id, state_reason=f"preprocessing on {host}")
+    if claimed is None:
         return None
-    with session_scope(settings.resolved_database_url) as s:
-        ds = s.get(Dataset, dataset_id)
-        if ds is None:
-            return None
-        source, prefix_url = ds.source_url, ds.prefix_url
-        tokenizer = TokenizerSpec.model_validate(ds.tokenizer)
-        json_key, append_eod = ds.json_key, ds.append_eod
-    folder_url = split_url(prefix_url)[0]  # {storage}/…/datasets/{name}/{id}: this dataset's alone
+    attempt, ds = claimed
+    tokenizer = TokenizerSpec.model_validate(ds.tokenizer)
+    folder_url = split_url(ds.prefix_url)[0]  # {storage}/…/datasets/{name}/{id}: this dataset's alone
     store = open_store(folder_url, settings.s3_endpoint_url)
-    stop, progress = threading.Event(), _Progress()
-    beat = threading.Thread(
-        target=_heartbeat, args=(settings, dataset_id, attempt, stop, progress), daemon=True
-    )
-    beat.start()
+    progress = _Progress()
+
+    def state_reason() -> dict[str, str]:
+        return {"state_reason": f"preprocessing on {host}: {progress.text}"} if progress.text else {}
+
+    with heartbeating(settings, link, KIND, dataset_id, attempt, state_reason):
+        return _preprocess(settings, link, ds, attempt, tokenizer, store, progress, preprocess_fn)
+
+
+def _preprocess(
+    settings: Settings, link: TaskLink, ds: Any, attempt: int, tokenizer: TokenizerSpec, store: Any,
+    progress: _Progress, preprocess_fn: PreprocessFn | None,
+) -> str | None:  # fmt: skip
+    dataset_id, folder_url = ds.id, split_url(ds.prefix_url)[0]
     started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix=f"megatrain-{dataset_id}-") as tmp:
             work = Path(tmp)
             run = preprocess_fn or _run_preprocess
-            stats = run(source, work / "data", tokenizer, json_key, append_eod, progress)
+            stats = run(ds.source_url, work / "data", tokenizer, ds.json_key, ds.append_eod, progress)
             output_bytes = 0
             for name in OUTPUT_NAMES:
                 path = work / name
@@ -181,10 +125,10 @@ def preprocess_dataset(
         stats["output_bytes"] = output_bytes
         took = time.monotonic() - started
         reason = f"{stats['documents']} documents, {stats['tokens']} tokens in {took:.1f}s"
-        if _finish(settings, dataset_id, attempt, state=READY, state_reason=reason, **stats):
+        if link.finish(KIND, dataset_id, attempt, READY, state_reason=reason, **stats):
             log.info("dataset %s ready: %s", dataset_id, reason)
             return READY
-        if not _exists(settings, dataset_id):
+        if not link.exists(KIND, dataset_id):
             log.info("dataset %s was deleted while preprocessing: removing its objects", dataset_id)
             _remove_folder(folder_url, settings)
         return None  # still there: a newer attempt owns it (this one was judged lost)
@@ -192,14 +136,7 @@ def preprocess_dataset(
         log.warning("dataset %s failed: %s", dataset_id, exc)
         _remove_folder(folder_url, settings)
         why = (str(exc) or type(exc).__name__)[:MAX_REASON_CHARS]
-        return FAILED if _finish(settings, dataset_id, attempt, state=FAILED, state_reason=why) else None
-    finally:
-        stop.set()
-
-
-def _exists(settings: Settings, dataset_id: str) -> bool:
-    with session_scope(settings.resolved_database_url) as s:
-        return s.scalar(select(Dataset.id).where(Dataset.id == dataset_id)) is not None
+        return FAILED if link.finish(KIND, dataset_id, attempt, FAILED, state_reason=why) else None
 
 
 def _remove_folder(folder_url: str, settings: Settings) -> None:

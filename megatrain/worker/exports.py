@@ -24,15 +24,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatrain.db.models import ADAPTER_FORM, FAILED, MODEL_FORM, READY, CheckpointExport
+from megatrain.db.models import ADAPTER_FORM, FAILED, MODEL_FORM, READY
 from megatrain.settings import Settings
 from megatrain.storage import StorageError, open_store, split_url
 from megatrain.worker.checkpoint_tasks import (
     checkpoint_folder,
     claim_row,
     fail,
-    finish,
     heartbeating,
+    task_link,
     task_main,
 )
 
@@ -102,21 +102,20 @@ ExportFn = Callable[[str, str, str, "str | None", str], None]
 def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | None = None) -> str | None:
     """Run a pending export; its final status (ready/failed), or None if it was not pending
     (another delivery ran it), was deleted meanwhile, or was taken over by a newer attempt."""
-    claimed = claim_row(settings, CheckpointExport, export_id, "export")
+    link = task_link(settings)
+    claimed = claim_row(link, "export", export_id)
     if claimed is None:
         return None
     attempt, exp = claimed
     storage = settings.resolved_storage_url.rstrip("/")
     source, dest = checkpoint_folder(storage, exp.job_id, exp.step), f"{storage}/{exp.folder_key}"
     started = time.monotonic()
-    with heartbeating(settings, CheckpointExport, export_id, attempt):
+    with heartbeating(settings, link, "export", export_id, attempt):
         try:
             _remove(dest, settings)  # what an earlier, lost attempt left behind
             (export_fn or _run_export)(source, dest, exp.dtype, settings.s3_endpoint_url, exp.form)
             size = folder_size(dest, settings)
-            if finish(
-                settings, CheckpointExport, export_id, attempt, READY, uri=dest, size_bytes=size, error=""
-            ):
+            if link.finish("export", export_id, attempt, READY, uri=dest, size_bytes=size, error=""):
                 log.info(
                     "export %s ready: %s (%d bytes, %.1fs)", export_id, dest, size, time.monotonic() - started
                 )
@@ -124,7 +123,7 @@ def export_checkpoint(export_id: str, settings: Settings, export_fn: ExportFn | 
             return None  # taken over (judged lost) or deleted: the newer attempt or nobody owns dest
         except Exception as exc:  # every failure is the export's reason, never a lost worker
             log.warning("export %s failed: %s", export_id, exc)
-            if not fail(settings, CheckpointExport, export_id, attempt, exc):
+            if not fail(link, "export", export_id, attempt, exc):
                 return None  # a newer attempt owns the folder now: leave it alone
             _remove(dest, settings)  # a failed export keeps no objects
             return FAILED

@@ -3,10 +3,13 @@
 The rule: an attempt is hung when its step counter has not moved for `hang_factor` x the median
 step time the attempt measured (never less than `hang_min_s`). Before the attempt's first step
 (setup, resume) and while any rank says it is saving a checkpoint or evaluating (its progress
-file's phase), the allowance is `hang_grace_s` instead: those pauses are legitimately long. A rank
-that hangs in the step before a checkpoint is not one of them. (Progress files without a phase, from
-an older engine, fall back to a guess: the step after the newest known one is due a checkpoint that
-is not yet reported saved.)
+file's phase), the allowance is longer: those pauses are legitimately long. Before the first step
+and for a save it is what the control plane predicted for this job on its pool
+(plan.attempt_times: the state a node reads and writes over the pool's storage bandwidth), a save's
+never less than `hang_factor` x the longest save this attempt measured; otherwise, and for an
+evaluation, `hang_grace_s`. A rank that hangs in the step before a checkpoint is not one of them.
+(Progress files without a phase, from an older engine, fall back to a guess: the step after the
+newest known one is due a checkpoint that is not yet reported saved.)
 
 Each engine rank writes OUT/progress.rank{R} (JSON: its last finished step and its pid) so a hang
 names the rank(s) that stopped first; the runner asks those processes for their stacks (SIGUSR1,
@@ -23,11 +26,16 @@ import signal
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatrain.progress_files import PAUSE_PHASES, RankProgress, read_progress
+
+if TYPE_CHECKING:
+    from megatrain.attempts.model import Attempt
+    from megatrain.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,10 @@ class HangRule:
     factor: float = 10.0
     min_s: float = 120.0
     grace_s: float = 900.0
+    first_step_s: float | None = None
+    """The allowance before the first step, predicted for the attempt (None: grace_s)."""
+    save_s: float | None = None
+    """The allowance for a checkpoint's save, predicted for the attempt (None: grace_s)."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +88,14 @@ class HangWatch:
     Metrics rows come every log_interval steps, so the allowance scales with the usual gap between
     logged steps; the progress files (each rank's step, about once a second) see movement between
     them. A checkpoint is due when the next step, or one since the last logged, is a multiple of
-    checkpoint_interval not reported saved (a resumed attempt's start counts as saved)."""
+    checkpoint_interval not reported saved (a resumed attempt's start counts as saved). Past the
+    last step (train_iters) the engine is finishing: its final save and exit (the last async writes,
+    torchrun's exit barrier with the other nodes) get a save's allowance."""
 
-    def __init__(self, rule: HangRule, started: float, checkpoint_interval: int = 0):
+    def __init__(self, rule: HangRule, started: float, checkpoint_interval: int = 0, train_iters: int = 0):
         self.rule = rule
         self.checkpoint_interval = checkpoint_interval
+        self.train_iters = train_iters
         self.last_step: int | None = None
         self.progress_low: int | None = None
         self.last_move = started
@@ -91,6 +106,9 @@ class HangWatch:
         """Whether the ranks' progress files say what they are doing."""
         self.pausing = False
         """A rank is saving a checkpoint or evaluating."""
+        self.evaluating = False
+        self.longest_save_s = 0.0
+        """The longest write of a checkpoint this attempt reported."""
 
     def observe_metrics(self, rows: list[dict[str, Any]], now: float) -> None:
         for row in rows:
@@ -111,6 +129,8 @@ class HangWatch:
                 self.saved_step = max(self.saved_step, row["resumed_from"])
             elif event == "checkpoint_saved" and isinstance(step, int):
                 self.saved_step = max(self.saved_step, step)
+                if isinstance(row.get("write_s"), (int, float)):
+                    self.longest_save_s = max(self.longest_save_s, float(row["write_s"]))
                 self.last_move = max(self.last_move, now)  # a save's end restarts the clock
 
     def observe_progress(self, progress: list[RankProgress], now: float) -> None:
@@ -119,6 +139,7 @@ class HangWatch:
             return
         self.phases_known = all(p.phase is not None for p in progress)
         self.pausing = any(p.phase in PAUSE_PHASES for p in progress)
+        self.evaluating = any(p.phase == "evaluation" for p in progress)
         low = min(p.step for p in progress)
         if low > self.known_step:
             self.last_move = now
@@ -135,8 +156,12 @@ class HangWatch:
     def allowance_s(self) -> float:
         """How long the step counter may stand still now."""
         median = self.median_s
-        if self.last_step is None or median is None or self.pausing:
+        if self.last_step is None:
+            return self.rule.first_step_s or self.rule.grace_s
+        if median is None or self.evaluating:
             return self.rule.grace_s
+        if self.pausing or (self.train_iters and self.known_step >= self.train_iters):
+            return self.save_allowance_s()
         gap = statistics.median_low(self.gaps) if self.gaps else 1
         every, known = self.checkpoint_interval, self.known_step
         if every and not self.phases_known:
@@ -144,10 +169,21 @@ class HangWatch:
             # look alike from here (a rank's file holds still through both).
             boundary = (known + 1) // every * every
             if boundary > max(self.saved_step, known - gap):
-                return self.rule.grace_s  # a save is due about now and not reported done
+                return self.save_allowance_s()  # a save is due about now and not reported done
         return max(self.rule.min_s, self.rule.factor * median * gap)
 
-    def check(self, now: float, out_dir: Path, host: str) -> Hang | None:
+    def save_allowance_s(self) -> float:
+        """A checkpoint's save: the predicted allowance, or longer where this attempt's saves were."""
+        if self.rule.save_s is None:
+            return self.rule.grace_s
+        return max(self.rule.save_s, self.rule.min_s, self.rule.factor * self.longest_save_s)
+
+    def check(
+        self, now: float, out_dir: Path, host: str, peers: Sequence[dict[str, Any]] = ()
+    ) -> Hang | None:
+        """The hang, if the attempt is hung now. `peers`: the other shards of a gang (node rank 0's
+        runner; attempts.reports.peers_progress), so the ranks named are the gang's lowest, on
+        whichever node they run."""
         progress = read_progress(out_dir)
         self.observe_progress(progress, now)
         stalled = now - self.last_move
@@ -163,7 +199,42 @@ class HangWatch:
         else:
             low, stopped = self.last_step or 0, [RankProgress(0, self.last_step or 0, None)]
         pids = tuple(p.pid for p in stopped if isinstance(p.pid, int))
-        return Hang(tuple(p.rank for p in stopped), host, low, stalled, self.median_s, pids)
+        hang = Hang(tuple(p.rank for p in stopped), host, low, stalled, self.median_s, pids)
+        return _lowest_of_gang(hang, peers)
+
+
+def watch_attempt(settings: Settings, att: Attempt, started: float) -> HangWatch:
+    """The attempt's watch: the settings' rule, with the pauses the control plane predicted for it."""
+    s = settings
+    rule = HangRule(s.hang_factor, s.hang_min_s, s.hang_grace_s, att.first_step_bound_s, att.save_bound_s)
+    return HangWatch(rule, started, att.checkpoint_interval, att.train_iters)
+
+
+def _lowest_of_gang(own: Hang, peers: Sequence[dict[str, Any]]) -> Hang:
+    """The gang's ranks that stopped first: another node's where they stand at a lower step than this
+    node's (their stacks are in that node's log lines), both where they stand at the same one."""
+    steps = [p["step"] for p in peers if isinstance(p.get("step"), int)]
+    if not steps or min(steps) > own.step:
+        return own
+    low = min(steps)
+    named = [p for p in peers if p.get("step") == low]
+    ranks = tuple(r for p in named for r in p.get("ranks") or ())
+    hosts = [str(p.get("node") or "?") for p in named]
+    if low == own.step:
+        ranks, hosts = own.ranks + ranks, [own.host, *hosts]
+    return replace(
+        own, ranks=ranks, host=", ".join(hosts), step=low, pids=own.pids if low == own.step else ()
+    )
+
+
+def shard_progress(out_dir: Path, node: str) -> dict[str, Any] | None:
+    """What a gang shard tells the control plane of its ranks: its node, their lowest step and the
+    ranks standing at it (None before any rank wrote its progress file)."""
+    progress = read_progress(out_dir)
+    if not progress:
+        return None
+    low = min(p.step for p in progress)
+    return {"node": node, "step": low, "ranks": sorted(p.rank for p in progress if p.step == low)}
 
 
 def dump_stacks(pids: tuple[int, ...], timeout_s: float = 10.0) -> list[str]:

@@ -212,7 +212,7 @@ class HttpReporter:
         self.base = api_url.rstrip("/") + "/v1/node"
         self.client = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
 
-    def _post(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+    def call(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
         import httpx
 
         try:
@@ -238,42 +238,42 @@ class HttpReporter:
     ) -> dict[str, Any]:
         body = {"host": host, "pid": pid, "packages": packages, "endpoint": endpoint, "attempt": attempt}
         body["node"] = node
-        return dict(self._post(f"/jobs/{job_id}/claim", body))
+        return dict(self.call(f"/jobs/{job_id}/claim", body))
 
     def report(self, job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        return dict(self._post(f"/jobs/{job_id}/reports", batch))
+        return dict(self.call(f"/jobs/{job_id}/reports", batch))
 
     def heartbeat(self, job_id: str, host: str, pid: int) -> bool:
-        return bool(self._post(f"/jobs/{job_id}/heartbeat", {"host": host, "pid": pid})["owned"])
+        return bool(self.call(f"/jobs/{job_id}/heartbeat", {"host": host, "pid": pid})["owned"])
 
     def backfill(self, job_id: str, attempt: int, metrics: list[dict], events: list[dict]) -> None:
-        self._post(f"/jobs/{job_id}/backfill", {"attempt": attempt, "metrics": metrics, "events": events})
+        self.call(f"/jobs/{job_id}/backfill", {"attempt": attempt, "metrics": metrics, "events": events})
 
     def finish(self, att: Attempt, end: dict[str, Any]) -> str | None:
-        answer = self._post(f"/jobs/{att.job_id}/finish", attempt_ref(att) | {"end": end})
+        answer = self.call(f"/jobs/{att.job_id}/finish", attempt_ref(att) | {"end": end})
         return answer["status"]  # type: ignore[no-any-return]
 
     def join(self, job_id: str, share: Share, node: str) -> dict[str, Any]:
         body = {"node_rank": share.node_rank, "nnodes": share.nnodes, "attempt": share.attempt, "node": node}
-        return dict(self._post(f"/jobs/{job_id}/join", body))
+        return dict(self.call(f"/jobs/{job_id}/join", body))
 
     def silent(self, job_id: str, attempt: int) -> list[tuple[str, str]] | None:
-        answer = self._post(f"/jobs/{job_id}/attempts/{attempt}/silent", method="GET")["silent"]
+        answer = self.call(f"/jobs/{job_id}/attempts/{attempt}/silent", method="GET")["silent"]
         return None if answer is None else [(a, b) for a, b in answer]
 
     def shard_failed(self, att: Attempt, rc: int, node: str, node_rank: int, records: list[dict]) -> None:
         body = attempt_ref(att) | {"rc": rc, "node_rank": node_rank, "records": records, "node": node}
-        self._post(f"/jobs/{att.job_id}/shard-failed", body)
+        self.call(f"/jobs/{att.job_id}/shard-failed", body)
 
     def register(self, report: dict[str, Any]) -> str:
-        return str(self._post("/register", report)["node_id"])
+        return str(self.call("/register", report)["node_id"])
 
     def node_seen(self, node_id: str, values: dict[str, Any], pool_spec: dict[str, Any] | None) -> None:
         # The token names the node: `node_id` is the database's business.
-        self._post("/heartbeat", {"values": values, "pool_spec": pool_spec})
+        self.call("/heartbeat", {"values": values, "pool_spec": pool_spec})
 
     def storage_key(self, job_id: str, attempt: int) -> dict[str, Any]:
-        return dict(self._post(f"/jobs/{job_id}/storage-key", {"attempt": attempt}))
+        return dict(self.call(f"/jobs/{job_id}/storage-key", {"attempt": attempt}))
 
 
 class SilencedReporter:

@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any
 
-from megatrain.db.models import FAILED, READY, CheckpointSample
+from megatrain.db.models import FAILED, READY
 from megatrain.settings import Settings
 from megatrain.worker import checkpoint_tasks as tasks
 
@@ -44,7 +44,8 @@ def get_sampler() -> Any:
 def sample_checkpoint(sample_id: str, settings: Settings) -> str | None:
     """Run a pending sample; its final status (ready/failed), or None if it was not pending (another
     delivery ran it), was deleted meanwhile, or was taken over by a newer attempt."""
-    claimed = tasks.claim_row(settings, CheckpointSample, sample_id, "sample")
+    link = tasks.task_link(settings)
+    claimed = tasks.claim_row(link, "sample", sample_id)
     if claimed is None:
         return None
     attempt, row = claimed
@@ -55,14 +56,14 @@ def sample_checkpoint(sample_id: str, settings: Settings) -> str | None:
         "top_p": 1.0 if row.top_p is None else row.top_p,
         "seed": row.seed,
     }
-    with tasks.heartbeating(settings, CheckpointSample, sample_id, attempt):
+    with tasks.heartbeating(settings, link, "sample", sample_id, attempt):
         try:
             out = get_sampler().sample(folder, row.prompt, row.max_new_tokens, **options)
         except Exception as exc:  # a bad prompt or a missing checkpoint: the sample's reason
             log.warning("sample %s failed: %s", sample_id, exc)
-            return FAILED if tasks.fail(settings, CheckpointSample, sample_id, attempt, exc) else None
-    done = tasks.finish(
-        settings, CheckpointSample, sample_id, attempt, READY, text=out.text, error="",
+            return FAILED if tasks.fail(link, "sample", sample_id, attempt, exc) else None
+    done = link.finish(
+        "sample", sample_id, attempt, READY, text=out.text, error="",
         prompt_tokens=len(out.prompt_ids), new_tokens=len(out.new_ids), elapsed_s=out.elapsed_s,
     )  # fmt: skip
     log.info("sample %s: %d tokens in %.2fs", sample_id, len(out.new_ids), out.elapsed_s)

@@ -30,7 +30,7 @@ from megatrain.faults import checkpoints_to_corrupt, corrupt_checkpoint
 from megatrain.settings import Settings, get_settings
 from megatrain.storage import open_store
 from megatrain.worker.attempt import Attempt, engine_env
-from megatrain.worker.hang import Hang, HangRule, HangWatch, dump_stacks
+from megatrain.worker.hang import Hang, dump_stacks, shard_progress, watch_attempt
 from megatrain.worker.heartbeat import Heartbeat
 from megatrain.worker.ingest import JsonlTail
 from megatrain.worker.launch import (  # noqa: F401  (re-exported)
@@ -54,10 +54,6 @@ KILL_GRACE_S = float(os.environ.get("MEGATRAIN_KILL_GRACE_S", "10"))
 """Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time."""
 POLL_S = 0.25
 STACK_DUMP_WAIT_S = 2.0
-
-
-def hang_rule(settings: Settings) -> HangRule:
-    return HangRule(settings.hang_factor, settings.hang_min_s, settings.hang_grace_s)
 
 
 MAX_BATCH_LINES = 5000
@@ -176,9 +172,10 @@ class _Runner:
         self.reported_at = float("-inf")
         """time.monotonic() of the last acknowledged batch."""
         self.last_heartbeat = time.monotonic()
-        self.watch = HangWatch(hang_rule(settings), self.last_heartbeat, att.checkpoint_interval)
+        self.watch = watch_attempt(settings, att, self.last_heartbeat)
         self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
         self.hang: Hang | None = None
+        self.peers: list[dict[str, Any]] = []  # the other shards' ranks (node rank 0 of a gang)
         self.preempt_asked: float | None = None
         """time.monotonic() when the engine was asked to checkpoint and stop (preemption)."""
         self.preempted_step: int | None = None
@@ -231,7 +228,7 @@ class _Runner:
         del self.pending_lines[:MAX_BATCH_LINES]
         self.seq += 1
         rank = self.att.rendezvous.node_rank if self.att.rendezvous is not None else 0
-        return {
+        batch = {
             "attempt": self.att.attempt,
             "node_rank": rank,
             "seq": self.seq,
@@ -242,6 +239,11 @@ class _Runner:
             "metrics": metrics,
             "events": self.redact.value(events),
         }
+        if self.att.rendezvous is not None:  # a gang: its shards' ranks meet in node rank 0's report
+            batch |= (
+                {"progress": shard_progress(self.att.out_dir, self.node)} if self.follower else {"gang": True}
+            )
+        return batch
 
     def tick(self, heartbeat: bool) -> str | None:
         """Report what is new; heartbeat. Returns 'cancel' / 'lost' / 'preempt' when the loop must stop."""
@@ -264,6 +266,7 @@ class _Runner:
             return None
         self.unacked = None
         self.reported_at = time.monotonic()
+        self.peers = answer.get("peers") or self.peers
         self.caught_up = fresh and not self.pending_lines
         return answer.get("verdict")
 
@@ -412,9 +415,15 @@ def _supervise(
             break
         if verdict is None and now - started > att.max_runtime_s:
             verdict = "timeout"
-        if verdict is None and (hang := runner.watch.check(now, att.out_dir, runner.host)) is not None:
-            verdict = "hung"
+        if (
+            verdict is None
+            and runner.hang is None
+            and (hang := runner.watch.check(now, att.out_dir, runner.host, runner.peers)) is not None
+        ):
             _report_hang(runner, hang, lines)
+            # Node rank 0 ends a gang's attempt, naming the gang's lowest ranks; another shard puts its
+            # ranks' stacks in the log and goes on until told the attempt is over.
+            verdict = None if runner.follower else "hung"
         if verdict is not None:
             outcome = verdict
             log.info("job %s: stopping the engine (%s)", job_id, verdict)

@@ -147,8 +147,11 @@ def test_torchrun_layouts_match_single_process(tmp_path: Path, corpus: Path, lay
     val_got = [r["val_loss"] for r in got if "val_loss" in r]
     assert len(val_got) == 2 and val_got == pytest.approx(val_ref, rel=1e-4)
 
-    events = read_jsonl(tmp_path / "par" / "events.jsonl")
-    assert [e["event"] for e in events] == ["started", "checkpoint_saved", "checkpoint_saved", "finished"]
+    # A 'straggler' event is the host's timing (one rank 1.3x slower for 3 steps on a loaded 2-core
+    # machine), not the layout's: tests/engine/test_stragglers.py judges those.
+    events = [e for e in read_jsonl(tmp_path / "par" / "events.jsonl") if e["event"] != "straggler"]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["started", "checkpoint_saved", "checkpoint_saved", "finished"]
     assert events[0]["world_size"] == nproc and events[0]["layout"]["tp"] == parallelism.get("tp", 1)
     assert events[0]["resumed_from"] is None
     assert events[0]["num_params"] == read_jsonl(tmp_path / "single" / "events.jsonl")[0]["num_params"]

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 from plan_cases import gpu_pool, spec
 
-from megatrain.plan.cost import GPU_CONSTANTS, StepSettings, fp8_cast_bytes, predict_step
+from megatrain.plan.cost import GPU_CONSTANTS, StepSettings, predict_step
+from megatrain.plan.layer_cost import fp8_cast_bytes
 from megatrain.plan.layout import Layout, resolve_layout
 from megatrain.plan.memory import estimate_memory, from_spec
 from megatrain.plan.planner import plan

@@ -166,3 +166,43 @@ def test_two_reconcilers_mark_and_requeue_once(
         requeues = s.scalar(select(func.count()).select_from(JobEvent).where(JobEvent.to_status == QUEUED))
         assert requeues == len(jobs)
         assert {n.slots_used for n in s.scalars(select(Node))} == {0}
+
+
+def test_when_every_node_falls_silent_at_once_none_is_lost_until_they_can_be_heard_again(
+    live_settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    """A cluster-wide silence is the control plane's outage (an API restart slower than the bound),
+    not every node's death (scheduler.intake): no node is lost and no attempt ends for it, and once
+    heartbeats arrive again each node has a whole bound from then to be heard."""
+    url = live_settings.resolved_database_url
+    a, b = add_node(2, hostname="node-a"), add_node(2, hostname="node-b")
+    job = add_job(procs=1)
+    _start(url, job, b)
+    sched = Scheduler(live_settings, RecordingExecutor())
+    _seen(url, a, 10)
+    _seen(url, b, 10)  # nothing heard from anyone for over node_lost_after_s=3
+    assert sched.reconcile_once() == []
+    _seen(url, a, 0)  # heartbeats arrive again, node-a's first
+    assert sched.reconcile_once() == []  # node-b, silent for 10 s, is judged from now
+    with session_scope(url) as s:
+        assert {n.status for n in s.scalars(select(Node))} == {"ready"}
+        assert s.get(Job, job).status == RUNNING
+    sched.intake.resumed_at -= timedelta(seconds=4)  # a bound later, node-b is still silent
+    _seen(url, a, 0)
+    assert sched.reconcile_once() == [job]
+    with session_scope(url) as s:
+        assert (s.get(Node, a).status, s.get(Node, b).status) == ("ready", "lost")
+        assert "node node-b lost" in s.get(Job, job).status_reason
+
+
+def test_a_cluster_silent_for_ten_bounds_is_judged_node_by_node(
+    live_settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    url = live_settings.resolved_database_url
+    a, b = add_node(2, hostname="node-a"), add_node(2, hostname="node-b")
+    _seen(url, a, 40)
+    _seen(url, b, 40)  # 10 x 3 s: gone dark for real
+    sched = Scheduler(live_settings, RecordingExecutor())
+    sched.reconcile_once()
+    with session_scope(url) as s:
+        assert {n.status for n in s.scalars(select(Node))} == {"lost"}

@@ -61,8 +61,24 @@ def test_lora_and_dpo_pages(
     assert "margin" in legend and "chosen" in legend and "rejected" in legend
     assert "trainable" in page.inner_text("main")
 
+    # The first metrics and logs loads fail (an API restarting): the page tries them again on its
+    # next poll instead of keeping empty charts.
+    failed: list[str] = []
+
+    def fail_once(route: Any) -> None:
+        if len(failed) < 2:
+            failed.append(route.request.url)
+            route.abort()
+        else:
+            route.continue_()
+
+    page.route("**/v1/jobs/*/metrics?max_points=*", fail_once)
+    page.route("**/v1/jobs/*/logs?tail=*", fail_once)
     page.goto(f"{live.url}/#/jobs/{plain_job}")
     page.wait_for_function("Number(document.querySelector('#chart-loss')?.dataset.points) === 3")
+    assert len(failed) == 2 and any("/metrics" in u for u in failed), failed
+    page.unroute_all()
     assert page.is_hidden("#chart-dpo_rewards") and page.is_hidden("#chart-dpo_accuracy")
     assert "trainable" not in page.inner_text("main")
+    assert page.text_content("#banner") == ""
     assert page_errors == []

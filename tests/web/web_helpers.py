@@ -22,8 +22,15 @@ CHROMIUM_ARGS = [
 ]
 
 
+# Per page: its HTTP errors and failed requests, printed when a browser test fails (conftest).
+TRACE: dict[Any, list[str]] = {}
+
+
 def open_page(context: Any, errors: list[str]) -> Any:
     page = context.new_page()
+    trace = TRACE.setdefault(page, [])
+    page.on("response", lambda r: r.status >= 400 and trace.append(f"{r.status} {r.request.method} {r.url}"))
+    page.on("requestfailed", lambda r: trace.append(f"failed {r.method} {r.url}: {r.failure}"))
     page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
 
     def console(msg: Any) -> None:

@@ -19,8 +19,8 @@ OUT/pids/. Behaviour knobs (environment):
   FAKE_ENGINE_PRINT_ENV      print this variable's value (a tenant secret leaking into the log) and
                              write its sha256 to OUT/pids/rank{R}.env.sha256
   FAKE_ENGINE_HANG_AT        rank FAKE_ENGINE_HANG_RANK (default 0) stops making progress before
-                             this step (once, with FAKE_ENGINE_FAIL_MARKER); the others stop at
-                             the step after it, as at their next collective with it
+                             this step (once, with FAKE_ENGINE_FAIL_MARKER); the others, on every
+                             node, stop at the step after it, as at their next collective with it
 Every rank writes OUT/progress.rank{R} after each step and dumps its stacks on SIGUSR1, as the real
 engine does. On SIGUSR2 (preemption) it checkpoints at the next step boundary (unless it just did)
 and exits 75 (EXIT_PREEMPTED), as the real engine does.
@@ -86,6 +86,14 @@ def _wait_for_save(ckpt: Any, step: int, timeout_s: float = 60.0) -> None:
         if ckpt.exists("latest") and int(ckpt.get_bytes("latest")) >= step:
             return
         time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _hang_forever() -> None:
@@ -173,12 +181,15 @@ def main() -> int:
         fail_rank = os.environ.get("FAKE_ENGINE_FAIL_RANK")
         if fail_at and step == fail_at and fail_rank in (None, str(rank)) and _should_fail(marker):
             return _fail(out, rank, step)
+        # The hung rank says so beside the marker (every node's ranks see it), naming its pid: the
+        # others wait for it only while it lives (a retry's ranks run on).
+        flags = Path(marker).parent if marker else out
         if hang_at and step == hang_at and rank == hang_rank and _should_fail(marker):
-            (out / f"hanging.rank{rank}").write_text(str(step))
+            (flags / f"hanging.rank{rank}").write_text(str(os.getpid()))
             _hang_forever()
         if hang_at and step == hang_at + 1 and rank != hang_rank:
             time.sleep(0.5)  # the hung rank has had time to say so
-            if any(out.glob("hanging.rank*")):
+            if any(_alive(int(f.read_text())) for f in flags.glob("hanging.rank*")):
                 _hang_forever()
         write_progress(out, rank, step)
         if not lead:

@@ -29,8 +29,9 @@ from megatrain.scheduler.loop import Scheduler
 from megatrain.settings import Settings
 from megatrain.spec import TokenizerSpec
 from megatrain.storage import open_store
-from megatrain.worker.datasets import claim, preprocess_dataset
+from megatrain.worker.datasets import preprocess_dataset
 from megatrain.worker.executors import LocalExecutor
+from megatrain.worker.task_link import DbTasks
 
 TEXTS = [f"document {i}: " + "lorem ipsum " * (i % 5 + 1) for i in range(30)]
 
@@ -153,6 +154,12 @@ def test_a_dataset_deleted_while_preprocessing_leaves_no_objects(
     assert _folder_keys(settings, dataset_id) == []
 
 
+def claim(settings: Settings, dataset_id: str) -> int | None:
+    """A worker's claim of the dataset on the database: its attempt, or None."""
+    got = DbTasks(settings).claim("dataset", dataset_id)
+    return None if got is None else got[0]
+
+
 def test_only_one_claim_wins(settings: Settings, register: Callable[..., str]) -> None:
     dataset_id = register()
     assert claim(settings, dataset_id) == 1
@@ -202,6 +209,29 @@ def test_a_lost_worker_is_retried_then_failed(settings: Settings, register: Call
     fresh = register("fresh")
     claim(settings, fresh)
     assert reconcile_datasets(settings, LocalExecutor(settings)) == []
+
+
+def test_a_silence_of_every_node_judges_no_worker_lost(
+    settings: Settings, register: Callable[..., str]
+) -> None:
+    """While the control plane hears no node at all (the API down, say: scheduler.intake), a stale
+    heartbeat says nothing of the worker; once nodes are heard again it gets a whole bound."""
+    from megatrain.scheduler.intake import Intake
+
+    dataset_id = register()
+    claim(settings, dataset_id)
+    stale = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s + 5)
+    with session_scope(settings.resolved_database_url) as s:
+        s.execute(update(Dataset).values(heartbeat_at=stale, runner_pid=None))
+    intake = Intake(settings.node_lost_after_s)
+    unheard = utcnow() - timedelta(seconds=settings.node_lost_after_s + 1)
+    intake.observe(unheard, ready=2, now=utcnow())  # two ready nodes, none heard for a whole bound
+    assert intake.deaf(utcnow())
+    assert reconcile_datasets(settings, LocalExecutor(settings), intake) == []
+    intake.observe(utcnow(), ready=2, now=utcnow())  # heard again: judged from now
+    assert reconcile_datasets(settings, LocalExecutor(settings), intake) == []
+    intake.resumed_at = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s + 1)
+    assert reconcile_datasets(settings, LocalExecutor(settings), intake) == [dataset_id]
 
 
 class _Verdict:

@@ -224,3 +224,69 @@ def test_the_grace_follows_the_phase_the_ranks_report(tmp_path: Path) -> None:
     write_progress(tmp_path, 0, 5, "training")
     write_progress(tmp_path, 1, 5, "training")
     assert watch.check(51.0, tmp_path, "h") is None and watch.allowance_s() == 2
+
+
+def test_predicted_pauses_replace_the_flat_grace(tmp_path: Path) -> None:
+    """The control plane's predictions (plan.attempt_times) bound the start and a save; a save this
+    attempt measured slower stretches the next one's; an evaluation keeps the flat grace."""
+    from megatrain.progress_files import write_progress
+
+    rule = HangRule(factor=10, min_s=1, grace_s=900, first_step_s=40, save_s=30)
+    watch = HangWatch(rule, started=0.0, checkpoint_interval=5)
+    assert watch.check(39.0, tmp_path, "h") is None
+    hang = watch.check(41.0, tmp_path, "h")
+    assert hang is not None and "before its first step" in hang.reason()
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.2} for s in (1, 2, 3, 4)], now=42.0)
+    write_progress(tmp_path, 0, 5, "checkpoint")
+    assert watch.check(42.0, tmp_path, "h") is None and watch.allowance_s() == 30
+    assert watch.check(71.0, tmp_path, "h") is None and watch.check(72.5, tmp_path, "h") is not None
+    watch.observe_events([{"event": "checkpoint_saved", "step": 5, "write_s": 4.0}], now=73.0)
+    assert watch.allowance_s() == 40  # 10 x the 4 s this attempt's save took
+    write_progress(tmp_path, 0, 6, "evaluation")
+    assert watch.check(74.0, tmp_path, "h") is None and watch.allowance_s() == 900
+    # Without predictions (a pool with no spec, a Hugging Face tokenizer): the flat grace.
+    plain = HangWatch(HangRule(factor=10, min_s=1, grace_s=900), started=0.0, checkpoint_interval=5)
+    assert plain.allowance_s() == 900
+
+
+def test_past_the_last_step_the_engine_is_finishing_not_hung(tmp_path: Path) -> None:
+    """After train_iters the ranks stand still by design (the final save's last writes, torchrun's
+    exit barrier with the other nodes): a save's allowance, not a step's."""
+    from megatrain.progress_files import write_progress
+
+    rule = HangRule(factor=10, min_s=1, grace_s=900, save_s=30)
+    rows = [{"step": s, "iter_time_s": 0.01} for s in range(1, 11)]
+    for iters, allowed in ((10, 30.0), (0, 1.0), (20, 1.0)):  # (0: unknown; 20: mid-run)
+        watch = HangWatch(rule, started=0.0, train_iters=iters)
+        watch.observe_metrics(rows, now=1.0)
+        write_progress(tmp_path, 0, 10, "training")
+        assert watch.allowance_s() == allowed, iters
+        assert (watch.check(3.0, tmp_path, "h") is None) == (allowed == 30.0), iters  # 2 s on
+        assert watch.check(1.0 + allowed + 0.5, tmp_path, "h") is not None
+
+
+def test_a_gangs_hang_names_the_node_whose_ranks_stopped_first(tmp_path: Path) -> None:
+    """Node rank 0's runner sees its own ranks and what the other shards last said of theirs
+    (attempts.reports.peers_progress): the ranks named are the gang's lowest, on their node."""
+    from megatrain.progress_files import write_progress
+    from megatrain.worker.hang import shard_progress
+
+    for rank in (0, 1):
+        write_progress(tmp_path, rank, 5, "training")
+    watch = HangWatch(HangRule(factor=10, min_s=1, grace_s=100), started=0.0)
+    watch.observe_metrics([{"step": s, "iter_time_s": 0.01} for s in (1, 2, 3, 4)], now=0.0)
+    assert watch.check(0.5, tmp_path, "node-a") is None
+    behind = [{"node": "node-b", "step": 4, "ranks": [3]}, {"node": "node-c", "step": 5, "ranks": [4, 5]}]
+    hang = watch.check(2.0, tmp_path, "node-a", behind)
+    assert hang is not None and (hang.ranks, hang.host, hang.step, hang.pids) == ((3,), "node-b", 4, ())
+    assert hang.reason().startswith("hung: rank 3 on node-b stopped at step 4 for ")
+    level = [{"node": "node-b", "step": 5, "ranks": [2, 3]}]
+    hang = watch.check(2.0, tmp_path, "node-a", level)
+    assert hang is not None and (hang.ranks, hang.host, hang.step) == ((0, 1, 2, 3), "node-a, node-b", 5)
+    assert len(hang.pids) == 2  # this node's own stopped ranks' stacks are dumped here
+    hang = watch.check(2.0, tmp_path, "node-a", [{"node": "node-b", "step": 9, "ranks": [2, 3]}])
+    assert hang is not None and (hang.ranks, hang.host) == ((0, 1), "node-a")
+    # What a follower reports of its own ranks.
+    write_progress(tmp_path, 1, 4, "training")
+    assert shard_progress(tmp_path, "node-a") == {"node": "node-a", "step": 4, "ranks": [1]}
+    assert shard_progress(tmp_path / "nothing", "node-a") is None

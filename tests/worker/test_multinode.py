@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.cluster import seed_job
-from sqlalchemy import select
+from sqlalchemy import func, select
 from worker_helpers import wait_for
 
 from megatrain.db.models import (
@@ -98,6 +99,38 @@ def node_worker(settings: Settings, name: str, log_path: Path) -> Iterator[subpr
         log.close()
 
 
+@contextlib.contextmanager
+def scheduled_nodes(
+    settings: Settings, names: list[str], tmp_path: Path
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Node workers `names` registered in the pool, and the scheduler's loop running on a thread."""
+    url = settings.resolved_database_url
+    stop = threading.Event()
+    with contextlib.ExitStack() as stack:
+        workers = {n: stack.enter_context(node_worker(settings, n, tmp_path / f"{n}.log")) for n in names}
+
+        def registered() -> bool:
+            with session_scope(url) as s:
+                pool = select(Node.hostname).join(NodePool).where(NodePool.name == settings.pool_name)
+                return sorted(s.scalars(pool)) == names
+
+        wait_for(registered, 60)
+        scheduler = Scheduler(settings, executor=CeleryExecutor(settings))
+        loop = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
+        loop.start()
+        stack.callback(loop.join, 30)
+        stack.callback(stop.set)
+        yield workers
+
+
+def wait_until_ended(url: str, job_id: str, timeout: float) -> None:
+    def ended() -> bool:
+        with session_scope(url) as s:
+            return s.scalar(select(Job.status).where(Job.id == job_id)) in (SUCCEEDED, FAILED)
+
+    wait_for(ended, timeout)
+
+
 def _spec(corpus: Path, parallelism: object, devices: int) -> dict[str, object]:
     return {
         "name": "gang",
@@ -174,11 +207,7 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
             ).all()
             assert sorted(r.slots for r in shares) == [2, 2]  # whole tp groups on each node
 
-        def ended() -> bool:
-            with session_scope(url) as s:
-                return s.scalar(select(Job.status).where(Job.id == job_id)) in (SUCCEEDED, FAILED)
-
-        wait_for(ended, 240)
+        wait_until_ended(url, job_id, 240)
 
     with session_scope(url) as s:
         job = s.get(Job, job_id)
@@ -218,6 +247,12 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
 
 
 @SQLITE
+@pytest.mark.skipif(
+    os.environ.get("MEGATRAIN_TEST_LONG") != "1",
+    reason="three node workers and two real 4-rank attempts: ~2 min, and on a 2-core CI host the tests "
+    "beside it ran 2-10x slower (the suite's run with it took 38 min, 27 before); run it alone: "
+    "MEGATRAIN_TEST_LONG=1 python -m pytest -n 0 tests/worker/test_multinode.py -k sigkill",
+)
 def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_rest(
     pool_settings: Settings, make_job: Callable[..., str], tmp_path: Path
 ) -> None:
@@ -229,30 +264,13 @@ def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_res
     # its peer's shard went silent, and the retry avoids that node.
     settings = pool_settings.model_copy(update={"node_lost_after_s": 30.0, "scheduler_interval_s": 0.3})
     url = settings.resolved_database_url
-    if url.startswith("sqlite"):
-        pytest.skip("one database is enough for this long run: PostgreSQL, as in production")
     corpus = tmp_path / "corpus.jsonl"
     text = "def add(a, b):\n    return a + b\n" * 40
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(20)))
     spec = _spec(corpus, {"tp": 2, "dp": 2}, 4)
     spec["training"] |= {"train_iters": 40, "checkpoint_interval": 4}  # type: ignore[operator]
-    pool_nodes = select(Node.hostname).join(NodePool).where(NodePool.name == settings.pool_name)
-    names = ["node-a", "node-b", "node-c"]
-    stop = threading.Event()
-    with contextlib.ExitStack() as stack:
-        workers = {n: stack.enter_context(node_worker(settings, n, tmp_path / f"{n}.log")) for n in names}
-
-        def registered() -> bool:
-            with session_scope(url) as s:
-                return sorted(s.scalars(pool_nodes)) == names
-
-        wait_for(registered, 60)
+    with scheduled_nodes(settings, ["node-a", "node-b", "node-c"], tmp_path) as workers:
         job_id = _job(url, spec, 4, settings.pool_name, max_retries=2)
-        scheduler = Scheduler(settings, executor=CeleryExecutor(settings))
-        loop = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
-        loop.start()
-        stack.callback(loop.join, 30)
-        stack.callback(stop.set)
 
         def checkpointed() -> str | None:
             with session_scope(url) as s:
@@ -268,11 +286,7 @@ def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_res
         workers[victim].kill()
         workers[victim].wait()
 
-        def ended() -> bool:
-            with session_scope(url) as s:
-                return s.scalar(select(Job.status).where(Job.id == job_id)) in (SUCCEEDED, FAILED)
-
-        wait_for(ended, 300)
+        wait_until_ended(url, job_id, 300)
 
     with session_scope(url) as s:
         job = s.get(Job, job_id)
@@ -306,3 +320,41 @@ def test_sigkill_of_one_nodes_worker_requeues_the_gang_and_it_resumes_on_the_res
     assert sorted(gang) == sorted(single) == list(range(1, 41))  # no step lost, none twice
     for step, loss in single.items():
         assert gang[step] == pytest.approx(loss, rel=1e-4), step
+
+
+@SQLITE
+def test_a_rank_hung_on_the_second_node_is_named_by_the_first_and_the_gang_resumes(
+    pool_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two 2-slot nodes run a 4-rank job (the fake engine under torchrun); global rank 3, on node rank
+    # 1, stops before step 8 and the other ranks wait for it at the next step, as at a collective.
+    # Node rank 0's watch sees its own ranks stopped one step ahead of its peer's: it names rank 3 on
+    # that node, and the retry resumes from the step-5 checkpoint and finishes.
+    monkeypatch.setenv("MEGATRAIN_ENGINE_MODULE", str(Path(__file__).with_name("fake_engine.py")))
+    monkeypatch.setenv("FAKE_ENGINE_STEP_S", "0.05")
+    monkeypatch.setenv("FAKE_ENGINE_HANG_AT", "8")
+    monkeypatch.setenv("FAKE_ENGINE_HANG_RANK", "3")
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_MARKER", str(tmp_path / "hung-once"))
+    settings = pool_settings.model_copy(
+        update={"hang_min_s": 2.0, "hang_grace_s": 60.0, "scheduler_interval_s": 0.3}
+    )
+    url = settings.resolved_database_url
+    spec = _spec(tmp_path / "unread.jsonl", {"tp": 2, "dp": 2}, 4)
+    spec["training"] |= {"train_iters": 12, "checkpoint_interval": 5}  # type: ignore[operator]
+    with scheduled_nodes(settings, ["node-a", "node-b"], tmp_path):
+        job_id = _job(url, spec, 4, settings.pool_name, max_retries=1)
+        wait_until_ended(url, job_id, 240)
+
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        lines = s.scalars(select(JobLog.line).where(JobLog.job_id == job_id).order_by(JobLog.seq)).all()
+        assert job.status == SUCCEEDED and job.attempt == 2, job.status_reason + "\n" + "\n".join(lines[-80:])
+        events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+        first = [e.data["nodes"] for e in events if e.to_status == SCHEDULED][0]  # in node-rank order
+        follower = s.scalar(select(Node.hostname).where(Node.id == first[1]["node_id"]))
+        (hung,) = [e for e in events if e.to_status == QUEUED]
+        assert hung.reason.startswith(f"hung: rank 3 on {follower} stopped at step 7 for "), hung.reason
+        assert hung.data["cause"] == "hung" and hung.data["ranks"] == [3] and hung.data["step"] == 7
+        resumed = [e.data for e in events if e.kind == "resumed"]
+        assert resumed and resumed[-1]["attempt"] == 2
+        assert s.scalar(select(func.max(JobMetric.step)).where(JobMetric.job_id == job_id)) == 12

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures.cluster import seed_job, seed_node
+from fixtures.node_api import Api, clean_env
 from sqlalchemy import select
 from worker_helpers import environ_of, job_spec, wait_for
 
@@ -36,50 +36,6 @@ from megatrain.db.node_tokens import create_node_token
 from megatrain.db.session import session_scope, upgrade_database
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
-SECRETS_KEY = "Zm9yLXRlc3RzLW9ubHktMzItYnl0ZXMtb2Yta2V5ISE="
-"""The API's Fernet key (32 url-safe base64 bytes); the nodes never see it."""
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _clean_env() -> dict[str, str]:
-    """This process's environment without any megatrain setting (the test's database URL included)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRAIN_", "FAKE_ENGINE_"))}
-
-
-class Api:
-    """`megatrain api` on the test's database, in a process of its own that a test can kill."""
-
-    def __init__(self, db_url: str, home: Path):
-        self.port, self.home = _port(), home
-        self.env = _clean_env() | {
-            "MEGATRAIN_DATABASE_URL": db_url,
-            "MEGATRAIN_HOME": str(home),
-            "MEGATRAIN_SECRETS_KEY": SECRETS_KEY,
-        }
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "megatrain.cli", "api", "--port", str(self.port), "--workers", "1"]
-        log = open(self.home / "api.log", "ab")  # noqa: SIM115  (the process holds it)
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(self._up, timeout=60, interval=0.1)
-
-    def _up(self) -> bool:
-        try:
-            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -114,7 +70,7 @@ def _runner(
     api: Api, token: str, node: str, home: Path, job_id: str, step_s: float, print_secret: bool = False
 ) -> subprocess.Popen:
     """A node's runner: the API's URL, its token and storage; no database URL anywhere."""
-    env = _clean_env() | {
+    env = clean_env() | {
         "MEGATRAIN_HOME": str(home),
         "MEGATRAIN_API_URL": api.url,
         "MEGATRAIN_NODE_TOKEN": token,
@@ -303,13 +259,95 @@ def test_a_batch_sent_twice_is_applied_once(db_url: str) -> None:
         assert len(s.scalars(select(JobLog.id).where(JobLog.job_id == job_id)).all()) == 3
 
 
+def test_a_claim_carries_the_pauses_predicted_for_the_job_on_its_pool(db_url: str) -> None:
+    """The hang watch's bounds before the first step and for a save come from the job's state and its
+    pool's storage (plan.attempt_times); a pool without a spec leaves the flat grace."""
+    from sqlalchemy import update
+
+    from megatrain.db.models import NodePool
+    from megatrain.plan.pool import PoolSpec
+    from megatrain.settings import Settings
+
+    upgrade_database(db_url)
+    seed_node(db_url, 4, "default", "node-a")
+    settings = Settings(database_url=db_url, hang_min_s=5.0)
+    job_id = _placed_job(db_url, "node-a", train_iters=50, checkpoint_interval=10)
+    with session_scope(db_url) as s:
+        wire = control.claim(s, settings, job_id, node="node-a", host="h", pid=7, packages={})["attempt"]
+        assert wire["first_step_bound_s"] is None and wire["save_bound_s"] is None
+        pool = PoolSpec(name="default", device_memory_bytes=1 << 30, peak_tflops={"fp32": 1.0},
+                        devices_per_node=4, intra_node_bandwidth_gbps=10.0, inter_node_bandwidth_gbps=1.0,
+                        startup_s=7.0)  # fmt: skip
+        s.execute(update(NodePool).where(NodePool.name == "default").values(spec=pool.model_dump()))
+        s.execute(update(Job).where(Job.id == job_id).values(status="scheduled", attempt=1))
+    with session_scope(db_url) as s:
+        wire = control.claim(s, settings, job_id, node="node-a", host="h", pid=8, packages={})["attempt"]
+        assert wire["first_step_bound_s"] == 21.0  # 3 x the pool's 7 s start-up; nothing to read
+        assert wire["save_bound_s"] == 5.0  # a tiny model's save: the floor, hang_min_s
+
+
+def test_a_gangs_node_rank_0_hears_what_the_other_shards_said_of_their_ranks(db_url: str) -> None:
+    """A follower's batches carry its ranks' progress; node rank 0's answers carry every other
+    shard's latest (its hang report names the node that stopped first: worker.hang)."""
+    from megatrain.settings import Settings
+
+    upgrade_database(db_url)
+    seed_node(db_url, 4, "default", "node-a")
+    job_id = _placed_job(db_url, "node-a", train_iters=50, checkpoint_interval=10)
+    with session_scope(db_url) as s:
+        control.claim(s, Settings(database_url=db_url), job_id, node="node-a", host="h", pid=7, packages={})
+    lead = {"attempt": 1, "seq": 1, "host": "h", "pid": 7, "heartbeat": True, "gang": True}
+    with session_scope(db_url) as s:
+        assert control.report(s, job_id, lead, 1000)["peers"] == []
+    progress = {"node": "node-b", "step": 4, "ranks": [2, 3]}
+    follower = {"attempt": 1, "node_rank": 1, "seq": 1, "host": "hb", "pid": 9, "follower": True}
+    with session_scope(db_url) as s:
+        answer = control.report(s, job_id, follower | {"progress": progress}, 1000)
+        assert answer == {"verdict": None, "applied": True}  # a follower hears of no peers
+    with session_scope(db_url) as s:
+        assert control.report(s, job_id, lead | {"seq": 2}, 1000)["peers"] == [progress]
+        assert "peers" not in control.report(s, job_id, lead | {"seq": 3, "gang": False}, 1000)
+
+
+def test_an_ended_attempt_heard_again_keeps_only_its_checkpoints(db_url: str) -> None:
+    """A runner judged lost while cut off reports again after its job moved on to another attempt:
+    its lines and figures would interleave with the new attempt's and rewind the job's step; only
+    the checkpoint it saved (a file in storage) is recorded, and it is told it is lost."""
+    from sqlalchemy import update
+
+    from megatrain.settings import Settings
+
+    upgrade_database(db_url)
+    seed_node(db_url, 4, "default", "node-a")
+    job_id = _placed_job(db_url, "node-a", train_iters=50, checkpoint_interval=10)
+    with session_scope(db_url) as s:
+        control.claim(s, Settings(database_url=db_url), job_id, node="node-a", host="h", pid=7, packages={})
+    first = {"attempt": 1, "seq": 1, "host": "h", "pid": 7, "heartbeat": True,
+             "lines": ["step 10/50"], "metrics": [{"step": 10, "loss": 2.0}]}  # fmt: skip
+    with session_scope(db_url) as s:
+        assert control.report(s, job_id, first, 1000)["verdict"] is None
+        # The scheduler ended attempt 1 and attempt 2 runs on (as a new claim leaves the row).
+        s.execute(update(Job).where(Job.id == job_id).values(attempt=2, runner_pid=8, current_step=12))
+    late = first | {
+        "seq": 2, "lines": ["step 20/50", "step 30/50"], "metrics": [{"step": 30, "loss": 1.5}],
+        "events": [{"event": "checkpoint_saved", "step": 30, "uri": "file:///ckpt/30"}],
+    }  # fmt: skip
+    with session_scope(db_url) as s:
+        assert control.report(s, job_id, late, 1000) == {"verdict": "lost", "applied": True}
+    with session_scope(db_url) as s:
+        assert list(s.scalars(select(JobLog.line).where(JobLog.job_id == job_id))) == ["step 10/50"]
+        assert list(s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id))) == [10]
+        assert s.get(Job, job_id).current_step == 12
+        assert list(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id))) == [30]
+
+
 @contextlib.contextmanager
 def _token_worker(
     api: Api, token: str, pool: str, node: str, redis_url: str, home: Path
 ) -> Iterator[subprocess.Popen]:
     """`megatrain worker` as a node with only a token: the API's URL, the broker and storage."""
     home.mkdir()
-    env = _clean_env() | {
+    env = clean_env() | {
         "MEGATRAIN_HOME": str(home),
         "MEGATRAIN_API_URL": api.url,
         "MEGATRAIN_NODE_TOKEN": token,

@@ -24,8 +24,9 @@ from megatrain.storage import open_store, split_url
 TIMEOUT_S = 10.0
 """The most a submission waits for its existence checks, all of them together."""
 CHECK_ATTEMPTS = 2
-"""Tries per HEAD: one retry for a blip; a node's writes retry for seconds (storage.S3_ATTEMPTS),
-which here would outlast TIMEOUT_S and turn "refused" into "did not answer"."""
+"""Tries per HEAD, with no patience beyond them: one retry for a blip; a node's writes retry for up
+to a minute (storage.s3.S3_PATIENCE_S), which here would outlast TIMEOUT_S and turn "refused" into
+"did not answer"."""
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="data-exists")
 # Shared and small on purpose: while an S3 endpoint hangs, its stuck HEADs hold at most 8 threads
 # and later submissions time out in turn, instead of piling up threads.
@@ -72,7 +73,7 @@ def _file_missing(url: str) -> str | None:
 def _s3_missing(url: str, endpoint_url: str | None) -> str | None:
     parent, key = split_url(url)
     try:
-        if open_store(parent, endpoint_url, attempts=CHECK_ATTEMPTS).exists(key):
+        if open_store(parent, endpoint_url, attempts=CHECK_ATTEMPTS, patience_s=0).exists(key):
             return None
     except Exception as exc:  # noqa: BLE001 - botocore's connection and credential errors
         return f"could not be checked: S3 did not answer ({type(exc).__name__}: {exc})"

@@ -22,7 +22,7 @@ from megatrain.api.datasets.service import resolve_datasets
 from megatrain.api.jobs.data_access import data_url_problem, data_urls
 from megatrain.api.jobs.data_exists import data_checks, missing_data
 from megatrain.api.jobs.hf_init import fill_model
-from megatrain.api.plan.service import pool_for
+from megatrain.api.plan.service import derived_pool
 from megatrain.db.models import Job, Node, NodePool, Tenant
 from megatrain.plan.layout import Layout, resolve_layout, with_micro_batch_size
 from megatrain.plan.memory import from_spec
@@ -59,6 +59,15 @@ MEMORY_INPUTS = ("model", "training", "parallelism")
 
 def _problem(field: str, message: str) -> Problem:
     return {"field": field, "message": message}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolView:
+    """The spec's pool and its nodes, read once per submission (the plan, fit and package checks
+    all judge this one snapshot)."""
+
+    row: NodePool
+    nodes: list[Node]
 
 
 @dataclasses.dataclass
@@ -103,7 +112,7 @@ def auto_choices(written: JobSpec, spec: JobSpec, layout: Layout) -> dict[str, A
 
 
 def _plan(
-    session: Session, settings: Settings, spec: JobSpec, nodes: list[Any], findings: Findings
+    session: Session, settings: Settings, spec: JobSpec, pool_view: PoolView | None, findings: Findings
 ) -> tuple[JobSpec, dict[str, Any] | None] | None:
     """`spec` with `parallelism: auto` replaced by the planner's fastest layout that fits its pool,
     and the prediction for the layout it runs (an explicit one's too).
@@ -122,13 +131,13 @@ def _plan(
         return spec, None
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
         return spec, None
-    row = session.scalar(select(NodePool).where(NodePool.name == spec.resources.pool))
-    if row is None:
+    if pool_view is None:
         return spec, None
-    described, source = describe(row, list(session.scalars(select(Node).where(Node.pool_id == row.id))))
+    nodes = pool_view.nodes
+    described, source = describe(pool_view.row, nodes)
     if source != OPERATOR and not any(n.device_memory_bytes for n in nodes):
         return spec, None  # memory known only from the operator or the nodes themselves
-    pool = described or pool_for(session, settings, spec.resources.pool)
+    pool = described or derived_pool(settings, pool_view.row, nodes)
     if pool is None:
         return spec, None
     auto = spec.parallelism == "auto"
@@ -160,15 +169,12 @@ def _layout(spec: JobSpec, findings: Findings) -> Layout | None:
         return None
 
 
-def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> tuple[list[Any], str | None] | None:
-    """The pool's nodes (slots, device memory) and accelerator, or None when the pool is unknown or
-    not named well."""
+def _pool_view(session: Session, spec: JobSpec, findings: Findings) -> PoolView | None:
+    """The pool and its nodes, or None when the pool is unknown or not named well."""
     if findings.depends_on_unknown("resources.pool"):
         return None
     pool = spec.resources.pool
-    pool_row = session.execute(
-        select(NodePool.id, NodePool.accelerator).where(NodePool.name == pool)
-    ).one_or_none()
+    pool_row = session.scalar(select(NodePool).where(NodePool.name == pool))
     if pool_row is None:
         known = sorted(session.scalars(select(NodePool.name)).all())
         findings.add(
@@ -180,19 +186,18 @@ def _pool_nodes(session: Session, spec: JobSpec, findings: Findings) -> tuple[li
             ]
         )
         return None
-    rows = select(Node.slots_total, Node.device_memory_bytes).where(Node.pool_id == pool_row.id)
-    return list(session.execute(rows).all()), pool_row.accelerator
+    return PoolView(pool_row, list(session.scalars(select(Node).where(Node.pool_id == pool_row.id))))
 
 
 def _fit(
     spec: JobSpec,
     layout: Layout,
-    nodes: list[Any],
-    accelerator: str | None,
+    pool_view: PoolView,
     findings: Findings,
     multi_node: bool = False,
 ) -> None:
     pool = spec.resources.pool
+    nodes, accelerator = pool_view.nodes, pool_view.row.accelerator
     slots = [n.slots_total for n in nodes]
     problem = fit_problem(layout, slots, pool, multi_node=multi_node)
     if problem:
@@ -295,16 +300,12 @@ def _priority(session: Session, spec: JobSpec, tenant: Tenant) -> Problem | None
     )
 
 
-def _packages(session: Session, spec: JobSpec) -> list[Problem]:
+def _packages(spec: JobSpec, pool_view: PoolView | None) -> list[Problem]:
     """What the spec needs installed (flash-attn, Transformer Engine, torchao), judged against the
     packages its pool's nodes reported, not this API host's: a pool none of whose nodes reported
     is judged when a worker claims the job (worker.shard)."""
-    rows = session.execute(
-        select(Node.hostname, Node.packages)
-        .join(NodePool, Node.pool_id == NodePool.id)
-        .where(NodePool.name == spec.resources.pool)
-    ).all()
-    nodes = {hostname: packages for hostname, packages in rows if packages is not None}
+    rows = pool_view.nodes if pool_view else []
+    nodes = {n.hostname: n.packages for n in rows if n.packages is not None}
     return package_problems(spec, nodes, f"pool {spec.resources.pool!r}")
 
 
@@ -332,16 +333,16 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
     if spec is None:
         findings.raise_if_any()
         raise SpecError([_problem("spec", "not a valid job spec")])  # unreachable: see check_spec
-    pool = _pool_nodes(session, spec, findings)
+    pool = _pool_view(session, spec, findings)
     prediction, written = None, spec
-    planned = _plan(session, settings, spec, pool[0] if pool else [], findings)
+    planned = _plan(session, settings, spec, pool, findings)
     if planned is not None:
         spec, prediction = planned
     # A plan that fits nothing leaves no layout to judge: the planner named why.
     layout = _layout(spec, findings) if planned is not None else None
     if layout is not None and pool is not None:
         # The Celery executor runs a job across several nodes (worker.gang); the local one cannot.
-        _fit(spec, layout, *pool, findings, multi_node=settings.multi_node_executor)
+        _fit(spec, layout, pool, findings, multi_node=settings.multi_node_executor)
     _datasets(session, spec, tenant, findings)
     _data(spec, settings, tenant, findings)
     for field in ("model.init_from", "model.adapter_from"):
@@ -351,7 +352,7 @@ def check_submission(session: Session, settings: Settings, tenant: Tenant, data:
         findings.add(filter(None, [_priority(session, spec, tenant)]))
     findings.add(_secrets(session, spec, tenant))
     if not findings.depends_on_unknown("resources.pool"):
-        findings.add(_packages(session, spec))
+        findings.add(_packages(spec, pool))
     findings.raise_if_any()
     assert layout is not None  # no error: every check ran, the layout's too
     spec = with_micro_batch_size(spec, layout=layout)  # an auto one no planner chose: stored as a number

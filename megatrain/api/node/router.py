@@ -116,6 +116,8 @@ class ReportBody(Body):
     lines: list[str] = Field(default_factory=list)
     metrics: list[dict[str, Any]] = Field(default_factory=list)
     events: list[dict[str, Any]] = Field(default_factory=list)
+    progress: dict[str, Any] | None = None
+    gang: bool = False
 
 
 class HeartbeatBody(Body):

@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from megatrain.api.errors import FieldError
@@ -23,7 +23,7 @@ from megatrain.plan.cost import CPU_LINKS
 from megatrain.plan.flops import gpu_peak_tflops
 from megatrain.plan.planner import plan
 from megatrain.plan.pool import PoolSpec, parse_pool
-from megatrain.scheduler.pools import pool_for as stored_pool
+from megatrain.scheduler.pools import describe
 from megatrain.settings import Settings
 from megatrain.spec import SpecError, parse_spec
 
@@ -37,6 +37,11 @@ GPU_LINKS = {"intra_node_bandwidth_gbps": 100.0, "intra_node_latency_us": 10.0,
              "inter_node_bandwidth_gbps": 12.5, "inter_node_latency_us": 20.0}  # fmt: skip
 
 
+_peaks: dict[tuple[Path, int], tuple[int, float | None]] = {}
+"""(calibration folder, slots) -> (the folder's mtime when read, the peak): each submission would
+glob and read the folder again; a calibration written since (a new file) changes the mtime."""
+
+
 def _measured_cpu_peak(settings: Settings, slots: int) -> float | None:
     """This host's fp32 matmul peak per rank as megatrain.engine.calibrate cached it (read without
     torch), for the threads a rank gets when `slots` ranks share the cores; None if never measured."""
@@ -45,6 +50,19 @@ def _measured_cpu_peak(settings: Settings, slots: int) -> float | None:
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
         folder = (Path(xdg) if xdg else Path.home() / ".cache") / "megatrain"
+    try:
+        mtime = folder.stat().st_mtime_ns
+    except OSError:
+        return None
+    cached = _peaks.get((folder, slots))
+    if cached is not None and cached[0] == mtime:
+        return cached[1]
+    peak = _read_cpu_peak(folder, slots)
+    _peaks[(folder, slots)] = mtime, peak
+    return peak
+
+
+def _read_cpu_peak(folder: Path, slots: int) -> float | None:
     threads = max(1, (os.cpu_count() or 1) // max(1, slots))
     found: dict[int, float] = {}
     for path in folder.glob("cpu_matmul_peak-fp32-*.json"):
@@ -64,23 +82,21 @@ def pool_for(session: Session, settings: Settings, name: str) -> PoolSpec | None
     """Pool `name` as the planner sees it: its stored description (an operator's, else the one its
     worker measured: megatrain.scheduler.pools), else one derived from its nodes; None when it is
     unknown or has no nodes."""
-    return stored_pool(session, name) or _derived_pool(session, settings, name)
-
-
-def _derived_pool(session: Session, settings: Settings, name: str) -> PoolSpec | None:
-    pool = session.execute(
-        select(NodePool.id, NodePool.accelerator).where(NodePool.name == name)
-    ).one_or_none()
+    pool = session.scalar(select(NodePool).where(NodePool.name == name))
     if pool is None:
         return None
-    nodes = session.execute(
-        select(func.count(), func.max(Node.slots_total), func.min(Node.device_memory_bytes)).where(
-            Node.pool_id == pool.id
-        )
-    ).one()
-    count, slots, memory = nodes
-    if not count or not slots:
+    nodes = list(session.scalars(select(Node).where(Node.pool_id == pool.id)))
+    return describe(pool, nodes)[0] or derived_pool(settings, pool, nodes)
+
+
+def derived_pool(settings: Settings, pool: NodePool, nodes: list[Node]) -> PoolSpec | None:
+    """The pool as its node rows tell it (no description stored): the most slots any node has, the
+    smallest device memory, the accelerator's peak (a CPU pool's as this host measured it)."""
+    slots = max((n.slots_total for n in nodes), default=0)
+    if not nodes or not slots:
         return None
+    memory = min((n.device_memory_bytes for n in nodes if n.device_memory_bytes is not None), default=None)
+    name, count = pool.name, len(nodes)
     cpu = pool.accelerator == "cpu"
     if cpu:
         peak = _measured_cpu_peak(settings, slots) or DEFAULT_CPU_PEAK_TFLOPS

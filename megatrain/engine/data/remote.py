@@ -4,7 +4,7 @@ per-node local cache.
 A memory map needs a local file, so an `s3://bucket/key/PREFIX` dataset is downloaded once per node
 into `{cache_root}/s3/{bucket}/{key}/PREFIX.{bin,idx}`: boto3's managed transfer streams each object
 to a temporary file (multipart, parallel ranges; never a whole object in memory), the sizes are
-checked against the store's, the CRC32 against the object's whole-object checksum (storage.py; every
+checked against the store's, the CRC32 against the object's whole-object checksum (megatrain.storage; every
 upload through it records one, multipart ones too), the MD5 against a single-part ETag, and a marker
 naming the objects' sizes and ETags is written last. The node's ranks take one file lock: the first
 downloads, the others wait and then map the same files. A marker that no longer matches the objects

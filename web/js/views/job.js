@@ -148,6 +148,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   let lastStep = -1;
   let totalRows = 0;
   let metricsFollowing = false;
+  // A first load that failed (a restarting API, a dropped connection) is tried again on the next poll.
+  let metricsLoaded = false;
+  let logsLoaded = false;
   let flushPending = false;
   let logsFollowing = null;
   let lastSeq = 0;
@@ -376,7 +379,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       exports = exps;
       const first = job === null;
       job = j;
-      if (first) { skeleton(); startMetrics(); startLogs(); }
+      if (first) skeleton();
+      if (!metricsLoaded) { metricsLoaded = true; startMetrics(); }
+      if (!logsLoaded) { logsLoaded = true; startLogs(); }
       hideBanner();
       drawJob();
       drawEvents(events);
@@ -457,7 +462,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     try {
       await loadMetrics();
     } catch (err) {
-      if (err.name !== "AbortError") showBanner(`Could not load metrics: ${err.message}`);
+      if (err.name !== "AbortError") { metricsLoaded = false; showBanner(`Could not load metrics: ${err.message}`); }
       return;
     }
     if (!ACTIVE.has(job.status) || metricsFollowing) return;
@@ -496,7 +501,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       else el.logs.textContent = "";
       el.logs.dataset.empty = String(!lines.length);
     } catch (err) {
-      if (err.name !== "AbortError") showBanner(`Could not load logs: ${err.message}`);
+      if (err.name !== "AbortError") { logsLoaded = false; showBanner(`Could not load logs: ${err.message}`); }
       return;
     }
     el.follow.checked = ACTIVE.has(job.status);

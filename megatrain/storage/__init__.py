@@ -6,13 +6,11 @@ Keys are '/'-separated and relative to the store's root URL. The same code serve
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 import os
 import shutil
 import tempfile
-import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -20,10 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 from urllib.parse import unquote, urlparse
-
-from megatrain.faults import install_storage_faults
-from megatrain.storage_s3 import S3StreamWriter
-from megatrain.storage_s3 import b64_crc32 as _b64_crc32
 
 
 @dataclass(frozen=True)
@@ -64,13 +58,6 @@ def _check_key(key: str) -> str:
     if not key or any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 for c in key):
         raise StorageError(f"invalid storage key {key!r}")
     return key
-
-
-# Creating clients from boto3's default session is not thread-safe, and the API opens stores from
-# several request threads at once.
-_BOTO_CLIENT_LOCK = threading.Lock()
-S3_ATTEMPTS = 8
-"""Tries of one S3 request (the first and its retries) before a StorageError."""
 
 
 class Store(Protocol):
@@ -237,195 +224,6 @@ def _make_dirs(path: Path) -> list[Path]:
     return created
 
 
-class S3Store:
-    """s3://bucket/prefix through boto3; MEGATRAIN_S3_ENDPOINT_URL points it at MinIO or moto."""
-
-    def __init__(
-        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, attempts: int = S3_ATTEMPTS
-    ):
-        import boto3
-        from botocore.config import Config
-
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self.endpoint_url = endpoint_url
-        if not bucket:
-            raise StorageError("an s3:// URL needs a bucket: s3://bucket/prefix")
-        self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        # Transient 5xx and throttling are retried with backoff (boto's default stops after 3 tries:
-        # one checkpoint's hundreds of writes would fail on a briefly struggling endpoint).
-        config = Config(retries={"mode": "standard", "max_attempts": attempts})
-        with _BOTO_CLIENT_LOCK:
-            self._client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
-        self.faults = install_storage_faults(self._client)  # an operator's MEGATRAIN_FAULTS only
-
-    def _key(self, key: str) -> str:
-        key = _check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _err(self, key: str, exc: Exception) -> StorageError:
-        return StorageError(f"{self.url}/{key}: {exc}")
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        full = self._key(key)
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=full, Body=data)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._err(key, exc) from None
-
-    def put_file(self, key: str, path: str | Path) -> None:
-        self._upload(key, path, crc32_file(path))
-
-    def _upload(self, key: str, path: str | Path, crc: int) -> None:
-        """Upload a file whose CRC32 is `crc`. Given it, boto3 makes a multipart upload a FULL_OBJECT
-        one: S3 checks the assembled object against it and keeps it for downloads to check, where by
-        default it keeps a checksum of the parts' checksums (and an ETag that is no MD5 either)."""
-        from boto3.exceptions import S3UploadFailedError
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        extra = {}
-        # AWS_REQUEST_CHECKSUM_CALCULATION=when_required: a store that refuses checksum headers.
-        if self._client.meta.config.request_checksum_calculation != "when_required":
-            extra["ChecksumCRC32"] = _b64_crc32(crc)
-        try:
-            self._client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra)
-        except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
-            raise self._err(key, exc) from None
-
-    def get_bytes(self, key: str) -> bytes:
-        from botocore.exceptions import ClientError
-
-        full = self._key(key)
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
-        except ClientError as exc:  # NoSuchKey, NoSuchBucket, AccessDenied: all one error to callers
-            raise self._err(key, exc) from None
-
-    def get_file(self, key: str, path: str | Path) -> None:
-        """Download an object (parallel byte ranges for a large one, which botocore checks against
-        no checksum) and check the file's size and CRC32 against the object's."""
-        from botocore.exceptions import ClientError
-
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        want = self.stat(key)
-        try:
-            # An object replaced between the stat and the download fails the checks below.
-            self._client.download_file(self.bucket, self._key(key), str(path))
-        except ClientError as exc:
-            raise self._err(key, exc) from None
-        size = Path(path).stat().st_size
-        problem = None
-        if size != want.size:
-            problem = f"downloaded {size} bytes, the store holds {want.size}"
-        elif want.crc32 is not None and (got := _b64_crc32(crc32_file(path))) != want.crc32:
-            problem = f"crc32 mismatch (store {want.crc32}, downloaded {got})"
-        if problem:
-            Path(path).unlink(missing_ok=True)
-            raise StorageError(f"{self.url}/{key}: {problem}")
-
-    def open_read(self, key: str) -> BinaryIO:
-        from botocore.exceptions import ClientError
-
-        full = self._key(key)
-        try:
-            body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
-        except ClientError as exc:
-            raise self._err(key, exc) from None
-        return body  # type: ignore[no-any-return]
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes:
-        from botocore.exceptions import ClientError
-
-        if length <= 0:
-            return b""
-        full = self._key(key)
-        rng = f"bytes={offset}-{offset + length - 1}"
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=full, Range=rng)["Body"].read()
-        except ClientError as exc:
-            raise self._err(key, exc) from None
-
-    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.get_range(key, offset, len(view))
-        view[: len(data)] = data
-        return len(data)
-
-    @contextmanager
-    def writer(self, key: str) -> Iterator[BinaryIO]:
-        """A file whose bytes stream to the object as they are written, in parts (a multipart
-        upload past one part) that nothing can read until the block ends cleanly; otherwise the
-        upload is aborted and no part is kept. Nothing is spooled to local disk, and memory stays
-        bounded by a few parts whatever the size. The whole object's CRC32 is recorded, as by put_file."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        checksums = self._client.meta.config.request_checksum_calculation != "when_required"
-        f = S3StreamWriter(self._client, self.bucket, self._key(key), checksums)
-        try:
-            yield f  # type: ignore[misc]
-            f.commit()
-        except (ClientError, BotoCoreError) as exc:
-            _abort_quietly(f)
-            raise self._err(key, exc) from None
-        except BaseException:
-            _abort_quietly(f)
-            raise
-
-    def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
-            return True
-        except ClientError:
-            return False
-
-    def stat(self, key: str) -> ObjectInfo:
-        from botocore.exceptions import ClientError
-
-        try:
-            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
-        except ClientError as exc:
-            raise self._err(key, exc) from None
-        etag = head.get("ETag", "").strip('"') or None
-        return ObjectInfo(key, int(head["ContentLength"]), etag, _full_object_crc32(head, etag))
-
-    def _iter(self, prefix: str) -> Iterator[dict]:
-        # Path semantics, as on file://: the object named `prefix` itself or anything below
-        # 'prefix/', never a sibling such as 'prefix2/…'.
-        if prefix.strip("/"):
-            exact = self._key(prefix)
-            under = exact + "/"
-            # The exact key sorts first among the keys it prefixes, so one key answers for it.
-            first = self._client.list_objects_v2(Bucket=self.bucket, Prefix=exact, MaxKeys=1)
-            yield from (o for o in first.get("Contents", []) if o["Key"] == exact)
-        else:
-            under = f"{self.prefix}/" if self.prefix else ""
-        paginator = self._client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=under):
-            yield from page.get("Contents", [])
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        return [ObjectInfo(o["Key"][strip:], o["Size"]) for o in self._iter(prefix)]
-
-    def delete_prefix(self, prefix: str) -> None:
-        _check_key(prefix)  # as on file://: an empty prefix would wipe the whole store
-        keys = [{"Key": o["Key"]} for o in self._iter(prefix)]
-        for i in range(0, len(keys), 1000):
-            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000]})
-
-    def child(self, prefix: str) -> S3Store:
-        return S3Store(self.bucket, self._key(prefix), self.endpoint_url)
-
-    def presigned_url(self, key: str, expires_s: int = 3600) -> str | None:
-        return self._client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
-        )
-
-
 def crc32_file(path: str | Path) -> int:
     """A file's CRC32, read in 8 MiB blocks."""
     crc = 0
@@ -435,26 +233,12 @@ def crc32_file(path: str | Path) -> int:
     return crc
 
 
-def _abort_quietly(f: S3StreamWriter) -> None:
-    """Abort an upload on the way out of a failure, which stays the error raised."""
-    with contextlib.suppress(Exception):  # the caller's error matters more than a failed cleanup
-        f.abort()
-
-
-def _full_object_crc32(head: dict[str, Any], etag: str | None) -> str | None:
-    """A HEAD's CRC32 where it is the whole object's: a FULL_OBJECT checksum, or a single-part
-    object's (an ETag without '-N'; older servers and moto name no type). A COMPOSITE one, a
-    checksum of the parts' checksums, cannot be checked against the content."""
-    crc = head.get("ChecksumCRC32")
-    kind = head.get("ChecksumType")
-    if crc and (kind == "FULL_OBJECT" or (kind is None and etag is not None and "-" not in etag)):
-        return str(crc)
-    return None
-
-
-def open_store(url: str, endpoint_url: str | None = None, *, attempts: int = S3_ATTEMPTS) -> Store:
+def open_store(
+    url: str, endpoint_url: str | None = None, *, attempts: int | None = None, patience_s: float | None = None
+) -> Store:
     """A Store for file:///abs/path or s3://bucket/prefix. A bare absolute path counts as file://.
-    `attempts`: tries per S3 request (fewer where someone waits for the answer)."""
+    `attempts` (botocore's tries per S3 request) and `patience_s` (how long a call retries an outage):
+    less where someone waits for the answer; storage.s3's defaults otherwise."""
     if url.startswith("/"):
         return FileStore(url)
     parsed = urlparse(url)
@@ -464,9 +248,11 @@ def open_store(url: str, endpoint_url: str | None = None, *, attempts: int = S3_
             raise StorageError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
         return FileStore(unquote(parsed.path))
     if parsed.scheme == "s3":
+        from megatrain.storage.s3 import S3Store
+
         if endpoint_url is None:
             endpoint_url = os.environ.get("MEGATRAIN_S3_ENDPOINT_URL") or None
-        return S3Store(parsed.netloc, parsed.path, endpoint_url, attempts)
+        return S3Store(parsed.netloc, parsed.path, endpoint_url, attempts, patience_s)
     raise StorageError(f"unsupported storage URL {url!r} (use file:///… or s3://bucket/prefix)")
 
 
@@ -517,3 +303,12 @@ class _RawStream(io.RawIOBase):
     def close(self) -> None:
         self._body.close()
         super().close()
+
+
+def __getattr__(name: str) -> Any:
+    # S3Store lives in storage.s3 (which imports this module); named here too, for callers' imports.
+    if name == "S3Store":
+        from megatrain.storage.s3 import S3Store
+
+        return S3Store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
