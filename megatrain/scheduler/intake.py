@@ -5,11 +5,16 @@ plane's side (the API restarting or down, its database connections dropped, the 
 it) than every node dying in the same second; failing every job over then would throw away all the
 cluster's work for nothing. Kubernetes' node lifecycle controller makes the same call: it stops
 evicting when a whole zone goes NotReady together. So while no ready node has been heard from for
-node_lost_after_s (and at least MIN_NODES are ready), the scheduler marks no node lost and ends no
-attempt for a missed heartbeat; once heartbeats arrive again, every node and runner is judged from
-that moment, so each has a full bound to be heard. A definite verdict (the executor's "that process
-is gone") still ends an attempt at once. A silence longer than MAX_DEAF_FACTOR bounds is judged as
-usual: a cluster that really went dark must not hold its jobs forever.
+QUIET_FRACTION of node_lost_after_s (and at least MIN_NODES are ready), the scheduler marks no node
+lost and ends no attempt for a missed heartbeat. Half a bound, not a whole one: nodes heartbeat at
+different moments, so when a whole cluster falls silent one node crosses the bound up to a heartbeat
+interval before the newest; judged by a whole bound, that node would be lost first, and with it
+gone the rest no longer count as a cluster (MIN_NODES). While one node alone is silent the others'
+heartbeats keep the newest fresh, so the bound judges it as before. Once heartbeats arrive again,
+every node and runner is judged from that moment, so each has a full bound to be heard. A definite
+verdict (the executor's "that process is gone") still ends an attempt at once. A silence longer
+than MAX_DEAF_FACTOR bounds is judged as usual: a cluster that really went dark must not hold its
+jobs forever.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ log = logging.getLogger(__name__)
 
 MIN_NODES = 2
 """One silent node is that node's problem, whatever the size of the cluster."""
+QUIET_FRACTION = 0.5
+"""How much of the node-lost bound without any heartbeat means the control plane cannot hear."""
 MAX_DEAF_FACTOR = 10
 """How many node-lost bounds a cluster-wide silence may last before it is judged node by node."""
 
@@ -40,7 +47,8 @@ class Intake:
     def observe(self, newest: datetime | None, ready: int, now: datetime) -> None:
         """One tick's reading: `newest` is the latest last_seen_at of any ready node, `ready` their
         number."""
-        silent = ready >= MIN_NODES and newest is not None and now - newest > timedelta(seconds=self.bound_s)
+        quiet = timedelta(seconds=self.bound_s * QUIET_FRACTION)
+        silent = ready >= MIN_NODES and newest is not None and now - newest > quiet
         if silent and self.silent_since is None:
             self.silent_since = newest
             log.warning(

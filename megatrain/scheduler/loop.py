@@ -386,8 +386,9 @@ class Scheduler:
         # Nodes this executor registers itself (the local one: this very machine) are refreshed
         # before liveness is judged, so a slow tick never makes the scheduler's own host lost.
         self.executor.refresh_nodes()
-        self.listen()
-        self.mark_lost_nodes()
+        now = utcnow()  # one reading for both: what was heard and who is past the bound
+        self.listen(now)
+        self.mark_lost_nodes(now)
         changed += self.fail_over_lost_nodes()
         with session_scope(self.url) as s:
             ids = s.scalars(select(Job.id).where(Job.status == QUEUED, Job.cancel_requested.is_(True))).all()

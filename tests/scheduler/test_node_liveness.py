@@ -195,6 +195,34 @@ def test_when_every_node_falls_silent_at_once_none_is_lost_until_they_can_be_hea
         assert "node node-b lost" in s.get(Job, job).status_reason
 
 
+def test_a_cluster_falling_silent_one_heartbeat_apart_loses_no_node(
+    live_settings: Settings, add_node: Callable, add_job: Callable
+) -> None:
+    """The soak's API restart in CI: both nodes' last heartbeats landed a second apart, so node-a
+    crossed the bound while node-b's silence was still within it. Judged by node-b's freshness
+    alone, node-a was lost, and then node-b, the one ready node left, a tick later."""
+    url = live_settings.resolved_database_url
+    a, b = add_node(2, hostname="node-a"), add_node(2, hostname="node-b")
+    job = add_job(procs=1)
+    _start(url, job, a)
+    sched = Scheduler(live_settings, RecordingExecutor())
+    _seen(url, a, 3.5)  # past node_lost_after_s=3
+    _seen(url, b, 2.5)  # within it, but nothing heard from anyone for over half of it
+    assert sched.reconcile_once() == []
+    _seen(url, b, 3.5)
+    assert sched.reconcile_once() == []
+    with session_scope(url) as s:
+        assert {n.status for n in s.scalars(select(Node))} == {"ready"}
+        assert s.get(Job, job).status == RUNNING
+    _seen(url, b, 0)  # node-b is heard again; node-a, still silent, has a bound from now
+    assert sched.reconcile_once() == []
+    sched.intake.resumed_at -= timedelta(seconds=4)
+    _seen(url, b, 0)
+    assert sched.reconcile_once() == [job]
+    with session_scope(url) as s:
+        assert (s.get(Node, a).status, s.get(Node, b).status) == ("lost", "ready")
+
+
 def test_a_cluster_silent_for_ten_bounds_is_judged_node_by_node(
     live_settings: Settings, add_node: Callable, add_job: Callable
 ) -> None:
