@@ -72,7 +72,7 @@ from megatrain.plan.cost_constants import (  # noqa: F401  (re-exported)
     gemm_efficiency,
 )
 from megatrain.plan.flops import flops_per_iteration
-from megatrain.plan.layer_cost import layer_costs, plus_adapters
+from megatrain.plan.layer_cost import LayerCosts, layer_costs, plus_adapters
 from megatrain.plan.layout import Layout
 from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
 from megatrain.plan.pool import PoolSpec
@@ -169,6 +169,61 @@ def _flops_per_iteration(model: ModelShape, global_batch_size: int) -> float:
     return flops_per_iteration(model, global_batch_size, model.seq_length)
 
 
+def _worst_stage(
+    lc: LayerCosts, candidates: list[int], layers: list[int], moes: list[int], pp: int, c: CostConstants
+) -> tuple[float, tuple[float, float, float, float, float]]:
+    """One micro-batch's time on the slowest candidate stage, and its (compute, recompute, tp, cp,
+    ep) parts: its dense and MoE layers, the embedding's and head's share on the edge stages."""
+    layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]
+    moe_compute, moe_recompute, moe_tp, moe_ep, head, edge_tp = lc[4:]
+    stage_times, stage_parts = [], []
+    for stage in candidates:
+        n_moe = moes[stage]
+        n = layers[stage] - n_moe
+        recompute = n * layer_recompute + n_moe * moe_recompute
+        compute = n * layer_compute + n_moe * moe_compute + recompute
+        compute += c.microbatch_overhead_s / (1 if pp == 1 else 2)
+        comm = n * layer_tp + n_moe * moe_tp
+        cp_ep = (n + n_moe) * layer_cp + n_moe * moe_ep
+        if stage == pp - 1:
+            compute += head
+            comm += edge_tp / 2
+        if stage == 0:
+            comm += edge_tp / 2
+        stage_times.append(compute + comm + cp_ep)
+        stage_parts.append((compute, recompute, comm, (n + n_moe) * layer_cp, n_moe * moe_ep))
+    worst = max(range(len(stage_times)), key=lambda i: stage_times[i])
+    return stage_times[worst], stage_parts[worst]
+
+
+def _dp_comm(
+    params: float, experts: float, layout: Layout, settings: StepSettings, pool: PoolSpec, act: int
+) -> tuple[float, float, int]:
+    """(reduce seconds, gather seconds, buckets) of data parallelism over the worst stage's
+    parameters (gradient buffer fp32): dense ones over dp·cp ranks, routed experts over their
+    expert-data-parallel group of dp·cp/ep; all-reduce, or reduce-scatter + all-gather under the
+    distributed optimizer, each bucket paying the link's latency per ring hop."""
+    tp, dp, cp, ep = layout.tp, layout.dp, layout.cp, layout.ep
+    shards = dp * cp
+    dist_opt = settings.distributed_optimizer and shards > 1
+    bw_dp, lat_dp = link(pool, tp * cp * dp <= pool.devices_per_node)
+    buckets = max(1, math.ceil(params / settings.grad_bucket_elements))
+    reduce_s = gather_s = 0.0
+    for n_params, ranks in ((params - experts, shards), (experts, shards // ep)):
+        if ranks <= 1 or n_params <= 0:
+            continue
+        n_buckets = max(1, round(buckets * n_params / params))
+        if dist_opt:
+            reduce_s += ring_time("reduce_scatter", 4.0 * n_params, ranks, bw_dp, 0.0)
+            gather_s += ring_time("all_gather", n_params * act, ranks, bw_dp, 0.0)
+            reduce_s += n_buckets * (ranks - 1) * lat_dp * 1e-6
+            gather_s += n_buckets * (ranks - 1) * lat_dp * 1e-6
+        else:
+            reduce_s += ring_time("all_reduce", 4.0 * n_params, ranks, bw_dp, 0.0)
+            reduce_s += n_buckets * 2 * (ranks - 1) * lat_dp * 1e-6
+    return reduce_s, gather_s, buckets
+
+
 def predict_step(
     model: ModelShape,
     layout: Layout,
@@ -201,30 +256,9 @@ def predict_step(
             act, peak, links, c,
         )  # fmt: skip
 
-    layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]
-    moe_compute, moe_recompute, moe_tp, moe_ep, head, edge_tp = lc[4:]
-    stage_times = []
-    stage_parts = []
     # The edges (embedding, head) and the stage with the most layers (an uneven split's middle).
     candidates, layers, moes = _stage_layers(model, pp, v, layout.pipeline_layers)
-    for stage in candidates:
-        n_moe = moes[stage]
-        n = layers[stage] - n_moe
-        recompute = n * layer_recompute + n_moe * moe_recompute
-        compute = n * layer_compute + n_moe * moe_compute + recompute
-        compute += c.microbatch_overhead_s / (1 if pp == 1 else 2)
-        comm = n * layer_tp + n_moe * moe_tp
-        cp_ep = (n + n_moe) * layer_cp + n_moe * moe_ep
-        if stage == pp - 1:
-            compute += head
-            comm += edge_tp / 2
-        if stage == 0:
-            comm += edge_tp / 2
-        stage_times.append(compute + comm + cp_ep)
-        stage_parts.append((compute, recompute, comm, (n + n_moe) * layer_cp, n_moe * moe_ep))
-    worst = max(range(len(stage_times)), key=lambda i: stage_times[i])
-    t_mb = stage_times[worst]
-    compute_mb, recompute_mb, tp_mb, cp_mb, ep_mb = stage_parts[worst]
+    t_mb, (compute_mb, recompute_mb, tp_mb, cp_mb, ep_mb) = _worst_stage(lc, candidates, layers, moes, pp, c)
 
     compute_s = m * compute_mb
     tp_comm_s = m * tp_mb
@@ -235,27 +269,9 @@ def predict_step(
         p2p = lat_pp * 1e-6 + tokens * h * act / seq_div / (bw_pp * 1e9)
         pp_comm_s = 2 * p2p * (m * v + pp - 1)
 
-    # Data parallelism over the worst stage's parameters (gradient buffer fp32): dense ones over
-    # dp·cp ranks, routed experts over their expert-data-parallel group of dp·cp/ep.
     params, experts = _stage_param_counts(model, tp, pp, ep, v, layout.pipeline_layers, tuple(candidates))
+    reduce_s, gather_s, buckets = _dp_comm(params, experts, layout, settings, pool, act)
     shards = dp * cp
-    expert_shards = shards // ep
-    dist_opt = settings.distributed_optimizer and shards > 1
-    bw_dp, lat_dp = link(pool, tp * cp * dp <= pool.devices_per_node)
-    buckets = max(1, math.ceil(params / settings.grad_bucket_elements))
-    reduce_s = gather_s = 0.0
-    for n_params, ranks in ((params - experts, shards), (experts, expert_shards)):
-        if ranks <= 1 or n_params <= 0:
-            continue
-        n_buckets = max(1, round(buckets * n_params / params))
-        if dist_opt:
-            reduce_s += ring_time("reduce_scatter", 4.0 * n_params, ranks, bw_dp, 0.0)
-            gather_s += ring_time("all_gather", n_params * act, ranks, bw_dp, 0.0)
-            reduce_s += n_buckets * (ranks - 1) * lat_dp * 1e-6
-            gather_s += n_buckets * (ranks - 1) * lat_dp * 1e-6
-        else:
-            reduce_s += ring_time("all_reduce", 4.0 * n_params, ranks, bw_dp, 0.0)
-            reduce_s += n_buckets * 2 * (ranks - 1) * lat_dp * 1e-6
     if settings.overlap_grad_reduce and shards > 1:
         backward_window = c.dp_overlap * (2 / 3) * (compute_mb - recompute_mb)
         exposed_reduce = max(reduce_s / buckets, reduce_s - backward_window)
@@ -263,7 +279,8 @@ def predict_step(
         exposed_reduce = reduce_s
     dp_exposed_s = exposed_reduce + gather_s
 
-    owned = (params - experts) / shards + experts / expert_shards if dist_opt else params
+    dist_opt = settings.distributed_optimizer and shards > 1
+    owned = (params - experts) / shards + experts / (shards // ep) if dist_opt else params
     optimizer_s = (32.0 * owned + 4.0 * params) / bandwidth
     overhead_s = c.step_overhead_s
 

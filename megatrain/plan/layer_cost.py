@@ -5,6 +5,7 @@ describes; thousands of layouts of one planning call share each result (lru_cach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -110,37 +111,13 @@ def layer_costs(
     else:
         layer_recompute = 0.0
 
-    # An MoE layer: the router, this rank's num_experts/ep experts (each a GEMM of the tokens routed
-    # to it from the ep group: tokens·topk·ep/num_experts rows, smaller and slower than the dense
-    # MLP's) and the shared expert replace the MLP; the tokens are permuted and exchanged by two
-    # all-to-alls forward (dispatch, combine) and two backward over the ep group, not overlapped.
-    moe_compute = moe_recompute = moe_tp = moe_ep = 0.0
+    moe = (0.0, 0.0, 0.0, 0.0)
     if model.moe is not None:
-        moe = model.moe
-        routed = tokens * moe.router_topk * (moe.capacity_factor or 1.0)  # rows at this rank's experts
-        local = moe.num_experts // ep
-        rows = routed / local
-        fe = moe.ffn_hidden_size
-        fwd_moe = gemm(h, moe.num_experts) + local * (
-            gemm(h, model.mlp_fc1_width(fe) / tp, rows) + gemm(fe / tp, h, rows)
+        dense = _Dense(layer_compute, layer_recompute, layer_tp, fwd_gemms, fwd_mlp, fwd_attention,
+                       elementwise, sub_fwd, sub_bwd, share)  # fmt: skip
+        moe = _moe_layer(
+            model, tp, cp, ep, frozen, tokens, act, seq_div, gemm, lp, tp_sublayer, dense, recompute, pool, c
         )
-        if moe.shared_expert_ffn_hidden_size:
-            fs = moe.shared_expert_ffn_hidden_size
-            fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=lp) + gemm(fs / tp, h, at=lp)
-        permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
-        moe_compute = layer_compute + (2 if frozen else 3) * (fwd_moe - fwd_mlp) + permute
-        routed_bytes = routed * h * act / seq_div
-        a2a = all_to_all_time(routed_bytes, ep, ep_ranks_per_node(tp, cp, ep, pool.devices_per_node), pool)
-        moe_sub_fwd, moe_sub_bwd = tp_sublayer(routed * h * act)  # experts see the tp group's tokens
-        moe_tp = layer_tp - sub_fwd - sub_bwd + moe_sub_fwd + moe_sub_bwd
-        moe_ep = 4 * a2a
-        if recompute == "full":
-            moe_recompute = share * (fwd_gemms - fwd_mlp + fwd_moe + fwd_attention + elementwise / 3)
-            moe_recompute += share * c.layer_overhead_s / 3
-            moe_tp += share * (moe_sub_fwd - sub_fwd)
-            moe_ep += share * 2 * a2a
-        else:
-            moe_recompute = layer_recompute
 
     # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
     head = (2 if frozen else 3) * gemm(
@@ -148,18 +125,65 @@ def layer_costs(
     ) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
     # (the head's GEMMs and the fp32 softmax/loss over (tokens, V/t))
     edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
-    return LayerCosts(
-        layer_compute,
-        layer_recompute,
-        layer_tp,
-        layer_cp,
-        moe_compute,
-        moe_recompute,
-        moe_tp,
-        moe_ep,
-        head,
-        edge_tp,
+    return LayerCosts(layer_compute, layer_recompute, layer_tp, layer_cp, *moe, head, edge_tp)
+
+
+class _Dense(NamedTuple):
+    """A dense layer's costs and parts (one micro-batch) that an MoE layer's are derived from."""
+
+    compute: float
+    recompute: float
+    tp: float
+    fwd_gemms: float
+    fwd_mlp: float
+    fwd_attention: float
+    elementwise: float
+    sub_fwd: float
+    sub_bwd: float
+    share: float
+
+
+def _moe_layer(
+    model: ModelShape, tp: int, cp: int, ep: int, frozen: bool, tokens: float, act: int, seq_div: int,
+    gemm: Callable[..., float], linear_peak: float,
+    tp_sublayer: Callable[[float], tuple[float, float]], dense: _Dense, recompute: str, pool: Links,
+    c: CostConstants,
+) -> tuple[float, float, float, float]:  # fmt: skip
+    """(compute, recompute, tp, ep) of an MoE layer: the router, this rank's num_experts/ep experts
+    (each a GEMM of the tokens routed to it from the ep group: tokens·topk·ep/num_experts rows,
+    smaller and slower than the dense MLP's) and the shared expert replace the MLP; the tokens are
+    permuted and exchanged by two all-to-alls forward (dispatch, combine) and two backward over the
+    ep group, not overlapped."""
+    moe, h = model.moe, model.hidden_size
+    assert moe is not None
+    bandwidth = c.memory_bandwidth_gbps * 1e9
+    routed = tokens * moe.router_topk * (moe.capacity_factor or 1.0)  # rows at this rank's experts
+    local = moe.num_experts // ep
+    rows = routed / local
+    fe = moe.ffn_hidden_size
+    fwd_moe = gemm(h, moe.num_experts) + local * (
+        gemm(h, model.mlp_fc1_width(fe) / tp, rows) + gemm(fe / tp, h, rows)
     )
+    if moe.shared_expert_ffn_hidden_size:
+        fs = moe.shared_expert_ffn_hidden_size
+        fwd_moe += gemm(h, model.mlp_fc1_width(fs) / tp, at=linear_peak) + gemm(fs / tp, h, at=linear_peak)
+    permute = 8 * routed * h * act / bandwidth  # permute, unpermute (× probs), each way
+    compute = dense.compute + (2 if frozen else 3) * (fwd_moe - dense.fwd_mlp) + permute
+    routed_bytes = routed * h * act / seq_div
+    a2a = all_to_all_time(routed_bytes, ep, ep_ranks_per_node(tp, cp, ep, pool.devices_per_node), pool)
+    sub_fwd, sub_bwd = tp_sublayer(routed * h * act)  # experts see the tp group's tokens
+    tp_s = dense.tp - dense.sub_fwd - dense.sub_bwd + sub_fwd + sub_bwd
+    ep_s = 4 * a2a
+    if recompute == "full":
+        share = dense.share
+        fwd = dense.fwd_gemms - dense.fwd_mlp + fwd_moe + dense.fwd_attention + dense.elementwise / 3
+        recompute_s = share * fwd
+        recompute_s += share * c.layer_overhead_s / 3
+        tp_s += share * (sub_fwd - dense.sub_fwd)
+        ep_s += share * 2 * a2a
+    else:
+        recompute_s = dense.recompute
+    return compute, recompute_s, tp_s, ep_s
 
 
 def ring_attention_seconds(
