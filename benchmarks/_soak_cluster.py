@@ -1,9 +1,12 @@
 """The soak's cluster on one machine, as production runs it: `megatrain api` (two processes) and
-`megatrain scheduler` on PostgreSQL and Redis (the Celery executor), object storage on S3 (moto's
-server over HTTP), and two `megatrain worker` "nodes" that hold only a node token, the API's URL,
-the broker and storage (no database URL).
+`megatrain scheduler` on PostgreSQL, object storage on S3 (moto's server over HTTP), and either
+(`executor="celery"`) Redis/Celery with two `megatrain worker` "nodes" that hold only a node token,
+the API's URL, the broker and storage (no database URL), or (`executor="slurm"`) a real single-host
+Slurm (munged, slurmctld, slurmd: tests/fixtures/slurm.py) whose batch jobs run the attempts with an
+attempt token and the API's URL only (settings.runners_via_api).
 
-Each node reaches the API and S3 through a TCP forwarder of its own, as it would through its own
+Each node (a Slurm node: the scheduler's exports, which its runners inherit) reaches the API and
+S3 through a TCP forwarder of its own, as it would through its own
 network path: a fault cuts one (a partition: the node's heartbeats and reports stop, or its storage
 is unreachable) and restores it, with the services behind them untouched.
 
@@ -31,6 +34,7 @@ import httpx
 from megatrain.worker.procs import start_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fixtures.slurm import SlurmCluster, start_cluster  # noqa: E402
 from fixtures.tcp_proxy import TcpProxy  # noqa: E402
 
 POSTGRES_URL = os.environ.get(
@@ -42,6 +46,7 @@ BUCKET = "soak"
 AWS_DUMMIES = {"AWS_ACCESS_KEY_ID": "soak", "AWS_SECRET_ACCESS_KEY": "soak",
                "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
 NODES = ("node-a", "node-b")
+"""The Celery executor's nodes (a Slurm cluster's are what its slurmd runs: one or two)."""
 TENANTS = ("acme", "globex", "initech")
 
 
@@ -113,6 +118,10 @@ class Cluster:
     """'s3' (moto's server, each node through its own forwarder) or 'file' (a shared folder)."""
     storage_error_rate: float = 0.0
     """The fraction of the nodes' S3 requests answered 503 (megatrain.faults' `storage`)."""
+    executor: str = "celery"
+    """'celery' (two worker nodes) or 'slurm' (a real Slurm on this machine)."""
+    nodes: tuple[str, ...] = NODES
+    slurm: SlurmCluster | None = None
     db_url: str = ""
     schema: str = ""
     app_name: str = ""
@@ -135,6 +144,9 @@ class Cluster:
         from megatrain.db.node_tokens import create_node_token
         from megatrain.db.session import get_engine, session_scope, upgrade_database
 
+        if self.executor == "slurm":
+            self.slurm = start_cluster(self.home / "slurm")
+            self.nodes = tuple(self.slurm.node_names)
         tag = uuid.uuid4().hex[:10]
         self.schema, self.app_name = f"soak_{tag}", f"megatrain-soak-{tag}"
         with psycopg.connect(_dsn(POSTGRES_URL), autocommit=True, connect_timeout=3) as conn:
@@ -151,31 +163,32 @@ class Cluster:
         with session_scope(self.db_url) as s:
             for tenant in TENANTS:
                 self.keys[tenant] = create_api_key(s, tenant, "soak")
-            for node in NODES:
+            for node in self.nodes if self.executor == "celery" else ():
                 tokens[node] = create_node_token(s, "default", node)[1]
         get_engine(self.db_url).dispose()
         (self.home / "data").mkdir(parents=True, exist_ok=True)
         port = _port()
         self.api_url = f"http://127.0.0.1:{port}"
-        for node in NODES:
-            self._link(node, "api", port)
+        for path in self.paths:
+            self._link(path, "api", port)
         if self.storage == "s3":
             s3_port = _port()
             self.s3_url = f"http://127.0.0.1:{s3_port}"
             moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
             self._add("s3", moto, _clean_env())
-            for node in NODES:
-                self._link(node, "s3", s3_port)
+            for path in self.paths:
+                self._link(path, "s3", s3_port)
         control = self._control_env()
         api_cmd = [sys.executable, "-m", "megatrain.cli", "api", "--port", str(port), "--workers", "2"]
         self._add("api", api_cmd, control)
-        self._add("scheduler", [sys.executable, "-m", "megatrain.cli", "scheduler"], control)
+        scheduler_env = control if self.slurm is None else self._slurm_env(control)
+        self._add("scheduler", [sys.executable, "-m", "megatrain.cli", "scheduler"], scheduler_env)
         cores = sorted(os.sched_getaffinity(0))
-        for i, node in enumerate(NODES):
+        for i, node in enumerate(self.nodes if self.slurm is None else ()):
             worker = [sys.executable, "-m", "megatrain.cli", "worker"]
             # One core each where there are enough: two engines sharing every core run slower than
             # two with one each, and a node's engine would compete with the other node's.
-            mine = set(cores[i :: len(NODES)]) if len(cores) >= len(NODES) else None
+            mine = set(cores[i :: len(self.nodes)]) if len(cores) >= len(self.nodes) else None
             self._add(node, worker, self._node_env(node, tokens[node]), mine)
 
     def _add(self, name: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> None:
@@ -208,8 +221,33 @@ class Cluster:
             | self._s3_env(self.s3_url)
         )
 
+    def _slurm_env(self, control: dict[str, str]) -> dict[str, str]:
+        """The scheduler's: the Slurm executor, and what its batch jobs export to the runners (the
+        nodes' settings of _node_env; the API and S3 through one pair of forwarders, "slurm": every
+        Slurm node's runners get the same exports, so a cut partitions them all)."""
+        assert self.slurm is not None
+        runner = self._node_env("slurm", token="")
+        runner.pop("MEGATRAIN_NODE_TOKEN")  # each attempt gets its own
+        for name in ("MEGATRAIN_NODE_NAME", "MEGATRAIN_REDIS_URL", "MEGATRAIN_HOME"):
+            runner.pop(name)
+        return (
+            control
+            | runner
+            | {
+                "MEGATRAIN_EXECUTOR": "slurm",
+                "MEGATRAIN_SLURM_PARTITION": self.slurm.partition,
+                "MEGATRAIN_RUNNERS_VIA_API": "true",
+                "SLURM_CONF": str(self.slurm.conf),
+            }
+        )
+
     def _s3_env(self, endpoint: str) -> dict[str, str]:
         return AWS_DUMMIES | {"MEGATRAIN_S3_ENDPOINT_URL": endpoint} if self.storage == "s3" else {}
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The network paths to the API and S3 a fault can cut: each worker node's, or Slurm's one."""
+        return self.nodes if self.slurm is None else ("slurm",)
 
     def _node_env(self, node: str, token: str) -> dict[str, str]:
         home = self.home / node
@@ -247,7 +285,7 @@ class Cluster:
             os.environ.update(self._s3_env(self.s3_url))  # the driver reads checkpoints back
         self.procs["api"].start()
         self.wait_api(timeout_s)
-        for name in ("scheduler", *NODES):
+        for name in ("scheduler", *(self.nodes if self.slurm is None else ())):
             self.procs[name].start()
         self.wait_nodes(timeout_s)
 
@@ -287,12 +325,12 @@ class Cluster:
         its open connections reset, new ones refused, then the link is back on the same port."""
         import threading
 
-        link = self.links[node, service]
+        link = self.links[node if self.slurm is None else "slurm", service]
         link.stop()
         threading.Timer(for_s, link.start).start()
 
     def wait_nodes(self, timeout_s: float) -> None:
-        """Until both nodes registered and are ready."""
+        """Until every node registered (a Slurm node: the scheduler read it from sinfo) and is ready."""
         from sqlalchemy import select
 
         from megatrain.db.models import Node
@@ -301,13 +339,34 @@ class Cluster:
         while time.monotonic() < deadline:
             with self.session() as s:
                 ready = set(s.scalars(select(Node.hostname).where(Node.status == "ready")))
-            if ready >= set(NODES):
+            if ready >= set(self.nodes):
                 return
-            for name in NODES:
+            for name in ("scheduler", *(self.nodes if self.slurm is None else ())):
                 if not self.procs[name].alive():
-                    raise RuntimeError(f"worker {name} exited; see {self.procs[name].log_path}")
+                    raise RuntimeError(f"{name} exited; see {self.procs[name].log_path}")
             time.sleep(0.5)
         raise RuntimeError(f"the nodes did not register within {timeout_s:.0f} s")
+
+    def kill_node(self, node: str, down_s: float) -> None:
+        """The node dies with everything on it and is back after `down_s`: a worker node's whole
+        process session killed; a Slurm node set DOWN (Slurm ends its jobs: NODE_FAIL), then RESUMEd."""
+        if self.slurm is None:
+            self.restart(node, down_s)
+            return
+        down = self.slurm.client("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=soak")
+        if down.returncode != 0:
+            raise RuntimeError(f"scontrol could not take {node} down: {down.stderr}")
+        time.sleep(down_s)
+        self.slurm.client("scontrol", "update", f"NodeName={node}", "State=RESUME")
+
+    @property
+    def slots(self) -> int:
+        """How many jobs run at once: one per worker node; on Slurm, its CPUs up to this machine's."""
+        from fixtures.slurm import CPUS_PER_NODE
+
+        if self.slurm is None:
+            return len(self.nodes)
+        return min(len(self.nodes) * CPUS_PER_NODE, len(os.sched_getaffinity(0)))
 
     def restart(self, name: str, down_s: float = 0.0) -> None:
         self.procs[name].kill()
@@ -337,14 +396,18 @@ class Cluster:
         """Rank 0's pid of the job's attempt on `node`, from its progress file (once it stepped)."""
         from megatrain.progress_files import read_progress
 
-        out = self.home / node / "runs" / job_id / f"attempt-{attempt}"
+        where = "control" if self.slurm is not None else node  # Slurm's runners share the control's home
+        out = self.home / where / "runs" / job_id / f"attempt-{attempt}"
         ranks = [r for r in read_progress(out) if r.rank == 0 and r.pid and r.step > 0]
         return ranks[0].pid if ranks else None
 
     def stop(self, keep: bool = False) -> None:
-        for name in (*NODES, "scheduler", "api", "s3"):
+        for name in (*self.nodes, "scheduler", "api", "s3"):
             if name in self.procs:
                 self.procs[name].kill(signal.SIGTERM)
+        if self.slurm is not None:
+            self.slurm.client("scancel", "--partition", self.slurm.partition)
+            self.slurm.stop()
         for link in self.links.values():
             link.stop()
         if keep or not self.schema:
@@ -361,7 +424,8 @@ class Cluster:
 
     def describe(self) -> str:
         return json.dumps({"home": str(self.home), "api": self.api_url, "schema": self.schema,
-                           "storage": self.storage_url, "s3": self.s3_url or None})  # fmt: skip
+                           "storage": self.storage_url, "s3": self.s3_url or None,
+                           "executor": self.executor, "nodes": list(self.nodes)})  # fmt: skip
 
 
 def _boto_keys() -> dict[str, str]:

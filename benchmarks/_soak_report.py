@@ -45,6 +45,8 @@ class Fault:
     """How long a partition lasted."""
     ended_attempt: bool = False
     resume_s: float | None = None
+    bystanders: int = 0
+    """Other jobs' attempts it ended too (the other jobs of a killed node: a Slurm node runs two)."""
 
 
 @dataclass
@@ -205,7 +207,9 @@ def summarize(results: list[JobResult], faults: list[Fault], wall_s: float) -> d
         "failed": {r.job_id: r.reason for r in results if r.status != "succeeded"},
         "faults": len(faults),
         "faults_by_kind": _by_kind(faults),
-        "attempts_ended_by_kind": _by_kind(ending),
+        "attempts_ended_by_kind": {
+            k: n + sum(f.bystanders for f in ending if f.kind == k) for k, n in _by_kind(ending).items()
+        },
         "goodput": round(sums["productive_s"] / total, 4) if total else None,
         "running_goodput": round(sums["productive_s"] / held, 4) if held > 0 else None,
         "seconds": {k: round(v, 1) for k, v in sums.items()},
@@ -217,7 +221,7 @@ def summarize(results: list[JobResult], faults: list[Fault], wall_s: float) -> d
         "resume_s_max": round(max(resumes), 1) if resumes else None,
         "resume_s_median": round(statistics.median(resumes), 1) if resumes else None,
         "resumes_missing": sum(f.resume_s is None for f in ending),
-        "unplanned_attempts": attempts - len(results) - len(ending),
+        "unplanned_attempts": attempts - len(results) - len(ending) - sum(f.bystanders for f in ending),
         "checkpoint_period_s": _median([r.checkpoint_period_s for r in results]),
         "fault_log": [asdict(f) | {"at": f.at.isoformat()} for f in faults],
     }

@@ -18,6 +18,10 @@ below it the node's reports arrive once each after), storage_outage (cut that no
 
     python benchmarks/soak.py                               # an hour, a fault every ~3 min
     python benchmarks/soak.py --minutes 5 --fault-every 30 --silence-s 10  # the CI version's shape
+    python benchmarks/soak.py --executor slurm              # the same on a real single-host Slurm
+
+With `--executor slurm` the nodes are Slurm's (as root: slurmd runs jobs as their submitter) and
+kill_node sets a node DOWN under its jobs (Slurm ends them: NODE_FAIL), then RESUMEs it.
 
 Targets: 0 rows lost, 0 doubled, every job succeeded, goodput >= 90% with a checkpoint every
 minute, every resume <= 60 s. `--json PATH` writes the summary; exit status 1 if a target is missed.
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _soak_cluster import NODES, TENANTS, Cluster
+from _soak_cluster import TENANTS, Cluster
 from _soak_report import Fault, collect, summarize, table
 
 ROTATION = ("kill_rank", "restart_api", "stop_rank", "drop_db", "corrupt_checkpoint", "kill_node",
@@ -136,6 +140,22 @@ class Driver:
         rows = [r for r in rows if self.cluster.engine_pid(r[2], r[0], r[1]) is not None]
         return tuple(random.choice(rows)) if rows else None  # type: ignore[return-value]
 
+    def running_on(self, node: str) -> list[str]:
+        """The soak's jobs placed or running on `node` now."""
+        from sqlalchemy import select
+
+        from megatrain.db.models import Job, Node
+
+        with self.cluster.session() as s:
+            return list(
+                s.scalars(
+                    select(Job.id)
+                    .join(Node, Node.id == Job.node_id)
+                    .where(Job.id.in_(self.jobs), Job.status.in_(("scheduled", "running")))
+                    .where(Node.hostname == node)
+                )
+            )
+
     def apply(self, kind: str) -> Fault | None:
         now = datetime.now(UTC)
         if kind == "restart_api":
@@ -154,9 +174,8 @@ class Driver:
             fault.detail = f"{node} cut for {fault.window_s:g} s"
             return fault
         if kind == "kill_node":
-            self.cluster.procs[node].kill()
-            time.sleep(self.args.node_down_s)
-            self.cluster.procs[node].start()
+            fault.bystanders = max(0, len(self.running_on(node)) - 1)
+            self.cluster.kill_node(node, self.args.node_down_s)
             return fault
         if kind == "corrupt_checkpoint":
             fault.detail = self._corrupt_latest(job_id) or "its checkpoint is gone"
@@ -202,7 +221,7 @@ class Driver:
         kinds = itertools.cycle(args.faults)
         kind = next(kinds)
         while time.monotonic() < end or self._owed(start):
-            while self.unfinished() < len(NODES):
+            while self.unfinished() < self.cluster.slots:
                 self.submit()
             if time.monotonic() >= next_fault:
                 fault = self.apply(kind)
@@ -241,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--storage", choices=("s3", "file"), default="s3")
     p.add_argument(
+        "--executor", choices=("celery", "slurm"), default="celery", help="worker nodes, or a real Slurm"
+    )
+    p.add_argument(
         "--storage-error-rate",
         type=float,
         default=0.02,
@@ -275,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         hang_min_s=args.hang_min_s,
         storage=args.storage,
         storage_error_rate=args.storage_error_rate if args.storage == "s3" else 0.0,
+        executor=args.executor,
     )
     try:
         cluster.create()
@@ -287,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop(keep=args.keep)
     summary = summarize(results, driver.faults, wall)
     summary["storage"] = {"url": cluster.storage_url, "error_rate": cluster.storage_error_rate}
+    summary["executor"], summary["nodes"] = args.executor, list(cluster.nodes)
     print(table(results, summary))
     missed = targets_missed(summary, args)
     summary["targets_missed"] = missed

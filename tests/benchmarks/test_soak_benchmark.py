@@ -19,7 +19,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from _soak_report import audit_lines, expected_metric_steps  # noqa: E402
+from _soak_report import Fault, JobResult, audit_lines, expected_metric_steps, summarize  # noqa: E402
 
 START = "model 0.16M params | layout tp=1 cp=1 dp=1 pp=1 | fp32 | device cpu"
 
@@ -47,6 +47,19 @@ def test_a_missing_line_is_lost_and_a_repeated_one_doubled() -> None:
 def test_the_last_step_is_logged_off_the_interval() -> None:
     assert audit_lines([START, _step(100, 250), _step(200, 250), _step(250, 250)], 100) == (0, 0, 0)
     assert expected_metric_steps(250, 100) == {100, 200, 250}
+
+
+def test_a_killed_nodes_other_job_is_the_faults_not_unexplained() -> None:
+    """A Slurm node runs two jobs: killing it ends both attempts, the target's and a bystander's."""
+    from datetime import UTC, datetime
+
+    seconds = {"productive_s": 90.0, "queued_s": 0.0, "restart_s": 10.0}
+    results = [JobResult(j, "acme", "succeeded", "", 2, 100, seconds) for j in ("a", "b")]
+    fault = Fault("kill_node", datetime.now(UTC), "a", 1, "n1", ended_attempt=True, resume_s=10.0)
+    assert summarize(results, [fault], 100.0)["unplanned_attempts"] == 1
+    fault.bystanders = 1
+    summary = summarize(results, [fault], 100.0)
+    assert summary["unplanned_attempts"] == 0 and summary["attempts_ended_by_kind"] == {"kill_node": 2}
 
 
 @pytest.mark.slow
