@@ -146,6 +146,24 @@ def test_the_shipped_data_is_what_make_data_writes(tmp_path: Path, monkeypatch: 
     assert total < 400_000
 
 
+def test_the_shipped_eval_tasks_are_what_make_tasks_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("make_tasks", EXAMPLES / "eval" / "make_tasks.py")
+    assert module_spec and module_spec.loader
+    make_tasks = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(make_tasks)
+    monkeypatch.setattr(make_tasks, "HERE", tmp_path)
+    make_tasks.main()
+    for name in ("corpus_mc.jsonl", "corpus_cloze.jsonl"):
+        assert (tmp_path / name).read_bytes() == (EXAMPLES / "eval" / name).read_bytes(), name
+    items = [json.loads(line) for line in (EXAMPLES / "eval" / "corpus_mc.jsonl").read_text().splitlines()]
+    assert len(items) == 200 and all(i["choices"][i["answer"]] == " follows it." for i in items)
+    assert {i["answer"] for i in items} == {0, 1, 2, 3}  # the right ending is not always first
+
+
 # -- relative data paths in spec files -----------------------------------------------------------
 
 

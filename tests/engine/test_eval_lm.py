@@ -19,42 +19,17 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from megatrain.engine.evaluation.lm import EngineLM  # noqa: E402
-from megatrain.engine.interop.hf import export_model_hf  # noqa: E402
-from megatrain.engine.interop.hf_tokenizer import export_tokenizer  # noqa: E402
-from megatrain.engine.serving.loader import Served, load_served  # noqa: E402
-from megatrain.spec import parse_spec  # noqa: E402
+from megatrain.engine.serving.loader import Served  # noqa: E402
 
-SEQ = 64
+from .eval_helpers import SEQ, both_sides  # noqa: E402
+
 CONTEXTS = ["The capital of France is", "def add(a, b):\n    return", "Q: 2 + 2 = ?\nA:", "x"]
 CONTINUATIONS = [" Paris", " a + b", " 4", "yz and more text after it"]
 
 
-def _spec() -> Any:
-    return parse_spec(
-        {
-            "name": "eval-lm",
-            # A wide init gives peaked logits: no near-ties for a rounding difference to flip.
-            "model": {"arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                      "num_query_groups": 2, "ffn_hidden_size": 128, "seq_length": SEQ,
-                      "init_method_std": 0.3},
-            "data": {"train": [{"dataset": "corpus"}], "tokenizer": {"type": "byte"}},
-            "training": {"precision": "fp32", "seed": 3},
-        }
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[EngineLM, HFLM, Served]:
-    spec = _spec()
-    served = load_served(spec, "cpu")
-    folder = tmp_path_factory.mktemp("hf")
-    tokenizer = export_tokenizer(spec.data.tokenizer, model_max_length=SEQ)
-    export_model_hf(
-        served.model, folder, dtype=torch.float32, tokenizer_files=tokenizer.files,
-        extra_config=tokenizer.special_ids,
-    )  # fmt: skip
-    hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=3, max_length=SEQ)
-    return EngineLM(served.model, served.tokenizer, batch_size=2), hf, served
+    return both_sides(tmp_path_factory.mktemp("hf"))
 
 
 def _requests(kind: str, args: list[tuple[Any, ...]]) -> list[Instance]:
