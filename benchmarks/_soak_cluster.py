@@ -359,6 +359,31 @@ class Cluster:
         time.sleep(down_s)
         self.slurm.client("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
+    def slurm_node(self, job_id: str) -> tuple[str, int] | None:
+        """Where Slurm runs the job's current attempt (Slurm picks the node, not our placement) and
+        how many jobs run there; None off Slurm or when squeue does not say."""
+        if self.slurm is None:
+            return None
+        from sqlalchemy import select
+
+        from megatrain.db.models import JobEvent
+        from megatrain.worker.slurm.executor import SUBMITTED_EVENT
+
+        with self.session() as s:
+            data = s.scalars(
+                select(JobEvent.data)
+                .where(JobEvent.job_id == job_id, JobEvent.kind == SUBMITTED_EVENT)
+                .order_by(JobEvent.id.desc())
+                .limit(1)
+            ).first()
+        if not data:
+            return None
+        node = self.slurm.client("squeue", "-h", "-j", str(data["slurm_id"]), "-o", "%N").stdout.strip()
+        if node not in self.nodes:
+            return None
+        there = self.slurm.client("squeue", "-h", "-w", node, "-t", "RUNNING", "-o", "%i").stdout.split()
+        return node, len(there)
+
     @property
     def slots(self) -> int:
         """How many jobs run at once: one per worker node; on Slurm, its CPUs up to this machine's."""

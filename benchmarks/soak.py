@@ -174,7 +174,11 @@ class Driver:
             fault.detail = f"{node} cut for {fault.window_s:g} s"
             return fault
         if kind == "kill_node":
-            fault.bystanders = max(0, len(self.running_on(node)) - 1)
+            on_slurm = self.cluster.slurm_node(job_id)
+            if self.cluster.slurm is not None and on_slurm is None:
+                return None  # Slurm has not said where it runs yet: a little later
+            node, there = on_slurm or (node, len(self.running_on(node)))
+            fault.node, fault.bystanders = node, max(0, there - 1)
             self.cluster.kill_node(node, self.args.node_down_s)
             return fault
         if kind == "corrupt_checkpoint":
@@ -299,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         storage_error_rate=args.storage_error_rate if args.storage == "s3" else 0.0,
         executor=args.executor,
     )
+    # A soak stopped by `timeout` or kill (SIGTERM) still takes its cluster down, Slurm's jobs too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         cluster.create()
         cluster.start()
