@@ -49,6 +49,7 @@ _USER_TYPES = frozenset(
         "PreprocessError",
         "ChatTemplateError",
         "HFConfigError",
+        "TaskError",  # an eval job's lm-eval task file (engine.evaluation.tasks)
     }
 )
 # These name the user's inputs only while a rank reads them (a missing, unreadable or malformed

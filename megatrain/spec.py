@@ -36,6 +36,7 @@ from megatrain.spec_errors import (
     collect_errors,
     report_rules,
 )
+from megatrain.spec_eval import EvalSpec
 from megatrain.spec_layout import ParallelismSpec, ResourcesSpec
 from megatrain.spec_lora import LoRASpec, absent_targets
 from megatrain.spec_moe import MoESpec
@@ -370,26 +371,33 @@ class TrainingSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field(..., pattern=NAME_PATTERN)
-    kind: Literal["pretrain", "finetune", "dpo", "serve"] = "pretrain"
+    kind: Literal["pretrain", "finetune", "dpo", "serve", "eval"] = "pretrain"
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     parallelism: Annotated[ParallelismSpec | Literal["auto"], Field(union_mode="left_to_right")] = "auto"
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     secrets: list[str] = Field(default_factory=list, max_length=32)
+    eval: EvalSpec | None = None
+    """kind eval only: the lm-eval tasks to score model.init_from on (megatrain.spec_eval)."""
 
     _secret_names = field_validator("secrets")(check_secret_names)
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:
         out: list[Problem] = []
-        if self.kind in ("finetune", "dpo", "serve") and not self.model.init_from:
+        if self.kind in ("finetune", "dpo", "serve", "eval") and not self.model.init_from:
             out.append(_rule("model.init_from", f"model.init_from is required when kind is '{self.kind}'"))
-        if (self.kind == "serve") == bool(self.data.train):  # a model server reads no data
-            why = "kind serve reads no data: leave data.train empty" if self.data.train else ""
+        # A model server reads no data; an eval job reads its tasks' items.
+        no_data = self.kind in ("serve", "eval")
+        if no_data == bool(self.data.train):
+            why = f"kind {self.kind} reads no data: leave data.train empty" if self.data.train else ""
             out.append(_rule("data.train", why or "data.train needs at least 1 item (a path or a dataset)"))
-        if self.kind == "serve" and self.data.valid:
-            out.append(_rule("data.valid", "kind serve reads no data: leave data.valid empty"))
+        if no_data and self.data.valid:
+            out.append(_rule("data.valid", f"kind {self.kind} reads no data: leave data.valid empty"))
+        if (self.kind == "eval") != (self.eval is not None):
+            why = f"eval is set but kind is '{self.kind}'" if self.eval else "kind eval needs eval.tasks"
+            out.append(_rule("eval", why))
         lora = self.training.lora
         if lora is not None and self.training.method != "full" and "targets" in lora.model_fields_set:
             absent = absent_targets(lora.targets, self.model.moe, self.model.num_layers)

@@ -54,7 +54,9 @@ def _num(value: Any) -> float | None:
 
 
 def ingest_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) -> int:
-    """Store train/val rows (first write of a step wins) and the job's latest figures; returns inserts."""
+    """Store train/val/eval rows (first write of a step wins) and the job's latest figures; returns
+    inserts. An eval row carries {"eval": {task: {metric: {value, stderr, n}}}}: an eval job's results
+    (step 0), or scores during training at that step."""
     now = utcnow()
     records: dict[tuple[str, int], dict[str, Any]] = {}
     latest_train: dict[str, Any] | None = None
@@ -62,8 +64,8 @@ def ingest_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) ->
         step = row.get("step")
         if not isinstance(step, int):
             continue
-        kind = "val" if "val_loss" in row else "train"
-        loss = _num(row.get("val_loss" if kind == "val" else "loss"))
+        kind = "eval" if isinstance(row.get("eval"), dict) else "val" if "val_loss" in row else "train"
+        loss = _num(row.get("val_loss" if kind == "val" else "loss")) if kind != "eval" else None
         records.setdefault(
             (kind, step),
             {"job_id": job_id, "kind": kind, "step": step, "created_at": now, "loss": loss, "data": row},

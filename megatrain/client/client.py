@@ -274,9 +274,15 @@ class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
     def metrics(
         self, job_id: str, since_step: int | None = None, kind: str | None = None
     ) -> list[dict[str, Any]]:
-        """Metric rows (kind 'train' or 'val', or only `kind`) with step > since_step, in step order."""
+        """Metric rows (kind 'train', 'val' or 'eval', or only `kind`) with step > since_step, in step
+        order."""
         params = _metric_params(since_step, kind)
         return list(_items(self._json("GET", f"/v1/jobs/{job_id}/metrics", params=params)))
+
+    def results(self, job_id: str) -> dict[str, Any]:
+        """The job's evaluation results: `tasks` {task: {metric: {value, stderr, n}}} at the latest
+        step scored (`step`; null: none yet), and `history`, every scored step's."""
+        return dict(self._json("GET", f"/v1/jobs/{job_id}/results"))
 
     def stream_metrics(
         self, job_id: str, since_step: int | None = None, kind: str | None = None

@@ -360,6 +360,23 @@ def _serve(spec: JobSpec, out: Path, activity: Activity) -> int:
         return _EXIT_CODES.get(record["kind"], EXIT_FAILURE)
 
 
+def _evaluate(spec: JobSpec, out: Path, activity: Activity) -> int:
+    """An eval job's process (engine.evaluation.job): its failures recorded as a run's are."""
+    from megatrain.engine.evaluation.job import evaluate_job
+
+    try:
+        evaluate_job(spec, out, activity)
+        return 0
+    except Terminated:
+        sys.stdout.flush()
+        os._exit(EXIT_SIGTERM)
+    except Exception as exc:
+        traceback.print_exc()
+        record = record_failure(out, 0, exc, activity)
+        print(f"eval: {summary_line(record)}", file=sys.stderr, flush=True)
+        return _EXIT_CODES.get(record["kind"], EXIT_FAILURE)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -427,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if spec.kind == "serve":  # the model server, not a training run
         return _serve(spec, out, activity)
+    if spec.kind == "eval":  # lm-eval tasks on a model, not a training run
+        return _evaluate(spec, out, activity)
     ctx = Dist(rank=int(os.environ.get("RANK", "0")))
     try:
         ctx = init_distributed(out)

@@ -191,7 +191,7 @@ async def list_metrics(
     job: OwnedJob,
     session: SessionDep,
     since_step: Annotated[int | None, Query(ge=-1, le=2**62)] = None,
-    kind: Literal["train", "val"] | None = None,
+    kind: Literal["train", "val", "eval"] | None = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
     max_points: Annotated[int | None, Query(ge=MIN_POINTS, le=100_000)] = None,
     last_event_id: LastEventId = None,
@@ -217,6 +217,14 @@ async def list_metrics(
     )
     response.headers["X-Total-Rows"] = str(total)
     return rows
+
+
+@router.get("/{job_id}/results", response_model=dict[str, Any])
+async def get_results(job: OwnedJob, session: SessionDep) -> Any:
+    """The job's evaluation results (an eval job's, or its tasks scored during training): `tasks`
+    {task: {metric: {value, stderr, n}}} at the latest step scored, `step` (null: none yet) and
+    `history`, every scored step's."""
+    return await run_in_threadpool(service.job_results, session, job)
 
 
 @router.get(

@@ -329,6 +329,17 @@ def list_metrics(
     return [metric_row(r) for r in rows]
 
 
+def job_results(session: Session, job: Job) -> dict[str, Any]:
+    """The job's lm-eval results: `tasks` {task: {metric: {value, stderr, n}}} at the latest step
+    scored (an eval job's one, at step 0), and every scored step's in `history`."""
+    rows = session.scalars(
+        select(JobMetric).where(JobMetric.job_id == job.id, JobMetric.kind == "eval").order_by(JobMetric.step)
+    ).all()
+    history = [{"step": r.step, "tasks": (r.data or {}).get("eval", {})} for r in rows]
+    latest = history[-1] if history else {"step": None, "tasks": {}}
+    return {"job_id": job.id, "kind": job.kind, "status": job.status, **latest, "history": history}
+
+
 ID_CHUNK = 1000
 
 

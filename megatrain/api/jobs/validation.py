@@ -24,6 +24,8 @@ from megatrain.api.jobs.data_exists import data_checks, missing_data
 from megatrain.api.jobs.hf_init import fill_model
 from megatrain.api.plan.service import derived_pool
 from megatrain.db.models import Job, Node, NodePool, Tenant
+from megatrain.eval_tasks import TaskError, load_task
+from megatrain.eval_tasks import data_urls as task_data_urls
 from megatrain.plan.layout import Layout, resolve_layout, with_micro_batch_size
 from megatrain.plan.memory import from_spec
 from megatrain.plan.planner import plan
@@ -127,7 +129,7 @@ def _plan(
     auto (a number written is planned with, and kept)."""
     if findings.errors:  # a spec the rules refuse is judged as written: no plan to hide its errors
         return spec, None
-    if spec.kind == "serve":  # a model server: one process, no training step to plan
+    if spec.kind in ("serve", "eval"):  # one process on a model: no training step to plan
         return spec, None
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
         return spec, None
@@ -202,8 +204,8 @@ def _fit(
     problem = fit_problem(layout, slots, pool, multi_node=multi_node)
     if problem:
         findings.add([_problem("resources.pool" if not slots else "resources.devices", problem)])
-    if findings.has_error(*MEMORY_INPUTS) or spec.kind == "serve":
-        return  # (a model server holds no gradients nor optimizer state: training's estimate overshoots)
+    if findings.has_error(*MEMORY_INPUTS) or spec.kind in ("serve", "eval"):
+        return  # (a model server or an eval holds no gradients nor optimizer state: training's overshoots)
     # A job whose per-device memory (the engine's analytical estimate, worst pipeline stage, in the
     # precision the pool's devices run) exceeds every device of its pool would fail allocating on
     # every attempt.
@@ -246,6 +248,20 @@ def _data(spec: JobSpec, settings: Settings, tenant: Tenant, findings: Findings)
             readable.add(field)
     checks = [c for c in data_checks(spec) if c.field in readable]
     findings.add(missing_data(checks, settings.s3_endpoint_url))
+    for i, task in enumerate(spec.eval.tasks if spec.eval else ()):
+        if f"eval.tasks[{i}]" in readable:
+            findings.add(_eval_task(f"eval.tasks[{i}]", task, settings, tenant))
+
+
+def _eval_task(field: str, url: str, settings: Settings, tenant: Tenant) -> list[Problem]:
+    """What lm-eval could not run in the task file at `url` (megatrain.eval_tasks), and the items it
+    names that the tenant may not read: each named by the task's field, before anything runs."""
+    try:
+        config = load_task(url)
+    except TaskError as exc:
+        return [_problem(field, f"{exc.field}: {exc.message}")]
+    problems = [data_url_problem(field, item, settings, tenant.name) for item in task_data_urls(config)]
+    return [_problem(field, p) for p in problems if p]
 
 
 def _init_from(session: Session, spec: JobSpec, tenant: Tenant, field: str) -> Problem | None:

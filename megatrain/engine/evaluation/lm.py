@@ -20,7 +20,7 @@ tests/engine/test_eval_lm.py holds this against HFLM on the same weights, export
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ class EngineLM(TemplateLM):
         batch_size: int = 8,
         max_length: int | None = None,
         seed: int = 1234,
+        on_batch: Callable[[], None] | None = None,
     ):
         super().__init__()
         if batch_size < 1:
@@ -64,6 +65,8 @@ class EngineLM(TemplateLM):
         self.max_length = max_length or seq_length
         self.vocab_limit = min(model.config.real_vocab_size, model.config.vocab_size)
         self.seed = seed
+        self.on_batch = on_batch
+        """Called after every batch scored or generated (an eval job's progress, for its hang watch)."""
         self._device = model.embed.weight.device
 
     # -- tokens ------------------------------------------------------------------------------------
@@ -116,6 +119,8 @@ class EngineLM(TemplateLM):
                 target = torch.tensor(cont, device=picked.device)
                 greedy = bool((picked.argmax(dim=-1) == target).all())
                 answers[i] = (float(picked.gather(1, target[:, None]).sum()), greedy)
+            if self.on_batch is not None:
+                self.on_batch()
         return answers
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -179,6 +184,8 @@ class EngineLM(TemplateLM):
                 )
                 for i, ids in zip(rows, new, strict=True):
                     out[i] = _cut(self.tok_decode(ids), prepared[i][1]["until"])
+                if self.on_batch is not None:
+                    self.on_batch()
         return out
 
 

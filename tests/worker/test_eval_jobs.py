@@ -1,0 +1,101 @@
+"""An eval job (`kind: eval`) through the product on the embedded default (SQLite, the local executor,
+the real engine on CPU), as a user drives it with the SDK: a tiny model exported as a Hugging Face
+folder is scored on the two shipped tasks (examples/eval); the results stored on the job
+(GET /v1/jobs/{id}/results) equal lm-eval's evaluator run in this process over the same weights,
+and the job's log shows them as a table. A task file lm-eval could not run, or one outside the
+tenant's data roots, is a 422 naming eval.tasks[i] before anything runs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fixtures.live import LiveApi
+
+from megatrain.client import ApiError, Client
+
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "eval"
+LIMIT = 16
+
+
+def _export_tiny(folder: Path) -> Any:
+    """The tests' seeded tiny Llama (tests/engine/eval_helpers.py's), exported with its byte tokenizer."""
+    from megatrain.engine.interop.hf import export_model_hf
+    from megatrain.engine.interop.hf_tokenizer import export_tokenizer
+    from megatrain.engine.serving.loader import load_served
+    from megatrain.spec import parse_spec
+
+    spec = parse_spec(
+        {
+            "name": "tiny",
+            "model": {"arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                      "num_query_groups": 2, "ffn_hidden_size": 128, "seq_length": 64,
+                      "init_method_std": 0.3},
+            "data": {"train": [{"dataset": "corpus"}], "tokenizer": {"type": "byte"}},
+            "training": {"precision": "fp32", "seed": 3},
+        }
+    )  # fmt: skip
+    served = load_served(spec, "cpu")
+    tokenizer = export_tokenizer(spec.data.tokenizer, model_max_length=64)
+    export_model_hf(
+        served.model, folder, dtype=torch.float32, tokenizer_files=tokenizer.files,
+        extra_config=tokenizer.special_ids,
+    )  # fmt: skip
+    return served
+
+
+def _eval_spec(base: Path, tasks: list[str]) -> dict[str, Any]:
+    return {
+        "name": "eval-tiny",
+        "kind": "eval",
+        "model": {"init_from": f"hf:{base.as_uri()}"},
+        "data": {"tokenizer": {"type": "byte"}, "train": []},
+        "training": {"precision": "fp32"},
+        "eval": {"tasks": tasks, "limit": LIMIT, "batch_size": 4},
+        "resources": {"devices": 1, "max_runtime_s": 600},
+    }
+
+
+def test_an_eval_job_stores_the_results_lm_eval_gives_here(live_stack: LiveApi) -> None:
+    pytest.importorskip("lm_eval")
+    from megatrain.engine.evaluation.lm import EngineLM
+    from megatrain.engine.evaluation.tasks import load_task, run_tasks
+
+    root = live_stack.data_path.parent
+    served = _export_tiny(root / "tiny")
+    tasks = root / "tasks"
+    shutil.copytree(EXAMPLES, tasks, ignore=shutil.ignore_patterns("*.py"))
+    urls = [(tasks / "corpus_mc.yaml").as_uri(), (tasks / "corpus_cloze.yaml").as_uri()]
+    with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
+        job = client.submit(_eval_spec(root / "tiny", urls))
+        done = client.wait(job.id, timeout_s=240, poll_interval_s=0.5)
+        logs = [line.line for line in client.logs(job.id)]
+        assert done.status == "succeeded", f"{done.status_reason}\n" + "\n".join(logs[-40:])
+        results = client.results(job.id)
+    assert (results["kind"], results["step"]) == ("eval", 0)
+    assert set(results["tasks"]) == {"corpus_mc", "corpus_cloze"}
+    here = run_tasks(EngineLM(served.model, served.tokenizer), [load_task(u) for u in urls], limit=LIMIT)
+    for task, metrics in here.items():
+        for metric, want in metrics.items():
+            got = results["tasks"][task][metric]
+            assert got["n"] == want["n"] == LIMIT
+            assert got["value"] == pytest.approx(want["value"], rel=1e-5), (task, metric)
+    assert any(line.startswith("corpus_mc | acc |") for line in logs), logs[-20:]
+
+
+def test_a_task_file_lm_eval_could_not_run_is_refused_before_anything_runs(live_api: LiveApi) -> None:
+    root = live_api.data_path.parent
+    bad = root / "bad.yaml"
+    bad.write_text("task: bad\ndataset_path: hellaswag\ntest_split: test\n")
+    outside = Path("/tmp") / "megatrain-eval-outside.yaml"
+    with Client(api_url=live_api.url, api_key=live_api.key) as client:
+        for url, words in ((bad.as_uri(), "dataset_path: must be `json`"), (outside.as_uri(), "")):
+            with pytest.raises(ApiError) as info:
+                client.submit(_eval_spec(root, [url]))
+            assert info.value.status == 422, info.value
+            assert "eval.tasks[0]" in str(info.value) and words in str(info.value), str(info.value)
