@@ -23,6 +23,7 @@ from megatrain.cli import (  # noqa: F401
     nodes,
     plan,
     pools,
+    results,
     server,
     stack,
 )

@@ -86,6 +86,17 @@ def test_an_eval_job_stores_the_results_lm_eval_gives_here(live_stack: LiveApi) 
             assert got["n"] == want["n"] == LIMIT
             assert got["value"] == pytest.approx(want["value"], rel=1e-5), (task, metric)
     assert any(line.startswith("corpus_mc | acc |") for line in logs), logs[-20:]
+    # The CLI's table: each task's metrics with value ± stderr and the items scored.
+    from typer.testing import CliRunner
+
+    from megatrain.cli import app
+
+    out = CliRunner().invoke(
+        app, ["results", job.id], env={"COLUMNS": "200", "MEGATRAIN_API_KEY": live_stack.key}
+    )
+    assert out.exit_code == 0, out.output
+    acc = results["tasks"]["corpus_mc"]["acc"]
+    assert f"{acc['value']:.4f} ± {acc['stderr']:.4f}" in out.output and f" {LIMIT}" in out.output, out.output
 
 
 def test_a_task_file_lm_eval_could_not_run_is_refused_before_anything_runs(live_api: LiveApi) -> None:
