@@ -344,36 +344,39 @@ def _report_progress(out: Path, rank: int, activity: Activity, every_s: float = 
 
 
 def _serve(spec: JobSpec, out: Path, activity: Activity) -> int:
-    """A serve job's process (engine.serving.job): its failures recorded as a run's are."""
+    """A serve job's process (engine.serving.job)."""
     from megatrain.engine.serving.job import serve_job
 
-    try:
+    def serve() -> int:
         ended = serve_job(spec, out, activity=activity)
         return EXIT_PREEMPTED if ended == "preempted" else 0  # (a preempted job is queued again)
-    except Terminated:  # uvicorn hands a cancel's SIGTERM back once it has stopped
-        sys.stdout.flush()
-        os._exit(EXIT_SIGTERM)
-    except Exception as exc:
-        traceback.print_exc()
-        record = record_failure(out, 0, exc, activity)
-        print(f"serve: {summary_line(record)}", file=sys.stderr, flush=True)
-        return _EXIT_CODES.get(record["kind"], EXIT_FAILURE)
+
+    return _one_process("serve", serve, out, activity)
 
 
 def _evaluate(spec: JobSpec, out: Path, activity: Activity) -> int:
-    """An eval job's process (engine.evaluation.job): its failures recorded as a run's are."""
+    """An eval job's process (engine.evaluation.job)."""
     from megatrain.engine.evaluation.job import evaluate_job
 
-    try:
+    def evaluate() -> int:
         evaluate_job(spec, out, activity)
         return 0
+
+    return _one_process("eval", evaluate, out, activity)
+
+
+def _one_process(what: str, body: Callable[[], int], out: Path, activity: Activity) -> int:
+    """A job of one process that is no training run: its exit code, its failures recorded as a
+    run's are (a cancel's SIGTERM, which uvicorn hands back once it has stopped, exits at once)."""
+    try:
+        return body()
     except Terminated:
         sys.stdout.flush()
         os._exit(EXIT_SIGTERM)
     except Exception as exc:
         traceback.print_exc()
         record = record_failure(out, 0, exc, activity)
-        print(f"eval: {summary_line(record)}", file=sys.stderr, flush=True)
+        print(f"{what}: {summary_line(record)}", file=sys.stderr, flush=True)
         return _EXIT_CODES.get(record["kind"], EXIT_FAILURE)
 
 
