@@ -1,9 +1,10 @@
-"""An eval job (`kind: eval`) through the product on the embedded default (SQLite, the local executor,
-the real engine on CPU), as a user drives it with the SDK: a tiny model exported as a Hugging Face
-folder is scored on the two shipped tasks (examples/eval); the results stored on the job
-(GET /v1/jobs/{id}/results) equal lm-eval's evaluator run in this process over the same weights,
-and the job's log shows them as a table. A task file lm-eval could not run, or one outside the
-tenant's data roots, is a 422 naming eval.tasks[i] before anything runs."""
+"""An eval job (`kind: eval`) through the product, as a user drives it with the SDK, on the embedded
+default (SQLite, the local executor) and on PostgreSQL + Celery (Redis), the real engine on CPU: a
+tiny model exported as a Hugging Face folder is scored on the two shipped tasks (examples/eval); the
+results stored on the job (GET /v1/jobs/{id}/results) equal lm-eval's evaluator run in this process
+over the same weights, the job's log and `megatrain results` show them as a table. A task file
+lm-eval could not run, or one outside the tenant's data roots, is a 422 naming eval.tasks[i] before
+anything runs."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.celery import celery_stack
 from fixtures.live import LiveApi
 
 from megatrain.client import ApiError, Client
 
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
+pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "eval"
 LIMIT = 16
@@ -49,7 +51,7 @@ def _export_tiny(folder: Path) -> Any:
     return served
 
 
-def _eval_spec(base: Path, tasks: list[str]) -> dict[str, Any]:
+def _eval_spec(base: Path, tasks: list[str], pool: str = "default") -> dict[str, Any]:
     return {
         "name": "eval-tiny",
         "kind": "eval",
@@ -57,11 +59,26 @@ def _eval_spec(base: Path, tasks: list[str]) -> dict[str, Any]:
         "data": {"tokenizer": {"type": "byte"}, "train": []},
         "training": {"precision": "fp32"},
         "eval": {"tasks": tasks, "limit": LIMIT, "batch_size": 4},
-        "resources": {"devices": 1, "max_runtime_s": 600},
+        "resources": {"devices": 1, "pool": pool, "max_runtime_s": 600},
     }
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_an_eval_job_stores_the_results_lm_eval_gives_here(live_stack: LiveApi) -> None:
+    _eval_through_the_api(live_stack, "default", None)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_an_eval_job_on_postgres_and_celery(
+    db_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with celery_stack(tmp_path, monkeypatch, redis_url) as live:
+        _eval_through_the_api(live, live.settings.pool_name, tmp_path / "worker.log")
+
+
+def _eval_through_the_api(live_stack: LiveApi, pool: str, worker_log: Path | None) -> None:
     pytest.importorskip("lm_eval")
     from megatrain.engine.evaluation.lm import EngineLM
     from megatrain.engine.evaluation.tasks import load_task, run_tasks
@@ -72,10 +89,11 @@ def test_an_eval_job_stores_the_results_lm_eval_gives_here(live_stack: LiveApi) 
     shutil.copytree(EXAMPLES, tasks, ignore=shutil.ignore_patterns("*.py"))
     urls = [(tasks / "corpus_mc.yaml").as_uri(), (tasks / "corpus_cloze.yaml").as_uri()]
     with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
-        job = client.submit(_eval_spec(root / "tiny", urls))
+        job = client.submit(_eval_spec(root / "tiny", urls, pool))
         done = client.wait(job.id, timeout_s=240, poll_interval_s=0.5)
         logs = [line.line for line in client.logs(job.id)]
-        assert done.status == "succeeded", f"{done.status_reason}\n" + "\n".join(logs[-40:])
+        worker = worker_log.read_text()[-3000:] if worker_log and worker_log.exists() else ""
+        assert done.status == "succeeded", f"{done.status_reason}\n" + "\n".join(logs[-40:]) + worker
         results = client.results(job.id)
     assert (results["kind"], results["step"]) == ("eval", 0)
     assert set(results["tasks"]) == {"corpus_mc", "corpus_cloze"}
@@ -99,6 +117,7 @@ def test_an_eval_job_stores_the_results_lm_eval_gives_here(live_stack: LiveApi) 
     assert f"{acc['value']:.4f} ± {acc['stderr']:.4f}" in out.output and f" {LIMIT}" in out.output, out.output
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_task_file_lm_eval_could_not_run_is_refused_before_anything_runs(live_api: LiveApi) -> None:
     root = live_api.data_path.parent
     bad = root / "bad.yaml"

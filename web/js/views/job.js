@@ -151,6 +151,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
   // A first load that failed (a restarting API, a dropped connection) is tried again on the next poll.
   let metricsLoaded = false;
   let logsLoaded = false;
+  // Evaluation results: asked on the first poll, then on every poll while the job runs if it is an
+  // eval job or has scored tasks during training.
+  let resultsWanted = true;
   let flushPending = false;
   let logsFollowing = null;
   let lastSeq = 0;
@@ -178,6 +181,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     el.follow = h("input", { type: "checkbox", id: "follow-logs" });
     el.checkpoints = h("div", { id: "checkpoints" });
     el.goodput = h("div", { id: "goodput-panel" });
+    el.results = h("div", { id: "results" });
+    el.resultsCard = h("section", { class: "card", id: "results-card", "aria-labelledby": "results-h", hidden: true },
+      h("h2", { id: "results-h" }, "Evaluation"), el.results);
     el.spec = h("pre", { class: "mono", style: { overflow: "auto", maxHeight: "360px" } });
     samples = samplePanel(jobId, { signal, showBanner });
     replace(main,
@@ -189,6 +195,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
         h("div", { class: "row" }, el.cancel)),
       h("div", { class: "stack" },
         el.tiles,
+        el.resultsCard,
         h("section", { "aria-labelledby": "charts-h" }, h("h2", { id: "charts-h", class: "visually-hidden" }, "Charts"), el.charts, el.chartNote),
         h("div", { class: "two-col" },
           h("section", { class: "card", "aria-labelledby": "timeline-h" }, h("h2", { id: "timeline-h" }, "Timeline"), el.timeline),
@@ -382,6 +389,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
       if (first) skeleton();
       if (!metricsLoaded) { metricsLoaded = true; startMetrics(); }
       if (!logsLoaded) { logsLoaded = true; startLogs(); }
+      if (resultsWanted) loadResults();
       hideBanner();
       drawJob();
       drawEvents(events);
@@ -401,8 +409,41 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     if (!stopped && (job === null || ACTIVE.has(job.status) || exports.some(exportActive))) timer = setTimeout(poll, POLL_MS);
   }
 
+  // -- evaluation results ------------------------------------------------------------------------
+  async function loadResults() {
+    try {
+      const r = await api(`/v1/jobs/${enc}/results`, { signal });
+      resultsWanted = ACTIVE.has(job.status) && (job.kind === "eval" || r.history.length > 0);
+      drawResults(r);
+    } catch (err) {
+      if (err.name !== "AbortError") showBanner(`Could not load the evaluation results: ${err.message}`);
+    }
+  }
+
+  function drawResults(r) {
+    el.resultsCard.hidden = !r.history.length;
+    if (!r.history.length) return;
+    const rows = [];
+    for (const task of Object.keys(r.tasks).sort()) {
+      for (const metric of Object.keys(r.tasks[task]).sort()) {
+        const m = r.tasks[task][metric];
+        const value = m.value === null ? "—" : m.value.toFixed(4);
+        const stderr = m.stderr === null ? "" : ` ± ${m.stderr.toFixed(4)}`;
+        rows.push(h("tr", {}, h("td", {}, task), h("td", {}, metric), h("td", { class: "num" }, value + stderr),
+          h("td", { class: "num" }, String(m.n))));
+      }
+    }
+    const when = job.kind === "eval" ? "" : `at step ${r.step}`;
+    replace(el.results,
+      when ? h("p", { class: "sub" }, when) : null,
+      h("table", { class: "table", id: "results-table" },
+        h("thead", {}, h("tr", {}, h("th", {}, "Task"), h("th", {}, "Metric"), h("th", { class: "num" }, "Value"), h("th", { class: "num" }, "Items"))),
+        h("tbody", {}, ...rows)));
+  }
+
   // -- metrics -----------------------------------------------------------------------------------
   function put(row) {
+    if (row.kind === "eval") return;  // evaluation results: the Evaluation card
     let entry = store.byStep.get(row.step);
     if (!entry) {
       entry = { t: null, v: null };
