@@ -1,6 +1,7 @@
 """A job's evaluation results on its page (in a real Chromium): the Evaluation card lists each task's
 metrics (value ± stderr, items) from GET /v1/jobs/{id}/results, at the step they were scored, and
-an eval row in the metrics never reaches the training charts; a job without results shows no card."""
+an eval row in the metrics never reaches the training charts; a job without results shows no card.
+"Compare with…" opens several jobs' results side by side, the better value of each row in bold."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ pytestmark = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
 ]
 
+OTHER = {
+    "corpus_mc": {"acc": {"value": 0.5, "stderr": 0.035, "n": 200}},
+    "corpus_cloze": {"perplexity": {"value": 2.5, "stderr": None, "n": 200}},
+}  # fmt: skip
 RESULTS = {
     "corpus_mc": {"acc": {"value": 0.75, "stderr": 0.03, "n": 200},
                   "acc_norm": {"value": 0.7, "stderr": 0.032, "n": 200}},
@@ -39,13 +44,14 @@ def test_the_job_page_shows_its_evaluation_results(
     live_api: LiveApi, browser_context: Any, page_errors: list[str], db_url: str
 ) -> None:
     live = live_api
-    scored, plain = _job(live, "scored"), _job(live, "plain")
+    scored, plain, other = _job(live, "scored"), _job(live, "plain"), _job(live, "other")
     with session_scope(db_url) as s:
         for step in (1, 2, 3):
             s.add(JobMetric(job_id=scored, kind="train", step=step, loss=2.0 - 0.1 * step,
                             data={"step": step, "loss": 2.0 - 0.1 * step}))  # fmt: skip
         # Scored during training at step 2 (the same step as a train row: its own kind).
         s.add(JobMetric(job_id=scored, kind="eval", step=2, loss=None, data={"step": 2, "eval": RESULTS}))
+        s.add(JobMetric(job_id=other, kind="eval", step=0, loss=None, data={"step": 0, "eval": OTHER}))
     page = signed_in_page(browser_context, page_errors, live.url, live.key, "/jobs")
     page.goto(f"{live.url}/#/jobs/{scored}")
     page.wait_for_selector("#results-table")
@@ -54,6 +60,24 @@ def test_the_job_page_shows_its_evaluation_results(
     assert "corpus_mc\tacc\t0.7500 ± 0.0300\t200" in text, text
     assert "corpus_cloze\tperplexity\t3.2500\t200" in text, text
     page.wait_for_function("Number(document.querySelector('#chart-loss')?.dataset.points) === 3")
+
+    page.fill("#compare-with", f" {other} , nope")
+    page.click("#compare-form button")
+    page.wait_for_selector("#compare-table")
+    rows = page.locator("#compare-table tbody tr").all_inner_texts()
+    assert (
+        rows
+        == [
+            "corpus_cloze\tperplexity\t3.2500\t2.5000",
+            "corpus_mc\tacc\t0.7500 ± 0.0300\t0.5000 ± 0.0350\t—",
+            "corpus_mc\tacc_norm\t0.7000 ± 0.0320\t—\t—",
+        ]
+        or rows
+    ), rows
+    bold = page.locator("#compare-table td.best").all_inner_texts()
+    assert bold == ["2.5000", "0.7500 ± 0.0300"], bold  # lower perplexity, higher accuracy
+    head = page.inner_text("#compare-table thead").lower()  # (headers are upper-cased by CSS)
+    assert "scored" in head and "other" in head and "nope (not found)" in head, head
 
     page.goto(f"{live.url}/#/jobs/{plain}")
     page.wait_for_selector("#job-tiles")

@@ -4,6 +4,7 @@
 import { api, ApiError, clearKey, getKey, onUnauthorized, setKey } from "./api.js";
 import { h, replace } from "./dom.js";
 import { renderCluster } from "./views/cluster.js";
+import { renderCompare } from "./views/compare.js";
 import { renderDatasets } from "./views/datasets.js";
 import { renderJob } from "./views/job.js";
 import { renderJobs } from "./views/jobs.js";
@@ -105,6 +106,7 @@ const ROUTES = [
   [/^#\/submit$/, renderSubmit, "submit"],
   [/^#\/cluster$/, renderCluster, "cluster"],
   [/^#\/datasets$/, renderDatasets, "datasets"],
+  [/^#\/compare\/([^/]+)$/, renderCompare, "jobs"],
 ];
 
 async function showTenant() {

@@ -182,8 +182,14 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     el.checkpoints = h("div", { id: "checkpoints" });
     el.goodput = h("div", { id: "goodput-panel" });
     el.results = h("div", { id: "results" });
+    // Built once (the table is redrawn on every poll; what is typed here stays).
+    const others = h("input", { type: "text", id: "compare-with", placeholder: "job ids, comma-separated", "aria-label": "Jobs to compare with" });
+    const ids = () => [jobId, ...others.value.split(",").map((x) => x.trim()).filter(Boolean)];
+    const compare = h("form", { class: "row", id: "compare-form", style: { marginTop: "0.6rem" },
+      onsubmit: (e) => { e.preventDefault(); location.hash = `#/compare/${ids().map(encodeURIComponent).join(",")}`; } },
+      others, h("button", { type: "submit", class: "btn btn-small" }, "Compare with…"));
     el.resultsCard = h("section", { class: "card", id: "results-card", "aria-labelledby": "results-h", hidden: true },
-      h("h2", { id: "results-h" }, "Evaluation"), el.results);
+      h("h2", { id: "results-h" }, "Evaluation"), el.results, compare);
     el.spec = h("pre", { class: "mono", style: { overflow: "auto", maxHeight: "360px" } });
     samples = samplePanel(jobId, { signal, showBanner });
     replace(main,
