@@ -133,7 +133,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
     app.state.settings = settings
     app.state.streams = streams
     app.state.probe = probe
-    app.state.metrics = ApiMetrics(settings.resolved_database_url)
+    app.state.metrics = ApiMetrics(settings.resolved_database_url, lambda: sum(streams.open.values()))
 
     install_error_handlers(app)
     app.add_exception_handler(RequestTooLarge, _too_large)

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from megatrain.db.models import JOB_STATES, Job
-from megatrain.db.session import get_sessionmaker
+from megatrain.api.scrape import ControlPlaneCollector
 
 
 class RequestTooLarge(Exception):
@@ -105,41 +100,10 @@ class BodyLimitMiddleware:
                 await _send_json(send, 413, too_large)
 
 
-class JobStateCollector(Collector):
-    """`megatrain_jobs{status=…}`: counted from the database at scrape time, so every API replica
-    reports the same truth."""
-
-    def __init__(self, database_url: str):
-        self.database_url = database_url
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        up = GaugeMetricFamily("megatrain_database_up", "1 when the database answered this scrape")
-        try:
-            with get_sessionmaker(self.database_url)() as session:
-                q = select(Job.status, func.count()).group_by(Job.status)
-                counts = {status: n for status, n in session.execute(q).all()}
-        except SQLAlchemyError:
-            # A scrape still answers (and says the database is down) rather than failing with a 500.
-            up.add_metric([], 0.0)
-            yield up
-            return
-        up.add_metric([], 1.0)
-        yield up
-        gauge = GaugeMetricFamily("megatrain_jobs", "Jobs by state (all tenants)", labels=["status"])
-        for status in JOB_STATES:
-            gauge.add_metric([status], float(counts.get(status, 0)))
-        yield gauge
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        # Without describe() registering would call collect(), i.e. query the database at startup.
-        yield GaugeMetricFamily("megatrain_database_up", "1 when the database answered this scrape")
-        yield GaugeMetricFamily("megatrain_jobs", "Jobs by state (all tenants)", labels=["status"])
-
-
 class ApiMetrics:
     """One registry per app (tests build many apps in one process; the global one would clash)."""
 
-    def __init__(self, database_url: str):
+    def __init__(self, database_url: str, open_streams: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "megatrain_http_requests",
@@ -154,7 +118,7 @@ class ApiMetrics:
             registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.registry.register(JobStateCollector(database_url))
+        self.registry.register(ControlPlaneCollector(database_url, open_streams))
 
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

@@ -140,6 +140,10 @@ def test_prometheus_metrics(api: Api) -> None:
     assert 'megatrain_http_request_duration_seconds_count{method="POST",route="/v1/jobs"} 2.0' in text
     assert 'megatrain_jobs{status="queued"} 1.0' in text and 'megatrain_jobs{status="cancelled"} 1.0' in text
     assert "megatrain_database_up 1.0" in text
+    # The queue by pool and tenant, the nodes by pool and state, the live streams (none now).
+    assert 'megatrain_queued_jobs{pool="default",tenant="acme"} 1.0' in text
+    assert 'megatrain_nodes{pool="default",status="ready"} 1.0' in text
+    assert "megatrain_open_streams 0.0" in text
     assert job_id not in text  # route templates, never raw paths
 
 
