@@ -79,17 +79,18 @@ def sum_over_sequence(rows: torch.Tensor, state: ParallelState | None) -> torch.
 
 
 def token_logps(
-    logits: torch.Tensor, labels: torch.Tensor, head: nn.Module, vocab_limit: int
-) -> torch.Tensor:
+    logits: torch.Tensor, labels: torch.Tensor, head: nn.Module, vocab_limit: int, hits: bool = False
+) -> Any:
     """log p(label) of every token, fp32 (B, T), from the head's logits: (B, T, V), or with a
     tensor-parallel head this rank's vocab shard (B, T, V/tp), never gathered (the max, Σ exp and the
     target logit are all-reduced, as the vocab-parallel cross-entropy does). Ids from vocab_limit
-    on are padding, out of the softmax."""
+    on are padding, out of the softmax. hits=True: (log p, whether the label is the argmax (B, T))."""
     x = logits.float()
     tp = head.tp_size if isinstance(head, ColumnParallelLinear) else 1
     if tp == 1:
-        logp = F.log_softmax(x[..., :vocab_limit], dim=-1)
-        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        x = x[..., :vocab_limit]
+        logp = F.log_softmax(x, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return (logp, x.argmax(dim=-1) == labels) if hits else logp
     assert isinstance(head, ColumnParallelLinear)
     local_v = x.shape[-1]
     start = head.tp_rank * local_v
@@ -104,7 +105,9 @@ def token_logps(
     target = shifted.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
     target = _sum_forward_only(target.masked_fill(outside, 0.0), head.tp_group)
     sum_exp = _sum_forward_only(shifted.exp().sum(dim=-1), head.tp_group)
-    return target - sum_exp.log()
+    logp = target - sum_exp.log()
+    # The label's logit less the max over every shard is 0 exactly where the label is the argmax.
+    return (logp, target.detach() == 0) if hits else logp
 
 
 def head_logps(

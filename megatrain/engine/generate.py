@@ -87,11 +87,7 @@ def generate_batch(
             # The LM head on the last position only; the padding rows' logits are dropped, so that
             # sampling sees the real vocabulary's distribution.
             logits = model.lm_head(hidden)[:, :limit].float()  # (B, limit)
-            if greedy:
-                next_ids = logits.argmax(dim=-1)
-            else:
-                probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-                next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            next_ids = next_tokens(logits, greedy, temperature, top_k, top_p, generator)
             new.append(next_ids)
             tokens = next_ids[:, None]
             if eos_id is not None:
@@ -102,6 +98,22 @@ def generate_batch(
         model.train(was_training)
     rows = torch.stack(new, dim=1).tolist() if new else [[] for _ in range(prompts.shape[0])]
     return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """(B,) the next token of each row from its logits (B, V) fp32: the argmax, or a draw from the
+    filtered distribution (filter_logits) with `generator`."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 def filter_logits(

@@ -1,6 +1,6 @@
 """lm-evaluation-harness's `LM` interface over our engine: the three request types every lm-eval task
 is made of, answered by a GPTModel on one device (a job's checkpoint, a Hugging Face folder or a
-fine-tune, as engine.serving.loader loads them).
+fine-tune, as engine.serving.loader loads them) or by a model at any layout (evaluation.scorer).
 
 - `loglikelihood(context, continuation)`: lm-eval's own TemplateLM splits each pair into tokens (the
   context's trailing spaces move to the continuation; an empty context is the prefix token), so
@@ -29,7 +29,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 
 from megatrain.engine.data.tokenizers import Tokenizer
-from megatrain.engine.generate import generate_batch
+from megatrain.engine.evaluation.scorer import DeviceScorer, Scorer
 from megatrain.engine.models.gpt import GPTModel
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -37,7 +37,9 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 
 class EngineLM(TemplateLM):
-    """One model on one device, answering lm-eval's requests in batches of `batch_size` rows.
+    """A model answering lm-eval's requests in batches of `batch_size` rows: one GPTModel on one
+    device, or a Scorer (evaluation.scorer.LayoutScorer: a model at any layout, every rank of the
+    job running the same requests).
 
     `max_length`: the longest sequence scored or generated (default and cap: the model's
     seq_length). `eot_token_id` is the tokenizer's end-of-document id; with no BOS in our
@@ -45,7 +47,7 @@ class EngineLM(TemplateLM):
 
     def __init__(
         self,
-        model: GPTModel,
+        model: GPTModel | Scorer,
         tokenizer: Tokenizer,
         *,
         batch_size: int = 8,
@@ -56,18 +58,21 @@ class EngineLM(TemplateLM):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        seq_length = model.config.seq_length
+        seq_length = model.config.seq_length if isinstance(model, GPTModel) else model.max_length
         if max_length is not None and not 1 < max_length <= seq_length:
             raise ValueError(f"max_length must be in [2, seq_length={seq_length}], got {max_length}")
-        self.model = model.eval()
+        self.max_length = max_length or seq_length
+        if isinstance(model, GPTModel):
+            self.model: GPTModel | None = model
+            self.scorer: Scorer = DeviceScorer(model, batch_size, self.max_length)
+        else:
+            self.model, self.scorer = None, model
         self.tokenizer = tokenizer
         self.batch_size_per_call = batch_size
-        self.max_length = max_length or seq_length
-        self.vocab_limit = min(model.config.real_vocab_size, model.config.vocab_size)
+        self.vocab_limit = self.scorer.vocab_limit
         self.seed = seed
         self.on_batch = on_batch
         """Called after every batch scored or generated (an eval job's progress, for its hang watch)."""
-        self._device = model.embed.weight.device
 
     # -- tokens ------------------------------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class EngineLM(TemplateLM):
         answers: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         for start in range(0, len(order), self.batch_size_per_call):
             rows = order[start : start + self.batch_size_per_call]
-            inputs, conts = [], []
+            tokens, counts = [], []
             for i in rows:
                 _, context, continuation = requests[i]
                 if not context or not continuation:
@@ -105,20 +110,10 @@ class EngineLM(TemplateLM):
                 if len(continuation) > self.max_length:
                     raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length")
                 # The last max_length + 1 tokens; the final one is only predicted, never input.
-                inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
-                conts.append(continuation)
-            width = max(len(x) for x in inputs)
-            batch = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, x in enumerate(inputs):
-                batch[r, : len(x)] = torch.tensor(x)
-            logits = self.model(batch.to(self._device))[..., : self.vocab_limit].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for r, (i, x, cont) in enumerate(zip(rows, inputs, conts, strict=True)):
-                n = len(cont)
-                picked = logprobs[r, len(x) - n : len(x)]  # (n, V): the positions predicting cont
-                target = torch.tensor(cont, device=picked.device)
-                greedy = bool((picked.argmax(dim=-1) == target).all())
-                answers[i] = (float(picked.gather(1, target[:, None]).sum()), greedy)
+                tokens.append((context + continuation)[-(self.max_length + 1) :])
+                counts.append(len(continuation))
+            for i, answer in zip(rows, self.scorer.loglikelihood(tokens, counts), strict=True):
+                answers[i] = answer
             if self.on_batch is not None:
                 self.on_batch()
         return answers
@@ -170,8 +165,7 @@ class EngineLM(TemplateLM):
             for start in range(0, len(members), self.batch_size_per_call):
                 rows = members[start : start + self.batch_size_per_call]
                 prompts = torch.tensor([prepared[i][0] for i in rows], dtype=torch.long)
-                new = generate_batch(
-                    self.model,
+                new = self.scorer.generate(
                     prompts,
                     options["max_gen_toks"],
                     greedy=options["greedy"],
@@ -180,7 +174,6 @@ class EngineLM(TemplateLM):
                     top_p=options["top_p"],
                     seed=self.seed,
                     eos_id=self.eot_token_id,
-                    vocab_limit=self.vocab_limit,
                 )
                 for i, ids in zip(rows, new, strict=True):
                     out[i] = _cut(self.tok_decode(ids), prepared[i][1]["until"])
