@@ -138,7 +138,7 @@ def is_url(text: str) -> bool:
 
 def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
     """(field, URL) of everything a job reads besides its init_from: data sources, tokenizer file,
-    chat template file, an eval job's task files."""
+    chat template file, the lm-eval task files it scores."""
     urls = [(f"{field}.path", src.path) for field, src in spec.data.sources() if src.path]
     if spec.data.tokenizer.path:
         urls.append(("data.tokenizer.path", spec.data.tokenizer.path))
@@ -146,6 +146,14 @@ def data_urls(spec: JobSpec) -> list[tuple[str, str]]:
         urls.append(("data.chat_template", spec.data.chat_template))
     if spec.model.adapter_from and spec.model.adapter_from.startswith("hf:"):  # checkpoint: is a job's
         urls.append(("model.adapter_from", spec.model.adapter_from.removeprefix("hf:")))
-    if spec.eval is not None:  # (the items each task names: megatrain.api.jobs.validation)
-        urls += [(f"eval.tasks[{i}]", task) for i, task in enumerate(spec.eval.tasks)]
+    # (the items each task names: megatrain.api.jobs.validation)
+    urls += [(field, task) for field, task in task_fields(spec)]
     return urls
+
+
+def task_fields(spec: JobSpec) -> list[tuple[str, str]]:
+    """(field, URL) of every lm-eval task file the job scores: an eval job's eval.tasks, a training
+    job's training.eval_tasks."""
+    if spec.eval is not None:
+        return [(f"eval.tasks[{i}]", task) for i, task in enumerate(spec.eval.tasks)]
+    return [(f"training.eval_tasks[{i}]", task) for i, task in enumerate(spec.training.eval_tasks)]

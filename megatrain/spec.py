@@ -297,6 +297,12 @@ class TrainingSpec(_Strict):
     eval_interval: int = Field(100, ge=0, le=100_000_000)
     """Validate every N iterations; 0 disables validation."""
     eval_iters: int = Field(4, ge=1, le=100_000)
+    eval_tasks: list[str] = Field(default_factory=list, max_length=64)
+    """lm-eval task YAML files (as an eval job's eval.tasks) scored on the training ranks themselves
+    every eval_interval iterations and at the end (only at the end when eval_interval is 0); the
+    scores join the metrics (GET /v1/jobs/{id}/results keeps every step's)."""
+    eval_tasks_limit: int | None = Field(default=None, ge=1)
+    """At most this many items of each of eval_tasks (None: all of them)."""
     seed: int = Field(1234, ge=0, le=2**31 - 1)
     method: Literal["full", "lora", "qlora"] = "full"
     """full: every weight trains. lora: the model is frozen and low-rank adapters on its linears

@@ -39,13 +39,14 @@ def _tokenizer(value: Any, base: Path) -> Any:
 
 def resolve_spec_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """A copy of the raw spec `data` with `data.train[].path` (and data.valid's),
-    `data.tokenizer(.path)`, a `data.chat_template` file (*.json) and an eval job's `eval.tasks`
-    that have no scheme resolved against `base` (the spec file's folder) into file:///abs URLs.
-    Anything malformed is left for the server to name."""
-    evaluation = data.get("eval")
-    if isinstance(evaluation, dict) and isinstance(evaluation.get("tasks"), list):
-        tasks = [_file_url(t, base) if isinstance(t, str) and t else t for t in evaluation["tasks"]]
-        data = {**data, "eval": {**evaluation, "tasks": tasks}}
+    `data.tokenizer(.path)`, a `data.chat_template` file (*.json) and the task files of `eval.tasks`
+    and `training.eval_tasks` that have no scheme resolved against `base` (the spec file's folder)
+    into file:///abs URLs. Anything malformed is left for the server to name."""
+    for block, key in (("eval", "tasks"), ("training", "eval_tasks")):
+        part = data.get(block)
+        if isinstance(part, dict) and isinstance(part.get(key), list):
+            tasks = [_file_url(t, base) if isinstance(t, str) and t else t for t in part[key]]
+            data = {**data, block: {**part, key: tasks}}
     section = data.get("data")
     if not isinstance(section, dict):
         return data

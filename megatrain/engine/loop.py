@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,13 @@ from megatrain.failures import Activity
 from megatrain.faults import RankFaults
 from megatrain.hostinfo import HostLoad, job_root_pid
 from megatrain.kernels.linear_cross_entropy import counting_token_hits
+
+if TYPE_CHECKING:  # lm-eval is imported only by a run that scores tasks
+    from megatrain.engine.evaluation.during import TaskScoring
+
+FULL_VALID_MAX_BATCHES = 1000
+"""The end-of-run validation over the whole split (full_valid_*) reads at most this many global
+batches: a pretraining corpus's held-out split can be far larger than a fine-tuning file's."""
 
 
 @dataclass(frozen=True)
@@ -110,17 +117,20 @@ class TrainLoop:
         activity: Activity | None = None,
         stop: Callable[[], bool] = lambda: False,
         faults: RankFaults | None = None,
+        tasks: TaskScoring | None = None,
     ):
         """`save(progress)` writes a checkpoint (perhaps in the background); `poll()` is called after
         every step to report background saves that have finished. `activity` is told the step in
         progress (a failure's record names it). `stop()` is asked at every step boundary whether the
-        run was preempted: if so it checkpoints there (unless it just did) and returns early."""
+        run was preempted: if so it checkpoints there (unless it just did) and returns early. `tasks`
+        (training.eval_tasks) are scored with validation, every eval_interval and at the end."""
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
         self.poll, self.stop = poll, stop
         self.activity = activity or Activity()
         self.faults = faults or RankFaults([], 0)
         """Operator-injected faults (megatrain.faults): a slowed rank's steps are stretched here."""
         self.stragglers = StragglerWatch()
+        self.tasks = tasks
         train_ds = data["train"]
         assert train_ds is not None
         self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
@@ -262,47 +272,51 @@ class TrainLoop:
             self.train.ddp.train()
 
     @torch.no_grad()
-    def evaluate(self, dataset: Loader | None = None) -> float:
-        """Per-token loss over the first eval_iters global batches of the split (the same ones every
-        time): the loss tokens' summed loss over their number, across micro-batches and dp ranks.
-        The split is validation unless `dataset` names another."""
+    def evaluate(self, dataset: Loader | None = None, iters: int | None = None) -> tuple[float, float | None]:
+        """(per-token loss, token accuracy) over the first `iters` (default eval_iters) global
+        batches of the split (the same ones every time): the loss tokens' summed loss over their
+        number, across micro-batches and dp ranks, and the share of them whose label was the
+        argmax (None where no fused cross-entropy counted, and for preference pairs). The split is
+        validation unless `dataset` names another."""
         dataset = dataset or self.valid_ds
         assert dataset is not None
         ddp, pipeline = self.train.ddp, self.train.pipeline
         ddp.eval()
         total = torch.zeros((), device=self.device)  # Σ loss over loss tokens (last stage)
         count, masked = 0, False
-        for it in range(self.cfg.eval_iters):
-            ids = self._micro_ids(it * self.cfg.global_batch_size)
-            batches = [batch_of(dataset, i, self.device, self.state) for i in ids]
-            if self.preference is not None:
-                pairs = self.preference.summed
-                total += sum(
-                    (
-                        pairs(lp, mb)
-                        for lp, mb in zip(self.row_logps(batches), batches, strict=True)
-                        if lp is not None
-                    ),
-                    torch.zeros((), device=self.device),
-                )
-                count += sum(mb.tokens.shape[0] // 2 for mb in batches)
-                continue
-            if pipeline is not None:
-                total += pipeline.forward_only(batches, self._summed_loss)
-            else:
-                for mb in batches:
-                    total += lm_loss(ddp, mb, self.state) * mb.num_loss_tokens
-            count += sum(mb.num_loss_tokens for mb in batches)
-            masked = masked or any(mb.loss_mask is not None for mb in batches)
+        with counting_token_hits() as hits:
+            for it in range(iters or self.cfg.eval_iters):
+                ids = self._micro_ids(it * self.cfg.global_batch_size)
+                batches = [batch_of(dataset, i, self.device, self.state) for i in ids]
+                if self.preference is not None:
+                    total += self._pairs_loss(batches)
+                    count += sum(mb.tokens.shape[0] // 2 for mb in batches)
+                    continue
+                if pipeline is not None:
+                    total += pipeline.forward_only(batches, self._summed_loss)
+                else:
+                    for mb in batches:
+                        total += lm_loss(ddp, mb, self.state) * mb.num_loss_tokens
+                count += sum(mb.num_loss_tokens for mb in batches)
+                masked = masked or any(mb.loss_mask is not None for mb in batches)
         ddp.train()
         if pipeline is not None:
             pipeline.times.reset()  # the bubble figure is the training schedule's
         if self.preference is not None:  # the mean over pairs: every rank holds as many
-            return reduce_mean(total, self.state) / count
+            return reduce_mean(total, self.state) / count, None
         # Means over dp of the sum and of the count (every stage holds the count): their ratio is the
         # global per-token loss.
         count_mean = mean_loss_tokens(count, masked, self.state)
-        return reduce_mean(total, self.state) / count_mean if count_mean else float("nan")
+        loss = reduce_mean(total, self.state) / count_mean if count_mean else float("nan")
+        correct = hits.correct if hits.correct is not None else total.new_zeros(())
+        counts = torch.stack([correct.float(), correct.new_tensor(float(hits.calls))])
+        return loss, token_accuracy(counts, count_mean * self.state.dp_cp_size, self.state)
+
+    def _pairs_loss(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """Preference pairs: the micro-batches' summed pair losses on this rank."""
+        pairs = self.preference.summed  # type: ignore[union-attr]
+        found = zip(self.row_logps(batches), batches, strict=True)
+        return sum((pairs(lp, mb) for lp, mb in found if lp is not None), torch.zeros((), device=self.device))
 
     def _summed_loss(self, out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """The pipeline loss as the micro-batch's loss-token sum (validation adds sums up)."""
@@ -338,12 +352,11 @@ class TrainLoop:
                 self._log_interval(window, step, lr, consumed)
                 window = _Window(window)
             paused = time.perf_counter()
-            if self.valid_ds is not None and cfg.eval_interval and (step % cfg.eval_interval == 0 or final):
-                self.activity.phase = "evaluation"  # a pause the hang watch allows for (worker.hang)
-                last_eval = self.evaluate()
-                self.activity.phase = "training"
-                log.metrics.write({"step": step, "val_loss": last_eval})
-                log.say(f"step {step} | validation loss {last_eval:.4f}")
+            due = bool(cfg.eval_interval) and (step % cfg.eval_interval == 0 or final)
+            if self.valid_ds is not None and due:
+                last_eval = self._validate(step, final)
+            if self.tasks is not None and (due or final):
+                self._score_tasks(step)
             saved = bool(cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0) or final
             if saved:
                 self._save(Progress(step, consumed))
@@ -358,10 +371,54 @@ class TrainLoop:
             window.excluded += time.perf_counter() - paused
         test_loss = None
         if self.test_ds is not None and step == cfg.train_iters:
-            test_loss = self.evaluate(self.test_ds)
+            test_loss, _ = self.evaluate(self.test_ds)
             log.metrics.write({"step": step, "test_loss": test_loss})
             log.say(f"step {step} | test loss {test_loss:.4f}")
         return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "test_loss": test_loss}
+
+    def _validate(self, step: int, final: bool) -> float:
+        """Validation at `step`: val_loss (and OpenAI's names for it, valid_loss and
+        valid_mean_token_accuracy) over eval_iters batches, and at the end full_valid_* over the
+        whole split (at most FULL_VALID_MAX_BATCHES global batches). The loss is returned."""
+        self.activity.phase = "evaluation"  # a pause the hang watch allows for (worker.hang)
+        began = time.perf_counter()
+        loss, accuracy = self.evaluate()
+        row: dict[str, Any] = {"step": step, "val_loss": loss, "valid_loss": loss}
+        if accuracy is not None:
+            row["valid_mean_token_accuracy"] = accuracy
+        if final:
+            assert self.valid_ds is not None
+            batches = min(max(1, len(self.valid_ds) // self.cfg.global_batch_size), FULL_VALID_MAX_BATCHES)
+            full, full_accuracy = self.evaluate(iters=max(batches, self.cfg.eval_iters))
+            row["full_valid_loss"] = full
+            if full_accuracy is not None:
+                row["full_valid_mean_token_accuracy"] = full_accuracy
+        self.activity.phase = "training"
+        self.log.metrics.write(row)
+        self._evaluated(step, "validation", time.perf_counter() - began)
+        shown = f" | token accuracy {accuracy:.3f}" if accuracy is not None else ""
+        self.log.say(f"step {step} | validation loss {loss:.4f}{shown}")
+        return loss
+
+    def _score_tasks(self, step: int) -> None:
+        """training.eval_tasks at `step`: one metrics row {"step", "eval": {task: {metric: ...}}}."""
+        from megatrain.engine.evaluation.job import table
+
+        assert self.tasks is not None
+        self.activity.phase = "evaluation"
+        began = time.perf_counter()
+        results = self.tasks(self.train, self.cfg.micro_batch_size)
+        self.activity.phase = "training"
+        self.log.metrics.write({"step": step, "eval": results})
+        self._evaluated(step, "tasks", time.perf_counter() - began)
+        for line in table(results):
+            self.log.say(f"step {step} | {line}")
+
+    def _evaluated(self, step: int, what: str, seconds: float) -> None:
+        """An `evaluated` event: the goodput ledger counts its seconds apart from training's."""
+        self.log.events.write(
+            {"event": "evaluated", "step": step, "what": what, "seconds": round(seconds, 3)}
+        )
 
     def _save(self, progress: Progress) -> None:
         """A checkpoint, named as this rank's phase while it stalls the loop (the hang watch allows

@@ -112,6 +112,7 @@ def run(
     state = ParallelState.build(layout, ctx.device)
     activity.phase = "data"
     loaders = _loaders(spec, tokenizer, mcfg, cfg, state)
+    tasks = _task_scoring(spec, tokenizer, mcfg)
     try:
         latest = find_latest(ckpt_url)
         # A retry resumes its own checkpoint: init_from is only the first attempt's start, but for
@@ -133,6 +134,7 @@ def run(
             activity,
             _preempt_check(ctx),
             faults,
+            tasks,
         )
         if cfg.dpo is not None:
             activity.phase = "evaluation"  # forwards only, a pause the hang watch allows for
@@ -153,6 +155,19 @@ def run(
     )
     log.close()
     return summary
+
+
+def _task_scoring(spec: JobSpec, tokenizer: Any, mcfg: TransformerConfig) -> Any:
+    """training.eval_tasks loaded (a task file lm-eval could not run is a TaskError: the job's
+    input), or None. lm-eval is imported only here, by a run that has tasks."""
+    if not spec.training.eval_tasks:
+        return None
+    from megatrain.engine.evaluation.during import TaskScoring
+    from megatrain.eval_tasks import load_task
+
+    configs = [load_task(task) for task in spec.training.eval_tasks]
+    t = spec.training
+    return TaskScoring(configs, tokenizer, t.eval_tasks_limit, mcfg.seq_length, mcfg.real_vocab_size)
 
 
 def _runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) -> TrainConfig:

@@ -129,3 +129,30 @@ def test_a_task_file_lm_eval_could_not_run_is_refused_before_anything_runs(live_
                 client.submit(_eval_spec(root, [url]))
             assert info.value.status == 422, info.value
             assert "eval.tasks[0]" in str(info.value) and words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_training_job_scores_its_tasks_at_each_eval_step(live_stack: LiveApi) -> None:
+    """training.eval_tasks through the product: each eval step's scores in the job's results
+    history (the latest on top), the validation rows under OpenAI's names, a bad task a 422."""
+    pytest.importorskip("lm_eval")
+    root = live_stack.data_path.parent
+    tasks = root / "tasks"
+    shutil.copytree(EXAMPLES, tasks, ignore=shutil.ignore_patterns("*.py"))
+    spec = live_stack.spec("scored", train_iters=4, eval_interval=2, eval_iters=1, eval_tasks_limit=4)
+    spec["training"]["eval_tasks"] = [(tasks / "corpus_mc.yaml").as_uri()]
+    with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
+        bad = {**spec, "training": {**spec["training"], "eval_tasks": [(root / "missing.yaml").as_uri()]}}
+        with pytest.raises(ApiError) as info:
+            client.submit(bad)
+        assert info.value.status == 422 and "training.eval_tasks[0]" in str(info.value), str(info.value)
+        job = client.submit(spec)
+        done = client.wait(job.id, timeout_s=240, poll_interval_s=0.5)
+        assert done.status == "succeeded", done.status_reason
+        results = client.results(job.id)
+        valid = client.metrics(job.id, kind="val")
+    assert [h["step"] for h in results["history"]] == [2, 4] and results["step"] == 4
+    assert results["tasks"]["corpus_mc"]["acc"]["n"] == 4
+    assert results["tasks"] == results["history"][-1]["tasks"]
+    assert [v["step"] for v in valid] == [2, 4]
+    assert all(0 <= v["valid_mean_token_accuracy"] <= 1 for v in valid) and "full_valid_loss" in valid[-1]

@@ -8,6 +8,15 @@ from megatrain.data_access import (
     data_urls,
     is_url,
     normalise_data_url,
+    task_fields,
 )
 
-__all__ = ["DataUrlError", "allowed_roots", "data_url_problem", "data_urls", "is_url", "normalise_data_url"]
+__all__ = [
+    "DataUrlError",
+    "allowed_roots",
+    "data_url_problem",
+    "data_urls",
+    "is_url",
+    "normalise_data_url",
+    "task_fields",
+]

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from megatrain.api.datasets.service import resolve_datasets
-from megatrain.api.jobs.data_access import data_url_problem, data_urls
+from megatrain.api.jobs.data_access import data_url_problem, data_urls, task_fields
 from megatrain.api.jobs.data_exists import data_checks, missing_data
 from megatrain.api.jobs.hf_init import fill_model
 from megatrain.api.plan.service import derived_pool
@@ -248,9 +248,9 @@ def _data(spec: JobSpec, settings: Settings, tenant: Tenant, findings: Findings)
             readable.add(field)
     checks = [c for c in data_checks(spec) if c.field in readable]
     findings.add(missing_data(checks, settings.s3_endpoint_url))
-    for i, task in enumerate(spec.eval.tasks if spec.eval else ()):
-        if f"eval.tasks[{i}]" in readable:
-            findings.add(_eval_task(f"eval.tasks[{i}]", task, settings, tenant))
+    for field, task in task_fields(spec):
+        if field in readable:
+            findings.add(_eval_task(field, task, settings, tenant))
 
 
 def _eval_task(field: str, url: str, settings: Settings, tenant: Tenant) -> list[Problem]:
