@@ -73,6 +73,8 @@ RULES: tuple[Rule, ...] = (
     Rule("eval", "kind eval needs eval.tasks",
          {"kind": "eval", "model.init_from": "hf:/m", "data.train": []}),
     Rule("eval", "eval is only for kind eval", {"eval": {"tasks": ["/t.yaml"]}}),
+    Rule("tracking", "tracking is for training jobs (kind pretrain, finetune, dpo), not serve or eval",
+         {"kind": "serve", "model.init_from": "hf:/m", "data.train": [], "tracking.tensorboard": True}),
     Rule("data.tokenizer.path", "tokenizer type hf or sentencepiece needs a path",
          {"data.tokenizer": {"type": "hf"}}),
     Rule("data.tokenizer.name", "tokenizer type tiktoken needs a name",
