@@ -115,6 +115,7 @@ EVENT_DATA_KEYS = (
     "host",
     "ratio",
     "median_s",
+    "tracker",
 )
 
 
@@ -122,7 +123,8 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
     """started → job_event (+ resumed, num_params); serving (a serve job listens) → job_event with
     its url; checkpoint_saved → checkpoint row + job_event;
     checkpoints_deleted (retention), checkpoint_corrupt, checkpoints_set_aside → those rows removed
-    + job_event; straggler → job_event.
+    + job_event; straggler → job_event; warning (a tracker that stopped: the run went on without
+    it) → job_event.
 
     Rows are applied in file order, so a re-read that saves and then deletes a step ends deleted."""
     for row in rows:
@@ -173,6 +175,9 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
         elif kind == "straggler" and isinstance(row.get("rank"), int):
             # A rank persistently slower than its peers (engine.stragglers): named on the job.
             record_event(session, job_id, "straggler", str(row.get("reason") or "")[:1000], data)
+        elif kind == "warning" and isinstance(row.get("tracker"), str):
+            why = str(row.get("reason") or "unknown reason")
+            record_event(session, job_id, "warning", f"{row['tracker']} tracking stopped: {why}"[:1000], data)
         elif kind == "finished":
             record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
 
