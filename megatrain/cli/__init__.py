@@ -26,6 +26,7 @@ from megatrain.cli import (  # noqa: F401
     results,
     server,
     stack,
+    tensorboard,
 )
 from megatrain.cli.common import app
 

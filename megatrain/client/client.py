@@ -25,6 +25,7 @@ from megatrain.client.models import Checkpoint, Job, LogLine
 from megatrain.client.models_registry import ModelsMixin
 from megatrain.client.samples import SamplesMixin
 from megatrain.client.spec_paths import resolve_spec_paths
+from megatrain.client.tensorboard import TensorBoardMixin
 
 if TYPE_CHECKING:
     from megatrain.spec import JobSpec
@@ -95,7 +96,7 @@ def _items(data: Any) -> list[Any]:
     raise ApiError(200, f"unexpected response shape: {str(data)[:200]}")
 
 
-class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin):
+class Client(DatasetsMixin, ModelsMixin, ExportsMixin, SamplesMixin, TensorBoardMixin):
     """A client of the megatrain API.
 
     Arguments default to the settings (MEGATRAIN_API_URL, MEGATRAIN_API_KEY), and the key to the

@@ -61,6 +61,7 @@ def _check_dest(dest: Path, marker: str = "manifest.json") -> None:
     # Replacing an old download (a folder holding `marker`) is fine; wiping an unrelated folder is not.
     if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir()) or (dest / marker).is_file())):
         kind = {"manifest.json": "checkpoint", "adapter_config.json": "adapter"}.get(marker, "model")
+        kind = "TensorBoard" if marker.startswith("events.out.tfevents.") else kind
         raise DownloadError(f"{dest} already exists and is not a {kind} folder; choose another destination")
 
 
