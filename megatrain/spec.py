@@ -40,6 +40,7 @@ from megatrain.spec_eval import EvalSpec
 from megatrain.spec_layout import ParallelismSpec, ResourcesSpec
 from megatrain.spec_lora import LoRASpec, absent_targets
 from megatrain.spec_moe import MoESpec
+from megatrain.spec_tracking import TrackingSpec, tracking_problems
 
 # Bounds keep hostile numbers (1e30 layers) out long before a planner or a GPU sees them.
 MAX_DIM = 1 << 17
@@ -386,6 +387,8 @@ class JobSpec(_Strict):
     secrets: list[str] = Field(default_factory=list, max_length=32)
     eval: EvalSpec | None = None
     """kind eval only: the lm-eval tasks to score model.init_from on (megatrain.spec_eval)."""
+    tracking: TrackingSpec | None = None
+    """TensorBoard, W&B and MLflow: rank 0 logs the dashboard's series there (megatrain.spec_tracking)."""
 
     _secret_names = field_validator("secrets")(check_secret_names)
 
@@ -418,6 +421,7 @@ class JobSpec(_Strict):
         if self.model.adapter_from and self.training.method == "full":
             why = "model.adapter_from needs training.method lora or qlora (it starts the adapters)"
             out.append(_rule("model.adapter_from", why))
+        out += tracking_problems(self.kind, self.tracking)
         report_rules(info, out)
         return self
 

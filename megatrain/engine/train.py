@@ -104,6 +104,7 @@ def run(
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     log = RunLog(out_dir, ctx.is_main)
+    log.track(spec.tracking, {"spec": spec.model_dump(mode="json"), "layout": layout.as_dict()}, ckpt_url)
     cfg = _runnable_config(spec, layout, ctx.device, log)
     activity.phase = "tokenizer"
     tokenizer = build_tokenizer(spec.data.tokenizer)
