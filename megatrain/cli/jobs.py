@@ -199,6 +199,7 @@ GOODPUT_LOSSES = (
     ("checkpoint_stall_s", "checkpoint stalls"),
     ("hang_s", "hangs"),
     ("preempt_s", "preemptions"),
+    ("eval_s", "evaluation"),
 )
 
 

@@ -18,8 +18,9 @@ from sqlalchemy.orm import Session
 from megatrain.db.models import QUARANTINED, AttemptLedger, Node, utcnow
 from megatrain.settings import Settings
 
-LOSSES = ("queued_s", "restart_s", "checkpoint_stall_s", "hang_s", "preempt_s")
-"""The ways time is lost, besides productive_s, in the API's `goodput` object."""
+LOSSES = ("queued_s", "restart_s", "checkpoint_stall_s", "hang_s", "preempt_s", "eval_s")
+"""Where time goes besides productive_s (training steps), in the API's `goodput` object; eval_s is
+evaluation between steps, asked for but not training."""
 FIELDS = ("productive_s", *LOSSES)
 NODE_FAULTS = ("infrastructure", "hung", "runner_lost")
 """Ledger failures that count toward a node's quarantine. A lost node's attempts ("node_lost") do

@@ -255,6 +255,9 @@ class AttemptLedger(Base):
     hang_s: Mapped[float] = mapped_column(Float, default=0.0)
     preempt_s: Mapped[float] = mapped_column(Float, default=0.0)
     """A preempted attempt: from the request to checkpoint and stop to the engine's exit."""
+    eval_s: Mapped[float] = mapped_column(Float, default=0.0)
+    """Pauses between steps to evaluate (validation, training.eval_tasks): the engine's `evaluated`
+    events."""
     ended_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

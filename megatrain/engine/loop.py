@@ -18,6 +18,7 @@ from megatrain.engine.config import TrainConfig
 from megatrain.engine.data import Loader, SampleDataset, microbatch_sample_ids
 from megatrain.engine.device_stats import device_monitor
 from megatrain.engine.dpo import PreferenceLoss, prepare_reference, sequence_logps
+from megatrain.engine.interval import Window, pipeline_metrics
 from megatrain.engine.memory_stats import memory_row
 from megatrain.engine.metrics import throughput
 from megatrain.engine.microbatch import (
@@ -32,7 +33,7 @@ from megatrain.engine.moe_metrics import moe_metrics, set_microbatch_aux_scale
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
-from megatrain.engine.parallel.schedules import PipelineSchedule, pipeline_loss
+from megatrain.engine.parallel.schedules import pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.sink import RunLog
 from megatrain.engine.stragglers import StragglerWatch, report_stragglers
@@ -328,7 +329,7 @@ class TrainLoop:
         step, consumed = start.step, start.consumed_samples
         last_eval: float | None = None
         self.train.ddp.train()
-        window = _Window(None)
+        window = Window(None)
         self.activity.phase = "training"
         while step < cfg.train_iters:
             self.activity.step = step + 1
@@ -350,7 +351,7 @@ class TrainLoop:
             if step % cfg.log_interval == 0 or final:
                 self._sync()
                 self._log_interval(window, step, lr, consumed)
-                window = _Window(window)
+                window = Window(window)
             paused = time.perf_counter()
             due = bool(cfg.eval_interval) and (step % cfg.eval_interval == 0 or final)
             if self.valid_ds is not None and due:
@@ -427,7 +428,7 @@ class TrainLoop:
         self.save(progress)
         self.activity.phase = "training"
 
-    def _log_interval(self, w: _Window, step: int, lr: float, consumed: int) -> None:
+    def _log_interval(self, w: Window, step: int, lr: float, consumed: int) -> None:
         iter_time = (time.perf_counter() - w.start - w.excluded) / w.steps
         loss_mean = reduce_mean(w.loss_sum, self.state) / w.steps
         world = self.state.layout.world_size
@@ -483,58 +484,3 @@ class TrainLoop:
             f"{rates['tflops_per_device']:.3f} TFLOP/s/device | mfu {mfu} | {iter_time * 1e3:.0f} ms/it"
             f"{bubble}{skipped}"
         )
-
-
-class _Window:
-    """What a log interval accumulates: losses, the last grad norm and loss scale, skipped steps, time."""
-
-    def __init__(self, previous: _Window | None) -> None:
-        self.loss_sum: torch.Tensor | float = 0.0
-        self.hits: torch.Tensor | None = None
-        """Σ (correctly predicted loss tokens, fused cross-entropy calls) on this rank."""
-        self.tokens = 0.0
-        """Σ every dp·cp rank's loss tokens."""
-        self.steps = 0
-        self.skipped = 0
-        # An interval of skipped (fp16 overflow) steps still shows the last real norm.
-        self.grad_norm = previous.grad_norm if previous else 0.0
-        self.loss_scale: float | None = previous.loss_scale if previous else None
-        self.start = time.perf_counter()
-        self.excluded = 0.0
-        """Seconds spent validating and checkpointing, kept out of the iteration time."""
-
-    def add(self, loss: torch.Tensor, result: Any, hits: tuple[torch.Tensor, float] | None = None) -> None:
-        self.loss_sum = loss if isinstance(self.loss_sum, float) else self.loss_sum + loss
-        if hits is not None:
-            self.hits = hits[0] if self.hits is None else self.hits + hits[0]
-            self.tokens += hits[1]
-        self.steps += 1
-        if result.skipped:
-            self.skipped += 1
-        else:
-            self.grad_norm = result.grad_norm
-        self.loss_scale = result.loss_scale
-
-
-def pipeline_metrics(pipeline: PipelineSchedule, state: ParallelState, steps: int) -> dict[str, Any]:
-    """Per-step compute and wait seconds averaged over the stages, and the bubble: wait / (wait + compute).
-
-    Collective over the pipeline group; every stage's schedule ends on a common barrier, so each
-    stage's wait + compute is the same makespan and the fraction compares with (p-1)/(m+p-1).
-    """
-    t = pipeline.times
-    sums = torch.tensor([t.wait_s, t.compute_s, t.wait_s], dtype=torch.float64)
-    if state.pp_group is not None:
-        sums = sums.to(state.device)
-        dist.all_reduce(sums[:2], group=state.pp_group)
-        top = sums[2:].clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.pp_group)
-        sums[2] = top[0]
-    wait, compute, worst = (float(v) for v in sums.cpu())
-    pp = state.pp_size
-    return {
-        "pipeline_bubble_fraction": wait / (wait + compute) if wait + compute > 0 else 0.0,
-        "pipeline_wait_time_s": wait / pp / max(1, steps),
-        "pipeline_compute_time_s": compute / pp / max(1, steps),
-        "pipeline_max_stage_wait_time_s": worst / max(1, steps),
-    }

@@ -6,6 +6,8 @@
   at this attempt's median step time.
 - checkpoint_stall_s: the training pauses of its checkpoint saves (the engine's `stall_s`).
 - hang_s: how long the step counter stood still before the attempt was declared hung.
+- eval_s: its pauses between steps to evaluate (validation, training.eval_tasks: the engine's
+  `evaluated` events).
 - productive_s: the rest of the attempt's wall time.
 """
 
@@ -30,6 +32,7 @@ class AttemptClock:
     hang_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
     _stalls: dict[int, float] = field(default_factory=dict)
+    _evals: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def observe_metrics(self, rows: list[dict[str, Any]], now: float) -> None:
         for row in rows:
@@ -48,6 +51,8 @@ class AttemptClock:
             elif row.get("event") == "checkpoint_saved" and isinstance(row.get("step"), int):
                 # Keyed by step: a re-read of the same line never counts twice.
                 self._stalls[row["step"]] = float(row.get("stall_s") or 0.0)
+            elif row.get("event") == "evaluated" and isinstance(row.get("step"), int):
+                self._evals[(row["step"], str(row.get("what")))] = float(row.get("seconds") or 0.0)
 
     def seconds(self, now: float) -> dict[str, float]:
         wall = max(now - self.started, 0.0)
@@ -59,10 +64,12 @@ class AttemptClock:
             restart = min(overhead + redone, wall)
         stall = min(sum(self._stalls.values()), wall - restart)
         hang = min(self.hang_s, wall - restart - stall)
+        evaluating = min(sum(self._evals.values()), wall - restart - stall - hang)
         return {
             "queued_s": self.queued_s,
             "restart_s": restart,
             "checkpoint_stall_s": stall,
             "hang_s": hang,
-            "productive_s": wall - restart - stall - hang,
+            "eval_s": evaluating,
+            "productive_s": wall - restart - stall - hang - evaluating,
         }

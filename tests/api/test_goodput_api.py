@@ -22,7 +22,8 @@ def test_job_and_node_goodput_and_a_quarantined_node(api: Api) -> None:
         assert fresh["goodput"] is None  # until an attempt ends
         loss = {"queued_s": 5, "restart_s": 0, "checkpoint_stall_s": 1, "hang_s": 30}
         record_attempt(s, job_id, node_id, 1, "queued", "hung", loss | {"productive_s": 60})
-        record_attempt(s, job_id, node_id, 2, "succeeded", None, {"productive_s": 100, "restart_s": 4})
+        second = {"productive_s": 100, "restart_s": 4, "eval_s": 7}
+        record_attempt(s, job_id, node_id, 2, "succeeded", None, second)
         s.execute(update(Job).where(Job.id == job_id).values(attempt=2))  # as its runners claimed them
         s.execute(
             update(Node).where(Node.id == node_id).values(status=QUARANTINED, quarantine_reason="3 failures")
@@ -36,8 +37,9 @@ def test_job_and_node_goodput_and_a_quarantined_node(api: Api) -> None:
         "checkpoint_stall_s": 1.0,
         "hang_s": 30.0,
         "preempt_s": 0.0,
+        "eval_s": 7.0,
         "attempts": 2,
-        "goodput": round(160 / 200, 4),
+        "goodput": round(160 / 207, 4),
     }
     view = api.client.get("/v1/cluster", headers=api.other_headers).json()
     (pool,) = [p for p in view["pools"] if any(n["hostname"] == hostname for n in p["nodes"])]

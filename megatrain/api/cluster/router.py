@@ -19,8 +19,8 @@ def get_cluster(session: SessionDep, tenant: CurrentTenant) -> dict[str, Any]:
     nodes_quarantined, hardware (the pool's description, GET /v1/pools), described_by, nodes:
     [{hostname, status (ready | lost | quarantined), slots_*, last_seen_at, lost_at,
     memory_free_bytes, health, quarantine_reason, goodput (seconds over the attempts placed on it:
-    productive_s, queued_s, restart_s, checkpoint_stall_s, hang_s, preempt_s, attempts, goodput; null before
-    any), jobs}]}],
+    productive_s, queued_s, restart_s, checkpoint_stall_s, hang_s, preempt_s, eval_s, attempts,
+    goodput; null before any), jobs}]}],
     "queue": [{position, own, pool, slots, priority, queued_at, reason, id?, name?}],
     "scheduling": {summary, rules: [{title, text}]}}`, the queue in scheduling order, which
     `scheduling` states in the placement module's own words. Other tenants' jobs are counted but

@@ -88,8 +88,8 @@ class JobPublic(BaseModel):
     """Running: when it is expected to finish at its measured pace."""
     goodput: dict[str, Any] | None = None
     """GET /v1/jobs/{id} only: the goodput ledger over its ended attempts (db.goodput.job_goodput):
-    productive_s, queued_s, restart_s, checkpoint_stall_s, hang_s, preempt_s, attempts, goodput (share); null
-    until an attempt has ended."""
+    productive_s, queued_s, restart_s, checkpoint_stall_s, hang_s, preempt_s, eval_s, attempts,
+    goodput (share); null until an attempt has ended."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -106,7 +106,8 @@ function memoryMeasured(estimate, row) {
 
 // The goodput ledger (GET /v1/jobs/{id}: its ended attempts' seconds): productive time and each loss.
 const GOODPUT_PARTS = [["productive_s", "productive", "--s-succeeded"], ["queued_s", "queued", "--s-queued"],
-  ["restart_s", "restarts", "--s-scheduled"], ["checkpoint_stall_s", "checkpoint stalls", "--chart-2"], ["hang_s", "hangs", "--s-failed"], ["preempt_s", "preemptions", "--s-cancelled"]];
+  ["restart_s", "restarts", "--s-scheduled"], ["checkpoint_stall_s", "checkpoint stalls", "--chart-2"], ["hang_s", "hangs", "--s-failed"], ["preempt_s", "preemptions", "--s-cancelled"],
+  ["eval_s", "evaluation", "--chart-1"]];
 
 function goodputPanel(g) {
   if (!g || !g.attempts) return h("p", { class: "hint", id: "goodput-none" }, "The ledger fills in as attempts end.");
