@@ -49,7 +49,9 @@ def test_the_job_page_shows_its_evaluation_results(
         for step in (1, 2, 3):
             s.add(JobMetric(job_id=scored, kind="train", step=step, loss=2.0 - 0.1 * step,
                             data={"step": step, "loss": 2.0 - 0.1 * step}))  # fmt: skip
-        # Scored during training at step 2 (the same step as a train row: its own kind).
+        # Scored during training at steps 1 and 2 (the same steps as train rows: their own kind).
+        early = {"corpus_mc": {"acc": {"value": 0.5, "stderr": 0.03, "n": 200}}}
+        s.add(JobMetric(job_id=scored, kind="eval", step=1, loss=None, data={"step": 1, "eval": early}))
         s.add(JobMetric(job_id=scored, kind="eval", step=2, loss=None, data={"step": 2, "eval": RESULTS}))
         s.add(JobMetric(job_id=other, kind="eval", step=0, loss=None, data={"step": 0, "eval": OTHER}))
     page = signed_in_page(browser_context, page_errors, live.url, live.key, "/jobs")
@@ -60,6 +62,12 @@ def test_the_job_page_shows_its_evaluation_results(
     assert "corpus_mc\tacc\t0.7500 ± 0.0300\t200" in text, text
     assert "corpus_cloze\tperplexity\t3.2500\t200" in text, text
     page.wait_for_function("Number(document.querySelector('#chart-loss')?.dataset.points) === 3")
+    # The scores over the eval steps: a line per task and metric (one of them scored at step 2 only).
+    scores = page.locator("#chart-eval-scores")
+    assert scores.is_visible()
+    assert (scores.get_attribute("data-points"), scores.get_attribute("data-series")) == ("2", "3")
+    legend = page.inner_text("#chart-eval-scores .u-legend").lower()  # (upper-cased by CSS)
+    assert "corpus_mc / acc" in legend and "corpus_cloze / perplexity" in legend, legend
 
     page.fill("#compare-with", f" {other} , nope")
     page.click("#compare-form button")

@@ -189,8 +189,10 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     const compare = h("form", { class: "row", id: "compare-form", style: { marginTop: "0.6rem" },
       onsubmit: (e) => { e.preventDefault(); location.hash = `#/compare/${ids().map(encodeURIComponent).join(",")}`; } },
       others, h("button", { type: "submit", class: "btn btn-small" }, "Compare with…"));
+    // A training job's scores at each eval step (training.eval_tasks), one line per task and metric.
+    el.scores = h("div", { class: "chart", id: "chart-eval-scores", hidden: true });
     el.resultsCard = h("section", { class: "card", id: "results-card", "aria-labelledby": "results-h", hidden: true },
-      h("h2", { id: "results-h" }, "Evaluation"), el.results, compare);
+      h("h2", { id: "results-h" }, "Evaluation"), el.results, el.scores, compare);
     el.spec = h("pre", { class: "mono", style: { overflow: "auto", maxHeight: "360px" } });
     samples = samplePanel(jobId, { signal, showBanner });
     replace(main,
@@ -440,12 +442,39 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
           h("td", { class: "num" }, String(m.n))));
       }
     }
+    drawScores(r.history);
     const when = job.kind === "eval" ? "" : `at step ${r.step}`;
     replace(el.results,
       when ? h("p", { class: "sub" }, when) : null,
       h("table", { class: "table", id: "results-table" },
         h("thead", {}, h("tr", {}, h("th", {}, "Task"), h("th", {}, "Metric"), h("th", { class: "num" }, "Value"), h("th", { class: "num" }, "Items"))),
         h("tbody", {}, ...rows)));
+  }
+
+  // Scores over the steps they were taken at: shown once a job has scored at two steps or more.
+  let scores = null;
+  let scoresKey = "";
+  function drawScores(history) {
+    const names = new Map();  // "task / metric" -> [task, metric]
+    for (const row of history) {
+      for (const [task, metrics] of Object.entries(row.tasks)) {
+        for (const metric of Object.keys(metrics)) names.set(`${task} / ${metric}`, [task, metric]);
+      }
+    }
+    const shown = [...names.keys()].sort().slice(0, SCORE_COLORS.length);
+    el.scores.hidden = history.length < 2 || !shown.length;
+    if (el.scores.hidden) return;
+    const key = shown.join("\n");
+    if (key !== scoresKey) {  // a task or metric appeared: new series
+      if (scores) scores.destroy();
+      replace(el.scores);
+      scores = new LineChart(el.scores, { series: shown.map((label, i) => ({ label, color: SCORE_COLORS[i], points: true })),
+        format: (x) => fmtNum(x, 4) });
+      scoresKey = key;
+    }
+    const ys = shown.map((k) => { const [task, metric] = names.get(k); return history.map((row) => row.tasks[task]?.[metric]?.value ?? null); });
+    scores.setData(history.map((row) => row.step), ys);
+    Object.assign(el.scores.dataset, { points: String(history.length), series: String(shown.length) });
   }
 
   // -- metrics -----------------------------------------------------------------------------------
@@ -583,5 +612,6 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     controller.abort();
     samples?.stop();
     Object.values(charts).forEach(({ chart }) => chart.destroy());
+    if (scores) scores.destroy();
   };
 }
