@@ -109,6 +109,9 @@ const GOODPUT_PARTS = [["productive_s", "productive", "--s-succeeded"], ["queued
   ["restart_s", "restarts", "--s-scheduled"], ["checkpoint_stall_s", "checkpoint stalls", "--chart-2"], ["hang_s", "hangs", "--s-failed"], ["preempt_s", "preemptions", "--s-cancelled"],
   ["eval_s", "evaluation", "--chart-1"]];
 
+// The series of the evaluation scores chart, one per task and metric (at most this many).
+const SCORE_COLORS = ["--chart-1", "--chart-2", "--s-succeeded", "--s-scheduled", "--s-failed", "--s-cancelled"];
+
 function goodputPanel(g) {
   if (!g || !g.attempts) return h("p", { class: "hint", id: "goodput-none" }, "The ledger fills in as attempts end.");
   const total = GOODPUT_PARTS.reduce((sum, [k]) => sum + (g[k] || 0), 0) || 1;
