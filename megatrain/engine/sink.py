@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatrain.engine.tracking import Trackers
+    from megatrain.engine.tracking.fanout import Trackers
     from megatrain.spec_tracking import TrackingSpec
 
 
@@ -51,7 +51,7 @@ class RunLog:
         A tracker that fails is a warning event, never the run's failure."""
         if not self.is_main or tracking is None or not tracking.enabled:
             return
-        from megatrain.engine.tracking import Trackers  # the backends import lazily, off this thread
+        from megatrain.engine.tracking.fanout import Trackers  # the backends: in their own process
 
         self.trackers = Trackers(tracking, config, self.out_dir, checkpoint_url, self._warn)
         self.metrics.also = self.trackers.log

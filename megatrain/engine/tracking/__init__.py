@@ -1,31 +1,24 @@
 """Trackers: the metrics rows of global rank 0, also sent to TensorBoard, W&B and MLflow (a spec's
 `tracking:`, megatrain.spec_tracking), each a module here behind the `Tracker` interface.
 
-The training thread only flattens a row and queues it: one background thread opens the trackers
-(their imports and W&B's start-up take seconds), writes to them and closes them, so tracking costs
-a step next to nothing. A tracker that fails (a missing package, an unreachable server, a full
-disk) is dropped and reported as one warning event; the run goes on without it.
+The trackers live in a process of their own (tracking.process), fed one JSON line per row through
+a pipe by the engine's side (tracking.fanout): their libraries' Python work (MLflow's file store
+takes milliseconds a row) then never holds the training process's GIL, and nothing they do (a
+crash, a hang, a signal handler, an exit hook) can touch the run. A tracker that fails (a missing
+package, an unreachable server, a full disk) is dropped and reported as one warning event; the run
+goes on without it. Torch-free.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import os
-import queue
 import re
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from megatrain.spec_tracking import TrackingSpec
 
-CLOSE_TIMEOUT_S = 120.0
-"""How long the end of a run waits for the trackers to finish (W&B's upload, the last copy of
-the event files); past it the run ends anyway, with a warning."""
+NAMES = ("tensorboard", "wandb", "mlflow")
 _NOT_A_NAME = re.compile(r"[^A-Za-z0-9_./\- :]")
 """Outside what MLflow accepts in a metric's name; the same names go to every tracker."""
 
@@ -52,6 +45,11 @@ class RunInfo:
     checkpoint_url: str
     config: dict[str, Any]
     """{"spec": the resolved spec, "layout": the layout it runs with}."""
+
+
+def configured(tracking: TrackingSpec) -> list[str]:
+    """The trackers a spec's block names, in a fixed order."""
+    return [name for name in NAMES if getattr(tracking, name) is not None]
 
 
 def flatten(row: dict[str, Any]) -> dict[str, float]:
@@ -89,16 +87,20 @@ def sibling_url(checkpoint_url: str, name: str) -> str:
     return f"{checkpoint_url.rstrip('/').rsplit('/', 1)[0]}/{name}"
 
 
-def warning_event(tracker: str, exc: BaseException, step: int | None) -> dict[str, Any]:
+def warning_event(tracker: str, exc: BaseException | str, step: int | None) -> dict[str, Any]:
     """The event a failed tracker leaves (the worker records it on the job as a warning)."""
-    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, ImportError):
         reason = f"{exc.name or 'its package'} is not installed here (pip install 'megatrain[tracking]')"
+    elif isinstance(exc, BaseException):
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    else:
+        reason = exc
     return {"event": "warning", "tracker": tracker, "step": step, "reason": reason[:1000]}
 
 
-def _open(name: str, tracking: TrackingSpec, run: RunInfo) -> Tracker:
-    # Each backend's module imports its library itself, so a missing one is that tracker's warning.
+def open_tracker(name: str, tracking: TrackingSpec, run: RunInfo) -> Tracker:
+    """One backend, opened; each module imports its library itself, so a missing one is that
+    tracker's ImportError."""
     if name == "tensorboard":
         from megatrain.engine.tracking.tensorboard_writer import TensorBoardTracker
 
@@ -113,100 +115,3 @@ def _open(name: str, tracking: TrackingSpec, run: RunInfo) -> Tracker:
 
     assert tracking.mlflow is not None
     return MLflowTracker(tracking.mlflow, run)
-
-
-class Trackers:
-    """The fan-out: `log(row)` from the training thread, `close()` at the end (or at exit)."""
-
-    def __init__(
-        self,
-        tracking: TrackingSpec,
-        config: dict[str, Any],
-        out_dir: Path,
-        checkpoint_url: str,
-        warn: Callable[[dict[str, Any]], None],
-    ) -> None:
-        spec = config.get("spec", {})
-        self.run = RunInfo(
-            job_name=str(spec.get("name", "megatrain")),
-            job_id=os.environ.get("MEGATRAIN_JOB_ID") or None,
-            out_dir=out_dir,
-            checkpoint_url=checkpoint_url,
-            config=config,
-        )
-        self.names = [n for n in ("tensorboard", "wandb", "mlflow") if getattr(tracking, n) is not None]
-        self._tracking = tracking
-        self._warn = warn
-        self._queue: queue.SimpleQueue[tuple[int, dict[str, float], float] | None] = queue.SimpleQueue()
-        self._warnings: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        """Filled by the tracker thread, written to events.jsonl by the training thread (one writer)."""
-        self._last_step: int | None = None
-        self._ok = True
-        self._open: list[str] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="megatrain-trackers", daemon=True)
-        self._thread.start()
-        # A run that fails never reaches RunLog.close(): still flush and end the tracker runs.
-        atexit.register(self.close, ok=False)
-
-    def log(self, row: dict[str, Any]) -> None:
-        """Queue a metrics row's numbers (a row without an integer step is no point on any chart)."""
-        self._report()
-        step = row.get("step")
-        values = flatten(row)
-        if self._closed or not values or not isinstance(step, int) or isinstance(step, bool):
-            return
-        self._last_step = step
-        self._queue.put((step, values, time.time()))
-
-    def close(self, ok: bool = True, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """End every tracker's run (once); `ok`: the run ended normally, not in a failure."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        self._ok = ok
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            for name in self._open:
-                stuck = TimeoutError(f"it did not finish within {timeout_s:.0f} s of the run's end")
-                self._warnings.put(warning_event(name, stuck, self._last_step))
-        self._report()
-
-    def _report(self) -> None:
-        while True:
-            try:
-                event = self._warnings.get_nowait()
-            except queue.Empty:
-                return
-            self._warn(event)
-
-    def _work(self) -> None:
-        trackers: list[Tracker] = []
-        for name in self.names:
-            try:
-                trackers.append(_open(name, self._tracking, self.run))
-                self._open.append(name)
-            except Exception as exc:
-                self._warnings.put(warning_event(name, exc, None))
-        while (item := self._queue.get()) is not None:
-            for tracker in list(trackers):
-                try:
-                    tracker.log(*item)
-                except Exception as exc:
-                    trackers.remove(tracker)
-                    self._fail(tracker, exc, item[0])
-        for tracker in trackers:
-            try:
-                tracker.close(self._ok)
-            except Exception as exc:
-                self._warnings.put(warning_event(tracker.name, exc, self._last_step))
-            self._open.remove(tracker.name)
-
-    def _fail(self, tracker: Tracker, exc: BaseException, step: int) -> None:
-        """Drop a tracker that raised: one warning, and its run ended as well as it still can."""
-        self._warnings.put(warning_event(tracker.name, exc, step))
-        self._open.remove(tracker.name)
-        with contextlib.suppress(Exception):  # already reported: the first error says why
-            tracker.close(False)
