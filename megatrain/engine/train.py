@@ -27,36 +27,32 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatrain.engine.build import PARAM_DTYPES, RankModel, Trainable, build_model, make_trainable
-from megatrain.engine.checkpoint import find_latest, open_folder, resolve_init_from
-from megatrain.engine.checkpoint.training import Checkpointer, Progress, load_model_weights
-from megatrain.engine.config import TrainConfig, TransformerConfig, train_config, transformer_config
+from megatrain.engine.build import Trainable, make_trainable
+from megatrain.engine.checkpoint import find_latest
+from megatrain.engine.checkpoint.training import Checkpointer, Progress
+from megatrain.engine.config import TrainConfig, TransformerConfig, train_config
 from megatrain.engine.data import Loader, build_datasets, build_tokenizer
 from megatrain.engine.dpo import reference_key
 from megatrain.engine.loop import Rates, TrainLoop
-from megatrain.engine.materialize import WeightSource
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.run_report import device_name, say_precision, started_event
 from megatrain.engine.runtime import Dist, effective_precision, init_distributed, record_failure
 from megatrain.engine.sink import RunLog
+from megatrain.engine.start import start_rank_model, worker_model_config
 from megatrain.failures import OUT_OF_MEMORY, USER, Activity
 from megatrain.failures import summary as summary_line
 from megatrain.faults import RankFaults
 from megatrain.plan.layout import Layout, LayoutError, check_layout, resolve_layout, with_micro_batch_size
 from megatrain.progress_files import LOOP_PHASES, write_progress
-from megatrain.settings import get_settings
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError, load_spec
-from megatrain.spec_attention import runtime_problem as attention_runtime_problem
-from megatrain.spec_packages import installed_packages, package_problems
-from megatrain.storage import StorageError
 
 EXIT_USAGE = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -105,11 +101,11 @@ def run(
     ckpt_url = checkpoint_url or (out_dir / "checkpoints").resolve().as_uri()
     log = RunLog(out_dir, ctx.is_main)
     log.track(spec.tracking, {"spec": spec.model_dump(mode="json"), "layout": layout.as_dict()}, ckpt_url)
-    cfg = _runnable_config(spec, layout, ctx.device, log)
+    cfg = runnable_config(spec, layout, ctx.device, log)
     activity.phase = "tokenizer"
     tokenizer = build_tokenizer(spec.data.tokenizer)
     activity.phase = "setup"
-    mcfg = _model_config(spec, tokenizer.vocab_size, ctx.device, cfg.precision)
+    mcfg = worker_model_config(spec, tokenizer.vocab_size, ctx.device, cfg.precision)
     state = ParallelState.build(layout, ctx.device)
     activity.phase = "data"
     loaders = _loaders(spec, tokenizer, mcfg, cfg, state)
@@ -171,26 +167,13 @@ def _task_scoring(spec: JobSpec, tokenizer: Any, mcfg: TransformerConfig) -> Any
     return TaskScoring(configs, tokenizer, t.eval_tasks_limit, mcfg.seq_length, mcfg.real_vocab_size)
 
 
-def _runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) -> TrainConfig:
+def runnable_config(spec: JobSpec, layout: Layout, device: str, log: RunLog) -> TrainConfig:
     """The spec's training config with the precision this device runs (and a line saying why it
     differs from the one asked for): everything after this sees what runs."""
     cfg = train_config(spec, layout.dp)
     precision = effective_precision(cfg.precision, device)
     say_precision(cfg.precision, precision, log)
     return dataclasses.replace(cfg, precision=precision)
-
-
-def _model_config(spec: JobSpec, vocab_size: int, device: str, precision: str) -> TransformerConfig:
-    """The model's config; a package the spec needs and this worker lacks, or an attention backend
-    it cannot run (no GPU, fp32), fails here, before the model is built."""
-    mcfg = dataclasses.replace(transformer_config(spec, vocab_size), hf_family=_hf_family(spec))
-    missing = package_problems(spec, {"this worker": installed_packages()}, "this worker")
-    if missing:
-        raise SpecError(missing)
-    problem = attention_runtime_problem(mcfg.attention_backend, torch.device(device).type, precision)
-    if problem:
-        raise SpecError([{"field": "model.attention_backend", "message": problem}])
-    return mcfg
 
 
 def _loaders(
@@ -258,72 +241,10 @@ def _start_model(
 ) -> Trainable:
     """This rank's shards, built in the training dtype from the seeded initial weights, a Hugging
     Face folder read by slice or a job's checkpoint (init_from), then made trainable."""
-    hf_start = (init_from or "").startswith("hf:")
-    activity.phase = "init" if hf_start else "model"  # a Hugging Face start reads while it builds
-    adapters = None
-    start = spec.model.adapter_from
-    if start and cfg.lora and init_from == spec.model.init_from:  # a first attempt
-        from megatrain.engine.interop.peft_load import checkpoint_adapter_source, peft_adapter_source
-
-        if start.startswith("checkpoint:"):
-            storage = get_settings().resolved_storage_url
-            adapters = checkpoint_adapter_source(start, init_from, cfg.lora, storage)
-            log.say(f"adapters start from {start}'s (a LoRA fine-tune continued)")
-        else:
-            adapters = peft_adapter_source(start, mcfg, cfg.lora)
-            log.say(f"adapters start from the PEFT folder at {start.removeprefix('hf:')}")
-    with _hf_weights(init_from, mcfg) as hf:
-        dtype = PARAM_DTYPES[cfg.precision]
-        model = build_model(
-            mcfg, state, cfg.seed, device, dtype=dtype, weights=hf, lora=cfg.lora, adapters=adapters
-        )
-    if hf_start:
-        log.say(f"initialised from the Hugging Face model at {str(init_from).removeprefix('hf:')}")
-    elif init_from:
-        activity.phase = "init"
-        _init_from_checkpoint(model, init_from, log)
+    model = start_rank_model(spec, mcfg, cfg, state, device, init_from, activity, log)
     activity.phase = "model"
     par = spec.parallelism if isinstance(spec.parallelism, ParallelismSpec) else ParallelismSpec()
     return make_trainable(model, cfg, par, cfg.precision, mcfg)
-
-
-def _hf_family(spec: JobSpec) -> str | None:
-    """The Hugging Face family of the weights a fine-tune starts from (its folder's model_type, or
-    what the checkpoint it starts from recorded), kept so that an export names the model after it."""
-    init_from = spec.model.init_from or ""
-    try:
-        if init_from.startswith("hf:"):
-            from megatrain.engine.interop.hf import read_hf_config
-
-            return read_hf_config(init_from.removeprefix("hf:")).get("model_type")
-        if init_from.startswith("checkpoint:"):
-            src = resolve_init_from(init_from, get_settings().resolved_storage_url)
-            return open_folder(src, weights_only=True).model_config.hf_family
-    except (OSError, ValueError, StorageError):  # a name only: the start itself reports what is missing
-        return None
-    return None
-
-
-@contextlib.contextmanager
-def _hf_weights(init_from: str | None, mcfg: TransformerConfig) -> Iterator[WeightSource | None]:
-    """A fine-tune's Hugging Face folder (init_from hf:URL) opened for build_model to read by slice:
-    each rank reads only the elements it keeps (interop.hf_slices); None for any other start."""
-    if not (init_from or "").startswith("hf:"):
-        yield None
-        return
-    from megatrain.engine.interop.hf_slices import hf_slices
-
-    # hf_slices names every field where the folder disagrees with the spec's model.
-    with hf_slices(str(init_from).removeprefix("hf:"), mcfg) as weights:
-        yield weights.fill
-
-
-def _init_from_checkpoint(model: RankModel, init_from: str, log: RunLog) -> None:
-    """A fine-tune's starting weights from a job's checkpoint (the first attempt only: a retry
-    resumes its own checkpoint): this rank's boxes of it."""
-    src = resolve_init_from(init_from, get_settings().resolved_storage_url)
-    step = load_model_weights(src, model)
-    log.say(f"initialised from {src} (step {step})")
 
 
 def _with_faults(poll: Callable[[], None], activity: Activity, faults: RankFaults) -> Callable[[], None]:
@@ -463,12 +384,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if spec.kind == "serve":  # the model server, not a training run
         return _serve(spec, out, activity)
-    if spec.kind == "eval":  # lm-eval tasks on a model, not a training run
+    if spec.kind == "eval" and layout.world_size == 1:  # lm-eval tasks on a model, one device
         return _evaluate(spec, out, activity)
+    if spec.kind == "eval":  # ... at a tp / pp / dp layout: every rank runs the same requests
+        from megatrain.engine.evaluation.job import evaluate_at_layout
+
+        return _ranks(lambda ctx: evaluate_at_layout(spec, layout, out, ctx, activity), out, activity)
+    return _ranks(
+        lambda ctx: run(spec, out, args.checkpoint_url, ctx, layout, activity=activity), out, activity
+    )
+
+
+def _ranks(body: Callable[[Dist], dict[str, Any]], out: Path, activity: Activity) -> int:
+    """A job's rank under torchrun (or alone): body(ctx) -> its summary, and the exit code."""
     ctx = Dist(rank=int(os.environ.get("RANK", "0")))
     try:
         ctx = init_distributed(out)
-        summary = run(spec, out, args.checkpoint_url, ctx, layout, activity=activity)
+        summary = body(ctx)
     except Terminated:
         print(f"rank {ctx.rank}: terminated (SIGTERM)", file=sys.stderr, flush=True)
         # Leave at once: a background save in flight is abandoned (never completed: no manifest).

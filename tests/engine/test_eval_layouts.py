@@ -103,3 +103,63 @@ def test_every_layout_scores_and_generates_as_one_process(tmp_path: Path) -> Non
             assert task["acc"]["n"] == want["acc"]["n"] == 12
             for metric in ("acc", "acc_norm"):
                 assert task[metric]["value"] == pytest.approx(want[metric]["value"]), metric
+
+
+def _eval_spec(folder: Path, world: int, parallelism: dict[str, Any]) -> Any:
+    from megatrain.spec import parse_spec
+
+    from .eval_helpers import tiny_spec
+
+    raw = tiny_spec().model_dump(mode="json", exclude_unset=True)
+    raw.update(
+        kind="eval", eval={"tasks": [(EXAMPLES / "corpus_mc.yaml").as_uri()], "limit": 12, "batch_size": 4}
+    )
+    raw["model"]["init_from"] = f"hf:{folder.as_uri()}"
+    raw["data"] = {"train": [], "tokenizer": {"type": "byte"}}
+    raw["parallelism"] = {"distributed_optimizer": False, **parallelism}
+    raw["resources"] = {"devices": world}
+    return parse_spec(raw)
+
+
+def _eval_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    from megatrain.engine.evaluation.job import evaluate_at_layout
+    from megatrain.engine.runtime import Dist
+    from megatrain.failures import Activity
+    from megatrain.plan.layout import resolve_layout
+
+    os.environ["HF_DATASETS_CACHE"] = str(Path(workdir) / f"hf-job-{rank}")
+    spec = _eval_spec(Path(workdir) / "hf", world, parallelism)
+    ctx = Dist(rank=rank, world_size=world, local_rank=rank, local_world_size=world, group=dist.group.WORLD)
+    out = Path(workdir) / f"job-{'-'.join(parallelism)}"
+    evaluate_at_layout(spec, resolve_layout(spec, world), out, ctx, Activity())
+
+
+@pytest.mark.distributed
+def test_an_eval_job_at_a_layout_reads_its_shards_and_scores_as_one_process(tmp_path: Path) -> None:
+    """kind eval on two ranks: each builds its shards of the Hugging Face folder (read by slice),
+    rank 0 alone writes the results, equal to the one-process eval job's."""
+    import json
+
+    from megatrain.engine.evaluation.job import evaluate_job
+
+    from .eval_helpers import both_sides
+    from .helpers import read_jsonl
+    from .parallel._launch import run_distributed
+
+    both_sides(tmp_path / "hf")  # the seeded tiny Llama exported with its tokenizer
+    evaluate_job(_eval_spec(tmp_path / "hf", 1, {}), tmp_path / "one")
+    want = json.loads((tmp_path / "one" / "results.json").read_text())["corpus_mc"]
+    for parallelism in ({"tp": 2, "dp": 1}, {"pp": 2, "dp": 1}):
+        run_distributed(_eval_rank, 2, str(tmp_path), parallelism)
+        out = tmp_path / f"job-{'-'.join(parallelism)}"
+        got = json.loads((out / "results.json").read_text())["corpus_mc"]
+        for metric in ("acc", "acc_norm"):
+            assert got[metric]["value"] == pytest.approx(want[metric]["value"]), (parallelism, metric)
+            assert got[metric]["n"] == want[metric]["n"] == 12
+        assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0]  # written once
+        started = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "started")
+        layout = started["layout"]
+        assert started["world_size"] == 2
+        assert (layout["tp"], layout["pp"]) == (parallelism.get("tp", 1), parallelism.get("pp", 1))

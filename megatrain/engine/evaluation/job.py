@@ -1,5 +1,6 @@
 """An eval job's process (`kind: eval`): model.init_from loaded as a serve job loads its base
-(engine.serving.loader, one device), each of eval.tasks loaded (engine.evaluation.tasks), scored by
+(engine.serving.loader, one device), or on several ranks at the job's layout as a fine-tune starts
+(only each rank's shards read), each of eval.tasks loaded (engine.evaluation.tasks), scored by
 lm-eval's evaluator over EngineLM, and the results written where a run's figures go: one metrics
 row {"step": 0, "eval": {task: {metric: {value, stderr, n}}}} (the control plane stores it as the
 job's results), OUT/results.json, and a table in the job's log.
@@ -12,10 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatrain.engine.data import build_tokenizer
 from megatrain.engine.evaluation.lm import EngineLM
+from megatrain.engine.evaluation.scorer import LayoutScorer
 from megatrain.engine.evaluation.tasks import load_task, run_tasks
+from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.serving.loader import default_device, load_served
 from megatrain.engine.sink import RunLog
+from megatrain.plan.layout import Layout, with_micro_batch_size
 from megatrain.progress_files import write_progress
 from megatrain.spec import JobSpec
 
@@ -47,18 +52,68 @@ def evaluate_job(spec: JobSpec, out_dir: Path, activity: Any = None) -> dict[str
             activity.phase = "evaluation"
         lm = EngineLM(served.model, served.tokenizer, batch_size=spec.eval.batch_size, on_batch=tick)
         results = run_tasks(lm, configs, limit=spec.eval.limit)
-        log.metrics.write({"step": 0, "eval": results})
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        for line in table(results):
-            log.say(line)
-        seconds = time.monotonic() - began
-        log.events.write(
-            {"event": "finished", "step": 0, "batches": batches[0], "seconds": round(seconds, 1)}
-        )
-        log.say(f"evaluated {len(configs)} task(s) in {batches[0]} batches, {seconds:.1f} s")
+        _report(log, out_dir, results, len(configs), batches[0], time.monotonic() - began, True)
         return results
     finally:
         log.close()
+
+
+def evaluate_at_layout(
+    spec: JobSpec, layout: Layout, out_dir: Path, ctx: Any, activity: Any
+) -> dict[str, Any]:
+    """An eval job on several ranks (`resources.devices` > 1 with its tp / pp / dp layout): each
+    rank builds only its shards of model.init_from (a Hugging Face folder read by slice or a job's
+    checkpoint, as a fine-tune starts) and runs the same requests through LayoutScorer; rank 0
+    writes what the one-process job writes. Returns {"step": 0} (a run's summary)."""
+    from megatrain.engine.start import start_rank_model, worker_model_config
+    from megatrain.engine.train import runnable_config
+
+    assert spec.eval is not None, "kind eval has an eval block (spec.py)"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log, began = RunLog(out_dir, ctx.is_main), time.monotonic()
+    try:
+        spec = with_micro_batch_size(spec, layout=layout)
+        cfg = runnable_config(spec, layout, ctx.device, log)
+        activity.phase = "init"  # a missing task file or base is the job's own input
+        configs = [load_task(t) for t in spec.eval.tasks]
+        tokenizer = build_tokenizer(spec.data.tokenizer)
+        mcfg = worker_model_config(spec, tokenizer.vocab_size, ctx.device, cfg.precision)
+        state = ParallelState.build(layout, ctx.device)
+        model = start_rank_model(spec, mcfg, cfg, state, ctx.device, spec.model.init_from, activity, log)
+        model.module.requires_grad_(False)
+        log.events.write({"event": "started", "device": ctx.device, "num_params": model.num_params, "step": 0,
+                          "world_size": layout.world_size, "layout": layout.as_dict()})  # fmt: skip
+        names = ", ".join(c["task"] for c in configs)
+        log.say(f"evaluating {spec.model.init_from} ({model.num_params:,} parameters, {cfg.precision}) at "
+                f"{layout.describe()}: {names}")  # fmt: skip
+        rows = max(1, spec.eval.batch_size // state.dp_size)  # a micro-batch: each replica's share
+        scorer = LayoutScorer(model, mcfg.seq_length, mcfg.real_vocab_size, rows_per_forward=rows)
+        batches = [0]
+
+        def tick() -> None:  # progress for the runner's hang watch: one "step" per batch
+            batches[0] += 1
+            write_progress(out_dir, ctx.rank, batches[0], "evaluating")
+
+        activity.phase = "evaluation"
+        lm = EngineLM(scorer, tokenizer, batch_size=rows * state.dp_size, on_batch=tick)
+        results = run_tasks(lm, configs, limit=spec.eval.limit)
+        _report(log, out_dir, results, len(configs), batches[0], time.monotonic() - began, ctx.is_main)
+        return {"step": 0}
+    finally:
+        log.close()
+
+
+def _report(
+    log: RunLog, out_dir: Path, results: dict[str, Any], tasks: int, batches: int, seconds: float, main: bool
+) -> None:
+    """The results where a run's figures go (rank 0 only): a metrics row, results.json, the log's table."""
+    log.metrics.write({"step": 0, "eval": results})
+    if main:
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    for line in table(results):
+        log.say(line)
+    log.events.write({"event": "finished", "step": 0, "batches": batches, "seconds": round(seconds, 1)})
+    log.say(f"evaluated {tasks} task(s) in {batches} batches, {seconds:.1f} s")
 
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
