@@ -273,3 +273,33 @@ def test_mlflow_continues_the_jobs_run_on_a_resumed_attempt(
     assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 2.0), (3, 3.0)]
     # Params never change once logged: the first attempt's layout stays (W&B's config takes the new).
     assert client.get_run(first).data.params == {"layout.dp": "2"}
+
+
+def test_tensorboard_shows_a_resumed_attempts_points_from_its_first_step(tmp_path: Path) -> None:
+    from megatrain.engine.tracking.tensorboard_writer import TensorBoardTracker
+    from megatrain.spec_tracking import TensorBoardSpec
+
+    storage = tmp_path / "storage" / "jobs" / "j1" / "checkpoints"
+
+    def attempt(n: int, steps: range, value: float) -> None:
+        info = RunInfo("job", "j1", tmp_path / f"attempt-{n}", storage.as_uri(), {"layout": {"dp": n}})
+        t = TensorBoardTracker(TensorBoardSpec(), info)
+        for s in steps:
+            t.log(s, {"loss": value}, time.time())
+        t.close(ok=True)
+        time.sleep(1.1)  # event file names carry the second they were made: TensorBoard's order
+
+    attempt(1, range(1, 5), 1.0)  # died after step 4, checkpointed at 2
+    attempt(2, range(3, 6), 2.0)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(storage.parent / "tensorboard"))
+    acc.Reload()
+    # The first attempt's 3 and 4 are purged, not shown beside the second's.
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (1, 1.0),
+        (2, 1.0),
+        (3, 2.0),
+        (4, 2.0),
+        (5, 2.0),
+    ]
