@@ -51,9 +51,15 @@ class RunLog:
         A tracker that fails is a warning event, never the run's failure."""
         if not self.is_main or tracking is None or not tracking.enabled:
             return
+        from megatrain.engine.tracking import configured, warning_event
         from megatrain.engine.tracking.fanout import Trackers  # the backends: in their own process
 
-        self.trackers = Trackers(tracking, config, self.out_dir, checkpoint_url, self._warn)
+        try:
+            self.trackers = Trackers(tracking, config, self.out_dir, checkpoint_url, self._warn)
+        except Exception as exc:  # the trackers' process could not start: still never the run's failure
+            for name in configured(tracking):
+                self._warn(warning_event(name, exc, None))
+            return
         self.metrics.also = self.trackers.log
 
     def _warn(self, event: dict[str, Any]) -> None:

@@ -303,3 +303,20 @@ def test_tensorboard_shows_a_resumed_attempts_points_from_its_first_step(tmp_pat
         (4, 2.0),
         (5, 2.0),
     ]
+
+
+def test_trackers_that_cannot_start_are_warnings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatrain.engine.sink import RunLog
+    from megatrain.engine.tracking import fanout
+
+    monkeypatch.setattr(fanout, "COMMAND", [str(tmp_path / "no-such-python")])
+    log = RunLog(tmp_path, True)
+    log.track(TrackingSpec(tensorboard=True, wandb=True), {"spec": {"name": "t"}}, "file:///x/checkpoints")
+    log.metrics.write({"step": 1, "loss": 1.0})  # still written where it always is
+    log.close()
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [(e["tracker"], e["reason"].split(":")[0]) for e in events] == [
+        ("tensorboard", "FileNotFoundError"),
+        ("wandb", "FileNotFoundError"),
+    ]
+    assert [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0]
