@@ -46,6 +46,7 @@ from megatrain.api.secrets.router import router as secrets_router
 from megatrain.api.server import BodyTimeoutMiddleware
 from megatrain.api.spec.router import router as spec_router
 from megatrain.api.streams import StreamHub, TooManyStreams
+from megatrain.api.tensorboard.router import router as tensorboard_router
 from megatrain.db.session import upgrade_database
 from megatrain.settings import Settings, get_settings
 from megatrain.spec import JobSpec
@@ -115,6 +116,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         finally:
             await streams.close()
             probe.engine.dispose()
+            app.state.metrics.close()
 
     app = FastAPI(
         title="megatrain",
@@ -144,6 +146,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         datasets_router,
         models_router,
         exports_router,
+        tensorboard_router,
         samples_router,
         plan_router,
         secrets_router,

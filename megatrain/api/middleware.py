@@ -5,11 +5,13 @@ of an upload that its routes share."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -100,10 +102,20 @@ class BodyLimitMiddleware:
                 await _send_json(send, 413, too_large)
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Set by `megatrain api --workers N` before its processes start: prometheus_client then keeps each
+process's counters in files there, and a scrape answered by any process sums them all."""
+
+
 class ApiMetrics:
-    """One registry per app (tests build many apps in one process; the global one would clash)."""
+    """One registry per app (tests build many apps in one process; the global one would clash).
+
+    `registry` holds this process's own series; `served` is what /metrics answers with: the same
+    registry, or under several API processes the sum of all their files. The control plane's counts
+    (scrape.py) come from the database once per scrape, whichever process answers."""
 
     def __init__(self, database_url: str, open_streams: Callable[[], int] | None = None):
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "megatrain_http_requests",
@@ -118,7 +130,32 @@ class ApiMetrics:
             registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.registry.register(ControlPlaneCollector(database_url, open_streams))
+        self.served = self.registry
+        self.open_streams = open_streams
+        self.streams_gauge: Gauge | None = None
+        if self.multiprocess:
+            self.served = CollectorRegistry()
+            MultiProcessCollector(self.served)
+            if database_url.startswith("sqlite"):
+                # No stream leases in SQLite: each process says its own count, the files sum them.
+                self.streams_gauge = Gauge(
+                    "megatrain_open_streams",
+                    "Live SSE streams (every API process's)",
+                    registry=self.registry,
+                    multiprocess_mode="livesum",
+                )
+                open_streams = None
+        self.served.register(ControlPlaneCollector(database_url, open_streams))
+
+    def sync_streams(self) -> None:
+        """Bring this process's stream count up to date in its files (several processes on SQLite)."""
+        if self.streams_gauge is not None and self.open_streams is not None:
+            self.streams_gauge.set(self.open_streams())
+
+    def close(self) -> None:
+        """At the process's end: its live gauges leave the sum (its counters stay in it)."""
+        if self.multiprocess:
+            mark_process_dead(os.getpid())
 
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -140,6 +177,7 @@ class MetricsMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                self.metrics.sync_streams()  # a stream counts once its answer starts
             await send(message)
 
         try:
@@ -152,3 +190,4 @@ class MetricsMiddleware:
             method = method if method in _METHODS else "other"
             self.metrics.requests.labels(method, label, str(status)).inc()
             self.metrics.latency.labels(method, label).observe(time.perf_counter() - start)
+            self.metrics.sync_streams()

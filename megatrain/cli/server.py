@@ -6,6 +6,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -218,8 +220,32 @@ def api_server(
     )
     if n == 1:
         uvicorn.Server(config).run()
-    else:
+        return
+    with _api_metrics_dir():  # set before the processes start: they inherit it
         Multiprocess(config, sockets=[config.bind_socket()]).run()
+
+
+@contextmanager
+def _api_metrics_dir() -> Iterator[None]:
+    """PROMETHEUS_MULTIPROC_DIR for the API's processes (they inherit it): a fresh folder of this
+    run's on local disk (never a volume other replicas share), removed at its end; unless an
+    operator set one, which is then theirs to wipe between runs."""
+    import os
+    import shutil
+    import tempfile
+
+    from megatrain.api.middleware import MULTIPROC_ENV
+
+    if os.environ.get(MULTIPROC_ENV):
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="megatrain-api-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield
+    finally:
+        del os.environ[MULTIPROC_ENV]
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @app.command()

@@ -85,5 +85,5 @@ async def readyz(request: Request) -> Any:
 
 @router.get("/metrics", include_in_schema=False)
 def metrics(request: Request) -> Response:
-    registry = request.app.state.metrics.registry
+    registry = request.app.state.metrics.served
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
