@@ -40,7 +40,8 @@ class EmbeddedStack:
         self.settings = settings
         self.host, self.port = host, port
         self.stop_event = threading.Event()
-        config = api_config(create_app(settings), settings, host, port, log_level=log_level)
+        self.app = create_app(settings)
+        config = api_config(self.app, settings, host, port, log_level=log_level)
         self.server = uvicorn.Server(config)
         self._threads: list[threading.Thread] = []
 
@@ -75,8 +76,11 @@ class EmbeddedStack:
 
     def start_scheduler(self) -> None:
         from megatrain.scheduler.loop import Scheduler
+        from megatrain.scheduler.metrics import SchedulerMetrics
 
-        scheduler = Scheduler(self.runner_settings)
+        # Its series (and the local runners') on the API's /metrics: one scrape target for it all.
+        metrics = SchedulerMetrics(self.app.state.metrics.served)
+        scheduler = Scheduler(self.runner_settings, metrics=metrics)
         thread = threading.Thread(
             target=scheduler.run, args=(self.stop_event,), name="scheduler", daemon=True
         )
@@ -248,21 +252,32 @@ def _api_metrics_dir() -> Iterator[None]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+_METRICS_PORT_HELP = "Serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default: none)."
+
+
 @app.command()
 @_server_errors
-def scheduler() -> None:
+def scheduler(
+    metrics_port: Annotated[int | None, typer.Option(min=1, max=65535, help=_METRICS_PORT_HELP)] = None,
+) -> None:
     """Run the scheduler loop alone (production: beside API replicas and Celery workers)."""
+    from prometheus_client import start_http_server
+
     from megatrain.scheduler.loop import Scheduler
+    from megatrain.scheduler.metrics import SchedulerMetrics
     from megatrain.scheduler.pools import apply_pools_at_start
 
     _configure_logging()
     settings = get_settings()
     apply_pools_at_start(settings)
+    metrics = SchedulerMetrics()
+    if metrics_port is not None:
+        start_http_server(metrics_port, registry=metrics.registry)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     _out().print(f"scheduler running against {settings.resolved_database_url}; Ctrl-C stops it")
-    Scheduler(settings).run(stop)
+    Scheduler(settings, metrics=metrics).run(stop)
 
 
 @app.command()
@@ -272,11 +287,12 @@ def worker(
         int | None,
         typer.Option(min=1, help="Jobs at once (default: the node's slots; lower caps the slots)."),
     ] = None,
+    metrics_port: Annotated[int | None, typer.Option(min=1, max=65535, help=_METRICS_PORT_HELP)] = None,
 ) -> None:
     """Run a Celery worker that executes job shards on this node."""
     from megatrain.worker.celery_app import run_worker
 
-    run_worker(get_settings(), concurrency=concurrency)
+    run_worker(get_settings(), concurrency=concurrency, metrics_port=metrics_port)
 
 
 @keys_app.command("create")

@@ -40,6 +40,7 @@ from megatrain.failures import NOT_RETRIED, attempt_reason, failure_data
 from megatrain.scheduler.datasets import dispatch_datasets, reconcile_datasets
 from megatrain.scheduler.exports import dispatch_exports, reconcile_exports
 from megatrain.scheduler.intake import Intake
+from megatrain.scheduler.metrics import SchedulerMetrics
 from megatrain.scheduler.placement import Decision, Placement, place
 from megatrain.scheduler.preemption import RunningJob, victims_by_pool
 from megatrain.scheduler.reasons import BEHIND_JOB, CANCEL_REQUESTED, NO_FREE_SLOTS, render_wait
@@ -82,11 +83,17 @@ def _attempt_facts(job: Job) -> SimpleNamespace:
 class Scheduler:
     """`schedule_once` places queued jobs; `reconcile_once` recovers jobs whose runner is gone."""
 
-    def __init__(self, settings: Settings | None = None, executor: Executor | None = None):
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        executor: Executor | None = None,
+        metrics: SchedulerMetrics | None = None,
+    ):
         self.settings = settings or get_settings()
         self.url = self.settings.resolved_database_url
         self._executor = executor
         self.intake = Intake(self.settings.node_lost_after_s)
+        self.metrics = metrics or SchedulerMetrics()
 
     @property
     def executor(self) -> Executor:
@@ -131,6 +138,7 @@ class Scheduler:
             return True
         except Exception as exc:
             log.exception("executor could not start job %s", job_id)
+            self.metrics.decided("submit_failed")
             with session_scope(self.url) as s:
                 job = s.get(Job, job_id)
                 if job is None:
@@ -179,6 +187,7 @@ class Scheduler:
         for _ in range(MAX_PASSES):
             snap = self._snapshot()
             if not snap.queue:
+                self.metrics.waits(())
                 return submitted
             decisions = place(snap.queue, snap.pools, snap.tenants, multi_node=multi_node)
             lost_race = False
@@ -189,12 +198,15 @@ class Scheduler:
                     # Another scheduler took the job or the room: the decisions after this one
                     # assumed it, so decide again on a fresh snapshot.
                     lost_race = True
+                    self.metrics.decided("lost_race")
                     break
                 if self._submit(d.job_id):
                     submitted.append(d.job_id)
+                    self.metrics.decided("placed")
             if not lost_race:
                 self._note_waits(snap.rows, decisions)
-                self._preempt(snap, decisions, multi_node)
+                self.metrics.waits(decisions)
+                self.metrics.decided("preempted", len(self._preempt(snap, decisions, multi_node)))
                 break
         return submitted
 
@@ -334,6 +346,7 @@ class Scheduler:
         for r in rows:
             age = (now - r.last_seen_at).total_seconds()
             log.warning("node %s lost: no heartbeat for %.0fs", r.hostname, age)
+        self.metrics.decided("node_lost", len(rows))
         return [(r.id, r.hostname) for r in rows]
 
     def fail_over_lost_nodes(self) -> list[str]:
@@ -372,6 +385,7 @@ class Scheduler:
                     avoid_nodes=avoid, **clear,
                 ):  # fmt: skip
                     changed.append(v.id)
+                    self.metrics.decided("failed_over")
                     if ran is not None:
                         record_lost_attempt(s, self.settings, ran, to, "node_lost")
         return changed
@@ -397,6 +411,7 @@ class Scheduler:
                     s, job_id, CANCELLED, from_statuses=(QUEUED,), reason="cancelled before it started"
                 ):
                     changed.append(job_id)
+                    self.metrics.decided("cancelled")
         with session_scope(self.url) as s:
             active = s.scalars(select(Job.id).where(Job.status.in_(ACTIVE_STATES))).all()
         for job_id in active:
@@ -425,6 +440,7 @@ class Scheduler:
                 ran = _attempt_facts(job) if job.status == RUNNING else None
                 if transition(s, job_id, to, from_statuses=(job.status,), reason=reason, data=data, **clear):
                     changed.append(job_id)
+                    self.metrics.decided("runner_lost")
                     # An out-of-memory end is the layout's, not the node's: no quarantine count.
                     lost_as = str(failure["kind"]) if data is not None and failure else "runner_lost"
                     if ran is not None and (why := record_lost_attempt(s, self.settings, ran, to, lost_as)):
@@ -454,15 +470,20 @@ class Scheduler:
     # -- loop ------------------------------------------------------------------------------------
 
     def run(self, stop_event: threading.Event) -> None:
-        """schedule_once + reconcile_once every scheduler_interval_s until stop_event is set."""
+        """schedule_once + reconcile_once every scheduler_interval_s until stop_event is set; each
+        tick and step timed, and a step's error counted, in self.metrics (with the executor's
+        runners' series)."""
         log.info("scheduler started (executor=%s)", self.settings.executor)
+        self.metrics.include(self.executor.runner_metrics())
         while not stop_event.is_set():
             background = (self.datasets_once, self.exports_once, self.samples_once)
-            for step in (self.reconcile_once, self.schedule_once, *background):
-                try:
-                    step()
-                except SQLAlchemyError:
-                    log.exception("scheduler: database error in %s; continuing", step.__name__)
-                except Exception:
-                    log.exception("scheduler: unexpected error in %s; continuing", step.__name__)
+            with self.metrics.tick():
+                for step in (self.reconcile_once, self.schedule_once, *background):
+                    try:
+                        with self.metrics.step(step.__name__):
+                            step()
+                    except SQLAlchemyError:
+                        log.exception("scheduler: database error in %s; continuing", step.__name__)
+                    except Exception:
+                        log.exception("scheduler: unexpected error in %s; continuing", step.__name__)
             stop_event.wait(self.settings.scheduler_interval_s)

@@ -8,6 +8,7 @@ import os
 from megatrain.attempts.ending import MAX_REASON_CHARS, end_failed_attempt  # noqa: F401  (re-exported)
 from megatrain.attempts.model import Attempt
 from megatrain.settings import CONTROL_PLANE_SETTINGS, SERVE_TOKEN_ENV
+from megatrain.worker.metrics import MULTIPROC_ENV
 from megatrain.worker.nodes import device_env
 
 
@@ -16,6 +17,7 @@ def engine_env(att: Attempt) -> dict[str, str]:
     this node's token: the engine reports through its runner), the tenant secrets the job
     names, the devices the attempt was placed on (and a serve job's token)."""
     hidden = {f"MEGATRAIN_{name.upper()}" for name in (*CONTROL_PLANE_SETTINGS, "node_token")}
+    hidden.add(MULTIPROC_ENV)  # the runner's metrics files are not the engine's to write
     env = {k: v for k, v in os.environ.items() if k not in hidden}
     env |= att.secret_env | {"PYTHONUNBUFFERED": "1", "MEGATRAIN_JOB_ID": att.job_id}
     if att.serve_token is not None:

@@ -21,11 +21,13 @@ import threading
 import time
 
 from celery import Celery
+from prometheus_client import start_http_server
 from sqlalchemy import select
 
 from megatrain.db.models import SCHEDULED, Job
 from megatrain.db.session import session_scope
 from megatrain.settings import Settings, get_settings
+from megatrain.worker.metrics import worker_metrics
 from megatrain.worker.nodes import cached_spec, device_memory, local_capacity, node_name, node_report
 from megatrain.worker.pool_facts import heartbeat_values
 from megatrain.worker.reporter import Reporter, ReportError, reporter_for
@@ -130,6 +132,7 @@ def node_heartbeat(
     values = heartbeat_values(accelerator, slots, busy=None)
     spec, final = cached_spec(settings, accelerator, slots, device_memory(accelerator, slots))
     (reporter or reporter_for(settings)).node_seen(node_id, values, spec)
+    worker_metrics().node_heartbeat(node_name(settings), values["memory_free_bytes"])
     return final
 
 
@@ -147,15 +150,23 @@ def _keep_node_seen(
             log.warning("could not refresh node %s: %s", node_id, exc)
 
 
-def run_worker(settings: Settings, concurrency: int | None = None, queues: list[str] | None = None) -> None:
+def run_worker(
+    settings: Settings,
+    concurrency: int | None = None,
+    queues: list[str] | None = None,
+    metrics_port: int | None = None,
+) -> None:
     """Register this machine in its pool and consume its node's queue until stopped (blocks).
 
     The node advertises its slots (GPUs, or settings.resolved_cpu_slots), capped by `concurrency` when given,
     and the worker runs that many tasks at once: what the scheduler counts is what runs. With a node
     token (settings.node_token) it registers, heartbeats, runs its jobs and its pool's datasets,
     exports and samples through the API (worker.reporter, worker.task_link): it needs no database
-    URL.
+    URL. With `metrics_port`, its attempts' and node's Prometheus series (worker.metrics) are served
+    at http://0.0.0.0:PORT/metrics.
     """
+    if metrics_port is not None:
+        start_http_server(metrics_port, registry=worker_metrics().registry)
     slots = worker_slots(settings, concurrency)
     reporter = reporter_for(settings)
     # Measuring the device's peak takes seconds (once per host, then cached): it runs in the
@@ -204,9 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         help="jobs at once (default: the node's slots; lower caps them)",
     )
     parser.add_argument("--queue", action="append", default=None, help="queue to consume (repeatable)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_worker(get_settings(), concurrency=args.concurrency, queues=args.queue)
+    settings = get_settings()
+    run_worker(settings, concurrency=args.concurrency, queues=args.queue, metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ from megatrain.db.models import Job, JobAllocation, Node, NodePool, utcnow
 from megatrain.db.node_tokens import create_attempt_token
 from megatrain.db.session import session_scope
 from megatrain.settings import CONTROL_PLANE_SETTINGS, Settings
+from megatrain.worker.metrics import MULTIPROC_ENV, RunnerFiles, runner_metrics_dir, sweep_runner_files
 from megatrain.worker.nodes import ensure_local_pool
 from megatrain.worker.procs import pid_alive
 from megatrain.worker.storage_access import OTHER_IDENTITIES, scoped
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
     from redis import Redis
 
 LOCAL_NODE_REFRESH_S = 10.0
@@ -82,6 +84,12 @@ class Executor(Protocol):
         now), None if there is no evidence here (heartbeat timeouts decide)."""
         ...
 
+    def runner_metrics(self) -> Collector | None:
+        """The Prometheus series of this executor's runners that only the scheduler's process can
+        serve (the local executor's runner processes on its machine), or None where the runners'
+        own workers serve them (a Celery worker's --metrics-port)."""
+        ...
+
 
 class StatusUnknown(RuntimeError):
     """runner_alive could not find out (a failed broker or status query): neither alive nor dead."""
@@ -93,6 +101,7 @@ def runner_env(settings: Settings) -> dict[str, str]:
     the runner reaches the control plane through the API: it gets none of its credentials (nor its
     object-store key where attempts get scoped ones: worker.storage_access)."""
     env = dict(os.environ)
+    env.pop(MULTIPROC_ENV, None)  # only a local shard runner writes metrics files, to its own folder
     for name, value in settings.model_dump().items():
         if value is not None:
             env[f"MEGATRAIN_{name.upper()}"] = str(value)
@@ -150,7 +159,11 @@ class LocalExecutor:
                     raise LookupError(f"job {job_id} does not exist")
                 limit = float((job.spec.get("resources") or {}).get("max_runtime_s") or LOCAL_TOKEN_TTL_S)
                 settings = with_attempt_token(s, settings, job, ttl_s=limit + 3600)
-        self._spawn(settings.runs_dir / job_id, "megatrain.worker.shard", "--job-id", job_id, settings)
+        # Its series go to files that the scheduler's (or the embedded API's) /metrics sums.
+        metrics = runner_metrics_dir(self.settings)
+        metrics.mkdir(parents=True, exist_ok=True)
+        env = runner_env(settings) | {MULTIPROC_ENV: str(metrics)}
+        self._spawn(settings.runs_dir / job_id, "megatrain.worker.shard", "--job-id", job_id, env=env)
 
     def submit_dataset(self, dataset_id: str) -> None:
         """One detached `python -m megatrain.worker.datasets` process per dataset; its output goes
@@ -171,9 +184,10 @@ class LocalExecutor:
         self._spawn(run_dir, "megatrain.worker.samples", "--sample-id", sample_id)
 
     def _spawn(
-        self, run_dir: Path, module: str, flag: str, ident: str, settings: Settings | None = None
+        self, run_dir: Path, module: str, flag: str, ident: str, env: dict[str, str] | None = None
     ) -> None:
-        """`python -m module flag ident`, detached, its output in run_dir/runner.log."""
+        """`python -m module flag ident`, detached, its output in run_dir/runner.log; `env`: its
+        environment (default: runner_env of this executor's settings)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "runner.log", "ab") as out:
             proc = subprocess.Popen(
@@ -181,7 +195,7 @@ class LocalExecutor:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=runner_env(settings or self.settings),
+                env=env if env is not None else runner_env(self.settings),
                 cwd=run_dir,
                 start_new_session=True,
                 close_fds=True,
@@ -205,6 +219,13 @@ class LocalExecutor:
 
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
         return pid_verdict(host, pid)
+
+    def runner_metrics(self) -> Collector | None:
+        """What its runners wrote under runner_metrics_dir, summed (those gone since the last
+        scheduler forgotten first)."""
+        path = runner_metrics_dir(self.settings)
+        sweep_runner_files(path)
+        return RunnerFiles(path)
 
 
 class CeleryExecutor:
@@ -325,6 +346,9 @@ class CeleryExecutor:
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
         """A worker on this host is judged by its pid; one on another node by its heartbeats."""
         return pid_verdict(host, pid)
+
+    def runner_metrics(self) -> Collector | None:
+        return None  # each node's worker serves its own (`megatrain worker --metrics-port`)
 
 
 def get_executor(settings: Settings) -> Executor:

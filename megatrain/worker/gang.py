@@ -94,6 +94,7 @@ class _FollowerRunner(_Runner):
     def finish(self, outcome: str, rc: int) -> None:
         """Node rank 0 owns the outcome; a failed engine here reports its records and ends the
         attempt (guarded: if node rank 0 already did, nothing changes)."""
+        self.live.end(outcome, rc, None)  # the attempt's ledger is node rank 0's to count
         if outcome != "exited" or rc == 0:
             return
         if self.stop is not None and self.stop.reached():

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from megatrain.worker.metrics import worker_metrics
 from megatrain.worker.reporter import ReportError
 
 if TYPE_CHECKING:
@@ -56,10 +57,13 @@ class Heartbeat:
     def beat(self) -> bool:
         """One heartbeat if this runner still owns the running job; False if it does not (or failed)."""
         try:
-            return self.reporter.heartbeat(self.job_id, self.host, self.pid)
+            owned = self.reporter.heartbeat(self.job_id, self.host, self.pid)
         except ReportError as exc:
             log.warning("job %s: heartbeat failed (will retry): %s", self.job_id, exc)
             return False
+        if owned:
+            worker_metrics().heartbeat(self.job_id)  # its age is what /metrics shows
+        return owned
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -41,6 +41,7 @@ from megatrain.worker.launch import (  # noqa: F401  (re-exported)
     free_port,
 )
 from megatrain.worker.ledger import AttemptClock
+from megatrain.worker.metrics import worker_metrics
 from megatrain.worker.nodes import _packages, node_name, slot_cpus
 from megatrain.worker.oom import OomWatch
 from megatrain.worker.preempt import TimeLimit, ask_to_stop
@@ -174,6 +175,7 @@ class _Runner:
         self.last_heartbeat = time.monotonic()
         self.watch = watch_attempt(settings, att, self.last_heartbeat)
         self.clock = AttemptClock(self.last_heartbeat, att.attempt, att.queued_s, att.prev_step)
+        self.live = worker_metrics().attempt(att.job_id)  # this worker's /metrics (worker.metrics)
         self.hang: Hang | None = None
         self.peers: list[dict[str, Any]] = []  # the other shards' ranks (node rank 0 of a gang)
         self.preempt_asked: float | None = None
@@ -213,6 +215,7 @@ class _Runner:
         self.watch.observe_events(events, now)
         self.clock.observe_metrics(metrics, now)
         self.clock.observe_events(events)
+        self.live.observe(metrics, self.clock.resumed_from)
         for row in events:
             if row.get("event") == "preempted" and isinstance(row.get("step"), int):
                 self.preempted_step = row["step"]
@@ -276,6 +279,7 @@ class _Runner:
         inputs would only repeat, so it fails the job at once."""
         att = self.att
         if outcome == "lost":
+            self.live.end(outcome, rc, None)
             log.warning("job %s: no longer owned by this runner; engine stopped", att.job_id)
             return
         silent: list[tuple[str, str]] = []
@@ -300,6 +304,7 @@ class _Runner:
             "time_limit_s": self.stop.limit_s if self.stop is not None else None,
             "seconds": self._ledger_seconds(),
         }
+        self.live.end(outcome, rc, end["seconds"])
         if self.reporter.finish(att, end) is None:
             log.warning("job %s: someone else moved it out of running before this runner", att.job_id)
 
@@ -362,6 +367,7 @@ def supervise(settings: Settings, att: Attempt, runner: _Runner, heartbeat: Hear
     finally:
         if keys is not None:
             keys.stop()
+        runner.live.end("runner_error", -1, None)  # counted by finish() unless the runner raised
 
 
 def _supervise(

@@ -36,3 +36,6 @@ class RecordingExecutor:
 
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
         return None
+
+    def runner_metrics(self) -> None:
+        return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -43,6 +43,9 @@ from megatrain.worker.shard import KILL_GRACE_S
 from megatrain.worker.slurm.commands import SlurmCommands, SlurmError, SlurmNode
 from megatrain.worker.slurm.rest import slurm_commands
 from megatrain.worker.slurm.script import SlurmRequest, render_sbatch
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 from megatrain.worker.slurm.states import SlurmState, failure_record
 
 log = logging.getLogger(__name__)
@@ -314,6 +317,9 @@ class SlurmExecutor:
 
     def worker_alive(self, host: str | None, pid: int | None) -> bool | None:
         return self._local.worker_alive(host, pid)
+
+    def runner_metrics(self) -> Collector | None:
+        return None  # an sbatch runner lives one attempt on a Slurm node: nothing scrapes it there
 
 
 def _attempt_events(s: Session, job_id: str, kind: str, attempt: int) -> list[dict[str, Any]]:
