@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from fixtures.live import LiveApi
@@ -60,6 +61,13 @@ def test_tensorboard_download_of_a_real_job(live_stack: LiveApi, tmp_path: Path)
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     code, out = run("tensorboard", job_id, "--download-only", "--to", str(tmp_path / "notes"))
     assert code == 1 and "not a TensorBoard folder" in out, out
+
+    # file:// storage signs no URLs: format=urls says so; auto (the CLI's) falls back to the tar.
+    headers = {"Authorization": f"Bearer {live_stack.key}"}
+    urls = httpx.get(f"{live_stack.url}/v1/jobs/{job_id}/tensorboard?format=urls", headers=headers)
+    assert urls.status_code == 422 and urls.json()["detail"][0]["field"] == "format", urls.text
+    tar = httpx.get(f"{live_stack.url}/v1/jobs/{job_id}/tensorboard?format=tar", headers=headers)
+    assert tar.headers["content-disposition"] == f'attachment; filename="{job_id}-tensorboard.tar"'
 
     code, out = run("tensorboard", plain, "--download-only", "--to", str(tmp_path / "none"))
     assert code == 1 and "404" in out and "tracking.tensorboard" in out, out
