@@ -63,7 +63,7 @@ const EVENT_LABELS = {
   checkpoint_corrupt: "Corrupt checkpoint skipped", checkpoints_set_aside: "Corrupt checkpoints set aside",
   cancel_requested: "Cancel requested", succeeded: "Succeeded",
   failed: "Failed", cancelled: "Cancelled", info: "Info", preempted: "Preempted",
-  straggler: "Straggler rank",
+  straggler: "Straggler rank", warning: "Warning",
 };
 
 function eventLabel(ev) {
