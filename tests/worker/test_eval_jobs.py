@@ -51,7 +51,10 @@ def _export_tiny(folder: Path) -> Any:
     return served
 
 
-def _eval_spec(base: Path, tasks: list[str], pool: str = "default") -> dict[str, Any]:
+def _eval_spec(
+    base: Path, tasks: list[str], pool: str = "default", parallelism: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    devices = {"resources": {"devices": 2}, "parallelism": parallelism} if parallelism else {}
     return {
         "name": "eval-tiny",
         "kind": "eval",
@@ -60,12 +63,16 @@ def _eval_spec(base: Path, tasks: list[str], pool: str = "default") -> dict[str,
         "training": {"precision": "fp32"},
         "eval": {"tasks": tasks, "limit": LIMIT, "batch_size": 4},
         "resources": {"devices": 1, "pool": pool, "max_runtime_s": 600},
-    }
+    } | {k: v if k != "resources" else {**v, "pool": pool, "max_runtime_s": 600} for k, v in devices.items()}
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_an_eval_job_stores_the_results_lm_eval_gives_here(live_stack: LiveApi) -> None:
-    _eval_through_the_api(live_stack, "default", None)
+@pytest.mark.parametrize("parallelism", [None, {"tp": 2, "dp": 1}], ids=["one", "tp2"])
+def test_an_eval_job_stores_the_results_lm_eval_gives_here(
+    live_stack: LiveApi, parallelism: dict[str, Any] | None
+) -> None:
+    """On one process, and at tp=2 on two ranks (each reading its shards of the folder)."""
+    _eval_through_the_api(live_stack, "default", None, parallelism)
 
 
 @pytest.mark.postgres
@@ -78,7 +85,9 @@ def test_an_eval_job_on_postgres_and_celery(
         _eval_through_the_api(live, live.settings.pool_name, tmp_path / "worker.log")
 
 
-def _eval_through_the_api(live_stack: LiveApi, pool: str, worker_log: Path | None) -> None:
+def _eval_through_the_api(
+    live_stack: LiveApi, pool: str, worker_log: Path | None, parallelism: dict[str, Any] | None = None
+) -> None:
     pytest.importorskip("lm_eval")
     from megatrain.engine.evaluation.lm import EngineLM
     from megatrain.engine.evaluation.tasks import load_task, run_tasks
@@ -89,12 +98,16 @@ def _eval_through_the_api(live_stack: LiveApi, pool: str, worker_log: Path | Non
     shutil.copytree(EXAMPLES, tasks, ignore=shutil.ignore_patterns("*.py"))
     urls = [(tasks / "corpus_mc.yaml").as_uri(), (tasks / "corpus_cloze.yaml").as_uri()]
     with Client(api_url=live_stack.url, api_key=live_stack.key) as client:
-        job = client.submit(_eval_spec(root / "tiny", urls, pool))
+        job = client.submit(_eval_spec(root / "tiny", urls, pool, parallelism))
         done = client.wait(job.id, timeout_s=240, poll_interval_s=0.5)
         logs = [line.line for line in client.logs(job.id)]
         worker = worker_log.read_text()[-3000:] if worker_log and worker_log.exists() else ""
         assert done.status == "succeeded", f"{done.status_reason}\n" + "\n".join(logs[-40:]) + worker
         results = client.results(job.id)
+        started = [e for e in client.events(job.id) if e["kind"] == "started"]
+    if parallelism:  # two ranks ran it, at the layout asked for
+        assert done.layout is not None and (done.layout["tp"], done.layout["dp"]) == (2, 1), done.layout
+        assert started and started[-1]["data"].get("world_size") == 2, started
     assert (results["kind"], results["step"]) == ("eval", 0)
     assert set(results["tasks"]) == {"corpus_mc", "corpus_cloze"}
     here = run_tasks(EngineLM(served.model, served.tokenizer), [load_task(u) for u in urls], limit=LIMIT)

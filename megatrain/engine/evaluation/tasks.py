@@ -4,6 +4,7 @@ evaluator: per task, each metric's value, its stderr and the number of items."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from megatrain.eval_tasks import TaskError, data_urls, load_task  # noqa: F401  (re-exported)
@@ -17,6 +18,11 @@ def run_tasks(
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
+    # lm-eval bootstraps some metrics' stderr in a fork()ed pool; forked from an engine process with
+    # live threads (gloo's, the loader's) a child can start holding a lock it will never get back
+    # (seen: a two-rank eval job stuck for good in bootstrap_stderr). Its one-process loop draws the
+    # same samples (random.Random(chunk) either way).
+    os.environ["DISABLE_MULTIPROC"] = "1"
     out = evaluator.simple_evaluate(
         model=lm,
         tasks=configs,
