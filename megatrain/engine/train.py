@@ -160,7 +160,7 @@ def _task_scoring(spec: JobSpec, tokenizer: Any, mcfg: TransformerConfig) -> Any
     if not spec.training.eval_tasks:
         return None
     from megatrain.engine.evaluation.during import TaskScoring
-    from megatrain.eval_tasks import load_task
+    from megatrain.engine.evaluation.tasks import load_task
 
     configs = [load_task(task) for task in spec.training.eval_tasks]
     t = spec.training

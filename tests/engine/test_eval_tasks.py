@@ -80,3 +80,39 @@ def test_a_task_file_lm_eval_could_not_run_is_refused_naming_the_field(
     with pytest.raises(TaskError) as info:
         load_task(path)
     assert info.value.field == field and rule in info.value.message, str(info.value)
+
+
+def test_a_task_in_object_storage_is_read_there_and_its_items_cached_on_the_node(
+    s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An s3:// task YAML with its items beside it: the API's check keeps the items' URLs (for the
+    data-access rule), the node's copy holds them in its verified cache; a missing item is refused
+    naming the field."""
+    from megatrain import eval_tasks
+    from megatrain.settings import reset_settings_cache
+    from megatrain.storage import open_store
+
+    monkeypatch.setenv("MEGATRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    reset_settings_cache()
+    store = open_store(f"{s3_bucket_url}/tasks")
+    store.put_file("corpus_mc.yaml", EXAMPLES / "corpus_mc.yaml")
+    store.put_file("corpus_mc.jsonl", EXAMPLES / "corpus_mc.jsonl")
+    url = f"{s3_bucket_url}/tasks/corpus_mc.yaml"
+
+    checked = eval_tasks.load_task(url)  # the API's: no download
+    assert checked["task"] == "corpus_mc"
+    assert data_urls(checked) == [f"{s3_bucket_url}/tasks/corpus_mc.jsonl"]
+    local = load_task(url)  # the node's
+    (path,) = local["dataset_kwargs"]["data_files"]["test"]
+    assert Path(path).is_relative_to(tmp_path / "cache")
+    assert Path(path).read_bytes() == (EXAMPLES / "corpus_mc.jsonl").read_bytes()
+
+    store.put_bytes(
+        "broken.yaml", (EXAMPLES / "corpus_mc.yaml").read_bytes().replace(b"corpus_mc.jsonl", b"gone.jsonl")
+    )
+    with pytest.raises(TaskError) as info:
+        eval_tasks.load_task(f"{s3_bucket_url}/tasks/broken.yaml")
+    assert info.value.field == "data_files.test" and "no such object" in info.value.message, str(info.value)
+    with pytest.raises(TaskError) as info:
+        eval_tasks.load_task(f"{s3_bucket_url}/tasks/absent.yaml")
+    assert info.value.field == "file" and "cannot read it" in info.value.message

@@ -5,9 +5,26 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
-from megatrain.eval_tasks import TaskError, data_urls, load_task  # noqa: F401  (re-exported)
+from megatrain.eval_tasks import TaskError, data_urls  # noqa: F401  (re-exported)
+from megatrain.eval_tasks import load_task as _load_task
+
+
+def load_task(path: str | Path) -> dict[str, Any]:
+    """megatrain.eval_tasks.load_task on a node: s3:// items downloaded once per node into the
+    verified data cache (engine.data.remote), so lm-eval's json loader reads local files."""
+    return _load_task(path, fetch=_node_copy)
+
+
+def _node_copy(url: str) -> Path:
+    from megatrain.engine.data.dataset import default_cache_root
+    from megatrain.engine.data.remote import cached_files
+    from megatrain.storage import split_url
+
+    parent, name = split_url(url)
+    return cached_files(parent, [name], default_cache_root(), f"{name}.complete.json") / name
 
 
 def run_tasks(
