@@ -12,8 +12,10 @@ fine-tune, as engine.serving.loader loads them) or by a model at any layout (eva
 - `loglikelihood_rolling(text)`: the text's whole log-likelihood over lm-eval's disjoint rolling
   windows of max_length tokens (perplexity tasks).
 - `generate_until(context, {until, max_gen_toks, do_sample, temperature, ...})`: greedy (or
-  sampled) decoding with a KV cache (engine.generate), the prompt left-truncated to leave room for
-  max_gen_toks, the text cut at the first stop string (the end-of-document token's text is one).
+  sampled) decoding, on one device with continuous batching over a KV cache (serving.batcher:
+  prompts of any lengths share each decode step, a row leaving at its first stop string), the
+  prompt left-truncated to leave room for max_gen_toks, the text cut at the first stop string
+  (the end-of-document token's text is one).
 
 tests/engine/test_eval_lm.py holds this against HFLM on the same weights, exported with interop.hf.
 """
@@ -29,11 +31,14 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 
 from megatrain.engine.data.tokenizers import Tokenizer
-from megatrain.engine.evaluation.scorer import DeviceScorer, Scorer
+from megatrain.engine.evaluation.scorer import DeviceScorer, Generation, Scorer
 from megatrain.engine.models.gpt import GPTModel
 
 DEFAULT_MAX_GEN_TOKS = 256
 """lm-eval's default for a generate_until request that names no max_gen_toks."""
+GENERATE_CHUNK = 4
+"""Batches of prompts handed to the scorer at once: enough that rows ending early leave room for
+the next ones, few enough that an eval job reports progress (its hang watch) often."""
 
 
 class EngineLM(TemplateLM):
@@ -64,7 +69,7 @@ class EngineLM(TemplateLM):
         self.max_length = max_length or seq_length
         if isinstance(model, GPTModel):
             self.model: GPTModel | None = model
-            self.scorer: Scorer = DeviceScorer(model, batch_size, self.max_length)
+            self.scorer: Scorer = DeviceScorer(model, tokenizer, batch_size, self.max_length)
         else:
             self.model, self.scorer = None, model
         self.tokenizer = tokenizer
@@ -141,7 +146,8 @@ class EngineLM(TemplateLM):
     @torch.no_grad()
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation, cut at its first stop string. Requests with the same
-        settings and prompt length run as one batch."""
+        settings run together, whatever their prompts' lengths (each generation's rows share every
+        decode step), GENERATE_CHUNK batches of them per call."""
         eot_text = self.tok_decode([self.eot_token_id])
         groups: dict[tuple[Any, ...], list[int]] = {}
         prepared = []
@@ -156,25 +162,26 @@ class EngineLM(TemplateLM):
                 )
             ids = self.tok_encode(context)[-room:] or [self.prefix_token_id]
             prepared.append((ids, options))
-            key = (len(ids), options["max_gen_toks"], options["greedy"], options["temperature"],
-                   options["top_k"], options["top_p"])  # fmt: skip
+            key = (options["max_gen_toks"], options["greedy"], options["temperature"], options["top_k"],
+                   options["top_p"], tuple(options["until"]))  # fmt: skip
             groups.setdefault(key, []).append(n)
         out = [""] * len(requests)
+        chunk = self.batch_size_per_call * GENERATE_CHUNK
         for members in groups.values():
             options = prepared[members[0]][1]
-            for start in range(0, len(members), self.batch_size_per_call):
-                rows = members[start : start + self.batch_size_per_call]
-                prompts = torch.tensor([prepared[i][0] for i in rows], dtype=torch.long)
-                new = self.scorer.generate(
-                    prompts,
-                    options["max_gen_toks"],
-                    greedy=options["greedy"],
-                    temperature=options["temperature"] or 1.0,
-                    top_k=options["top_k"],
-                    top_p=options["top_p"],
-                    seed=self.seed,
-                    eos_id=self.eot_token_id,
-                )
+            generation = Generation(
+                max_new_tokens=options["max_gen_toks"],
+                greedy=options["greedy"],
+                temperature=options["temperature"] or 1.0,
+                top_k=options["top_k"],
+                top_p=options["top_p"],
+                seed=self.seed,
+                eos_id=self.eot_token_id,
+                until=tuple(options["until"]),
+            )
+            for start in range(0, len(members), chunk):
+                rows = members[start : start + chunk]
+                new = self.scorer.generate([prepared[i][0] for i in rows], generation)
                 for i, ids in zip(rows, new, strict=True):
                     out[i] = _cut(self.tok_decode(ids), prepared[i][1]["until"])
                 if self.on_batch is not None:

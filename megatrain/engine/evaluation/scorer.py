@@ -22,6 +22,7 @@ logits after each row's last token (`last_logits`, from which generation draws i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +32,7 @@ from torch import nn
 
 from megatrain.engine.build import RankModel
 from megatrain.engine.data.batch import Batch
+from megatrain.engine.data.tokenizers import Tokenizer
 from megatrain.engine.dpo import token_logps
 from megatrain.engine.generate import generate_batch, next_tokens
 from megatrain.engine.microbatch import MicroBatch, context_parallel_batch
@@ -38,6 +40,7 @@ from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.parallel.layers import ColumnParallelLinear
 from megatrain.engine.parallel.schedules import PipelineSchedule
 from megatrain.engine.parallel.state import Group
+from megatrain.engine.serving.batcher import Batcher, SamplingParams
 
 RowFn = Callable[[torch.Tensor, nn.Module, MicroBatch], torch.Tensor]
 """(last stage's hidden states, the LM head, micro-batch) -> (B, K) figures per row."""
@@ -53,12 +56,26 @@ class Scorer(Protocol):
         tokens, each after the ones before it, and whether greedy decoding picks all of them)."""
         ...
 
-    def generate(
-        self, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool, temperature: float, top_k: int,
-        top_p: float, seed: int, eos_id: int,
-    ) -> list[list[int]]:  # fmt: skip
-        """generate_batch's answer for prompts (B, T) of one length."""
+    def generate(self, prompts: Sequence[Sequence[int]], options: Generation) -> list[list[int]]:
+        """Each prompt's new ids (prompts of any lengths, each leaving room for max_new_tokens), the
+        end-of-document id last where it came; a row may stop early once its text holds a stop
+        string (the caller cuts the text there)."""
         ...
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How lm-eval asks to generate (lm.py's _generation_options, read as HFLM reads them)."""
+
+    max_new_tokens: int
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1234
+    """Row i draws from a generator seeded seed + i: the same answers however rows are batched."""
+    eos_id: int | None = None
+    until: tuple[str, ...] = ()
 
 
 def _row_scores(hidden: torch.Tensor, head: nn.Module, mb: MicroBatch, vocab_limit: int) -> torch.Tensor:
@@ -84,8 +101,8 @@ def _row_logits(hidden: torch.Tensor, head: nn.Module, mb: MicroBatch, vocab_lim
 class DeviceScorer:
     """One GPTModel on one device, `batch_size` rows per forward."""
 
-    def __init__(self, model: GPTModel, batch_size: int, max_length: int):
-        self.model = model.eval()
+    def __init__(self, model: GPTModel, tokenizer: Tokenizer, batch_size: int, max_length: int):
+        self.model, self.tokenizer = model.eval(), tokenizer
         self.batch_size, self.max_length = batch_size, max_length
         self.vocab_limit = min(model.config.real_vocab_size, model.config.vocab_size)
         self._device = model.embed.weight.device
@@ -106,8 +123,51 @@ class DeviceScorer:
             answers.append((float(picked.gather(1, target[:, None]).sum()), greedy))
         return answers
 
-    def generate(self, prompts: torch.Tensor, max_new_tokens: int, **options: object) -> list[list[int]]:
-        return generate_batch(self.model, prompts, max_new_tokens, vocab_limit=self.vocab_limit, **options)  # type: ignore[arg-type]
+    def generate(self, prompts: Sequence[Sequence[int]], options: Generation) -> list[list[int]]:
+        """Continuous batching (serving.batcher): prompts of any lengths share each decode step,
+        batch_size rows at a time, each row ending at end-of-document or its first stop string.
+        top_k, which the batcher does not draw with, runs generate_batch on rows of one length."""
+        if options.top_k:
+            return self._generate_by_length(prompts, options)
+        batcher = Batcher(self.model, self.tokenizer, max_batch=self.batch_size,
+                          eos_id=options.eos_id, max_waiting=len(prompts))  # fmt: skip
+        seqs = [
+            batcher.submit(
+                list(p),
+                SamplingParams(
+                    max_tokens=options.max_new_tokens,
+                    temperature=0.0 if options.greedy else options.temperature,
+                    top_p=options.top_p,
+                    seed=options.seed + i,
+                    stop=options.until,
+                ),
+            )  # fmt: skip
+            for i, p in enumerate(prompts)
+        ]
+        while batcher.step():
+            pass
+        for seq in seqs:
+            if seq.finish_reason == "error":
+                raise RuntimeError(f"generation failed: {seq.error}")
+        return [seq.tokens for seq in seqs]
+
+    def _generate_by_length(self, prompts: Sequence[Sequence[int]], options: Generation) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        for rows in by_length.values():
+            for start in range(0, len(rows), self.batch_size):
+                part = rows[start : start + self.batch_size]
+                new = generate_batch(
+                    self.model, torch.tensor([list(prompts[i]) for i in part]), options.max_new_tokens,
+                    greedy=options.greedy, temperature=options.temperature, top_k=options.top_k,
+                    top_p=options.top_p, seed=options.seed + part[0], eos_id=options.eos_id,
+                    vocab_limit=self.vocab_limit,
+                )  # fmt: skip
+                for i, ids in zip(part, new, strict=True):
+                    out[i] = ids
+        return out
 
 
 class LayoutScorer:
@@ -154,27 +214,24 @@ class LayoutScorer:
         masks = [[0.0] * (len(p) - 1) + [1.0] for p in prompts]
         return self._run(prompts, prompts, masks, self.vocab_limit, _row_logits)
 
-    def generate(
-        self, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool, temperature: float = 1.0,
-        top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None,
-    ) -> list[list[int]]:  # fmt: skip
-        """generate_batch's answer, each new token from the whole sequence run again (the same draw
-        on every rank: one seeded CPU generator each)."""
-        generator = torch.Generator()
-        generator.manual_seed(0 if seed is None else seed)
-        rows = prompts.tolist()
+    def generate(self, prompts: Sequence[Sequence[int]], options: Generation) -> list[list[int]]:
+        """Each new token from the whole sequences run again (no KV cache kept across ranks), rows of
+        any lengths together; each row's draws from its own seeded CPU generator, the same on
+        every rank. Rows end at end-of-document or their budget; stop strings are cut by the caller."""
+        generators = [torch.Generator().manual_seed(options.seed + i) for i in range(len(prompts))]
+        rows = [list(p) for p in prompts]
         new: list[list[int]] = [[] for _ in rows]
-        done = [False] * len(rows)
-        for _ in range(min(max_new_tokens, self.seq_length - prompts.shape[1])):
-            logits = self.last_logits(rows).cpu()
-            picked = next_tokens(logits, greedy, temperature, top_k, top_p, generator).tolist()
-            for r, token in enumerate(picked):
-                rows[r].append(token)
-                new[r].append(token)
-                done[r] = done[r] or token == eos_id
-            if all(done):
-                break
-        return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in new]
+        budget = [min(options.max_new_tokens, self.seq_length - len(p)) for p in rows]
+        live = [i for i in range(len(rows)) if budget[i] > 0]
+        while live:
+            logits = self.last_logits([rows[i] for i in live]).cpu()
+            for k, i in enumerate(live):
+                token = int(next_tokens(logits[k : k + 1], options.greedy, options.temperature,
+                                        options.top_k, options.top_p, generators[i])[0])  # fmt: skip
+                rows[i].append(token)
+                new[i].append(token)
+            live = [i for i in live if len(new[i]) < budget[i] and new[i][-1] != options.eos_id]
+        return new
 
     def _run(
         self,
