@@ -105,8 +105,15 @@ def _the_embedded_default(live: LiveApi) -> None:
     events = client.fine_tuning.jobs.list_events(sft.id, limit=100).data
     valid = sorted((e.data["step"], e.data["valid_loss"]) for e in events if "valid_loss" in (e.data or {}))
     assert [s for s, _ in valid] == [1, 2] and all(math.isfinite(v) for _, v in valid)
+    accuracy = [e.data["valid_mean_token_accuracy"] for e in events if "valid_loss" in (e.data or {})]
+    assert len(accuracy) == 2 and all(0.0 <= a <= 1.0 for a in accuracy)
     (ckpt,) = client.fine_tuning.jobs.checkpoints.list(sft.id).data
     assert ckpt.metrics.valid_loss == valid[-1][1]
+    # At the end, the whole held-out file (OpenAI's full_valid_*), beside the last eval's figures.
+    assert ckpt.metrics.valid_mean_token_accuracy == accuracy[-1]
+    assert (
+        math.isfinite(ckpt.metrics.full_valid_loss) and 0 <= ckpt.metrics.full_valid_mean_token_accuracy <= 1
+    )
     _succeeded(client, dpo.id, live)
     # The policy starts as the reference (the adapters' B is zero): -log σ(0) = log 2. The pairs
     # were read as OpenAI's preference records (input, preferred_output, non_preferred_output).

@@ -56,6 +56,15 @@ def _message(row: EventRow, ft_id: str, model: str | None) -> str:
     return row.reason or row.kind.replace("_", " ")
 
 
+VALID_FIGURES = (
+    "valid_loss",
+    "valid_mean_token_accuracy",
+    "full_valid_loss",
+    "full_valid_mean_token_accuracy",
+)
+"""OpenAI's names for validation figures, as the engine's validation rows carry them."""
+
+
 def _metrics(row: JobMetric, total: int) -> tuple[str, dict[str, Any]]:
     values = row.data or {}
     if row.kind == "val":
@@ -65,6 +74,9 @@ def _metrics(row: JobMetric, total: int) -> tuple[str, dict[str, Any]]:
     data = {"step": row.step, key: loss, "total_steps": total}
     if isinstance(values.get("token_accuracy"), int | float):  # the engine's; DPO steps have none
         data["train_mean_token_accuracy"] = values["token_accuracy"]
+    for name in VALID_FIGURES[1:]:  # a validation row's accuracy; at the end, the whole split's
+        if row.kind == "val" and isinstance(values.get(name), int | float):
+            data[name] = values[name]
     shown = f": {what} loss={loss:.4f}" if isinstance(loss, int | float) else ""
     return f"Step {row.step}/{total}{shown}", data
 
@@ -139,7 +151,9 @@ def _checkpoint_metrics(session: Session, job_id: str, step: int) -> dict[str, f
             if isinstance((data or {}).get("token_accuracy"), int | float):
                 out["train_mean_token_accuracy"] = float(data["token_accuracy"])
         elif kind == "val" and (data or {}).get("val_loss") is not None:
+            # An engine before full validation wrote val_loss alone: it stands for all of them.
             out["valid_loss"] = out["full_valid_loss"] = float(data["val_loss"])
+            out |= {k: float(data[k]) for k in VALID_FIGURES[1:] if isinstance(data.get(k), int | float)}
     return out
 
 
