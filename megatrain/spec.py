@@ -397,16 +397,21 @@ class JobSpec(_Strict):
         out: list[Problem] = []
         if self.kind in ("finetune", "dpo", "serve", "eval") and not self.model.init_from:
             out.append(_rule("model.init_from", f"model.init_from is required when kind is '{self.kind}'"))
-        # A model server reads no data; an eval job reads its tasks' items.
-        no_data = self.kind in ("serve", "eval")
+        # A model server reads no data; an eval job reads its tasks' items, and data only to measure
+        # its perplexity (eval.perplexity).
+        no_data = self.kind == "serve" or (self.kind == "eval" and not (self.eval and self.eval.perplexity))
         if no_data == bool(self.data.train):
             why = f"kind {self.kind} reads no data: leave data.train empty" if self.data.train else ""
+            if why and self.kind == "eval":
+                why = "kind eval reads data only to measure eval.perplexity: leave data.train empty"
             out.append(_rule("data.train", why or "data.train needs at least 1 item (a path or a dataset)"))
         if no_data and self.data.valid:
             out.append(_rule("data.valid", f"kind {self.kind} reads no data: leave data.valid empty"))
         if (self.kind == "eval") != (self.eval is not None):
             why = f"eval is set but kind is '{self.kind}'" if self.eval else "kind eval needs eval.tasks"
             out.append(_rule("eval", why))
+        elif self.eval is not None and not (self.eval.tasks or self.eval.perplexity):
+            out.append(_rule("eval", "eval needs tasks or perplexity (splits of data to measure)"))
         lora = self.training.lora
         if lora is not None and self.training.method != "full" and "targets" in lora.model_fields_set:
             absent = absent_targets(lora.targets, self.model.moe, self.model.num_layers)

@@ -111,11 +111,11 @@ def _eval_spec(folder: Path, world: int, parallelism: dict[str, Any]) -> Any:
     from .eval_helpers import tiny_spec
 
     raw = tiny_spec().model_dump(mode="json", exclude_unset=True)
-    raw.update(
-        kind="eval", eval={"tasks": [(EXAMPLES / "corpus_mc.yaml").as_uri()], "limit": 12, "batch_size": 4}
-    )
+    tasks = [(EXAMPLES / "corpus_mc.yaml").as_uri()]
+    raw.update(kind="eval", eval={"tasks": tasks, "limit": 12, "batch_size": 4, "perplexity": ["valid"]})
     raw["model"]["init_from"] = f"hf:{folder.as_uri()}"
-    raw["data"] = {"train": [], "tokenizer": {"type": "byte"}}
+    corpus = folder.parent / "corpus.jsonl"  # (written by the test)
+    raw["data"] = {"train": [{"path": corpus.as_uri()}], "split": "80,20,0", "tokenizer": {"type": "byte"}}
     raw["parallelism"] = {"distributed_optimizer": False, **parallelism}
     raw["resources"] = {"devices": world}
     return parse_spec(raw)
@@ -137,24 +137,34 @@ def _eval_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any])
 
 
 @pytest.mark.distributed
-def test_an_eval_job_at_a_layout_reads_its_shards_and_scores_as_one_process(tmp_path: Path) -> None:
+def test_an_eval_job_at_a_layout_reads_its_shards_and_scores_as_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kind eval on two ranks: each builds its shards of the Hugging Face folder (read by slice),
     rank 0 alone writes the results, equal to the one-process eval job's."""
     import json
 
     from megatrain.engine.evaluation.job import evaluate_job
+    from megatrain.settings import reset_settings_cache
 
     from .eval_helpers import both_sides
-    from .helpers import read_jsonl
+    from .helpers import read_jsonl, write_corpus
     from .parallel._launch import run_distributed
 
+    monkeypatch.setenv("MEGATRAIN_CACHE_DIR", str(tmp_path / "cache"))  # (the ranks inherit it)
+    reset_settings_cache()
     both_sides(tmp_path / "hf")  # the seeded tiny Llama exported with its tokenizer
+    write_corpus(tmp_path / "corpus.jsonl", num_docs=30)  # eval.perplexity's data
     evaluate_job(_eval_spec(tmp_path / "hf", 1, {}), tmp_path / "one")
-    want = json.loads((tmp_path / "one" / "results.json").read_text())["corpus_mc"]
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    want, ppl = one["corpus_mc"], one["perplexity:valid"]
     for parallelism in ({"tp": 2, "dp": 1}, {"pp": 2, "dp": 1}):
         run_distributed(_eval_rank, 2, str(tmp_path), parallelism)
         out = tmp_path / f"job-{'-'.join(parallelism)}"
-        got = json.loads((out / "results.json").read_text())["corpus_mc"]
+        results = json.loads((out / "results.json").read_text())
+        got = results["corpus_mc"]
+        assert results["perplexity:valid"]["loss"]["value"] == pytest.approx(ppl["loss"]["value"], rel=1e-5)
+        assert results["perplexity:valid"]["loss"]["n"] == ppl["loss"]["n"] > 1
         for metric in ("acc", "acc_norm"):
             assert got[metric]["value"] == pytest.approx(want[metric]["value"]), (parallelism, metric)
             assert got[metric]["n"] == want[metric]["n"] == 12

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatrain.engine.data import build_tokenizer
 from megatrain.engine.evaluation.lm import EngineLM
+from megatrain.engine.evaluation.perplexity import perplexity_results
 from megatrain.engine.evaluation.scorer import LayoutScorer
 from megatrain.engine.evaluation.tasks import load_task, run_tasks
 from megatrain.engine.parallel.state import ParallelState
@@ -38,7 +39,7 @@ def evaluate_job(spec: JobSpec, out_dir: Path, activity: Any = None) -> dict[str
         served = load_served(spec, device)
         num_params = served.model.num_parameters()
         log.events.write({"event": "started", "device": device, "num_params": num_params, "step": 0})
-        names = ", ".join(c["task"] for c in configs)
+        names = ", ".join([c["task"] for c in configs] + [f"perplexity:{s}" for s in spec.eval.perplexity])
         log.say(
             f"evaluating {served.base} ({num_params:,} parameters, {served.precision}) on {device}: {names}"
         )
@@ -51,7 +52,7 @@ def evaluate_job(spec: JobSpec, out_dir: Path, activity: Any = None) -> dict[str
         if activity is not None:
             activity.phase = "evaluation"
         lm = EngineLM(served.model, served.tokenizer, batch_size=spec.eval.batch_size, on_batch=tick)
-        results = run_tasks(lm, configs, limit=spec.eval.limit)
+        results = _score(spec, lm, configs, tick)
         _report(log, out_dir, results, len(configs), batches[0], time.monotonic() - began, True)
         return results
     finally:
@@ -83,7 +84,7 @@ def evaluate_at_layout(
         model.module.requires_grad_(False)
         log.events.write({"event": "started", "device": ctx.device, "num_params": model.num_params, "step": 0,
                           "world_size": layout.world_size, "layout": layout.as_dict()})  # fmt: skip
-        names = ", ".join(c["task"] for c in configs)
+        names = ", ".join([c["task"] for c in configs] + [f"perplexity:{s}" for s in spec.eval.perplexity])
         log.say(f"evaluating {spec.model.init_from} ({model.num_params:,} parameters, {cfg.precision}) at "
                 f"{layout.describe()}: {names}")  # fmt: skip
         rows = max(1, spec.eval.batch_size // state.dp_size)  # a micro-batch: each replica's share
@@ -96,11 +97,18 @@ def evaluate_at_layout(
 
         activity.phase = "evaluation"
         lm = EngineLM(scorer, tokenizer, batch_size=rows * state.dp_size, on_batch=tick)
-        results = run_tasks(lm, configs, limit=spec.eval.limit)
+        results = _score(spec, lm, configs, tick)
         _report(log, out_dir, results, len(configs), batches[0], time.monotonic() - began, ctx.is_main)
         return {"step": 0}
     finally:
         log.close()
+
+
+def _score(spec: JobSpec, lm: EngineLM, configs: list[dict[str, Any]], tick: Any) -> dict[str, Any]:
+    """The tasks' results, then each eval.perplexity split's (task `perplexity:SPLIT`)."""
+    assert spec.eval is not None
+    results = run_tasks(lm, configs, limit=spec.eval.limit) if configs else {}
+    return results | perplexity_results(spec, lm.scorer, lm.batch_size_per_call, tick)
 
 
 def _report(
