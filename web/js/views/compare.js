@@ -4,8 +4,9 @@
 import { api, ApiError } from "../api.js";
 import { h, replace } from "../dom.js";
 
-// lm-eval's own sense of "better" for the metrics our tasks report; others are shown unmarked.
-const LOWER_IS_BETTER = new Set(["perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"]);
+// lm-eval's own sense of "better" for the metrics our tasks report (and eval.perplexity's loss);
+// others are shown unmarked.
+const LOWER_IS_BETTER = new Set(["perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "loss"]);
 const HIGHER_IS_BETTER = new Set(["acc", "acc_norm", "exact_match", "f1", "mcc", "bleu", "rouge1", "rougeL"]);
 
 function cell(m) {
