@@ -1,9 +1,10 @@
 """What tracking costs a training step: the engine's own run (megatrain.engine.train.run, one rank,
-CPU) with all three trackers (TensorBoard, W&B offline, MLflow's file store) against none, every
-step logged (log_interval 1: the worst case), in this one process. Two measurements:
+CPU) with all three trackers (TensorBoard, W&B offline, MLflow's file store) against none, a row
+every `--log-interval` steps (1, the default here, is the worst case; a spec's default is 10), in
+this one process. Two measurements:
 
-- blocks: one tracked run of `--blocks` x `--block` steps whose rows go to the trackers in every
-  other block of steps only (the trackers' process up all along): the steady per-row cost, with
+- blocks: one tracked run of `--blocks` x `--block` rows whose rows go to the trackers in every
+  other block only (the trackers' process up all along): the steady per-row cost, with
   the on and off blocks interleaved finely enough that a shared host's load swings move both.
 - runs: whole runs, untracked and tracked, alternated `--reps` times: the same plus the trackers'
   process starting beside the first steps (its imports take seconds of a core, a one-off that a
@@ -15,6 +16,7 @@ whole (the feeder thread's flatten and JSON line), and in the trackers' own proc
 written to all three), which holds no lock of the engine's.
 
     python benchmarks/tracking.py                                    # ~6 min, 2-core VM
+    python benchmarks/tracking.py --log-interval 10 --blocks 30 --block 10 --steps 2000
     python benchmarks/tracking.py --blocks 4 --block 10 --reps 1 --steps 30 --rows 100   # smoke
 """
 
@@ -50,7 +52,7 @@ def _spec(a: argparse.Namespace, corpus: Path, tracking: dict[str, Any] | None) 
                   "num_query_groups": 2, "ffn_hidden_size": 4 * a.hidden, "seq_length": a.seq},
         "data": {"train": [{"path": corpus.as_uri()}], "split": "100,0,0"},
         "training": {"train_iters": a.steps, "global_batch_size": a.batch, "micro_batch_size": a.batch,
-                     "lr": 1e-3, "warmup_iters": 0, "precision": "fp32", "log_interval": 1,
+                     "lr": 1e-3, "warmup_iters": 0, "precision": "fp32", "log_interval": a.log_interval,
                      "eval_interval": 0, "checkpoint_interval": 0, "seed": 1},
         "resources": {"devices": 1},
     }  # fmt: skip
@@ -75,7 +77,10 @@ def _step_times(a: argparse.Namespace, corpus: Path, folder: Path, tracked: bool
     spec = parse_spec(_spec(a, corpus, _all_trackers(folder) if tracked else None))
     run(spec, out)
     rows = _rows(out)
-    return [r["iter_time_s"] for r in rows if r["time"] >= rows[0]["time"] + a.warmup_s]
+    times = [r["iter_time_s"] for r in rows if r["time"] >= rows[0]["time"] + a.warmup_s]
+    if not times:
+        raise SystemExit(f"the run ended within --warmup-s {a.warmup_s:g}: give it more --steps")
+    return times
 
 
 def _blocks(a: argparse.Namespace, corpus: Path, folder: Path) -> tuple[list[float], list[float]]:
@@ -84,8 +89,8 @@ def _blocks(a: argparse.Namespace, corpus: Path, folder: Path) -> tuple[list[flo
     from megatrain.engine.train import run
     from megatrain.spec import parse_spec
 
-    def on(step: int) -> bool:
-        return (step - 1) // a.block % 2 == 1
+    def on(step: int) -> bool:  # by the row's index, 1, 2, ... (a row every log_interval steps)
+        return (step // a.log_interval - 1) // a.block % 2 == 1
 
     original = sink.RunLog.track
 
@@ -97,15 +102,17 @@ def _blocks(a: argparse.Namespace, corpus: Path, folder: Path) -> tuple[list[flo
     sink.RunLog.track = track  # type: ignore[method-assign]
     try:
         spec = _spec(a, corpus, _all_trackers(folder))
-        spec["training"]["train_iters"] = a.blocks * a.block
+        spec["training"]["train_iters"] = a.blocks * a.block * a.log_interval
         run(parse_spec(spec), folder / "blocks")
     finally:
         sink.RunLog.track = original  # type: ignore[method-assign]
     rows = _rows(folder / "blocks")
-    # A row's cost lands on the next step; the first two steps of a block are its transition.
-    steady = [r for r in rows if r["time"] >= rows[0]["time"] + a.warmup_s and (r["step"] - 1) % a.block >= 2]
-    tracked = [r["iter_time_s"] for r in steady if on(r["step"] - 1)]
-    return tracked, [r["iter_time_s"] for r in steady if not on(r["step"] - 1)]
+    # A row's cost lands on the next interval; the first two rows of a block are its transition.
+    li = a.log_interval
+    warm = [r for r in rows if r["time"] >= rows[0]["time"] + a.warmup_s]
+    steady = [r for r in warm if (r["step"] // li - 1) % a.block >= 2]
+    tracked = [r["iter_time_s"] for r in steady if on(r["step"] - li)]
+    return tracked, [r["iter_time_s"] for r in steady if not on(r["step"] - li)]
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
@@ -156,9 +163,10 @@ def _children_cpu() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--block", type=int, default=25, help="steps per block (blocks)")
+    p.add_argument("--log-interval", type=int, default=1, help="a metrics row every N steps")
+    p.add_argument("--block", type=int, default=25, help="rows per block (blocks)")
     p.add_argument("--blocks", type=int, default=60, help="blocks, every other one tracked (blocks)")
-    p.add_argument("--steps", type=int, default=300, help="steps per run (runs)")
+    p.add_argument("--steps", type=int, default=800, help="steps per run (runs)")
     p.add_argument("--reps", type=int, default=3, help="alternations of untracked and tracked runs (runs)")
     p.add_argument("--warmup-s", type=float, default=10.0, help="seconds of steps left out of the medians")
     p.add_argument("--layers", type=int, default=2)
@@ -190,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     plain, tracked = statistics.median(times[False]), statistics.median(times[True])
     print(
         f"llama {a.layers} layers of {a.hidden}, seq {a.seq}, batch {a.batch}, fp32, CPU, {a.threads} torch "
-        f"thread(s), every step logged; medians after the first {a.warmup_s:g} s of each run"
+        f"thread(s), a row every {a.log_interval} step(s); medians after each run's first {a.warmup_s:g} s"
     )
     print(f"{'measurement':44} {'untracked ms':>12} {'tracked ms':>10} {'ratio':>7}  per repetition")
-    what = f"blocks: {a.blocks} x {a.block} steps, every other tracked"
+    what = f"blocks: {a.blocks} x {a.block} rows, every other tracked"
     off_ms, on_ms = statistics.median(off) * 1e3, statistics.median(on) * 1e3
     print(f"{what:44} {off_ms:12.2f} {on_ms:10.2f} {on_ms / off_ms:6.3f}x")
     per_rep = " ".join(f"{r:.3f}x" for r in ratios)
