@@ -375,8 +375,10 @@ def _step_rank(rank: int, world: int, workdir: str, parallelism: dict) -> dict:
     # the layout (the pipeline's last stage, every dp rank's own, tensor-parallel ranks not twice).
     calls = total_hits(loop.last_hits[0], state)[1]
     accuracy = token_accuracy(*loop.last_hits, state)
-    return {"loss": reduce_mean(loss, state), "grad_norm": result.grad_norm, "val": loop.evaluate(),
-            "accuracy": accuracy, "calls": calls, "tokens_counted": loop.last_hits[1], **extra}  # fmt: skip
+    val, val_accuracy = loop.evaluate()
+    return {"loss": reduce_mean(loss, state), "grad_norm": result.grad_norm, "val": val,
+            "val_accuracy": val_accuracy, "accuracy": accuracy, "calls": calls,
+            "tokens_counted": loop.last_hits[1], **extra}  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -390,12 +392,14 @@ def test_the_step_loss_is_per_token_over_the_global_batch_in_every_layout(tmp_pa
     assert abs(ref["loss"] - ref["by_hand"]) < 1e-5  # Σ masked token losses / loss tokens, in one go
     assert ref["accuracy"] == pytest.approx(ref["accuracy_by_hand"], abs=1e-9)
     assert ref["calls"] == 4 and ref["tokens_counted"] == ref["tokens"]
+    assert 0.0 < ref["val_accuracy"] < 1.0  # valid_mean_token_accuracy: counted as the step's is
     one_token = 1 / ref["tokens"]  # another summation order may flip a near-tie's argmax, not more
     for layout in ({"dp": 2}, {"pp": 2, "dp": 1}, {"tp": 2, "dp": 1, "sequence_parallel": True}):
         got = run_distributed(_step_rank, 2, str(tmp_path), layout)[0]
         assert abs(got["loss"] - ref["loss"]) < 1e-5, layout
         assert abs(got["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], layout
         assert abs(got["val"] - ref["val"]) < 1e-5, layout
+        assert abs(got["val_accuracy"] - ref["val_accuracy"]) < 1e-2, layout  # (a near-tie may flip)
         assert abs(got["accuracy"] - ref["accuracy"]) <= one_token + 1e-9, layout
         assert got["calls"] == 4 and got["tokens_counted"] == ref["tokens"], layout
 
