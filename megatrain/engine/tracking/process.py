@@ -3,8 +3,9 @@ rank 0 (tracking.fanout). It reads JSON lines on stdin: first the setup, then on
 ({"step", "values", "at"}), then {"close": ok}; it answers on stdout with JSON lines: {"opened": name},
 {"closed": name} and warning events. Anything a library prints goes to stderr (the job's log).
 
-It ignores SIGINT and SIGTERM (a cancelled job's process group gets them): the engine's end closes
-its stdin, and the trackers are then flushed and their runs ended, within CLOSE_TIMEOUT_S.
+It runs at a lower priority (nice 10) and ignores SIGINT and SIGTERM (a cancelled job's process
+group gets them): the engine's end closes its stdin, and the trackers are then flushed and their
+runs ended, within CLOSE_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def serve(setup: dict[str, Any], lines: Iterable[str], emit: Callable[[dict[str,
 def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # Background work: where cores are short, the training ranks go first (MLflow's file store
+    # takes milliseconds of CPU a row).
+    with contextlib.suppress(OSError):
+        os.nice(10)
     # fd 1 is the answers' channel alone: whatever a library prints (Python or C) goes to stderr.
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
