@@ -33,6 +33,7 @@ EXPECTED_LAYOUT: dict[str, dict[str, Any]] = {
     "layout_3d.yaml": {"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 2, "sequence_parallel": True},
     "auto.yaml": {"tp": 1, "pp": 1, "dp": 2},
     "moe.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "eval.yaml": {"tp": 1, "pp": 1, "dp": 1},
 }
 # The demo's model as `megatrain export` writes its config.json (megatrain.demo.demo_spec's shape).
 DEMO_LLAMA_CONFIG = {
