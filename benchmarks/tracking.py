@@ -15,7 +15,7 @@ one row costs over `--rows` rows: on the training thread (a queue put), in the e
 whole (the feeder thread's flatten and JSON line), and in the trackers' own process (every row
 written to all three), which holds no lock of the engine's.
 
-    python benchmarks/tracking.py                                    # ~6 min, 2-core VM
+    python benchmarks/tracking.py                                    # ~4 min, 2-core VM
     python benchmarks/tracking.py --log-interval 10 --blocks 30 --block 10 --steps 2000
     python benchmarks/tracking.py --blocks 4 --block 10 --reps 1 --steps 30 --rows 100   # smoke
 """
