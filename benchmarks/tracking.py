@@ -17,7 +17,7 @@ written to all three), which holds no lock of the engine's.
 
     python benchmarks/tracking.py                                    # ~4 min, 2-core VM
     python benchmarks/tracking.py --log-interval 10 --blocks 30 --block 10 --steps 2000
-    python benchmarks/tracking.py --blocks 4 --block 10 --reps 1 --steps 30 --rows 100   # smoke
+    python benchmarks/tracking.py --blocks 4 --block 10 --reps 1 --steps 30 --rows 100 --warmup-s 0  # smoke
 """
 
 from __future__ import annotations
