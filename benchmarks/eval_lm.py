@@ -30,7 +30,26 @@ MODELS = {
     "tiny": {"arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "num_query_groups": 2, "ffn_hidden_size": 128, "seq_length": 64},
 }  # fmt: skip
-WORDS = "the model of a cat sat on mat and then ran to the door of house with light".split()
+WORDS = [
+    "the",
+    "model",
+    "of",
+    "a",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "and",
+    "then",
+    "ran",
+    "to",
+    "the",
+    "door",
+    "of",
+    "house",
+    "with",
+    "light",
+]
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -71,8 +90,9 @@ def run(model: str, n: int, gen_tokens: int, repeats: int, threads: int) -> list
 
     torch.set_num_threads(threads)
     cfg = MODELS[model]
-    spec = parse_spec({"name": "bench", "model": cfg, "data": {"train": [{"dataset": "corpus"}],
-                       "tokenizer": {"type": "byte"}}, "training": {"precision": "fp32", "seed": 3}})  # fmt: skip
+    data = {"train": [{"dataset": "corpus"}], "tokenizer": {"type": "byte"}}
+    training = {"precision": "fp32", "seed": 3}
+    spec = parse_spec({"name": "bench", "model": cfg, "data": data, "training": training})
     served = load_served(spec, "cpu")
     pairs, prompts = requests(n, cfg["seq_length"])
 
@@ -94,8 +114,9 @@ def run(model: str, n: int, gen_tokens: int, repeats: int, threads: int) -> list
                     call = getattr(lm, kind)
                     seconds = best_of(repeats, lambda call=call, args=args, kind=kind: call(reqs(kind, args)))
                     items = len(args) / seconds
+                    tokens = items * gen_tokens if kind == "generate_until" else None
                     rows.append({"request": kind, "batch": batch, "side": side, "items_per_s": items,
-                                 "tokens_per_s": items * gen_tokens if kind == "generate_until" else None})  # fmt: skip
+                                 "tokens_per_s": tokens})  # fmt: skip
     return rows
 
 
