@@ -18,7 +18,7 @@ WORKDIR /app
 # from pyproject.toml against an empty package, then copy the real sources.
 COPY pyproject.toml README.md ./
 RUN mkdir megatrain && touch megatrain/__init__.py \
-    && pip install ".[engine]" \
+    && pip install ".[engine,tracking]" \
     && pip uninstall -y megatrain \
     && rm -rf megatrain build *.egg-info
 
@@ -27,7 +27,7 @@ COPY migrations ./migrations
 COPY web ./web
 COPY megatrain ./megatrain
 # Editable: migrations/ and web/ are found beside the package (megatrain.REPO_ROOT), not in a wheel.
-RUN pip install --no-deps -e ".[engine]"
+RUN pip install --no-deps -e ".[engine,tracking]"
 
 RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin megatrain \
     && mkdir -p "$MEGATRAIN_HOME" \

@@ -130,7 +130,7 @@ def test_api_healthcheck_path_is_served(compose: dict[str, Any], megatrain_home:
 def test_dockerfile() -> None:
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert '".[engine]"' in text
+    assert '".[engine,tracking]"' in text  # a spec's tracking: block works in the image
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     # Everything the image copies exists in the build context.
