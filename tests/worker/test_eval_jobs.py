@@ -169,3 +169,27 @@ def test_a_training_job_scores_its_tasks_at_each_eval_step(live_stack: LiveApi) 
     assert results["tasks"] == results["history"][-1]["tasks"]
     assert [v["step"] for v in valid] == [2, 4]
     assert all(0 <= v["valid_mean_token_accuracy"] <= 1 for v in valid) and "full_valid_loss" in valid[-1]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_lora_fine_tunes_eval_on_several_devices_is_refused_naming_init_from(live_api: LiveApi) -> None:
+    """Its checkpoint holds adapters, which one device folds into the weights; a layout's ranks would
+    score the base alone. Refused before anything runs; on one device it is accepted."""
+    root = live_api.data_path.parent
+    _export_tiny(root / "tiny")
+    lora = live_api.spec("lora-tune")
+    lora.update(kind="finetune", model={"init_from": f"hf:{(root / 'tiny').as_uri()}"})
+    lora["data"]["tokenizer"] = {"type": "byte"}
+    lora["training"].update(method="lora", lora={"rank": 4})
+    tasks = [(EXAMPLES / "corpus_mc.yaml").as_uri()]
+    with Client(api_url=live_api.url, api_key=live_api.key) as client:
+        tuned = client.submit(lora)
+        spec = _eval_spec(root / "tiny", tasks, parallelism={"tp": 2, "dp": 1})
+        spec["model"] = {"init_from": f"checkpoint:{tuned.id}"}
+        with pytest.raises(ApiError) as info:
+            client.submit(spec)
+        assert info.value.status == 422 and "model.init_from" in str(info.value), str(info.value)
+        assert "one device" in str(info.value), str(info.value)
+        one = _eval_spec(root / "tiny", tasks)
+        one["model"] = {"init_from": f"checkpoint:{tuned.id}"}
+        assert client.submit(one).status == "queued"

@@ -274,11 +274,22 @@ def _init_from(session: Session, spec: JobSpec, tenant: Tenant, field: str) -> P
     job_id, _, step = value.removeprefix("checkpoint:").partition("@")
     if step and not step.isdigit():
         return _problem(field, f"{field}={value!r}: STEP must be an integer")
-    owned = JOB_ID_PATTERN.match(job_id) and session.scalar(
-        select(Job.id).where(Job.id == job_id, Job.tenant_id == tenant.id)
-    )
+    owned = JOB_ID_PATTERN.match(job_id) and session.execute(
+        select(Job.id, Job.spec).where(Job.id == job_id, Job.tenant_id == tenant.id)
+    ).first()
     if not owned:
         return _problem(field, f"{field} names job {job_id!r}, which does not exist")
+    method = ((owned.spec or {}).get("training") or {}).get("method", "full")
+    if (
+        spec.kind == "eval"
+        and field == "model.init_from"
+        and (spec.resources.devices or 1) > 1
+        and method != "full"
+    ):
+        # Its checkpoint holds adapters; one device folds them into the weights (load_checkpoint),
+        # the ranks of a layout would read the base weights alone.
+        why = f"{field} names a {method} fine-tune: its eval runs on one device (resources.devices: 1)"
+        return _problem(field, why)
     return None
 
 

@@ -79,6 +79,7 @@ def evaluate_at_layout(
         configs = [load_task(t) for t in spec.eval.tasks]
         tokenizer = build_tokenizer(spec.data.tokenizer)
         mcfg = worker_model_config(spec, tokenizer.vocab_size, ctx.device, cfg.precision)
+        _refuse_adapters(spec.model.init_from)
         state = ParallelState.build(layout, ctx.device)
         model = start_rank_model(spec, mcfg, cfg, state, ctx.device, spec.model.init_from, activity, log)
         model.module.requires_grad_(False)
@@ -102,6 +103,22 @@ def evaluate_at_layout(
         return {"step": 0}
     finally:
         log.close()
+
+
+def _refuse_adapters(init_from: str | None) -> None:
+    """A LoRA fine-tune's checkpoint evaluates on one device, where load_checkpoint folds its adapters
+    into the weights; a layout's ranks read base weights by box and would score the base alone."""
+    if not (init_from or "").startswith("checkpoint:"):
+        return
+    from megatrain.engine.checkpoint import open_folder, resolve_init_from
+    from megatrain.engine.config import lora_config
+    from megatrain.settings import get_settings
+    from megatrain.spec import SpecError
+
+    src = resolve_init_from(str(init_from), get_settings().resolved_storage_url)
+    if lora_config(open_folder(src, weights_only=True).spec) is not None:
+        why = "model.init_from is a LoRA fine-tune's checkpoint: it is evaluated on one device (devices: 1)"
+        raise SpecError([{"field": "model.init_from", "message": why}])
 
 
 def _score(spec: JobSpec, lm: EngineLM, configs: list[dict[str, Any]], tick: Any) -> dict[str, Any]:
