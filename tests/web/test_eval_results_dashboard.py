@@ -55,6 +55,7 @@ def test_the_job_page_shows_its_evaluation_results(
         s.add(JobMetric(job_id=scored, kind="eval", step=2, loss=None, data={"step": 2, "eval": RESULTS}))
         s.add(JobMetric(job_id=other, kind="eval", step=0, loss=None, data={"step": 0, "eval": OTHER}))
     page = signed_in_page(browser_context, page_errors, live.url, live.key, "/jobs")
+    page.wait_for_selector("#jobs-table")  # signed in: the sign-in's own route() has run
     page.goto(f"{live.url}/#/jobs/{scored}")
     page.wait_for_selector("#results-table")
     text = page.inner_text("#results-card")
