@@ -274,9 +274,12 @@ def _init_from(session: Session, spec: JobSpec, tenant: Tenant, field: str) -> P
     job_id, _, step = value.removeprefix("checkpoint:").partition("@")
     if step and not step.isdigit():
         return _problem(field, f"{field}={value!r}: STEP must be an integer")
-    owned = JOB_ID_PATTERN.match(job_id) and session.execute(
-        select(Job.id, Job.spec).where(Job.id == job_id, Job.tenant_id == tenant.id)
-    ).first()
+    owned = (
+        JOB_ID_PATTERN.match(job_id)
+        and session.execute(
+            select(Job.id, Job.spec).where(Job.id == job_id, Job.tenant_id == tenant.id)
+        ).first()
+    )
     if not owned:
         return _problem(field, f"{field} names job {job_id!r}, which does not exist")
     method = ((owned.spec or {}).get("training") or {}).get("method", "full")
