@@ -14,12 +14,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from megatrain.hf_config_bert import bert_config, bert_fields
 from megatrain.spec_moe import MoESpec
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 MOE_FAMILY = ("mixtral", "qwen2_moe")
 """Llama-family attention with MoE MLPs (model.moe)."""
-SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY, *MOE_FAMILY)
+SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY, *MOE_FAMILY, "bert")
 ROPE_TYPES = ("linear", "llama3")
 LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -53,7 +54,10 @@ def model_fields_from_hf(config: Mapping[str, Any], seq_length: int | None = Non
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFConfigError("model_type", f"{model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
-    fields = _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, model_type)
+    if model_type == "bert":
+        fields = bert_fields(config)
+    else:
+        fields = _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, model_type)
     if model_type in MOE_FAMILY:
         fields["moe"] = _moe_fields(config, model_type, fields["num_layers"])
     max_len, window = fields.pop("seq_length"), fields.pop("_window", None)
@@ -307,6 +311,15 @@ def hf_config_from_model(
     real vocabulary."""
     m = dict(model)
     qkv_bias = m["add_bias"] if m.get("qkv_bias") is None else m["qkv_bias"]
+    if m.get("bidirectional"):
+        return {
+            **bert_config(m),
+            "vocab_size": m.get("vocab_size_unpadded") or m["vocab_size"],
+            "tie_word_embeddings": True,
+            "initializer_range": m["init_method_std"],
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        }
     if m.get("moe") and m["position_embedding"] == "learned":
         raise HFConfigError("moe", "transformers has no GPT-2 with experts")
     if m.get("moe"):

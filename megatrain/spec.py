@@ -37,6 +37,7 @@ from megatrain.spec_errors import (
     report_rules,
 )
 from megatrain.spec_eval import EvalSpec
+from megatrain.spec_families import BertSpec, T5Spec, family_problems
 from megatrain.spec_layout import ParallelismSpec, ResourcesSpec
 from megatrain.spec_lora import LoRASpec, absent_targets
 from megatrain.spec_moe import MoESpec
@@ -62,8 +63,10 @@ def _valid_init_from(text: str) -> bool:
 
 
 class ModelSpec(_Strict):
-    arch: Literal["gpt2", "llama"] = "llama"
-    """gpt2: learned positions, LayerNorm, GELU, tied embeddings. llama: RoPE, RMSNorm, SwiGLU, GQA."""
+    arch: Literal["gpt2", "llama", "bert", "t5"] = "llama"
+    """gpt2: learned positions, LayerNorm, GELU, tied embeddings. llama: RoPE, RMSNorm, SwiGLU, GQA.
+    bert: a bidirectional encoder with masked-LM (+ sentence-order) heads (model.bert). t5: an
+    encoder-decoder with relative position buckets (model.t5)."""
     num_layers: int = Field(4, ge=1, le=1024)
     hidden_size: int = Field(256, ge=1, le=MAX_DIM)
     num_attention_heads: int = Field(8, ge=1, le=1024)
@@ -98,6 +101,10 @@ class ModelSpec(_Strict):
     geglu is for dense models (experts run swiglu or gelu)."""
     moe: MoESpec | None = None
     """Mixture of experts (megatrain/spec_moe.py); None: every layer has a dense MLP."""
+    bert: BertSpec | None = None
+    """arch bert only: its heads and norm order (megatrain/spec_families.py); None: the defaults."""
+    t5: T5Spec | None = None
+    """arch t5 only: the decoder and relative positions (megatrain/spec_families.py); None: defaults."""
     init_from: str | None = Field(None, max_length=1024)
     """null | checkpoint:JOB_ID[@STEP] | hf:URL (a Hugging Face model folder: config.json and
     safetensors, as file:///abs/path or s3://bucket/prefix)."""
@@ -127,13 +134,10 @@ class ModelSpec(_Strict):
                     f"model.num_query_groups={groups}",
                 )
             )
-        if self.rope_scaling is not None and self.arch == "gpt2":
-            out.append(
-                _rule(
-                    "model.rope_scaling",
-                    "model.rope_scaling is only for arch llama (gpt2 has learned positions)",
-                )
-            )
+        if self.rope_scaling is not None and self.arch != "llama":
+            why = "model.rope_scaling is only for arch llama (gpt2 and bert learn positions, t5 buckets them)"
+            out.append(_rule("model.rope_scaling", why))
+        out += family_problems(self)
         if self.activation == "geglu" and self.moe is not None:
             out.append(
                 _rule(
@@ -173,18 +177,32 @@ class ModelSpec(_Strict):
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.arch == "gpt2":
+        if self.arch != "llama":
             return 4 * self.hidden_size
         return ((8 * self.hidden_size // 3) + 63) // 64 * 64
 
     @property
     def mlp_activation(self) -> str:
         """The activation the model runs: the spec's, else the arch's."""
-        return self.activation or ("gelu" if self.arch == "gpt2" else "swiglu")
+        if self.arch == "t5":
+            return "geglu" if self.t5_block.feed_forward == "gated-gelu" else "relu"
+        return self.activation or ("gelu" if self.arch in ("gpt2", "bert") else "swiglu")
 
     @property
     def tied(self) -> bool:
-        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+        if self.tie_embeddings is not None:
+            return self.tie_embeddings
+        return self.arch in ("gpt2", "bert") or (self.arch == "t5" and self.t5_block.feed_forward == "relu")
+
+    @property
+    def bert_block(self) -> BertSpec:
+        """model.bert, or its defaults."""
+        return self.bert or BertSpec()
+
+    @property
+    def t5_block(self) -> T5Spec:
+        """model.t5, or its defaults."""
+        return self.t5 or T5Spec()
 
     def padded_vocab(self, tokenizer_vocab: int) -> int:
         """The embedding rows: the model's vocabulary (vocab_size if given, at least the tokenizer's;

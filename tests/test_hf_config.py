@@ -148,7 +148,7 @@ def _llama(**changes: Any) -> dict[str, Any]:
 
 
 BAD: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
-    ("unknown model", _llama(model_type="bert"), {}, "model_type"),
+    ("unknown model", _llama(model_type="roberta"), {}, "model_type"),
     ("o_proj bias", _llama(attention_bias=True), {}, "attention_bias"),
     ("mlp bias", _llama(mlp_bias=True), {}, "mlp_bias"),
     ("gelu llama", _llama(hidden_act="gelu"), {}, "hidden_act"),

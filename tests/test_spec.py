@@ -62,7 +62,7 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("name", "x" * 101, "name", "pattern"),
     ("kind", "distill", "kind", "pretrain"),
     ("kind", "finetune", "model.init_from", "required when kind is 'finetune'"),
-    ("model.arch", "bert", "model.arch", "llama"),
+    ("model.arch", "roberta", "model.arch", "llama"),
     ("model.num_layers", 0, "model.num_layers", "greater than or equal to 1"),
     ("model.num_layers", 10**30, "model.num_layers", "less than or equal"),
     ("model.hidden_size", 250, "model.hidden_size", "not divisible by model.num_attention_heads=8"),
@@ -347,7 +347,7 @@ def test_json_schema_export() -> None:
     par = json.dumps(schema["properties"]["parallelism"])
     assert "auto" in par and "ParallelismSpec" in par
     model = schema["$defs"]["ModelSpec"]["properties"]
-    assert model["num_layers"]["minimum"] == 1 and model["arch"]["enum"] == ["gpt2", "llama"]
+    assert model["num_layers"]["minimum"] == 1 and model["arch"]["enum"] == ["gpt2", "llama", "bert", "t5"]
 
 
 @pytest.mark.parametrize(

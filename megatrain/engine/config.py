@@ -144,6 +144,17 @@ class TransformerConfig:
     hf_family: str | None = None
     """The Hugging Face model_type the weights came from (an import, a fine-tune of one): an export
     keeps it where the shape alone would say otherwise (mistral, not llama). Computes nothing."""
+    bidirectional: bool = False
+    """An encoder (BERT): every token attends to its whole segment, before and after it."""
+    post_layernorm: bool = False
+    """The original BERT's order: a norm after each residual add and after the embeddings, no final
+    norm (False: the pre-norm blocks and final norm Megatron's BERT and every GPT use)."""
+    num_tokentypes: int = 0
+    """Token-type (sentence A/B) embeddings added to the input (BERT: 2); 0: none."""
+    binary_head: bool = False
+    """BERT's pooler (tanh of a linear of the first token) and two-way classifier (NSP / SOP)."""
+    gelu_approximate: Literal["tanh", "none"] = "tanh"
+    """The GELU MLP's form: tanh (GPT-2's gelu_new) or none (the exact erf GELU: BERT's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from_dict / a checkpoint's model_config
@@ -158,11 +169,18 @@ class TransformerConfig:
             raise ValueError("geglu is for dense models: experts run swiglu or gelu")
         if self.vocab_size_unpadded is not None and not 0 < self.vocab_size_unpadded <= self.vocab_size:
             raise ValueError(f"vocab_size_unpadded={self.vocab_size_unpadded} must be in [1, vocab_size]")
+        if (self.post_layernorm or self.num_tokentypes or self.binary_head) and not self.bidirectional:
+            raise ValueError("post_layernorm, token types and the binary head are for encoders (BERT)")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             missing = [k for k in ROPE_SCALING_KEYS.get(kind, ()) if k not in self.rope_scaling]
             if kind not in ROPE_SCALING_KEYS or missing:
                 raise ValueError(f"rope_scaling {self.rope_scaling} is not linear or llama3 with its keys")
+
+    @property
+    def is_encoder(self) -> bool:
+        """A BERT-family model (models.bert.BertModel): MLM and binary heads, bidirectional."""
+        return self.bidirectional
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -219,6 +237,9 @@ FLAVOURS: dict[str, dict[str, Any]] = {
     # RoPE, RMSNorm, SwiGLU MLP, no biases, an untied LM head (grouped-query attention by size).
     "llama": {"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu",
               "add_bias": False, "tie_embeddings": False},
+    # GPT-2's shapes, bidirectional, with the exact (erf) GELU; norm order and heads: model.bert.
+    "bert": {"position_embedding": "learned", "normalization": "layernorm", "activation": "gelu",
+             "add_bias": True, "tie_embeddings": True, "bidirectional": True, "gelu_approximate": "none"},
 }  # fmt: skip
 _TINY = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
          "seq_length": 16, "vocab_size": 128}  # fmt: skip
@@ -231,7 +252,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig:
     """The model slice of a spec, with the vocabulary padded for the tokenizer in use."""
     m = spec.model
+    if m.arch not in FLAVOURS:
+        raise ValueError(f"model.arch {m.arch} is not a TransformerConfig model")
     flavour = {**FLAVOURS[m.arch], "tie_embeddings": m.tied, "activation": m.mlp_activation}
+    if m.arch == "bert":
+        b = m.bert_block
+        flavour |= {"post_layernorm": b.post_layernorm, "num_tokentypes": b.num_tokentypes}
+        flavour |= {"binary_head": b.binary_head}
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

@@ -5,7 +5,9 @@
 q (B, H, T, hd), k and v (B, G, T, hd) with G dividing H (grouped-query attention); out (B, H, T, hd).
 `segments` is None for plain causal attention (SDPA with is_causal=True: the fast path of every
 unpacked batch), or a `Segments` of packed documents: a token then attends only to earlier tokens of
-its own segment (a block-diagonal causal mask, Megatron's reset_attention_mask).
+its own segment (a block-diagonal causal mask, Megatron's reset_attention_mask). Every backend also
+takes `causal=False` (an encoder: BERT): a token attends to every token of its segment, before and
+after it; padding is a segment of its own, so real tokens never attend to it.
 
 Backends: "sdpa" (here: SDPA; a boolean mask when packed), "reference" (the softmax written out in
 fp32, the twin the tests compare against), and in their own modules "flash" and "te"
@@ -55,9 +57,20 @@ class Segments:
         if self._mask is None:
             t = self.ids.shape[1]
             causal = torch.ones(t, t, dtype=torch.bool, device=self.ids.device).tril()
-            same = self.ids.unsqueeze(2) == self.ids.unsqueeze(1)  # (B, T, T)
-            self._mask = (same & causal).unsqueeze(1)
+            self._mask = self.same_segment & causal
         return self._mask
+
+    @property
+    def same_segment(self) -> torch.Tensor:
+        """(B, 1, T, T) bool, True where query t and key s are in one segment: the bidirectional
+        (encoder) mask."""
+        return self.derived(
+            "same_segment", lambda seg: (seg.ids.unsqueeze(2) == seg.ids.unsqueeze(1)).unsqueeze(1)
+        )
+
+    def mask_for(self, causal: bool) -> torch.Tensor:
+        """The boolean mask of a causal or bidirectional attention over these segments."""
+        return self.mask if causal else self.same_segment
 
     @property
     def varlen(self) -> tuple[torch.Tensor, int]:
@@ -100,17 +113,19 @@ def attention(
     v: torch.Tensor,
     segments: Segments | None = None,
     dropout_p: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """SDPA (flash / cuDNN / memory-efficient backends on a GPU): is_causal without segments, else
-    the block-diagonal causal mask."""
+    """SDPA (flash / cuDNN / memory-efficient backends on a GPU): is_causal (or no mask at all for
+    an encoder) without segments, else the block-diagonal mask."""
     gqa = k.shape[1] != q.shape[1]
     if gqa and not _SDPA_HAS_GQA:
         k, v = _expand_groups(q, k, v)
         gqa = False
     kw = {"enable_gqa": True} if gqa else {}
     if segments is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **kw)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, dropout_p=dropout_p, **kw)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, **kw)
+    mask = segments.mask_for(causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
 
 
 def attention_reference(
@@ -119,6 +134,7 @@ def attention_reference(
     v: torch.Tensor,
     segments: Segments | None = None,
     dropout_p: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     """softmax(q kᵀ / √hd + mask) v written out in fp32 (autograd's backward); the twin."""
     if k.shape[1] != q.shape[1]:
@@ -126,9 +142,10 @@ def attention_reference(
     t = q.shape[2]
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
     if segments is None:
-        allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        allowed = torch.ones(t, t, dtype=torch.bool, device=q.device)
+        allowed = allowed.tril() if causal else allowed
     else:
-        allowed = segments.mask
+        allowed = segments.mask_for(causal)
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)

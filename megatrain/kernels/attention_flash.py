@@ -66,23 +66,24 @@ def attention_flash(
     v: torch.Tensor,
     segments: Segments | None = None,
     dropout_p: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """flash-attn's dense causal kernel, or its varlen kernel over packed documents."""
+    """flash-attn's dense kernel, or its varlen kernel over packed documents (causal or not)."""
     fa = flash_module(dropout_p)
     if fa is None or not flash_supports(q) or (segments is not None and not segments.contiguous):
-        return attention(q, k, v, segments, dropout_p)
+        return attention(q, k, v, segments, dropout_p, causal)
     # flash-attn 3 takes no dropout_p (flash_module gave 2 whenever there is dropout).
     drop = {"dropout_p": dropout_p} if fa.__name__ == "flash_attn" else {}
     b, h, t, hd = q.shape
     if segments is None:
         # (B, T, heads, hd) in and out; causal with fewer K/V heads handled by the kernel.
-        out = _out(fa.flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, **drop))
+        out = _out(fa.flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal, **drop))
         return out.transpose(1, 2)
     cu, longest = segments.varlen
     out = _out(
         fa.flash_attn_varlen_func(
             _tokens_first(q), _tokens_first(k), _tokens_first(v), cu, cu, longest, longest,
-            causal=True, **drop,
+            causal=causal, **drop,
         )
     )  # fmt: skip
     return out.reshape(b, t, h, hd).transpose(1, 2)
@@ -104,7 +105,9 @@ def te_supports(q: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _te_attention(heads: int, groups: int, head_dim: int, dropout_p: float, packed: bool) -> Any:
+def _te_attention(
+    heads: int, groups: int, head_dim: int, dropout_p: float, packed: bool, causal: bool = True
+) -> Any:
     """One DotProductAttention per shape and mask kind (it holds no weights, only its choices)."""
     import transformer_engine.pytorch as te
 
@@ -114,7 +117,9 @@ def _te_attention(heads: int, groups: int, head_dim: int, dropout_p: float, pack
         num_gqa_groups=groups,
         attention_dropout=dropout_p,
         qkv_format="thd" if packed else "bshd",
-        attn_mask_type="padding_causal" if packed else "causal",
+        attn_mask_type=("padding_causal" if packed else "causal")
+        if causal
+        else ("padding" if packed else "no_mask"),
     )
 
 
@@ -124,13 +129,14 @@ def attention_te(
     v: torch.Tensor,
     segments: Segments | None = None,
     dropout_p: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Transformer Engine's fused attention (cuDNN or its flash kernels, as TE picks): bshd causal,
-    or thd with cumulative sequence lengths over packed documents."""
+    """Transformer Engine's fused attention (cuDNN or its flash kernels, as TE picks): bshd, or thd
+    with cumulative sequence lengths over packed documents; causal or not."""
     if not te_supports(q) or (segments is not None and not segments.contiguous):
-        return attention(q, k, v, segments, dropout_p)
+        return attention(q, k, v, segments, dropout_p, causal)
     b, h, t, hd = q.shape
-    core = _te_attention(h, k.shape[1], hd, dropout_p, segments is not None)
+    core = _te_attention(h, k.shape[1], hd, dropout_p, segments is not None, causal)
     core.train(dropout_p > 0)  # TE drops out only in training mode; the caller passes 0 in eval
     if segments is None:
         out = core(*(x.transpose(1, 2).contiguous() for x in (q, k, v)))  # (B, T, H·hd)

@@ -276,7 +276,7 @@ def test_te_lays_out_tokens_as_transformer_engine_expects(monkeypatch: pytest.Mo
             return out.flatten(1)  # (total, H·hd)
 
     monkeypatch.setattr(
-        attention_flash, "_te_attention", lambda h, g, hd, p, packed: StandIn(h, g, hd, packed)
+        attention_flash, "_te_attention", lambda h, g, hd, p, packed, causal=True: StandIn(h, g, hd, packed)
     )
     monkeypatch.setattr(attention_flash, "te_supports", lambda q: q.dtype in (torch.float16, torch.bfloat16))
     inputs = _qkv(2, 4, 2, 16, 8, torch.bfloat16)

@@ -228,7 +228,12 @@ def moe_rules(cfg: TransformerConfig, layer: int, model_type: str) -> list[Rule]
 
 
 def rules_for(cfg: TransformerConfig, model_type: str, gpt2_prefix: str = "transformer.") -> list[Rule]:
-    """The table for a config.json's model_type (gpt2 | llama | mistral | qwen2 | mixtral | qwen2_moe)."""
+    """The table for a config.json's model_type (gpt2 | llama | mistral | qwen2 | mixtral | qwen2_moe |
+    bert)."""
     if model_type == "gpt2":
         return gpt2_rules(cfg, gpt2_prefix)
+    if model_type == "bert":
+        from megatrain.engine.interop.hf_mapping_bert import bert_rules  # it imports this module
+
+        return bert_rules(cfg)
     return llama_rules(cfg, model_type)

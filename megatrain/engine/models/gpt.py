@@ -202,6 +202,7 @@ class Attention(nn.Module):
         self.num_groups = cfg.num_query_groups
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attention_dropout
+        self.causal = not cfg.bidirectional
         # The `attention` kernel's backend this model asked for (None: the registry's choice).
         self.attention_backend = None if cfg.attention_backend == "auto" else cfg.attention_backend
         self.recompute_core = False
@@ -237,7 +238,7 @@ class Attention(nn.Module):
             attend = self.core_attention or kernels.get(
                 "attention", q.device.type, prefer=self.attention_backend
             )
-            return attend(q, k, v, segments, dropout)
+            return attend(q, k, v, segments, dropout, self.causal)
 
     def forward(
         self,
@@ -257,6 +258,8 @@ class Attention(nn.Module):
                 cos, sin = cos[:t], sin[:t]
             q, k = kernels.get("apply_rope_qk", q.device.type)(q, k, cos, sin)
         if kv_cache is not None:
+            if not self.causal:
+                raise ValueError("an encoder (bidirectional attention) does not decode with a KV cache")
             y = kv_cache.attend(self, q, k, v, self.dropout if self.training else 0.0)
         elif self.recompute_core and self.training:
             y = checkpoint(
@@ -276,13 +279,14 @@ class MLP(nn.Module):
         width = 2 * cfg.ffn_hidden_size if self.gated else cfg.ffn_hidden_size
         self.fc1 = Linear(cfg.hidden_size, width, bias=cfg.add_bias)
         self.fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
+        self.gelu_approximate = cfg.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.gated:
             h = kernels.get(self.gated, h.device.type)(h)
         else:
-            h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
+            h = F.gelu(h, approximate=self.gelu_approximate)  # tanh: GPT-2's gelu_new; none: BERT's
         return self.fc2(h)
 
 
@@ -300,10 +304,14 @@ class TransformerBlock(nn.Module):
         else:
             self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.post_layernorm = cfg.post_layernorm
         self.recompute = False
         """Full recompute of this block in backward (set by GPTModel.set_recompute)."""
 
     def forward(self, x: torch.Tensor, rope: Rope | None, segments: Segments | None = None) -> torch.Tensor:
+        if self.post_layernorm:  # the original BERT: each sublayer's residual sum normalised
+            x = self.attn_norm(x + self.dropout(self.attn(x, rope, segments)))
+            return self.mlp_norm(x + self.dropout(self.mlp(x)))
         x = x + self.dropout(self.attn(self.attn_norm(x), rope, segments))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
@@ -439,24 +447,38 @@ class GPTModel(nn.Module):
             rope = rope_for(self.rope_cos, self.rope_sin, position_ids)
         segments = Segments(segment_ids) if segment_ids is not None else None
         x = self.dropout(x)
+        if kv_cache is None:
+            return self.final_norm(
+                run_layers(self.layers, x, rope, segments, self.training, self.recompute_context_fn)
+            )
         for layer in self.layers:
-            if kv_cache is not None:
-                # TransformerBlock.forward with the cache handed to attention.
-                x = x + layer.dropout(layer.attn(layer.attn_norm(x), rope, kv_cache=kv_cache))
-                x = x + layer.dropout(layer.mlp(layer.mlp_norm(x)))
-            elif layer.recompute and self.training:
-                x = checkpoint(
-                    layer, x, rope, segments, use_reentrant=False, context_fn=self.recompute_context_fn
-                )
-            else:
-                x = layer(x, rope, segments)
-        if kv_cache is not None:
-            kv_cache.length += t
+            # TransformerBlock.forward with the cache handed to attention.
+            x = x + layer.dropout(layer.attn(layer.attn_norm(x), rope, kv_cache=kv_cache))
+            x = x + layer.dropout(layer.mlp(layer.mlp_norm(x)))
+        kv_cache.length += t
         return self.final_norm(x)
 
     def num_parameters(self) -> int:
         """Unique parameters (a tied LM head counts once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def run_layers(
+    layers: Any,
+    x: torch.Tensor,
+    rope: Rope | None,
+    segments: Segments | None,
+    training: bool,
+    context_fn: Callable[[], tuple[Any, Any]],
+) -> torch.Tensor:
+    """The residual stream through `layers` (TransformerBlocks, in order), each recomputed in
+    backward when its `recompute` is set and the model trains (context_fn restores RNG streams)."""
+    for layer in layers:
+        if layer.recompute and training:
+            x = checkpoint(layer, x, rope, segments, use_reentrant=False, context_fn=context_fn)
+        else:
+            x = layer(x, rope, segments)
+    return x
 
 
 def compile_layers(module: nn.Module) -> int:

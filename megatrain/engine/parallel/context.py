@@ -14,7 +14,8 @@ one. With local chunks [a=r, b=2cp-1-r] and the K/V of rank s = r - i (step i):
   i = 0     own K/V: causal over the local sequence (a before b, both in order);
   s < r     chunk s is before a and b, chunk 2cp-1-s after both: all queries × the first K/V chunk;
   s > r     chunks s and 2cp-1-s lie between a and b: the second query chunk × all K/V.
-Packed documents (segment ids) ride with their K/V block and mask it per block.
+Packed documents (segment ids) ride with their K/V block and mask it per block. An encoder
+(bidirectional attention, BERT) needs every block whole at every step: all queries × all keys.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ class _Step:
     causal: bool
 
 
-def _plan(step: int, rank: int, size: int, c: int) -> _Step:
+def _plan(step: int, rank: int, size: int, c: int, causal: bool = True) -> _Step:
     src = (rank - step) % size
+    if not causal:
+        return _Step(slice(None), slice(None), False)
     if step == 0:
         return _Step(slice(None), slice(None), True)
     if src < rank:
@@ -107,7 +110,13 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, ring: Ring
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seg: torch.Tensor | None,
+        ring: Ring,
+        causal: bool = True,
     ) -> torch.Tensor:
         b, h, t, hd = q.shape
         c, scale = t // 2, 1.0 / math.sqrt(hd)
@@ -120,7 +129,7 @@ class RingAttention(torch.autograd.Function):
             if i + 1 < ring.size:
                 # The next block's transfer overlaps this block's compute.
                 nxt, works = ring.shift([kv] if kv_seg is None else [kv, kv_seg])
-            s = _plan(i, ring.rank, ring.size, c)
+            s = _plan(i, ring.rank, ring.size, c, causal)
             b_out, b_lse = block(
                 q[:, :, s.rows],
                 kv[0][:, :, s.cols],
@@ -135,7 +144,7 @@ class RingAttention(torch.autograd.Function):
                 kv, kv_seg = nxt[0], (nxt[1] if kv_seg is not None else None)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, seg)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
         return out
 
     @staticmethod
@@ -151,7 +160,7 @@ class RingAttention(torch.autograd.Function):
         for i in range(ring.size):
             if i + 1 < ring.size:
                 nxt, works = ring.shift([kv] if kv_seg is None else [kv, kv_seg])
-            s = _plan(i, ring.rank, ring.size, c)
+            s = _plan(i, ring.rank, ring.size, c, ctx.causal)
             r = s.rows
             b_dq, b_dk, b_dv = grad(
                 dout[:, :, r], q[:, :, r], kv[0][:, :, s.cols], kv[1][:, :, s.cols], out[:, :, r],
@@ -173,7 +182,7 @@ class RingAttention(torch.autograd.Function):
                 kv, kv_seg = nxt[0], (nxt[1] if kv_seg is not None else None)
         _wait(dkv_works)
         dkv = dkv_next[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(
@@ -182,20 +191,21 @@ def ring_attention(
     v: torch.Tensor,
     segments: Segments | None = None,
     dropout_p: float = 0.0,
+    causal: bool = True,
     *,
     ring: Ring,
 ) -> torch.Tensor:
     """The `attention` kernel's contract over a context-parallel sequence: q (B, H, 2c, hd), k and v
-    (B, G, 2c, hd) hold this rank's two chunks; causal (and per-document with segments) over the
-    whole sequence. Collective over the cp ring: every cp rank calls it in the same order."""
+    (B, G, 2c, hd) hold this rank's two chunks; causal or not (and per-document with segments) over
+    the whole sequence. Collective over the cp ring: every cp rank calls it in the same order."""
     if dropout_p > 0:
         raise ValueError("context parallelism does not run attention dropout (model.attention_dropout=0)")
     if q.shape[2] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; got {q.shape[2]} tokens")
     if ring.size == 1:
-        return kernels.get("attention", q.device.type)(q, k, v, segments, dropout_p)
+        return kernels.get("attention", q.device.type)(q, k, v, segments, dropout_p, causal)
     seg = segments.ids.contiguous() if segments is not None else None
-    out: torch.Tensor = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), seg, ring)
+    out: torch.Tensor = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), seg, ring, causal)
     return out
 
 

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from megatrain.engine.models.gpt import GPTModel, check_inputs, positions_for, rope_for
+from megatrain.engine.models.gpt import GPTModel, check_inputs, positions_for, rope_for, run_layers
 from megatrain.engine.parallel.mappings import is_tensor_parallel, shard_tensor
 from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
 from megatrain.engine.parallel.state import ParallelState
@@ -104,13 +103,7 @@ class StageModule(nn.Module):
             x = self.dropout(x)
         rope = rope_for(self.rope_cos, self.rope_sin, position_ids) if self.use_rope else None
         segments = Segments(segment_ids) if segment_ids is not None else None
-        for layer in self.layers.values():
-            if layer.recompute and self.training:
-                x = checkpoint(
-                    layer, x, rope, segments, use_reentrant=False, context_fn=self.recompute_context_fn
-                )
-            else:
-                x = layer(x, rope, segments)
+        x = run_layers(self.layers.values(), x, rope, segments, self.training, self.recompute_context_fn)
         if self.is_last:
             if self.return_hidden:
                 return self.final_norm(x)  # (B, T, C)

@@ -1,0 +1,78 @@
+"""The encoder families' blocks of the model spec: `model.bert` (arch bert) and `model.t5` (arch t5),
+apart from spec.py. What each arch implies (norms, positions, activation, biases) is its flavour
+(megatrain.engine.config.FLAVOURS); these blocks hold what a family adds."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from megatrain.spec_base import Strict as _Strict
+from megatrain.spec_base import rule as _rule
+from megatrain.spec_errors import Problem
+
+
+class BertSpec(_Strict):
+    """BERT (arch bert): a bidirectional encoder with learned positions, LayerNorm, exact GELU,
+    biases, the masked-LM head tied to the embedding, and optionally the sentence-order head."""
+
+    binary_head: bool = True
+    """The pooler and two-way classifier trained on sentence order (Megatron's SOP; Hugging Face's
+    next-sentence head holds the same weights). false: masked-LM only (BertForMaskedLM)."""
+    post_layernorm: bool = False
+    """false: Megatron's BERT (pre-norm blocks and a final norm). true: the original BERT and
+    Hugging Face's layout (a norm after the embeddings and after each residual add); an export to
+    Hugging Face needs it."""
+    num_tokentypes: int = Field(2, ge=0, le=1024)
+    """Token-type (sentence A / B) embeddings; 0: none."""
+
+
+class T5Spec(_Strict):
+    """T5 (arch t5): an encoder (model.num_layers) and a decoder with cross-attention, relative
+    position buckets, RMSNorm without mean, no biases."""
+
+    num_decoder_layers: int | None = Field(None, ge=1, le=1024)
+    """None: as many as the encoder (model.num_layers)."""
+    kv_channels: int | None = Field(None, ge=1, le=1 << 14)
+    """Each head's width (T5's d_kv); None: hidden_size / num_attention_heads (t5-11b differs)."""
+    feed_forward: Literal["relu", "gated-gelu"] = "gated-gelu"
+    """relu: T5 v1.0 (tied head, decoder output scaled by hidden_size^-0.5). gated-gelu: T5 v1.1 and
+    flan-t5 (untied head)."""
+    relative_attention_num_buckets: int = Field(32, ge=1, le=4096)
+    """Relative positions fall into this many buckets (half per direction in the encoder): exact for
+    the nearest, logarithmic out to relative_attention_max_distance."""
+    relative_attention_max_distance: int = Field(128, ge=1, le=1 << 20)
+    """Distances beyond it share the last bucket."""
+    decoder_seq_length: int | None = Field(None, ge=1, le=1 << 20)
+    """The decoder's (target) length; None: model.seq_length (the encoder's)."""
+
+
+FAMILY_FEATURES = {"moe": "model.moe (mixture of experts)", "num_query_groups": "model.num_query_groups"}
+"""What gpt2/llama hold and the encoder families do not (None / absent for bert and t5)."""
+
+
+def family_problems(model: Any) -> list[Problem]:
+    """The rules between model.arch and the other model fields, each naming its field."""
+    out: list[Problem] = []
+    for arch in ("bert", "t5"):
+        if getattr(model, arch) is not None and model.arch != arch:
+            out.append(_rule(f"model.{arch}", f"model.{arch} is only for arch {arch} (this is {model.arch})"))
+    if model.arch not in ("bert", "t5"):
+        return out
+    for field, what in FAMILY_FEATURES.items():
+        value = getattr(model, field)
+        if value is not None and not (field == "num_query_groups" and value == model.num_attention_heads):
+            out.append(_rule(f"model.{field}", f"{what} is not available for arch {model.arch}"))
+    if model.arch == "bert" and model.activation not in (None, "gelu"):
+        out.append(_rule("model.activation", "arch bert runs the GELU MLP: model.activation must be gelu"))
+    if model.arch == "t5" and model.activation is not None:
+        why = "arch t5 sets its MLP with model.t5.feed_forward (relu or gated-gelu), not model.activation"
+        out.append(_rule("model.activation", why))
+    if model.arch == "t5":
+        # The engine's T5 model and its Hugging Face interop exist (models.t5); its training loop,
+        # data and layouts land next: until then a job is refused here, not at its first step.
+        out.append(_rule("model.arch", "arch t5 cannot be trained yet (its training loop is not wired)"))
+    if model.arch == "t5" and model.qkv_bias:
+        out.append(_rule("model.qkv_bias", "arch t5 has no biases: model.qkv_bias must be unset"))
+    return out
