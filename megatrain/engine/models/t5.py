@@ -329,7 +329,8 @@ class T5Model(nn.Module):
         """(B, n) greedy tokens, n <= max_new_tokens, as transformers' generate (do_sample=False,
         num_beams=1) without its start token: a row that has emitted eos continues with pad_token_id
         (None: decoder_start_token_id, T5's pad) and decoding stops once every row has. The encoder
-        and each layer's cross keys/values run once; self-attention reads a KV cache."""
+        and each layer's cross keys/values run once; self-attention reads a KV cache. Dropout is
+        the caller's: call it in eval mode."""
         b = enc_tokens.shape[0]
         memory = self.encode(enc_tokens, enc_mask)
         cache = T5KVCache(max_new_tokens)
