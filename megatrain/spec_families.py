@@ -73,6 +73,16 @@ def family_problems(model: Any) -> list[Problem]:
         # The engine's T5 model and its Hugging Face interop exist (models.t5); its training loop,
         # data and layouts land next: until then a job is refused here, not at its first step.
         out.append(_rule("model.arch", "arch t5 cannot be trained yet (its training loop is not wired)"))
+    t5 = model.t5
+    if t5 is not None and t5.relative_attention_num_buckets < 4:
+        why = "model.t5.relative_attention_num_buckets must be at least 4 (2 exact buckets per direction)"
+        out.append(_rule("model.t5.relative_attention_num_buckets", why))
+    elif t5 is not None and t5.relative_attention_max_distance <= t5.relative_attention_num_buckets // 2:
+        why = (
+            f"model.t5.relative_attention_max_distance={t5.relative_attention_max_distance} must exceed "
+            f"half of model.t5.relative_attention_num_buckets ({t5.relative_attention_num_buckets // 2})"
+        )
+        out.append(_rule("model.t5.relative_attention_max_distance", why))
     if model.arch == "t5" and model.qkv_bias:
         out.append(_rule("model.qkv_bias", "arch t5 has no biases: model.qkv_bias must be unset"))
     return out

@@ -19,7 +19,8 @@ from megatrain.engine.fp8 import enable_fp8
 from megatrain.engine.lora import attach_lora, quantize_nf4
 from megatrain.engine.materialize import WeightSource, init_source, materialize, with_adapters
 from megatrain.engine.microbatch import MicroBatch
-from megatrain.engine.models.gpt import GPTModel, compile_layers
+from megatrain.engine.models.bert import model_class
+from megatrain.engine.models.gpt import compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.parallel.data import DataParallel
@@ -83,7 +84,7 @@ def build_model(
     torch.manual_seed(seed)
     random.seed(seed)
     with torch.device("meta"):
-        model = GPTModel(mcfg)  # draws init_seed from the generator just seeded, allocates nothing
+        model = model_class(mcfg)(mcfg)  # draws init_seed from the generator just seeded, allocates nothing
     num_params = model.num_parameters()
     fill = init_source(model.init_seed, mcfg)
     if lora is not None and (weights is not None or adapters is not None):

@@ -252,13 +252,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig:
     """The model slice of a spec, with the vocabulary padded for the tokenizer in use."""
     m = spec.model
-    if m.arch not in FLAVOURS:
-        raise ValueError(f"model.arch {m.arch} is not a TransformerConfig model")
-    flavour = {**FLAVOURS[m.arch], "tie_embeddings": m.tied, "activation": m.mlp_activation}
-    if m.arch == "bert":
-        b = m.bert_block
-        flavour |= {"post_layernorm": b.post_layernorm, "num_tokentypes": b.num_tokentypes}
-        flavour |= {"binary_head": b.binary_head}
+    flavour = {**model_flavour(m), "activation": m.mlp_activation}
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -279,6 +273,19 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         attention_backend=m.attention_backend,
         moe=moe_config(m),
     )
+
+
+def model_flavour(m: ModelSpec) -> dict[str, Any]:
+    """TransformerConfig's arch choices for a model spec: the arch's FLAVOURS, its tying, and
+    model.bert's heads and norm order."""
+    if m.arch not in FLAVOURS:
+        raise ValueError(f"model.arch {m.arch} is not a TransformerConfig model")
+    flavour = {**FLAVOURS[m.arch], "tie_embeddings": m.tied}
+    if m.arch == "bert":
+        b = m.bert_block
+        flavour |= {"post_layernorm": b.post_layernorm, "num_tokentypes": b.num_tokentypes}
+        flavour |= {"binary_head": b.binary_head}
+    return flavour
 
 
 def moe_config(model: ModelSpec) -> MoEConfig | None:

@@ -285,7 +285,9 @@ class CheckpointReader:
 def load_checkpoint(path_or_url: str | Path, device: str = "cpu") -> tuple[GPTModel, JobSpec]:
     """The model (eval mode) and spec stored in a checkpoint folder (or a root's latest step)."""
     reader = CheckpointReader(path_or_url)
-    model = GPTModel(reader.model_config)
+    from megatrain.engine.models.bert import model_class  # models import the checkpoint package
+
+    model = model_class(reader.model_config)(reader.model_config)
     if reader.lora is None:
         reader.load(model_entries(model))
     else:  # the adapters folded into the weights they sit on: a plain model that samples as trained

@@ -25,8 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain.engine.checkpoint import CheckpointReader
-from megatrain.engine.config import FLAVOURS, MoEConfig, TransformerConfig, lora_config, moe_config
+from megatrain.engine.config import MoEConfig, TransformerConfig, lora_config, model_flavour, moe_config
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
+from megatrain.engine.interop.hf_mapping_bert import BERT_BINARY_HEAD, IGNORED_BERT
+from megatrain.engine.models.bert import model_class
 from megatrain.engine.models.gpt import GPTModel, rope_tables
 from megatrain.hf_config import MOE_TRAINING_FIELDS, hf_config_from_model, model_fields_from_hf
 from megatrain.spec import VOCAB_PAD_MULTIPLE, ModelSpec
@@ -113,18 +115,24 @@ def config_mismatches(fields: dict[str, Any], cfg: TransformerConfig) -> list[st
         "qkv_bias": cfg.has_qkv_bias,
         "rope_theta": cfg.rope_theta if cfg.position_embedding == "rope" else None,
         "rope_scaling": cfg.rope_scaling,
+        "bidirectional": cfg.bidirectional,
+        "post_layernorm": cfg.post_layernorm,
+        "num_tokentypes": cfg.num_tokentypes,
     }
     theirs = {
-        "position_embedding": "learned" if spec.arch == "gpt2" else "rope",
+        "position_embedding": "learned" if spec.arch in ("gpt2", "bert") else "rope",
         "num_layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_attention_heads,
         "num_query_groups": spec.query_groups,
         "ffn_hidden_size": spec.ffn_size,
         "tie_embeddings": spec.tied,
-        "qkv_bias": spec.arch == "gpt2" if spec.qkv_bias is None else spec.qkv_bias,
-        "rope_theta": spec.rope_theta if spec.arch != "gpt2" else None,
+        "qkv_bias": spec.arch in ("gpt2", "bert") if spec.qkv_bias is None else spec.qkv_bias,
+        "rope_theta": spec.rope_theta if spec.arch == "llama" else None,
         "rope_scaling": spec.rope_scaling.model_dump(exclude_none=True) if spec.rope_scaling else None,
+        "bidirectional": spec.arch == "bert",
+        "post_layernorm": spec.arch == "bert" and spec.bert_block.post_layernorm,
+        "num_tokentypes": spec.bert_block.num_tokentypes if spec.arch == "bert" else 0,
     }
     out = [f"{k}: checkpoint {theirs[k]!r}, model {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
     if not math.isclose(spec.norm_eps, cfg.norm_eps, rel_tol=1e-6):
@@ -191,7 +199,11 @@ def resolve_rules(url: str | Path, cfg: TransformerConfig, reader: HFReader) -> 
 
 def _ignorable(name: str, cfg: TransformerConfig) -> bool:
     # A tied model's files sometimes still carry the head (a copy of the embedding).
-    return name.endswith(IGNORED_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight")
+    if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight"):
+        return True
+    # A BERT trained without the binary head leaves a pre-training checkpoint's pooler unused.
+    unused = IGNORED_BERT if cfg.binary_head else IGNORED_BERT + BERT_BINARY_HEAD
+    return cfg.bidirectional and name.endswith(unused)
 
 
 def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None) -> TransformerConfig:
@@ -209,7 +221,7 @@ def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None)
         seq_length=spec.seq_length,
         vocab_size=-(-vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE,
         vocab_size_unpadded=vocab,
-        **{**FLAVOURS[spec.arch], "tie_embeddings": spec.tied},
+        **model_flavour(spec),
         qkv_bias=spec.qkv_bias,
         norm_eps=spec.norm_eps,
         rope_theta=spec.rope_theta,
@@ -229,7 +241,7 @@ def load_hf_model(
     state = load_hf_state(url, cfg)
     # Built on the meta device: no random initialisation of weights about to be overwritten.
     with torch.device("meta"):
-        model = GPTModel(cfg)
+        model = model_class(cfg)(cfg)
     model.to_empty(device=device)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -258,7 +270,7 @@ def _plan(
     """Shards as lists of (rule, index of its HF tensor), in order, each at most max_shard_bytes
     (a larger single tensor gets a shard of its own). Shapes come from a meta-device model."""
     with torch.device("meta"):
-        shapes = {name: t for name, t in GPTModel(cfg).state_dict().items()}
+        shapes = {name: t for name, t in model_class(cfg)(cfg).state_dict().items()}
     shards: list[list[tuple[Rule, int]]] = [[]]
     size = 0
     for rule in rules:

@@ -11,6 +11,13 @@ from megatrain.engine.interop.hf_mapping import Rule, _same, _vocab, group_qkv, 
 IGNORED_BERT = ("embeddings.position_ids", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 """Buffers and tied copies some checkpoints carry: the position ids, the decoder (the embedding) and
 its bias (cls.predictions.bias)."""
+BERT_BINARY_HEAD = (
+    "pooler.dense.weight",
+    "pooler.dense.bias",
+    "cls.seq_relationship.weight",
+    "cls.seq_relationship.bias",
+)
+"""A pre-training checkpoint's pooler and next-sentence classifier: unused by a model without one."""
 
 
 def bert_rules(cfg: TransformerConfig, prefix: str = "bert.") -> list[Rule]:

@@ -155,3 +155,8 @@ class BertModel(GPTModel):
         hidden = self.hidden_states(tokens, position_ids, segment_ids, token_type_ids=token_type_ids)
         losses = encoder_losses(hidden, self, labels, loss_mask, binary_labels)
         return losses.mlm if losses.binary is None else losses.mlm + losses.binary
+
+
+def model_class(cfg: TransformerConfig) -> type[GPTModel]:
+    """The module a config builds: BertModel for an encoder, else GPTModel."""
+    return BertModel if cfg.is_encoder else GPTModel
