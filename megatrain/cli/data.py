@@ -1,8 +1,9 @@
 """`megatrain data preprocess`: a JSONL corpus into a Megatron indexed dataset on this machine.
 
 The flags follow Megatron-LM's tools/preprocess_data.py (--input, --json-key, --output-prefix,
---workers, --append-eod). The engine's data modules (numpy, the tokenizer libraries) are imported
-only when the command runs, so `megatrain` starts as fast as before and stays torch-free.
+--workers, --append-eod, --split-sentences). The engine's data modules (numpy, the tokenizer
+libraries) are imported only when the command runs, so `megatrain` starts as fast as before and
+stays torch-free.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def _progress_columns() -> tuple[object, ...]:
     )
 
 
-def _summary(stats: PreprocessStats, prefix: str, append_eod: bool) -> str:
+def _summary(stats: PreprocessStats, prefix: str, append_eod: bool, split_sentences: bool = False) -> str:
+    sentences = f" ({stats.sequences:,} sentences)" if split_sentences else ""
     lines = [
-        f"wrote {escape(prefix)}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens "
+        f"wrote {escape(prefix)}.bin/.idx: {stats.documents:,} documents{sentences}, {stats.tokens:,} tokens "
         f"({stats.dtype}, vocabulary {stats.vocab_size:,}, {escape(stats.tokenizer)})",
         f"  {stats.input_bytes / 1e6:,.1f} MB read, {stats.output_bytes / 1e6:,.1f} MB written in "
         f"{stats.seconds:.1f} s: {_rate(stats.documents, stats.seconds):,.0f} docs/s, "
@@ -114,6 +116,9 @@ def preprocess_command(
     json_key: Annotated[str, typer.Option(help="The field holding each document's text.")] = "text",
     workers: Annotated[int, typer.Option(help="Tokenizing processes (0: in this process).")] = 1,
     append_eod: Annotated[bool, typer.Option("--append-eod", help="End every document with EOD.")] = False,
+    split_sentences: Annotated[
+        bool, typer.Option("--split-sentences", help="One sequence per sentence (BERT and T5 data).")
+    ] = False,
     on_error: Annotated[
         str, typer.Option(help="A bad line (malformed, no key, empty): 'fail' stops, 'skip' goes on.")
     ] = "fail",
@@ -160,6 +165,7 @@ def preprocess_command(
                 append_eod=append_eod,
                 on_error=on_error,  # type: ignore[arg-type]  # checked above
                 progress=show,
+                split_sentences=split_sentences,
             )
     except ValueError as exc:  # PreprocessError, CorpusError and tokenizer errors are ValueErrors
         raise _fail(str(exc)) from None
@@ -172,4 +178,4 @@ def preprocess_command(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    console.print(_summary(stats, output_prefix, append_eod))
+    console.print(_summary(stats, output_prefix, append_eod, split_sentences))

@@ -9,8 +9,15 @@ chunks are in flight, so memory is flat in the input's size, and the chunking de
 input, so the output is byte-identical for any number of workers. `workers=0` does the same in the
 calling thread.
 
-Semantics follow Megatron-LM's tools/preprocess_data.py with one key and no sentence splitting: one
-document (one sequence) per line, in input order, the EOD id appended to each when `append_eod`.
+Semantics follow Megatron-LM's tools/preprocess_data.py with one key: one document per line, in
+input order, the EOD id appended to each when `append_eod`. Without `split_sentences` a document is
+one sequence. With it (Megatron's --split-sentences, for BERT and T5) each sentence is a sequence
+and the document index groups them: sentences that tokenize to nothing are dropped and the EOD
+belongs to the last sentence, as Megatron writes them. Megatron splits with NLTK's punkt English
+model, data that cannot be fetched here (no network beyond package registries, and no PyPI package
+we trust ships it), so `split_sentences` below is a documented rule-based splitter instead; a line
+whose value is a list of strings is taken as its sentences as they are (Megatron does the same), so
+a corpus split by punkt elsewhere gives Megatron's files byte for byte.
 Unlike Megatron, a line that is not a JSON object, lacks a string under the key or yields no tokens
 is an error (with its line number) instead of an empty document; blank lines are ignored.
 """
@@ -18,7 +25,9 @@ is an error (with its line number) instead of an empty document; blank lines are
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,6 +47,44 @@ from megatrain.spec import TokenizerSpec
 MAX_SKIPPED_LISTED = 1000
 """`PreprocessStats.skipped` lists at most this many bad lines; `skipped_count` counts them all."""
 PROGRESS_INTERVAL_S = 0.5
+
+
+# The splitter: a sentence ends at a token ending in . ! or ? (closing quotes and brackets after it
+# allowed) that is followed by whitespace, unless a "." ends a known abbreviation, an initial or a
+# dotted one ("e.g.", "U.S.", "a.k.a.").
+_TOKEN = re.compile(r"\S+")
+_DOTTED = re.compile(r"(?:[^\W\d_]\.)+[^\W\d_]")
+_CLOSERS = "\"')]}”’»"
+_OPENERS = "\"'([{“‘«"
+_ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "mt", "vs", "etc", "cf", "al", "inc", "ltd", "co",
+     "corp", "fig", "figs", "vol", "pp", "ed", "eds", "dept", "est", "approx", "jan", "feb", "mar", "apr",
+     "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "ph.d"}
+)  # fmt: skip
+
+
+def split_sentences(text: str) -> list[str]:
+    """`text` cut into sentences, each stripped of the whitespace around it (rule-based, see above:
+    "Dr. Jones met J. Smith. Then?" gives "Dr. Jones met J. Smith." and "Then?"). Newlines are
+    whitespace, as in punkt."""
+    sentences: list[str] = []
+    start = end = None
+    for m in _TOKEN.finditer(text):
+        if start is None:
+            start = m.start()
+        end = m.end()
+        core = m.group().rstrip(_CLOSERS)
+        if not core or core[-1] not in ".!?":
+            continue
+        if core[-1] == "." and not core.endswith(".."):
+            word = core[:-1].lstrip(_OPENERS).lower()
+            if word in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _DOTTED.fullmatch(word):
+                continue
+        sentences.append(text[start:end])
+        start = None
+    if start is not None:
+        sentences.append(text[start:end])
+    return sentences
 
 
 @dataclass
@@ -77,6 +124,8 @@ class PreprocessStats:
     """Every line skipped, also beyond the listed ones."""
     dtype: str = field(default="")
     """The token dtype of PREFIX.bin (numpy's name)."""
+    sequences: int = 0
+    """Sequences written: sentences with split_sentences, else one per document."""
 
 
 class PreprocessError(ValueError):
@@ -89,20 +138,36 @@ class _ChunkResult:
     lengths: np.ndarray  # (documents,) int64, EOD included
     bad: list[tuple[int, str]]  # the first MAX_SKIPPED_LISTED bad lines of the chunk
     bad_count: int
+    sentences: np.ndarray | None = None  # split_sentences: (sequences,) int64 lengths, EOD included
+    counts: np.ndarray | None = None  # split_sentences: (documents,) sequences of each document
 
 
 class _Encoder:
     """Turns a chunk of lines into tokens; the worker threads share one (it keeps no state)."""
 
-    def __init__(self, spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool):
+    def __init__(
+        self, spec: TokenizerSpec, json_key: str, append_eod: bool, fail_fast: bool, split: bool = False
+    ):
         self.tokenizer = build_tokenizer(spec)
         self.dtype = token_dtype(self.tokenizer.vocab_size)
         self.json_key = json_key
         self.append_eod = append_eod
         self.fail_fast = fail_fast
+        self.split = split
+
+    def _sentences(self, line: bytes) -> list[str]:
+        """A line's sentences: its text split, or its list of strings as they are."""
+        try:
+            text = document_text(line, self.json_key)
+        except ValueError:
+            sentences = _string_list(line, self.json_key)
+            if sentences is None:
+                raise  # document_text's message names what is wrong
+            return sentences
+        return split_sentences(text)
 
     def __call__(self, chunk: Chunk) -> _ChunkResult:
-        texts: list[str] = []
+        texts: list[Any] = []
         lines: list[int] = []
         bad: list[tuple[int, str]] = []
         bad_count = 0
@@ -110,7 +175,7 @@ class _Encoder:
             if not line.strip():
                 continue
             try:
-                texts.append(document_text(line, self.json_key))
+                texts.append(self._sentences(line) if self.split else document_text(line, self.json_key))
                 lines.append(number)
             except ValueError as exc:
                 bad_count += 1
@@ -118,6 +183,8 @@ class _Encoder:
                     bad.append((number, str(exc)))
                 if self.fail_fast:
                     break  # the parent raises on it; the rest of the chunk is never needed
+        if self.split:
+            return self._encode_sentences(texts, lines, bad, bad_count)
         tokens, lengths = self._encode(texts)
         empty = lengths == 0
         if empty.any():
@@ -134,6 +201,28 @@ class _Encoder:
             lengths = lengths + 1
         return _ChunkResult(tokens.astype(self.dtype, copy=False), lengths, bad, bad_count)
 
+    def _encode_sentences(
+        self, docs: list[list[str]], lines: list[int], bad: list[tuple[int, str]], bad_count: int
+    ) -> _ChunkResult:
+        counts = np.fromiter(map(len, docs), np.int64, len(docs))
+        tokens, sizes = self._encode([s for doc in docs for s in doc])  # one batch for the chunk
+        owner = np.repeat(np.arange(len(docs)), counts)  # (sentences,) the document of each
+        lengths = np.bincount(owner, weights=sizes, minlength=len(docs)).astype(np.int64)
+        kept = sizes > 0  # a sentence of no tokens is no sequence (Megatron drops it)
+        sizes, counts = sizes[kept], np.bincount(owner[kept], minlength=len(docs))
+        empty = lengths == 0  # no sentence left: a bad line, as without splitting
+        for number in np.asarray(lines, dtype=np.int64)[empty].tolist():
+            bad_count += 1
+            if len(bad) < MAX_SKIPPED_LISTED:
+                bad.append((number, "empty document (no tokens)"))
+        bad.sort()
+        lengths, counts = lengths[~empty], counts[~empty]
+        if self.append_eod and lengths.size:
+            tokens = np.insert(tokens, np.cumsum(lengths), self.tokenizer.eod)
+            lengths = lengths + 1
+            sizes[np.cumsum(counts) - 1] += 1  # the EOD ends each document's last sentence
+        return _ChunkResult(tokens.astype(self.dtype, copy=False), lengths, bad, bad_count, sizes, counts)
+
     def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if isinstance(self.tokenizer, ByteTokenizer):
             # No per-token Python objects: the UTF-8 bytes are the ids.
@@ -144,6 +233,15 @@ class _Encoder:
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
         tokens = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths.sum()))
         return tokens, lengths
+
+
+def _string_list(line: bytes, key: str) -> list[str] | None:
+    try:
+        obj = json.loads(line)
+    except ValueError:  # not JSON, not UTF-8
+        return None
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
 
 
 @contextmanager
@@ -189,8 +287,10 @@ def preprocess(
     append_eod: bool = True,
     on_error: Literal["skip", "fail"] = "fail",
     progress: Callable[[ProgressInfo], None] | None = None,
+    split_sentences: bool = False,
 ) -> PreprocessStats:
-    """Tokenize a JSONL corpus into `output_prefix`.bin/.idx (nothing appears there on failure).
+    """Tokenize a JSONL corpus into `output_prefix`.bin/.idx (nothing appears there on failure);
+    `split_sentences`: one sequence per sentence (BERT and T5 data), documents in the index.
 
     Raises PreprocessError for bad input (with "FILE:LINE: problem" at the first bad line when
     on_error="fail", or when no document is left) and ValueError for a tokenizer that cannot load.
@@ -201,10 +301,10 @@ def preprocess(
         raise ValueError(f"workers must be 0 (in this process) or more, not {workers}")
     start = time.perf_counter()
     fail_fast = on_error == "fail"
-    encoder = _Encoder(tokenizer, json_key, append_eod, fail_fast)  # also checks the tokenizer loads
+    encoder = _Encoder(tokenizer, json_key, append_eod, fail_fast, split_sentences)  # loads the tokenizer
     tok: Tokenizer = encoder.tokenizer
     skipped: list[BadLine] = []
-    counts = {"documents": 0, "tokens": 0, "skipped": 0}
+    counts = {"documents": 0, "tokens": 0, "skipped": 0, "sequences": 0}
     last_report = start
 
     def write(result: _ChunkResult) -> None:
@@ -213,7 +313,16 @@ def preprocess(
             raise PreprocessError(f"{input_url}:{line}: {reason}")
         counts["skipped"] += result.bad_count
         skipped.extend(BadLine(n, r) for n, r in result.bad[: MAX_SKIPPED_LISTED - len(skipped)])
-        writer.add_documents(result.tokens, result.lengths)
+        if result.sentences is None or result.counts is None:
+            writer.add_documents(result.tokens, result.lengths)
+            counts["sequences"] += result.lengths.size
+        else:
+            token_ends, sentence_ends = np.cumsum(result.lengths), np.cumsum(result.counts)
+            for d in range(result.lengths.size):
+                t1, s1 = int(token_ends[d]), int(sentence_ends[d])
+                t0, s0 = t1 - int(result.lengths[d]), s1 - int(result.counts[d])
+                writer.add_document(result.tokens[t0:t1], result.sentences[s0:s1].tolist())
+            counts["sequences"] += result.sentences.size
         counts["documents"] += result.lengths.size
         counts["tokens"] += result.tokens.size
 
@@ -262,4 +371,5 @@ def preprocess(
         vocab_size=tok.vocab_size,
         skipped_count=counts["skipped"],
         dtype=encoder.dtype.name,
+        sequences=counts["sequences"],
     )
