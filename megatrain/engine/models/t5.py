@@ -156,6 +156,35 @@ def t5_init_rule(name: str, cfg: T5Config) -> tuple[str, float]:
     return "normal", std
 
 
+def encoder_attention_mask(
+    rel_bias: RelativeBias, s: int, enc_mask: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The encoder's self-attention mask (B | 1, H, S, S): every query sees every real key, with the
+    bias of their relative position."""
+    keys = None if enc_mask is None else enc_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
+    return additive_mask(keys, rel_bias.bias(s, s), dtype)
+
+
+def decoder_attention_masks(
+    rel_bias: RelativeBias,
+    t: int,
+    start: int,
+    enc_mask: torch.Tensor | None,
+    dec_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The decoder's self-attention mask for queries at positions start..start+t (causal, biased)
+    and its cross-attention mask over the encoder's real tokens."""
+    end = start + t
+    positions = torch.arange(end, device=rel_bias.weight.device)
+    allowed = positions <= positions[start:, None]  # (T, end): causal
+    if dec_mask is not None:
+        allowed = allowed & dec_mask.bool()[:, None, None, :end]  # (B, 1, T, end)
+    self_mask = additive_mask(allowed, rel_bias.bias(t, end, start), dtype)
+    keys = None if enc_mask is None else enc_mask.bool()[:, None, None, :]
+    return self_mask, additive_mask(keys, None, dtype)
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: T5Config):
         super().__init__()
@@ -163,12 +192,14 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        # Sequence parallelism (parallel.parallelize_t5) hands the stack a 1/tp slice of the sequence;
+        # the masks still cover all of it.
+        self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor, enc_mask: torch.Tensor | None) -> torch.Tensor:
         """x (B, S, C) embedded -> (B, S, C). Every query sees every real key, by relative position."""
-        s = x.shape[1]
-        keys = None if enc_mask is None else enc_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
-        mask = additive_mask(keys, self.rel_bias.bias(s, s), x.dtype)  # one for every layer
+        s = x.shape[1] * self.sequence_shards
+        mask = encoder_attention_mask(self.rel_bias, s, enc_mask, x.dtype)  # one for every layer
         x = self.dropout(x)
         for layer in self.layers:
             x = layer(x, mask)
@@ -182,6 +213,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.sequence_shards = 1  # as Encoder's
 
     def forward(
         self,
@@ -193,21 +225,14 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, C) embedded, at positions cache.length.. (0.. without a cache), over the encoder
         output memory (B, S, C) -> (B, T, C)."""
-        t = x.shape[1]
+        t = x.shape[1] * self.sequence_shards
         start = 0 if cache is None else cache.length
-        end = start + t
-        positions = torch.arange(end, device=x.device)
-        allowed = positions <= positions[start:, None]  # (T, end): causal
-        if dec_mask is not None:
-            allowed = allowed & dec_mask.bool()[:, None, None, :end]  # (B, 1, T, end)
-        self_mask = additive_mask(allowed, self.rel_bias.bias(t, end, start), x.dtype)
-        keys = None if enc_mask is None else enc_mask.bool()[:, None, None, :]
-        cross_mask = additive_mask(keys, None, x.dtype)
+        self_mask, cross_mask = decoder_attention_masks(self.rel_bias, t, start, enc_mask, dec_mask, x.dtype)
         x = self.dropout(x)
         for layer in self.layers:
             x = layer(x, memory, self_mask, cross_mask, cache)
         if cache is not None:
-            cache.length = end
+            cache.length = start + t
         return self.dropout(self.final_norm(x))
 
 

@@ -10,9 +10,10 @@ finite, as transformers' T5 does).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -124,18 +125,24 @@ class SelfAttention(nn.Module):
         inner = cfg.num_attention_heads * cfg.kv_channels  # may differ from hidden_size (t5-11b)
         self.qkv = Linear(cfg.hidden_size, 3 * inner, bias=False)
         self.proj = Linear(inner, cfg.hidden_size, bias=False)
+        # Tensor parallelism draws the dropout of its heads from the tracker's per-rank stream.
+        self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: T5KVCache | None = None
     ) -> torch.Tensor:
         """x (B, T, C), mask broadcastable to (B, H, T, S) -> (B, T, C); with a cache, S counts the
         cached positions too."""
-        b, t, _ = x.shape
-        # Heads from the width, not the config: a tensor-parallel rank holds only some of them.
-        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)  # (B, H, T, d)
+        # Heads from the width, not the config: a tensor-parallel rank holds only some of them; the
+        # length from the projection, not x: under sequence parallelism x is a slice of T.
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape
+        q, k, v = qkv.view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)  # (B, H, T, d)
         if cache is not None:
             k, v = cache.append(self, k, v)
-        return self.proj(_core(q, k, v, mask, self.dropout if self.training else 0.0))
+        with self.core_rng_context():
+            y = _core(q, k, v, mask, self.dropout if self.training else 0.0)
+        return self.proj(y)
 
 
 class CrossAttention(nn.Module):
@@ -149,23 +156,28 @@ class CrossAttention(nn.Module):
         self.q = Linear(cfg.hidden_size, inner, bias=False)
         self.kv = Linear(cfg.hidden_size, 2 * inner, bias=False)
         self.proj = Linear(inner, cfg.hidden_size, bias=False)
+        self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def keys_values(self, memory: torch.Tensor) -> KV:
-        b, s, _ = memory.shape
-        k, v = self.kv(memory).view(b, s, -1, 2, self.head_dim).transpose(1, 2).unbind(3)  # (B, H, S, d)
+        kv = self.kv(memory)  # (B, S, 2·H·d): the whole encoder sequence, under sequence parallelism too
+        b, s, _ = kv.shape
+        k, v = kv.view(b, s, -1, 2, self.head_dim).transpose(1, 2).unbind(3)  # (B, H, S, d)
         return k, v
 
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None, cache: T5KVCache | None = None
     ) -> torch.Tensor:
         """x (B, T, C) over memory (B, S, C) -> (B, T, C)."""
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+        q = self.q(x)
+        b, t, _ = q.shape
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, d)
         if cache is None:
             k, v = self.keys_values(memory)
         else:
             k, v = cache.cross(self, lambda: self.keys_values(memory))
-        return self.proj(_core(q, k, v, mask, self.dropout if self.training else 0.0))
+        with self.core_rng_context():
+            y = _core(q, k, v, mask, self.dropout if self.training else 0.0)
+        return self.proj(y)
 
 
 def _core(
