@@ -22,6 +22,7 @@ from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.bert import model_class
 from megatrain.engine.models.gpt import compile_layers
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megatrain.engine.parallel.bert_loss import encoder_loss
 from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import parallelize_experts
@@ -181,6 +182,8 @@ def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.
     head's vocab shards (fused_parallel_lm_loss); the logits are never materialised."""
     # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
     plain = model.module if isinstance(model, DataParallel) else model
+    if plain.config.is_encoder:  # BERT: its heads on the masked positions (parallel.bert_loss)
+        return encoder_loss(plain.hidden_states(batch.tokens, **batch.model_inputs), plain, batch, state)
     if state.tp_size == 1:
         return plain.loss(batch.tokens, batch.labels, batch.loss_mask, **batch.model_inputs)
     hidden = plain.hidden_states(batch.tokens, **batch.model_inputs)  # (B, T, C), T/tp under sp
@@ -196,6 +199,8 @@ def _pipeline_loss(chunks: list[StageModule], state: ParallelState, vocab: int) 
     if last is None:
         return lambda out, mb: parallel_lm_loss(out, mb.labels, state, mb.loss_mask, vocab_limit=vocab)
     last.return_hidden = True
+    if last.config.is_encoder:
+        return lambda hidden, mb: encoder_loss(hidden, last, mb, state)
     if state.tp_size == 1:
         return lambda hidden, mb: kernels.get("linear_cross_entropy", hidden.device.type)(
             hidden, last.lm_head.weight, mb.labels, loss_mask=mb.loss_mask, vocab_limit=vocab

@@ -26,6 +26,7 @@ from megatrain.engine.microbatch import (
     context_parallel_batch,
     loss_denominator,
     mean_loss_tokens,
+    set_binary_scales,
     token_share,
 )
 from megatrain.engine.models.moe import moe_layers
@@ -144,6 +145,7 @@ class TrainLoop:
         self.host_load = HostLoad(job_root_pid())
         model = train.model
         self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
+        self.encoder = (model.chunks[0] if model.chunks else model.module).config.is_encoder
         self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
         # kind dpo: the loss over pairs of rows instead of the per-token LM loss (engine.dpo).
         self.preference = None
@@ -171,6 +173,7 @@ class TrainLoop:
         with timers("data"):
             batches = [batch_of(self.train_ds, ids, self.device, self.state) for ids in micro_ids]
             denominator = loss_denominator(batches, self.state)
+            set_binary_scales(batches, denominator)
         with counting_token_hits() as hits:
             self._forward_backward(batches, denominator, loss_sum)
         correct = hits.correct if hits.correct is not None else loss_sum.new_zeros(())
@@ -289,6 +292,8 @@ class TrainLoop:
             for it in range(iters or self.cfg.eval_iters):
                 ids = self._micro_ids(it * self.cfg.global_batch_size)
                 batches = [batch_of(dataset, i, self.device, self.state) for i in ids]
+                if self.encoder:  # its sentence-order loss counts as in training, per iteration
+                    set_binary_scales(batches, loss_denominator(batches, self.state))
                 if self.preference is not None:
                     total += self._pairs_loss(batches)
                     count += sum(mb.tokens.shape[0] // 2 for mb in batches)
@@ -297,7 +302,8 @@ class TrainLoop:
                     total += pipeline.forward_only(batches, self._summed_loss)
                 else:
                     for mb in batches:
-                        total += lm_loss(ddp, mb, self.state) * mb.num_loss_tokens
+                        # (max: what a batch without loss tokens adds beside them, see token_share)
+                        total += lm_loss(ddp, mb, self.state) * max(mb.num_loss_tokens, 1)
                 count += sum(mb.num_loss_tokens for mb in batches)
                 masked = masked or any(mb.loss_mask is not None for mb in batches)
         ddp.train()
@@ -322,7 +328,7 @@ class TrainLoop:
     def _summed_loss(self, out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """The pipeline loss as the micro-batch's loss-token sum (validation adds sums up)."""
         assert self.train.loss is not None
-        return self.train.loss(out, mb) * mb.num_loss_tokens
+        return self.train.loss(out, mb) * max(mb.num_loss_tokens, 1)
 
     def run(self, start: Progress) -> dict[str, Any]:
         cfg, timers, log = self.cfg, self.timers, self.log

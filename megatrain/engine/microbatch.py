@@ -34,6 +34,13 @@ class MicroBatch:
     """Labels that count, known on the host (no device sync); -1: computed in __post_init__."""
     ref_logps: torch.Tensor | None = None
     """Preference training: (B,) float32 reference log-probs of the rows (engine.dpo); else None."""
+    token_type_ids: torch.Tensor | None = None
+    """An encoder's (B, T) sentence A / B ids; None: all 0 (or not an encoder)."""
+    binary_labels: torch.Tensor | None = None
+    """An encoder's (B,) sentence-order labels; None without a binary head."""
+    binary_scale: float = 1.0
+    """The factor on the sentence-order mean that makes token_share give it its per-row share of
+    the step: denominator / (loss tokens · micro-batches), set by the training loop per step."""
 
     def __post_init__(self) -> None:
         if self.num_loss_tokens < 0:
@@ -59,12 +66,18 @@ class MicroBatch:
             move(batch.segment_ids, torch.int64),
             num_loss_tokens=batch.num_loss_tokens,
             ref_logps=move(batch.ref_logps, torch.float32),
+            token_type_ids=move(batch.token_type_ids, torch.int64),
+            binary_labels=move(batch.binary_labels, torch.int64),
         )
 
     @property
     def model_inputs(self) -> dict[str, torch.Tensor | None]:
-        """The keyword arguments of GPTModel / StageModule forward besides the tokens."""
-        return {"position_ids": self.position_ids, "segment_ids": self.segment_ids}
+        """The keyword arguments of GPTModel / StageModule forward besides the tokens (and an
+        encoder's token types)."""
+        inputs = {"position_ids": self.position_ids, "segment_ids": self.segment_ids}
+        if self.token_type_ids is not None:
+            inputs["token_type_ids"] = self.token_type_ids
+        return inputs
 
     def split(self, size: int) -> list[MicroBatch]:
         """Rows cut into micro-batches of `size` (tests and benchmarks slice global batches)."""
@@ -74,7 +87,7 @@ class MicroBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 parts[f.name] = list(value.split(size))
-            elif f.name != "num_loss_tokens":
+            elif f.name not in ("num_loss_tokens", "binary_scale"):
                 parts[f.name] = [None] * n
         return [MicroBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
 
@@ -115,7 +128,15 @@ def context_parallel_batch(batch: Batch, rank: int, size: int) -> Batch:
         loss_mask=keep(batch.loss_mask),
         position_ids=keep(positions),
         segment_ids=keep(batch.segment_ids),
+        token_type_ids=keep(batch.token_type_ids),
     )
+
+
+def set_binary_scales(batches: list[MicroBatch], denominator: float) -> None:
+    """Each micro-batch's binary_scale for a step of these micro-batches (see MicroBatch): an
+    encoder's sentence-order mean then counts as its rows' share of the step, whatever its tokens."""
+    for mb in batches:
+        mb.binary_scale = denominator / (max(mb.num_loss_tokens, 1) * len(batches))
 
 
 def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
@@ -143,6 +164,8 @@ def mean_loss_tokens(local: int, masked: bool, state: ParallelState) -> float:
 def token_share(mean: torch.Tensor, num_loss_tokens: int, denominator: float) -> torch.Tensor:
     """A micro-batch's mean loss over its loss tokens as its share of the global per-token loss:
     mean · count / denominator (divided by the exact ratio, so that equal micro-batches give mean / m)."""
-    if num_loss_tokens == 0 or denominator == 0:
-        return mean * 0.0  # no loss token here: no loss, zero gradients (and a graph for backward)
-    return mean / (denominator / num_loss_tokens)
+    if denominator == 0:
+        return mean * 0.0  # no loss token anywhere: no loss, zero gradients (and a graph for backward)
+    # No loss token here: every loss is then 0 with zero gradients, but for what it adds beside
+    # them (an encoder's sentence-order loss, scaled by binary_scale for a count of 1).
+    return mean / (denominator / max(num_loss_tokens, 1))

@@ -122,6 +122,16 @@ def counting_token_hits() -> Iterator[TokenHits]:
         _HITS.reset(token)
 
 
+def add_token_hits(correct: torch.Tensor) -> None:
+    """Count `correct` (a 0-dim tensor) into the counting_token_hits() in effect, if any: losses
+    that are not the fused kernels' (an encoder's masked-LM loss) report their accuracy too."""
+    hits = _HITS.get()
+    if hits is not None:
+        correct = correct.float()
+        hits.correct = correct if hits.correct is None else hits.correct + correct
+        hits.calls += 1
+
+
 def _all_reduce_stats(
     top: torch.Tensor, total: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,7 +8,12 @@ The contract between the loaders (which build it) and the model and losses (whic
 - segment_ids: tokens attend only to earlier tokens of the same segment (a packed document);
   None: each row is one segment (plain causal attention);
 - ref_logps: preference training (B,) float32, each row's reference log-probability summed over
-  its loss tokens (rows come in pairs: chosen, rejected); None otherwise.
+  its loss tokens (rows come in pairs: chosen, rejected); None otherwise;
+- token_type_ids: an encoder's (BERT) sentence A / B ids (int64); None: all 0;
+- binary_labels: an encoder's (B,) sentence-order labels (int64: 1 when the two sentences were
+  swapped); None without a binary head.
+An encoder's labels are the original ids of the masked positions and its loss_mask marks them; its
+padding is a segment of its own (segment_ids), so real tokens never attend to it.
 The loss of a step is the sum of its loss tokens' losses over the number of loss tokens in the whole
 global batch, so packing, masking and micro-batching do not change what a document contributes.
 """
@@ -28,6 +33,8 @@ class Batch:
     position_ids: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
     ref_logps: np.ndarray | None = None
+    token_type_ids: np.ndarray | None = None
+    binary_labels: np.ndarray | None = None
 
     @classmethod
     def from_windows(cls, windows: np.ndarray) -> Batch:

@@ -76,6 +76,10 @@ def build_datasets(
         return build_finetune_datasets(
             spec.data, tokenizer, seq_length, seed, cache_root / "finetune", spec.packing
         )
+    if spec.model.arch == "bert":
+        from megatrain.engine.data.encoder import build_encoder_datasets
+
+        return build_encoder_datasets(spec, tokenizer, seq_length, cache_root)
     data, sizes = spec.data, SplitSizes.for_spec(spec)
     fractions = data.split_fractions
     tok_id = json.dumps(data.tokenizer.model_dump(mode="json"), sort_keys=True)
@@ -150,16 +154,22 @@ def _first_record_kind(source: DataSource, data: DataSpec) -> bool:
 
 
 def local_prefix(
-    source: DataSource, field: str, tokenizer: TokenizerSpec, text_key: str, cache_root: Path
+    source: DataSource,
+    field: str,
+    tokenizer: TokenizerSpec,
+    text_key: str,
+    cache_root: Path,
+    split_sentences: bool = False,
 ) -> Path:
-    """The local `.bin`/`.idx` prefix serving `source` (downloaded or tokenized into the cache)."""
+    """The local `.bin`/`.idx` prefix serving `source` (downloaded or tokenized into the cache; with
+    split_sentences a JSONL file is tokenized one sentence per sequence, as BERT's data is)."""
     if source.path is None:
         raise ValueError(
             f"{field} names dataset {source.dataset!r} without a path; registered datasets are "
             "resolved by the API when the job is submitted"
         )
     if source.is_jsonl:
-        return tokenized_jsonl(source.path, tokenizer, text_key, cache_root)
+        return tokenized_jsonl(source.path, tokenizer, text_key, cache_root, split_sentences)
     prefix = cached_prefix(source.path, cache_root)
     if not Path(str(prefix) + ".idx").is_file():
         raise FileNotFoundError(
@@ -178,17 +188,22 @@ def indices_dir(prefix: Path, cache_root: Path) -> Path:
     return cache_root / "indices" / hashlib.sha256(str(prefix).encode()).hexdigest()[:16]
 
 
-def tokenized_jsonl(url: str, tokenizer: TokenizerSpec, text_key: str, cache_root: Path) -> Path:
-    """The indexed dataset of a JSONL file's `text_key` documents (EOD after each), tokenized once
-    per node and kept under a key of the file's identity, the tokenizer and the key."""
+def tokenized_jsonl(
+    url: str, tokenizer: TokenizerSpec, text_key: str, cache_root: Path, split_sentences: bool = False
+) -> Path:
+    """The indexed dataset of a JSONL file's `text_key` documents (EOD after each; or, split into
+    sentences, one sequence per sentence and no EOD), tokenized once per node and kept under a key
+    of the file's identity, the tokenizer, the key and the split."""
     identity = source_identity(url)
     description = {
         "source": url,
         "identity": identity,
         "tokenizer": tokenizer.model_dump(mode="json"),
         "json_key": text_key,
-        "append_eod": True,
+        "append_eod": not split_sentences,
     }
+    if split_sentences:  # absent otherwise: the keys of the caches already on disk stay as they were
+        description["split_sentences"] = True
     key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:32]
     folder = cache_root / "jsonl" / key
     folder.mkdir(parents=True, exist_ok=True)
@@ -201,6 +216,14 @@ def tokenized_jsonl(url: str, tokenizer: TokenizerSpec, text_key: str, cache_roo
             size = identity.get("size", 0)
             # Small files in this process: spawning workers (which re-import the trainer) costs more.
             workers = 0 if size < PARALLEL_PREPROCESS_BYTES else max(1, min(8, len(os.sched_getaffinity(0))))
-            preprocess(url, prefix, tokenizer, json_key=text_key, workers=workers, append_eod=True)
+            preprocess(
+                url,
+                prefix,
+                tokenizer,
+                json_key=text_key,
+                workers=workers,
+                append_eod=not split_sentences,
+                split_sentences=split_sentences,
+            )
             (folder / "description.json").write_text(json.dumps(description, indent=2, sort_keys=True))
     return prefix

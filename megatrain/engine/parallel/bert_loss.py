@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatrain import kernels
 from megatrain.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatrain.engine.parallel.mappings import copy_to_tp, gather_from_sequence
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.kernels.linear_cross_entropy import add_token_hits
 
 
 class EncoderLosses(NamedTuple):
@@ -106,6 +108,13 @@ def encoder_losses(
         logits2 = heads.binary_logits(first_token(hidden, sp, state)).float()  # (B, 2)
         binary = F.cross_entropy(logits2, binary_labels)
         binary_correct = (logits2.detach().argmax(-1) == binary_labels).sum()
+        cp = state.cp_size if state is not None else 1
+        if cp > 1:
+            # Only cp rank 0 holds the first token (its first chunk is the sequence's start). The
+            # replicas' gradients are averaged over dp·cp: it carries the whole loss, cp times.
+            assert state is not None
+            binary = binary * cp if state.cp_rank == 0 else binary * 0.0
+            binary_correct = binary_correct if state.cp_rank == 0 else binary_correct * 0
     x = heads.transform(hidden)
     if tp > 1:
         assert state is not None
@@ -116,7 +125,11 @@ def encoder_losses(
     if mask is not None:
         keep = mask.nonzero().squeeze(1)  # the masked positions only
         rows, targets = rows.index_select(0, keep), targets.index_select(0, keep)
-    logits = F.linear(rows, head.weight, head.bias)  # (N, V/tp)
+    # The `linear` kernel, as every Linear runs: under DataParallel it adds the weight gradient
+    # straight into main_grad. The decoder weight is the embedding's, whose lookup does so too; a
+    # plain F.linear's gradient would reach the same parameter as .grad beside the fused one's
+    # placeholder, and be dropped.
+    logits = kernels.get("linear", rows.device.type)(rows, head.weight, head.bias)  # (N, V/tp)
     limit = cfg.real_vocab_size
     if rows.shape[0] == 0:
         mlm = logits.sum() * 0.0  # no masked token here: no loss, zero gradients (and a graph)
@@ -135,3 +148,14 @@ class _OneDevice:
 
 
 _ONE_DEVICE: Any = _OneDevice()
+
+
+def encoder_loss(hidden: torch.Tensor, holder: Any, mb: Any, state: ParallelState | None) -> torch.Tensor:
+    """A micro-batch's loss for the training loop: the masked-LM mean over its loss tokens plus the
+    sentence-order mean times mb.binary_scale (token_share then weighs the first by its tokens and
+    the second by its rows); the masked-LM hits go to counting_token_hits (token accuracy)."""
+    losses = encoder_losses(hidden, holder, mb.labels, mb.loss_mask, mb.binary_labels, state)
+    add_token_hits(losses.mlm_correct)
+    if losses.binary is None:
+        return losses.mlm
+    return losses.mlm + losses.binary * mb.binary_scale

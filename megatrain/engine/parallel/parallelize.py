@@ -119,6 +119,8 @@ def parallelize_model(
         model.pos_embed = SequenceParallelPositionEmbedding(model.pos_embed, state)
     if sp:
         _mark_norm(model.final_norm)
+    if cfg.is_encoder:
+        _parallelize_encoder_parts(model, state)
     if rng_tracker is not None:
         model.recompute_context_fn = rng_tracker.checkpoint_context
         if sp:
@@ -130,6 +132,22 @@ def parallelize_model(
         head.weight = model.embed.weight
     model.lm_head = head
     return model
+
+
+def _parallelize_encoder_parts(model: GPTModel, state: ParallelState) -> None:
+    """A BERT's own parts (models.bert). Under sequence parallelism token types are looked up for
+    the local slice (as learned positions), and the embedding norm and the masked-LM transform run
+    on the sequence shard, so their gradients are summed over tp; the pooler and classifier read the
+    whole first token (parallel.bert_loss) and stay plain replicas. The decoder's bias is split
+    over the vocabulary with the head (ColumnParallelLinear.from_linear)."""
+    if not state.sequence_parallel:
+        return
+    if model.tokentype_embed is not None:
+        model.tokentype_embed = SequenceParallelPositionEmbedding(model.tokentype_embed, state)
+    if model.embed_norm is not None:
+        _mark_norm(model.embed_norm)
+    _mark_norm(model.heads.lm_transform)
+    _mark_norm(model.heads.lm_norm)
 
 
 def _mark_norm(norm: nn.Module) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatrain.engine.models.bert import encoder_embeddings
 from megatrain.engine.models.gpt import GPTModel, check_inputs, positions_for, rope_for, run_layers
 from megatrain.engine.parallel.mappings import is_tensor_parallel, shard_tensor
 from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
@@ -45,7 +46,8 @@ class StageModule(nn.Module):
     """One model chunk: optionally the embedding, a run of blocks, optionally the final norm and head.
 
     forward: tokens (B, T) on the first chunk, else the residual stream (B, T, C) — (B, T/tp, C) under
-    sequence parallelism; returns the residual stream, or the logits (B, T, V/tp) on the last chunk.
+    sequence parallelism; returns the residual stream, or the logits (B, T, V/tp) on the last chunk
+    (a BERT's last chunk returns its encoder output: its losses read the heads it holds).
     Every chunk takes the micro-batch's position_ids and segment_ids (B, T): its attention layers
     need both (RoPE, the document mask), the first chunk's learned positions the former.
     """
@@ -55,14 +57,20 @@ class StageModule(nn.Module):
         self.config = model.config
         self.chunk, self.is_first, self.is_last = chunk, chunk == 0, chunk == num_chunks - 1
         self.recompute_context_fn = model.recompute_context_fn
+        self.encoder = model.config.is_encoder
         if self.is_first:
             self.embed = model.embed
             self.pos_embed = model.pos_embed
             self.dropout = model.dropout
+            if self.encoder:  # BERT's token types and post-norm embedding norm (models.bert)
+                self.tokentype_embed = model.tokentype_embed
+                self.embed_norm = model.embed_norm
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
         if self.is_last:
             self.final_norm = model.final_norm
             self.lm_head = model.lm_head
+            if self.encoder:
+                self.heads = model.heads
         # Set by the engine when the loss fuses the LM head (tp = 1): the last chunk then returns the
         # final norm's output and the loss applies lm_head.weight itself (the linear_cross_entropy
         # kernel).
@@ -92,8 +100,12 @@ class StageModule(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.is_first:
+        if self.is_first and self.encoder:
+            check_inputs(x, self.config.seq_length, position_ids, segment_ids)
+            x = encoder_embeddings(self, x, position_ids, token_type_ids)
+        elif self.is_first:
             check_inputs(x, self.config.seq_length, position_ids, segment_ids)
             t = x.shape[1]
             tokens = x
