@@ -32,6 +32,7 @@ from megatrain.engine.microbatch import (
 from megatrain.engine.models.moe import moe_layers
 from megatrain.engine.moe_metrics import moe_metrics, set_microbatch_aux_scale
 from megatrain.engine.optimizer import lr_at
+from megatrain.engine.parallel.bert_loss import counting_binary
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
 from megatrain.engine.parallel.schedules import pipeline_loss
@@ -84,6 +85,17 @@ def total_hits(hits: torch.Tensor, state: ParallelState) -> tuple[float, float]:
         dist.all_reduce(hits, group=state.dp_cp_group)
     correct, calls = hits.tolist()
     return correct, calls
+
+
+def binary_metrics(counts: torch.Tensor, state: ParallelState) -> dict[str, float]:
+    """sop_loss and sop_accuracy (an encoder's sentence-order head) from this rank's Σ (loss · rows,
+    correct, rows): the last stage's, summed over dp·cp (cp rank 0 alone counts the rows)."""
+    counts = pipeline_loss(counts, state)
+    if state.dp_cp_group is not None:
+        counts = counts.clone()
+        dist.all_reduce(counts, group=state.dp_cp_group)
+    loss, correct, rows = counts.tolist()
+    return {"sop_loss": loss / rows, "sop_accuracy": correct / rows} if rows else {}
 
 
 def token_accuracy(hits: torch.Tensor, tokens: float, state: ParallelState) -> float | None:
@@ -146,6 +158,8 @@ class TrainLoop:
         model = train.model
         self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
         self.encoder = (model.chunks[0] if model.chunks else model.module).config.is_encoder
+        self.binary_window = torch.zeros(3, device=self.device)
+        """An encoder's Σ (sentence-order loss · rows, correct, rows) since the last log row."""
         self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
         # kind dpo: the loss over pairs of rows instead of the per-token LM loss (engine.dpo).
         self.preference = None
@@ -174,8 +188,9 @@ class TrainLoop:
             batches = [batch_of(self.train_ds, ids, self.device, self.state) for ids in micro_ids]
             denominator = loss_denominator(batches, self.state)
             set_binary_scales(batches, denominator)
-        with counting_token_hits() as hits:
+        with counting_token_hits() as hits, counting_binary() as binary:
             self._forward_backward(batches, denominator, loss_sum)
+        self.binary_window = self.binary_window + binary.as_tensor(self.device)
         correct = hits.correct if hits.correct is not None else loss_sum.new_zeros(())
         # (correct, calls) on this rank, and every dp·cp rank's loss tokens: for token_accuracy.
         counts = torch.stack([correct, correct.new_tensor(float(hits.calls))])
@@ -464,6 +479,9 @@ class TrainLoop:
             accuracy = token_accuracy(w.hits, w.tokens, self.state)
             if accuracy is not None:
                 row["token_accuracy"] = accuracy
+        if self.encoder:
+            row.update(binary_metrics(self.binary_window, self.state))
+            self.binary_window = torch.zeros(3, device=self.device)
         pipeline = self.train.pipeline
         # Time in the step's collectives (the rest of a step is the rank's own work): stragglers.
         wait = self.timers.means().get("grad_sync", 0.0)
@@ -482,6 +500,8 @@ class TrainLoop:
             skipped += f" | moe aux {row['moe_aux_loss']:.4g} imbalance {row['moe_load_imbalance']:.2f}"
         if "token_accuracy" in row:
             skipped += f" | acc {row['token_accuracy']:.3f}"
+        if "sop_accuracy" in row:
+            skipped += f" | sop loss {row['sop_loss']:.4f} acc {row['sop_accuracy']:.3f}"
         if "rewards/accuracies" in row:  # preference training: what TRL's console shows
             skipped += f" | reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.3f}"
         self.log.say(

@@ -95,6 +95,9 @@ def test_bert_learns_and_reports_masked_token_accuracy(single: tuple[str, list[d
     assert 4.5 < train[0]["loss"] < 6.5
     assert train[-1]["loss"] < train[0]["loss"]
     assert all(0 <= r["token_accuracy"] <= 1 for r in train)
+    # The sentence-order head's own figures (its loss starts near ln 2: two balanced classes).
+    assert 0.5 < train[0]["sop_loss"] < 0.9 and all(0 <= r["sop_accuracy"] <= 1 for r in train)
+    assert all(r["sop_loss"] < r["loss"] for r in train)
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
 
 
@@ -116,6 +119,8 @@ def test_bert_layouts_match_one_process(single: tuple[str, list[dict[str, Any]]]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), layout
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), layout
         assert b["token_accuracy"] == pytest.approx(a["token_accuracy"], abs=2e-3), layout
+        assert b["sop_loss"] == pytest.approx(a["sop_loss"], rel=1e-4), layout
+        assert b["sop_accuracy"] == a["sop_accuracy"], layout
     val_ref = [r["val_loss"] for r in ref if "val_loss" in r]
     val_got = [r["val_loss"] for r in got if "val_loss" in r]
     assert val_got == pytest.approx(val_ref, rel=1e-4)

@@ -15,6 +15,10 @@ gradients everywhere, as their replicas must).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +41,44 @@ class EncoderLosses(NamedTuple):
     """Masked tokens whose label was the argmax (detached, a count)."""
     binary_correct: torch.Tensor | None
     """Rows whose sentence-order label was the argmax (detached)."""
+
+
+@dataclass
+class BinaryCounts:
+    """What counting_binary() collects on this rank: Σ rows · sentence-order loss, Σ correct, rows
+    (0-dim tensors on the device: no host sync until a log interval reads them)."""
+
+    loss_sum: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    rows: int = 0
+
+    def add(self, mean: torch.Tensor, correct: torch.Tensor, rows: int) -> None:
+        total = mean.detach().float() * rows
+        self.loss_sum = total if self.loss_sum is None else self.loss_sum + total
+        c = correct.float()
+        self.correct = c if self.correct is None else self.correct + c
+        self.rows += rows
+
+    def as_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """(Σ loss, Σ correct, rows) as one fp32 tensor (zeros when nothing counted)."""
+        if self.loss_sum is None or self.correct is None:
+            return torch.zeros(3, device=device)
+        return torch.stack([self.loss_sum, self.correct, self.correct.new_tensor(float(self.rows))])
+
+
+_BINARY: ContextVar[BinaryCounts | None] = ContextVar("megatrain_binary_counts", default=None)
+
+
+@contextlib.contextmanager
+def counting_binary() -> Iterator[BinaryCounts]:
+    """Count the sentence-order losses and hits of the encoder losses run within (the training
+    loop's sop_loss and sop_accuracy)."""
+    counts = BinaryCounts()
+    token = _BINARY.set(counts)
+    try:
+        yield counts
+    finally:
+        _BINARY.reset(token)
 
 
 class _FirstToken(torch.autograd.Function):
@@ -109,6 +151,9 @@ def encoder_losses(
         binary = F.cross_entropy(logits2, binary_labels)
         binary_correct = (logits2.detach().argmax(-1) == binary_labels).sum()
         cp = state.cp_size if state is not None else 1
+        counts = _BINARY.get()
+        if counts is not None and (cp == 1 or state is None or state.cp_rank == 0):
+            counts.add(binary, binary_correct, int(binary_labels.shape[0]))
         if cp > 1:
             # Only cp rank 0 holds the first token (its first chunk is the sequence's start). The
             # replicas' gradients are averaged over dp·cp: it carries the whole loss, cp times.
