@@ -55,6 +55,15 @@ const CHARTS = [
     format: (x) => fmtNum(x, 4) },
   { id: "dpo_accuracy", title: "Preference accuracy (chosen rewarded above rejected)", optional: true,
     series: [{ label: "accuracy" }], values: (t) => [t?.["rewards/accuracies"] ?? null], format: fmtPct },
+  // BERT (model.arch bert) only: the share of masked word pieces predicted (the engine's token
+  // accuracy counts the masked positions) and, with the binary head, of sentence pairs whose order
+  // was told right (Megatron's SOP).
+  { id: "mlm_accuracy", title: "Masked-token accuracy (MLM)", when: (job) => job.spec?.model?.arch === "bert",
+    series: [{ label: "train" }, { label: "validation", color: "--chart-2", points: true }],
+    values: (t, v) => [t?.token_accuracy ?? null, v?.valid_mean_token_accuracy ?? null], format: fmtPct },
+  { id: "sop_accuracy", title: "Sentence-order accuracy (SOP)", optional: true,
+    when: (job) => job.spec?.model?.arch === "bert",
+    series: [{ label: "accuracy" }], values: (t) => [t?.sop_accuracy ?? null], format: fmtPct },
 ];
 
 const EVENT_LABELS = {
@@ -221,6 +230,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
         samples.el,
         h("details", { class: "card" }, h("summary", {}, "Spec"), el.spec)));
     for (const def of CHARTS) {
+      if (def.when && !def.when(job)) continue;  // another kind of model's chart
       const box = h("div", { class: "chart" });
       const card = h("section", { class: "card chart-card", id: `chart-${def.id}`, dataset: { points: "0" }, hidden: def.optional },
         h("h3", {}, h("span", { id: `chart-${def.id}-title` }, def.title), h("span", { class: "muted", id: `chart-${def.id}-latest` })), box);
