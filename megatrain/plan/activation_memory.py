@@ -17,6 +17,10 @@ from megatrain.kernels.policy import linear_cross_entropy_chunk_rows
 from megatrain.plan.moe_memory import moe_backward_peak, moe_dispatch_transient, moe_layer_activations
 from megatrain.plan.shapes import ModelShape, lora_layer_targets, lora_linears
 
+MLM_FRACTION = 0.15
+"""The share of positions BERT's masked-LM loss scores: Megatron's masked_lm_prob and the default of
+megatrain.engine.data.masking; the engine projects only those rows onto the vocabulary."""
+
 
 def norm_saved(m: ModelShape, act: int) -> float:
     """Bytes per token a norm saves for backward (besides its output, the next linear's input)."""
@@ -40,7 +44,7 @@ def layer_activations(
     """Bytes per token (of the rank's micro-batch, before any sequence split) one layer saves for backward.
     gathered_inputs: with sp, qkv and fc1 save their all-gathered input instead of the shard (fp8)."""
     h, kv, f, fw, s = m.hidden_size, m.kv_size, m.ffn_hidden_size, m.fc1_width, m.seq_length
-    heads = m.num_attention_heads
+    heads, q = m.num_attention_heads, m.q_size  # q = h but where T5's kv_channels differ
     seq_div = tp if sp else 1  # parts outside the tensor-parallel region shard only with sp
     rope = m.position_embedding == "rope"
     grouped = m.num_query_groups != heads
@@ -50,11 +54,11 @@ def layer_activations(
     # it again in backward (megatrain.engine.parallel.layers, as Megatron does).
     terms["norms"] = 2 * norm_saved(m, act) / seq_div
     terms["linear_inputs"] = 2 * act * h / (1 if gathered_inputs else seq_div)
-    # The fused qkv output (h + 2kv wide) stays alive: SDPA saves K and V as views into it.
-    qkv = act * (h + 2 * kv)
+    # The fused qkv output (q + 2kv wide) stays alive: SDPA saves K and V as views into it.
+    qkv = act * (q + 2 * kv)
     # Q is a separate tensor after RoPE, or after regrouping GQA heads (a reshape that copies).
     if rope or grouped:
-        qkv += act * h
+        qkv += act * q
     if rope:
         qkv += act * kv  # rotated K
     terms["qkv"] = qkv / tp
@@ -65,7 +69,7 @@ def layer_activations(
     if attention == "math":
         # Contiguous q/k/v copies replace the qkv storage (K/V expanded to all heads under GQA),
         # plus the softmax probabilities (heads·s per token) unless selective recompute drops them.
-        core = act * (h + 2 * h) + act * h  # q, k, v copies + the output's contiguous copy for proj
+        core = act * (q + 2 * q) + act * q  # q, k, v copies + the output's contiguous copy for proj
         if not selective:
             core += act * heads * s
         if m.attention_dropout > 0 and not selective:
@@ -73,14 +77,20 @@ def layer_activations(
         terms["qkv"] = 0.0
         terms["attention"] = core / tp
     else:
-        # Output (laid out (B, T, H, hd), so proj reads it without a copy) + fp32 log-sum-exp.
-        terms["attention"] = (act * h + 4 * heads) / tp
+        # Output (laid out (B, T, H, hd), so proj reads it without a copy) + fp32 log-sum-exp. T5's
+        # SDPA output is (B, H, T, d): proj saves the (B, T, q) copy its reshape makes.
+        copies = 2 if m.family == "t5" else 1
+        terms["attention"] = (copies * act * q + 4 * heads) / tp
     if m.activation in ("swiglu", "geglu"):
         terms["mlp"] = act * (fw + f) / tp  # fc1 out [gate; up], act(gate)·up (act recomputed)
+    elif m.activation == "relu":
+        terms["mlp"] = act * f / tp  # relu's output, which is fc2's input too
     else:
         terms["mlp"] = act * 2 * f / tp  # fc1 out, gelu out
     if m.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * mask * h / seq_div
+        if m.family == "t5":
+            terms["dropout_masks"] += mask * f / tp  # T5 drops the MLP's hidden activations too
     return terms
 
 
@@ -203,7 +213,8 @@ class StepActivations:
             self._loss(stored, transients)
         if n_layers:
             head_freed = sum(stored.get(k, 0) for k in ("final_norm_and_head_input", "final_norm",
-                                                        "log_probs", "fused_loss_grads"))  # fmt: skip
+                                                        "log_probs", "fused_loss_grads", "mlm_transform",
+                                                        "mlm_masked_rows"))  # fmt: skip
             peak = self._layer_backward_peak(first and last, n_layers, n_moe, n_ckpt)
             transients["layer_backward"] = max(0.0, peak - head_freed)
             if n_moe:
@@ -214,6 +225,9 @@ class StepActivations:
         """The last stage's final norm, LM head and loss: what they save, and their transient."""
         m, tokens, act, tp, sp = self.m, self.tokens, self.act, self.tp, self.sp
         h, v = m.hidden_size, m.vocab_size
+        if m.family == "bert":
+            self._bert_loss(stored, transients)
+            return
         # The head's weight gradient (fp32 in the fused loss), none when it is frozen.
         wgrad = 1 if self.trains_weights else 0
         if self.fused_loss:
@@ -252,6 +266,23 @@ class StepActivations:
             cast = tokens * act * v / tp if act != 4 else 0.0
             freed = stored["log_probs"] if act != 4 else 0.0
             transients["loss_backward"] = max(cast, cast + head_grad_temp - freed) + self.regathered(v)
+
+    def _bert_loss(self, stored: dict[str, float], transients: dict[str, float]) -> None:
+        """BERT's heads (megatrain.engine.parallel.bert_loss): the final norm (pre-norm) and the
+        masked-LM transform (dense, GELU, LayerNorm) on the rank's shard of every position, then only
+        the masked rows (MLM_FRACTION) gathered, projected onto the vocabulary shard and scored in fp32.
+        The binary head reads one token per sequence (negligible)."""
+        m, tokens, act, tp = self.m, self.tokens, self.act, self.tp
+        h, v = m.hidden_size, m.vocab_size
+        masked = MLM_FRACTION * tokens
+        final = 0.0 if m.post_layernorm else norm_saved(m, act)
+        # The dense's and GELU's inputs, the LayerNorm's input and statistics.
+        stored["mlm_transform"] = tokens * (final + 2 * act * h + norm_saved(m, act)) / self.seq_div
+        stored["mlm_masked_rows"] = masked * act * h  # the decoder's input, whole over tp
+        stored["log_probs"] = masked * 4 * v / tp  # the vocab-parallel loss's fp32 softmax
+        # Backward: the logits' gradient cast to 16 bits, and the decoder's weight-gradient temporary.
+        cast = masked * act * v / tp if act != 4 else 0.0
+        transients["loss_backward"] = cast + (act * v * h / tp if self.trains_weights else 0.0)
 
     def _layer_backward_peak(self, single_stage: bool, n_layers: int, n_moe: int, n_ckpt: int) -> float:
         """A layer's backward peaks in the MLP, at one of three moments: fc2's backward (its input
@@ -294,4 +325,4 @@ class StepActivations:
         return peak
 
 
-__all__ = ["StepActivations", "layer_activations", "lora_activations", "norm_saved"]
+__all__ = ["MLM_FRACTION", "StepActivations", "layer_activations", "lora_activations", "norm_saved"]

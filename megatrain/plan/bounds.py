@@ -43,7 +43,8 @@ def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: in
     dense = layer_params(m, tp) * dense_b + lora_layer_params(m, tp) * static(shard)
     dense -= nf4_layer_params(m, tp) * nf4_saves
     if m.moe is None:
-        return int(-(-m.num_layers // pp) * dense)
+        # (T5: some stage holds ceil(all layers / pp), each at least an encoder layer's.)
+        return int(-(-m.total_layers // pp) * dense)
     moe = layer_params(m, tp, moe=True) * dense_b + expert_params(m, tp, ep) * expert_b
     moe += lora_layer_params(m, tp, moe=True) * static(shard) - nf4_layer_params(m, tp, moe=True) * nf4_saves
     moe += lora_expert_params(m, tp, ep) * static(expert_shard)

@@ -51,6 +51,13 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   over their expert-data-parallel group (dp·cp/ep ranks) and their optimizer state sharded over it.
   Useful FLOPs, and so MFU, are the active ones (megatrain.plan.flops).
 
+- **BERT** runs GPT's layers (bidirectional attention costs what causal attention is counted at)
+  and on its last stage the masked-LM transform on every position and the vocabulary projection on
+  the masked rows only (megatrain.plan.activation_memory.MLM_FRACTION). **T5**: its encoder layers
+  over the encoder's tokens, its decoder layers over the decoder's with cross-attention, the LM head
+  over the decoder's tokens, pipeline stages split between the two (megatrain.plan.t5_cost,
+  megatrain.plan.stacks); tokens_per_s counts encoder tokens.
+
 Two sets of constants: GPU defaults (H100-class, sane for A100/B200) and this project's CPU hosts,
 calibrated by benchmarks/planner_engine.py against the engine running under torchrun/gloo
 (see BENCHMARKS.md "Layout planner" for the figures).
@@ -84,6 +91,7 @@ from megatrain.plan.shapes import (
     moe_layers_on_stage,
     stage_params,
 )
+from megatrain.plan.t5_cost import t5_layer_costs, t5_stage_seconds
 
 
 @dataclass(frozen=True)
@@ -137,8 +145,10 @@ def _stage_layers(
     model: ModelShape, pp: int, v: int, pipeline_layers: tuple[int, ...] | None
 ) -> tuple[list[int], list[int], list[int]]:
     """The stages worth timing (the edges and the heaviest), and every stage's layers and MoE layers."""
-    layers = [layers_on_stage(model.num_layers, pp, st, pipeline_layers) for st in range(pp)]
+    layers = [layers_on_stage(model.total_layers, pp, st, pipeline_layers) for st in range(pp)]
     moes = [moe_layers_on_stage(model, pp, st, pipeline_layers, v) for st in range(pp)]
+    if model.family == "t5":  # (encoder and decoder layers differ: every stage is a candidate)
+        return list(range(pp)), layers, moes
     heaviest = max(range(pp), key=lambda st: (layers[st], moes[st]))
     return sorted({0, pp - 1, heaviest}), layers, moes
 
@@ -258,7 +268,18 @@ def predict_step(
 
     # The edges (embedding, head) and the stage with the most layers (an uneven split's middle).
     candidates, layers, moes = _stage_layers(model, pp, v, layout.pipeline_layers)
-    t_mb, (compute_mb, recompute_mb, tp_mb, cp_mb, ep_mb) = _worst_stage(lc, candidates, layers, moes, pp, c)
+    p2p_tokens = tokens
+    if model.family == "t5":
+        enc, dec = t5_layer_costs(
+            model, tp, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every, act,
+            peak, links, c, linear_peak,
+        )  # fmt: skip
+        t_mb, parts = t5_stage_seconds(model, enc, dec, pp, layout.pipeline_layers, c)
+        # A decoder stage's message carries the encoder's output beside the decoder's hidden states.
+        p2p_tokens = settings.micro_batch_size * (model.seq_length + model.dec_seq_length)
+    else:
+        t_mb, parts = _worst_stage(lc, candidates, layers, moes, pp, c)
+    compute_mb, recompute_mb, tp_mb, cp_mb, ep_mb = parts
 
     compute_s = m * compute_mb
     tp_comm_s = m * tp_mb
@@ -266,7 +287,7 @@ def predict_step(
     pp_comm_s = 0.0
     if pp > 1:
         bw_pp, lat_pp = link(pool, layout.world_size <= pool.devices_per_node)
-        p2p = lat_pp * 1e-6 + tokens * h * act / seq_div / (bw_pp * 1e9)
+        p2p = lat_pp * 1e-6 + p2p_tokens * h * act / seq_div / (bw_pp * 1e9)
         pp_comm_s = 2 * p2p * (m * v + pp - 1)
 
     params, experts = _stage_param_counts(model, tp, pp, ep, v, layout.pipeline_layers, tuple(candidates))

@@ -20,9 +20,37 @@ has no weights and still counts three times; the adapters train, 6 FLOPs per par
 (x·Aᵀ and u·Bᵀ forward, their input and weight gradients backward). About 4N + 6·adapters, not 6N.
 (The first layer's input needs no gradient when nothing trains before it; that GEMM is still counted.)
 
+The encoder families follow the same accounting, as Megatron-LM's num_floating_point_operations
+(megatron/training/training.py) counts a transformer: per layer and token 12·h²·((1 + G/H + s/h)·r
++ f/h·g) + 6·h·V for the logits (r = heads·kv_channels/h, g = 3/2 when gated), 3× the forward.
+
+- **BERT**: the same per-layer GEMMs, attention scores over all s keys (bidirectional: exact, no
+  causal halving to undo), the LM head on every position as Megatron computes it (our engine
+  projects only the masked rows, so BERT's MFU counts more than it runs, as Megatron's does), plus
+  what a BERT adds: the masked-LM transform (h→h) on every position, and per sequence the pooler
+  (h→h) and the binary classifier (h→2) on the first token:
+
+      F = 3·B·[s·(L·(2h(q+2kv) + 4sq + 2qh + 2·m·h·f) + 2h² + 2hV) + 2h² + 4h]    (binary head)
+
+  with q = heads·head_dim, m = 3 gated / 2 not. For BERT-large (q = kv = h, f = 4h) the layer
+  term is Megatron's 24h² + 4sh per token.
+- **T5**: encoder layers on the encoder's Te tokens, decoder layers on the decoder's Td tokens,
+  each decoder layer with cross-attention: Q and the output projection on Td tokens, K and V
+  projected from Te tokens (the encoder's output), scores Td×Te; the LM head on Td tokens:
+
+      F = 3·B·[Te·Le·(2h(q+2kv) + 4·Te·q + 2qh + 2mhf)
+               + Td·Ld·(2h(q+2kv) + 4·Td·q + 2qh + 2mhf + 2hq + 4·Te·q + 2qh) + Te·Ld·2h·2kv
+               + Td·2hV]
+
+  flops_per_token divides a sequence's by its Te encoder tokens (the tokens a step's throughput
+  counts). Elementwise work (softmax, norms, the relative position bias, activations) is not
+  counted, as in Megatron; a torch FLOP counter over transformers' BertForPreTraining and
+  T5ForConditionalGeneration agrees (tests/plan/test_plan_families.py).
+
 `model` is anything with hidden_size, num_layers, vocab_size, kv_size, ffn_hidden_size, activation,
 seq_length and optionally moe (num_experts, router_topk, ffn_hidden_size, layer_freq,
-shared_expert_ffn_hidden_size): the engine's TransformerConfig or the planner's ModelShape.
+shared_expert_ffn_hidden_size): the engine's TransformerConfig or T5Config, or the planner's
+ModelShape.
 """
 
 from __future__ import annotations
@@ -63,13 +91,47 @@ def layer_forward_flops(model: Any, seq_length: int | None = None) -> dict[str, 
     and the attention core (QK^T and attention·V over all s keys, all heads)."""
     s = seq_length or model.seq_length
     h = model.hidden_size
+    # h, but where T5's kv_channels differ (`model` may be any object with the fields)
+    q = model.num_attention_heads * (getattr(model, "kv_channels", None) or h // model.num_attention_heads)
     # gate, up, down (SwiGLU, GeGLU) vs fc1, fc2
     mlp_matmuls = 3 if model.activation in ("swiglu", "geglu") else 2
     return {
-        "qkv": 2.0 * h * (h + 2 * model.kv_size),  # fused Q, K, V (K, V narrower under GQA)
-        "attention": 2.0 * 2 * s * h,
-        "proj": 2.0 * h * h,
+        "qkv": 2.0 * h * (q + 2 * model.kv_size),  # fused Q, K, V (K, V narrower under GQA)
+        "attention": 2.0 * 2 * s * q,
+        "proj": 2.0 * q * h,
         "mlp": mlp_matmuls * 2.0 * h * model.ffn_hidden_size,
+    }
+
+
+def cross_attention_forward_flops(model: Any) -> dict[str, float]:
+    """Forward FLOPs of one T5 decoder layer's cross-attention for one decoder token (q, the scores
+    over the encoder's seq_length keys, proj) and, apart, for one encoder token (kv_per_encoder_token:
+    K and V projected from the encoder's output)."""
+    h, q, te = model.hidden_size, model.q_size, model.seq_length
+    return {"q": 2.0 * h * q, "attention": 2.0 * 2 * te * q, "proj": 2.0 * q * h,
+            "kv_per_encoder_token": 2.0 * h * 2 * model.kv_size}  # fmt: skip
+
+
+def bert_heads_forward_flops(model: Any, seq_length: int | None = None) -> float:
+    """Forward FLOPs per token of what BERT adds to a GPT's layers and LM head: the masked-LM
+    transform on every position, and the pooler and binary classifier on each sequence's first."""
+    m = ModelShape.of(model)
+    h, s = m.hidden_size, seq_length or m.seq_length
+    return 2.0 * h * h + ((2.0 * h * h + 2.0 * h * 2) / s if m.binary_head else 0.0)
+
+
+def t5_forward_flops(model: Any) -> dict[str, float]:
+    """Forward FLOPs of one T5 sequence, by part: the encoder's layers on Te tokens, the decoder's
+    on Td (self- and cross-attention: K/V from Te tokens, scores Td×Te) and the LM head on Td."""
+    m = ModelShape.of(model)
+    te, td = m.seq_length, m.dec_seq_length
+    dec = layer_forward_flops(m, td)
+    cross = cross_attention_forward_flops(m)
+    kv = cross.pop("kv_per_encoder_token")
+    return {
+        "encoder": te * m.num_layers * sum(layer_forward_flops(m, te).values()),
+        "decoder": m.num_decoder_layers * (td * (sum(dec.values()) + sum(cross.values())) + te * kv),
+        "head": td * head_forward_flops(m),
     }
 
 
@@ -107,10 +169,18 @@ def lora_forward_flops(model: Any, lora: Any) -> float:
 
 def flops_per_token(model: Any, seq_length: int | None = None, lora: Any = None) -> float:
     """Forward + backward model FLOPs for one token at sequence length s. `lora`: the adapters of a
-    LoRA run (a LoRAConfig, LoRASpec or LoRAShape; default: model.lora where the model has one)."""
+    LoRA run (a LoRAConfig, LoRASpec or LoRAShape; default: model.lora where the model has one).
+    T5: a sequence's FLOPs (its own lengths) per encoder token."""
+    family = ModelShape.of(model).family
+    if family == "t5":
+        if lora is not None or getattr(model, "lora", None) is not None:
+            raise ValueError("LoRA FLOPs are counted for the GPT and BERT families, not T5")
+        return 3.0 * sum(t5_forward_flops(model).values()) / ModelShape.of(model).seq_length
     parts = layer_forward_flops(model, seq_length)
     layer = sum(parts.values())
     forward = model.num_layers * layer + head_forward_flops(model)
+    if family == "bert":
+        forward += bert_heads_forward_flops(model, seq_length)
     n_moe = num_moe_layers(model)
     if n_moe:
         forward += n_moe * (moe_mlp_forward_flops(model) - parts["mlp"])
@@ -125,6 +195,9 @@ def flops_per_token(model: Any, seq_length: int | None = None, lora: Any = None)
 def flops_per_iteration(
     model: Any, global_batch_size: int, seq_length: int | None = None, lora: Any = None
 ) -> float:
+    """Forward + backward model FLOPs of a step of global_batch_size sequences (T5: of its lengths)."""
+    if ModelShape.of(model).family == "t5":
+        seq_length = ModelShape.of(model).seq_length
     s = seq_length or model.seq_length
     return flops_per_token(model, s, lora) * global_batch_size * s
 

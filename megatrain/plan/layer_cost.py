@@ -9,6 +9,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
+from megatrain.plan.activation_memory import MLM_FRACTION
 from megatrain.plan.cost_constants import CostConstants, gemm_efficiency
 from megatrain.plan.flops import layer_forward_flops
 from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
@@ -36,10 +37,10 @@ def fp8_cast_bytes(model: ModelShape, tp: int, tokens: float) -> float:
     operand is read twice in 16 bits (its absolute maximum, then the cast) and written in 8, i.e. 5
     bytes per element. Inputs and weights are cast forward and again backward, output gradients
     twice in backward (for the input and the weight gradient)."""
-    h, f, fw, kv = model.hidden_size, model.ffn_hidden_size, model.fc1_width, model.kv_size
-    inputs = h + h / tp + h + f / tp  # qkv, proj, fc1, fc2 (a column-parallel input is whole)
-    grads = (h + 2 * kv) / tp + h + fw / tp + h
-    weights = h * (h + 2 * kv) / tp + h * h / tp + h * fw / tp + f * h / tp
+    h, f, fw, kv, q = model.hidden_size, model.ffn_hidden_size, model.fc1_width, model.kv_size, model.q_size
+    inputs = h + q / tp + h + f / tp  # qkv, proj, fc1, fc2 (a column-parallel input is whole)
+    grads = (q + 2 * kv) / tp + h + fw / tp + h
+    weights = h * (q + 2 * kv) / tp + q * h / tp + h * fw / tp + f * h / tp
     return 5.0 * (tokens * 2 * (inputs + grads) + 2 * weights)
 
 
@@ -65,7 +66,8 @@ def layer_costs(
 
     # One layer, one micro-batch, forward (backward is twice the GEMMs and the attention core).
     parts = layer_forward_flops(model, s)
-    fwd_attn_gemms = gemm(h, (h + 2 * model.kv_size) / tp, at=lp) + gemm(h / tp, h, at=lp)
+    q = model.q_size  # h, but where T5's kv_channels differ
+    fwd_attn_gemms = gemm(h, (q + 2 * model.kv_size) / tp, at=lp) + gemm(q / tp, h, at=lp)
     fwd_mlp = gemm(h, model.fc1_width / tp, at=lp) + gemm(model.ffn_hidden_size / tp, h, at=lp)
     head_dim = model.head_dim
     # Under cp each ring step computes a (s/cp × s/cp) block; balanced causal chunks give every
@@ -119,11 +121,14 @@ def layer_costs(
             model, tp, cp, ep, frozen, tokens, act, seq_div, gemm, lp, tp_sublayer, dense, recompute, pool, c
         )
 
-    # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last).
-    head = (2 if frozen else 3) * gemm(
-        h, model.vocab_size / tp
-    ) + tokens * 4 * model.vocab_size / tp * 3 / bandwidth
-    # (the head's GEMMs and the fp32 softmax/loss over (tokens, V/t))
+    # The slowest stage per micro-batch: its layers, plus the embedding (first) or head (last):
+    # the head's GEMMs and the fp32 softmax/loss over (rows, V/t). BERT scores only its masked rows,
+    # after the masked-LM transform (h → h) on every position of the rank's shard.
+    rows = MLM_FRACTION * tokens if model.family == "bert" else tokens
+    passes = 2 if frozen else 3
+    head = passes * gemm(h, model.vocab_size / tp, rows) + rows * 4 * model.vocab_size / tp * 3 / bandwidth
+    if model.family == "bert":
+        head += passes * gemm(h, h, tokens / seq_div) + 2 * elementwise
     edge_tp = 2 * (ag if sp else ar)  # vocab-parallel embedding forward, head input gather/grad
     return LayerCosts(layer_compute, layer_recompute, layer_tp, layer_cp, *moe, head, edge_tp)
 

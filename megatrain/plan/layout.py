@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from megatrain.plan.fp8 import fp8_problems
+from megatrain.plan.stacks import family_layout_problems, spec_decoder_layers
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 from megatrain.spec_attention import context_parallel_problem
 
@@ -354,9 +355,10 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     """Every rule `layout` breaks for `spec`'s model and batch, each naming its spec field."""
     m, tr = spec.model, spec.training
     return [
+        *family_layout_problems(m, layout),
         *model_problems(
             layout,
-            num_layers=m.num_layers,
+            num_layers=m.num_layers + spec_decoder_layers(m),  # (T5's pipeline splits both stacks)
             num_attention_heads=m.num_attention_heads,
             num_query_groups=m.query_groups,
             ffn_hidden_size=m.ffn_size,

@@ -24,6 +24,11 @@ Context parallelism divides every per-token tensor by cp (a rank holds seq_lengt
 sequence); ring attention adds only transient K/V blocks. MoE layers' activations follow
 megatrain.plan.moe_memory (routed tokens × router_topk, bounded by the capacity factor when set).
 
+The encoder families: BERT's layers save what GPT-2's do (bidirectional attention keeps the same
+tensors as causal); its last stage holds the masked-LM transform and scores only the masked rows
+(megatrain.plan.activation_memory). T5's encoder and decoder stacks, cross-attention, the encoder
+output every decoder stage holds and the position-bias masks: megatrain.plan.t5_memory.
+
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"): per layer and micro-batch sbh(34 + 5as/h) bytes at 16 bits, tensor-parallel parts divided
 by t, everything divided by t with sequence parallelism, selective recompute dropping the 5as/h
@@ -77,6 +82,7 @@ from megatrain.plan.shapes import (
     stage_params,
 )
 from megatrain.plan.startup_memory import startup_phases
+from megatrain.plan.t5_memory import T5StepActivations
 from megatrain.spec import ParallelismSpec
 
 if TYPE_CHECKING:
@@ -282,6 +288,10 @@ def estimate_memory(
         selective=recompute == "selective", fp8=precision == "fp8", fused_loss=fused_loss,
     )  # fmt: skip
     tokens = acts.tokens
+    # T5: its encoder's layers over Te tokens (acts) and its decoder's over Td (megatrain.plan.t5_memory).
+    t5 = None
+    if m.family == "t5":
+        t5 = T5StepActivations.of(acts, cp=cp, attention=attention, selective=recompute == "selective")
     shard = dp * cp if distributed_optimizer else 1
     expert_shard = shard // ep if distributed_optimizer else 1  # the expert-data-parallel group
 
@@ -295,13 +305,19 @@ def estimate_memory(
         if num_microbatches is not None:
             chunks = chunks_in_flight(pipeline_schedule, pp, stage, num_microbatches, virtual_stages)
             in_flight = chunks / virtual_stages  # in whole-stage micro-batches
-        n_layers = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
+        n_layers = layers_on_stage(m.total_layers, pp, stage, pipeline_layers)
         n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
         n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
-        stored, transients = acts.stage(
-            first=stage == 0, last=stage == pp - 1, n_layers=n_layers, n_moe=n_moe, n_ckpt=n_ckpt,
-            in_flight=in_flight,
-        )  # fmt: skip
+        if t5 is not None:
+            stored, transients = t5.stage(
+                stage, pp, pipeline_layers, recompute=recompute, recompute_every=recompute_every,
+                in_flight=in_flight,
+            )  # fmt: skip
+        else:
+            stored, transients = acts.stage(
+                first=stage == 0, last=stage == pp - 1, n_layers=n_layers, n_moe=n_moe, n_ckpt=n_ckpt,
+                in_flight=in_flight,
+            )  # fmt: skip
         if cp > 1 and n_layers:
             # Ring attention's backward: the K/V block in use and the next, and fp32 dK/dV (tp-split heads).
             transients["ring_attention"] = tokens * m.kv_size * (4 * act + 8) / tp

@@ -9,6 +9,10 @@ every candidate that breaks a layout rule (megatrain.plan.layout) or cannot fit
 and returns the fastest, its runners-up and the rejected ones with their reasons. A spec with an
 explicit `parallelism` gets the prediction for its layout.
 
+BERT is planned as GPT is. T5 gets no cp and no virtual stages (the engine refuses them) and, with
+pp > 1, the split of its encoder and decoder layers over the stages that balances their time
+(megatrain.plan.t5_cost.t5_pipeline_layers), written into the layout's pipeline_layers.
+
 Fast by pruning, not by sampling: a model-state lower bound per (tp, cp, pp, ep, distributed
 optimizer) rejects whole families before any activation estimate; the survivors are scored by the
 cheap cost model and only then, fastest first, given the full memory estimate until enough fit;
@@ -56,6 +60,8 @@ from megatrain.plan.shapes import (
     param_counts,
     shape_of_spec,
 )
+from megatrain.plan.stacks import family_layout_problems, stack_layers_on_stage
+from megatrain.plan.t5_cost import t5_pipeline_layers
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
 HEADROOM = 0.9
@@ -161,9 +167,12 @@ class _Search:
         cp = 2
         while tp * cp <= self.devices:
             if (self.devices // tp) % cp == 0:
-                problems = model_problems(Layout(tp=tp, cp=cp), seq_length=s, model="model.", par="")
-                # Ring attention runs no dropout and only its own attention blocks.
-                unsupported = context_problems(Layout(tp=tp, cp=cp), m.attention_dropout, m.attention_backend)
+                lay = Layout(tp=tp, cp=cp)
+                problems = model_problems(lay, seq_length=s, model="model.", par="")
+                # Ring attention runs no dropout, only its own attention blocks, and no T5.
+                unsupported = family_layout_problems(m, lay) or context_problems(
+                    lay, m.attention_dropout, m.attention_backend
+                )
                 if problems:
                     self.reject("divisibility", problems[0]["message"], cp=cp)
                 elif unsupported:
@@ -239,8 +248,9 @@ class _Search:
                 continue
             for cp in self.cp_options(tp):
                 for pp in divisors(self.devices // (tp * cp)):
-                    if pp > m.num_layers:  # (uneven splits are planned: see balanced_layers)
-                        self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}")
+                    if pp > m.total_layers:  # (uneven splits are planned: see balanced_layers)
+                        dec = f" + {m.num_decoder_layers} decoder layers" if m.num_decoder_layers else ""
+                        self.reject("divisibility", f"pp={pp} exceeds model.num_layers={m.num_layers}{dec}")
                         continue
                     dp = self.devices // (tp * cp * pp)
                     gbs, mbs = self.spec.training.global_batch_size, self.fixed_micro_batch
@@ -277,11 +287,12 @@ class _Search:
             )
             return out
         every = self.settings(Choice(Layout(), 1, "full", dist_opt)).recompute_every
-        sp_ok = tp > 1 and not model_problems(
-            Layout(tp=tp, cp=cp, sequence_parallel=True), seq_length=m.seq_length
-        )
+        sp_lay = Layout(tp=tp, cp=cp, sequence_parallel=True)
+        sp_ok = tp > 1 and not model_problems(sp_lay, seq_length=m.seq_length)
+        sp_ok = sp_ok and not family_layout_problems(self.spec.model, sp_lay)
         sps = (True, False) if sp_ok else (False,)
         vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
+        vs = [1] if m.family == "t5" else vs  # (no interleaved schedule for T5)
         saved = {sp: saved_per_token(m, self.precision, tp, sp) for sp in sps}
         # The spec's micro-batch size when it gives one (families checked it divides per_rank).
         auto = [n for n in divisors(per_rank) if pairs_whole(self.spec, n)]
@@ -297,6 +308,10 @@ class _Search:
                 n = layers_on_stage(m.num_layers, pp, 0, split)
                 n_moe = moe_layers_on_stage(m, pp, 0, split, v)
                 for sp in sps:
+                    if m.family == "t5":  # encoder stages, then decoder stages; the bound: the encoder's
+                        split = t5_pipeline_layers(m, self.pool, self.precision, tp=tp, pp=pp, sp=sp,
+                                                   micro_batch_size=mbs)  # fmt: skip
+                        n = stack_layers_on_stage(m, pp, 0, split)[0]
                     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v,
                                  sequence_parallel=sp, pipeline_layers=split)  # fmt: skip
                     for rc in RECOMPUTE_ORDER:

@@ -11,7 +11,16 @@ A LoRA run (training.method lora, megatrain.engine.lora) freezes the whole model
 expert, and with target experts an adapter per routed expert on each stacked weight): parts is 3
 for a Llama-family qkv (q, k, v), 1 for GPT-2's fused c_attn, 2 for a gated fc1 (gate, up). Under
 tp each adapter is split like its base: column-parallel (qkv, fc1) B split and A replicated,
-row-parallel (proj, fc2) A split and B replicated."""
+row-parallel (proj, fc2) A split and B replicated.
+
+The encoder families (ModelShape.family, megatrain.plan.stacks for where their edges sit): "bert"
+is GPT-2's layer (biases, LayerNorm, exact-GELU 4h MLP) attending both ways, with token-type
+embeddings and the masked-LM and binary heads. "t5" is an encoder of num_layers layers over
+seq_length tokens and a decoder of num_decoder_layers over decoder_seq_length, RMSNorm without
+biases, heads of kv_channels (heads·kv_channels may differ from hidden_size); each decoder layer
+adds cross-attention (q from the decoder, k and v from the encoder's output, its own norm).
+Parameter counts equal transformers' BertForPreTraining and T5ForConditionalGeneration
+(tests/plan/test_plan_families.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatrain.plan.stacks import (
+    bert_edge_params,
+    family_fields,
+    stack_layers_on_stage,
+    t5_config_fields,
+    t5_edge_params,
+)
+
 if TYPE_CHECKING:
     from megatrain.spec import JobSpec
+
 
 BYTE_TOKENIZER_VOCAB = 257
 """The byte tokenizer's vocabulary: 256 byte values and end-of-document (engine/data/tokenizers.py)."""
@@ -96,10 +114,11 @@ class ModelShape:
     vocab_size: int
     """Padded embedding rows."""
     seq_length: int
-    activation: Literal["gelu", "swiglu", "geglu"] = "swiglu"
+    activation: Literal["gelu", "swiglu", "geglu", "relu"] = "swiglu"
     tie_embeddings: bool = False
     add_bias: bool = False
-    position_embedding: Literal["learned", "rope"] = "rope"
+    position_embedding: Literal["learned", "rope", "relative"] = "rope"
+    """relative: T5's bucketed position biases (no position embedding)."""
     normalization: Literal["layernorm", "rmsnorm"] | None = None
     """None: layernorm with GELU (GPT-2), rmsnorm with SwiGLU (Llama)."""
     hidden_dropout: float = 0.0
@@ -108,6 +127,22 @@ class ModelShape:
     """None: every layer has the dense MLP."""
     lora: LoRAShape | None = None
     """training.method lora: every weight above is frozen and only these adapters train; None: all train."""
+    family: Literal["gpt", "bert", "t5"] = "gpt"
+    """gpt: a causal decoder (gpt2, llama); bert: a two-way encoder and its heads; t5: encoder-decoder."""
+    kv_channels: int | None = None
+    """Each head's width; None: hidden_size / num_attention_heads."""
+    num_decoder_layers: int = 0
+    """T5's decoder layers (num_layers is the encoder's)."""
+    decoder_seq_length: int | None = None
+    """T5's decoder (target) length; None: seq_length."""
+    relative_attention_num_buckets: int = 32
+    """T5: rows of each stack's position-bias table (buckets × heads)."""
+    num_tokentypes: int = 0
+    """BERT's token-type embeddings."""
+    binary_head: bool = False
+    """BERT's pooler and two-way classifier."""
+    post_layernorm: bool = False
+    """BERT's original norm order: a norm after the embeddings instead of a final one."""
 
     def __post_init__(self) -> None:
         if self.moe is not None and not isinstance(self.moe, MoEShape):  # a dict, MoESpec or MoEConfig
@@ -117,6 +152,8 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: Any) -> ModelShape:
+        """From a dict, the engine's TransformerConfig (bidirectional: BERT) or T5Config, or anything
+        with these fields."""
         if isinstance(model, ModelShape):
             return model
         names = [f.name for f in fields(cls)]
@@ -124,6 +161,10 @@ class ModelShape:
             values = {k: model[k] for k in names if k in model}
         else:
             values = {k: getattr(model, k) for k in names if hasattr(model, k)}
+        if "family" not in values and hasattr(model, "encoder_seq_length"):  # the engine's T5Config
+            values |= t5_config_fields(model)
+        elif "family" not in values and getattr(model, "bidirectional", False):
+            values["family"] = "bert"
         return cls(**values)
 
     @property
@@ -134,7 +175,22 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        """The queries' (and attention output's) width: hidden_size but where T5's kv_channels differ."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def total_layers(self) -> int:
+        """Every layer a pipeline splits: T5's encoder and decoder layers end to end."""
+        return self.num_layers + self.num_decoder_layers
+
+    @property
+    def dec_seq_length(self) -> int:
+        """T5's decoder length (seq_length where unset)."""
+        return self.decoder_seq_length or self.seq_length
 
     @property
     def kv_size(self) -> int:
@@ -160,23 +216,26 @@ def shape_of_spec(spec: JobSpec, tokenizer_vocab: int) -> ModelShape:
     """The shapes of the model a spec builds (as megatrain.engine.config.transformer_config does)."""
     m = spec.model
     gpt2 = m.arch == "gpt2"
+    flavour = family_fields(m) or {
+        "num_query_groups": m.query_groups,
+        "activation": m.mlp_activation,
+        "tie_embeddings": m.tied,
+        "add_bias": gpt2,
+        "position_embedding": "learned" if gpt2 else "rope",
+        "normalization": "layernorm" if gpt2 else "rmsnorm",
+        "moe": MoEShape.of(m.moe, m.ffn_size),
+    }
     return ModelShape(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.query_groups,
         ffn_hidden_size=m.ffn_size,
         vocab_size=m.padded_vocab(tokenizer_vocab),
         seq_length=m.seq_length,
-        activation=m.mlp_activation,
-        tie_embeddings=m.tied,
-        add_bias=gpt2,
-        position_embedding="learned" if gpt2 else "rope",
-        normalization="layernorm" if gpt2 else "rmsnorm",
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
-        moe=MoEShape.of(m.moe, m.ffn_size),
         lora=lora_of_spec(spec),
+        **flavour,
     )
 
 
@@ -198,16 +257,21 @@ def mlp_params(m: ModelShape, ffn: int, tp: int) -> int:
     return (h * fw + ffn * h) // tp + ((fw // tp + h) if m.add_bias else 0)
 
 
-def layer_params(m: ModelShape, tp: int, moe: bool = False) -> int:
+def layer_params(m: ModelShape, tp: int, moe: bool = False, decoder: bool = False) -> int:
     """One transformer layer's parameters on a tensor-parallel rank (column/row splits of the
     linears), the routed experts excepted (expert_params): attention, norms and the dense MLP, or
-    for an MoE layer (moe=True) its router and shared expert instead of the MLP."""
-    h, kv = m.hidden_size, m.kv_size
-    attention = (h * (h + 2 * kv) + h * h) // tp
-    norms = 2 * h * (2 if m.norm == "layernorm" else 1)  # replicated over tp
+    for an MoE layer (moe=True) its router and shared expert instead of the MLP. decoder: a T5
+    decoder layer, with cross-attention (q, kv, proj: self-attention's shapes) and its norm."""
+    h, q, kv = m.hidden_size, m.q_size, m.kv_size
+    attention = (h * (q + 2 * kv) + q * h) // tp
+    norm = h * (2 if m.norm == "layernorm" else 1)  # replicated over tp
+    norms = 2 * norm
+    if decoder:
+        attention *= 2
+        norms += norm
     if m.add_bias:
         # Column-parallel biases (qkv) are split; row-parallel ones (proj) are replicated.
-        attention += (h + 2 * kv) // tp + h
+        attention += (q + 2 * kv) // tp + h
     if not moe or m.moe is None:
         return attention + norms + mlp_params(m, m.ffn_hidden_size, tp)
     shared = m.moe.shared_expert_ffn_hidden_size
@@ -234,6 +298,13 @@ def stage_params(
 ) -> dict[str, int]:
     """Parameters of one pipeline stage's (tensor, expert)-parallel rank, by part: "experts" holds
     the routed experts (sharded over ep, their gradients reduced over dp·cp/ep), the rest dp·cp's."""
+    if m.family == "bert":
+        n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
+        return {"layers": n * layer_params(m, tp)} | bert_edge_params(m, tp, pp, stage)
+    if m.family == "t5":
+        n_enc, n_dec = stack_layers_on_stage(m, pp, stage, pipeline_layers)
+        layers = n_enc * layer_params(m, tp) + n_dec * layer_params(m, tp, decoder=True)
+        return {"layers": layers} | t5_edge_params(m, tp, pp, stage, pipeline_layers)
     h, v = m.hidden_size, m.vocab_size
     first, last = stage == 0, stage == pp - 1
     n = layers_on_stage(m.num_layers, pp, stage, pipeline_layers)
