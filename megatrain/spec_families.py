@@ -86,3 +86,31 @@ def family_problems(model: Any) -> list[Problem]:
     if model.arch == "t5" and model.qkv_bias:
         out.append(_rule("model.qkv_bias", "arch t5 has no biases: model.qkv_bias must be unset"))
     return out
+
+
+DECODER_KINDS = ("dpo", "serve", "eval")
+"""Kinds that need a causal LM (preference pairs, text generation, lm-eval's log-likelihoods)."""
+
+
+def bert_job_problems(spec: Any) -> list[Problem]:
+    """The rules between arch bert and the rest of a job spec, each naming its field."""
+    if spec.model.arch != "bert":
+        return []
+    out: list[Problem] = []
+    if spec.kind in DECODER_KINDS:
+        why = f"kind {spec.kind} needs a decoder (arch gpt2 or llama); arch bert pretrains or fine-tunes"
+        out.append(_rule("kind", why))
+    if spec.data.tokenizer.type != "hf":
+        why = (
+            "arch bert needs data.tokenizer type hf: a WordPiece tokenizer.json with [CLS], [SEP] and [MASK]"
+        )
+        out.append(_rule("data.tokenizer", why))
+    if spec.data.packing:
+        out.append(_rule("data.packing", "arch bert makes sentence-pair samples: data.packing must be unset"))
+    if spec.training.method != "full":
+        why = f"training.method {spec.training.method} is for arch gpt2 and llama; arch bert trains in full"
+        out.append(_rule("training.method", why))
+    if spec.training.eval_tasks:
+        why = "training.eval_tasks are lm-eval tasks for a decoder; arch bert reports its validation loss"
+        out.append(_rule("training.eval_tasks", why))
+    return out

@@ -364,3 +364,49 @@ def test_round_trip_through_json(raw: dict[str, Any]) -> None:
     again = parse_spec(json.loads(text))
     assert again == spec
     assert dump_spec(again) == text  # stable, so it can be stored and compared
+
+
+BERT = {
+    **copy.deepcopy(BASE),
+    "model": {"arch": "bert"},
+    "data": {
+        "train": [{"path": "file:///data/corpus.jsonl"}],
+        "tokenizer": {"type": "hf", "path": "/t.json"},
+    },
+}
+# (changes to a valid BERT spec, the one field its error names, text the message must contain)
+FAMILY_RULES: list[tuple[dict[str, Any], str, str]] = [
+    ({"data": {**BERT["data"], "tokenizer": {"type": "byte"}}}, "data.tokenizer", "WordPiece"),
+    ({"kind": "dpo", "model": {"arch": "bert", "init_from": "hf:/models/bert"}}, "kind", "needs a decoder"),
+    (
+        {
+            "kind": "eval",
+            "model": {"arch": "bert", "init_from": "hf:/models/bert"},
+            "eval": {"tasks": ["x"]},
+            "data": {"tokenizer": {"type": "hf", "path": "/t.json"}},
+        },
+        "kind",
+        "needs a decoder",
+    ),  # fmt: skip
+    ({"training": {"method": "lora"}}, "training.method", "trains in full"),
+    ({"data": {**BERT["data"], "packing": True}}, "data.packing", "sentence-pair"),
+    ({"training": {"eval_tasks": ["file:///t.yaml"]}}, "training.eval_tasks", "lm-eval"),
+    ({"model": {"arch": "bert", "moe": {"num_experts": 4}}}, "model.moe", "not available for arch bert"),
+    ({"model": {"arch": "bert", "activation": "swiglu"}}, "model.activation", "GELU"),
+    ({"model": {"arch": "llama", "bert": {"binary_head": False}}}, "model.bert", "only for arch bert"),
+    ({"model": {"arch": "bert", "t5": {}}}, "model.t5", "only for arch t5"),
+]
+
+
+def test_a_bert_spec_takes_the_arch_s_defaults() -> None:
+    spec = parse_spec(BERT)
+    m = spec.model
+    assert m.ffn_size == 4 * m.hidden_size and m.mlp_activation == "gelu" and m.tied
+    assert m.bert_block.binary_head and not m.bert_block.post_layernorm and m.bert_block.num_tokentypes == 2
+
+
+@pytest.mark.parametrize(("changes", "field", "text"), FAMILY_RULES)
+def test_family_rules_name_their_field(changes: dict[str, Any], field: str, text: str) -> None:
+    errors = errors_of({**copy.deepcopy(BERT), **changes})
+    assert [e["field"] for e in errors] == [field], errors
+    assert text in errors[0]["message"], errors
