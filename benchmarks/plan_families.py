@@ -42,6 +42,10 @@ RUNS = [("BERT-large", BERT_LARGE, 8, 256), ("T5-11B", T5_11B, 8, 512), ("T5-11B
 """(name, model, GPUs, global batch in sequences)."""
 
 
+WORDPIECE = {"tokenizer": {"type": "hf", "path": "/tokenizers/wordpiece.json"}}
+"""BERT and T5 read a WordPiece vocabulary (the spec's rule; the planner reads no file)."""
+
+
 def h100_pool(gpus: int) -> PoolSpec:
     return PoolSpec(
         name="h100", accelerator="NVIDIA H100 80GB HBM3", device_memory_bytes=80 * GiB,
@@ -52,7 +56,7 @@ def h100_pool(gpus: int) -> PoolSpec:
 
 def job(model: dict[str, Any], global_batch_size: int) -> JobSpec:
     raw = {
-        "name": "plan-families", "model": model, "data": {"train": [{"dataset": "corpus"}]},
+        "name": "plan-families", "model": model, "data": {"train": [{"dataset": "corpus"}], **WORDPIECE},
         "training": {"global_batch_size": global_batch_size, "micro_batch_size": "auto", "precision": "bf16"},
     }  # fmt: skip
     sink: list[dict[str, str]] = []
