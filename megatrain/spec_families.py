@@ -69,10 +69,6 @@ def family_problems(model: Any) -> list[Problem]:
     if model.arch == "t5" and model.activation is not None:
         why = "arch t5 sets its MLP with model.t5.feed_forward (relu or gated-gelu), not model.activation"
         out.append(_rule("model.activation", why))
-    if model.arch == "t5":
-        # The engine's T5 model and its Hugging Face interop exist (models.t5); its training loop,
-        # data and layouts land next: until then a job is refused here, not at its first step.
-        out.append(_rule("model.arch", "arch t5 cannot be trained yet (its training loop is not wired)"))
     t5 = model.t5
     if t5 is not None and t5.relative_attention_num_buckets < 4:
         why = "model.t5.relative_attention_num_buckets must be at least 4 (2 exact buckets per direction)"
@@ -88,8 +84,9 @@ def family_problems(model: Any) -> list[Problem]:
     return out
 
 
-DECODER_KINDS = ("dpo", "serve", "eval")
-"""Kinds that need a causal LM (preference pairs, text generation, lm-eval's log-likelihoods)."""
+DECODER_KINDS = ("dpo", "eval")
+"""Kinds that need a causal LM (preference pairs, lm-eval's log-likelihoods). A BERT serves
+embeddings (kind serve: OpenAI's /v1/embeddings)."""
 
 
 def bert_job_problems(spec: Any) -> list[Problem]:
@@ -98,7 +95,7 @@ def bert_job_problems(spec: Any) -> list[Problem]:
         return []
     out: list[Problem] = []
     if spec.kind in DECODER_KINDS:
-        why = f"kind {spec.kind} needs a decoder (arch gpt2 or llama); arch bert pretrains or fine-tunes"
+        why = f"kind {spec.kind} needs a decoder (arch gpt2 or llama); arch bert pretrains, fine-tunes or serves"
         out.append(_rule("kind", why))
     if spec.data.tokenizer.type != "hf":
         why = (
@@ -113,4 +110,56 @@ def bert_job_problems(spec: Any) -> list[Problem]:
     if spec.training.eval_tasks:
         why = "training.eval_tasks are lm-eval tasks for a decoder; arch bert reports its validation loss"
         out.append(_rule("training.eval_tasks", why))
+    return out
+
+
+T5_ATTENTION_BACKENDS = ("auto", "sdpa")
+"""T5's attention runs torch's SDPA: its relative position biases enter as an additive float mask."""
+
+
+def t5_job_problems(spec: Any) -> list[Problem]:
+    """The rules between arch t5 and the rest of a job spec, each naming its field: it pretrains
+    (span corruption) or fine-tunes (text to text), in full, from an hf tokenizer, one pair per row,
+    without recompute, compile or fp8 (the engine's T5 runs none of them yet)."""
+    if spec.model.arch != "t5":
+        return []
+    out: list[Problem] = []
+    t = spec.training
+    if spec.kind in DECODER_KINDS:
+        why = f"kind {spec.kind} needs a decoder (arch gpt2 or llama); arch t5 pretrains or fine-tunes"
+        out.append(_rule("kind", why))
+    if spec.data.tokenizer.type != "hf":
+        why = (
+            "arch t5 needs data.tokenizer type hf: a tokenizer.json with an end token ([EOS] or </s>) "
+            "and, to pretrain, [CLS] [SEP] [MASK] [BOS] and the <extra_id_N> sentinels"
+        )
+        out.append(_rule("data.tokenizer", why))
+    if spec.data.packing:
+        out.append(
+            _rule("data.packing", "arch t5 trains one input/target pair per row: data.packing must be unset")
+        )
+    if t.method != "full":
+        out.append(
+            _rule(
+                "training.method",
+                f"training.method {t.method} is not available for arch t5 (it trains in full)",
+            )
+        )
+    if t.eval_tasks:
+        why = "training.eval_tasks are lm-eval tasks for a decoder; arch t5 reports its validation loss"
+        out.append(_rule("training.eval_tasks", why))
+    unsupported = {
+        "training.recompute": (t.recompute != "none", f"training.recompute {t.recompute}"),
+        "training.compile": (t.compile, "training.compile"),
+        "training.precision": (t.precision == "fp8", "training.precision fp8"),
+    }
+    for field, (broken, what) in unsupported.items():
+        if broken:
+            out.append(_rule(field, f"{what} is not available for arch t5 yet"))
+    if spec.model.attention_backend not in T5_ATTENTION_BACKENDS:
+        why = (
+            f"model.attention_backend {spec.model.attention_backend} is not available for arch t5: it runs "
+            "torch's SDPA (its position biases are an additive mask); use auto or sdpa"
+        )
+        out.append(_rule("model.attention_backend", why))
     return out
