@@ -95,7 +95,7 @@ def bert_job_problems(spec: Any) -> list[Problem]:
         return []
     out: list[Problem] = []
     if spec.kind in DECODER_KINDS:
-        why = f"kind {spec.kind} needs a decoder (arch gpt2 or llama); arch bert pretrains, fine-tunes or serves"
+        why = f"kind {spec.kind} needs a decoder (gpt2 or llama); arch bert pretrains, fine-tunes or serves"
         out.append(_rule("kind", why))
     if spec.data.tokenizer.type != "hf":
         why = (
