@@ -37,7 +37,7 @@ from megatrain.spec_errors import (
     report_rules,
 )
 from megatrain.spec_eval import EvalSpec
-from megatrain.spec_families import BertSpec, T5Spec, bert_job_problems, family_problems
+from megatrain.spec_families import BertSpec, T5Spec, bert_job_problems, family_problems, t5_job_problems
 from megatrain.spec_layout import ParallelismSpec, ResourcesSpec
 from megatrain.spec_lora import LoRASpec, absent_targets
 from megatrain.spec_moe import MoESpec
@@ -418,7 +418,7 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _preference(self, info: ValidationInfo) -> JobSpec:
-        report_rules(info, dpo_problems(self) + bert_job_problems(self))
+        report_rules(info, dpo_problems(self) + bert_job_problems(self) + t5_job_problems(self))
         return self
 
     @model_validator(mode="after")

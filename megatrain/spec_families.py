@@ -125,7 +125,7 @@ def t5_job_problems(spec: Any) -> list[Problem]:
         return []
     out: list[Problem] = []
     t = spec.training
-    if spec.kind in DECODER_KINDS:
+    if spec.kind in (*DECODER_KINDS, "serve"):  # (its generation has no server yet)
         why = f"kind {spec.kind} needs a decoder (arch gpt2 or llama); arch t5 pretrains or fine-tunes"
         out.append(_rule("kind", why))
     if spec.data.tokenizer.type != "hf":

@@ -32,6 +32,11 @@ class ParallelismSpec(Strict):
     pipeline_layers: list[Annotated[int, Field(ge=0)]] | None = None
     """Explicit layers per model chunk (pp × virtual_stages entries, chunk v·pp + stage), summing to
     model.num_layers; default an even split, which needs num_layers divisible by pp × virtual_stages."""
+    pipeline_split_rank: int | None = Field(None, ge=1, le=1023)
+    """model.arch t5: the first decoder stage (Megatron's pipeline_model_parallel_split_rank): the
+    encoder's layers spread over stages [0, split), the decoder's over [split, pp). None: where
+    pipeline_layers (encoder stages first), else an even split of all the layers, puts the
+    boundary: pp // 2 for an encoder and decoder of equal depth."""
     pipeline_schedule: Literal["1f1b", "all_forward_all_backward"] = "1f1b"
     """1f1b (interleaved when virtual_stages > 1) keeps at most pp micro-batches in flight;
     all_forward_all_backward (GPipe) keeps all of them."""

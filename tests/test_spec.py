@@ -410,3 +410,102 @@ def test_family_rules_name_their_field(changes: dict[str, Any], field: str, text
     errors = errors_of({**copy.deepcopy(BERT), **changes})
     assert [e["field"] for e in errors] == [field], errors
     assert text in errors[0]["message"], errors
+
+
+T5 = {
+    **copy.deepcopy(BASE),
+    "model": {"arch": "t5", "num_layers": 2},
+    "data": {
+        "train": [{"path": "file:///data/corpus.jsonl"}],
+        "tokenizer": {"type": "hf", "path": "/t.json"},
+    },
+}
+# (changes to a valid T5 spec, the one field its error names, text the message must contain)
+T5_RULES: list[tuple[dict[str, Any], str, str]] = [
+    ({"data": {**T5["data"], "tokenizer": {"type": "byte"}}}, "data.tokenizer", "sentinels"),
+    ({"kind": "dpo", "model": {"arch": "t5", "init_from": "hf:/models/t5"}}, "kind", "needs a decoder"),
+    (
+        {
+            "kind": "serve",
+            "model": {"arch": "t5", "init_from": "hf:/models/t5"},
+            "data": {"tokenizer": "hf:/t.json"},
+        },
+        "kind",
+        "decoder",
+    ),  # fmt: skip
+    ({"training": {"method": "lora"}}, "training.method", "trains in full"),
+    ({"data": {**T5["data"], "packing": True}}, "data.packing", "one input/target pair"),
+    ({"training": {"eval_tasks": ["file:///t.yaml"]}}, "training.eval_tasks", "lm-eval"),
+    ({"training": {"recompute": "full"}}, "training.recompute", "not available for arch t5"),
+    ({"training": {"compile": True}}, "training.compile", "not available for arch t5"),
+    ({"model": {"arch": "t5", "attention_backend": "flex"}}, "model.attention_backend", "SDPA"),
+    ({"model": {"arch": "t5", "moe": {"num_experts": 4}}}, "model.moe", "not available for arch t5"),
+    ({"model": {"arch": "t5", "activation": "gelu"}}, "model.activation", "model.t5.feed_forward"),
+    ({"parallelism": {"pp": 2, "cp": 2, "dp": 1}}, "parallelism.cp", "model.arch t5"),
+    ({"parallelism": {"pp": 2, "virtual_stages": 2, "dp": 1}}, "parallelism.virtual_stages", "model.arch t5"),
+    ({"parallelism": {"pp": 2, "pipeline_split_rank": 2, "dp": 1}}, "parallelism.pipeline_split_rank", "[1,"),
+    ({"parallelism": {"pipeline_split_rank": 1}}, "parallelism.pipeline_split_rank", "pp > 1"),
+    (
+        {"parallelism": {"pp": 4, "pipeline_split_rank": 3, "dp": 1}},
+        "parallelism.pipeline_split_rank",
+        "every stage needs a layer",
+    ),  # fmt: skip
+    (
+        {"parallelism": {"pp": 2, "pipeline_split_rank": 1, "pipeline_layers": [1, 3], "dp": 1}},
+        "parallelism.pipeline_layers",
+        "boundary",
+    ),  # fmt: skip
+]
+
+
+def test_a_t5_spec_trains_and_takes_the_arch_s_defaults() -> None:
+    """arch t5 pretrains and fine-tunes (no "not wired" refusal): gated GELU, an untied head."""
+    spec = parse_spec(T5)
+    m = spec.model
+    assert m.mlp_activation == "geglu" and not m.tied and m.t5_block.decoder_seq_length is None
+    assert (
+        parse_spec({**T5, "kind": "finetune", "model": {**T5["model"], "init_from": "hf:/models/t5"}}).kind
+        == "finetune"
+    )
+
+
+@pytest.mark.parametrize(("changes", "field", "text"), T5_RULES)
+def test_t5_rules_name_their_field(changes: dict[str, Any], field: str, text: str) -> None:
+    from megatrain.plan.layout import resolve_layout
+
+    raw = {**copy.deepcopy(T5), **changes}
+    if "parallelism" in changes:  # a layout rule: the spec itself is valid, its layout is not
+        with pytest.raises(SpecError) as info:
+            resolve_layout(parse_spec(raw))
+        errors = info.value.errors
+    else:
+        errors = errors_of(raw)
+    assert [e["field"] for e in errors] == [field], errors
+    assert text in errors[0]["message"], errors
+
+
+def test_pipeline_split_rank_is_for_t5() -> None:
+    from megatrain.plan.layout import resolve_layout
+
+    raw = {**copy.deepcopy(BASE), "parallelism": {"pp": 2, "pipeline_split_rank": 1, "dp": 1}}
+    with pytest.raises(SpecError) as info:
+        resolve_layout(parse_spec(raw))
+    assert [e["field"] for e in info.value.errors] == ["parallelism.pipeline_split_rank"]
+    assert "only for model.arch t5" in info.value.errors[0]["message"]
+
+
+def test_pipeline_split_rank_becomes_the_layouts_pipeline_layers() -> None:
+    """The encoder's layers over the stages before the split, the decoder's over the rest; without
+    it, the layout's own boundary (pp // 2 for stacks of equal depth)."""
+    from megatrain.plan.layout import resolve_layout
+    from megatrain.plan.split_rank import layout_split_rank
+
+    def layout(**par: Any) -> Any:
+        return resolve_layout(parse_spec({**copy.deepcopy(T5), "parallelism": {"dp": 1, **par}}))
+
+    lay = layout(pp=3, pipeline_split_rank=2)
+    assert lay.pipeline_layers == (1, 1, 2) and layout_split_rank(2, 2, lay) == 2
+    lay = layout(pp=3, pipeline_split_rank=1)
+    assert lay.pipeline_layers == (2, 1, 1) and layout_split_rank(2, 2, lay) == 1
+    assert layout(pp=2).pipeline_layers is None and layout_split_rank(2, 2, layout(pp=2)) == 1
+    assert layout_split_rank(2, 2, layout(pp=1)) is None

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from megatrain.plan.fp8 import fp8_problems
+from megatrain.plan.split_rank import split_pipeline_layers, split_rank_problems
 from megatrain.plan.stacks import family_layout_problems, spec_decoder_layers
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 from megatrain.spec_attention import context_parallel_problem
@@ -356,6 +357,7 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     m, tr = spec.model, spec.training
     return [
         *family_layout_problems(m, layout),
+        *split_rank_problems(spec, layout),
         *model_problems(
             layout,
             num_layers=m.num_layers + spec_decoder_layers(m),  # (T5's pipeline splits both stacks)
@@ -452,7 +454,7 @@ def resolve_layout(spec: JobSpec, world_size: int | None = None) -> Layout:
         virtual_stages=par.virtual_stages,
         sequence_parallel=par.sequence_parallel,
         pipeline_schedule=par.pipeline_schedule,
-        pipeline_layers=tuple(par.pipeline_layers) if par.pipeline_layers is not None else None,
+        pipeline_layers=split_pipeline_layers(spec, par),  # (T5's pipeline_split_rank lands there)
     )
     problems += layout_problems(spec, layout)
     if problems:
