@@ -9,6 +9,7 @@ from typing import Any
 
 BINARY_ARCHITECTURES = ("BertForPreTraining", "BertForNextSentencePrediction")
 """Checkpoints whose pooler and next-sentence classifier our binary head holds."""
+CLASSIFIER = "BertForSequenceClassification"
 
 
 def bert_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -35,9 +36,15 @@ def bert_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         "bert": {
             "post_layernorm": True,
             "num_tokentypes": config.get("type_vocab_size", 2),
-            "binary_head": any(a in BINARY_ARCHITECTURES for a in architectures),
+            "binary_head": any(a in BINARY_ARCHITECTURES + (CLASSIFIER,) for a in architectures),
+            **({"num_labels": _num_labels(config)} if CLASSIFIER in architectures else {}),
         },
     }
+
+
+def _num_labels(config: Mapping[str, Any]) -> int:
+    """A classifier's labels, as transformers' PretrainedConfig counts them."""
+    return int(config.get("num_labels") or len(config.get("id2label") or {}) or 2)
 
 
 def bert_config(m: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,8 +60,18 @@ def bert_config(m: Mapping[str, Any]) -> dict[str, Any]:
         raise HFConfigError("tie_word_embeddings", "BERT's decoder is the word embedding")
     if m["gelu_approximate"] != "none" or m["activation"] != "gelu":
         raise HFConfigError("hidden_act", "BERT runs the exact GELU")
+    classifier = not m.get("masked_lm", True)
+    labels = {}
+    if classifier:
+        n = m["num_classes"]
+        labels = {"num_labels": n, "id2label": {str(i): f"LABEL_{i}" for i in range(n)},
+                  "label2id": {f"LABEL_{i}": i for i in range(n)}}  # fmt: skip
+    architecture = (
+        CLASSIFIER if classifier else "BertForPreTraining" if m["binary_head"] else "BertForMaskedLM"
+    )
     return {
-        "architectures": ["BertForPreTraining" if m["binary_head"] else "BertForMaskedLM"],
+        **labels,
+        "architectures": [architecture],
         "model_type": "bert",
         "hidden_size": m["hidden_size"],
         "num_hidden_layers": m["num_layers"],

@@ -26,6 +26,10 @@ class BertSpec(_Strict):
     Hugging Face needs it."""
     num_tokentypes: int = Field(2, ge=0, le=1024)
     """Token-type (sentence A / B) embeddings; 0: none."""
+    num_labels: int | None = Field(None, ge=1, le=100_000)
+    """A sequence classifier with this many labels (kind finetune on JSONL records of `text`, an
+    optional `text_pair` and an integer `label`): the pooler and a classifier of num_labels outputs
+    take the pre-training heads' place (BertForSequenceClassification). None: a masked-LM pretrainer."""
 
 
 class T5Spec(_Strict):
@@ -97,6 +101,16 @@ def bert_job_problems(spec: Any) -> list[Problem]:
     if spec.kind in DECODER_KINDS:
         why = f"kind {spec.kind} needs a decoder (gpt2 or llama); arch bert pretrains, fine-tunes or serves"
         out.append(_rule("kind", why))
+    labels = spec.model.bert_block.num_labels
+    if spec.kind == "finetune" and labels is None:
+        why = "kind finetune with arch bert trains a sequence classifier: set model.bert.num_labels"
+        out.append(_rule("model.bert.num_labels", why))
+    if labels is not None and spec.kind != "finetune":
+        why = f"model.bert.num_labels makes a sequence classifier, trained by kind finetune (not {spec.kind})"
+        out.append(_rule("model.bert.num_labels", why))
+    if labels is not None and spec.model.bert is not None and not spec.model.bert.binary_head:
+        why = "a sequence classifier reads the pooled first token: model.bert.binary_head must be true"
+        out.append(_rule("model.bert.binary_head", why))
     if spec.data.tokenizer.type != "hf":
         why = (
             "arch bert needs data.tokenizer type hf: a WordPiece tokenizer.json with [CLS], [SEP] and [MASK]"

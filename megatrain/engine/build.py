@@ -17,7 +17,13 @@ from megatrain.engine.config import LoRAConfig, TrainConfig, TransformerConfig
 from megatrain.engine.dpo import head_logps
 from megatrain.engine.fp8 import enable_fp8
 from megatrain.engine.lora import attach_lora, quantize_nf4
-from megatrain.engine.materialize import WeightSource, init_source, materialize, with_adapters
+from megatrain.engine.materialize import (
+    WeightSource,
+    init_source,
+    materialize,
+    with_adapters,
+    with_fallback,
+)
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.bert import model_class
 from megatrain.engine.models.gpt import compile_layers
@@ -91,7 +97,7 @@ def build_model(
     if lora is not None and (weights is not None or adapters is not None):
         fill = with_adapters(weights or fill, adapters or fill)
     elif weights is not None:
-        fill = weights
+        fill = with_fallback(weights, fill)  # a head the weights lack starts from its initial values
     tracker = RNGStatesTracker.for_tensor_parallel(seed, state) if state.tp_size > 1 else None
     model = parallelize_model(model, state, rng_tracker=tracker)
     if lora is not None:

@@ -153,6 +153,10 @@ class TransformerConfig:
     """Token-type (sentence A/B) embeddings added to the input (BERT: 2); 0: none."""
     binary_head: bool = False
     """BERT's pooler (tanh of a linear of the first token) and two-way classifier (NSP / SOP)."""
+    masked_lm: bool = True
+    """An encoder's masked-LM head (pretraining); False: a sequence classifier, which has none."""
+    num_classes: int = 2
+    """The binary head's outputs: 2 for sentence order, the labels of a classification fine-tune."""
     gelu_approximate: Literal["tanh", "none"] = "tanh"
     """The GELU MLP's form: tanh (GPT-2's gelu_new) or none (the exact erf GELU: BERT's)."""
 
@@ -285,6 +289,8 @@ def model_flavour(m: ModelSpec) -> dict[str, Any]:
         b = m.bert_block
         flavour |= {"post_layernorm": b.post_layernorm, "num_tokentypes": b.num_tokentypes}
         flavour |= {"binary_head": b.binary_head}
+        if b.num_labels is not None:  # a sequence classifier: no masked-LM head
+            flavour |= {"binary_head": True, "masked_lm": False, "num_classes": b.num_labels}
     return flavour
 
 

@@ -87,15 +87,16 @@ def total_hits(hits: torch.Tensor, state: ParallelState) -> tuple[float, float]:
     return correct, calls
 
 
-def binary_metrics(counts: torch.Tensor, state: ParallelState) -> dict[str, float]:
-    """sop_loss and sop_accuracy (an encoder's sentence-order head) from this rank's Σ (loss · rows,
-    correct, rows): the last stage's, summed over dp·cp (cp rank 0 alone counts the rows)."""
+def binary_metrics(counts: torch.Tensor, state: ParallelState, name: str = "sop") -> dict[str, float]:
+    """{name}_loss and {name}_accuracy of an encoder's binary head (sop: sentence order;
+    classification: a classifier's labels) from this rank's Σ (loss · rows, correct, rows): the
+    last stage's, summed over dp·cp (cp rank 0 alone counts the rows)."""
     counts = pipeline_loss(counts, state)
     if state.dp_cp_group is not None:
         counts = counts.clone()
         dist.all_reduce(counts, group=state.dp_cp_group)
     loss, correct, rows = counts.tolist()
-    return {"sop_loss": loss / rows, "sop_accuracy": correct / rows} if rows else {}
+    return {f"{name}_loss": loss / rows, f"{name}_accuracy": correct / rows} if rows else {}
 
 
 def token_accuracy(hits: torch.Tensor, tokens: float, state: ParallelState) -> float | None:
@@ -159,7 +160,10 @@ class TrainLoop:
         self.moe = (model.chunks[0] if model.chunks else model.module).config.moe
         self.encoder = (model.chunks[0] if model.chunks else model.module).config.is_encoder
         self.binary_window = torch.zeros(3, device=self.device)
-        """An encoder's Σ (sentence-order loss · rows, correct, rows) since the last log row."""
+        """An encoder's Σ (binary-head loss · rows, correct, rows) since the last log row."""
+        head_cfg = (model.chunks[0] if model.chunks else model.module).config
+        self.binary_name = "sop" if getattr(head_cfg, "masked_lm", True) else "classification"
+        self.eval_binary: dict[str, float] = {}
         self.moe_layers = list(moe_layers(model.module))  # their aux-loss scale is set per micro-batch
         # kind dpo: the loss over pairs of rows instead of the per-token LM loss (engine.dpo).
         self.preference = None
@@ -303,7 +307,7 @@ class TrainLoop:
         ddp.eval()
         total = torch.zeros((), device=self.device)  # Σ loss over loss tokens (last stage)
         count, masked = 0, False
-        with counting_token_hits() as hits:
+        with counting_token_hits() as hits, counting_binary() as binary:
             for it in range(iters or self.cfg.eval_iters):
                 ids = self._micro_ids(it * self.cfg.global_batch_size)
                 batches = [batch_of(dataset, i, self.device, self.state) for i in ids]
@@ -319,11 +323,14 @@ class TrainLoop:
                     for mb in batches:
                         # (max: what a batch without loss tokens adds beside them, see token_share)
                         total += lm_loss(ddp, mb, self.state) * max(mb.num_loss_tokens, 1)
-                count += sum(mb.num_loss_tokens for mb in batches)
+                # A classifier's batches hold no loss token: its loss is the mean over iterations.
+                count += sum(mb.num_loss_tokens for mb in batches) or int(self.encoder)
                 masked = masked or any(mb.loss_mask is not None for mb in batches)
         ddp.train()
         if pipeline is not None:
             pipeline.times.reset()  # the bubble figure is the training schedule's
+        if self.encoder:  # its binary head's figures, for the validation row
+            self.eval_binary = binary_metrics(binary.as_tensor(self.device), self.state, self.binary_name)
         if self.preference is not None:  # the mean over pairs: every rank holds as many
             return reduce_mean(total, self.state) / count, None
         # Means over dp of the sum and of the count (every stage holds the count): their ratio is the
@@ -408,6 +415,7 @@ class TrainLoop:
         row: dict[str, Any] = {"step": step, "val_loss": loss, "valid_loss": loss}
         if accuracy is not None:
             row["valid_mean_token_accuracy"] = accuracy
+        row.update({f"valid_{k}": v for k, v in self.eval_binary.items()})
         if final:
             assert self.valid_ds is not None
             batches = min(max(1, len(self.valid_ds) // self.cfg.global_batch_size), FULL_VALID_MAX_BATCHES)
@@ -480,7 +488,7 @@ class TrainLoop:
             if accuracy is not None:
                 row["token_accuracy"] = accuracy
         if self.encoder:
-            row.update(binary_metrics(self.binary_window, self.state))
+            row.update(binary_metrics(self.binary_window, self.state, self.binary_name))
             self.binary_window = torch.zeros(3, device=self.device)
         pipeline = self.train.pipeline
         # Time in the step's collectives (the rest of a step is the rank's own work): stragglers.
@@ -500,8 +508,9 @@ class TrainLoop:
             skipped += f" | moe aux {row['moe_aux_loss']:.4g} imbalance {row['moe_load_imbalance']:.2f}"
         if "token_accuracy" in row:
             skipped += f" | acc {row['token_accuracy']:.3f}"
-        if "sop_accuracy" in row:
-            skipped += f" | sop loss {row['sop_loss']:.4f} acc {row['sop_accuracy']:.3f}"
+        name = self.binary_name
+        if f"{name}_accuracy" in row:
+            skipped += f" | {name} loss {row[f'{name}_loss']:.4f} acc {row[f'{name}_accuracy']:.3f}"
         if "rewards/accuracies" in row:  # preference training: what TRL's console shows
             skipped += f" | reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.3f}"
         self.log.say(

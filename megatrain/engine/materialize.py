@@ -38,6 +38,23 @@ def init_source(seed: int, cfg: TransformerConfig) -> WeightSource:
     return fill
 
 
+class MissingTensor(KeyError):
+    """A WeightSource has no value for a canonical tensor (a Hugging Face folder without the new
+    classifier a fine-tune adds): with_fallback asks another source."""
+
+
+def with_fallback(first: WeightSource, then: WeightSource) -> WeightSource:
+    """`first`, and `then` (the seeded initial values) for what `first` lacks (MissingTensor)."""
+
+    def fill(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
+        try:
+            first(name, shape, offsets, out)
+        except MissingTensor:
+            then(name, shape, offsets, out)
+
+    return fill
+
+
 def with_adapters(base: WeightSource, adapters: WeightSource) -> WeightSource:
     """`base` (a Hugging Face folder, say) for the model's own weights, `adapters` (the seeded
     initial values, or a PEFT folder's) for its LoRA adapters."""

@@ -136,7 +136,7 @@ def set_binary_scales(batches: list[MicroBatch], denominator: float) -> None:
     """Each micro-batch's binary_scale for a step of these micro-batches (see MicroBatch): an
     encoder's sentence-order mean then counts as its rows' share of the step, whatever its tokens."""
     for mb in batches:
-        mb.binary_scale = denominator / (max(mb.num_loss_tokens, 1) * len(batches))
+        mb.binary_scale = max(denominator, 1.0) / (max(mb.num_loss_tokens, 1) * len(batches))
 
 
 def loss_denominator(batches: list[MicroBatch], state: ParallelState) -> float:
@@ -164,8 +164,7 @@ def mean_loss_tokens(local: int, masked: bool, state: ParallelState) -> float:
 def token_share(mean: torch.Tensor, num_loss_tokens: int, denominator: float) -> torch.Tensor:
     """A micro-batch's mean loss over its loss tokens as its share of the global per-token loss:
     mean · count / denominator (divided by the exact ratio, so that equal micro-batches give mean / m)."""
-    if denominator == 0:
-        return mean * 0.0  # no loss token anywhere: no loss, zero gradients (and a graph for backward)
-    # No loss token here: every loss is then 0 with zero gradients, but for what it adds beside
-    # them (an encoder's sentence-order loss, scaled by binary_scale for a count of 1).
-    return mean / (denominator / max(num_loss_tokens, 1))
+    # No loss token here (or anywhere): every loss is then 0 with zero gradients, but for what it
+    # adds beside them (an encoder's binary head: binary_scale weighs it for a count of 1; a
+    # classifier's batches hold no loss token at all).
+    return mean / (max(denominator, 1.0) / max(num_loss_tokens, 1))

@@ -102,7 +102,7 @@ def test_logits_equal_transformers_on_real_tokens(pair: tuple[BertModel, object]
     real = b["attention"].bool()
     got, want = ours.mlm_logits[..., :V][real], theirs.prediction_logits[real]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours.binary_logits, theirs.seq_relationship_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.class_logits, theirs.seq_relationship_logits, atol=1e-5, rtol=1e-5)
     assert ours.mlm_logits[..., V:].abs().max() < 50  # padding rows exist and are finite
 
 
@@ -161,7 +161,7 @@ def test_a_folder_loads_and_exports_back(pair: tuple[BertModel, object], tmp_pat
     back = transformers.BertForPreTraining.from_pretrained(tmp_path / "ours").eval()
     out = back(input_ids=b["tokens"], token_type_ids=b["types"])
     torch.testing.assert_close(out.prediction_logits, want.mlm_logits[..., :V], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.seq_relationship_logits, want.binary_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.seq_relationship_logits, want.class_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_a_masked_lm_folder_has_no_binary_head(tmp_path: Path) -> None:
@@ -172,7 +172,7 @@ def test_a_masked_lm_folder_has_no_binary_head(tmp_path: Path) -> None:
     assert not cfg.binary_head and model.heads.pooler is None
     tokens = torch.randint(0, V, (2, T))
     out = model(tokens)
-    assert out.binary_logits is None
+    assert out.class_logits is None
     torch.testing.assert_close(out.mlm_logits[..., :V], hf(input_ids=tokens).logits, atol=1e-5, rtol=1e-5)
 
 
@@ -196,3 +196,44 @@ def test_attention_is_bidirectional_and_stays_in_its_segment() -> None:
     seg = (torch.arange(T) >= T // 2).long()[None]
     a, b = model.hidden_states(tokens, segment_ids=seg), model.hidden_states(later, segment_ids=seg)
     torch.testing.assert_close(a[0, : T // 2], b[0, : T // 2])
+
+
+def test_a_sequence_classifier_loads_and_exports_as_transformers_does(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    hf = transformers.BertForSequenceClassification(hf_config(num_labels=3)).eval()
+    hf.save_pretrained(tmp_path / "theirs")
+    model, cfg = load_hf_model(tmp_path / "theirs")
+    assert not cfg.masked_lm and cfg.num_classes == 3 and model.heads.lm_transform is None
+    b = batch()
+    want = hf(input_ids=b["tokens"], token_type_ids=b["types"], attention_mask=b["attention"]).logits
+    got = model(b["tokens"], segment_ids=1 - b["attention"], token_type_ids=b["types"])
+    assert got.mlm_logits is None
+    torch.testing.assert_close(got.class_logits, want, atol=1e-5, rtol=1e-5)
+    export_model_hf(model, tmp_path / "ours", dtype=torch.float32)
+    back = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "ours").eval()
+    again = back(input_ids=b["tokens"], token_type_ids=b["types"], attention_mask=b["attention"]).logits
+    torch.testing.assert_close(again, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_classifier_starts_its_head_fresh_from_a_pretrained_folder(
+    pair: tuple[BertModel, object], tmp_path: Path
+) -> None:
+    """A pre-training checkpoint holds no classifier: it starts from the seeded initial values (as
+    transformers' from_pretrained starts one), the encoder and pooler from the folder."""
+    import dataclasses
+
+    _, hf = pair
+    hf.save_pretrained(tmp_path)
+    cfg = dataclasses.replace(ours_config(), masked_lm=False, num_classes=4)
+    from megatrain.engine.interop.hf import load_hf_state
+    from megatrain.engine.interop.hf_slices import hf_slices
+    from megatrain.engine.materialize import MissingTensor
+
+    state = load_hf_state(tmp_path, cfg)
+    assert "heads.classifier.weight" not in state and "heads.pooler.weight" in state
+    assert not any(k.startswith("heads.lm_") for k in state)
+    with hf_slices(tmp_path, cfg) as weights:
+        box = torch.empty(4, C)
+        with pytest.raises(MissingTensor):
+            weights.fill("heads.classifier.weight", (4, C), (0, 0), box)
+        weights.fill("heads.pooler.weight", (C, C), (0, 0), torch.empty(C, C))

@@ -124,3 +124,77 @@ def test_bert_layouts_match_one_process(single: tuple[str, list[dict[str, Any]]]
     val_ref = [r["val_loss"] for r in ref if "val_loss" in r]
     val_got = [r["val_loss"] for r in got if "val_loss" in r]
     assert val_got == pytest.approx(val_ref, rel=1e-4)
+
+
+def classifier_spec(
+    workdir: str, parallelism: dict[str, Any] | None = None, world: int = 1
+) -> dict[str, Any]:
+    raw = bert_spec(parallelism, world, train_iters=8, lr=2e-3, eval_interval=4)
+    raw["kind"] = "finetune"
+    raw["model"]["bert"] = {"post_layernorm": True, "num_labels": 2}
+    raw["model"]["norm_eps"] = 1e-12  # the folder's (transformers' BERT)
+    raw["model"]["init_from"] = f"hf:{(Path(workdir) / 'pretrained').as_uri()}"
+    raw["data"]["train"] = [{"path": (Path(workdir) / "labels.jsonl").as_uri()}]
+    raw["data"]["split"] = "80,20,0"
+    return raw
+
+
+def _classifier_rank(rank: int, world: int, workdir: str, parallelism: dict[str, Any]) -> list | None:
+    import os
+
+    import torch.distributed as dist
+
+    from megatrain.engine.runtime import Dist
+    from megatrain.engine.train import run
+    from megatrain.spec import parse_spec
+
+    os.environ["MEGATRAIN_CACHE_DIR"] = str(Path(workdir) / "cache")
+    ctx = Dist()
+    if world > 1:
+        ctx = Dist(
+            rank=rank, world_size=world, local_rank=rank, local_world_size=world, group=dist.group.WORLD
+        )
+    out = Path(workdir) / ("cls-" + "-".join(f"{k}{v}" for k, v in parallelism.items()))
+    run(parse_spec(classifier_spec(workdir, parallelism, world)), out, ctx=ctx)
+    return _rows(out) if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_a_sequence_classifier_fine_tunes_from_a_pretrained_bert_at_every_layout(tmp_path: Path) -> None:
+    """kind finetune with model.bert.num_labels: [CLS] text [SEP] rows, the pooler and a fresh
+    classifier on top of a BertForPreTraining folder's encoder; the label (does the sentence name a
+    wolf?) is learnt, and tp and pp reproduce one process."""
+    import random
+
+    import transformers
+
+    from .parallel._launch import run_distributed
+
+    rng = random.Random(0)
+    docs = [
+        json.loads(line)["text"] for line in (EXAMPLES / "data" / "corpus.jsonl").read_text().splitlines()
+    ]
+    sentences = [s.strip() + "." for d in docs for s in d.split(".") if s.strip()]
+    rows = [{"text": s, "label": int("wolf" in s)} for s in rng.sample(sentences, 400)]
+    (tmp_path / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4,
+                                     num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=32)  # fmt: skip
+    transformers.BertForPreTraining(config).save_pretrained(tmp_path / "pretrained")
+
+    ref = run_distributed(_classifier_rank, 1, str(tmp_path), {})[0]
+    train = [r for r in ref if "loss" in r]
+    assert train[-1]["loss"] < train[0]["loss"] and "token_accuracy" not in train[0]
+    assert all(0 <= r["classification_accuracy"] <= 1 for r in train)
+    valid = [r for r in ref if "val_loss" in r]
+    assert [r["step"] for r in valid] == [4, 8] and "valid_classification_accuracy" in valid[-1]
+    for layout in ({"tp": 2, "sequence_parallel": True, "dp": 1}, {"pp": 2, "dp": 1}):
+        got = run_distributed(_classifier_rank, 2, str(tmp_path), layout)[0]
+        for a, b in zip(train, [r for r in got if "loss" in r], strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), layout
+            assert b["classification_accuracy"] == a["classification_accuracy"], layout
+        assert [r["val_loss"] for r in got if "val_loss" in r] == pytest.approx(
+            [r["val_loss"] for r in valid], rel=1e-4
+        )

@@ -1,5 +1,5 @@
 """A BERT job's data: sentence-split indexed datasets, masked as Megatron's BertDataset masks them,
-served to the trainer as Batches.
+served to the trainer as Batches (a sequence-classification fine-tune's records: classification.py).
 
 Each `data.train` source becomes a sentence-split `.bin`/`.idx` prefix (an indexed dataset as given;
 a JSONL file tokenized once into the cache with one sequence per sentence, no end-of-document
@@ -83,6 +83,10 @@ def build_encoder_datasets(
 
     data, sizes = spec.data, SplitSizes.for_spec(spec)
     vocab = wordpiece_vocab(tokenizer)
+    if spec.model.bert_block.num_labels is not None:  # a sequence-classification fine-tune
+        from megatrain.engine.data.classification import build_classification_datasets
+
+        return build_classification_datasets(spec, tokenizer, vocab, seq_length)
     binary = spec.model.bert_block.binary_head
     tok_id = json.dumps(data.tokenizer.model_dump(mode="json"), sort_keys=True)
     per_split: dict[str, list[tuple[SampleDataset, float]]] = {s: [] for s in SPLITS}

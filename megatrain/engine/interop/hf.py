@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 from megatrain.engine.checkpoint import CheckpointReader
 from megatrain.engine.config import MoEConfig, TransformerConfig, lora_config, model_flavour, moe_config
 from megatrain.engine.interop.hf_mapping import IGNORED_SUFFIXES, Rule, rules_for
-from megatrain.engine.interop.hf_mapping_bert import BERT_BINARY_HEAD, IGNORED_BERT
+from megatrain.engine.interop.hf_mapping_bert import FRESH_HEAD, IGNORED_BERT, unused_by
+from megatrain.engine.materialize import init_source
 from megatrain.engine.models.bert import model_class
 from megatrain.engine.models.gpt import GPTModel, rope_tables
 from megatrain.hf_config import MOE_TRAINING_FIELDS, hf_config_from_model, model_fields_from_hf
@@ -190,6 +191,8 @@ def resolve_rules(url: str | Path, cfg: TransformerConfig, reader: HFReader) -> 
     for rule in rules:
         # The Hub's names, else the first other spelling the folder holds whole.
         found = [r for r in rule.spellings() if all(n in reader.files for n in r.hf)]
+        if not found and cfg.bidirectional and not cfg.masked_lm and rule.name in FRESH_HEAD:
+            continue  # a new classifier: the caller starts it from the seeded initial values
         if not found:
             missing = [n for n in rule.hf if n not in reader.files]
             raise ValueError(f"the Hugging Face model at {url} lacks {missing[:8]}")
@@ -201,9 +204,8 @@ def _ignorable(name: str, cfg: TransformerConfig) -> bool:
     # A tied model's files sometimes still carry the head (a copy of the embedding).
     if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight"):
         return True
-    # A BERT trained without the binary head leaves a pre-training checkpoint's pooler unused.
-    unused = IGNORED_BERT if cfg.binary_head else IGNORED_BERT + BERT_BINARY_HEAD
-    return cfg.bidirectional and name.endswith(unused)
+    # A BERT leaves a pre-training checkpoint's heads it has no use for (interop.hf_mapping_bert).
+    return cfg.bidirectional and (name.endswith(IGNORED_BERT) or unused_by(cfg, name))
 
 
 def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None) -> TransformerConfig:
@@ -254,7 +256,10 @@ def load_hf_model(
         for name, target in params.items():
             if cfg.tie_embeddings and name == "lm_head.weight":
                 continue
-            target.copy_(state[name])
+            if name in state:
+                target.copy_(state[name])
+            else:  # a classifier new to the folder (interop.hf_mapping_bert.FRESH_HEAD)
+                init_source(model.init_seed, cfg)(name, tuple(target.shape), (0,) * target.dim(), target)
     return model.eval(), cfg
 
 

@@ -59,18 +59,35 @@ def bert_rules(cfg: TransformerConfig, prefix: str = "bert.") -> list[Rule]:
                 _same(f"{ours}mlp.fc2.{kind}", f"{hf}output.dense.{kind}"),
                 _same(f"{ours}mlp_norm.{kind}", f"{hf}output.LayerNorm.{kind}"),
             ]
-    rules += [
-        _same("heads.lm_transform.weight", "cls.predictions.transform.dense.weight"),
-        _same("heads.lm_transform.bias", "cls.predictions.transform.dense.bias"),
-        _same("heads.lm_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
-        _same("heads.lm_norm.bias", "cls.predictions.transform.LayerNorm.bias"),
-        _vocab("lm_head.bias", "cls.predictions.bias", cfg),
-    ]
+    if cfg.masked_lm:
+        rules += [
+            _same("heads.lm_transform.weight", "cls.predictions.transform.dense.weight"),
+            _same("heads.lm_transform.bias", "cls.predictions.transform.dense.bias"),
+            _same("heads.lm_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+            _same("heads.lm_norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+            _vocab("lm_head.bias", "cls.predictions.bias", cfg),
+        ]
     if cfg.binary_head:
+        # A pre-training checkpoint's next-sentence classifier, or a sequence classifier's own.
+        classifier = "cls.seq_relationship" if cfg.masked_lm else "classifier"
         rules += [
             _same("heads.pooler.weight", f"{p}pooler.dense.weight"),
             _same("heads.pooler.bias", f"{p}pooler.dense.bias"),
-            _same("heads.binary.weight", "cls.seq_relationship.weight"),
-            _same("heads.binary.bias", "cls.seq_relationship.bias"),
+            _same("heads.classifier.weight", f"{classifier}.weight"),
+            _same("heads.classifier.bias", f"{classifier}.bias"),
         ]
     return rules
+
+
+FRESH_HEAD = ("heads.classifier.weight", "heads.classifier.bias")
+"""A sequence classifier's own head: a folder without it (a pre-trained BERT) starts it from the
+seeded initial values, as transformers' from_pretrained starts BertForSequenceClassification."""
+
+
+def unused_by(cfg: TransformerConfig, name: str) -> bool:
+    """Whether a folder's tensor `name` is one this BERT leaves unused: a pre-training checkpoint's
+    heads under a model without them (no binary head; a classifier, which has no masked-LM head and
+    a classifier of its own)."""
+    if not cfg.binary_head and name.endswith(BERT_BINARY_HEAD):
+        return True
+    return not cfg.masked_lm and (name.startswith("cls.") or name.endswith(IGNORED_BERT))

@@ -29,6 +29,7 @@ import torch
 from megatrain.engine.config import TransformerConfig
 from megatrain.engine.interop.hf import HFReader, hf_reader, resolve_rules
 from megatrain.engine.interop.hf_mapping import Rule
+from megatrain.engine.materialize import MissingTensor
 from megatrain.engine.models.init import box_row_runs
 
 _ROW_BITS = 32
@@ -96,8 +97,8 @@ class HFSlices:
     @torch.no_grad()
     def fill(self, name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
         """engine.materialize's WeightSource: the box of canonical `name` at `offsets`."""
-        if name not in self.rules:
-            raise ValueError(f"no Hugging Face tensor maps onto {name}")
+        if name not in self.rules:  # a head the folder lacks (a new classifier): build_model's fallback
+            raise MissingTensor(f"no Hugging Face tensor maps onto {name}")
         rmap = self.row_map(name, shape)
         for dest, first, col in box_row_runs(shape, offsets, out):
             self._fill_rows(rmap, dest, first, col)

@@ -9,11 +9,11 @@ Parameter names beyond GPTModel's (embed, pos_embed, layers.i.*, final_norm when
 whose weight is the embedding's), with Hugging Face's BertForPreTraining names:
   tokentype_embed.weight            bert.embeddings.token_type_embeddings   (num_tokentypes > 0)
   embed_norm.{weight,bias}          bert.embeddings.LayerNorm               (post_layernorm)
-  heads.lm_transform.{weight,bias}  cls.predictions.transform.dense
+  heads.lm_transform.{weight,bias}  cls.predictions.transform.dense         (masked_lm)
   heads.lm_norm.{weight,bias}       cls.predictions.transform.LayerNorm
   lm_head.bias                      cls.predictions.bias
   heads.pooler.{weight,bias}        bert.pooler.dense                       (binary_head)
-  heads.binary.{weight,bias}        cls.seq_relationship                    (binary_head)
+  heads.classifier.{weight,bias}    cls.seq_relationship / classifier       (binary_head)
 """
 
 from __future__ import annotations
@@ -41,33 +41,37 @@ from megatrain.kernels.attention import Segments
 
 class BertHeads(nn.Module):
     """The masked-LM transform (dense, GELU, LayerNorm; the vocabulary projection is the model's
-    lm_head) and, with a binary head, the pooler and the two-way classifier."""
+    lm_head) and, with a binary head, the pooler and its classifier (two-way for sentence order, one
+    output per label for a sequence-classification fine-tune; Megatron's name for both is the
+    binary head). Without masked_lm (a classifier), no masked-LM transform."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         c = cfg.hidden_size
         self.gelu_approximate = cfg.gelu_approximate
-        self.lm_transform = Linear(c, c, bias=True)
-        self.lm_norm = LayerNorm(c, eps=cfg.norm_eps)
+        self.lm_transform = Linear(c, c, bias=True) if cfg.masked_lm else None
+        self.lm_norm = LayerNorm(c, eps=cfg.norm_eps) if cfg.masked_lm else None
         self.pooler = Linear(c, c, bias=True) if cfg.binary_head else None
-        self.binary = Linear(c, 2, bias=True) if cfg.binary_head else None
+        self.classifier = Linear(c, cfg.num_classes, bias=True) if cfg.binary_head else None
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's input: (..., C) -> (..., C)."""
+        if self.lm_transform is None or self.lm_norm is None:
+            raise ValueError("this BERT has no masked-LM head (a sequence classifier)")
         return self.lm_norm(F.gelu(self.lm_transform(hidden), approximate=self.gelu_approximate))
 
-    def binary_logits(self, first: torch.Tensor) -> torch.Tensor:
-        """The first token's hidden state (B, C) -> the sentence-order logits (B, 2)."""
-        if self.pooler is None or self.binary is None:
+    def class_logits(self, first: torch.Tensor) -> torch.Tensor:
+        """The first token's hidden state (B, C) -> the classifier's logits (B, num_classes)."""
+        if self.pooler is None or self.classifier is None:
             raise ValueError("this BERT has no binary head (model.bert.binary_head is false)")
-        return self.binary(torch.tanh(self.pooler(first)))
+        return self.classifier(torch.tanh(self.pooler(first)))
 
 
 class BertOutput(NamedTuple):
-    mlm_logits: torch.Tensor
-    """(B, T, V): every position's masked-LM logits."""
-    binary_logits: torch.Tensor | None
-    """(B, 2), or None without a binary head."""
+    mlm_logits: torch.Tensor | None
+    """(B, T, V): every position's masked-LM logits; None for a classifier."""
+    class_logits: torch.Tensor | None
+    """(B, num_classes), or None without a binary head."""
 
 
 def encoder_embeddings(
@@ -114,9 +118,9 @@ class BertModel(GPTModel):
         token_type_ids: torch.Tensor | None = None,
     ) -> BertOutput:
         hidden = self.hidden_states(tokens, position_ids, segment_ids, kv_cache, token_type_ids)
-        mlm = self.lm_head(self.heads.transform(hidden))
-        binary = self.heads.binary_logits(hidden[:, 0]) if self.heads.binary is not None else None
-        return BertOutput(mlm, binary)
+        mlm = self.lm_head(self.heads.transform(hidden)) if self.config.masked_lm else None
+        classes = self.heads.class_logits(hidden[:, 0]) if self.heads.classifier is not None else None
+        return BertOutput(mlm, classes)
 
     def hidden_states(
         self,

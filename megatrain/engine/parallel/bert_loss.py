@@ -146,8 +146,8 @@ def encoder_losses(
     sp = bool(getattr(head, "sequence_parallel", False))
     tp = state.tp_size if state is not None else 1
     binary = binary_correct = None
-    if heads.binary is not None and binary_labels is not None:
-        logits2 = heads.binary_logits(first_token(hidden, sp, state)).float()  # (B, 2)
+    if heads.classifier is not None and binary_labels is not None:
+        logits2 = heads.class_logits(first_token(hidden, sp, state)).float()  # (B, classes)
         binary = F.cross_entropy(logits2, binary_labels)
         binary_correct = (logits2.detach().argmax(-1) == binary_labels).sum()
         cp = state.cp_size if state is not None else 1
@@ -160,6 +160,9 @@ def encoder_losses(
             assert state is not None
             binary = binary * cp if state.cp_rank == 0 else binary * 0.0
             binary_correct = binary_correct if state.cp_rank == 0 else binary_correct * 0
+    if not cfg.masked_lm:  # a sequence classifier: its classifier's loss alone (and a graph)
+        none = hidden.sum() * 0.0
+        return EncoderLosses(none, binary, none.detach(), binary_correct)
     x = heads.transform(hidden)
     if tp > 1:
         assert state is not None
@@ -200,7 +203,8 @@ def encoder_loss(hidden: torch.Tensor, holder: Any, mb: Any, state: ParallelStat
     sentence-order mean times mb.binary_scale (token_share then weighs the first by its tokens and
     the second by its rows); the masked-LM hits go to counting_token_hits (token accuracy)."""
     losses = encoder_losses(hidden, holder, mb.labels, mb.loss_mask, mb.binary_labels, state)
-    add_token_hits(losses.mlm_correct)
+    if holder.config.masked_lm:  # a classifier has no masked token to count
+        add_token_hits(losses.mlm_correct)
     if losses.binary is None:
         return losses.mlm
     return losses.mlm + losses.binary * mb.binary_scale

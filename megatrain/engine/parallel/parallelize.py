@@ -146,8 +146,9 @@ def _parallelize_encoder_parts(model: GPTModel, state: ParallelState) -> None:
         model.tokentype_embed = SequenceParallelPositionEmbedding(model.tokentype_embed, state)
     if model.embed_norm is not None:
         _mark_norm(model.embed_norm)
-    _mark_norm(model.heads.lm_transform)
-    _mark_norm(model.heads.lm_norm)
+    for part in (model.heads.lm_transform, model.heads.lm_norm):  # a classifier has neither
+        if part is not None:
+            _mark_norm(part)
 
 
 def _mark_norm(norm: nn.Module) -> None:
