@@ -26,6 +26,7 @@ from megatrain.spec_errors import RULES_SINK
 
 transformers = pytest.importorskip("transformers")
 
+
 def job(model: dict[str, Any], parallelism: dict[str, Any] | None = None, gbs: int = 64) -> JobSpec:
     """A JobSpec with every rule checked (an hf tokenizer, as the encoder families need); any broken
     rule fails here."""
