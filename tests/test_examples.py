@@ -34,6 +34,7 @@ EXPECTED_LAYOUT: dict[str, dict[str, Any]] = {
     "auto.yaml": {"tp": 1, "pp": 1, "dp": 2},
     "moe.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "eval.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "bert_pretrain.yaml": {"tp": 1, "pp": 1, "dp": 1},
 }
 # The demo's model as `megatrain export` writes its config.json (megatrain.demo.demo_spec's shape).
 DEMO_LLAMA_CONFIG = {
