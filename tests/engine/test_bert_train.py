@@ -75,6 +75,7 @@ LAYOUTS = {
     "pp2": {"pp": 2, "dp": 1},
     "dp2-distopt": {"dp": 2},
     "cp2": {"cp": 2, "dp": 1},
+    "pp2-interleaved": {"pp": 2, "virtual_stages": 2, "dp": 1},
 }
 
 
@@ -99,6 +100,30 @@ def test_bert_learns_and_reports_masked_token_accuracy(single: tuple[str, list[d
     assert 0.5 < train[0]["sop_loss"] < 0.9 and all(0 <= r["sop_accuracy"] <= 1 for r in train)
     assert all(r["sop_loss"] < r["loss"] for r in train)
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+
+
+def test_a_trained_bert_exports_to_transformers(
+    single: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The run's checkpoint (post-norm: the original BERT's order) as a Hugging Face folder that
+    transformers' BertForPreTraining loads and computes our logits with."""
+    import torch
+    import transformers
+
+    from megatrain.engine.checkpoint.sharded import load_checkpoint
+    from megatrain.engine.interop.hf import export_checkpoint_hf
+
+    workdir, _ = single
+    ckpt = Path(workdir) / "single" / "checkpoints"
+    export_checkpoint_hf(ckpt, tmp_path, dtype=torch.float32)
+    theirs = transformers.BertForPreTraining.from_pretrained(tmp_path).eval()
+    ours, _ = load_checkpoint(ckpt)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    types = (torch.arange(32) >= 16).long().expand(2, 32)
+    want = ours(tokens, token_type_ids=types)
+    got = theirs(input_ids=tokens, token_type_ids=types)
+    torch.testing.assert_close(got.prediction_logits, want.mlm_logits[..., :128], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.seq_relationship_logits, want.class_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.distributed
