@@ -1,7 +1,7 @@
 """From configs to a trainable model on this rank: build on the meta device, parallelise, split into
 pipeline stages, materialise this rank's shards (engine.materialize), cast, wrap for recompute /
 compile, attach data parallelism and the optimizer (in that order, torchtitan's), and pick the loss
-each rank computes."""
+each rank computes. A T5Config's model takes the same steps in engine.build_t5."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from megatrain.engine.materialize import (
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.models.bert import model_class
 from megatrain.engine.models.gpt import compile_layers
+from megatrain.engine.models.t5 import T5Config, T5Model
 from megatrain.engine.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatrain.engine.parallel.bert_loss import encoder_loss
 from megatrain.engine.parallel.context import parallelize_context
@@ -36,9 +37,11 @@ from megatrain.engine.parallel.fused_loss import fused_parallel_lm_loss
 from megatrain.engine.parallel.parallelize import parallel_lm_loss, parallelize_model
 from megatrain.engine.parallel.pipeline import (
     StageModule,
+    allreduce_tied_embedding_grads,
     build_stage_modules,
     stage_parameter_names,
 )
+from megatrain.engine.parallel.pipeline_t5 import T5Stage, t5_stage_parameter_names
 from megatrain.engine.parallel.random import RNGStatesTracker
 from megatrain.engine.parallel.schedules import PipelineSchedule
 from megatrain.engine.parallel.state import ParallelState
@@ -51,28 +54,38 @@ LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """(last stage's output, micro-batch) -> the mean loss over the micro-batch's loss tokens."""
 
 
+ModelConfig = TransformerConfig | T5Config
+"""What a model is built from: a GPT or BERT (TransformerConfig), or a T5 (models.t5.T5Config)."""
+
+
 @dataclass
 class RankModel:
-    """This rank's share of the model: the whole (tensor-parallel) GPTModel, or its pipeline chunks."""
+    """This rank's share of the model: the whole (tensor-parallel) GPTModel / T5Model, or its
+    pipeline chunks."""
 
     module: nn.Module
-    """What DataParallel wraps: the GPTModel, or an nn.ModuleList of this stage's chunks."""
+    """What DataParallel wraps: the model, or an nn.ModuleList of this stage's chunks."""
     chunks: list[StageModule]
-    """This stage's model chunks by local index (empty without pipeline parallelism)."""
+    """This stage's model chunks by local index (empty without pipeline parallelism; a T5's one
+    T5Stage)."""
     tracker: RNGStatesTracker | None
     num_params: int
     """Parameters of the whole single-device model."""
     state: ParallelState
+    split_rank: int | None = None
+    """A T5 pipeline's first decoder stage; None otherwise."""
 
     def parameter_names(self) -> dict[nn.Parameter, str]:
         """Canonical (single-device) name of every unique parameter; a tied head is `embed.weight`."""
+        if self.chunks and isinstance(self.chunks[0], T5Stage):
+            return t5_stage_parameter_names(self.chunks)  # type: ignore[arg-type]
         if self.chunks:
             return stage_parameter_names(self.chunks)
         return {p: name for name, p in self.module.named_parameters()}
 
 
 def build_model(
-    mcfg: TransformerConfig,
+    mcfg: ModelConfig,
     state: ParallelState,
     seed: int,
     device: str,
@@ -88,6 +101,12 @@ def build_model(
     process would draw from `seed` (models.init): any layout starts from the very same weights.
     With `lora`, the model is frozen and its target linears get adapters (engine.lora), drawn from
     `seed` too, or filled from `adapters` (a PEFT folder: interop.peft_load)."""
+    if isinstance(mcfg, T5Config):
+        if lora is not None:
+            raise ValueError("LoRA adapters are for arch gpt2 and llama; a T5 trains in full")
+        from megatrain.engine.build_t5 import build_t5_model  # it builds on this module
+
+        return build_t5_model(mcfg, state, seed, device, dtype=dtype, weights=weights)
     torch.manual_seed(seed)
     random.seed(seed)
     with torch.device("meta"):
@@ -139,20 +158,33 @@ class Trainable:
     """Preference training with a pipeline: the last stage's (B,) row log-probs on (output,
     micro-batch) (engine.dpo.head_logps); None otherwise."""
 
+    def allreduce_shared_grads(self) -> None:
+        """Sum the gradients of weights several pipeline stages hold over those stages, after the
+        data-parallel reduction: a GPT's tied embedding and LM head, a T5's shared embedding and
+        position-bias tables. Nothing without a pipeline."""
+        chunks = self.model.chunks
+        if chunks and isinstance(chunks[0], T5Stage):
+            from megatrain.engine.build_t5 import allreduce_t5_stage_grads
+
+            allreduce_t5_stage_grads(self.model, self.ddp)
+        elif chunks:
+            allreduce_tied_embedding_grads(chunks, self.ddp, self.model.state)
+
 
 def make_trainable(
     model: RankModel,
     cfg: TrainConfig,
     par: ParallelismSpec,
     precision: str,
-    mcfg: TransformerConfig,
+    mcfg: ModelConfig,
 ) -> Trainable:
     state = model.state
     dtype = PARAM_DTYPES[precision]
     model.module.to(dtype=dtype)
-    if precision == "fp8":
+    t5 = isinstance(mcfg, T5Config)  # (the spec refuses fp8, recompute and compile for a T5)
+    if precision == "fp8" and not t5:
         enable_fp8(model.module, cfg.fp8_recipe, cfg.fp8_backend)
-    for part in model.chunks or [model.module]:
+    for part in [] if t5 else model.chunks or [model.module]:
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)
         if cfg.compile:
             compile_layers(part)
@@ -166,7 +198,12 @@ def make_trainable(
     )
     optimizer = build_optimizer(ddp, cfg)
     pipeline, loss, logps = None, None, None
-    if model.chunks:
+    if model.chunks and t5:
+        from megatrain.engine.build_t5 import t5_pipeline
+
+        pipeline, loss = t5_pipeline(model, cfg.micro_batch_size, dtype, state.layout.pipeline_schedule)
+    elif model.chunks:
+        assert isinstance(mcfg, TransformerConfig)
         # The residual between stages: (B, T/cp, C), and T/(cp·tp) under sequence parallelism.
         seq = mcfg.seq_length // state.cp_size // (state.tp_size if state.sequence_parallel else 1)
         pipeline = PipelineSchedule(
@@ -188,6 +225,10 @@ def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.
     head's vocab shards (fused_parallel_lm_loss); the logits are never materialised."""
     # DataParallel's forward is a pass-through (its work hangs on parameter hooks).
     plain = model.module if isinstance(model, DataParallel) else model
+    if isinstance(plain, T5Model):  # the decoder's targets (engine.build_t5)
+        from megatrain.engine.build_t5 import t5_loss
+
+        return t5_loss(plain, batch, state)
     if plain.config.is_encoder:  # BERT: its heads on the masked positions (parallel.bert_loss)
         return encoder_loss(plain.hidden_states(batch.tokens, **batch.model_inputs), plain, batch, state)
     if state.tp_size == 1:

@@ -7,11 +7,14 @@ built by pure functions of (spec, tokenizer vocabulary, layout), so tests need n
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatrain.spec import JobSpec, ModelSpec
 from megatrain.spec_dpo import DPOSpec
 from megatrain.spec_lora import LoRASpec, lora_targets_of
+
+if TYPE_CHECKING:  # models.t5 imports torch; this module stays torch-free
+    from megatrain.engine.models.t5 import T5Config
 
 
 def padded_vocab_size(tokenizer_vocab: int, requested: int | None = None) -> int:
@@ -277,6 +280,46 @@ def transformer_config(spec: JobSpec, tokenizer_vocab: int) -> TransformerConfig
         attention_backend=m.attention_backend,
         moe=moe_config(m),
     )
+
+
+def t5_config(spec: JobSpec, tokenizer_vocab: int) -> T5Config:
+    """The model slice of an arch t5 spec (models.t5.T5Config), the vocabulary padded as
+    transformer_config pads it; the decoder's length is model.t5.decoder_seq_length (else the
+    encoder's model.seq_length)."""
+    from megatrain.engine.models.t5 import T5Config
+
+    m, t5 = spec.model, spec.model.t5_block
+    if m.arch != "t5":
+        raise ValueError(f"model.arch {m.arch} is not t5")
+    return T5Config(
+        num_layers=m.num_layers,
+        num_decoder_layers=t5.num_decoder_layers or m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        kv_channels=t5.kv_channels or m.head_dim,
+        ffn_hidden_size=m.ffn_size,
+        vocab_size=m.padded_vocab(tokenizer_vocab),
+        vocab_size_unpadded=m.vocab_size if m.vocab_size is not None else tokenizer_vocab,
+        relative_attention_num_buckets=t5.relative_attention_num_buckets,
+        relative_attention_max_distance=t5.relative_attention_max_distance,
+        activation=t5.feed_forward,
+        tie_embeddings=m.tied,
+        norm_eps=m.norm_eps,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        encoder_seq_length=m.seq_length,
+        decoder_seq_length=t5.decoder_seq_length or m.seq_length,
+    )
+
+
+def model_config_from_dict(data: dict[str, Any]) -> TransformerConfig | T5Config:
+    """A model config as a checkpoint records it (to_dict): a T5's has a decoder stack."""
+    if "num_decoder_layers" in data:
+        from megatrain.engine.models.t5 import T5Config
+
+        return T5Config.from_dict(data)
+    return TransformerConfig.from_dict(data)
 
 
 def model_flavour(m: ModelSpec) -> dict[str, Any]:

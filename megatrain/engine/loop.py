@@ -34,7 +34,6 @@ from megatrain.engine.moe_metrics import moe_metrics, set_microbatch_aux_scale
 from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.bert_loss import counting_binary
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
-from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads
 from megatrain.engine.parallel.schedules import pipeline_loss
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.sink import RunLog
@@ -201,8 +200,7 @@ class TrainLoop:
         self.last_hits: tuple[torch.Tensor, float] = (counts, denominator * self.state.dp_cp_size)
         with timers("grad_sync"):
             ddp.finish_grad_sync()
-            if train.model.chunks:
-                allreduce_tied_embedding_grads(train.model.chunks, ddp, self.state)
+            train.allreduce_shared_grads()  # a pipeline's tied / shared weights
             allreduce_sequence_parallel_grads(train.model.module, self.state)
         with timers("optimizer"):
             result = optimizer.step()

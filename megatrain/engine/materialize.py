@@ -1,12 +1,13 @@
 """A rank's model, built on the meta device and sharded there, made real one parameter at a time.
 
-engine.build constructs the whole GPTModel on the meta device (shapes only), applies tensor, expert
-and context parallelism and keeps this rank's pipeline chunks, all without memory. `materialize`
-then allocates each parameter this rank keeps at its shard's shape, in the training dtype, on the
-device, and fills it box by box (checkpoint.shards' global boxes: a tensor-parallel shard is one box
-per stride part, an expert shard is moved to its experts) from a weight source: the seeded initial
-values (models.init) or a Hugging Face folder read by slice (interop.hf_slices). Nothing on a rank
-is ever the size of the whole model: the peak is the rank's shard plus one source chunk.
+engine.build constructs the whole GPTModel (or T5Model) on the meta device (shapes only), applies
+tensor, expert and context parallelism and keeps this rank's pipeline chunks, all without memory.
+`materialize` then allocates each parameter this rank keeps at its shard's shape, in the training
+dtype, on the device, and fills it box by box (checkpoint.shards' global boxes: a tensor-parallel
+shard is one box per stride part, an expert shard is moved to its experts) from a weight source: the
+seeded initial values (models.init) or a Hugging Face folder read by slice (interop.hf_slices).
+Nothing on a rank is ever the size of the whole model: the peak is the rank's shard plus one source
+chunk.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatrain.engine.config import TransformerConfig
 from megatrain.engine.lora import is_lora_name, lora_init_rule
 from megatrain.engine.models.gpt import rope_tables
 from megatrain.engine.models.init import fill_box, init_rule
+from megatrain.engine.models.t5 import T5Config, t5_init_rule
 from megatrain.engine.parallel.state import ParallelState
 
 WeightSource = Callable[[str, tuple[int, ...], tuple[int, ...], torch.Tensor], None]
@@ -28,11 +30,13 @@ WeightSource = Callable[[str, tuple[int, ...], tuple[int, ...], torch.Tensor], N
 single-device tensor into the box (a view of the rank's parameter)."""
 
 
-def init_source(seed: int, cfg: TransformerConfig) -> WeightSource:
-    """The initial weights GPTModel(cfg) draws from `seed` (models.init), box by box."""
+def init_source(seed: int, cfg: TransformerConfig | T5Config) -> WeightSource:
+    """The initial weights GPTModel(cfg) (T5Model(cfg) for a T5Config) draws from `seed`
+    (models.init), box by box."""
+    model_rule = t5_init_rule if isinstance(cfg, T5Config) else init_rule
 
     def fill(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], out: torch.Tensor) -> None:
-        rule = lora_init_rule(name, shape[-1]) if is_lora_name(name) else init_rule(name, cfg)
+        rule = lora_init_rule(name, shape[-1]) if is_lora_name(name) else model_rule(name, cfg)  # type: ignore[arg-type]
         fill_box(out, seed=seed, name=name, shape=shape, offsets=offsets, rule=rule)
 
     return fill
@@ -70,7 +74,7 @@ def materialize(
     module: nn.Module,
     names: dict[nn.Parameter, str],
     state: ParallelState,
-    cfg: TransformerConfig,
+    cfg: TransformerConfig | T5Config,
     *,
     device: str | torch.device,
     dtype: torch.dtype,

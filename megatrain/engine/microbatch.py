@@ -10,7 +10,9 @@ mean divided by the number of micro-batches: exactly the plain mean of before.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +51,8 @@ class MicroBatch:
 
     @classmethod
     def from_batch(cls, batch: Batch, device: str | torch.device) -> MicroBatch:
-        """The numpy Batch moved to `device`; None fields stay None."""
+        """The numpy Batch moved to `device`; None fields stay None. An encoder-decoder's batch (its
+        dec_tokens set) becomes a T5MicroBatch."""
 
         def move(a: object, dtype: torch.dtype) -> torch.Tensor | None:
             if a is None:
@@ -58,6 +61,16 @@ class MicroBatch:
 
         tokens, labels = move(batch.tokens, torch.int64), move(batch.labels, torch.int64)
         assert tokens is not None and labels is not None
+        if batch.dec_tokens is not None:
+            return T5MicroBatch(
+                tokens,
+                labels,
+                move(batch.loss_mask, torch.float32),
+                num_loss_tokens=batch.num_loss_tokens,
+                dec_tokens=move(batch.dec_tokens, torch.int64),
+                enc_mask=move(batch.enc_mask, torch.int64),
+                dec_mask=move(batch.dec_mask, torch.int64),
+            )
         return cls(
             tokens,
             labels,
@@ -90,6 +103,50 @@ class MicroBatch:
             elif f.name not in ("num_loss_tokens", "binary_scale"):
                 parts[f.name] = [None] * n
         return [MicroBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
+
+
+@dataclass
+class T5MicroBatch(MicroBatch):
+    """A T5 micro-batch: tokens are the encoder's (B, S), labels and loss_mask the decoder's (B, T).
+    dec_tokens (B, T) the decoder's input; enc_mask (B, S) and dec_mask (B, T): 1 real, 0 padding."""
+
+    dec_tokens: torch.Tensor | None = None
+    enc_mask: torch.Tensor | None = None
+    dec_mask: torch.Tensor | None = None
+
+    @classmethod
+    def from_samples(cls, batch: Mapping[str, Any], device: str | torch.device) -> T5MicroBatch:
+        """From Megatron's T5 sample fields (data.t5_dataset, stacked): text_enc, text_dec, labels,
+        loss_mask, enc_mask, dec_mask."""
+
+        def move(key: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(batch[key]).to(device=device, dtype=dtype, non_blocking=True)
+
+        return cls(
+            move("text_enc", torch.int64),
+            move("labels", torch.int64),
+            move("loss_mask", torch.float32),
+            dec_tokens=move("text_dec", torch.int64),
+            enc_mask=move("enc_mask", torch.int64),
+            dec_mask=move("dec_mask", torch.int64),
+        )
+
+    @property
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments of T5Stage.forward besides the encoder tokens."""
+        return {"dec_tokens": self.dec_tokens, "enc_mask": self.enc_mask, "dec_mask": self.dec_mask}
+
+    def split(self, size: int) -> list[T5MicroBatch]:  # type: ignore[override]
+        """Rows cut into micro-batches of `size`."""
+        out = []
+        for lo in range(0, self.tokens.shape[0], size):
+            parts = {
+                f.name: v[lo : lo + size] if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+                for f in fields(self)
+                if f.name != "num_loss_tokens"
+            }
+            out.append(T5MicroBatch(**parts))
+        return out
 
 
 def context_parallel_index(seq_length: int, rank: int, size: int) -> np.ndarray:

@@ -11,11 +11,12 @@ from collections.abc import Iterator
 
 import torch
 
-from megatrain.engine.build import PARAM_DTYPES, RankModel, build_model
+from megatrain.engine.build import PARAM_DTYPES, ModelConfig, RankModel, build_model
 from megatrain.engine.checkpoint import open_folder, resolve_init_from
 from megatrain.engine.checkpoint.training import load_model_weights
-from megatrain.engine.config import TrainConfig, TransformerConfig, transformer_config
+from megatrain.engine.config import TrainConfig, t5_config, transformer_config
 from megatrain.engine.materialize import WeightSource
+from megatrain.engine.models.t5 import T5Config
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.sink import RunLog
 from megatrain.failures import Activity
@@ -26,13 +27,15 @@ from megatrain.spec_packages import installed_packages, package_problems
 from megatrain.storage import StorageError
 
 
-def worker_model_config(spec: JobSpec, vocab_size: int, device: str, precision: str) -> TransformerConfig:
-    """The model's config; a package the spec needs and this worker lacks, or an attention backend
-    it cannot run (no GPU, fp32), fails here, before the model is built."""
-    mcfg = dataclasses.replace(transformer_config(spec, vocab_size), hf_family=_hf_family(spec))
+def worker_model_config(spec: JobSpec, vocab_size: int, device: str, precision: str) -> ModelConfig:
+    """The model's config (a T5Config for arch t5); a package the spec needs and this worker lacks,
+    or an attention backend it cannot run (no GPU, fp32), fails here, before the model is built."""
     missing = package_problems(spec, {"this worker": installed_packages()}, "this worker")
     if missing:
         raise SpecError(missing)
+    if spec.model.arch == "t5":  # (its attention is SDPA's: the spec allows no other backend)
+        return t5_config(spec, vocab_size)
+    mcfg = dataclasses.replace(transformer_config(spec, vocab_size), hf_family=_hf_family(spec))
     problem = attention_runtime_problem(mcfg.attention_backend, torch.device(device).type, precision)
     if problem:
         raise SpecError([{"field": "model.attention_backend", "message": problem}])
@@ -41,7 +44,7 @@ def worker_model_config(spec: JobSpec, vocab_size: int, device: str, precision: 
 
 def start_rank_model(
     spec: JobSpec,
-    mcfg: TransformerConfig,
+    mcfg: ModelConfig,
     cfg: TrainConfig,
     state: ParallelState,
     device: str,
@@ -96,11 +99,18 @@ def _hf_family(spec: JobSpec) -> str | None:
 
 
 @contextlib.contextmanager
-def _hf_weights(init_from: str | None, mcfg: TransformerConfig) -> Iterator[WeightSource | None]:
+def _hf_weights(init_from: str | None, mcfg: ModelConfig) -> Iterator[WeightSource | None]:
     """A fine-tune's Hugging Face folder (init_from hf:URL) opened for build_model to read by slice:
-    each rank reads only the elements it keeps (interop.hf_slices); None for any other start."""
+    each rank reads only the elements it keeps (interop.hf_slices; a T5's: interop.hf_t5); None for
+    any other start."""
     if not (init_from or "").startswith("hf:"):
         yield None
+        return
+    if isinstance(mcfg, T5Config):
+        from megatrain.engine.interop.hf_t5 import t5_hf_slices
+
+        with t5_hf_slices(str(init_from).removeprefix("hf:"), mcfg) as weights:
+            yield weights.fill
         return
     from megatrain.engine.interop.hf_slices import hf_slices
 

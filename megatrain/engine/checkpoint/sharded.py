@@ -9,7 +9,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +41,14 @@ from megatrain.engine.checkpoint.folder import (
     unverified,
 )
 from megatrain.engine.checkpoint.shards import Box, Entry, State
-from megatrain.engine.config import LoRAConfig, TransformerConfig, lora_config
+from megatrain.engine.config import LoRAConfig, TransformerConfig, lora_config, model_config_from_dict
 from megatrain.engine.lora import is_lora_name, merged_weight
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.spec import JobSpec, dump_spec, parse_spec
 from megatrain.storage import Store, open_store
+
+if TYPE_CHECKING:  # models import the checkpoint package
+    from megatrain.engine.models.t5 import T5Config
 
 # dcp says so on every one-process save or load, which is what no_dist asks for.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -114,8 +117,9 @@ class Folder:
         return int(self.manifest["step"])
 
     @property
-    def model_config(self) -> TransformerConfig:
-        return TransformerConfig.from_dict(self.trainer_state["model_config"])
+    def model_config(self) -> TransformerConfig | T5Config:
+        """The model as the run recorded it: a TransformerConfig, or a T5's T5Config."""
+        return model_config_from_dict(self.trainer_state["model_config"])
 
     @property
     def spec(self) -> JobSpec:
@@ -236,7 +240,7 @@ class CheckpointReader:
         return self.folder.step
 
     @property
-    def model_config(self) -> TransformerConfig:
+    def model_config(self) -> TransformerConfig | T5Config:
         return self.folder.model_config
 
     @property
@@ -283,11 +287,14 @@ class CheckpointReader:
 
 
 def load_checkpoint(path_or_url: str | Path, device: str = "cpu") -> tuple[GPTModel, JobSpec]:
-    """The model (eval mode) and spec stored in a checkpoint folder (or a root's latest step)."""
+    """The model (eval mode) and spec stored in a checkpoint folder (or a root's latest step): a
+    GPTModel, BertModel or T5Model, as the run trained."""
     reader = CheckpointReader(path_or_url)
     from megatrain.engine.models.bert import model_class  # models import the checkpoint package
+    from megatrain.engine.models.t5 import T5Config, T5Model
 
-    model = model_class(reader.model_config)(reader.model_config)
+    cfg = reader.model_config
+    model = T5Model(cfg) if isinstance(cfg, T5Config) else model_class(cfg)(cfg)
     if reader.lora is None:
         reader.load(model_entries(model))
     else:  # the adapters folded into the weights they sit on: a plain model that samples as trained

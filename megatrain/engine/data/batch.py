@@ -14,6 +14,10 @@ The contract between the loaders (which build it) and the model and losses (whic
   swapped); None without a binary head.
 An encoder's labels are the original ids of the masked positions and its loss_mask marks them; its
 padding is a segment of its own (segment_ids), so real tokens never attend to it.
+An encoder-decoder (T5) row: tokens (B, S) are the encoder's input and labels / loss_mask (B, T) the
+decoder's targets, with
+- dec_tokens: the decoder's input (B, T): the start token, then the targets shifted right;
+- enc_mask / dec_mask: 1 on real tokens, 0 on padding (B, S) and (B, T); None otherwise.
 The loss of a step is the sum of its loss tokens' losses over the number of loss tokens in the whole
 global batch, so packing, masking and micro-batching do not change what a document contributes.
 """
@@ -35,6 +39,9 @@ class Batch:
     ref_logps: np.ndarray | None = None
     token_type_ids: np.ndarray | None = None
     binary_labels: np.ndarray | None = None
+    dec_tokens: np.ndarray | None = None
+    enc_mask: np.ndarray | None = None
+    dec_mask: np.ndarray | None = None
 
     @classmethod
     def from_windows(cls, windows: np.ndarray) -> Batch:

@@ -6,7 +6,8 @@ tokenized once into the cache (`preprocess`) under a key of everything that shap
 file's identity, the tokenizer, the text key), so existing JSONL specs train exactly as before but from
 a memory map. Sequences are split by `data.split` as Megatron splits them, each split served by a
 GPTDataset sized for what the run consumes, and the sources blended by weight (BlendedDataset).
-Fine-tuning and preference jobs take their own datasets (`finetune`, `preference`).
+Fine-tuning and preference jobs take their own datasets (`finetune`, `preference`), and so do the
+encoder families (BERT: `encoder`; T5: `t5_data`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def build_datasets(
         return build_preference_datasets(  # type: ignore[return-value]
             spec.data, tokenizer, seq_length, seed, cache_root / "preference"
         )
+    if spec.model.arch == "t5":  # span corruption, or input/target pairs (t5_data.py)
+        from megatrain.engine.data.t5_data import build_t5_datasets
+
+        return build_t5_datasets(spec, tokenizer, cache_root)
     if spec.kind == "finetune" and _holds_records(spec.data):
         from megatrain.engine.data.finetune import build_finetune_datasets
 

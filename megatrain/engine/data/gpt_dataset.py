@@ -215,6 +215,10 @@ def concat_batches(parts: Sequence[Batch]) -> Batch:
         loss_mask=stack("loss_mask"),
         position_ids=stack("position_ids"),
         segment_ids=stack("segment_ids"),
+        # An encoder-decoder's rows (every part has them: a blend holds one kind of dataset).
+        dec_tokens=stack("dec_tokens"),
+        enc_mask=stack("enc_mask"),
+        dec_mask=stack("dec_mask"),
     )
 
 

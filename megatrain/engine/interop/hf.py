@@ -380,6 +380,10 @@ def export_checkpoint_hf(checkpoint: str | Path, dest: str | Path, **kwargs: Any
     on demand so that no more than one shard's tensors are in memory (keyword arguments as export_hf's).
     A LoRA run's checkpoint is the model it trained: its adapters merged in (interop.lora_export)."""
     reader = CheckpointReader(checkpoint)
+    if not isinstance(reader.model_config, TransformerConfig):  # a T5 (interop.hf_t5 imports this module)
+        from megatrain.engine.interop.hf_t5 import export_t5_checkpoint_hf
+
+        return export_t5_checkpoint_hf(reader, dest, **kwargs)
     lora = lora_config(reader.spec)
     if lora is None:
         return export_hf(reader.tensor, reader.model_config, dest, **kwargs)

@@ -15,8 +15,10 @@ hold a different head is refused.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from megatrain.engine.interop.hf import (
     HFReader,
     folder_store,
     hf_reader,
+    put_files,
     read_hf_config,
 )
 from megatrain.engine.interop.hf_mapping import Rule, _gate_up, _pad_rows, _same, group_qkv, split_qkv
@@ -313,12 +316,13 @@ def export_t5_hf(
     *,
     dtype: torch.dtype = torch.float32,
     extra_config: dict[str, Any] | None = None,
+    tokenizer_files: dict[str, bytes | Path] | None = None,
 ) -> list[str]:
     """Write config.json and model.safetensors at `dest` (a directory or a file:// / s3:// URL) that
-    T5ForConditionalGeneration.from_pretrained loads; extra_config overrides config.json keys (a
-    tokenizer's pad/eos ids). fp32 by default: T5 checkpoints on the Hub are, and transformers keeps
-    the MLP's wo in fp32 anyway. Returns the keys written, config.json last (a folder with a config
-    is complete)."""
+    T5ForConditionalGeneration.from_pretrained loads, and the tokenizer files given; extra_config
+    overrides config.json keys (a tokenizer's pad/eos ids). fp32 by default: T5 checkpoints on the
+    Hub are, and transformers keeps the MLP's wo in fp32 anyway. Returns the keys written,
+    config.json last (a folder with a config is complete)."""
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype {dtype} is not one of {', '.join(DTYPE_NAMES.values())}")
     cfg = model.config
@@ -337,5 +341,83 @@ def export_t5_hf(
     special = {k: config[k] for k in ("decoder_start_token_id", "pad_token_id", "eos_token_id")}
     generation = {"_from_model_config": True, **special}
     store.put_bytes("generation_config.json", (json.dumps(generation, indent=2) + "\n").encode())
+    files = put_files(store, tokenizer_files or {})
     store.put_bytes(CONFIG_FILE, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
-    return [SINGLE_FILE, "generation_config.json", CONFIG_FILE]
+    return [SINGLE_FILE, "generation_config.json", *files, CONFIG_FILE]
+
+
+def export_t5_checkpoint_hf(
+    reader: Any,
+    dest: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_files: dict[str, bytes | Path] | None = None,
+    extra_config: dict[str, Any] | None = None,
+    max_shard_bytes: int | None = None,
+) -> list[str]:
+    """export_t5_hf of a T5 job's checkpoint (a checkpoint.CheckpointReader), its decoder start,
+    end and pad ids those the job's tokenizer gave its rows (data.t5_data.t5_specials; over
+    extra_config's). Unlike interop.hf.export_hf, which writes shard by shard, the whole model is
+    read into this process first (max_shard_bytes is not used: one safetensors file)."""
+    from megatrain.engine.data.t5_data import t5_specials
+    from megatrain.engine.data.tokenizers import build_tokenizer
+
+    cfg = reader.model_config
+    model = t5_model_from_state(reader.model_state(), cfg)
+    specials = t5_specials(build_tokenizer(reader.spec.data.tokenizer))
+    ids = {
+        "decoder_start_token_id": specials.start,
+        "eos_token_id": specials.end,
+        "pad_token_id": specials.pad,
+    }
+    extra = {**(extra_config or {}), **ids}
+    return export_t5_hf(model, dest, dtype=dtype, extra_config=extra, tokenizer_files=tokenizer_files)
+
+
+T5_SPEC_FIELDS = {
+    "num_layers": "model.num_layers",
+    "num_decoder_layers": "model.t5.num_decoder_layers",
+    "hidden_size": "model.hidden_size",
+    "num_attention_heads": "model.num_attention_heads",
+    "kv_channels": "model.t5.kv_channels",
+    "ffn_hidden_size": "model.ffn_hidden_size",
+    "relative_attention_num_buckets": "model.t5.relative_attention_num_buckets",
+    "relative_attention_max_distance": "model.t5.relative_attention_max_distance",
+    "activation": "model.t5.feed_forward",
+    "tie_embeddings": "model.tie_embeddings",
+}
+"""T5Config's shape fields and the spec fields that set them."""
+
+
+def t5_config_mismatches(config: dict[str, Any], cfg: T5Config) -> list[str]:
+    """How a config.json's T5 differs from the model `cfg` describes, each naming the spec field
+    (a larger, padded vocabulary is fine; sequence lengths are the spec's)."""
+    theirs = t5_config_from_hf(config, cfg.encoder_seq_length, cfg.decoder_seq_length)
+    out = [
+        f"{field}: checkpoint {getattr(theirs, k)!r}, model {getattr(cfg, k)!r}"
+        for k, field in T5_SPEC_FIELDS.items()
+        if getattr(theirs, k) != getattr(cfg, k)
+    ]
+    if not math.isclose(theirs.norm_eps, cfg.norm_eps, rel_tol=1e-6):
+        out.append(f"model.norm_eps: checkpoint {theirs.norm_eps}, model {cfg.norm_eps}")
+    if theirs.real_vocab_size > cfg.vocab_size:
+        out.append(f"model.vocab_size: checkpoint {theirs.real_vocab_size}, model rows {cfg.vocab_size}")
+    return out
+
+
+@contextmanager
+def t5_hf_slices(url: str | Path, cfg: T5Config) -> Iterator[Any]:
+    """A T5ForConditionalGeneration folder opened for the model `cfg` describes, read by slice as
+    interop.hf_slices reads a GPT's (its HFSlices over t5_rules: each rank reads only the rows and
+    columns of the boxes it keeps). Raises ValueError naming every spec field where the folder
+    disagrees, a tensor nothing maps and one a rule needs that the folder lacks. Unlike
+    t5_state_from_hf, copies of the embedding in the files are not compared with it (that would
+    read them whole): the model takes shared.weight."""
+    from megatrain.engine.interop.hf_slices import HFSlices  # it imports interop.hf as this does
+
+    mismatches = t5_config_mismatches(read_hf_config(url), cfg)
+    if mismatches:
+        raise ValueError(f"the Hugging Face model at {url} does not fit this model: " + "; ".join(mismatches))
+    with hf_reader(url) as reader:
+        rules = resolve_t5_rules(list(reader.files), cfg, f"the Hugging Face model at {url}")
+        yield HFSlices(reader, {r.name: r for r in rules}, cfg)  # type: ignore[arg-type]

@@ -124,6 +124,17 @@ class T5Config:
     def real_vocab_size(self) -> int:
         return self.vocab_size_unpadded or self.vocab_size
 
+    # What the engine's model-agnostic code (the training loop, run reports, checkpoints) reads of any
+    # model config: a T5 is no mixture of experts, no BERT-style encoder, and its sequence is the
+    # encoder's (what a step's tokens count).
+    moe = None
+    is_encoder = False
+    hf_family = "t5"
+
+    @property
+    def seq_length(self) -> int:
+        return self.encoder_seq_length
+
     @property
     def gated_mlp(self) -> bool:
         return self.activation == "gated-gelu"

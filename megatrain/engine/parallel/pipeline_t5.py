@@ -37,15 +37,15 @@ takes the same step. Interleaved (virtual) stages are not supported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatrain.engine.microbatch import MicroBatch
+from megatrain.engine.microbatch import T5MicroBatch  # noqa: F401  (re-exported)
 from megatrain.engine.models.t5 import T5Config, T5Model, decoder_attention_masks, encoder_attention_mask
 from megatrain.engine.parallel.pipeline import TP_ATTRS
 from megatrain.engine.parallel.schedules import P2P, PipelineSchedule, StageTimes
@@ -183,6 +183,14 @@ class T5Stage(nn.Module):
         self.decoder = None if dec is None else _StackPart(model.decoder, *dec, last=self.is_last)
         if self.is_last:
             self.lm_head = model.lm_head
+        enc_span = (0, 0) if enc is None else enc
+        dec_span = (0, 0) if dec is None else (cfg.num_layers + dec[0], cfg.num_layers + dec[1])
+        self.layer_range = (
+            enc_span[0] if enc is not None else dec_span[0],
+            dec_span[1] if dec is not None else enc_span[1],
+        )
+        """[start, end) of the stage's layers, the encoder's and then the decoder's numbered end to
+        end (the planner's count: megatrain.plan.stacks)."""
         self.return_hidden = False
         """Set when the loss applies the head itself (a fused linear cross-entropy at tp = 1)."""
         self.shared_groups: dict[str, Group] = {}
@@ -330,50 +338,6 @@ def t5_stage_parameter_names(stages: Sequence[T5Stage]) -> dict[nn.Parameter, st
 
 
 # -- the schedule ----------------------------------------------------------------------------------
-
-
-@dataclass
-class T5MicroBatch(MicroBatch):
-    """A T5 micro-batch: tokens are the encoder's (B, S), labels and loss_mask the decoder's (B, T).
-    dec_tokens (B, T) the decoder's input; enc_mask (B, S) and dec_mask (B, T): 1 real, 0 padding."""
-
-    dec_tokens: torch.Tensor | None = None
-    enc_mask: torch.Tensor | None = None
-    dec_mask: torch.Tensor | None = None
-
-    @classmethod
-    def from_samples(cls, batch: Mapping[str, Any], device: str | torch.device) -> T5MicroBatch:
-        """From Megatron's T5 sample fields (data.t5_dataset, stacked): text_enc, text_dec, labels,
-        loss_mask, enc_mask, dec_mask."""
-
-        def move(key: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(batch[key]).to(device=device, dtype=dtype, non_blocking=True)
-
-        return cls(
-            move("text_enc", torch.int64),
-            move("labels", torch.int64),
-            move("loss_mask", torch.float32),
-            dec_tokens=move("text_dec", torch.int64),
-            enc_mask=move("enc_mask", torch.int64),
-            dec_mask=move("dec_mask", torch.int64),
-        )
-
-    @property
-    def model_inputs(self) -> dict[str, torch.Tensor | None]:
-        """The keyword arguments of T5Stage.forward besides the encoder tokens."""
-        return {"dec_tokens": self.dec_tokens, "enc_mask": self.enc_mask, "dec_mask": self.dec_mask}
-
-    def split(self, size: int) -> list[T5MicroBatch]:  # type: ignore[override]
-        """Rows cut into micro-batches of `size`."""
-        out = []
-        for lo in range(0, self.tokens.shape[0], size):
-            parts = {
-                f.name: v[lo : lo + size] if isinstance(v := getattr(self, f.name), torch.Tensor) else v
-                for f in fields(self)
-                if f.name != "num_loss_tokens"
-            }
-            out.append(T5MicroBatch(**parts))
-        return out
 
 
 class BoundaryP2P(P2P):
