@@ -35,6 +35,7 @@ EXPECTED_LAYOUT: dict[str, dict[str, Any]] = {
     "moe.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "eval.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "bert_pretrain.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "bert_serve.yaml": {"tp": 1, "pp": 1, "dp": 1},
 }
 # The demo's model as `megatrain export` writes its config.json (megatrain.demo.demo_spec's shape).
 DEMO_LLAMA_CONFIG = {
@@ -80,6 +81,18 @@ def _register_demo_model(client: TestClient, folder: Path) -> None:
     assert resp.status_code == 201, resp.text
 
 
+def _register_demo_bert(client: TestClient, folder: Path) -> None:
+    """bert_serve.yaml's model: bert_pretrain.yaml's shape, exported and registered as `demo-bert`."""
+    folder.mkdir(parents=True)
+    config = {"model_type": "bert", "architectures": ["BertForPreTraining"], "vocab_size": 128,
+              "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "intermediate_size": 512, "max_position_embeddings": 64, "hidden_act": "gelu"}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    resp = client.post("/v1/models", json={"name": "demo-bert", "url": folder.as_uri()})
+    assert resp.status_code == 201, resp.text
+
+
 def _upload_tiny_corpus(client: TestClient, settings: Settings) -> None:
     """`megatrain datasets upload examples/data/corpus.jsonl --name tiny-corpus --tokenizer byte`,
     then the worker's preprocessing, run here: the dataset is really ready (PREFIX.bin/.idx exist)."""
@@ -102,6 +115,7 @@ def test_every_example_is_listed() -> None:
 def test_every_example_passes_the_apis_validation(api: tuple[TestClient, Settings], tmp_path: Path) -> None:
     client, settings = api
     _register_demo_model(client, tmp_path / "models" / "demo-llama")
+    _register_demo_bert(client, tmp_path / "models" / "demo-bert")
     _upload_tiny_corpus(client, settings)
     for path in example_files():
         data = load_spec_file(path)  # what `megatrain validate/submit PATH` and the SDK send

@@ -1,4 +1,5 @@
-"""OpenAI's POST /openai/v1/chat/completions and /openai/v1/completions, answered by a model server.
+"""OpenAI's POST /openai/v1/chat/completions, /openai/v1/completions and /openai/v1/embeddings,
+answered by a model server (embeddings: an encoder's, arch bert; the others: a decoder's).
 
 The API holds no model (it never imports the engine): it authenticates the tenant, resolves the
 requested model to a base and its LoRA adapters (serve_jobs.py), finds the tenant's serve job for
@@ -6,8 +7,10 @@ that base or submits one through the job service, waits for its address (at most
 settings.serve_start_timeout_s; then a 503 with Retry-After, which the `openai` package retries),
 and forwards the request there with httpx, streaming `stream=true` answers through as they come
 (OpenAI's SSE chunks, ending with `data: [DONE]`). The adapters and chat template are set here
-from what the API resolved, never taken from the client. Every error is OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`, so the SDK raises its own exception classes.
+from what the API resolved, never taken from the client. A model whose kind cannot answer the route
+(embeddings of a decoder, chat of an encoder) is a 400 before any server starts. Every error is
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, so the SDK raises its own
+exception classes.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ router = APIRouter(prefix="/openai/v1", tags=["openai"])
 SERVER_HEADERS = ("x-megatrain-server", "retry-after")
 """Headers of the model server's answer passed on: which process answered, when to retry a 429."""
 JOB_HEADER = "x-megatrain-serve-job"
+EMBEDDINGS = "/v1/embeddings"
 POLL_S = 0.25
 RETRY_AFTER_S = 10
 HTTP_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
@@ -55,6 +59,11 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/completions", summary="Create a completion (OpenAI, legacy)")
 async def completions(request: Request) -> Response:
     return await _answer(request, "/v1/completions", chat=False)
+
+
+@router.post("/embeddings", summary="Create embeddings (OpenAI; an encoder model, arch bert)")
+async def embeddings(request: Request) -> Response:
+    return await _answer(request, EMBEDDINGS, chat=False)
 
 
 def _error_response(
@@ -78,6 +87,9 @@ async def _answer(request: Request, path: str, chat: bool) -> Response:
         tenant = await run_in_threadpool(_db, settings, _tenant, bearer_key(request))
         body = await _body(request)
         target = await run_in_threadpool(_db, settings, resolve_model, settings, tenant, body["model"])
+        problem = target.endpoint_problem(body["model"], embeddings=path == EMBEDDINGS)
+        if problem is not None:
+            raise problem
         # Ours, not the client's: a request never names another tenant's checkpoint folder.
         payload = {**body, "adapter": target.adapter}
         payload.pop("chat_template", None)

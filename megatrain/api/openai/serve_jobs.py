@@ -55,6 +55,8 @@ CHECKPOINT_FIELD = re.compile(r"ckpt-step-(\d+)")
 JOB_PREFIX = "job-"
 MAX_RUNTIME_S = 30 * 86400
 """A server ends when idle (settings.serve_idle_timeout_s), not at a training job's day."""
+UNSUPPORTED = "unsupported_endpoint"
+"""The error code of a request its model cannot answer (embeddings of a decoder, and the converse)."""
 
 
 class ServeError(Exception):
@@ -77,10 +79,29 @@ class Target:
     """The LoRA checkpoint folder whose adapters answer (None: the base alone)."""
     chat_template: str | None = None
     """The fine-tuned job's data.chat_template (its chats are rendered as its training data were)."""
+    arch: str | None = None
+    """The model's arch (a job's spec) or model_type (a folder's config.json), where known: bert
+    embeds, t5 is not served, the others generate."""
 
     @property
     def base(self) -> str:
         return str(self.spec["model"]["init_from"])
+
+    def endpoint_problem(self, model: str, embeddings: bool) -> ServeError | None:
+        """A 400 for a request its model's server cannot answer (refused here, before a serve job
+        starts; the server refuses it too): embeddings of a decoder, text of an encoder, any of a T5."""
+        if self.arch == "t5":
+            return ServeError(400, f"model {model!r} is a T5 (arch t5): it cannot be served yet",
+                              param="model", code=UNSUPPORTED)  # fmt: skip
+        if embeddings and self.arch is not None and self.arch != "bert":
+            return ServeError(400, f"model {model!r} is a decoder; embeddings need an encoder (arch bert)",
+                              param="model", code=UNSUPPORTED)  # fmt: skip
+        if not embeddings and self.arch == "bert":
+            why = (
+                f"model {model!r} is an encoder (arch bert): it answers /embeddings, not chat or completions"
+            )
+            return ServeError(400, why, param="model", code=UNSUPPORTED)
+        return None
 
 
 def _not_found(model: str, why: str = "does not exist") -> ServeError:
@@ -123,7 +144,7 @@ def resolve_model(session: Session, settings: Settings, tenant: Tenant, model: s
     ).all()
     named = min((b.name for b in bases if (b.kind or "model") == "model"), default=None)
     base = _from_folder(session, settings, base_url, named or _digest(base_url), model)
-    return Target(base.spec, f"hf:{found.url.rstrip('/')}", base.chat_template)
+    return Target(base.spec, f"hf:{found.url.rstrip('/')}", base.chat_template, base.arch)
 
 
 def _digest(text: str) -> str:
@@ -156,12 +177,13 @@ def _from_job(session: Session, tenant: Tenant, model: str, job_id: str, step: i
     # Named by the base alone: the LoRA jobs of one base ask for one and the same serve job.
     name = f"serve-{_digest(base)}"
     served = serve_spec(session, name, model_section, tokenizer, pool)
-    return Target(served, checkpoint.uri if lora else None, data.get("chat_template"))
+    arch = spec["model"].get("arch")
+    return Target(served, checkpoint.uri if lora else None, data.get("chat_template"), arch)
 
 
 def _from_folder(session: Session, settings: Settings, url: str, name: str, model: str) -> Target:
     """The Hugging Face folder at `url` (registered as `name`) as a base: its tokenizer.json, its
-    tokenizer_config.json's template."""
+    tokenizer_config.json's template, its config.json's model type (bert: an encoder)."""
     url = url.rstrip("/")
     try:
         store = open_store(url, settings.s3_endpoint_url)
@@ -177,12 +199,23 @@ def _from_folder(session: Session, settings: Settings, url: str, name: str, mode
                 if isinstance(config, dict) and config.get("chat_template")
                 else None
             )
+        arch = _folder_arch(store)
     except (StorageError, ValueError) as exc:
         raise ServeError(400, f"cannot read the folder of {model!r}: {exc}", param="model") from None
     name = re.sub(r"[^A-Za-z0-9._-]", "-", f"serve-{name}")[:100]
     tokenizer = {"type": "hf", "path": f"{url}/tokenizer.json"}
     spec = serve_spec(session, name, {"init_from": f"hf:{url}"}, tokenizer, "default", template)
-    return Target(spec, None, template)
+    return Target(spec, None, template, arch)
+
+
+def _folder_arch(store: Any) -> str | None:
+    """The folder's config.json model_type; None when it has none (the serve job's submission says
+    what is wrong with it)."""
+    if not store.exists("config.json"):
+        return None
+    config = json.loads(store.get_bytes("config.json"))
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def serve_spec(

@@ -2,7 +2,8 @@
 
 The engine's entry point (`python -m megatrain.engine.train --spec ... --out DIR`) runs this for
 a spec of kind serve, so the worker starts a serve job as it starts any job. The process loads the
-base (serving.loader), starts the batching thread and uvicorn on a port the OS picks, and writes
+base (serving.loader), starts the batching thread (an encoder's: the embedding thread, which
+answers /v1/embeddings alone) and uvicorn on a port the OS picks, and writes
 to DIR/events.jsonl what the runner forwards to the job's events: `started`, then `serving` with
 {"url": "http://HOST:PORT"} once it listens (the API reads the address there). Every request must
 carry the attempt's token (`Authorization: Bearer`, from the runner through MEGATRAIN_SERVE_TOKEN;
@@ -24,8 +25,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatrain.engine.models.bert import BertModel
 from megatrain.engine.serving.adapters import AdapterBank
 from megatrain.engine.serving.batcher import Batcher
+from megatrain.engine.serving.embeddings import Embedder
 from megatrain.engine.serving.loader import default_device, load_served
 from megatrain.engine.serving.server import ModelServer, create_app
 from megatrain.engine.sink import RunLog
@@ -84,33 +87,46 @@ def serve_job(
     try:
         uv.run(sockets=[sock])  # its own SIGTERM/SIGINT handlers: a graceful stop
     finally:
-        server.batcher.stop()
-        stats = server.batcher.stats
-        run_log.events.write({"event": "finished", "step": stats.steps, "tokens": stats.tokens})
-        run_log.say(f"served {stats.tokens} tokens in {stats.steps} decode steps ({ended['why']})")
+        server.stop()
+        if server.embedder is not None:
+            e = server.embedder.stats
+            run_log.events.write({"event": "finished", "step": e.batches, "tokens": e.tokens})
+            run_log.say(
+                f"embedded {e.inputs} inputs ({e.tokens} tokens) in {e.batches} batches ({ended['why']})"
+            )
+        else:
+            stats = server.generator(server.name).stats
+            run_log.events.write({"event": "finished", "step": stats.steps, "tokens": stats.tokens})
+            run_log.say(f"served {stats.tokens} tokens in {stats.steps} decode steps ({ended['why']})")
         run_log.close()
         sock.close()
     return ended["why"]
 
 
 def _load(spec: JobSpec, out_dir: Path, settings: Settings, run_log: RunLog) -> ModelServer:
-    """The base, its adapter bank and the running batcher; progress ticks from the batching thread
-    (a wedged model stops them, and the runner's hang watch sees it)."""
+    """The base, its adapter bank and the running batcher (an encoder: the running embedder);
+    progress ticks from that thread (a wedged model stops them, and the runner's hang watch sees it)."""
     device = default_device()
     served = load_served(spec, device)
-    bank = AdapterBank(served.model, served.model.config, served.base)
-    batcher = Batcher(served.model, served.tokenizer, max_batch=settings.serve_max_batch, adapters=bank)
     ticks = [0]
 
     def tick() -> None:
         ticks[0] += 1
         write_progress(out_dir, 0, ticks[0], "serving")
 
-    batcher.start(on_tick=tick)
+    name = served.base or spec.name
+    if isinstance(served.model, BertModel):
+        embedder = Embedder(served.model, served.tokenizer, max_batch=settings.serve_max_batch)
+        server = ModelServer(None, served.template, name, embedder=embedder.start(on_tick=tick))
+    else:
+        bank = AdapterBank(served.model, served.model.config, served.base)
+        batcher = Batcher(served.model, served.tokenizer, max_batch=settings.serve_max_batch, adapters=bank)
+        server = ModelServer(batcher.start(on_tick=tick), served.template, name, bank)
     num_params = served.model.num_parameters()
     run_log.events.write({"event": "started", "device": device, "num_params": num_params, "step": 0})
-    run_log.say(f"serving {served.base} ({num_params:,} parameters, {served.precision}) on {device}")
-    return ModelServer(batcher, served.template, served.base or spec.name, bank)
+    kind = "embeddings of " if server.embedder is not None else ""
+    run_log.say(f"serving {kind}{served.base} ({num_params:,} parameters, {served.precision}) on {device}")
+    return server
 
 
 def _watch(

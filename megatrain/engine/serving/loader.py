@@ -7,6 +7,8 @@
 
 The tokenizer is the spec's (data.tokenizer) and the chat template its data.chat_template, which the
 API copies from the fine-tuned job (or points at a registered folder's tokenizer_config.json).
+A BERT (arch bert) loads the same ways, as a BertModel: the job embeds with it (embeddings.py)
+instead of generating; a T5 is not served yet.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ class Served:
 
 
 def load_served(spec: JobSpec, device: str) -> Served:
-    """The spec's base model (eval mode, on `device`, in its precision), tokenizer and template."""
+    """The spec's base model (eval mode, on `device`, in its precision), tokenizer and template; a
+    BertModel for arch bert (the model's config says: is_encoder)."""
+    if spec.model.arch == "t5":
+        raise ValueError("model.arch t5 cannot be served yet (a serve job holds a GPT or a BERT)")
     tokenizer = build_tokenizer(spec.data.tokenizer)
     wanted = spec.training.precision
     precision = effective_precision("bf16" if wanted == "fp8" else wanted, device)
@@ -60,7 +65,8 @@ def load_served(spec: JobSpec, device: str) -> Served:
                 model = build_model(
                     mcfg, state, spec.training.seed, device, dtype=dtype, weights=weights.fill
                 ).module
-    assert isinstance(model, GPTModel)
+    if not isinstance(model, GPTModel):  # a T5's checkpoint named by a spec of another arch
+        raise ValueError(f"{init_from} holds a {type(model).__name__}, which cannot be served")
     model = model.to(dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -1,20 +1,23 @@
-"""OpenAI's chat completions and completions, as the model server reads and answers them.
+"""OpenAI's chat completions, completions and embeddings, as the model server reads and answers them.
 
 Requests are validated into pydantic models (unknown fields are ignored, as OpenAI-compatible
 servers do; the ones we cannot honour are refused by name when set to anything but their
 default). Answers and stream chunks are built here as plain dicts in OpenAI's shapes (`object`
-chat.completion / chat.completion.chunk / text_completion, `usage`, `logprobs`), and every error as
+chat.completion / chat.completion.chunk / text_completion, a list of `embedding`s, `usage`,
+`logprobs`), and every error as
 `{"error": {"message", "type", "param", "code"}}` with OpenAI's status codes, so that the `openai`
 package raises its own exception classes.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from megatrain.engine.serving.batcher import TokenLogprob
@@ -41,10 +44,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., min_length=1, max_length=512)
+
+    def refuse_unsupported(self) -> None:
+        """ApiError 400 for a field set to what this server cannot honour."""
+
+
+class _Request(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=MAX_N)
@@ -134,7 +143,31 @@ class CompletionRequest(_Request):
             raise ApiError(400, "best_of is not supported by this server", "best_of")
 
 
-def parse(model: type[_Request], data: Any) -> Any:
+class EmbeddingRequest(_Body):
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    pooling: Literal["mean", "cls"] = "mean"
+    """megatrain's extension: the mean over the input's tokens (sentence-transformers'), or [CLS]'s."""
+    normalize: bool = True
+    """megatrain's extension: L2-normalised (unit length, as OpenAI's embeddings are)."""
+    truncate: bool = False
+    """megatrain's extension: an input longer than the model reads is cut (else refused, as OpenAI does)."""
+    adapter: str | None = Field(None, max_length=4096)
+    """Set by the API for a LoRA model: an encoder holds none, so it is refused."""
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a text or one list of ids (a flat list of ids is one input)."""
+        given = self.input
+        if isinstance(given, str):
+            return [given]
+        if given and all(isinstance(x, int) for x in given):
+            return [list(given)]  # type: ignore[arg-type]
+        return list(given)  # type: ignore[arg-type]
+
+
+def parse(model: type[_Body], data: Any) -> Any:
     """`data` as a request of type `model`; ApiError 400 naming the first bad field."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -193,3 +226,18 @@ def completion_logprobs(items: Sequence[TokenLogprob], text_of: Any, offset: int
         "top_logprobs": [{text_of(t): lp for t, lp in i.top} for i in items],
         "text_offset": offsets,
     }
+
+
+def embedding_list(
+    vectors: torch.Tensor, encoding_format: str, model: str, prompt_tokens: int
+) -> dict[str, Any]:
+    """OpenAI's embeddings answer for vectors (N, C): floats, or each vector's little-endian float32
+    bytes in base64 (what the `openai` package asks for by default, and decodes)."""
+    rows = vectors.to(torch.float32).cpu()
+    if encoding_format == "base64":
+        encoded: list[Any] = [base64.b64encode(r.numpy().astype("<f4").tobytes()).decode() for r in rows]
+    else:
+        encoded = rows.tolist()
+    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)]
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}

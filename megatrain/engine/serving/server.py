@@ -1,4 +1,6 @@
-"""The model server's HTTP side: OpenAI's /v1/chat/completions and /v1/completions over a Batcher.
+"""The model server's HTTP side: OpenAI's /v1/chat/completions and /v1/completions over a Batcher
+(a decoder), or /v1/embeddings over an Embedder (an encoder, arch bert); each answers the other's
+routes with a 400 naming what the model is.
 
 Each request becomes n sequences per prompt, submitted to the batcher (which runs them among every
 other request's), whose tokens come back through an asyncio queue: streamed as OpenAI's SSE chunks
@@ -32,12 +34,15 @@ from starlette.routing import Route
 from megatrain.engine.data.chat_templates import ChatTemplate, ChatTemplateError, load_chat_template
 from megatrain.engine.serving.adapters import Adapter, AdapterBank, AdapterError
 from megatrain.engine.serving.batcher import Batcher, Busy, Delta, SamplingParams, Sequence
+from megatrain.engine.serving.embeddings import MAX_INPUTS, Embedder, InputError
 from megatrain.engine.serving.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     chat_logprobs,
     completion_logprobs,
+    embedding_list,
     envelope,
     new_id,
     parse,
@@ -50,27 +55,47 @@ SERVER_HEADER = "x-megatrain-server"
 
 @dataclass
 class ModelServer:
-    """What the routes serve: one base (and its adapters) through one batcher."""
+    """What the routes serve: a decoder (and its adapters) through one batcher, or an encoder
+    through one embedder (`batcher` None)."""
 
-    batcher: Batcher
+    batcher: Batcher | None
     template: ChatTemplate
     name: str
     """What the server holds (the serve job's base), for /health."""
     adapters: AdapterBank | None = None
+    embedder: Embedder | None = None
     inflight: int = 0
     last_request_at: float = field(default_factory=time.monotonic)
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
+    def __post_init__(self) -> None:
+        if (self.batcher is None) == (self.embedder is None):
+            raise ValueError("a model server holds a batcher or an embedder")
+
+    @property
+    def engine(self) -> Batcher | Embedder:
+        return self.batcher if self.batcher is not None else self.embedder  # type: ignore[return-value]
+
     def idle_s(self, now: float) -> float:
         """Seconds since the server last had anything to do (0 while it has)."""
-        if self.inflight or self.batcher.busy:
+        if self.inflight or self.engine.busy:
             return 0.0
-        return now - max(self.last_request_at, self.batcher.last_busy)
+        return now - max(self.last_request_at, self.engine.last_busy)
+
+    def stop(self) -> None:
+        self.engine.stop()
 
     templates: dict[str, ChatTemplate] = field(default_factory=dict)
 
+    def generator(self, model: str) -> Batcher:
+        """The batcher, or ApiError 400 for an encoder's server."""
+        if self.batcher is None:
+            raise ApiError(400, f"model {model!r} is an encoder (arch bert): it answers /v1/embeddings, "
+                           "not chat or text completions", "model", "unsupported_endpoint")  # fmt: skip
+        return self.batcher
+
     def text_of(self, token: int) -> str:
-        return self.batcher.tokenizer.decode([token])
+        return self.generator(self.name).tokenizer.decode([token])
 
     async def template_for(self, name: str | None) -> ChatTemplate:
         """The chat template a request names (a built-in, or a tokenizer_config.json's URL, loaded
@@ -103,7 +128,7 @@ class Run:
             self.queue.put_nowait, (choice, d)
         )
         try:
-            self.seqs.append(self.server.batcher.submit(prompt, params, sink, adapter))
+            self.seqs.append(self.server.generator(self.server.name).submit(prompt, params, sink, adapter))
         except ValueError as exc:
             self.cancel()
             raise ApiError(400, str(exc), param) from None
@@ -124,7 +149,7 @@ class Run:
     def cancel(self) -> None:
         for seq in self.seqs:
             if seq.finish_reason is None:
-                self.server.batcher.cancel(seq)
+                self.server.generator(self.server.name).cancel(seq)
 
     @property
     def completion_tokens(self) -> int:
@@ -173,7 +198,8 @@ async def _stream(
 
 async def _chat(request: Request, server: ModelServer) -> Response:
     req = parse(ChatRequest, await _json(request))
-    tokenizer, seq_length = server.batcher.tokenizer, server.batcher.seq_length
+    batcher = server.generator(req.model)
+    tokenizer, seq_length = batcher.tokenizer, batcher.seq_length
     messages = [m.as_template_message(i) for i, m in enumerate(req.messages)]
     try:
         prompt = encode_chat_prompt(messages, await server.template_for(req.chat_template), tokenizer)
@@ -222,7 +248,7 @@ async def _chat(request: Request, server: ModelServer) -> Response:
 
 async def _completion(request: Request, server: ModelServer) -> Response:
     req = parse(CompletionRequest, await _json(request))
-    prompts = _prompts(req.prompt, server)
+    prompts = _prompts(req.prompt, server.generator(req.model))
     adapter = await _adapter(server, req.adapter)
     run = Run(server)
     n = req.n or 1
@@ -259,7 +285,40 @@ async def _completion(request: Request, server: ModelServer) -> Response:
     )
 
 
-def _prompts(prompt: Any, server: ModelServer) -> list[list[int]]:
+async def _embeddings(request: Request, server: ModelServer) -> Response:
+    req = parse(EmbeddingRequest, await _json(request))
+    embedder = server.embedder
+    if embedder is None:
+        raise ApiError(400, f"model {req.model!r} is a decoder; embeddings need an encoder (arch bert)",
+                       "model", "unsupported_endpoint")  # fmt: skip
+    if req.dimensions is not None and req.dimensions != embedder.hidden_size:
+        why = f"dimensions={req.dimensions}: this model's embeddings have {embedder.hidden_size} dimensions"
+        raise ApiError(400, f"{why}, and it cannot shorten them", "dimensions")
+    if req.adapter is not None:
+        raise ApiError(400, "an encoder's server holds no adapters", "model")
+    inputs = req.inputs()
+    if not 0 < len(inputs) <= MAX_INPUTS:
+        raise ApiError(400, f"input holds {len(inputs)} inputs: 1 to {MAX_INPUTS} a request", "input")
+    if any(len(x) == 0 for x in inputs):
+        raise ApiError(400, "input cannot hold an empty string or an empty list of ids", "input")
+    try:
+        rows = await anyio.to_thread.run_sync(embedder.rows, inputs, req.truncate)
+        future = embedder.submit(rows, req.pooling, req.normalize)
+    except InputError as exc:
+        raise ApiError(400, str(exc), "input", exc.code) from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "input") from None
+    except Busy as exc:
+        raise ApiError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error") from None
+    try:
+        vectors = await asyncio.wrap_future(future)
+    except RuntimeError as exc:
+        raise ApiError(500, f"embedding failed: {exc}", code="embedding_failed") from None
+    body = embedding_list(vectors, req.encoding_format, req.model, sum(len(r) for r in rows))
+    return _answer(server, body)
+
+
+def _prompts(prompt: Any, batcher: Batcher) -> list[list[int]]:
     """A completion's prompt(s) as ids: a string, strings, ids, or lists of ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -267,7 +326,7 @@ def _prompts(prompt: Any, server: ModelServer) -> list[list[int]]:
         raise ApiError(400, "prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    return [server.batcher.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [batcher.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
 def _finish(item: Delta | Sequence) -> str | None:
@@ -312,8 +371,8 @@ class BearerAuth:
 
 
 def create_app(server: ModelServer, token: str | None = None) -> Starlette:
-    """The server's routes over `server` (its batcher must be running); with a token, only requests
-    that carry it (BearerAuth)."""
+    """The server's routes over `server` (its batcher or embedder must be running); with a token,
+    only requests that carry it (BearerAuth)."""
 
     def route(handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -332,11 +391,18 @@ def create_app(server: ModelServer, token: str | None = None) -> Starlette:
         return endpoint
 
     async def health(_: Request) -> Response:
-        stats = server.batcher.stats
+        head = {"status": "ok", "model": server.name, "server": server.identity}
+        if server.embedder is not None:
+            e = server.embedder
+            return JSONResponse(
+                head | {"kind": "encoder", "adapters": [], "waiting": e.queue.requests, **vars(e.stats)}
+            )
+        batcher = server.generator(server.name)
+        stats = batcher.stats
         return JSONResponse(
-            {"status": "ok", "model": server.name, "server": server.identity,
+            head | {"kind": "decoder",
              "adapters": sorted(server.adapters.slots) if server.adapters else [],
-             "running": len(server.batcher.rows), "waiting": len(server.batcher.pending),
+             "running": len(batcher.rows), "waiting": len(batcher.pending),
              "steps": stats.steps, "tokens": stats.tokens, "most_rows": stats.most_rows,
              "mixed_adapter_steps": stats.mixed_steps, "prefills": stats.prefills,
              "shared_prefills": stats.shared_prefills},
@@ -346,6 +412,7 @@ def create_app(server: ModelServer, token: str | None = None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/chat/completions", route(_chat), methods=["POST"]),
         Route("/v1/completions", route(_completion), methods=["POST"]),
+        Route("/v1/embeddings", route(_embeddings), methods=["POST"]),
     ]
     app = Starlette(routes=routes)
     if token is not None:
