@@ -10,6 +10,9 @@ from typing import Any
 BINARY_ARCHITECTURES = ("BertForPreTraining", "BertForNextSentencePrediction")
 """Checkpoints whose pooler and next-sentence classifier our binary head holds."""
 CLASSIFIER = "BertForSequenceClassification"
+BARE = "BertModel"
+"""transformers' bare encoder (sentence-transformers' models): no pre-training heads, tensors
+named without the "bert." prefix; an encoder without heads exports as one."""
 
 
 def bert_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -60,15 +63,14 @@ def bert_config(m: Mapping[str, Any]) -> dict[str, Any]:
         raise HFConfigError("tie_word_embeddings", "BERT's decoder is the word embedding")
     if m["gelu_approximate"] != "none" or m["activation"] != "gelu":
         raise HFConfigError("hidden_act", "BERT runs the exact GELU")
-    classifier = not m.get("masked_lm", True)
+    classifier = not m.get("masked_lm", True) and m["binary_head"]
     labels = {}
     if classifier:
         n = m["num_classes"]
         labels = {"num_labels": n, "id2label": {str(i): f"LABEL_{i}" for i in range(n)},
                   "label2id": {f"LABEL_{i}": i for i in range(n)}}  # fmt: skip
-    architecture = (
-        CLASSIFIER if classifier else "BertForPreTraining" if m["binary_head"] else "BertForMaskedLM"
-    )
+    pretrainer = "BertForPreTraining" if m["binary_head"] else "BertForMaskedLM"
+    architecture = CLASSIFIER if classifier else pretrainer if m.get("masked_lm", True) else BARE
     return {
         **labels,
         "architectures": [architecture],

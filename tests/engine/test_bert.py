@@ -237,3 +237,26 @@ def test_a_classifier_starts_its_head_fresh_from_a_pretrained_folder(
         with pytest.raises(MissingTensor):
             weights.fill("heads.classifier.weight", (4, C), (0, 0), box)
         weights.fill("heads.pooler.weight", (C, C), (0, 0), torch.empty(C, C))
+
+
+def test_a_bare_encoder_folder_loads_and_exports_as_one(tmp_path: Path) -> None:
+    """transformers' BertModel (sentence-transformers' encoders): tensors without the "bert."
+    prefix and no pre-training heads; its pooler is left unused."""
+    torch.manual_seed(5)
+    hf = transformers.BertModel(hf_config()).eval()
+    hf.save_pretrained(tmp_path / "theirs")
+    model, cfg = load_hf_model(tmp_path / "theirs")
+    assert not cfg.masked_lm and not cfg.binary_head
+    b = batch()
+    want = hf(
+        input_ids=b["tokens"], token_type_ids=b["types"], attention_mask=b["attention"]
+    ).last_hidden_state
+    got = model.hidden_states(b["tokens"], segment_ids=1 - b["attention"], token_type_ids=b["types"])
+    real = b["attention"].bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    export_model_hf(model, tmp_path / "ours", dtype=torch.float32)
+    back = transformers.BertModel.from_pretrained(tmp_path / "ours", add_pooling_layer=False).eval()
+    again = back(input_ids=b["tokens"], token_type_ids=b["types"]).last_hidden_state
+    torch.testing.assert_close(
+        again, model.hidden_states(b["tokens"], token_type_ids=b["types"]), atol=1e-5, rtol=1e-5
+    )

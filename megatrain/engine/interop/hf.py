@@ -32,6 +32,7 @@ from megatrain.engine.materialize import init_source
 from megatrain.engine.models.bert import model_class
 from megatrain.engine.models.gpt import GPTModel, rope_tables
 from megatrain.hf_config import MOE_TRAINING_FIELDS, hf_config_from_model, model_fields_from_hf
+from megatrain.hf_config_bert import BARE
 from megatrain.spec import VOCAB_PAD_MULTIPLE, ModelSpec
 from megatrain.storage import FileStore, Store, open_store
 
@@ -182,7 +183,9 @@ def resolve_rules(url: str | Path, cfg: TransformerConfig, reader: HFReader) -> 
         raise ValueError(f"the Hugging Face model at {url} does not fit this model: " + "; ".join(mismatches))
     # Older GPT-2 checkpoints name tensors without the "transformer." prefix.
     prefix = "transformer." if any(n.startswith("transformer.") for n in reader.files) else ""
-    rules = rules_for(cfg, config["model_type"], gpt2_prefix=prefix)
+    # A bare BertModel (sentence-transformers' encoders) names its tensors without "bert.".
+    bert = "bert." if any(n.startswith("bert.") for n in reader.files) else ""
+    rules = rules_for(cfg, config["model_type"], gpt2_prefix=prefix, bert_prefix=bert)
     used = {name for rule in rules for spelling in rule.spellings() for name in spelling.hf}
     unknown = [n for n in reader.files if n not in used and not _ignorable(n, cfg)]
     if unknown:
@@ -214,7 +217,7 @@ def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None)
     spec = ModelSpec.model_validate({k: v for k, v in fields.items() if k != "vocab_size"})
     vocab = fields["vocab_size"]
     # The same choices as config.transformer_config, which needs a whole JobSpec.
-    return TransformerConfig(
+    cfg = TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -232,6 +235,11 @@ def hf_transformer_config(config: dict[str, Any], seq_length: int | None = None)
         moe=moe_config(spec),
         hf_family=config["model_type"],
     )
+    if spec.arch == "bert" and BARE in (config.get("architectures") or []):
+        # A bare encoder (sentence-transformers' models): no pre-training heads; its pooler, if its
+        # files hold one, is left unused (interop.hf_mapping_bert.unused_by).
+        cfg = dataclasses.replace(cfg, masked_lm=False, binary_head=False)
+    return cfg
 
 
 def load_hf_model(
@@ -316,7 +324,9 @@ def export_hf(
     )
     config.update(extra)
     store = folder_store(dest)
-    rules = rules_for(cfg, config["model_type"])
+    rules = rules_for(
+        cfg, config["model_type"], bert_prefix="" if config.get("architectures") == [BARE] else "bert."
+    )
     shards = _plan(cfg, rules, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
     names = _shard_names(len(shards))
     written: list[str] = []

@@ -227,7 +227,9 @@ def moe_rules(cfg: TransformerConfig, layer: int, model_type: str) -> list[Rule]
     return rules
 
 
-def rules_for(cfg: TransformerConfig, model_type: str, gpt2_prefix: str = "transformer.") -> list[Rule]:
+def rules_for(
+    cfg: TransformerConfig, model_type: str, gpt2_prefix: str = "transformer.", bert_prefix: str = "bert."
+) -> list[Rule]:
     """The table for a config.json's model_type (gpt2 | llama | mistral | qwen2 | mixtral | qwen2_moe |
     bert)."""
     if model_type == "gpt2":
@@ -235,5 +237,5 @@ def rules_for(cfg: TransformerConfig, model_type: str, gpt2_prefix: str = "trans
     if model_type == "bert":
         from megatrain.engine.interop.hf_mapping_bert import bert_rules  # it imports this module
 
-        return bert_rules(cfg)
+        return bert_rules(cfg, bert_prefix)
     return llama_rules(cfg, model_type)
