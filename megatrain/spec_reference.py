@@ -59,11 +59,13 @@ class Section:
 # one gains a docstring, so that this table only ever shrinks: spec.py owns the truth).
 MISSING_DOCSTRINGS: dict[str, str] = {
     "name": "The job's name: letters, digits, `.`, `_`, `-` (not unique; jobs are known by their id).",
-    "kind": "pretrain: next-token loss on every token. finetune: loss on responses / assistant turns "
-    "only, starting from model.init_from (required). dpo: preference training on {prompt | messages, "
-    "chosen, rejected} records (training.dpo), from model.init_from (required), which is also the "
-    "reference. serve: the model server behind /openai/v1/chat/completions (the API submits it): "
-    "holds model.init_from, answers with it and the LoRA adapters trained on it; reads no data.",
+    "kind": "pretrain: next-token loss on every token (arch bert: masked-LM and sentence order; t5: "
+    "span corruption). finetune: loss on responses / assistant turns only (arch bert: a sequence "
+    "classifier, model.bert.num_labels; t5: on targets), starting from model.init_from (required). "
+    "dpo: preference training on {prompt | messages, chosen, rejected} records (training.dpo), from "
+    "model.init_from (required), which is also the reference. serve: the model server behind "
+    "/openai/v1/chat/completions (arch bert: /openai/v1/embeddings; the API submits it): holds "
+    "model.init_from, answers with it and the LoRA adapters trained on it; reads no data.",
     "model": "The network: its architecture and shape, and the weights it starts from.",
     "data": "What the job trains on, and how text becomes tokens.",
     "training": "Steps, batch sizes, optimizer, precision, checkpoints, logging and evaluation.",
