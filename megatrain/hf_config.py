@@ -1,6 +1,7 @@
 """Hugging Face config.json <-> our model fields, without torch (the API checks specs with it).
 
-Families: GPT-2 (model_type gpt2) and the Llama family (llama, mistral, qwen2: RoPE, RMSNorm,
+Families: BERT (hf_config_bert), T5 (hf_config_t5: import only; interop.hf_t5 exports), GPT-2
+(model_type gpt2) and the Llama family (llama, mistral, qwen2: RoPE, RMSNorm,
 SwiGLU, grouped-query attention; Qwen2 adds biases on q/k/v), and its mixtures of experts (mixtral;
 qwen2_moe, with a sigmoid-gated shared expert) as `model.moe`. Both config.json dialects are read:
 transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling` (which wins when both
@@ -15,12 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatrain.hf_config_bert import bert_config, bert_fields
+from megatrain.hf_config_t5 import T5_BLOCK_KEYS, t5_fields
 from megatrain.spec_moe import MoESpec
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 MOE_FAMILY = ("mixtral", "qwen2_moe")
 """Llama-family attention with MoE MLPs (model.moe)."""
-SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY, *MOE_FAMILY, "bert")
+SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY, *MOE_FAMILY, "bert", "t5")
 ROPE_TYPES = ("linear", "llama3")
 LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -56,6 +58,8 @@ def model_fields_from_hf(config: Mapping[str, Any], seq_length: int | None = Non
         raise HFConfigError("model_type", f"{model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type == "bert":
         fields = bert_fields(config)
+    elif model_type == "t5":
+        fields = t5_fields(config)
     else:
         fields = _gpt2_fields(config) if model_type == "gpt2" else _llama_fields(config, model_type)
     if model_type in MOE_FAMILY:
@@ -238,6 +242,13 @@ def check_spec_against_hf(model_spec: Mapping[str, Any], fields: Mapping[str, An
         if key == "moe" and value is not None:
             errors += _moe_errors(value, fields.get("moe"))
             continue
+        if key == "t5" and isinstance(value, Mapping) and isinstance(fields.get("t5"), Mapping):
+            for k in T5_BLOCK_KEYS:  # (the decoder's length is the spec's choice)
+                theirs = fields["t5"][k]
+                if value.get(k) is not None and not _same(value[k], theirs):
+                    why = f"model.t5.{k}={value[k]!r} disagrees with the checkpoint's config ({theirs!r})"
+                    errors.append(_error(f"t5.{k}", why))
+            continue
         if value is None or key not in fields:
             continue
         expected = fields[key]
@@ -257,9 +268,10 @@ def spec_model_with_hf(model_spec: Mapping[str, Any], fields: Mapping[str, Any])
     """A spec's model section completed from a checkpoint's fields: the spec's explicit values (which
     check_spec_against_hf found consistent) over the checkpoint's; model.moe merged field by field."""
     merged = {**fields, **{k: v for k, v in model_spec.items() if v is not None}}
-    spec_moe = model_spec.get("moe")
-    if isinstance(spec_moe, Mapping) and isinstance(fields.get("moe"), Mapping):
-        merged["moe"] = {**fields["moe"], **{k: v for k, v in spec_moe.items() if v is not None}}
+    for block in ("moe", "t5"):  # merged field by field
+        ours = model_spec.get(block)
+        if isinstance(ours, Mapping) and isinstance(fields.get(block), Mapping):
+            merged[block] = {**fields[block], **{k: v for k, v in ours.items() if v is not None}}
     return merged
 
 

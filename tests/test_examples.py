@@ -36,6 +36,8 @@ EXPECTED_LAYOUT: dict[str, dict[str, Any]] = {
     "eval.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "bert_pretrain.yaml": {"tp": 1, "pp": 1, "dp": 1},
     "bert_serve.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "t5_pretrain.yaml": {"tp": 1, "pp": 1, "dp": 1},
+    "t5_finetune.yaml": {"tp": 1, "pp": 1, "dp": 1},
 }
 # The demo's model as `megatrain export` writes its config.json (megatrain.demo.demo_spec's shape).
 DEMO_LLAMA_CONFIG = {
@@ -93,6 +95,22 @@ def _register_demo_bert(client: TestClient, folder: Path) -> None:
     assert resp.status_code == 201, resp.text
 
 
+def _register_demo_t5(client: TestClient, folder: Path) -> None:
+    """t5_finetune.yaml's model: t5_pretrain.yaml's, as `megatrain export` writes its config.json
+    (interop.hf_t5.t5_hf_config), registered as `demo-t5`."""
+    folder.mkdir(parents=True)
+    config = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": 211,
+              "d_model": 128, "d_kv": 32, "d_ff": 512, "num_layers": 4, "num_decoder_layers": 4,
+              "num_heads": 4, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+              "scale_decoder_outputs": False, "layer_norm_epsilon": 1e-6, "n_positions": 64,
+              "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+              "is_encoder_decoder": True, "decoder_start_token_id": 5, "eos_token_id": 6}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    resp = client.post("/v1/models", json={"name": "demo-t5", "url": folder.as_uri()})
+    assert resp.status_code == 201, resp.text
+
+
 def _upload_tiny_corpus(client: TestClient, settings: Settings) -> None:
     """`megatrain datasets upload examples/data/corpus.jsonl --name tiny-corpus --tokenizer byte`,
     then the worker's preprocessing, run here: the dataset is really ready (PREFIX.bin/.idx exist)."""
@@ -116,6 +134,7 @@ def test_every_example_passes_the_apis_validation(api: tuple[TestClient, Setting
     client, settings = api
     _register_demo_model(client, tmp_path / "models" / "demo-llama")
     _register_demo_bert(client, tmp_path / "models" / "demo-bert")
+    _register_demo_t5(client, tmp_path / "models" / "demo-t5")
     _upload_tiny_corpus(client, settings)
     for path in example_files():
         data = load_spec_file(path)  # what `megatrain validate/submit PATH` and the SDK send
@@ -160,6 +179,22 @@ def test_the_shipped_data_is_what_make_data_writes(tmp_path: Path, monkeypatch: 
     assert len(chats) >= 200 and all(c["messages"][-1]["role"] == "assistant" for c in chats)
     total = sum(p.stat().st_size for p in (EXAMPLES / "data").glob("*.jsonl"))
     assert total < 400_000
+
+
+def test_the_shipped_t5_data_is_what_make_t5_vocab_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("make_t5", EXAMPLES / "data" / "make_t5_vocab.py")
+    assert module_spec and module_spec.loader
+    make_t5 = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(make_t5)
+    monkeypatch.setattr(make_t5, "HERE", tmp_path)
+    (tmp_path / "corpus.jsonl").write_bytes((EXAMPLES / "data" / "corpus.jsonl").read_bytes())
+    make_t5.main()
+    for name in ("t5_pairs.jsonl", "t5_wordpiece.json"):
+        assert (tmp_path / name).read_bytes() == (EXAMPLES / "data" / name).read_bytes(), name
 
 
 def test_the_shipped_eval_tasks_are_what_make_tasks_writes(
