@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from megatrain.hf_config_bert import bert_config, bert_fields
+from megatrain.hf_config_bert import BERT_BLOCK_KEYS, bert_config, bert_fields
 from megatrain.hf_config_t5 import T5_BLOCK_KEYS, t5_fields
 from megatrain.spec_moe import MoESpec
 
@@ -242,6 +242,13 @@ def check_spec_against_hf(model_spec: Mapping[str, Any], fields: Mapping[str, An
         if key == "moe" and value is not None:
             errors += _moe_errors(value, fields.get("moe"))
             continue
+        if key == "bert" and isinstance(value, Mapping) and isinstance(fields.get("bert"), Mapping):
+            for k in BERT_BLOCK_KEYS:  # (the heads, binary_head and num_labels, are the spec's choice)
+                theirs = fields["bert"].get(k)
+                if value.get(k) is not None and theirs is not None and not _same(value[k], theirs):
+                    why = f"model.bert.{k}={value[k]!r} disagrees with the checkpoint's config ({theirs!r})"
+                    errors.append(_error(f"bert.{k}", why))
+            continue
         if key == "t5" and isinstance(value, Mapping) and isinstance(fields.get("t5"), Mapping):
             for k in T5_BLOCK_KEYS:  # (the decoder's length is the spec's choice)
                 theirs = fields["t5"][k]
@@ -268,7 +275,7 @@ def spec_model_with_hf(model_spec: Mapping[str, Any], fields: Mapping[str, Any])
     """A spec's model section completed from a checkpoint's fields: the spec's explicit values (which
     check_spec_against_hf found consistent) over the checkpoint's; model.moe merged field by field."""
     merged = {**fields, **{k: v for k, v in model_spec.items() if v is not None}}
-    for block in ("moe", "t5"):  # merged field by field
+    for block in ("moe", "t5", "bert"):  # merged field by field
         ours = model_spec.get(block)
         if isinstance(ours, Mapping) and isinstance(fields.get(block), Mapping):
             merged[block] = {**fields[block], **{k: v for k, v in ours.items() if v is not None}}

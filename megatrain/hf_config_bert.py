@@ -10,6 +10,9 @@ from typing import Any
 BINARY_ARCHITECTURES = ("BertForPreTraining", "BertForNextSentencePrediction")
 """Checkpoints whose pooler and next-sentence classifier our binary head holds."""
 CLASSIFIER = "BertForSequenceClassification"
+BERT_BLOCK_KEYS = ("post_layernorm", "num_tokentypes")
+"""model.bert's fields a checkpoint fixes (its heads are the spec's choice: a classifier may start
+from a pre-training checkpoint)."""
 BARE = "BertModel"
 """transformers' bare encoder (sentence-transformers' models): no pre-training heads, tensors
 named without the "bert." prefix; an encoder without heads exports as one."""

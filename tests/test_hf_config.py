@@ -333,3 +333,25 @@ def test_model_spec_accepts_hf_init_and_fields() -> None:
             {"name": "x", "model": {"init_from": url, "qkv_bias": True}, "data": {"train": [{"path": "/d"}]}}
         )
         assert spec.model.init_from == url and spec.model.qkv_bias
+
+
+def test_a_bert_spec_is_checked_against_a_bert_folder_key_by_key() -> None:
+    """A classifier may start from a pre-training checkpoint: model.bert's heads (binary_head,
+    num_labels) are the spec's choice, its norm order and token types the checkpoint's."""
+    config = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+              "max_position_embeddings": 64, "vocab_size": 100, "hidden_act": "gelu",
+              "type_vocab_size": 2}  # fmt: skip
+    fields = model_fields_from_hf(config)
+    assert fields["bert"] == {"post_layernorm": True, "num_tokentypes": 2, "binary_head": True}
+    spec = {"arch": "bert", "bert": {"num_labels": 3, "post_layernorm": True}}
+    assert check_spec_against_hf(spec, fields) == []
+    merged = spec_model_with_hf(spec, fields)
+    assert merged["bert"] == {
+        "post_layernorm": True,
+        "num_tokentypes": 2,
+        "binary_head": True,
+        "num_labels": 3,
+    }
+    wrong = {"arch": "bert", "bert": {"post_layernorm": False}}
+    assert [e["field"] for e in check_spec_against_hf(wrong, fields)] == ["model.bert.post_layernorm"]

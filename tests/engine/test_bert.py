@@ -260,3 +260,18 @@ def test_a_bare_encoder_folder_loads_and_exports_as_one(tmp_path: Path) -> None:
     torch.testing.assert_close(
         again, model.hidden_states(b["tokens"], token_type_ids=b["types"]), atol=1e-5, rtol=1e-5
     )
+
+
+def test_blended_bert_batches_keep_their_types_and_sentence_order_labels() -> None:
+    import numpy as np
+
+    from megatrain.engine.data.batch import Batch
+    from megatrain.engine.data.gpt_dataset import concat_batches
+
+    def part(k: int) -> Batch:
+        ones = np.full((1, 4), k, dtype=np.int64)
+        return Batch(tokens=ones, labels=ones, token_type_ids=ones % 2, binary_labels=np.array([k % 2]))
+
+    both = concat_batches([part(1), part(2)])
+    assert both.token_type_ids is not None and both.token_type_ids[:, 0].tolist() == [1, 0]
+    assert both.binary_labels is not None and both.binary_labels.tolist() == [1, 0]

@@ -219,6 +219,9 @@ def concat_batches(parts: Sequence[Batch]) -> Batch:
         dec_tokens=stack("dec_tokens"),
         enc_mask=stack("enc_mask"),
         dec_mask=stack("dec_mask"),
+        # An encoder's (BERT) token types and sentence-order labels, likewise.
+        token_type_ids=stack("token_type_ids"),
+        binary_labels=stack("binary_labels"),
     )
 
 
