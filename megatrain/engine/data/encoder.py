@@ -15,8 +15,9 @@ real tokens off it) and, with the binary head, the sentence-order label.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -75,19 +76,19 @@ def wordpiece_vocab(tokenizer: Tokenizer) -> WordPieceVocab:
         raise ValueError(f"data.tokenizer cannot make BERT samples: {exc}") from None
 
 
-def build_encoder_datasets(
-    spec: JobSpec, tokenizer: Tokenizer, seq_length: int, cache_root: Path
+SplitMaker = Callable[[IndexedDataset, tuple[int, int], int, Path, dict[str, Any]], SampleDataset]
+"""make(indexed, documents [start, end), samples planned, cache dir, description) -> a split's dataset."""
+
+
+def sentence_datasets(
+    spec: JobSpec, cache_root: Path, make: SplitMaker, what: str
 ) -> dict[str, SampleDataset | None]:
-    """train/valid/test BERT datasets (None for an empty split) for `spec`'s data."""
+    """train/valid/test datasets of sentence-split sources (BERT's and T5's): each data.train source
+    split by documents as data.split says, data.valid's held out whole, every split's sources blended
+    by weight; `make` builds one source's split (`what` names its samples in errors)."""
     from megatrain.engine.data.dataset import SplitSizes, indices_dir, local_prefix
 
     data, sizes = spec.data, SplitSizes.for_spec(spec)
-    vocab = wordpiece_vocab(tokenizer)
-    if spec.model.bert_block.num_labels is not None:  # a sequence-classification fine-tune
-        from megatrain.engine.data.classification import build_classification_datasets
-
-        return build_classification_datasets(spec, tokenizer, vocab, seq_length)
-    binary = spec.model.bert_block.binary_head
     tok_id = json.dumps(data.tokenizer.model_dump(mode="json"), sort_keys=True)
     per_split: dict[str, list[tuple[SampleDataset, float]]] = {s: [] for s in SPLITS}
     weights = [s.weight for s in data.train]
@@ -110,33 +111,54 @@ def build_encoder_datasets(
             if len(among) > 1:
                 planned = blended_sizes(among, planned)[n]
             description = {"dataset_path": str(prefix), "index_split": name, "tokenizer": tok_id}
-            ds = BERTDataset(
-                indexed,
-                bounds,
-                seq_length,
-                planned,
-                spec.training.seed,
-                indices_dir(prefix, cache_root),
-                description,
-                vocab,
-                binary_head=binary,
-            )
+            ds = make(indexed, bounds, planned, indices_dir(prefix, cache_root), description)
             if len(ds) == 0:
-                raise ValueError(
-                    f"{field}.path={source.path!r}: the {name} split's documents make no BERT sample "
-                    f"(the binary head needs documents of at least two sentences)"
-                )
-            per_split[name].append((BertSamples(ds), source.weight))
+                raise ValueError(f"{field}.path={source.path!r}: the {name} split's documents make no {what}")
+            per_split[name].append((ds, source.weight))
     out: dict[str, SampleDataset | None] = {}
     for name in SPLITS:
         parts = per_split[name]
+        blends = cache_root / "blends"
         out[name] = (
-            BlendedDataset(
-                [p[0] for p in parts], [p[1] for p in parts], getattr(sizes, name), cache_root / "blends"
-            )
+            BlendedDataset([p[0] for p in parts], [p[1] for p in parts], getattr(sizes, name), blends)
             if parts
             else None
         )
     if out["train"] is None:
         raise ValueError("the train split has no documents (check data.split and data.train)")
     return out
+
+
+def build_encoder_datasets(
+    spec: JobSpec, tokenizer: Tokenizer, seq_length: int, cache_root: Path
+) -> dict[str, SampleDataset | None]:
+    """train/valid/test BERT datasets (None for an empty split) for `spec`'s data."""
+    vocab = wordpiece_vocab(tokenizer)
+    if spec.model.bert_block.num_labels is not None:  # a sequence-classification fine-tune
+        from megatrain.engine.data.classification import build_classification_datasets
+
+        return build_classification_datasets(spec, tokenizer, vocab, seq_length)
+    binary = spec.model.bert_block.binary_head
+
+    def make(
+        indexed: IndexedDataset,
+        documents: tuple[int, int],
+        planned: int,
+        cache: Path,
+        description: dict[str, Any],
+    ) -> SampleDataset:
+        ds = BERTDataset(
+            indexed,
+            documents,
+            seq_length,
+            planned,
+            spec.training.seed,
+            cache,
+            description,
+            vocab,
+            binary_head=binary,
+        )
+        return BertSamples(ds)
+
+    what = "BERT sample (the binary head needs documents of at least two sentences)"
+    return sentence_datasets(spec, cache_root, make, what)

@@ -18,20 +18,16 @@ tokens. Labels under padding are 0, an id every embedding has (Megatron's -1 is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from megatrain.engine.data.batch import Batch
 from megatrain.engine.data.gpt_dataset import (
-    SPLITS,
-    BlendedDataset,
     SampleDataset,
-    blended_sizes,
-    split_bounds,
 )
 from megatrain.engine.data.indexed import IndexedDataset
 from megatrain.engine.data.masking import WordPieceVocab
@@ -137,59 +133,30 @@ def build_span_datasets(
     spec: JobSpec, tokenizer: Tokenizer, cache_root: Path
 ) -> dict[str, SampleDataset | None]:
     """train/valid/test span-corruption datasets for `spec`'s data (see the module docstring)."""
-    from megatrain.engine.data.dataset import SplitSizes, indices_dir, local_prefix
+    from megatrain.engine.data.encoder import sentence_datasets
 
-    data, sizes, m = spec.data, SplitSizes.for_spec(spec), spec.model
+    m = spec.model
     vocab = sentinel_vocab(tokenizer)
     decoder_length = m.t5_block.decoder_seq_length or m.seq_length
-    tok_id = json.dumps(data.tokenizer.model_dump(mode="json"), sort_keys=True)
-    per_split: dict[str, list[tuple[SampleDataset, float]]] = {s: [] for s in SPLITS}
-    weights = [s.weight for s in data.train]
-    valid_weights = weights + [s.weight for s in data.valid]
-    for n, (field, source) in enumerate(data.sources()):
-        prefix = local_prefix(source, field, data.tokenizer, data.text_key, cache_root, split_sentences=True)
-        indexed = IndexedDataset(prefix)
-        documents = len(indexed.document_indices) - 1
-        if documents == 0:
-            raise ValueError(f"{field}.path={source.path!r} holds no documents")
-        held_out = n >= len(data.train)
-        every = (
-            [(0, 0), (0, documents), (0, 0)] if held_out else split_bounds(documents, data.split_fractions)
+
+    def make(
+        indexed: IndexedDataset,
+        documents: tuple[int, int],
+        planned: int,
+        cache: Path,
+        description: dict[str, Any],
+    ) -> SampleDataset:
+        ds = T5Dataset(
+            indexed,
+            documents,
+            m.seq_length,
+            decoder_length,
+            planned,
+            spec.training.seed,
+            cache,
+            description,
+            vocab,
         )
-        for name, bounds in zip(SPLITS, every, strict=True):
-            if bounds[1] <= bounds[0]:
-                continue
-            planned = getattr(sizes, name)
-            among = valid_weights if name == "valid" and data.valid else weights
-            if len(among) > 1:
-                planned = blended_sizes(among, planned)[n]
-            description = {"dataset_path": str(prefix), "index_split": name, "tokenizer": tok_id}
-            ds = T5Dataset(
-                indexed,
-                bounds,
-                m.seq_length,
-                decoder_length,
-                planned,
-                spec.training.seed,
-                indices_dir(prefix, cache_root),
-                description,
-                vocab,
-            )
-            if len(ds) == 0:
-                raise ValueError(
-                    f"{field}.path={source.path!r}: the {name} split's documents make no T5 sample"
-                )
-            per_split[name].append((T5Samples(ds), source.weight))
-    out: dict[str, SampleDataset | None] = {}
-    for name in SPLITS:
-        parts = per_split[name]
-        out[name] = (
-            BlendedDataset(
-                [p[0] for p in parts], [p[1] for p in parts], getattr(sizes, name), cache_root / "blends"
-            )
-            if parts
-            else None
-        )
-    if out["train"] is None:
-        raise ValueError("the train split has no documents (check data.split and data.train)")
-    return out
+        return T5Samples(ds)
+
+    return sentence_datasets(spec, cache_root, make, "T5 sample")
