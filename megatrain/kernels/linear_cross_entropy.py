@@ -170,7 +170,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight = weight[:vocab]
         n = hidden.shape[0]
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        rows = linear_cross_entropy_chunk_rows(n, max(vocab, 1), chunk_tokens)
+        rows = linear_cross_entropy_chunk_rows(n, max(vocab, 1), chunk_tokens, hidden.device.type)
         # Column ids on this shard; -1 where the label is another shard's (or padding, or ignored).
         local = labels - vocab_start
         local = local.masked_fill((local < 0) | (local >= vocab), -1)

@@ -22,7 +22,7 @@ import torch
 
 import megatrain.engine
 from megatrain.engine.build import build_model
-from megatrain.engine.config import transformer_config
+from megatrain.engine.config import t5_config, transformer_config
 from megatrain.engine.microbatch import context_parallel_index
 from megatrain.engine.models.gpt import GPTModel
 from megatrain.engine.models.moe import moe_layers
@@ -74,7 +74,8 @@ def state_of(layout: Layout) -> ParallelState:
 
 def build(spec: JobSpec, layout: Layout) -> None:
     """The engine's model build (parallelize, experts, context, pipeline stages) on this layout."""
-    build_model(transformer_config(spec, BYTE_VOCAB), state_of(layout), 0, "meta")
+    config = t5_config if spec.model.arch == "t5" else transformer_config
+    build_model(config(spec, BYTE_VOCAB), state_of(layout), 0, "meta")
 
 
 def moe_tensor(spec: JobSpec, layout: Layout) -> None:
@@ -112,6 +113,13 @@ def schedule(spec: JobSpec, layout: Layout) -> None:
 def world(spec: JobSpec, layout: Layout) -> None:
     """More processes started than the layout has (torchrun's world against the stored layout)."""
     check_runnable(layout, layout.world_size + 1)
+
+
+def t5_spec(model: dict[str, Any] | None = None, parallelism: Any = None) -> dict[str, Any]:
+    """An arch t5 spec (its WordPiece tokenizer named, never read: the layout is what breaks)."""
+    data = spec_of({"arch": "t5", **(model or {})}, parallelism)
+    data["data"]["tokenizer"] = {"type": "hf", "path": "/tokenizers/t5.json"}
+    return data
 
 
 Engine = Callable[[JobSpec, Layout], None]
@@ -164,6 +172,16 @@ CASES: dict[str, tuple[dict[str, Any], str, str, Engine, bool]] = {
                    "model.attention_dropout=0.1 is not supported with parallelism.cp=2", build, True),
     "cp_backend": (spec_of({"attention_backend": "flex"}, {"cp": 2}), "model.attention_backend",
                    "attention_backend='flex' is not used with parallelism.cp=2", build, True),
+    "t5_heads": (t5_spec(parallelism={"tp": 3}), "model.num_attention_heads",
+                 "model.num_attention_heads=8 is not divisible by parallelism.tp=3", build, True),
+    "t5_decoder_sp": (t5_spec({"t5": {"decoder_seq_length": 250}}, {"tp": 4, "sequence_parallel": True}),
+                      "model.t5.decoder_seq_length",
+                      "model.t5.decoder_seq_length=250 is not divisible by parallelism.tp=4", build, False),
+    "t5_virtual": (t5_spec(parallelism={"pp": 2, "virtual_stages": 2}), "parallelism.virtual_stages",
+                   "parallelism.virtual_stages=2 is not supported for model.arch t5", build, False),
+    "t5_split": (t5_spec(parallelism={"pp": 4, "pipeline_layers": [2, 1, 3, 2]}),
+                 "parallelism.pipeline_layers",
+                 "the layers per stage ([2, 1, 3, 2]) must put the boundary after layer 4", build, False),
 }  # fmt: skip
 
 SHAPED = "a tensor the parallel layers shaped, after parallelize_model's rules passed"
@@ -190,6 +208,9 @@ GUARDS: dict[tuple[str, str], list[str] | str] = {
     ("parallel/mappings.py", "shard_tensor"): SHAPED,
     ("parallel/schedules.py", "simulate"): "a deadlock is a schedule's bug, not a layout's",
     ("parallel/data.py", "__init__"): "a ParallelState built by hand without its dp×cp group",
+    ("parallel/parallelize_t5.py", "parallelize_t5"): ["t5_heads", "t5_decoder_sp"],
+    ("parallel/pipeline_t5.py", "build_t5_stages"): ["t5_virtual"],
+    ("parallel/pipeline_t5.py", "t5_stage_layers"): ["t5_split"],
 }  # fmt: skip
 SAME_RULE = {"parallelize_model", "parallelize_moe_layer", "build_stage_modules", "parallelize_experts",
              "parallelize_context"}  # fmt: skip
