@@ -134,7 +134,8 @@ T5_ATTENTION_BACKENDS = ("auto", "sdpa")
 def t5_job_problems(spec: Any) -> list[Problem]:
     """The rules between arch t5 and the rest of a job spec, each naming its field: it pretrains
     (span corruption) or fine-tunes (text to text), in full, from an hf tokenizer, one pair per row,
-    without recompute, compile or fp8 (the engine's T5 runs none of them yet)."""
+    without compile or fp8 (the engine's T5 runs neither yet); recompute (full: every
+    recompute_every-th layer of each stack; selective: the attention cores) runs as for GPT."""
     if spec.model.arch != "t5":
         return []
     out: list[Problem] = []
@@ -163,7 +164,6 @@ def t5_job_problems(spec: Any) -> list[Problem]:
         why = "training.eval_tasks are lm-eval tasks for a decoder; arch t5 reports its validation loss"
         out.append(_rule("training.eval_tasks", why))
     unsupported = {
-        "training.recompute": (t.recompute != "none", f"training.recompute {t.recompute}"),
         "training.compile": (t.compile, "training.compile"),
         "training.precision": (t.precision == "fp8", "training.precision fp8"),
     }

@@ -436,7 +436,6 @@ T5_RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"training": {"method": "lora"}}, "training.method", "trains in full"),
     ({"data": {**T5["data"], "packing": True}}, "data.packing", "one input/target pair"),
     ({"training": {"eval_tasks": ["file:///t.yaml"]}}, "training.eval_tasks", "lm-eval"),
-    ({"training": {"recompute": "full"}}, "training.recompute", "not available for arch t5"),
     ({"training": {"compile": True}}, "training.compile", "not available for arch t5"),
     ({"model": {"arch": "t5", "attention_backend": "flex"}}, "model.attention_backend", "SDPA"),
     ({"model": {"arch": "t5", "moe": {"num_experts": 4}}}, "model.moe", "not available for arch t5"),
@@ -467,6 +466,9 @@ def test_a_t5_spec_trains_and_takes_the_arch_s_defaults() -> None:
         parse_spec({**T5, "kind": "finetune", "model": {**T5["model"], "init_from": "hf:/models/t5"}}).kind
         == "finetune"
     )
+    for mode in ("full", "selective"):  # recompute runs on T5's layers (models.t5_layers)
+        training = {"recompute": mode, "recompute_every": 2}
+        assert parse_spec({**T5, "training": training}).training.recompute == mode
 
 
 @pytest.mark.parametrize(("changes", "field", "text"), T5_RULES)

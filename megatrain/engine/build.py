@@ -181,12 +181,12 @@ def make_trainable(
     state = model.state
     dtype = PARAM_DTYPES[precision]
     model.module.to(dtype=dtype)
-    t5 = isinstance(mcfg, T5Config)  # (the spec refuses fp8, recompute and compile for a T5)
+    t5 = isinstance(mcfg, T5Config)  # (the spec refuses compile and fp8 for a T5)
     if precision == "fp8" and not t5:
         enable_fp8(model.module, cfg.fp8_recipe, cfg.fp8_backend)
-    for part in [] if t5 else model.chunks or [model.module]:
+    for part in model.chunks or [model.module]:  # GPTModel / StageModule, T5Model / T5Stage
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)
-        if cfg.compile:
+        if cfg.compile and not t5:
             compile_layers(part)
     ddp = DataParallel(
         model.module,

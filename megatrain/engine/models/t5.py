@@ -39,11 +39,13 @@ the query init: with a small std the unscaled scores start small anyway.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import noop_context_fn
 
 from megatrain import kernels
 from megatrain.engine.models.gpt import Embedding, Linear, RMSNorm
@@ -54,6 +56,8 @@ from megatrain.engine.models.t5_layers import (
     RelativeBias,
     T5KVCache,
     additive_mask,
+    run_stack,
+    set_recompute,
 )
 
 ACTIVATIONS = ("relu", "gated-gelu")
@@ -206,14 +210,15 @@ class Encoder(nn.Module):
         # Sequence parallelism (parallel.parallelize_t5) hands the stack a 1/tp slice of the sequence;
         # the masks still cover all of it.
         self.sequence_shards = 1
+        # Full recompute's checkpoint context_fn: tensor parallelism installs its RNG tracker's.
+        self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
 
     def forward(self, x: torch.Tensor, enc_mask: torch.Tensor | None) -> torch.Tensor:
         """x (B, S, C) embedded -> (B, S, C). Every query sees every real key, by relative position."""
         s = x.shape[1] * self.sequence_shards
         mask = encoder_attention_mask(self.rel_bias, s, enc_mask, x.dtype)  # one for every layer
         x = self.dropout(x)
-        for layer in self.layers:
-            x = layer(x, mask)
+        x = run_stack(self.layers, x, mask, training=self.training, context_fn=self.recompute_context_fn)
         return self.dropout(self.final_norm(x))
 
 
@@ -225,6 +230,7 @@ class Decoder(nn.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.sequence_shards = 1  # as Encoder's
+        self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
 
     def forward(
         self,
@@ -240,8 +246,8 @@ class Decoder(nn.Module):
         start = 0 if cache is None else cache.length
         self_mask, cross_mask = decoder_attention_masks(self.rel_bias, t, start, enc_mask, dec_mask, x.dtype)
         x = self.dropout(x)
-        for layer in self.layers:
-            x = layer(x, memory, self_mask, cross_mask, cache)
+        args = (memory, self_mask, cross_mask, cache)
+        x = run_stack(self.layers, x, *args, training=self.training, context_fn=self.recompute_context_fn)
         if cache is not None:
             cache.length = start + t
         return self.dropout(self.final_norm(x))
@@ -276,6 +282,12 @@ class T5Model(nn.Module):
             fill_box(
                 p, seed=self.init_seed, name=name, shape=tuple(p.shape), offsets=(0,) * p.dim(), rule=rule
             )
+
+    def set_recompute(self, mode: str, every: int = 1) -> None:
+        """none | selective (every attention core, self and cross) | full (in each stack, the layers
+        whose index is a multiple of `every`): as GPTModel.set_recompute, stack by stack."""
+        set_recompute(enumerate(self.encoder.layers), mode, every)
+        set_recompute(enumerate(self.decoder.layers), mode, every)
 
     def _check(self, tokens: torch.Tensor, mask: torch.Tensor | None, limit: int, what: str) -> None:
         """Shapes only (values would synchronise with the device)."""

@@ -6,18 +6,25 @@ fusion under DataParallel); the attention core is SDPA with scale=1.0 and one fl
 per stack: the position bias where a key may be seen, the dtype's minimum where it may not (a
 replacement, not a sum, so that masked scores never overflow to -inf and a fully masked row stays
 finite, as transformers' T5 does).
+
+Recompute (set_recompute, as gpt.GPTModel's): full reruns whole layers in backward (run_stack),
+selective only the attention cores, self and cross (SDPA's math path on a float mask keeps the
+(B, H, T, S) probabilities: the part worth dropping). Each carries a torch.utils.checkpoint
+context_fn that tensor parallelism replaces with its RNG tracker's, so recomputed dropout masks
+equal the first pass's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from megatrain import kernels
 from megatrain.engine.models.gpt import Embedding, Linear, RMSNorm
@@ -114,19 +121,47 @@ class T5KVCache:
         return self._cross[layer]
 
 
-class SelfAttention(nn.Module):
-    """qkv rows laid out per head [q_h; k_h; v_h] (gpt.Attention's layout with one head per group):
-    a column split hands each tensor-parallel rank whole heads."""
+class _AttentionCore(nn.Module):
+    """What self- and cross-attention share: the core over (B, H, T, d) heads, with its hooks."""
 
     def __init__(self, cfg: T5Config):
         super().__init__()
         self.head_dim = cfg.kv_channels
         self.dropout = cfg.attention_dropout
+        self.recompute_core = False
+        """Selective recompute: the core reruns in backward (set by set_recompute)."""
+        # No-ops on one device. Tensor parallelism draws the dropout of its heads from the tracker's
+        # per-rank stream, and replays that stream when the core is recomputed.
+        self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self.recompute_context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        with self.core_rng_context():
+            return _core(q, k, v, mask, self.dropout if self.training else 0.0)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q (B, H, T, d), k and v (B, H, S, d) -> (B, T, H·d); only q, k, v and the mask are kept
+        for backward under selective recompute."""
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            return checkpoint(
+                self._attend, q, k, v, mask, use_reentrant=False, context_fn=self.recompute_context_fn
+            )
+        return self._attend(q, k, v, mask)
+
+
+class SelfAttention(_AttentionCore):
+    """qkv rows laid out per head [q_h; k_h; v_h] (gpt.Attention's layout with one head per group):
+    a column split hands each tensor-parallel rank whole heads."""
+
+    def __init__(self, cfg: T5Config):
+        super().__init__(cfg)
         inner = cfg.num_attention_heads * cfg.kv_channels  # may differ from hidden_size (t5-11b)
         self.qkv = Linear(cfg.hidden_size, 3 * inner, bias=False)
         self.proj = Linear(inner, cfg.hidden_size, bias=False)
-        # Tensor parallelism draws the dropout of its heads from the tracker's per-rank stream.
-        self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: T5KVCache | None = None
@@ -140,23 +175,18 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)  # (B, H, T, d)
         if cache is not None:
             k, v = cache.append(self, k, v)
-        with self.core_rng_context():
-            y = _core(q, k, v, mask, self.dropout if self.training else 0.0)
-        return self.proj(y)
+        return self.proj(self.attend(q, k, v, mask))
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_AttentionCore):
     """Decoder queries over the encoder output: q, and kv with rows per head [k_h; v_h]."""
 
     def __init__(self, cfg: T5Config):
-        super().__init__()
-        self.head_dim = cfg.kv_channels
-        self.dropout = cfg.attention_dropout
+        super().__init__(cfg)
         inner = cfg.num_attention_heads * cfg.kv_channels
         self.q = Linear(cfg.hidden_size, inner, bias=False)
         self.kv = Linear(cfg.hidden_size, 2 * inner, bias=False)
         self.proj = Linear(inner, cfg.hidden_size, bias=False)
-        self.core_rng_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def keys_values(self, memory: torch.Tensor) -> KV:
         kv = self.kv(memory)  # (B, S, 2·H·d): the whole encoder sequence, under sequence parallelism too
@@ -175,9 +205,7 @@ class CrossAttention(nn.Module):
             k, v = self.keys_values(memory)
         else:
             k, v = cache.cross(self, lambda: self.keys_values(memory))
-        with self.core_rng_context():
-            y = _core(q, k, v, mask, self.dropout if self.training else 0.0)
-        return self.proj(y)
+        return self.proj(self.attend(q, k, v, mask))
 
 
 def _core(
@@ -214,6 +242,8 @@ class EncoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = T5MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.recompute = False
+        """Full recompute: the whole layer reruns in backward (set by set_recompute)."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), mask))
@@ -230,6 +260,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = T5MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.recompute = False
+        """Full recompute: the whole layer reruns in backward (set by set_recompute)."""
 
     def forward(
         self,
@@ -242,3 +274,35 @@ class DecoderLayer(nn.Module):
         x = x + self.dropout(self.attn(self.attn_norm(x), self_mask, cache))
         x = x + self.dropout(self.cross(self.cross_norm(x), memory, cross_mask, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+def set_recompute(layers: Iterable[tuple[int, nn.Module]], mode: str, every: int = 1) -> None:
+    """none | selective (every layer's attention cores, self and cross) | full (the layers whose
+    index in their stack is a multiple of `every`), over (index in the stack, layer) pairs."""
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"recompute mode {mode!r} is not one of none, selective, full")
+    if every < 1:
+        raise ValueError(f"recompute every={every} must be >= 1")
+    for i, layer in layers:
+        layer.recompute = mode == "full" and i % every == 0
+        for core in (layer.attn, getattr(layer, "cross", None)):
+            if core is not None:
+                core.recompute_core = mode == "selective"
+
+
+def run_stack(
+    layers: Iterable[nn.Module],
+    x: torch.Tensor,
+    *args: Any,
+    training: bool,
+    context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
+) -> torch.Tensor:
+    """The residual stream x through `layers` (one stack's, in order), each given *args (masks,
+    the encoder output) and rerun in backward when its `recompute` is set and the model trains
+    (context_fn restores the tracker's RNG streams in the rerun)."""
+    for layer in layers:
+        if layer.recompute and training and torch.is_grad_enabled():
+            x = checkpoint(layer, x, *args, use_reentrant=False, context_fn=context_fn)
+        else:
+            x = layer(x, *args)
+    return x

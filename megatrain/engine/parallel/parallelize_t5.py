@@ -26,7 +26,9 @@ position. Without sequence parallelism the encoder output is whole and kv enters
 
 Randomness: the MLP's hidden dropout acts on an ffn/tp slice and attention dropout on H/tp heads, so
 both draw from the tracker's per-rank stream; residual and embedding dropout do so only under
-sequence parallelism (otherwise every tp rank holds, and drops, the same whole tensor).
+sequence parallelism (otherwise every tp rank holds, and drops, the same whole tensor). Recompute
+(T5Model.set_recompute) replays the tracker's streams: the stacks' and the attention cores'
+checkpoint context is the tracker's.
 
 The state dict: parallelize.full_state_dict / load_full_state_dict work on a parallelized T5Model
 as they are (they follow each parameter's tensor_parallel / partition_dim markers, and leave out a
@@ -111,6 +113,9 @@ def parallelize_t5(
                 for norm in norms:
                     _mark_norm(norm)
         stack.dropout = dropout(cfg.hidden_dropout, sp)
+        if rng_tracker is not None:
+            # A recomputed layer redraws its per-rank dropout masks from the tracker's streams.
+            stack.recompute_context_fn = rng_tracker.checkpoint_context
         if sp:
             _mark_norm(stack.final_norm)
             stack.sequence_shards = tp
@@ -141,6 +146,8 @@ def _parallelize_self_attention(
     attn.proj = RowParallelLinear.from_linear(attn.proj, state)
     if tracker is not None and p > 0:
         attn.core_rng_context = functools.partial(tracker.fork, MODEL_PARALLEL)
+    if tracker is not None:
+        attn.recompute_context_fn = tracker.checkpoint_context
 
 
 def _parallelize_cross_attention(
@@ -152,6 +159,8 @@ def _parallelize_cross_attention(
     cross.proj = RowParallelLinear.from_linear(cross.proj, state)
     if tracker is not None and p > 0:
         cross.core_rng_context = functools.partial(tracker.fork, MODEL_PARALLEL)
+    if tracker is not None:
+        cross.recompute_context_fn = tracker.checkpoint_context
 
 
 def _parallelize_mlp(mlp: T5MLP, state: ParallelState, gated: bool) -> None:

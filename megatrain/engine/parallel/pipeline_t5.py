@@ -47,6 +47,7 @@ from torch import nn
 
 from megatrain.engine.microbatch import T5MicroBatch  # noqa: F401  (re-exported)
 from megatrain.engine.models.t5 import T5Config, T5Model, decoder_attention_masks, encoder_attention_mask
+from megatrain.engine.models.t5_layers import run_stack, set_recompute
 from megatrain.engine.parallel.pipeline import TP_ATTRS
 from megatrain.engine.parallel.schedules import P2P, PipelineSchedule, StageTimes
 from megatrain.engine.parallel.state import Group, ParallelState
@@ -160,6 +161,12 @@ class _StackPart(nn.Module):
             self.final_norm = stack.final_norm
         self.dropout = stack.dropout
         self.sequence_shards = stack.sequence_shards
+        self.recompute_context_fn = stack.recompute_context_fn
+
+    def run(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """x through this part's layers (run_stack: full recompute where set)."""
+        fn = self.recompute_context_fn
+        return run_stack(self.layers.values(), x, *args, training=self.training, context_fn=fn)
 
 
 class T5Stage(nn.Module):
@@ -196,6 +203,14 @@ class T5Stage(nn.Module):
         self.shared_groups: dict[str, Group] = {}
         """Canonical name -> the group of the stages holding that weight (build_t5_stages)."""
 
+    def set_recompute(self, mode: str, every: int = 1) -> None:
+        """As T5Model.set_recompute, on each stack's global layer indices (the layers one process
+        recomputes)."""
+        set_recompute((), mode, every)  # checks mode and every on a stage of either stack
+        for part in (self.encoder, self.decoder):
+            if part is not None:
+                set_recompute(((int(k), layer) for k, layer in part.layers.items()), mode, every)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -212,8 +227,7 @@ class T5Stage(nn.Module):
         if self.encoder is not None:
             s = x.shape[1] * self.encoder.sequence_shards
             mask = encoder_attention_mask(self.encoder.rel_bias, s, enc_mask, x.dtype)
-            for layer in self.encoder.layers.values():
-                x = layer(x, mask)
+            x = self.encoder.run(x, mask)
             if not self.encoder_last:
                 return x
             memory = self.encoder.dropout(self.encoder.final_norm(x))
@@ -235,8 +249,7 @@ class T5Stage(nn.Module):
         self_mask, cross_mask = decoder_attention_masks(
             self.decoder.rel_bias, dec.shape[1] * shards, 0, enc_mask, dec_mask, dec.dtype
         )
-        for layer in self.decoder.layers.values():
-            dec = layer(dec, memory, self_mask, cross_mask)
+        dec = self.decoder.run(dec, memory, self_mask, cross_mask)
         if not self.is_last:
             return torch.cat([memory, dec], dim=1)  # (B, S + T, C): the encoder output rides along
         h = self.decoder.dropout(self.decoder.final_norm(dec))
