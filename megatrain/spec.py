@@ -248,9 +248,10 @@ class TrainingSpec(_Strict):
     where the device runs it natively (a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32.
     fp8 is bf16 with the transformer layers' linear GEMMs (forward and both backward) in float8
     with dynamic scaling, through torchao (real float8 GEMMs on GPUs of compute capability 8.9+,
-    emulated elsewhere); the embedding, LM head, MoE router and experts stay bf16. Needs the
-    linear layers' widths per tensor-parallel shard divisible by 16 and the torchao package (or
-    transformer_engine: fp8_backend)."""
+    emulated elsewhere); the embedding, LM head, BERT's heads, MoE router and experts stay bf16.
+    Needs the linear layers' widths per tensor-parallel shard and a micro-batch's tokens (a T5's
+    encoder and decoder tokens) divisible by 16, and the torchao package (or transformer_engine:
+    fp8_backend)."""
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """precision fp8 only: torchao's scaling recipe. tensorwise: one scale per tensor (fastest);
     rowwise: one per row, e4m3 gradients, power-of-two scales (more accurate, slower)."""

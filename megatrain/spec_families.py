@@ -134,8 +134,9 @@ T5_ATTENTION_BACKENDS = ("auto", "sdpa")
 def t5_job_problems(spec: Any) -> list[Problem]:
     """The rules between arch t5 and the rest of a job spec, each naming its field: it pretrains
     (span corruption) or fine-tunes (text to text), in full, from an hf tokenizer, one pair per row,
-    without compile or fp8 (the engine's T5 runs neither yet); recompute (full: every
-    recompute_every-th layer of each stack; selective: the attention cores) runs as for GPT."""
+    without compile (the engine compiles decoder blocks only); recompute (full: every
+    recompute_every-th layer of each stack; selective: the attention cores) and fp8 (every layer's
+    linears, cross-attention's too) run as for GPT."""
     if spec.model.arch != "t5":
         return []
     out: list[Problem] = []
@@ -163,13 +164,8 @@ def t5_job_problems(spec: Any) -> list[Problem]:
     if t.eval_tasks:
         why = "training.eval_tasks are lm-eval tasks for a decoder; arch t5 reports its validation loss"
         out.append(_rule("training.eval_tasks", why))
-    unsupported = {
-        "training.compile": (t.compile, "training.compile"),
-        "training.precision": (t.precision == "fp8", "training.precision fp8"),
-    }
-    for field, (broken, what) in unsupported.items():
-        if broken:
-            out.append(_rule(field, f"{what} is not available for arch t5 yet"))
+    if t.compile:
+        out.append(_rule("training.compile", "training.compile is not available for arch t5 yet"))
     if spec.model.attention_backend not in T5_ATTENTION_BACKENDS:
         why = (
             f"model.attention_backend {spec.model.attention_backend} is not available for arch t5: it runs "

@@ -469,6 +469,7 @@ def test_a_t5_spec_trains_and_takes_the_arch_s_defaults() -> None:
     for mode in ("full", "selective"):  # recompute runs on T5's layers (models.t5_layers)
         training = {"recompute": mode, "recompute_every": 2}
         assert parse_spec({**T5, "training": training}).training.recompute == mode
+    assert parse_spec({**T5, "training": {"precision": "fp8"}}).training.precision == "fp8"
 
 
 @pytest.mark.parametrize(("changes", "field", "text"), T5_RULES)

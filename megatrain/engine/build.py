@@ -181,8 +181,8 @@ def make_trainable(
     state = model.state
     dtype = PARAM_DTYPES[precision]
     model.module.to(dtype=dtype)
-    t5 = isinstance(mcfg, T5Config)  # (the spec refuses compile and fp8 for a T5)
-    if precision == "fp8" and not t5:
+    t5 = isinstance(mcfg, T5Config)  # (the spec refuses compile for a T5: its layers are no blocks)
+    if precision == "fp8":
         enable_fp8(model.module, cfg.fp8_recipe, cfg.fp8_backend)
     for part in model.chunks or [model.module]:  # GPTModel / StageModule, T5Model / T5Stage
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)

@@ -3,8 +3,9 @@
 The float8 GEMMs (torch._scaled_mm, which torchao calls) need every dimension of both operands
 divisible by 16. A linear layer's three GEMMs multiply over its input width (forward), its output
 width (input gradient) and the tokens of a micro-batch (weight gradient), so each transformer
-linear's in and out features on one tensor-parallel shard, and the tokens one rank multiplies, must
-be multiples of 16. The embedding, LM head and MoE router/experts stay bf16 and are not checked.
+linear's in and out features on one tensor-parallel shard, and the tokens one rank multiplies (a T5's
+encoder and decoder tokens), must be multiples of 16. The embedding, LM head, BERT's heads and the
+MoE router/experts stay bf16 and are not checked.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ FP8_MULTIPLE = 16
 def fp8_linear_widths(spec: JobSpec, tp: int) -> dict[str, int]:
     """{what: width} of every transformer linear's in/out features on one tensor-parallel shard."""
     m = spec.model
-    head_dim = m.head_dim
     heads, groups = m.num_attention_heads, m.query_groups
-    gated = m.arch != "gpt2"  # SwiGLU: fc1 holds [gate; up]
+    # A T5's heads are kv_channels wide (heads·kv_channels may differ from hidden_size); its
+    # cross-attention q, kv and proj are H·d, 2·H·d and H·d wide: multiples of the widths below.
+    head_dim = (m.t5_block.kv_channels or m.head_dim) if m.arch == "t5" else m.head_dim
+    gated = m.mlp_activation in ("swiglu", "geglu")  # fc1 holds [gate; up]
     widths = {
         "model.hidden_size (the linear layers' model-side width)": m.hidden_size,
         "the qkv projection's width per tp shard": (heads + 2 * groups) * head_dim // tp,
@@ -74,14 +77,19 @@ def fp8_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     out += fp8_width_problems(spec, layout.tp, "parallelism.")
     from megatrain.plan.layout import micro_batch_size  # (layout imports this module)
 
-    tokens = micro_batch_size(spec, layout) * spec.model.seq_length // layout.cp
-    if tokens % FP8_MULTIPLE:
-        out.append(
-            {
-                "field": "training.precision",
-                "message": f"training.precision=fp8 needs the tokens of a micro-batch per context "
-                f"rank (micro_batch_size×seq_length/cp = {tokens}) divisible by {FP8_MULTIPLE} "
-                "(the weight gradient's float8 GEMM multiplies over them)",
-            }
-        )
+    mbs, m = micro_batch_size(spec, layout), spec.model
+    lengths = {"seq_length": m.seq_length}
+    if m.arch == "t5":  # the decoder's linears multiply over its own tokens
+        lengths["t5.decoder_seq_length"] = m.t5_block.decoder_seq_length or m.seq_length
+    for length, value in lengths.items():
+        tokens = mbs * value // layout.cp
+        if tokens % FP8_MULTIPLE:
+            out.append(
+                {
+                    "field": "training.precision",
+                    "message": f"training.precision=fp8 needs the tokens of a micro-batch per context "
+                    f"rank (micro_batch_size×{length}/cp = {tokens}) divisible by {FP8_MULTIPLE} "
+                    "(the weight gradient's float8 GEMM multiplies over them)",
+                }
+            )
     return out

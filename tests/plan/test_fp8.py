@@ -157,3 +157,31 @@ def test_fp8_with_sequence_parallelism_saves_the_gathered_inputs() -> None:
     tokens, h = 2048, 2048
     per_layer = fp8.breakdown["per_layer_linear_inputs"] - bf16.breakdown["per_layer_linear_inputs"]
     assert per_layer == pytest.approx(tokens * 2 * 2 * h * (1 - 1 / 4), abs=2)  # two inputs, bf16
+
+
+def test_fp8_rules_for_t5() -> None:
+    """A T5's heads are kv_channels wide (its attention widths need not be hidden_size's), and its
+    decoder's linears multiply over the decoder's tokens."""
+    from megatrain.spec import parse_spec
+
+    def problems(kv_channels: int, decoder_seq_length: int) -> list[str]:
+        raw = {
+            "name": "t5-fp8",
+            "model": {"arch": "t5", "num_layers": 2, "hidden_size": 512, "num_attention_heads": 8,
+                      "seq_length": 512, "t5": {"kv_channels": kv_channels,
+                                                "decoder_seq_length": decoder_seq_length}},
+            "data": {"train": [{"dataset": "corpus"}], "tokenizer": {"type": "hf", "path": "/t.json"}},
+            "training": {"global_batch_size": 8, "micro_batch_size": 1, "precision": "fp8"},
+        }  # fmt: skip
+        try:
+            resolve_layout(parse_spec(raw))
+        except SpecError as exc:
+            return [e["message"] for e in exc.errors if e["field"] == "training.precision"]
+        return []
+
+    assert problems(kv_channels=64, decoder_seq_length=128) == []
+    heads = problems(kv_channels=3, decoder_seq_length=128)  # 8 heads × 3 = 24 wide
+    assert any("attention output's width" in m and "it is 24" in m for m in heads)
+    assert any("qkv" in m and "it is 72" in m for m in heads)
+    [tokens] = problems(kv_channels=64, decoder_seq_length=8)
+    assert "micro_batch_size×t5.decoder_seq_length/cp = 8" in tokens
