@@ -8,10 +8,10 @@ replacement, not a sum, so that masked scores never overflow to -inf and a fully
 finite, as transformers' T5 does).
 
 Recompute (set_recompute, as gpt.GPTModel's): full reruns whole layers in backward (run_stack),
-selective only the attention cores, self and cross (SDPA's math path on a float mask keeps the
-(B, H, T, S) probabilities: the part worth dropping). Each carries a torch.utils.checkpoint
-context_fn that tensor parallelism replaces with its RNG tracker's, so recomputed dropout masks
-equal the first pass's.
+selective only the attention cores, self and cross (SDPA's math path, a CPU's, keeps their
+(B, H, T, S) probabilities; a GPU's memory-efficient kernel on T5's float mask keeps none). Each
+carries a torch.utils.checkpoint context_fn that tensor parallelism replaces with its RNG tracker's,
+so recomputed dropout masks equal the first pass's.
 """
 
 from __future__ import annotations
