@@ -15,6 +15,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from megatrain.hf_config_base import HFConfigError  # noqa: F401  (re-exported)
+from megatrain.hf_config_base import refuse as _refuse
+from megatrain.hf_config_base import require as _require
 from megatrain.hf_config_bert import BERT_BLOCK_KEYS, bert_config, bert_fields
 from megatrain.hf_config_t5 import T5_BLOCK_KEYS, t5_fields
 from megatrain.spec_moe import MoESpec
@@ -37,14 +40,6 @@ DEFAULT_THETA = {"mixtral": 1e6}
 """rope_theta where a config.json names none, as transformers' config class defaults it (else 1e4)."""
 MOE_TRAINING_FIELDS = ("aux_loss_coeff", "z_loss_coeff", "capacity_factor")
 """model.moe fields that say how a model trains, not what it computes: a spec's own choice."""
-
-
-class HFConfigError(ValueError):
-    """A config.json our model cannot reproduce; `key` names the offending config key."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"config.json {key}: {message}")
 
 
 def model_fields_from_hf(config: Mapping[str, Any], seq_length: int | None = None) -> dict[str, Any]:
@@ -72,21 +67,6 @@ def model_fields_from_hf(config: Mapping[str, Any], seq_length: int | None = Non
     if window and window < seq_length:
         raise HFConfigError("sliding_window", f"{window} is smaller than seq_length={seq_length}")
     return {**fields, "seq_length": seq_length}
-
-
-def _require(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = config.get(key, default)
-    if value is None:
-        raise HFConfigError(key, "is missing")
-    return value
-
-
-def _refuse(config: Mapping[str, Any], key: str, ok: Any, why: str) -> None:
-    """A config value we cannot compute: `ok` is the one accepted value (or a tuple of them)."""
-    value = config.get(key)
-    accepted = ok if isinstance(ok, tuple) else (ok,)
-    if value is not None and value not in accepted:
-        raise HFConfigError(key, f"{value!r} is not supported ({why})")
 
 
 def _gpt2_fields(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megatrain.hf_config_base import HFConfigError
+from megatrain.hf_config_base import refuse as _refuse
+from megatrain.hf_config_base import require as _require
+
 BINARY_ARCHITECTURES = ("BertForPreTraining", "BertForNextSentencePrediction")
 """Checkpoints whose pooler and next-sentence classifier our binary head holds."""
 CLASSIFIER = "BertForSequenceClassification"
@@ -20,8 +24,6 @@ named without the "bert." prefix; an encoder without heads exports as one."""
 
 def bert_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """ModelSpec fields for a BERT config.json (seq_length: max_position_embeddings)."""
-    from megatrain.hf_config import _refuse, _require  # hf_config imports this module
-
     _refuse(config, "hidden_act", "gelu", "BERT's exact GELU only")
     _refuse(config, "position_embedding_type", "absolute", "learned absolute positions only")
     _refuse(config, "is_decoder", False, "an encoder")
@@ -56,8 +58,6 @@ def _num_labels(config: Mapping[str, Any]) -> int:
 def bert_config(m: Mapping[str, Any]) -> dict[str, Any]:
     """config.json's BERT keys for a TransformerConfig dict (HFConfigError where transformers'
     BertModel computes something else)."""
-    from megatrain.hf_config import HFConfigError
-
     if not m["post_layernorm"]:
         raise HFConfigError(
             "post_layernorm", "transformers' BERT is post-norm: train with model.bert.post_layernorm"

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megatrain.hf_config_base import HFConfigError
+from megatrain.hf_config_base import refuse as _refuse
+
 T5_DEFAULTS: dict[str, Any] = {
     "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8,
     "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
@@ -31,8 +34,6 @@ T5_BLOCK_KEYS = (
 def t5_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """ModelSpec fields for a T5 config.json (seq_length: n_positions, nominal: relative positions
     have no limit)."""
-    from megatrain.hf_config import HFConfigError, _refuse  # hf_config imports this module
-
     _refuse(config, "is_encoder_decoder", True, "an encoder-decoder")
     _refuse(config, "is_decoder", False, "an encoder-decoder")
     c = {**T5_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}

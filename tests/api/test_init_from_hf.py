@@ -91,7 +91,7 @@ def test_unusable_folders_are_init_from_errors(api: Api, tmp_path: Path, case: s
     elif case == "not-json":
         (folder / "config.json").write_text("{not json")
     elif case == "unsupported":
-        transformers.BertConfig(hidden_size=32, num_attention_heads=2).save_pretrained(folder)
+        transformers.RobertaConfig(hidden_size=32, num_attention_heads=2).save_pretrained(folder)
     init_from = "hf:relative/folder" if case == "relative" else f"hf:{folder.as_uri()}"
     resp = _post(api, {"init_from": init_from})
     assert _fields(resp) == ["model.init_from"]

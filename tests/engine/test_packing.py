@@ -249,11 +249,16 @@ def test_without_masks_the_token_share_is_exactly_the_mean_over_micro_batches() 
         tokens = 4 * 16  # every micro-batch: B·T loss tokens
         for mean in means:
             assert torch.equal(token_share(mean, tokens, float(m * tokens)), mean / m)
-    # No loss token: zero, with a graph (backward still runs on every rank).
+    # No loss token: every loss's mean over no token is 0, kept with its graph (backward still runs
+    # on every rank) ...
     x = torch.tensor(2.0, requires_grad=True)
-    zero = token_share(x * 3, 0, 10.0)
+    zero = token_share(x * 0.0, 0, 10.0)
     zero.backward()
     assert zero.item() == 0.0 and x.grad is not None and x.grad.item() == 0.0
+    # ... and what a loss adds beside its tokens (an encoder's binary head, weighed by the
+    # micro-batch's binary_scale for a count of 1) keeps its share, even with no token anywhere.
+    assert token_share(torch.tensor(3.0), 0, 10.0).item() == pytest.approx(0.3)
+    assert token_share(torch.tensor(3.0), 0, 0.0).item() == 3.0
 
 
 def test_a_micro_batch_from_a_numpy_batch() -> None:
