@@ -210,15 +210,8 @@ class ModelSpec(_Strict):
         tp divides it (GPT-2's 50257 becomes 50304 rows). Rows past the vocabulary are padding."""
         if self.vocab_size is not None:
             if self.vocab_size < tokenizer_vocab:
-                raise SpecError(
-                    [
-                        {
-                            "field": "model.vocab_size",
-                            "message": f"model.vocab_size={self.vocab_size} is smaller than the "
-                            f"tokenizer's vocabulary ({tokenizer_vocab})",
-                        }
-                    ]
-                )
+                why = f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's vocabulary"
+                raise SpecError([_rule("model.vocab_size", f"{why} ({tokenizer_vocab})")])
             tokenizer_vocab = self.vocab_size
         return -(-tokenizer_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 

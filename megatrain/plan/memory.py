@@ -226,6 +226,19 @@ def _stage_estimate(
     )
 
 
+def _check_arguments(precision: str, recompute: str, sizes: tuple[int, ...]) -> None:
+    """estimate_memory's arguments: sizes are (tp, pp, dp, cp, ep, micro_batch_size, recompute_every)."""
+    if precision not in ("fp32", "bf16", "fp16", "fp8"):
+        raise ValueError(f"precision={precision!r} must be fp32, bf16, fp16 or fp8")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} must be none, selective or full")
+    if min(sizes) < 1:
+        raise ValueError("parallel degrees, micro_batch_size and recompute_every must be >= 1")
+    _, _, dp, cp, ep, _, _ = sizes
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} must divide dp×cp={dp}×{cp}")
+
+
 def estimate_memory(
     model: Any,
     *,
@@ -270,14 +283,7 @@ def estimate_memory(
     A model with `lora` (ModelShape.lora) is a LoRA run: only its adapters train.
     """
     m = ModelShape.of(model)
-    if precision not in ("fp32", "bf16", "fp16", "fp8"):
-        raise ValueError(f"precision={precision!r} must be fp32, bf16, fp16 or fp8")
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute={recompute!r} must be none, selective or full")
-    if min(tp, pp, dp, cp, ep, micro_batch_size, recompute_every) < 1:
-        raise ValueError("parallel degrees, micro_batch_size and recompute_every must be >= 1")
-    if (dp * cp) % ep:
-        raise ValueError(f"ep={ep} must divide dp×cp={dp}×{cp}")
+    _check_arguments(precision, recompute, (tp, pp, dp, cp, ep, micro_batch_size, recompute_every))
     in_flight_first = pp if num_microbatches_in_flight is None else num_microbatches_in_flight
     act = _act_bytes(precision)
     # fp8 under sp: a float8 linear saves its all-gathered input (no re-gather in backward; the

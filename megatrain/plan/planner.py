@@ -403,15 +403,8 @@ def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
     if tokenizer_vocab is not None:
         return tokenizer_vocab
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
-        raise PlanError(
-            [
-                {
-                    "field": "model.vocab_size",
-                    "message": "model.vocab_size is needed to plan with a non-byte tokenizer "
-                    "(the planner does not read tokenizer files)",
-                }
-            ]
-        )
+        why = "model.vocab_size is needed to plan with a non-byte tokenizer (the planner does not read"
+        raise PlanError([{"field": "model.vocab_size", "message": f"{why} tokenizer files)"}])
     return spec.model.vocab_size or BYTE_TOKENIZER_VOCAB
 
 
