@@ -3,6 +3,7 @@ shapes, in the same process, as tokens/s of forward + backward + an AdamW step.
 
     PYTHONPATH=. python benchmarks/families_cpu.py             # ~2 min on a 2-core CPU
     PYTHONPATH=. python benchmarks/families_cpu.py --tiny      # a smoke run
+    PYTHONPATH=. python benchmarks/families_cpu.py --flush-denormal
 
 BERT: BertModel (the engine's masked-LM loss on the masked positions and the sentence-order loss,
 parallel.bert_loss) against BertForPreTraining (its loss over every position's logits), 15% of the
@@ -11,6 +12,10 @@ T5ForConditionalGeneration's loss. Both in fp32, eager attention for transformer
 has it, as it picks by default). Each cell is the median of --repeats timed steps after a warm-up,
 the two sides interleaved step by step so that the shared machine's noise falls on both. Tokens: the
 encoder's (BERT: every input position; T5: encoder + decoder positions).
+
+--flush-denormal runs both sides with torch.set_flush_denormal(True): transformers' softmax backward
+leaves subnormal probabilities that slow a CPU's GEMMs many times over (our fused cross-entropy makes
+none), so that row compares the arithmetic alone.
 """
 
 from __future__ import annotations
@@ -152,9 +157,17 @@ def main() -> None:
     )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--flush-denormal", action="store_true", help="both sides with subnormal floats flushed to zero"
+    )
     args = parser.parse_args()
+    if args.flush_denormal and not torch.set_flush_denormal(True):
+        raise SystemExit("this CPU cannot flush subnormal floats to zero")
     s = SHAPES["tiny" if args.tiny else "base"]
-    print(f"shape: {s} | threads {torch.get_num_threads()} | torch {torch.__version__}")
+    print(
+        f"shape: {s} | threads {torch.get_num_threads()} | torch {torch.__version__}"
+        f" | flush denormal {args.flush_denormal}"
+    )
     print("| model | ours tokens/s | transformers tokens/s | ours / transformers |")
     print("|---|---:|---:|---:|")
     for name, build in (("BERT (MLM + SOP)", bert_pair), ("T5 v1.1 (gated-gelu)", t5_pair)):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megatrain.engine.parallel.mappings import check_group
 from megatrain.engine.parallel.state import Group, ParallelState
+from megatrain.kernels.linear_cross_entropy import exp_below_max_
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -44,7 +45,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (labels < start) | (labels >= start + local_v)
         local_labels = (labels - start).masked_fill(outside, 0)
         target = x.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = x.exp_()  # reuse the buffer: (N, V/tp)
+        exp = exp_below_max_(x)  # reuse the buffer: (N, V/tp); padding columns (-inf) become 0
         # One all-reduce for both sums: the target logit (held by one rank) and Σ exp.
         sums = torch.stack([target, exp.sum(dim=-1)])
         dist.all_reduce(sums, group=group)
