@@ -41,6 +41,7 @@ from megatrain.api.openai.chat import router as openai_chat_router
 from megatrain.api.openai.errors import OpenAIErrorMiddleware
 from megatrain.api.plan.router import router as plan_router
 from megatrain.api.pools.router import router as pools_router
+from megatrain.api.profile.router import router as profile_router
 from megatrain.api.samples.router import router as samples_router
 from megatrain.api.secrets.router import router as secrets_router
 from megatrain.api.server import BodyTimeoutMiddleware
@@ -147,6 +148,7 @@ def create_app(settings: Settings | None = None, *, sse_poll_interval_s: float =
         models_router,
         exports_router,
         tensorboard_router,
+        profile_router,
         samples_router,
         plan_router,
         secrets_router,

@@ -116,6 +116,7 @@ EVENT_DATA_KEYS = (
     "ratio",
     "median_s",
     "tracker",
+    "files",
 )
 
 
@@ -124,7 +125,7 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
     its url; checkpoint_saved → checkpoint row + job_event;
     checkpoints_deleted (retention), checkpoint_corrupt, checkpoints_set_aside → those rows removed
     + job_event; straggler → job_event; warning (a tracker that stopped: the run went on without
-    it) → job_event.
+    it) → job_event; profiled (training.profile_steps: traces written) → job_event.
 
     Rows are applied in file order, so a re-read that saves and then deletes a step ends deleted."""
     for row in rows:
@@ -178,6 +179,10 @@ def ingest_events(session: Session, job_id: str, rows: list[dict[str, Any]], att
         elif kind == "warning" and isinstance(row.get("tracker"), str):
             why = str(row.get("reason") or "unknown reason")
             record_event(session, job_id, "warning", f"{row['tracker']} tracking stopped: {why}"[:1000], data)
+        elif kind == "profiled" and isinstance(row.get("files"), list) and isinstance(row.get("steps"), list):
+            # training.profile_steps: the traces lie next to the checkpoints (GET .../profile).
+            first, last = (row["steps"] + [None, None])[:2]
+            record_event(session, job_id, "profiled", f"profile of steps {first}-{last} written", data)
         elif kind == "finished":
             record_event(session, job_id, "info", f"engine finished at step {row.get('step')}", data)
 

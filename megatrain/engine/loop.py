@@ -34,6 +34,7 @@ from megatrain.engine.optimizer import lr_at
 from megatrain.engine.parallel.bert_loss import counting_binary
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.profiling import StepProfiler
 from megatrain.engine.reductions import (  # noqa: F401  (total_hits re-exported: tests read it here)
     binary_metrics,
     reduce_mean,
@@ -93,12 +94,14 @@ class TrainLoop:
         stop: Callable[[], bool] = lambda: False,
         faults: RankFaults | None = None,
         tasks: TaskScoring | None = None,
+        profiler: StepProfiler | None = None,
     ):
         """`save(progress)` writes a checkpoint (perhaps in the background); `poll()` is called after
         every step to report background saves that have finished. `activity` is told the step in
         progress (a failure's record names it). `stop()` is asked at every step boundary whether the
         run was preempted: if so it checkpoints there (unless it just did) and returns early. `tasks`
-        (training.eval_tasks) are scored with validation, every eval_interval and at the end."""
+        (training.eval_tasks) are scored with validation, every eval_interval and at the end.
+        `profiler` (training.profile_steps) records some of the loop's iterations."""
         self.train, self.cfg, self.log, self.rates, self.save = train, cfg, log, rates, save
         self.poll, self.stop = poll, stop
         self.activity = activity or Activity()
@@ -106,6 +109,7 @@ class TrainLoop:
         """Operator-injected faults (megatrain.faults): a slowed rank's steps are stretched here."""
         self.stragglers = StragglerWatch()
         self.tasks = tasks
+        self.profiler = profiler
         train_ds = data["train"]
         assert train_ds is not None
         self.train_ds, self.valid_ds, self.test_ds = train_ds, data.get("valid"), data.get("test")
@@ -133,6 +137,10 @@ class TrainLoop:
     def _micro_ids(self, start: int) -> list[list[int]]:
         c, s = self.cfg, self.state
         return microbatch_sample_ids(start, c.global_batch_size, c.micro_batch_size, s.dp_rank, s.dp_size)
+
+    def _region(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """A labelled range in the profile while one records (else nothing)."""
+        return torch.profiler.record_function(name) if self.timers.annotate else contextlib.nullcontext()
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -318,8 +326,12 @@ class TrainLoop:
         self.train.ddp.train()
         window = Window(None)
         self.activity.phase = "training"
+        if self.profiler is not None:
+            self.profiler.start(step)
         while step < cfg.train_iters:
             self.activity.step = step + 1
+            if self.profiler is not None:
+                timers.annotate = self.profiler.annotate
             lr = lr_at(step + 1, cfg)
             timers.begin_step(sync=(step + 1) % cfg.log_interval == 0 or step + 1 == cfg.train_iters)
             self.train.optimizer.set_lr(lr)
@@ -337,7 +349,8 @@ class TrainLoop:
             final = step == cfg.train_iters
             if step % cfg.log_interval == 0 or final:
                 self._sync()
-                self._log_interval(window, step, lr, consumed)
+                with self._region("log"):
+                    self._log_interval(window, step, lr, consumed)
                 window = Window(window)
             paused = time.perf_counter()
             due = bool(cfg.eval_interval) and (step % cfg.eval_interval == 0 or final)
@@ -355,6 +368,8 @@ class TrainLoop:
                     self._save(Progress(step, consumed))
                 log.say(f"step {step} | preempted: checkpointed, stopping")
                 return {"step": step, "consumed_samples": consumed, "val_loss": last_eval, "preempted": True}
+            if self.profiler is not None:
+                self.profiler.step()  # at the end of its window it writes the trace: a pause
             self._sync()
             window.excluded += time.perf_counter() - paused
         test_loss = None

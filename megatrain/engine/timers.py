@@ -42,6 +42,8 @@ class StepTimers:
         self._sync = False
         self._timing = True
         self._open: dict[str, float] = {}
+        self.annotate = False
+        """Label each phase as a range in a torch.profiler trace (while a profile records)."""
 
     def _synchronize(self) -> None:
         if self.cuda and self._sync:
@@ -88,7 +90,13 @@ class StepTimers:
         """`with timers("forward"): ...`; a phase run several times in a step (micro-batches) adds up."""
         self.start(phase)
         try:
-            yield
+            if self.annotate:
+                import torch
+
+                with torch.profiler.record_function(phase):
+                    yield
+            else:
+                yield
         finally:
             self.stop(phase)
 

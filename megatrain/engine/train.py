@@ -43,6 +43,7 @@ from megatrain.engine.dpo import reference_key
 from megatrain.engine.loop import Rates, TrainLoop
 from megatrain.engine.metrics import flops_per_iteration, peak_tflops
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.profiling import step_profiler
 from megatrain.engine.run_report import device_name, say_precision, started_event
 from megatrain.engine.runtime import Dist, effective_precision, init_distributed, record_failure
 from megatrain.engine.sink import RunLog
@@ -132,6 +133,7 @@ def run(
             _preempt_check(ctx),
             faults,
             tasks,
+            step_profiler(spec.training.profile_steps, ctx, out_dir, ckpt_url, log),
         )
         if cfg.dpo is not None:
             activity.phase = "evaluation"  # forwards only, a pause the hang watch allows for
@@ -139,7 +141,11 @@ def run(
         start, resumed_from = _resume(checkpointer, latest, ckpt_url, activity, log)
         vocab = tokenizer.vocab_size
         log.events.write(started_event(spec, layout, train, cfg, mcfg, ctx, start, resumed_from, vocab, log))
-        summary = loop.run(start)
+        try:
+            summary = loop.run(start)
+        finally:
+            if loop.profiler is not None:
+                loop.profiler.stop()  # a run shorter than its profile window ends it here
         checkpointer.close()  # the final checkpoint is stored before the run counts as finished
         if probe is not None:
             summary["probe"] = probe(train)
@@ -356,6 +362,15 @@ def load_job(spec_path: str, layout_path: str | None, world_size: int) -> tuple[
     return spec, layout
 
 
+def with_profile(spec: JobSpec, steps: int) -> JobSpec:
+    """`spec` with training.profile_steps set (--profile); a ValueError names a bad value."""
+    bound = JobSpec.model_fields["training"].annotation.model_fields["profile_steps"].metadata
+    top = max(m.le for m in bound if hasattr(m, "le"))
+    if not 0 <= steps <= top:
+        raise ValueError(f"--profile {steps}: training.profile_steps must be in [0, {top}]")
+    return spec.model_copy(update={"training": spec.training.model_copy(update={"profile_steps": steps})})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatrain.engine.train", description=__doc__)
     parser.add_argument("--spec", required=True, help="job spec (YAML or JSON)")
@@ -365,6 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--checkpoint-url", default=None, help="file:// or s3:// root (default OUT/checkpoints)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="trace this many steps with torch.profiler (training.profile_steps, 0-20): a Chrome "
+        "trace per rank in OUT/profile/",
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -378,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     _report_progress(out, int(os.environ.get("RANK", "0")), activity)
     try:
         spec, layout = load_job(args.spec, args.layout, int(os.environ.get("WORLD_SIZE", "1")))
+        if args.profile is not None:
+            spec = with_profile(spec, args.profile)
     except (SpecError, UnsupportedLayout, LayoutError, OSError, ValueError) as exc:
         record_failure(out, int(os.environ.get("RANK", "0")), exc, activity)
         print(f"error: {exc}", file=sys.stderr)

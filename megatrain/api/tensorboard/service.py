@@ -1,5 +1,6 @@
 """A job's TensorBoard event files (`{storage}/jobs/{job_id}/tensorboard/`, written next to its
-checkpoints by the engine's TensorBoard tracker), downloaded as a streamed tar or presigned URLs.
+checkpoints by the engine's TensorBoard tracker), downloaded as a streamed tar or presigned URLs; the
+same for any folder the engine writes beside the checkpoints (its profiler traces, `profile/`).
 
 Located by the storage layout, like a checkpoint; a file there is offered as soon as the engine's
 first copy lands (event files only grow, and TensorBoard reads a cut-off last record as not yet
@@ -30,22 +31,30 @@ FOLDER = "tensorboard"
 """The folder beside `checkpoints/` (megatrain.engine.tracking.tensorboard_writer.FOLDER)."""
 
 
-def locate(session: Session, settings: Settings, job_id: str) -> CheckpointFiles:
-    """The job's event files; 404 saying why there are none."""
+def locate(session: Session, settings: Settings, job_id: str, folder: str = FOLDER) -> CheckpointFiles:
+    """The job's files in `folder` (beside its checkpoints); 404 saying why there are none."""
     store = open_store(settings.resolved_storage_url, settings.s3_endpoint_url)
-    files = folder_files(store, f"jobs/{job_id}/{FOLDER}", FOLDER)
+    files = folder_files(store, f"jobs/{job_id}/{folder}", folder)
     if not files.objects:
         status = session.scalar(select(Job.status).where(Job.id == job_id))
-        ended = f"{status} without writing any" if status in TERMINAL_STATES else "has none yet"
-        raise HTTPException(
-            404, f"job {job_id} {ended} TensorBoard event files (they need tracking.tensorboard in its spec)"
-        )
+        what, need = MISSING[folder]
+        ended = f"{status} without writing any {what}" if status in TERMINAL_STATES else f"has no {what} yet"
+        raise HTTPException(404, f"job {job_id} {ended} (they need {need} in its spec)")
     return files
 
 
-def download_response(files: CheckpointFiles, job_id: str, fmt: DownloadFormat) -> Response:
-    """Presigned URLs where asked and the store signs them, else a tar named `{job_id}-tensorboard.tar`
-    whose one top folder, tensorboard/, holds the event files."""
+MISSING = {
+    FOLDER: ("TensorBoard event files", "tracking.tensorboard"),
+    "profile": ("profiler traces", "training.profile_steps"),
+}
+"""What a 404 names, by folder: the files, and the spec field that asks for them."""
+
+
+def download_response(
+    files: CheckpointFiles, job_id: str, fmt: DownloadFormat, folder: str = FOLDER
+) -> Response:
+    """Presigned URLs where asked and the store signs them, else a tar named `{job_id}-{folder}.tar`
+    whose one top folder, `{folder}/`, holds the files."""
     if fmt in ("auto", "urls"):
         entries = []
         for obj in files.objects:
@@ -62,7 +71,7 @@ def download_response(files: CheckpointFiles, job_id: str, fmt: DownloadFormat) 
         stream_tar(files, headers),
         media_type="application/x-tar",
         headers={
-            "Content-Disposition": f'attachment; filename="{job_id}-{FOLDER}.tar"',
+            "Content-Disposition": f'attachment; filename="{job_id}-{folder}.tar"',
             "Content-Length": str(tar_size(files, headers)),
         },
     )

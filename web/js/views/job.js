@@ -72,7 +72,7 @@ const EVENT_LABELS = {
   checkpoint_corrupt: "Corrupt checkpoint skipped", checkpoints_set_aside: "Corrupt checkpoints set aside",
   cancel_requested: "Cancel requested", succeeded: "Succeeded",
   failed: "Failed", cancelled: "Cancelled", info: "Info", preempted: "Preempted",
-  straggler: "Straggler rank", warning: "Warning",
+  straggler: "Straggler rank", warning: "Warning", profiled: "Profile written",
 };
 
 function eventLabel(ev) {
@@ -194,6 +194,9 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     el.follow = h("input", { type: "checkbox", id: "follow-logs" });
     el.checkpoints = h("div", { id: "checkpoints" });
     el.goodput = h("div", { id: "goodput-panel" });
+    el.profile = h("div", { id: "profile-traces" });
+    el.profileCard = h("section", { class: "card", id: "profile-card", "aria-labelledby": "profile-h", hidden: true },
+      h("h2", { id: "profile-h" }, "Profile"), el.profile);
     el.results = h("div", { id: "results" });
     // Built once (the table is redrawn on every poll; what is typed here stays).
     const others = h("input", { type: "text", id: "compare-with", placeholder: "job ids, comma-separated", "aria-label": "Jobs to compare with" });
@@ -226,6 +229,7 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
             h("label", { class: "switch", for: "follow-logs" }, el.follow, "Follow")),
           el.logs),
         h("section", { class: "card", "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h" }, "Checkpoints"), el.checkpoints),
+        el.profileCard,
         h("section", { class: "card", "aria-labelledby": "goodput-h" }, h("h2", { id: "goodput-h" }, "Goodput"), el.goodput),
         samples.el,
         h("details", { class: "card" }, h("summary", {}, "Spec"), el.spec)));
@@ -281,8 +285,24 @@ export function renderJob(main, [jobId], { showBanner, hideBanner }) {
     box.dataset.drawn = "1";
     box.scrollTop = atEnd ? box.scrollHeight : kept;
     const started = [...events].reverse().find((e) => e.kind === "started");
+    drawProfile([...events].reverse().find((e) => e.kind === "profiled"));
     predicted = events.find((e) => e.reason === "submitted")?.data?.plan?.predicted || null;
     drawLayout(started?.data || {});
+  }
+
+  // training.profile_steps: one Chrome trace per rank, next to the checkpoints.
+  function drawProfile(ev) {
+    const files = ev?.data?.files;
+    if (!Array.isArray(files) || el.profile.dataset.steps === String(ev.data.steps)) return;
+    el.profile.dataset.steps = String(ev.data.steps);
+    el.profileCard.hidden = false;
+    const [first, last] = ev.data.steps || [];
+    replace(el.profile,
+      h("p", { class: "hint" }, `torch.profiler's trace of steps ${first}-${last}, one per rank: open it in `,
+        h("a", { href: "https://ui.perfetto.dev", target: "_blank", rel: "noopener" }, "Perfetto"), " or chrome://tracing."),
+      h("ul", { class: "plain", id: "profile-files" }, files.map((name) => h("li", {},
+        h("button", { type: "button", class: "btn btn-small", dataset: { file: name }, "aria-label": `Download ${name}`,
+          onclick: (e) => download(`/v1/jobs/${enc}/profile/${encodeURIComponent(name)}`, `${jobId}-${name}`, e.currentTarget) }, name)))));
   }
 
   function drawLayout(startedData) {
