@@ -49,7 +49,7 @@ from megatrain.engine.microbatch import T5MicroBatch  # noqa: F401  (re-exported
 from megatrain.engine.models.t5 import T5Config, T5Model, decoder_attention_masks, encoder_attention_mask
 from megatrain.engine.models.t5_layers import run_stack, set_recompute
 from megatrain.engine.parallel.pipeline import TP_ATTRS
-from megatrain.engine.parallel.schedules import P2P, PipelineSchedule, StageTimes
+from megatrain.engine.parallel.schedules import P2P, PipelineSchedule
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.plan.layout import LayoutError
 
@@ -353,30 +353,6 @@ def t5_stage_parameter_names(stages: Sequence[T5Stage]) -> dict[nn.Parameter, st
 # -- the schedule ----------------------------------------------------------------------------------
 
 
-class BoundaryP2P(P2P):
-    """P2P whose receives take their boundary's shape: activations from the previous stage, gradients
-    of what this stage sent from the next."""
-
-    def __init__(
-        self,
-        state: ParallelState,
-        input_shape: tuple[int, ...],
-        output_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        times: StageTimes,
-    ):
-        super().__init__(state, input_shape, dtype, times)
-        self.input_shape, self.output_shape = input_shape, output_shape
-
-    def recv_forward(self) -> torch.Tensor:
-        self.shape = self.input_shape
-        return super().recv_forward()
-
-    def recv_backward(self) -> torch.Tensor:
-        self.shape = self.output_shape
-        return super().recv_backward()
-
-
 @dataclass
 class T5PipelineSchedule(PipelineSchedule):
     """PipelineSchedule with a shape per boundary: activation_shape is what this stage receives,
@@ -386,7 +362,8 @@ class T5PipelineSchedule(PipelineSchedule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.p2p = BoundaryP2P(self.state, self.activation_shape, self.output_shape, self.dtype, self.times)
+        # Gradients come back in the shape of what this stage sends.
+        self.p2p = P2P(self.state, self.activation_shape, self.dtype, self.times, self.output_shape)
 
 
 def build_t5_schedule(

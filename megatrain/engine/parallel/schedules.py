@@ -4,7 +4,9 @@ A schedule is, for each stage, an ordered list of actions F(chunk, micro-batch) 
 micro-batch) (`schedule_actions`, pure). `PipelineSchedule` runs one stage's list: a forward takes
 its input from the previous stage (or the tokens), a backward its output gradient from the next stage
 (or the loss). Sends are posted with batch_isend_irecv and not waited for until the end of the step;
-receives are waited for when needed, and that wait is the stage's bubble. Since every stage's list
+receives are posted one ahead (the next activation and the next gradient are in flight while the
+stage computes, as Megatron's overlap_p2p_comm) and waited for when needed: that wait is the stage's
+bubble. Since every stage's list
 respects the dependencies, nothing can deadlock, and messages between two stages match in order:
 the k-th activation stage s sends is the k-th one stage s+1 receives (the interleaved orders below
 keep this true across the wrap from the last stage to stage 0). Activations and gradients travel on
@@ -207,12 +209,68 @@ class StageTimes:
         self.steps = 0
 
 
-class P2P:
-    """Sends and receives between neighbouring stages of one (tp, cp, dp) pipeline column."""
+class _Receives:
+    """One kind of receive (activations from the previous stage, or gradients from the next) in the
+    order the stage takes them; the next one is posted as soon as the one before is taken, so its
+    transfer runs while the stage computes."""
 
-    def __init__(self, state: ParallelState, shape: tuple[int, ...], dtype: torch.dtype, times: StageTimes):
+    def __init__(self, p2p: P2P, peer: int, group: Any, shape: tuple[int, ...]):
+        self.p2p, self.peer, self.group, self.shape = p2p, peer, group, shape
+        self.left = 0
+        """Receives of this step not posted yet."""
+        self.posted: tuple[torch.Tensor, list[Any]] | None = None
+
+    def expect(self, count: int) -> None:
+        if self.posted is not None or self.left:
+            raise RuntimeError("a pipeline step began with receives of the last one outstanding")
+        self.left = count
+        self._post()
+
+    def _post(self) -> None:
+        if self.left > 0:
+            self.left -= 1
+            p = self.p2p
+            buf = torch.empty(self.shape, dtype=p.dtype, device=p.device)
+            self.posted = (buf, p.irecv(buf, self.peer, self.group))
+
+    def take(self) -> torch.Tensor:
+        if self.posted is None:  # not announced by expect(): received on demand
+            self.left += 1
+            self._post()
+        assert self.posted is not None
+        buf, works = self.posted
+        self.posted = None
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        if self.p2p.device.type == "cuda":
+            torch.cuda.current_stream(self.p2p.device).synchronize()
+        self.p2p.times.wait_s += time.perf_counter() - t0
+        self._post()  # the next one's transfer overlaps what the stage does with this one
+        return buf
+
+
+class P2P:
+    """Sends and receives between neighbouring stages of one (tp, cp, dp) pipeline column.
+
+    Receives are posted ahead (Megatron's overlap_p2p_comm): once a step's schedule says how many
+    activations and gradients the stage will take (`expect`), the first of each is posted at once
+    and each next one when the one before is taken. Messages between two stages match in order, so
+    a receive posted early still gets the tensor meant for it. Sends are posted and not waited for
+    until the end of the step (`flush`). On gloo both progress in its transport's own threads."""
+
+    def __init__(
+        self,
+        state: ParallelState,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        times: StageTimes,
+        grad_shape: tuple[int, ...] | None = None,
+    ):
+        """`shape`: the activations this stage receives; `grad_shape`: the gradients it receives
+        (of what it sends; default `shape`)."""
         self.state = state
-        self.shape, self.dtype, self.device = shape, dtype, state.device
+        self.dtype, self.device = dtype, state.device
         self.times = times
         c, pp = state.coords, state.pp_size
         self.next_rank = state.layout.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp + 1) % pp)
@@ -220,20 +278,19 @@ class P2P:
         self.fwd_group = state.pp_group
         self.bwd_group = state.groups.get("pp_bwd")
         self._pending: list[Any] = []
+        self._activations = _Receives(self, self.prev_rank, self.fwd_group, shape)
+        self._grads = _Receives(self, self.next_rank, self.bwd_group, grad_shape or shape)
 
     def _post(self, ops: list[dist.P2POp]) -> list[Any]:
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def _recv(self, peer: int, group: Any) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        works = self._post([dist.P2POp(dist.irecv, buf, peer, group)])
-        t0 = time.perf_counter()
-        for w in works:
-            w.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.times.wait_s += time.perf_counter() - t0
-        return buf
+    def irecv(self, buf: torch.Tensor, peer: int, group: Any) -> list[Any]:
+        return self._post([dist.P2POp(dist.irecv, buf, peer, group)])
+
+    def expect(self, activations: int, grads: int) -> None:
+        """This step's receives, counted from its action list; the first of each kind is posted now."""
+        self._activations.expect(activations)
+        self._grads.expect(grads)
 
     def _send(self, t: torch.Tensor, peer: int, group: Any) -> None:
         t = t.detach().contiguous()
@@ -241,13 +298,13 @@ class P2P:
         self._pending.append((t, works))  # keep the tensor alive until the send completes
 
     def recv_forward(self) -> torch.Tensor:
-        return self._recv(self.prev_rank, self.fwd_group)
+        return self._activations.take()
 
     def send_forward(self, t: torch.Tensor) -> None:
         self._send(t, self.next_rank, self.fwd_group)
 
     def recv_backward(self) -> torch.Tensor:
-        return self._recv(self.next_rank, self.bwd_group)
+        return self._grads.take()
 
     def send_backward(self, t: torch.Tensor) -> None:
         self._send(t, self.prev_rank, self.bwd_group)
@@ -365,6 +422,7 @@ class PipelineSchedule:
         before each of its chunks' forwards (the MoE aux-loss scale is set per micro-batch)."""
         batches = _microbatches(batches)
         actions = schedule_actions(self.schedule, self.pp, self.state.pp_rank, len(batches), self.v)
+        self._expect(actions)
         slots: dict[tuple[int, int], _Slot] = {}
         total = torch.zeros((), device=self.state.device)
         last_b = max(i for i, a in enumerate(actions) if a.kind == "B")
@@ -392,16 +450,24 @@ class PipelineSchedule:
         """Forwards only (evaluation), in the forward order of the schedule; loss sum on the last stage."""
         batches = _microbatches(batches)
         total = torch.zeros((), device=self.state.device)
-        for a in schedule_actions(
-            "all_forward_all_backward", self.pp, self.state.pp_rank, len(batches), self.v
-        ):
-            if a.kind == "F":
-                slot = _Slot()
-                self._forward(a, batches, slot, loss_fn, grad=False)
-                if slot.loss is not None:
-                    total += slot.loss.float()
+        rank = self.state.pp_rank
+        order = schedule_actions("all_forward_all_backward", self.pp, rank, len(batches), self.v)
+        forwards = [a for a in order if a.kind == "F"]
+        self._expect(forwards)
+        for a in forwards:
+            slot = _Slot()
+            self._forward(a, batches, slot, loss_fn, grad=False)
+            if slot.loss is not None:
+                total += slot.loss.float()
         self._finish()
         return total
+
+    def _expect(self, actions: Sequence[Action]) -> None:
+        """Tell P2P how many activations and gradients this stage's actions receive."""
+        last = self.n_chunks - 1
+        forwards = sum(1 for a in actions if a.kind == "F" and self._global(a.chunk) > 0)
+        backwards = sum(1 for a in actions if a.kind == "B" and self._global(a.chunk) < last)
+        self.p2p.expect(forwards, backwards)
 
     def _finish(self) -> None:
         self.p2p.flush()

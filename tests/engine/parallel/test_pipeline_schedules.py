@@ -135,3 +135,38 @@ def test_memory_estimate_follows_the_pipeline_split_and_schedule() -> None:
     assert gpipe.activations_bytes > 1.5 * one_f_one_b.activations_bytes
     uneven = estimate_memory(cfg, pp=4, num_microbatches=8, precision="fp32", pipeline_layers=[1, 2, 2, 3])
     assert uneven.num_params > one_f_one_b.num_params or uneven.stage_totals != one_f_one_b.stage_totals
+
+
+def test_receives_are_posted_one_ahead_in_order() -> None:
+    """overlap_p2p_comm: after expect(), the first receive is in flight before the stage asks for
+    it, and taking one posts the next at once; each arrives in the buffer posted for it."""
+    from types import SimpleNamespace
+
+    from megatrain.engine.parallel.schedules import StageTimes, _Receives
+
+    posted: list[torch.Tensor] = []
+
+    class Work:
+        def __init__(self, buf: torch.Tensor) -> None:
+            self.buf = buf
+
+        def wait(self) -> None:  # the k-th message lands in the k-th posted buffer
+            self.buf.fill_(next(i for i, b in enumerate(posted) if b is self.buf) + 1)
+
+    def irecv(buf: torch.Tensor, peer: int, group: object) -> list[Work]:
+        posted.append(buf)
+        return [Work(buf)]
+
+    p2p = SimpleNamespace(irecv=irecv, dtype=torch.float32, device=torch.device("cpu"), times=StageTimes())
+    recv = _Receives(p2p, peer=1, group=None, shape=(2,))  # type: ignore[arg-type]
+    recv.expect(3)
+    assert len(posted) == 1  # the first is in flight before anyone asks
+    got = [recv.take()]
+    assert len(posted) == 2  # ... and the next one as soon as the first is taken
+    got += [recv.take(), recv.take()]
+    assert len(posted) == 3 and [int(t[0]) for t in got] == [1, 2, 3]
+    recv.expect(0)
+    assert int(recv.take()[0]) == 4 and len(posted) == 4  # unannounced: posted on demand
+    recv.expect(2)
+    with pytest.raises(RuntimeError, match="outstanding"):
+        recv.expect(1)
