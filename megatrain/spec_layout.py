@@ -37,9 +37,12 @@ class ParallelismSpec(Strict):
     encoder's layers spread over stages [0, split), the decoder's over [split, pp). None: where
     pipeline_layers (encoder stages first), else an even split of all the layers, puts the
     boundary: pp // 2 for an encoder and decoder of equal depth."""
-    pipeline_schedule: Literal["1f1b", "all_forward_all_backward"] = "1f1b"
+    pipeline_schedule: Literal["1f1b", "all_forward_all_backward", "zb-h1", "zbv"] = "1f1b"
     """1f1b (interleaved when virtual_stages > 1) keeps at most pp micro-batches in flight;
-    all_forward_all_backward (GPipe) keeps all of them."""
+    all_forward_all_backward (GPipe) keeps all of them. The zero-bubble schedules split each
+    backward into the input gradient and the weight gradients, which fill 1F1B's idle slots
+    (Qi et al. 2023), holding at most pp micro-batches on every stage: zb-h1 (one chunk per stage;
+    a third of 1F1B's bubble) and zbv (virtual_stages 2 laid out in a V; bubble near zero)."""
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
     """Shard fp32 main weights and Adam states over dp (ZeRO-1); gradients are reduce-scattered."""

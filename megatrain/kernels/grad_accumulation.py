@@ -23,6 +23,9 @@ plain F.linear / F.embedding run: fusion changes where gradients land, never the
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +64,43 @@ def add_to_main_grad(
     return placeholder(weight)
 
 
+_DEFERRED: list[Callable[[], None]] | None = None
+"""Where the weight-gradient GEMMs go while deferring_weight_grads is in effect. A module global,
+not a ContextVar: on a GPU autograd runs backward functions in its own device threads."""
+
+
+@contextlib.contextmanager
+def deferring_weight_grads(into: list[Callable[[], None]]) -> Iterator[None]:
+    """Within, the fused linears' weight-gradient GEMMs (main_grad += dyᵀ x) are appended to `into`
+    instead of run: a backward computes only what the previous stage waits for (its input
+    gradients), and a zero-bubble schedule's W pass runs `into` later, in an otherwise idle slot.
+    Each closure keeps its dy and x alive until then. Parameters outside the fused linears (norms,
+    biases, embeddings, float8 weights) get their gradients in the backward itself."""
+    global _DEFERRED
+    before, _DEFERRED = _DEFERRED, into
+    try:
+        yield
+    finally:
+        _DEFERRED = before
+
+
+@torch.no_grad()
+def _accumulate(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    if main.dtype == dy.dtype:
+        main.addmm_(dy.t(), x)  # the weight-gradient GEMM accumulates in place
+    else:  # 16-bit GEMM, accumulated in the fp32 buffer
+        main.add_(dy.t().mm(x))
+
+
+def weight_grad_into_main(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """main_grad += dyᵀ x (dy (N, out), x (N, in)): now, or in the W pass (deferring_weight_grads)."""
+    if _DEFERRED is not None:
+        # Detached: the closure keeps the two tensors, not the forward graph they came from.
+        _DEFERRED.append(functools.partial(_accumulate, main, dy.detach(), x.detach()))
+    else:
+        _accumulate(main, dy, x)
+
+
 class _LinearWithGradAccumulation(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -81,11 +121,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        main = ctx.param.main_grad
-        if main.dtype == dy.dtype:
-            main.addmm_(dy.t(), x2)  # the weight-gradient GEMM accumulates in place
-        else:  # 16-bit GEMM, accumulated in the fp32 buffer
-            main.add_(dy.t().mm(x2))
+        weight_grad_into_main(ctx.param.main_grad, dy, x2)
         grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, placeholder(ctx.param), grad_bias
 

@@ -36,7 +36,8 @@ AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("ep", "edp")
 """The expert axes, both carved from dp×cp: expert-parallel and expert-data-parallel."""
 
-SCHEDULES = ("1f1b", "all_forward_all_backward")
+SCHEDULES = ("1f1b", "all_forward_all_backward", "zb-h1", "zbv")
+"""megatrain.engine.parallel.schedules.SCHEDULES (a test keeps the two equal)."""
 
 
 class LayoutError(ValueError):
@@ -256,6 +257,23 @@ def _pipeline_problems(layout: Layout, num_layers: int, model: str, par: str) ->
     pp, v = layout.pp, layout.virtual_stages
     if pp > num_layers:
         return [_problem(f"{par}pp", f"{par}pp={pp} exceeds {model}num_layers={num_layers}")]
+    schedule = layout.pipeline_schedule
+    if schedule == "zb-h1" and v != 1:
+        return [
+            _problem(
+                f"{par}virtual_stages",
+                f"{par}pipeline_schedule=zb-h1 runs one chunk per stage: {par}virtual_stages={v} must be 1 "
+                "(zbv is the zero-bubble schedule with two)",
+            )
+        ]
+    if schedule == "zbv" and (v != 2 or pp < 2):
+        return [
+            _problem(
+                f"{par}virtual_stages" if v != 2 else f"{par}pp",
+                f"{par}pipeline_schedule=zbv runs two chunks per stage in a V: it needs "
+                f"{par}virtual_stages=2 (not {v}) and {par}pp >= 2 (not {pp})",
+            )
+        ]
     if v > 1 and pp == 1:
         return [
             _problem(
@@ -306,7 +324,7 @@ def batch_problems(layout: Layout, global_batch_size: int, micro_batch_size: int
             )
         ]
     m = layout.micro_batches(global_batch_size, micro_batch_size)
-    if layout.virtual_stages > 1 and m % layout.pp:
+    if layout.virtual_stages > 1 and m % layout.pp and layout.pipeline_schedule != "zbv":
         return [
             _problem(
                 "parallelism.virtual_stages",

@@ -74,6 +74,10 @@ def family_layout_problems(m: Any, layout: Any) -> list[dict[str, str]]:
         why = (f"parallelism.cp={layout.cp} is not supported for model.arch t5 (its relative position "
                "biases and cross-attention run without ring attention); set parallelism.cp to 1")  # fmt: skip
         out.append({"field": "parallelism.cp", "message": why})
+    if layout.pipeline_schedule in ("zb-h1", "zbv") and layout.pp > 1:
+        why = (f"parallelism.pipeline_schedule={layout.pipeline_schedule} is not supported for model.arch t5 "
+               "yet (its encoder/decoder pipeline runs 1f1b or all_forward_all_backward)")  # fmt: skip
+        out.append({"field": "parallelism.pipeline_schedule", "message": why})
     total = m.num_layers + spec_decoder_layers(m)
     rules = t5_split_problems(m.num_layers, total, layout.pp, layout.virtual_stages, layout.pipeline_layers)
     out += [{"field": field, "message": why} for field, why in rules]

@@ -181,3 +181,34 @@ def test_swiglu_gradcheck_and_reference() -> None:
     torch.testing.assert_close(
         torch.autograd.grad(got, h, dy)[0], torch.autograd.grad(want, h, dy)[0], rtol=1e-12, atol=1e-12
     )
+
+
+def test_deferred_weight_grads_wait_for_the_w_pass() -> None:
+    """A zero-bubble B: inside deferring_weight_grads the linears' weight gradients stay out of
+    main_grad (the input gradients are complete), one closure per linear use; running them (W)
+    gives exactly the gradients of an ordinary backward."""
+    from megatrain.kernels.grad_accumulation import deferring_weight_grads
+
+    model = _model("llama")
+    ref = _accumulate(copy.deepcopy(model), fusion=True)
+    ddp = DataParallel(model, ParallelState.single())
+    linears = {n for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n}
+    w_passes: list[list] = []
+    batches = _batches(3)
+    for i, (x, y) in enumerate(batches):
+        with ddp.no_sync() if i < len(batches) - 1 else torch.enable_grad():
+            before = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+            deferred: list = []
+            with deferring_weight_grads(deferred):
+                (model.loss(x, y) * 0.5).backward()
+            w_passes.append(deferred)
+            for n, p in model.named_parameters():
+                if n in linears and n != "lm_head.weight":  # the fused head + loss is not deferred
+                    assert torch.equal(p.main_grad, before[n]), n
+            assert len(deferred) == sum(1 for n in linears if n != "lm_head.weight")
+    for deferred in w_passes:
+        for accumulate in deferred:
+            accumulate()
+    ddp.finish_grad_sync()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.main_grad, ref[n], rtol=1e-5, atol=1e-7, msg=n)

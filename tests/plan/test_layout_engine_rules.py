@@ -61,6 +61,7 @@ def layout_of(spec: JobSpec) -> Layout:
         ep=par.ep,
         virtual_stages=par.virtual_stages,
         sequence_parallel=par.sequence_parallel,
+        pipeline_schedule=par.pipeline_schedule,
         pipeline_layers=tuple(par.pipeline_layers) if par.pipeline_layers is not None else None,
     )
 
@@ -179,6 +180,13 @@ CASES: dict[str, tuple[dict[str, Any], str, str, Engine, bool]] = {
                       "model.t5.decoder_seq_length=250 is not divisible by parallelism.tp=4", build, False),
     "t5_virtual": (t5_spec(parallelism={"pp": 2, "virtual_stages": 2}), "parallelism.virtual_stages",
                    "parallelism.virtual_stages=2 is not supported for model.arch t5", build, False),
+    "t5_zero_bubble": (t5_spec(parallelism={"pp": 2, "pipeline_schedule": "zb-h1"}),
+                       "parallelism.pipeline_schedule",
+                       "pipeline_schedule=zb-h1 is not supported for model.arch t5", build, False),
+    "zb_h1_virtual": (spec_of(parallelism={"pp": 2, "virtual_stages": 2, "pipeline_schedule": "zb-h1"}),
+                      "parallelism.virtual_stages", "runs one chunk per stage", schedule, False),
+    "zbv_virtual": (spec_of(parallelism={"pp": 2, "pipeline_schedule": "zbv"}), "parallelism.virtual_stages",
+                    "pipeline_schedule=zbv runs two chunks per stage in a V", schedule, False),
     "t5_split": (t5_spec(parallelism={"pp": 4, "pipeline_layers": [2, 1, 3, 2]}),
                  "parallelism.pipeline_layers",
                  "the layers per stage ([2, 1, 3, 2]) must put the boundary after layer 4", build, False),
@@ -196,7 +204,8 @@ GUARDS: dict[tuple[str, str], list[str] | str] = {
     ("parallel/expert.py", "shard_experts"): ["expert_shards"],
     ("parallel/context.py", "parallelize_context"): ["cp_dropout", "cp_backend"],
     ("microbatch.py", "context_parallel_index"): ["cp_chunks"],
-    ("parallel/schedules.py", "check_schedule"): ["virtual_without_pp", "interleaved_batches"],
+    ("parallel/schedules.py", "check_schedule"): ["virtual_without_pp", "interleaved_batches",
+                                                  "zb_h1_virtual", "zbv_virtual"],
     ("parallel/state.py", "build"): ["world"],
     ("train.py", "check_runnable"): ["world"],
     # Below parallelize_model, whose rules (the tp cases above) refuse every width first.
@@ -209,7 +218,7 @@ GUARDS: dict[tuple[str, str], list[str] | str] = {
     ("parallel/schedules.py", "simulate"): "a deadlock is a schedule's bug, not a layout's",
     ("parallel/data.py", "__init__"): "a ParallelState built by hand without its dp×cp group",
     ("parallel/parallelize_t5.py", "parallelize_t5"): ["t5_heads", "t5_decoder_sp"],
-    ("parallel/pipeline_t5.py", "build_t5_stages"): ["t5_virtual"],
+    ("parallel/pipeline_t5.py", "build_t5_stages"): ["t5_virtual", "t5_zero_bubble"],
     ("parallel/pipeline_t5.py", "t5_stage_layers"): ["t5_split"],
 }  # fmt: skip
 SAME_RULE = {"parallelize_model", "parallelize_moe_layer", "build_stage_modules", "parallelize_experts",

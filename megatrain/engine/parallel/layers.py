@@ -37,7 +37,7 @@ from megatrain.engine.parallel.mappings import (
     shard_tensor,
 )
 from megatrain.engine.parallel.state import Group, ParallelState
-from megatrain.kernels.grad_accumulation import fusable, placeholder
+from megatrain.kernels.grad_accumulation import fusable, placeholder, weight_grad_into_main
 
 # --------------------------------------------------------------------------------------------------
 # The column-parallel linear under sequence parallelism.
@@ -115,11 +115,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
             x2 = total.view(seq * batch, -1) if seq_major else total.transpose(0, 1).reshape(batch * seq, -1)
             del total
             if ctx.fuse:
-                main = ctx.param.main_grad
-                if main.dtype == dy.dtype:
-                    main.addmm_(dy.t(), x2)  # the weight-gradient GEMM accumulates in place
-                else:  # 16-bit GEMM, accumulated in the fp32 buffer
-                    main.add_(dy.t().mm(x2))
+                weight_grad_into_main(ctx.param.main_grad, dy, x2)  # or in a zero-bubble W pass
                 grad_w = placeholder(ctx.param)
             else:
                 grad_w = dy.t().mm(x2)

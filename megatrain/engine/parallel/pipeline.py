@@ -8,7 +8,9 @@
 Chunk numbering (Megatron's interleaving): with pp stages and V virtual stages there are pp·V chunks
 of consecutive layers; chunk c lives on stage c % pp as its local chunk c // pp. So stage s holds
 chunks s, s+pp, s+2pp, …; activations flow s -> s+1 and from the last stage back to stage 0 for the
-next chunk. Chunk 0 holds the embedding, chunk pp·V-1 the final norm and LM head.
+next chunk. Chunk 0 holds the embedding, chunk pp·V-1 the final norm and LM head. The zbv schedule
+lays its two chunks per stage out in a V instead (stage s holds s and 2pp-1-s: schedules.stage_chunk_ids),
+so stage 0 holds both the embedding and the head.
 
 A StageModule keeps GPTModel's attribute names, and its layers sit in a ModuleDict keyed by their
 global index, so `named_parameters()` yields the single-device names (`layers.5.attn.qkv.weight`):
@@ -30,16 +32,12 @@ from megatrain.engine.models.bert import encoder_embeddings
 from megatrain.engine.models.gpt import GPTModel, check_inputs, positions_for, rope_for, run_layers
 from megatrain.engine.parallel.mappings import is_tensor_parallel, shard_tensor
 from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
+from megatrain.engine.parallel.schedules import stage_chunk_ids
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.kernels.attention import Segments
 from megatrain.plan.layout import LayoutError, model_problems
 
 TP_ATTRS = ("tensor_parallel", "partition_dim", "partition_stride", "sequence_parallel")
-
-
-def stage_chunk_ids(stage: int, pp: int, virtual_stages: int) -> list[int]:
-    """Global chunk ids held by `stage`, by local chunk index."""
-    return [v * pp + stage for v in range(virtual_stages)]
 
 
 class StageModule(nn.Module):
@@ -147,7 +145,7 @@ def build_stage_modules(model: GPTModel, state: ParallelState) -> list[StageModu
         raise LayoutError("; ".join(p["message"] for p in problems))
     ranges = state.layout.chunk_layers(model.config.num_layers)
     chunks = []
-    for cid in stage_chunk_ids(state.pp_rank, pp, v):
+    for cid in stage_chunk_ids(state.pp_rank, pp, v, state.layout.pipeline_schedule):
         chunks.append(StageModule(model, cid, pp * v, *ranges[cid]))
     last = chunks[-1]
     if model.config.tie_embeddings and last.is_last and not chunks[0].is_first:

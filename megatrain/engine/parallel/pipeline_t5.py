@@ -38,7 +38,6 @@ takes the same step. Interleaved (virtual) stages are not supported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -49,7 +48,7 @@ from megatrain.engine.microbatch import T5MicroBatch  # noqa: F401  (re-exported
 from megatrain.engine.models.t5 import T5Config, T5Model, decoder_attention_masks, encoder_attention_mask
 from megatrain.engine.models.t5_layers import run_stack, set_recompute
 from megatrain.engine.parallel.pipeline import TP_ATTRS
-from megatrain.engine.parallel.schedules import P2P, PipelineSchedule
+from megatrain.engine.parallel.schedules import PipelineSchedule
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.plan.layout import LayoutError
 
@@ -278,6 +277,9 @@ def build_t5_stages(model: T5Model, state: ParallelState, split_rank: int | None
     layout, pp = state.layout, state.pp_size
     if layout.virtual_stages != 1:
         raise LayoutError("T5 pipelines have no interleaved (virtual) stages: set virtual_stages to 1")
+    if layout.pipeline_schedule in ("zb-h1", "zbv") and layout.pp > 1:
+        why = f"pipeline_schedule={layout.pipeline_schedule} is not supported for T5 pipelines yet"
+        raise LayoutError(why)
     cfg = model.config
     plan = t5_stage_layers(cfg, pp, split_rank, layout.pipeline_layers)
     stage = T5Stage(model, state.pp_rank, pp, plan[state.pp_rank])
@@ -353,17 +355,9 @@ def t5_stage_parameter_names(stages: Sequence[T5Stage]) -> dict[nn.Parameter, st
 # -- the schedule ----------------------------------------------------------------------------------
 
 
-@dataclass
-class T5PipelineSchedule(PipelineSchedule):
-    """PipelineSchedule with a shape per boundary: activation_shape is what this stage receives,
-    output_shape what it sends (t5_boundary_shapes; () at the ends of the pipeline)."""
-
-    output_shape: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # Gradients come back in the shape of what this stage sends.
-        self.p2p = P2P(self.state, self.activation_shape, self.dtype, self.times, self.output_shape)
+T5PipelineSchedule = PipelineSchedule
+"""A T5 stage's schedule: activation_shape is what it receives, output_shape what it sends
+(t5_boundary_shapes; () at the ends of the pipeline)."""
 
 
 def build_t5_schedule(

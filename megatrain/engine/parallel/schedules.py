@@ -34,28 +34,46 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatrain.engine.microbatch import MicroBatch
+from megatrain.engine.parallel.p2p import P2P, Kind, StageTimes, _Receives  # noqa: F401  (re-exported)
 from megatrain.engine.parallel.state import ParallelState
+from megatrain.engine.parallel.zero_bubble import (
+    SPLIT_SCHEDULES,
+    Action,
+    split_bubble,
+    zb_h1_actions,
+    zbv_actions,
+    zbv_chunk_ids,
+)
+from megatrain.kernels.grad_accumulation import deferring_weight_grads
 
-Schedule = Literal["1f1b", "all_forward_all_backward"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "all_forward_all_backward")
+Schedule = Literal["1f1b", "all_forward_all_backward", "zb-h1", "zbv"]
+SCHEDULES: tuple[str, ...] = ("1f1b", "all_forward_all_backward", "zb-h1", "zbv")
 
 
 class ScheduleError(ValueError):
     """A pipeline configuration a schedule cannot run; the message says which rule and why."""
 
 
-class Action(NamedTuple):
-    kind: Literal["F", "B"]
-    chunk: int
-    """Local chunk index on this stage (0 .. virtual_stages-1)."""
-    microbatch: int
+def stage_chunk_ids(stage: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """Global chunk ids held by `stage`, by local chunk index: s, s+pp, s+2pp, ... (Megatron's
+    interleaving), or zbv's V (s, then 2p-1-s)."""
+    if schedule == "zbv":
+        return zbv_chunk_ids(stage, pp)
+    return [v * pp + stage for v in range(virtual_stages)]
+
+
+def chunk_stage(chunk: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> int:
+    """The stage holding global chunk `chunk` (the inverse of stage_chunk_ids)."""
+    if schedule == "zbv":
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
 
 
 def check_schedule(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> None:
@@ -64,6 +82,16 @@ def check_schedule(schedule: str, pp: int, num_microbatches: int, virtual_stages
         raise ScheduleError(f"pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if pp < 1 or virtual_stages < 1 or num_microbatches < 1:
         raise ScheduleError("pp, virtual_stages and the number of micro-batches must be >= 1")
+    if schedule == "zb-h1" and virtual_stages != 1:
+        raise ScheduleError(
+            "pipeline_schedule=zb-h1 runs one chunk per stage: set virtual_stages=1 (or use zbv)"
+        )
+    if schedule == "zbv" and (virtual_stages != 2 or pp < 2):
+        raise ScheduleError(
+            "pipeline_schedule=zbv runs two chunks per stage in a V: it needs virtual_stages=2 and pp >= 2"
+        )
+    if schedule == "zbv":
+        return  # the V takes any number of micro-batches
     if virtual_stages > 1 and pp == 1:
         raise ScheduleError("virtual_stages > 1 needs pp > 1: interleaving splits each stage's layers")
     if virtual_stages > 1 and num_microbatches % pp:
@@ -88,6 +116,10 @@ def schedule_actions(
 ) -> list[Action]:
     """The ordered forward/backward actions of one stage (pure; see the module docstring)."""
     check_schedule(schedule, pp, num_microbatches, virtual_stages)
+    if schedule == "zb-h1":
+        return zb_h1_actions(pp, stage, num_microbatches)
+    if schedule == "zbv":
+        return zbv_actions(pp, stage, num_microbatches)
     m, v = num_microbatches, virtual_stages
     total = m * v
 
@@ -138,37 +170,45 @@ def simulate(
     virtual_stages: int = 1,
     forward_time: float = 1.0,
     backward_time: float = 2.0,
+    weight_time: float | None = None,
 ) -> Simulation:
     """Run every stage's action list against the data dependencies with free communication.
 
-    forward_time / backward_time are one stage's whole share of a micro-batch (split over its chunks).
+    forward_time / backward_time are one stage's whole share of a micro-batch (split over its chunks);
+    in a zero-bubble schedule weight_time of the backward is its W pass (default half of it).
+    Peaks count a chunk's activations from its F until its backward is done (B, or W when split).
     Raises ScheduleError if the lists deadlock (a dependency that can never be met).
     """
     v = virtual_stages
     n_chunks = pp * v
     lists = [schedule_actions(schedule, pp, s, num_microbatches, v) for s in range(pp)]
+    ids = [stage_chunk_ids(s, pp, v, schedule) for s in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, global chunk, mb) -> finish time
     pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     live, peak = [0] * pp, [0] * pp
-    tf, tb = forward_time / v, backward_time / v
+    split = schedule in SPLIT_SCHEDULES
+    tw = (backward_time / 2 if weight_time is None else weight_time) if split else 0.0
+    cost = {"F": forward_time / v, "B": (backward_time - tw) / v, "W": tw / v}
+    held = {"F": 1, "B": 0 if split else -1, "W": -1}
     while any(pos[s] < len(lists[s]) for s in range(pp)):
         progressed = False
         for s in range(pp):
             while pos[s] < len(lists[s]):
                 a = lists[s][pos[s]]
-                c = a.chunk * pp + s
+                c = ids[s][a.chunk]
                 if a.kind == "F":
                     dep = ("F", c - 1, a.microbatch) if c > 0 else None
+                elif a.kind == "W":
+                    dep = ("B", c, a.microbatch)
                 else:
                     dep = ("B", c + 1, a.microbatch) if c < n_chunks - 1 else ("F", c, a.microbatch)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep is not None else 0.0)
-                cost = tf if a.kind == "F" else tb
-                clock[s] = start + cost
-                busy[s] += cost
+                clock[s] = start + cost[a.kind]
+                busy[s] += cost[a.kind]
                 done[(a.kind, c, a.microbatch)] = clock[s]
-                live[s] += 1 if a.kind == "F" else -1
+                live[s] += held[a.kind]
                 peak[s] = max(peak[s], live[s])
                 pos[s] += 1
                 progressed = True
@@ -177,146 +217,15 @@ def simulate(
     return Simulation(max(clock), tuple(busy), tuple(peak))
 
 
-def theoretical_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """(p-1)/(m+p-1) for 1F1B; ((p-1)/V) / (m + (p-1)/V) interleaved (Narayanan et al. 2021)."""
+def theoretical_bubble(
+    pp: int, num_microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b"
+) -> float:
+    """(p-1)/(m+p-1) for 1F1B; ((p-1)/V) / (m + (p-1)/V) interleaved (Narayanan et al. 2021);
+    the zero-bubble schedules' with F = B = W (zero_bubble.split_bubble)."""
+    if schedule in SPLIT_SCHEDULES:
+        return split_bubble(schedule, pp, num_microbatches)
     b = (pp - 1) / virtual_stages
     return b / (num_microbatches + b)
-
-
-# -- point-to-point --------------------------------------------------------------------------------
-
-
-@dataclass
-class StageTimes:
-    """Seconds this stage spent computing and waiting on its neighbours in the current interval."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    wait_s: float = 0.0
-    steps: int = 0
-
-    @property
-    def compute_s(self) -> float:
-        return self.forward_s + self.backward_s
-
-    @property
-    def bubble_fraction(self) -> float:
-        total = self.compute_s + self.wait_s
-        return self.wait_s / total if total > 0 else 0.0
-
-    def reset(self) -> None:
-        self.forward_s = self.backward_s = self.wait_s = 0.0
-        self.steps = 0
-
-
-class _Receives:
-    """One kind of receive (activations from the previous stage, or gradients from the next) in the
-    order the stage takes them; the next one is posted as soon as the one before is taken, so its
-    transfer runs while the stage computes."""
-
-    def __init__(self, p2p: P2P, peer: int, group: Any, shape: tuple[int, ...]):
-        self.p2p, self.peer, self.group, self.shape = p2p, peer, group, shape
-        self.left = 0
-        """Receives of this step not posted yet."""
-        self.posted: tuple[torch.Tensor, list[Any]] | None = None
-
-    def expect(self, count: int) -> None:
-        if self.posted is not None or self.left:
-            raise RuntimeError("a pipeline step began with receives of the last one outstanding")
-        self.left = count
-        self._post()
-
-    def _post(self) -> None:
-        if self.left > 0:
-            self.left -= 1
-            p = self.p2p
-            buf = torch.empty(self.shape, dtype=p.dtype, device=p.device)
-            self.posted = (buf, p.irecv(buf, self.peer, self.group))
-
-    def take(self) -> torch.Tensor:
-        if self.posted is None:  # not announced by expect(): received on demand
-            self.left += 1
-            self._post()
-        assert self.posted is not None
-        buf, works = self.posted
-        self.posted = None
-        t0 = time.perf_counter()
-        for w in works:
-            w.wait()
-        if self.p2p.device.type == "cuda":
-            torch.cuda.current_stream(self.p2p.device).synchronize()
-        self.p2p.times.wait_s += time.perf_counter() - t0
-        self._post()  # the next one's transfer overlaps what the stage does with this one
-        return buf
-
-
-class P2P:
-    """Sends and receives between neighbouring stages of one (tp, cp, dp) pipeline column.
-
-    Receives are posted ahead (Megatron's overlap_p2p_comm): once a step's schedule says how many
-    activations and gradients the stage will take (`expect`), the first of each is posted at once
-    and each next one when the one before is taken. Messages between two stages match in order, so
-    a receive posted early still gets the tensor meant for it. Sends are posted and not waited for
-    until the end of the step (`flush`). On gloo both progress in its transport's own threads."""
-
-    def __init__(
-        self,
-        state: ParallelState,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        times: StageTimes,
-        grad_shape: tuple[int, ...] | None = None,
-    ):
-        """`shape`: the activations this stage receives; `grad_shape`: the gradients it receives
-        (of what it sends; default `shape`)."""
-        self.state = state
-        self.dtype, self.device = dtype, state.device
-        self.times = times
-        c, pp = state.coords, state.pp_size
-        self.next_rank = state.layout.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp + 1) % pp)
-        self.prev_rank = state.layout.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=(c.pp - 1) % pp)
-        self.fwd_group = state.pp_group
-        self.bwd_group = state.groups.get("pp_bwd")
-        self._pending: list[Any] = []
-        self._activations = _Receives(self, self.prev_rank, self.fwd_group, shape)
-        self._grads = _Receives(self, self.next_rank, self.bwd_group, grad_shape or shape)
-
-    def _post(self, ops: list[dist.P2POp]) -> list[Any]:
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    def irecv(self, buf: torch.Tensor, peer: int, group: Any) -> list[Any]:
-        return self._post([dist.P2POp(dist.irecv, buf, peer, group)])
-
-    def expect(self, activations: int, grads: int) -> None:
-        """This step's receives, counted from its action list; the first of each kind is posted now."""
-        self._activations.expect(activations)
-        self._grads.expect(grads)
-
-    def _send(self, t: torch.Tensor, peer: int, group: Any) -> None:
-        t = t.detach().contiguous()
-        works = self._post([dist.P2POp(dist.isend, t, peer, group)])
-        self._pending.append((t, works))  # keep the tensor alive until the send completes
-
-    def recv_forward(self) -> torch.Tensor:
-        return self._activations.take()
-
-    def send_forward(self, t: torch.Tensor) -> None:
-        self._send(t, self.next_rank, self.fwd_group)
-
-    def recv_backward(self) -> torch.Tensor:
-        return self._grads.take()
-
-    def send_backward(self, t: torch.Tensor) -> None:
-        self._send(t, self.prev_rank, self.bwd_group)
-
-    def flush(self) -> None:
-        """Wait for every send posted so far (the end of a step); counted as waiting."""
-        t0 = time.perf_counter()
-        for _, works in self._pending:
-            for w in works:
-                w.wait()
-        self._pending.clear()
-        self.times.wait_s += time.perf_counter() - t0
 
 
 # -- running a schedule ----------------------------------------------------------------------------
@@ -335,7 +244,8 @@ class PipelineSchedule:
 
     loss_fn(output, micro-batch) -> the micro-batch's loss (already scaled to its share of the step);
     scale_loss multiplies it for fp16; before_backward(is_last) is called before each backward with
-    True only for this stage's last one (DataParallel starts its gradient buckets then).
+    True only for this stage's last one (DataParallel starts its gradient buckets then; never under
+    a zero-bubble schedule, whose W passes add weight gradients after the last backward).
     """
 
     chunks: Sequence[nn.Module]
@@ -344,14 +254,29 @@ class PipelineSchedule:
     dtype: torch.dtype
     schedule: str = "1f1b"
     times: StageTimes = field(default_factory=StageTimes)
+    output_shape: tuple[int, ...] | None = None
+    """The shape of what this stage sends (and receives gradients of); None: activation_shape."""
 
     def __post_init__(self) -> None:
         self.pp, self.v = self.state.pp_size, len(self.chunks)
-        self.p2p = P2P(self.state, self.activation_shape, self.dtype, self.times)
+        self.stage = self.state.pp_rank
+        self.ids = stage_chunk_ids(self.stage, self.pp, self.v, self.schedule)
+        self.split = self.schedule in SPLIT_SCHEDULES
+        self.p2p = P2P(self.state, self.activation_shape, self.dtype, self.times, self.output_shape)
         self.n_chunks = self.pp * self.v
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        """Tensors between two chunks of this stage (zbv's turn at the last stage), by (F or B,
+        the chunk that takes it, micro-batch)."""
+        self._weights: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        """A split backward's deferred weight gradients, by (local chunk, micro-batch)."""
 
     def _global(self, chunk: int) -> int:
-        return chunk * self.pp + self.state.pp_rank
+        return self.ids[chunk]
+
+    def _peer(self, chunk: int) -> int | None:
+        """The rank holding global chunk `chunk`; None when it is this stage."""
+        stage = chunk_stage(chunk, self.pp, self.v, self.schedule)
+        return None if stage == self.stage else self.p2p.rank_of_stage(stage)
 
     def _timed(self, kind: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
@@ -376,7 +301,8 @@ class PipelineSchedule:
         if c == 0:
             x = mb.tokens
         else:
-            x = self.p2p.recv_forward()
+            src = self._peer(c - 1)
+            x = self._local.pop(("F", c, a.microbatch)) if src is None else self.p2p.recv("activation", src)
             if grad:
                 x.requires_grad_()
         slot.input = x
@@ -388,25 +314,56 @@ class PipelineSchedule:
         out = self._timed("F", run)
         if c == self.n_chunks - 1:
             slot.loss = self._timed("F", lambda: loss_fn(out, mb))
+            return
+        dst = self._peer(c + 1)
+        if dst is None:
+            self._local[("F", c + 1, a.microbatch)] = out.detach()
         else:
-            self.p2p.send_forward(out)
-            slot.output = out
+            self.p2p.send("activation", out, dst)
+        slot.output = out
 
     def _backward(self, a: Action, slot: _Slot, scale_loss: Callable[[torch.Tensor], torch.Tensor]) -> None:
         c = self._global(a.chunk)
         if c == self.n_chunks - 1:
             assert slot.loss is not None
             loss = slot.loss
-            self._timed("B", lambda: scale_loss(loss).backward())
+
+            def run() -> None:
+                scale_loss(loss).backward()
+
         else:
-            grad = self.p2p.recv_backward()
+            src = self._peer(c + 1)
+            grad = self._local.pop(("B", c, a.microbatch)) if src is None else self.p2p.recv("grad", src)
             out = slot.output
             assert out is not None
-            self._timed("B", lambda: torch.autograd.backward(out, grad))
+
+            def run() -> None:
+                torch.autograd.backward(out, grad)
+
+        if self.split:  # B: input gradients now, the weight-gradient GEMMs at this chunk's W
+            deferred = self._weights.setdefault((a.chunk, a.microbatch), [])
+            with deferring_weight_grads(deferred):
+                self._timed("B", run)
+        else:
+            self._timed("B", run)
         if c > 0:
             assert slot.input is not None and slot.input.grad is not None
-            self.p2p.send_backward(slot.input.grad)
+            dst = self._peer(c - 1)
+            if dst is None:
+                self._local[("B", c - 1, a.microbatch)] = slot.input.grad
+            else:
+                self.p2p.send("grad", slot.input.grad, dst)
         slot.input = slot.output = None  # free this micro-batch's activations
+
+    @torch.no_grad()
+    def _weight(self, a: Action) -> None:
+        """W: the weight gradients B left for this chunk and micro-batch."""
+
+        def run() -> None:
+            for accumulate in self._weights.pop((a.chunk, a.microbatch)):
+                accumulate()
+
+        self._timed("B", run)
 
     def forward_backward(
         self,
@@ -434,10 +391,12 @@ class PipelineSchedule:
                 self._forward(a, batches, slot, loss_fn, grad=True)
                 if slot.loss is not None:
                     total += slot.loss.detach().float()
-            else:
+            elif a.kind == "B":
                 if before_backward is not None:
-                    before_backward(i == last_b)
+                    before_backward(i == last_b and not self.split)
                 self._backward(a, slots.pop((a.chunk, a.microbatch)), scale_loss)
+            else:
+                self._weight(a)
         self._finish()
         return total
 
@@ -450,9 +409,7 @@ class PipelineSchedule:
         """Forwards only (evaluation), in the forward order of the schedule; loss sum on the last stage."""
         batches = _microbatches(batches)
         total = torch.zeros((), device=self.state.device)
-        rank = self.state.pp_rank
-        order = schedule_actions("all_forward_all_backward", self.pp, rank, len(batches), self.v)
-        forwards = [a for a in order if a.kind == "F"]
+        forwards = [a for a in self._forward_order(len(batches)) if a.kind == "F"]
         self._expect(forwards)
         for a in forwards:
             slot = _Slot()
@@ -462,15 +419,34 @@ class PipelineSchedule:
         self._finish()
         return total
 
+    def _forward_order(self, m: int) -> list[Action]:
+        """Every forward once in an order no stage waits on itself in: micro-batch by micro-batch
+        through this stage's chunks in pipeline order (all-forward-all-backward's, or the V's)."""
+        if self.schedule == "zbv":
+            return [Action("F", chunk, k) for k in range(m) for chunk in range(self.v)]
+        return schedule_actions("all_forward_all_backward", self.pp, self.stage, m, self.v)
+
     def _expect(self, actions: Sequence[Action]) -> None:
-        """Tell P2P how many activations and gradients this stage's actions receive."""
+        """Tell P2P how many activations and gradients this stage's actions take from each peer."""
         last = self.n_chunks - 1
-        forwards = sum(1 for a in actions if a.kind == "F" and self._global(a.chunk) > 0)
-        backwards = sum(1 for a in actions if a.kind == "B" and self._global(a.chunk) < last)
-        self.p2p.expect(forwards, backwards)
+        counts: dict[tuple[Kind, int], int] = {}
+        for a in actions:
+            c = self._global(a.chunk)
+            src = None
+            if a.kind == "F" and c > 0:
+                src, kind = self._peer(c - 1), "activation"
+            elif a.kind == "B" and c < last:
+                src, kind = self._peer(c + 1), "grad"
+            if src is not None:
+                counts[(kind, src)] = counts.get((kind, src), 0) + 1  # type: ignore[index]
+        self.p2p.expect(counts)  # type: ignore[arg-type]
 
     def _finish(self) -> None:
         self.p2p.flush()
+        if self._local or self._weights:
+            raise RuntimeError(
+                f"a pipeline step ended with work left: {sorted(self._local)} {sorted(self._weights)}"
+            )
         # Line the stages up so each one's idle tail counts as waiting: the bubble is then measured
         # against a common makespan, as (p-1)/(m+p-1) is.
         t0 = time.perf_counter()

@@ -35,6 +35,7 @@ MODELS = {"gpt2": replace(GPT2_TINY, num_layers=4), "llama": replace(LLAMA_TINY,
 
 DEFAULTS: dict[str, Any] = {
     "model": "llama",
+    "layers": 4,
     "seed": 1234,
     "steps": 6,
     "global_batch": 8,
@@ -62,6 +63,10 @@ def options(**overrides: Any) -> dict[str, Any]:
     return {**DEFAULTS, **overrides}
 
 
+def model_config(opts: dict[str, Any]) -> Any:
+    return replace(MODELS[opts["model"]], num_layers=opts["layers"])
+
+
 def make_batch(opts: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = MODELS[opts["model"]]
     g = torch.Generator().manual_seed(opts["seed"] * 1000 + step)
@@ -76,7 +81,7 @@ def lr_at(opts: dict[str, Any], step: int) -> float:
 def reference_run(opts: dict[str, Any]) -> dict[str, Any]:
     """One process, the full batch, torch's AdamW and clip_grad_norm_."""
     torch.manual_seed(opts["seed"])
-    model = GPTModel(MODELS[opts["model"]])
+    model = GPTModel(model_config(opts))
     params = list(model.parameters())
     adam = torch.optim.AdamW(
         [
@@ -114,10 +119,11 @@ def pp_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         pp=opts["pp"],
         sequence_parallel=opts["sequence_parallel"],
         virtual_stages=opts["virtual_stages"],
+        pipeline_schedule=opts["schedule"],
         pipeline_layers=opts["layer_split"],
     )
     state = ParallelState.build(dims)
-    cfg = MODELS[opts["model"]]
+    cfg = model_config(opts)
     torch.manual_seed(opts["seed"])
     model = GPTModel(cfg)
     tracker = RNGStatesTracker.for_tensor_parallel(opts["seed"], state) if dims.tp > 1 else None

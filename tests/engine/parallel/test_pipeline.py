@@ -38,6 +38,10 @@ PP2 = {
     "pp2-tied-gpt2": options(model="gpt2"),
     "pp2-interleaved-gpt2": options(model="gpt2", virtual_stages=2),
     "pp2-all-forward-all-backward-uneven": options(schedule="all_forward_all_backward", layer_split=[1, 3]),
+    # Zero bubble: backward split into input gradients (B) and weight gradients (W, deferred).
+    "pp2-zb-h1-llama": options(schedule="zb-h1", global_batch=12),
+    # The V: stage 0 holds the embedding and the tied head (one Parameter), stage 1 turns round.
+    "pp2-zbv-tied-gpt2": options(model="gpt2", schedule="zbv", virtual_stages=2),
 }
 # Four processes.
 PP4 = {
@@ -45,6 +49,10 @@ PP4 = {
     "pp2-tp2-sp-fp16-scaler": options(tp=2, sequence_parallel=True, loss_scale=2.0**12),
     # One bucket per stage: the tied weight sits at different offsets of the two stages' dp shards.
     "pp2-dp2-distopt-tied": options(model="gpt2", dp=2, distributed_optimizer=True, bucket_elements=10**6),
+    "pp4-zb-h1": options(pp=4, schedule="zb-h1", global_batch=16, micro_batch=2),
+    "pp4-zbv-8-layers": options(pp=4, schedule="zbv", virtual_stages=2, layers=8, global_batch=16),
+    "pp2-zbv-tp2-sp": options(tp=2, sequence_parallel=True, schedule="zbv", virtual_stages=2),
+    "pp2-zb-h1-dp2-distopt": options(schedule="zb-h1", dp=2, distributed_optimizer=True),
 }
 
 
