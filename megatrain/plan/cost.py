@@ -140,6 +140,23 @@ class StepTime:
         return asdict(self)
 
 
+ZERO_BUBBLE = ("zb-h1", "zbv")
+
+
+def pipeline_bubble_s(schedule: str, pp: int, v: int, t_mb: float) -> float:
+    """A step's idle time on a stage whose micro-batch (forward + backward) takes t_mb: 1F1B's
+    (pp-1)/v micro-batches; the zero-bubble schedules' with forward, input gradient and weight
+    gradient a third of t_mb each (backward = 2 x forward): zb-h1 (pp-1)(F+B-W) = (pp-1)·t/3, zbv
+    (pp-1)·F/2 = (pp-1)·t/6 (engine.parallel.zero_bubble, exact in its simulation)."""
+    if pp <= 1:
+        return 0.0
+    if schedule == "zb-h1":
+        return (pp - 1) * t_mb / 3
+    if schedule == "zbv":
+        return (pp - 1) * t_mb / 6
+    return (pp - 1) / v * t_mb
+
+
 @lru_cache(maxsize=4096)
 def _stage_layers(
     model: ModelShape, pp: int, v: int, pipeline_layers: tuple[int, ...] | None
@@ -283,7 +300,7 @@ def predict_step(
 
     compute_s = m * compute_mb
     tp_comm_s = m * tp_mb
-    bubble_s = (pp - 1) / v * t_mb if pp > 1 else 0.0
+    bubble_s = pipeline_bubble_s(layout.pipeline_schedule, pp, v, t_mb)
     pp_comm_s = 0.0
     if pp > 1:
         bw_pp, lat_pp = link(pool, layout.world_size <= pool.devices_per_node)
@@ -293,7 +310,10 @@ def predict_step(
     params, experts = _stage_param_counts(model, tp, pp, ep, v, layout.pipeline_layers, tuple(candidates))
     reduce_s, gather_s, buckets = _dp_comm(params, experts, layout, settings, pool, act)
     shards = dp * cp
-    if settings.overlap_grad_reduce and shards > 1:
+    # A zero-bubble schedule's W passes add weight gradients after the last backward: its
+    # data-parallel reduction starts when they are done (engine.parallel.schedules), not overlapped.
+    overlap = settings.overlap_grad_reduce and layout.pipeline_schedule not in ZERO_BUBBLE
+    if overlap and shards > 1:
         backward_window = c.dp_overlap * (2 / 3) * (compute_mb - recompute_mb)
         exposed_reduce = max(reduce_s / buckets, reduce_s - backward_window)
     else:

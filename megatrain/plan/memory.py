@@ -134,12 +134,17 @@ def chunks_in_flight(
     """Most (micro-batch, model chunk) activations a stage holds at once under a schedule.
 
     all_forward_all_backward: all of them. 1F1B: the warm-up forwards plus one, min(pp - stage, M).
-    Interleaved: (pp - stage - 1)·2 + (V - 1)·pp + 1, or all of them when M == pp. Equal to the
-    peaks parallel.schedules.simulate finds (tested there).
+    Interleaved: (pp - stage - 1)·2 + (V - 1)·pp + 1, or all of them when M == pp. zb-h1: min(pp,
+    M); zbv: min(2M, M + stage + 1, 2pp). Equal to the peaks parallel.schedules.simulate finds
+    (tested there).
     """
     total = num_microbatches * virtual_stages
     if schedule == "all_forward_all_backward":
         return total
+    if schedule == "zb-h1":  # a chunk's activations live until its W; every stage reaches 1F1B's first
+        return min(pp, num_microbatches)
+    if schedule == "zbv":  # two half chunks per micro-batch, up to 2·pp of them on every stage
+        return min(2 * num_microbatches, num_microbatches + stage + 1, 2 * pp)
     if virtual_stages == 1:
         return min(pp - stage, num_microbatches)
     if num_microbatches == pp:

@@ -118,10 +118,13 @@ def test_stages_compose_to_the_full_model() -> None:
     assert sorted(set(names)) == sorted(n for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "all_forward_all_backward"])
-@pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 1), (4, 2, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2), (4, 8, 2)])
+@pytest.mark.parametrize("schedule", ["1f1b", "all_forward_all_backward", "zb-h1", "zbv"])
+@pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 1), (4, 2, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2), (4, 8, 2),
+                                            (4, 3, 2), (8, 16, 2), (8, 5, 1)])  # fmt: skip
 def test_memory_model_in_flight_matches_the_schedules(schedule: str, pp: int, m: int, v: int) -> None:
     """memory.py's closed form for activations held per stage is what the schedules really do."""
+    if {"zb-h1": v != 1, "zbv": v != 2}.get(schedule, v > 1 and m % pp != 0):
+        pytest.skip("zb-h1 runs one chunk per stage, zbv two; interleaving needs M divisible by pp")
     sim = simulate(schedule, pp, m, v)
     assert tuple(chunks_in_flight(schedule, pp, s, m, v) for s in range(pp)) == sim.peak_in_flight
 
