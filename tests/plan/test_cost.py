@@ -98,3 +98,17 @@ def test_recompute_adds_forward_work() -> None:
     # Full recompute redoes about a third of the layers' compute (their forward).
     assert full.recompute_s == pytest.approx(none.compute_s / 3, rel=0.15)
     assert full.model_flops == none.model_flops  # recompute is not useful work
+
+
+def test_zero_bubble_schedules_idle_a_third_and_a_sixth_of_1f1b() -> None:
+    """zb-h1 idles (p-1)(F+B-W) = (p-1)·t/3, zbv (p-1)·F/2 = (p-1)·t/6, against 1F1B's (p-1)·t
+    (t a micro-batch's forward and backward on a stage); everything else is the same step, except
+    that their W passes leave the data-parallel reduction unoverlapped."""
+    base = _step(Layout(pp=4, dp=2))
+    zb = _step(Layout(pp=4, dp=2, pipeline_schedule="zb-h1"))
+    zbv = _step(Layout(pp=4, dp=2, virtual_stages=2, pipeline_schedule="zbv"))
+    assert zb.bubble_s == pytest.approx(base.bubble_s / 3)
+    assert zbv.bubble_s == pytest.approx(base.bubble_s / 6, rel=0.05)  # its stage time is of two chunks
+    assert zb.compute_s == pytest.approx(base.compute_s)
+    assert zb.dp_exposed_s >= base.dp_exposed_s
+    assert zbv.step_time_s < zb.step_time_s < base.step_time_s
