@@ -25,12 +25,7 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/profile", tags=["profile"])
 
 @router.get(
     "",
-    responses={
-        200: {
-            "content": {"application/x-tar": {}, "application/json": {}},
-            "description": "A tar stream, or a JSON listing of presigned URLs",
-        }
-    },
+    responses=service.DOWNLOAD_RESPONSES,
 )
 def download_profile(
     job: OwnedJob,

@@ -16,12 +16,7 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/tensorboard", tags=["tensorboard"])
 
 @router.get(
     "",
-    responses={
-        200: {
-            "content": {"application/x-tar": {}, "application/json": {}},
-            "description": "A tar stream, or a JSON listing of presigned URLs",
-        }
-    },
+    responses=service.DOWNLOAD_RESPONSES,
 )
 def download_tensorboard(
     job: OwnedJob,

@@ -27,6 +27,14 @@ from megatrain.db.models import TERMINAL_STATES, Job
 from megatrain.settings import Settings
 from megatrain.storage import open_store
 
+DOWNLOAD_RESPONSES = {
+    200: {
+        "content": {"application/x-tar": {}, "application/json": {}},
+        "description": "A tar stream, or a JSON listing of presigned URLs",
+    }
+}
+"""OpenAPI's description of a folder's download (the tar or the URLs)."""
+
 FOLDER = "tensorboard"
 """The folder beside `checkpoints/` (megatrain.engine.tracking.tensorboard_writer.FOLDER)."""
 
