@@ -1,6 +1,7 @@
 """training.profile_steps / --profile: a Chrome trace per rank of the steps named in the `profiled`
 event, written in the run folder and copied next to the checkpoints, with the step's phases labelled;
-the losses are the unprofiled run's; bad values are named."""
+the losses are the unprofiled run's; bad values are named. And a zero-bubble job run whole (profiled
+too): its losses and validation losses are one process's."""
 
 from __future__ import annotations
 
@@ -78,3 +79,33 @@ def test_bad_profile_steps_are_named(tmp_path: Path, capsys: pytest.CaptureFixtu
     spec.write_text(json.dumps(raw))
     assert main(["--spec", str(spec), "--out", str(tmp_path / "out"), "--profile", "-1"]) == 2
     assert "--profile -1: training.profile_steps must be in [0, 20]" in capsys.readouterr().err
+
+
+def _plain_rank(rank: int, world: int, raw: dict[str, Any], out: str) -> None:
+    ctx = Dist(rank=rank, world_size=world, local_rank=rank, local_world_size=world, group=dist.group.WORLD)
+    run(parse_spec(raw), Path(out), ctx=ctx)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_a_zero_bubble_job_trains_and_validates_as_one_process(tmp_path: Path, schedule: str) -> None:
+    """The engine run whole at pp=2 under a zero-bubble schedule (its validation is the schedule's
+    forward_only): the losses and validation losses of one process, and a profile of its steps."""
+    from .parallel._launch import run_distributed
+
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    raw = tiny_spec(corpus, train_iters=6, log_interval=1, eval_interval=3, checkpoint_interval=0)
+    raw["model"]["num_layers"] = 4
+    run(parse_spec(raw), tmp_path / "one")
+    v = 2 if schedule == "zbv" else 1
+    raw["parallelism"] = {"pp": 2, "virtual_stages": v, "pipeline_schedule": schedule}
+    raw["resources"] = {"devices": 2}
+    raw["training"]["profile_steps"] = 1
+    run_distributed(_plain_rank, 2, raw, str(tmp_path / "pp"))
+    rows = [read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "pp")]
+    for key in ("loss", "val_loss"):
+        got, want = ([r[key] for r in rs if key in r] for rs in (rows[1], rows[0]))
+        assert len(want) >= 2 and got == pytest.approx(want, rel=1e-4), key
+    assert [e["files"] for e in read_jsonl(tmp_path / "pp" / "events.jsonl") if e["event"] == "profiled"] == [
+        ["trace.rank0.json.gz", "trace.rank1.json.gz"]
+    ]
