@@ -276,8 +276,7 @@ class TrainingSpec(_Strict):
     """With checkpoint_keep_last, also keep every checkpoint whose step is a multiple of N forever."""
     log_interval: int = Field(10, ge=1, le=100_000_000)
     profile_steps: int = Field(0, ge=0, le=20)
-    """torch.profiler over this many steps (after 3 of the attempt's first): a Chrome trace per rank
-    next to the checkpoints (GET /v1/jobs/{id}/profile; opens in Perfetto). 0: none."""
+    """torch.profiler's Chrome traces of N steps, one per rank (GET /v1/jobs/{id}/profile)."""
     eval_interval: int = Field(100, ge=0, le=100_000_000)
     """Validate every N iterations; 0 disables validation."""
     eval_iters: int = Field(4, ge=1, le=100_000)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from megatrain.plan.fp8 import fp8_problems
+from megatrain.plan.schedule_rules import zero_bubble_problems
 from megatrain.plan.split_rank import split_pipeline_layers, split_rank_problems
 from megatrain.plan.stacks import family_layout_problems, spec_decoder_layers
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
@@ -257,23 +258,9 @@ def _pipeline_problems(layout: Layout, num_layers: int, model: str, par: str) ->
     pp, v = layout.pp, layout.virtual_stages
     if pp > num_layers:
         return [_problem(f"{par}pp", f"{par}pp={pp} exceeds {model}num_layers={num_layers}")]
-    schedule = layout.pipeline_schedule
-    if schedule == "zb-h1" and v != 1:
-        return [
-            _problem(
-                f"{par}virtual_stages",
-                f"{par}pipeline_schedule=zb-h1 runs one chunk per stage: {par}virtual_stages={v} must be 1 "
-                "(zbv is the zero-bubble schedule with two)",
-            )
-        ]
-    if schedule == "zbv" and (v != 2 or pp < 2):
-        return [
-            _problem(
-                f"{par}virtual_stages" if v != 2 else f"{par}pp",
-                f"{par}pipeline_schedule=zbv runs two chunks per stage in a V: it needs "
-                f"{par}virtual_stages=2 (not {v}) and {par}pp >= 2 (not {pp})",
-            )
-        ]
+    problems = zero_bubble_problems(layout, par)
+    if problems:
+        return problems
     if v > 1 and pp == 1:
         return [
             _problem(
