@@ -28,7 +28,7 @@ from megatrain.spec_data import (  # noqa: F401  (re-exported: the spec's sectio
     TokenizerSpec,
     parse_tokenizer,
 )
-from megatrain.spec_dpo import DPOSpec
+from megatrain.spec_dpo import DPOSpec, dpo_problems
 from megatrain.spec_errors import (
     Findings,
     Problem,
@@ -429,34 +429,6 @@ class JobSpec(_Strict):
         """Whether samples pack documents with attention blocked between them (data.packing resolved;
         never for dpo, whose rows are single sequences)."""
         return self.kind == "finetune" if self.data.packing is None else self.data.packing
-
-
-def dpo_problems(spec: JobSpec) -> list[Problem]:
-    """The rules of preference training between training.dpo, the batch and the layout."""
-    t = spec.training
-    out: list[Problem] = []
-    if spec.kind != "dpo":
-        if t.dpo is not None:
-            why = f"training.dpo is set but kind is '{spec.kind}' (set it to 'dpo')"
-            out.append(_rule("training.dpo", why))
-        return out
-    mbs = t.micro_batch_size
-    if mbs != "auto" and mbs % 2:
-        out.append(
-            _rule(
-                "training.micro_batch_size",
-                f"training.micro_batch_size={mbs} must be an even number for kind dpo (it counts "
-                "sequences: each pair's chosen and rejected response train in one micro-batch)",
-            )
-        )
-    elif mbs == "auto" and t.global_batch_size % 2:
-        # (an even micro-batch divides the global batch, so a number written makes it even too)
-        gbs = t.global_batch_size
-        why = f"training.global_batch_size={gbs} must be even for kind dpo (two sequences a pair)"
-        out.append(_rule("training.global_batch_size", why))
-    if spec.data.packing:
-        out.append(_rule("data.packing", "data.packing must be off for kind dpo (one sequence per row)"))
-    return out
 
 
 JOB_SECTIONS = tuple(JobSpec.model_fields)

@@ -2,17 +2,17 @@
 
 The names and the losses are TRL's DPOConfig (beta, loss_type, label_smoothing), so a TRL recipe
 reads across. The rules between this block and the rest of a spec (kind dpo, even micro-batches)
-live in spec.py's JobSpec, which sees both.
+are `dpo_problems`, which spec.py's JobSpec runs on the whole spec.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from megatrain.spec_base import rule
-from megatrain.spec_errors import report_rules
+from megatrain.spec_errors import Problem, report_rules
 
 DPOLoss = Literal["sigmoid", "ipo", "hinge"]
 
@@ -38,3 +38,31 @@ class DPOSpec(BaseModel):
             field = "training.dpo.label_smoothing"
             report_rules(info, [rule(field, f"{field} is for loss_type sigmoid, not {self.loss_type}")])
         return self
+
+
+def dpo_problems(spec: Any) -> list[Problem]:  # a JobSpec (spec.py imports this module)
+    """The rules of preference training between training.dpo, the batch and the layout."""
+    t = spec.training
+    out: list[Problem] = []
+    if spec.kind != "dpo":
+        if t.dpo is not None:
+            why = f"training.dpo is set but kind is '{spec.kind}' (set it to 'dpo')"
+            out.append(rule("training.dpo", why))
+        return out
+    mbs = t.micro_batch_size
+    if mbs != "auto" and mbs % 2:
+        out.append(
+            rule(
+                "training.micro_batch_size",
+                f"training.micro_batch_size={mbs} must be an even number for kind dpo (it counts "
+                "sequences: each pair's chosen and rejected response train in one micro-batch)",
+            )
+        )
+    elif mbs == "auto" and t.global_batch_size % 2:
+        # (an even micro-batch divides the global batch, so a number written makes it even too)
+        gbs = t.global_batch_size
+        why = f"training.global_batch_size={gbs} must be even for kind dpo (two sequences a pair)"
+        out.append(rule("training.global_batch_size", why))
+    if spec.data.packing:
+        out.append(rule("data.packing", "data.packing must be off for kind dpo (one sequence per row)"))
+    return out

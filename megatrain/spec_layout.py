@@ -50,6 +50,20 @@ class ParallelismSpec(Strict):
     """Reduce each gradient bucket as soon as backward fills it."""
     grad_bucket_elements: int = Field(40_000_000, ge=1, le=1 << 40)
     """Elements per data-parallel gradient bucket."""
+    moe_overlap_chunks: int = Field(1, ge=1, le=8)
+    """Under ep > 1, each MoE layer's tokens split into this many chunks so that one chunk's
+    all-to-alls (dispatch, combine; forward and backward) run while another's experts compute
+    (Megatron's --overlap-moe-expert-parallel-comm); 1: no overlap. With moe_dispatch nodes, the
+    hop across nodes is pipelined behind the node hop and the experts. Under `parallelism: auto`
+    the planner picks 1, 2 or 4, whichever it predicts fastest."""
+    moe_dispatch: Literal["pairs", "nodes"] = "pairs"
+    """How tokens reach their experts under ep > 1. pairs: one row per routed (token, expert) pair,
+    one all-to-all each way. nodes: DeepSeek-V3's two hops, each token once to every node holding
+    one of its experts, then once to every rank there, the weighted sums made where the experts
+    are; a token crosses nodes at most once per node (with node-limited routing,
+    model.moe.router_num_groups = the nodes, at most router_group_topk times). Under
+    `parallelism: auto` the planner picks nodes where an ep group spans nodes and it predicts
+    that faster than the pairs dispatch (each in 1, 2 or 4 chunks)."""
 
     @field_validator("dp", mode="before")
     @classmethod

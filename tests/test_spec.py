@@ -125,6 +125,8 @@ RULES: list[tuple[str, Any, str, str]] = [
     ("parallelism", {"dp": True}, "parallelism.dp", "'auto' or an integer"),
     ("parallelism", {"cp": 2000}, "parallelism.cp", "less than or equal to 1024"),
     ("parallelism", {"virtual_stages": 65}, "parallelism.virtual_stages", "less than or equal to 64"),
+    ("parallelism", {"moe_overlap_chunks": 9}, "parallelism.moe_overlap_chunks", "less than or equal to 8"),
+    ("parallelism", {"moe_dispatch": "everywhere"}, "parallelism.moe_dispatch", "'pairs' or 'nodes'"),
     (
         "parallelism",
         {"pp": 2, "pipeline_layers": [5, -1]},

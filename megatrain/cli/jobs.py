@@ -323,7 +323,8 @@ def download(
 
 
 _LAYOUT_DEFAULTS = {"cp": 1, "ep": 1, "virtual_stages": 1, "sequence_parallel": False,
-                    "pipeline_schedule": "1f1b", "pipeline_layers": None}  # fmt: skip
+                    "pipeline_schedule": "1f1b", "pipeline_layers": None, "moe_overlap_chunks": 1,
+                    "moe_dispatch": "pairs"}  # fmt: skip
 
 
 def layout_text(layout: dict[str, Any], num_procs: int | None) -> str:

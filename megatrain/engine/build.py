@@ -33,6 +33,8 @@ from megatrain.engine.parallel.bert_loss import encoder_loss
 from megatrain.engine.parallel.context import parallelize_context
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import parallelize_experts
+from megatrain.engine.parallel.expert_dedup import dedup_experts
+from megatrain.engine.parallel.expert_overlap import overlap_experts
 from megatrain.engine.parallel.fused_loss import fused_parallel_lm_loss
 from megatrain.engine.parallel.parallelize import parallel_lm_loss, parallelize_model
 from megatrain.engine.parallel.pipeline import (
@@ -184,6 +186,11 @@ def make_trainable(
     t5 = isinstance(mcfg, T5Config)  # (the spec refuses compile for a T5: its layers are no blocks)
     if precision == "fp8":
         enable_fp8(model.module, cfg.fp8_recipe, cfg.fp8_backend)
+    if par.moe_dispatch == "nodes":
+        # Each token once per node, then per rank (ep > 1); hop 1 pipelined in chunks.
+        dedup_experts(model.module, state, chunks=par.moe_overlap_chunks)
+    else:
+        overlap_experts(model.module, par.moe_overlap_chunks)  # the all-to-alls behind the experts
     for part in model.chunks or [model.module]:  # GPTModel / StageModule, T5Model / T5Stage
         part.set_recompute(cfg.recompute, every=cfg.recompute_every)
         if cfg.compile and not t5:

@@ -11,6 +11,7 @@ import torch
 from megatrain.engine.build import Trainable
 from megatrain.engine.checkpoint.training import Progress
 from megatrain.engine.config import TrainConfig, TransformerConfig
+from megatrain.engine.models.moe import moe_layers
 from megatrain.engine.runtime import Dist
 from megatrain.engine.sink import RunLog
 from megatrain.plan.layout import Layout
@@ -66,6 +67,7 @@ def started_event(
             f"{trainable:,} trainable parameters of {train.model.num_params + trainable:,} "
             f"({100 * trainable / (train.model.num_params + trainable):.2f}%); the base is frozen"
         )
+    _say_experts(train, layout, log)
     if train.model.chunks:
         v = layout.virtual_stages
         log.say(
@@ -88,6 +90,24 @@ def started_event(
         "resumed_from": resumed_from,
         "memory_estimate": _memory_estimate(spec, layout, tokenizer_vocab, cfg.precision, log),
     }
+
+
+def _say_experts(train: Trainable, layout: Layout, log: RunLog) -> None:
+    """Under expert parallelism: the experts each rank holds and whether the all-to-alls are hidden."""
+    layers = list(moe_layers(train.model.module))
+    if layout.ep == 1 or not layers:
+        return
+    total, d = layers[0].router.moe.num_experts, layers[0].dispatcher
+    chunks = getattr(d, "chunks", 1)
+    if hasattr(d, "ranks_per_node"):
+        how = f"in two hops, once per node, then per rank ({d.ranks_per_node} ep ranks per node)"
+        if chunks > 1 and d.rail.size > 1:
+            how += f", the hop across nodes pipelined in {chunks} token chunks"
+    elif chunks > 1:
+        how = f"pipelined behind the experts in {chunks} token chunks"
+    else:
+        how = "not overlapped"
+    log.say(f"experts: {total // layout.ep} of {total} per rank (ep={layout.ep}) | all-to-all {how}")
 
 
 def _memory_estimate(

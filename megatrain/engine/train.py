@@ -398,7 +398,6 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     out = Path(args.out)
     activity = Activity()
-    _report_progress(out, int(os.environ.get("RANK", "0")), activity)
     try:
         spec, layout = load_job(args.spec, args.layout, int(os.environ.get("WORLD_SIZE", "1")))
         if args.profile is not None:
@@ -407,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(out, int(os.environ.get("RANK", "0")), exc, activity)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # (After the job is read: a job refused as written leaves its failure record and nothing else.)
+    _report_progress(out, int(os.environ.get("RANK", "0")), activity)
     if spec.kind == "serve":  # the model server, not a training run
         return _serve(spec, out, activity)
     if spec.kind == "eval" and layout.world_size == 1:  # lm-eval tasks on a model, one device

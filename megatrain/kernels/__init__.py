@@ -1,7 +1,7 @@
 """The kernels models call, picked by name and device through one registry.
 
 Each kernel has backends: "torch" (our autograd Functions with hand-written backward passes:
-megatrain.kernels.rms_norm, .swiglu, .rope, .linear_cross_entropy, .grad_accumulation) and
+megatrain.kernels.rms_norm, .swiglu, .rope, .linear_cross_entropy, .grad_accumulation, .moe_combine) and
 "reference" (the same maths in plain torch ops, autograd deriving the backward: the twin the tests
 compare against, and the fallback). A later backend (Triton, flash-attention, Transformer Engine)
 registers itself with the devices it runs on and a check that it is usable, and the models pick it
@@ -137,6 +137,7 @@ def _builtin() -> None:
         ("linear", "grad_accumulation", "linear"),
         ("embedding", "grad_accumulation", "embedding"),
         ("grouped_mlp", "grouped_mlp", "grouped_mlp"),
+        ("moe_combine", "moe_combine", "moe_combine"),
     ):
         register(kernel, "torch", f"{pkg}.{module}:{fn}", priority=10)
         register(kernel, "reference", f"{pkg}.{module}:{fn}_reference")

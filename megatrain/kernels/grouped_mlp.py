@@ -53,8 +53,11 @@ def _loop(
             continue
         h = _activate(F.linear(rows, w1[e], b1[e]), activation, fused)  # (n_e, W) -> (n_e, F)
         outs.append(F.linear(h, w2[e], b2[e]))  # (n_e, C)
-    if not outs:  # no token routed here: an empty result still tied to the weights' graph
-        return x.new_zeros(0, fc2_weight.shape[1]) + 0.0 * fc2_weight.sum()
+    if not outs:
+        # No token routed here: an empty result still tied to the weights' graph and to x's, so that
+        # under expert parallelism backward reaches the exchange that brought x (its reverse
+        # all-to-all must run on every rank, including one that received no rows).
+        return x.new_zeros(0, fc2_weight.shape[1]) + 0.0 * (fc2_weight.sum() + x.sum())
     return torch.cat(outs)
 
 

@@ -26,7 +26,9 @@ from megatrain.engine.interop.hf_t5 import (
 from megatrain.engine.models.t5 import T5Config, T5Model
 
 VOCAB = 100
-ATOL, RTOL = 1e-5, 1e-5  # the same fp32 weights; only reduction orders differ
+# The same fp32 weights; only reduction orders differ. Logits reach ~5 at init std 0.3, and the
+# rounding through the stack reaches 1.7e-5 of them with 1-2 threads (7.5e-6 with 4): MKL's order.
+ATOL, RTOL = 4e-5, 1e-5
 FLAVOURS = {"v1.0": ("relu", True), "v1.1": ("gated-gelu", False)}
 T5_SMALL = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_ff": 2048, "d_kv": 64,
             "d_model": 512, "decoder_start_token_id": 0, "dropout_rate": 0.1, "eos_token_id": 1,

@@ -87,6 +87,7 @@ def _rank(
 LAYOUTS = {
     "tp2-sp": {"tp": 2, "sequence_parallel": True, "dp": 1},
     "pp2-split1": {"pp": 2, "dp": 1, "pipeline_split_rank": 1},
+    "pp2-split1-zbh1": {"pp": 2, "dp": 1, "pipeline_split_rank": 1, "pipeline_schedule": "zb-h1"},
     "dp2-distopt": {"dp": 2},
 }
 

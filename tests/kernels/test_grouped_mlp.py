@@ -83,6 +83,17 @@ def test_reference_is_each_expert_mlp_on_its_rows() -> None:
         torch.testing.assert_close(y[r], w2[e] @ (torch.nn.functional.silu(gate) * up))
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_no_rows_still_reach_the_input_in_backward(backend: str) -> None:
+    # Under expert parallelism x arrived through an all-to-all whose reverse every rank must post:
+    # a rank whose experts got no rows has to reach x's graph too (else the others hang there).
+    x, w1, w2, b1, b2 = _inputs([0, 0], 8, 6, True, False, torch.float32)
+    y = kernels.get("grouped_mlp", backend=backend)(x, [0, 0], w1, w2, b1, b2, "swiglu")
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 8)
+
+
 def test_registry_picks_grouped_mm_on_cuda_only() -> None:
     assert kernels.backends("grouped_mlp") == ["grouped_mm", "torch", "reference"]
     cpu = kernels.get("grouped_mlp", "cpu")

@@ -81,6 +81,45 @@ def test_layer_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("weighted", [True, False])
+def test_moe_combine(dtype: torch.dtype, weighted: bool) -> None:
+    # 11 routed rows into 6 tokens (token 4 gets none), probabilities in fp32 as the router's.
+    index = torch.tensor([0, 3, 1, 0, 5, 2, 3, 3, 1, 5, 0])
+    inputs = [_leaf((11, 24), dtype, 1)]
+    if weighted:
+        inputs.append(_leaf((11,), torch.float32, 2).detach().softmax(0).requires_grad_())
+
+    def combine(kernel: str) -> Callable[..., torch.Tensor]:
+        f = kernels.get("moe_combine", backend=kernel)
+        return lambda y, *w: f(y, w[0] if w else None, index, 6)
+
+    ref_out, ref_grads = _forward_and_grads(combine("reference"), inputs)
+    out, grads = _forward_and_grads(combine("torch"), inputs)
+    _close(out, ref_out, dtype)
+    assert out[4].abs().sum() == 0
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        _close(grad, ref, dtype)
+
+
+def test_moe_combine_saves_the_rows_not_fp32_copies() -> None:
+    y = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(64, requires_grad=True)
+    index = torch.randint(0, 16, (64,))
+    saved: dict[str, list[int]] = {"torch": [], "reference": []}
+    for kernel, sizes in saved.items():
+
+        def pack(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            sizes.append(t.nbytes)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kernels.get("moe_combine", backend=kernel)(y, w, index, 16)
+    # The rows (bf16, 4 KiB), the probabilities and the index; the composite adds two fp32 copies.
+    assert sum(saved["torch"]) == y.nbytes + w.nbytes + index.nbytes
+    assert sum(saved["reference"]) >= sum(saved["torch"]) + 2 * 64 * 32 * 4 - y.nbytes
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("batch", "heads", "seq", "head_dim"), [(1, 2, 5, 8), (2, 3, 9, 16)])
 def test_apply_rope(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype) -> None:
     cos, sin = rope_tables(seq, head_dim, 10000.0)

@@ -188,7 +188,11 @@ def main() -> int:
             (flags / f"hanging.rank{rank}").write_text(str(os.getpid()))
             _hang_forever()
         if hang_at and step == hang_at + 1 and rank != hang_rank:
-            time.sleep(0.5)  # the hung rank has had time to say so
+            # As at a collective: wait for the hung rank to get there (a node that started late
+            # is still behind; a retry finds its flag, of a dead pid, at once).
+            deadline = time.monotonic() + 60
+            while not list(flags.glob("hanging.rank*")) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if any(_alive(int(f.read_text())) for f in flags.glob("hanging.rank*")):
                 _hang_forever()
         write_progress(out, rank, step)

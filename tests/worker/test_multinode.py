@@ -1,5 +1,6 @@
 """Multi-node jobs: two Celery workers on this machine act as two nodes of one pool, and a tp=2 × dp=2
-job split 2+2 across them trains to the losses of one process (worker.gang, torchrun's c10d)."""
+MoE job (ep=2 across the nodes, its all-to-alls in two hops) split 2+2 across them trains to the
+losses of one process (worker.gang, torchrun's c10d)."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def wait_until_ended(url: str, job_id: str, timeout: float) -> None:
     wait_for(ended, timeout)
 
 
-def _spec(corpus: Path, parallelism: object, devices: int) -> dict[str, object]:
+def _spec(corpus: Path, parallelism: object, devices: int, **model: object) -> dict[str, object]:
     return {
         "name": "gang",
         "model": {
@@ -140,6 +141,7 @@ def _spec(corpus: Path, parallelism: object, devices: int) -> dict[str, object]:
             "hidden_size": 32,
             "num_attention_heads": 2,
             "seq_length": 32,
+            **model,
         },
         "data": {"tokenizer": {"type": "byte"}, "train": [{"path": corpus.as_uri()}], "split": "90,10,0"},
         "training": {
@@ -172,8 +174,13 @@ def _losses(url: str, job_id: str) -> dict[int, float]:
     return {r.step: r.loss for r in rows}
 
 
+MOE = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32}
+TWO_NODES = {"tp": 2, "dp": 2, "ep": 2, "moe_dispatch": "nodes", "moe_overlap_chunks": 2}
+"""tp pairs on each node; ep carved from dp, so each ep group has one rank on each node."""
+
+
 @SQLITE
-def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
+def test_a_tp2_dp2_ep2_job_split_across_two_nodes_trains_like_one_process(
     pool_settings: Settings, make_job: Callable[..., str], tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
@@ -196,7 +203,7 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
                 return sorted(names) == ["node-a", "node-b"]
 
         wait_for(both_registered, 60)
-        job_id = _job(url, _spec(corpus, {"tp": 2, "dp": 2}, 4), 4, settings.pool_name)
+        job_id = _job(url, _spec(corpus, TWO_NODES, 4, moe=MOE), 4, settings.pool_name)
         scheduler = Scheduler(settings, executor=CeleryExecutor(settings))
         assert scheduler.schedule_once() == [job_id]
         with session_scope(url) as s:
@@ -218,6 +225,9 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
         # The follower's lines reach the job's log, named by their node.
         follower = next(r.hostname for r in shares if r.node_rank == 1)
         assert any(line.startswith(f"[{follower}] ") for line in lines)
+        # The ep pair {0, 2} has a rank on each node: the two hops, hop 1 in 2 chunks.
+        exchange = "in two hops, once per node, then per rank (1 ep ranks per node), the hop across "
+        assert any(exchange + "nodes pipelined in 2 token chunks" in line for line in lines), lines[-40:]
         allocations = s.scalars(select(JobAllocation.id).where(JobAllocation.job_id == job_id)).all()
         assert allocations == []  # the gang's slots were given back on both nodes
         assert s.scalars(
@@ -232,7 +242,7 @@ def test_a_tp2_dp2_job_split_across_two_nodes_trains_like_one_process(
     ref_id = make_job(schedule=False, procs=1)
     with session_scope(url) as s:
         ref = s.get(Job, ref_id)
-        ref.spec = _spec(corpus, {"tp": 1, "dp": 1}, 1)
+        ref.spec = _spec(corpus, {"tp": 1, "dp": 1}, 1, moe=MOE)
         ref.layout = resolve_layout(parse_spec(ref.spec)).as_dict()
     from megatrain.db.jobs import reserve_and_schedule
 

@@ -185,7 +185,9 @@ def _chat_on_the_celery_node(live: LiveApi, client: Any, done: Any, job_id: str)
     with Client(api_url=live.url, api_key=live.key) as ours:
         spec, uri = ours.get_job(job_id).spec, ours.checkpoints(job_id)[-1].uri
     prompt, want = megatrain_generate(uri, spec, chat, 6)
-    raw = client.chat.completions.with_raw_response.create(
+    # The first request waits for the serve job to start on the node: up to the API's
+    # serve_start_timeout_s (120 s), past the SDK client's 60 s on a slow host.
+    raw = client.with_options(timeout=180).chat.completions.with_raw_response.create(
         model=done.fine_tuned_model, messages=chat, temperature=0, max_tokens=6
     )
     answer = raw.parse()

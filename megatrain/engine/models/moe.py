@@ -208,7 +208,27 @@ class TopKRouter(nn.Module):
         return self.moe.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
 
 
-class PermuteDispatcher:
+class Dispatcher:
+    """What MoELayer runs its routed part through: dispatch, the experts, combine (an expert-parallel
+    dispatcher may pipeline the three: engine.parallel.expert_overlap)."""
+
+    def dispatch(
+        self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        raise NotImplementedError
+
+    def combine(self, expert_y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(
+        self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts: nn.Module
+    ) -> torch.Tensor:
+        """x (N, C) -> the routed experts' weighted sum (N, C)."""
+        expert_x, tokens_per_expert = self.dispatch(x, probs, routing_map)
+        return self.combine(experts(expert_x, tokens_per_expert))
+
+
+class PermuteDispatcher(Dispatcher):
     """Single-device dispatch: the routed (token, expert) pairs gathered expert-major, and combined
     back with their probabilities. Keeps the permutation between dispatch and combine."""
 
@@ -232,9 +252,10 @@ class PermuteDispatcher:
         if token_idx is None or weights is None:
             raise RuntimeError("combine() needs a dispatch() first")
         self._token_idx = self._weights = None
-        weighted = expert_y.float() * weights.unsqueeze(-1)  # (M, C) fp32: the k-term sums in fp32
-        out = weighted.new_zeros(self._num_tokens, expert_y.shape[-1]).index_add_(0, token_idx, weighted)
-        return out.to(expert_y.dtype)  # (N, C)
+        # (N, C): each token's k weighted rows summed in fp32; saves the rows, not fp32 copies.
+        return kernels.get("moe_combine", expert_y.device.type)(
+            expert_y, weights, token_idx, self._num_tokens
+        )
 
 
 class GroupedExperts(nn.Module):
@@ -301,7 +322,7 @@ class MoELayer(nn.Module):
         super().__init__()
         moe = _moe(cfg)
         self.router = TopKRouter(cfg)
-        self.dispatcher: Any = PermuteDispatcher()
+        self.dispatcher: Dispatcher = PermuteDispatcher()
         self.experts = GroupedExperts(cfg)
         self.shared_expert: MLP | None = None
         if moe.shared_expert_ffn_hidden_size is not None:
@@ -321,8 +342,7 @@ class MoELayer(nn.Module):
         tokens = self.enter(x)  # (B, T', C): T' = T, or the whole sequence under sequence parallelism
         flat = tokens.reshape(-1, tokens.shape[-1])  # (N, C)
         probs, routing_map = self.router(flat)
-        expert_x, tokens_per_expert = self.dispatcher.dispatch(flat, probs, routing_map)
-        y = self.dispatcher.combine(self.experts(expert_x, tokens_per_expert))  # (N, C)
+        y = self.dispatcher.run(flat, probs, routing_map, self.experts)  # (N, C)
         return self.leave(y.view_as(tokens))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

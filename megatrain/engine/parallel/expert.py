@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatrain.engine.models.moe import PermuteDispatcher, moe_layers
+from megatrain.engine.models.moe import Dispatcher, PermuteDispatcher, moe_layers
 from megatrain.engine.parallel.mappings import check_group, is_expert_parallel, mark_expert_parallel
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.plan.layout import LayoutError, expert_problems
@@ -89,7 +89,7 @@ def _chunk_order(sizes: torch.Tensor) -> torch.Tensor:
     return torch.arange(total) + torch.repeat_interleave(t_starts - out_starts, t_sizes, output_size=total)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(Dispatcher):
     """PermuteDispatcher's interface over an ep group: dispatch returns the rows of this rank's L local
     experts (from every rank of the group) and their counts; combine hands each row's output back to
     the rank its token came from and sums it there, weighted by its probability."""

@@ -277,9 +277,6 @@ def build_t5_stages(model: T5Model, state: ParallelState, split_rank: int | None
     layout, pp = state.layout, state.pp_size
     if layout.virtual_stages != 1:
         raise LayoutError("T5 pipelines have no interleaved (virtual) stages: set virtual_stages to 1")
-    if layout.pipeline_schedule in ("zb-h1", "zbv") and layout.pp > 1:
-        why = f"pipeline_schedule={layout.pipeline_schedule} is not supported for T5 pipelines yet"
-        raise LayoutError(why)
     cfg = model.config
     plan = t5_stage_layers(cfg, pp, split_rank, layout.pipeline_layers)
     stage = T5Stage(model, state.pp_rank, pp, plan[state.pp_rank])

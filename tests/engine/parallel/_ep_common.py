@@ -15,6 +15,7 @@ then, and a flipped token moves the loss by ~1e-3. The router weights are theref
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -22,16 +23,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatrain.engine.build import RankModel, Trainable, build_model
 from megatrain.engine.checkpoint.sharded import save_state
 from megatrain.engine.checkpoint.training import model_state, optimizer_state
 from megatrain.engine.config import MoEConfig, TransformerConfig
+from megatrain.engine.memtrack import LiveTensorBytes, tensors_of
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.engine.models.moe import MoELayer, moe_layers, set_aux_loss_scale
 from megatrain.engine.optimizer import MixedPrecisionOptimizer
 from megatrain.engine.parallel.data import DataParallel
-from megatrain.engine.parallel.expert import all_to_all, gather_experts, parallelize_experts
+from megatrain.engine.parallel.expert import (
+    AllToAllDispatcher,
+    all_to_all,
+    gather_experts,
+    parallelize_experts,
+)
+from megatrain.engine.parallel.expert_dedup import dedup_experts
+from megatrain.engine.parallel.expert_overlap import overlap_experts
 from megatrain.engine.parallel.mappings import is_expert_parallel
 from megatrain.engine.parallel.parallelize import full_state_dict, load_full_state_dict
 from megatrain.engine.parallel.pipeline import allreduce_tied_embedding_grads, pipeline_full_state_dict
@@ -66,6 +76,10 @@ DEFAULTS: dict[str, Any] = {
     "dp": 1,
     "pp": 1,
     "ep": 1,
+    "schedule": "1f1b",
+    "virtual_stages": 1,
+    "overlap_chunks": 1,  # parallelism.moe_overlap_chunks
+    "ep_ranks_per_node": None,  # parallelism.moe_dispatch nodes, the ep group in nodes of this many
     "distributed_optimizer": False,
     "bucket_elements": 2000,
     "save_at": None,  # (url, step): save a checkpoint after that many steps
@@ -186,6 +200,10 @@ def rank_model(opts: dict[str, Any], state: ParallelState) -> RankModel:
         return RankModel(model, [], None, 0, state)
     model = build_model(MODELS[opts["model"]], state, opts["seed"], "cpu")
     spread_routers(model.module)
+    if opts["ep_ranks_per_node"] is None:
+        overlap_experts(model.module, opts["overlap_chunks"])
+    else:
+        dedup_experts(model.module, state, opts["ep_ranks_per_node"], opts["overlap_chunks"])
     return model
 
 
@@ -209,7 +227,7 @@ def trainable(opts: dict[str, Any], state: ParallelState) -> Trainable:
     if model.chunks:
         cfg = MODELS[opts["model"]]
         shape = (opts["micro_batch"], cfg.seq_length, cfg.hidden_size)
-        pipeline = PipelineSchedule(model.chunks, state, shape, torch.float32, "1f1b")
+        pipeline = PipelineSchedule(model.chunks, state, shape, torch.float32, opts["schedule"])
     return Trainable(model, ddp, opt, model.parameter_names(), pipeline, None)
 
 
@@ -265,7 +283,14 @@ def full_params(train: Trainable) -> dict[str, torch.Tensor] | None:
 
 
 def ep_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
-    layout = Layout(tp=opts["tp"], dp=opts["dp"], pp=opts["pp"], ep=opts["ep"])
+    layout = Layout(
+        tp=opts["tp"],
+        dp=opts["dp"],
+        pp=opts["pp"],
+        ep=opts["ep"],
+        virtual_stages=opts["virtual_stages"],
+        pipeline_schedule=opts["schedule"],
+    )
     state = ParallelState.build(layout)
     train = trainable(opts, state)
     expert_bytes = sum(
@@ -308,6 +333,42 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max())
 
 
+def _summed_expert_grads(full: MoELayer, group: Any, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """The full layer's expert weight gradients summed over the ep group, at this rank's experts:
+    what expert parallelism must give each rank."""
+    out = {}
+    for name in ("fc1_weight", "fc2_weight"):
+        ref = getattr(full.experts, name).grad.clone()
+        dist.all_reduce(ref, group=group)
+        n = ref.shape[0] // size
+        out[name] = ref[rank * n : (rank + 1) * n]
+    return out
+
+
+def _wide_held(state: ParallelState) -> dict[str, float]:
+    """Bytes a wider layer's forward leaves held for backward (hidden 64, 8 experts, 512 tokens:
+    rows outweigh the chunks' row indices) by each dispatch, whole and in 2 chunks."""
+    cfg = TransformerConfig.preset(
+        "tiny-llama", hidden_size=64, moe=MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=128)
+    )
+    x = torch.randn(1, 512, 64, generator=torch.Generator().manual_seed(state.rank), requires_grad=True)
+    out = {}
+    for how in ("pairs", "overlap", "nodes1", "nodes1_overlap"):
+        torch.manual_seed(0)
+        layer = parallelize_experts(MoELayer(cfg), state)
+        chunks = 2 if how.endswith("overlap") else 1
+        if how.startswith("nodes"):
+            dedup_experts(layer, state, 1, chunks)
+        else:
+            overlap_experts(layer, chunks)
+        with LiveTensorBytes(tensors_of(layer, x)) as live:
+            y = layer(x)
+            time.sleep(0.05)  # (gloo's worker thread, as in compare below)
+            out[f"wide_{how}_held"] = live.current - y.untyped_storage().nbytes()
+        y.sum().backward()
+    return out
+
+
 def exchange_worker(rank: int, world_size: int) -> dict[str, float]:
     """The all-to-all Function and the dispatcher against references built from gathered tensors."""
     layout = Layout(dp=world_size, ep=world_size)
@@ -345,12 +406,85 @@ def exchange_worker(rank: int, world_size: int) -> dict[str, float]:
     (y_ep * weight).sum().backward()
     errors["layer_input_grad"] = float((xs[0].grad - xs[1].grad).abs().max())
     errors["router_grad"] = float((full.router.gate.weight.grad - local.router.gate.weight.grad).abs().max())
-    for name in ("fc1_weight", "fc2_weight"):
-        ref = getattr(full.experts, name).grad.clone()
-        dist.all_reduce(ref, group=group)
-        n = ref.shape[0] // size
-        got = getattr(local.experts, name).grad
-        errors[f"{name}_grad"] = float((ref[rank * n : (rank + 1) * n] - got).abs().max())
+    expert_refs = _summed_expert_grads(full, group, rank, size)
+    for name, ref in expert_refs.items():
+        errors[f"{name}_grad"] = _max_diff(ref, getattr(local.experts, name).grad)
+
+    def compare(how: str, recompute: bool = False, offload: bool = False) -> None:
+        """`local` as its dispatcher now is against the full layer: its output and gradients, and
+        the bytes its forward leaves held for backward (beyond the output)."""
+        local.zero_grad()
+        x = tokens.clone().requires_grad_()
+        hooks = torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()
+        calls = []
+        counting = local.experts.register_forward_hook(lambda *_: calls.append(1))
+        with LiveTensorBytes(tensors_of(local, x)) as live, hooks:
+            y = checkpoint(local, x, use_reentrant=False) if recompute else local(x)
+            time.sleep(0.05)  # gloo's worker thread lets go of an exchange's buffers after wait()
+            errors[f"{how}_held"] = live.current - y.untyped_storage().nbytes()
+        errors[f"{how}_layer_forward"] = _max_diff(y_full, y)
+        (y * weight).sum().backward()
+        counting.remove()
+        errors[f"{how}_expert_calls"] = len(calls)  # forward, rerun and in backward
+        errors[f"{how}_layer_input_grad"] = _max_diff(xs[0].grad, x.grad)
+        errors[f"{how}_router_grad"] = _max_diff(full.router.gate.weight.grad, local.router.gate.weight.grad)
+        for name, ref in expert_refs.items():
+            got = getattr(local.experts, name).grad  # None where no row met this rank's experts
+            errors[f"{how}_{name}_grad"] = _max_diff(ref, torch.zeros_like(ref) if got is None else got)
+
+    # The same layer with the exchange pipelined in 3 token chunks (expert_overlap), plainly and
+    # inside a recomputed (non-reentrant checkpoint) region as the engine's full recompute runs it.
+    compare("pairs")
+    compare("pairs_recompute", recompute=True)
+    assert overlap_experts(local, 3) == 1
+    compare("overlap")
+    compare("overlap_recompute", recompute=True)
+    compare("overlap_offload", offload=True)  # other saved-tensor hooks: the experts rerun in backward
+    errors["overlap_rows"] = local.dispatcher.rows_sent + local.dispatcher.rows_received
+    pairs_sent = local.dispatcher.rows_sent
+    # The two-hop dispatch (expert_dedup) with the ep group cut into nodes of every size: each
+    # token once per node, then once per rank, sums weighted where the experts are.
+    for per_node in [d for d in range(1, size + 1) if size % d == 0]:
+        how = f"nodes{per_node}"
+        local.dispatcher = AllToAllDispatcher.for_state(MOE.num_experts, state)
+        assert dedup_experts(local, state, per_node) == 1
+        compare(how)
+        errors[f"{how}_rows_saved"] = pairs_sent - local.dispatcher.rows_sent
+        errors[f"{how}_off_node"] = local.dispatcher.rows_sent_off_node
+        if per_node < size:  # more than one node: hop 1 pipelined in 3 token chunks
+            local.dispatcher = AllToAllDispatcher.for_state(MOE.num_experts, state)
+            assert dedup_experts(local, state, per_node, chunks=3) == 1
+            compare(f"{how}_overlap")
+            errors[f"{how}_overlap_off_node"] = local.dispatcher.rows_sent_off_node
+            compare(f"{how}_overlap_recompute", recompute=True)
+            compare(f"{how}_overlap_offload", offload=True)
+
+    errors.update(_wide_held(state))
+
+    # Every token routed to rank 0's two experts: rank 1's get no rows, yet its backward must still
+    # post the reverse exchanges (an empty expert output stays tied to its input), under each way.
+    direction = torch.randn(STACK_DIM, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for layer in (full, local):
+            layer.router.gate.weight.copy_(torch.stack([direction, direction, -direction, -direction]) * 10)
+    noise = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(31 + rank))
+    tokens = direction.expand_as(tokens) + 0.01 * noise
+    xs = [tokens.clone().requires_grad_()]
+    full.zero_grad()
+    y_full = full(xs[0])
+    (y_full * weight).sum().backward()
+    expert_refs = _summed_expert_grads(full, group, rank, size)
+    for how, swap in (
+        ("starved_pairs", lambda: None),
+        ("starved_overlap", lambda: overlap_experts(local, 3)),
+        ("starved_nodes1", lambda: dedup_experts(local, state, 1)),
+        ("starved_nodes1_overlap", lambda: dedup_experts(local, state, 1, chunks=3)),
+    ):
+        local.dispatcher = AllToAllDispatcher.for_state(MOE.num_experts, state)
+        swap()
+        compare(how)
+        if how == "starved_pairs":  # rows that reached this rank's experts from the other rank
+            errors["starved_received"] = local.dispatcher.rows_received
 
     # Full weights in (each rank keeps its experts' rows) and out again (gathered over ep).
     model = build_model(MODELS["llama"], state, 5, "cpu").module

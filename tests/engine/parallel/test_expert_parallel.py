@@ -126,11 +126,55 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"exchange": [r[0] for r in ranks], "trained": [r[1] for r in ranks], "url": url, "opts": opts}
 
 
+LAYER_KEYS = ("layer_forward", "layer_input_grad", "router_grad", "fc1_weight_grad", "fc2_weight_grad")
+
+
 def test_all_to_all_dispatcher_and_full_weights_match_gathered_references(two_ranks: dict[str, Any]) -> None:
     for rank, errors in enumerate(two_ranks["exchange"]):
         assert errors["a2a_forward"] == 0 and errors["a2a_backward"] == 0, (rank, errors)
-        for key in ("layer_forward", "layer_input_grad", "router_grad", "fc1_weight_grad", "fc2_weight_grad"):
+        for key in LAYER_KEYS:
             assert errors[key] < 1e-6, (rank, key, errors[key])
+            # Pipelined over 3 token chunks (expert_overlap), and so inside a recomputed region.
+            assert errors[f"overlap_{key}"] < 1e-6, (rank, key, errors[f"overlap_{key}"])
+            assert errors[f"overlap_recompute_{key}"] < 1e-6, (rank, key, errors[f"overlap_recompute_{key}"])
+            assert errors[f"overlap_offload_{key}"] < 1e-6, (rank, key, errors[f"overlap_offload_{key}"])
+            # Two nodes of one ep rank (plain, hop 1 pipelined in 3 chunks, recomputed, offloaded),
+            # one node of two.
+            for how in (
+                "nodes1",
+                "nodes1_overlap",
+                "nodes1_overlap_recompute",
+                "nodes1_overlap_offload",
+                "nodes2",
+            ):
+                assert errors[f"{how}_{key}"] < 1e-6, (rank, how, key, errors[f"{how}_{key}"])
+            # Every token to rank 0's experts: rank 1's run on no rows (and would skip the reverse
+            # exchange, hanging rank 0, were their empty output not tied to their input).
+            for how in ("starved_pairs", "starved_overlap", "starved_nodes1", "starved_nodes1_overlap"):
+                assert errors[f"{how}_{key}"] < 1e-6, (rank, how, key, errors[f"{how}_{key}"])
+        assert errors["overlap_rows"] > 0
+        # Recomputed, the pipelined layer keeps what the plain one keeps (its input, not counted)
+        # and its chunks' row indices, not its experts' activations (22 KB here unrecomputed).
+        held = {k: v for k, v in errors.items() if k.endswith("held")}
+        assert errors["overlap_recompute_held"] < 0.05 * errors["overlap_held"], (rank, held)
+        assert errors["pairs_recompute_held"] < 0.05 * errors["overlap_held"], (rank, held)
+        assert errors["nodes1_overlap_recompute_held"] < 0.05 * errors["nodes1_overlap_held"], (rank, held)
+        assert errors["nodes1_overlap_off_node"] == errors["nodes1_off_node"]  # the same rows, in chunks
+        # Unrecomputed, every dispatch holds what the pairs dispatch holds, as the planner counts:
+        # each chunk's expert output and received rows are let go once its combine is done
+        # (without that: +21% and +15% here), and the two hops' sums (kernels.moe_combine) keep
+        # no fp32 copies of their rows (+16%).
+        wide = {k: v for k, v in errors.items() if k.startswith("wide")}
+        for how in ("overlap", "nodes1", "nodes1_overlap"):
+            assert errors[f"wide_{how}_held"] < 1.03 * errors["wide_pairs_held"], (rank, how, wide)
+        # Each of the 3 chunks' experts run once plainly; recomputed, once more in the checkpoint's
+        # rerun, whose small graphs the backward takes (not a third time); offloaded, once more.
+        for how in ("overlap", "nodes1_overlap"):
+            calls = [errors[f"{how}{kind}_expert_calls"] for kind in ("", "_recompute", "_offload")]
+            assert calls == [3, 6, 6], (rank, how, calls)
+        # A token whose two experts share a rank now travels once: fewer rows than one per pair.
+        assert errors["nodes1_rows_saved"] > 0 and errors["nodes2_rows_saved"] > 0
+        assert errors["starved_received"] == (30 if rank == 0 else 0), (rank, errors["starved_received"])
         assert errors["load_slice"] == 0 and errors["round_trip"] == 0, (rank, errors)
 
 
@@ -162,13 +206,41 @@ FOUR_RANKS = {
     "ep2_dp4_distopt": options(model="gpt2", dp=4, ep=2, distributed_optimizer=True),
     "ep2_tp2": options(model="stack", tp=2, dp=2, ep=2),
     "ep2_pp2_distopt": options(model="llama4", pp=2, dp=2, ep=2, distributed_optimizer=True),
+    # The zero-bubble schedules split each backward in B and W (the experts' grouped GEMMs get their
+    # weight gradients in B); zbv's V holds two one-layer chunks per stage. The exchange pipelined.
+    "ep2_pp2_zbh1_overlap2": options(
+        model="llama4", pp=2, dp=2, ep=2, distributed_optimizer=True, schedule="zb-h1", overlap_chunks=2
+    ),
+    "ep2_pp2_zbv": options(model="llama4", pp=2, dp=2, ep=2, schedule="zbv", virtual_stages=2),
+    # Two hops with the ep ranks on two nodes, the hop across them pipelined in 2 chunks, zb-h1.
+    "ep2_pp2_zbh1_nodes_overlap2": options(
+        model="llama4", pp=2, dp=2, ep=2, schedule="zb-h1", overlap_chunks=2, ep_ranks_per_node=1
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict[str, dict[str, Any]]:
-    results = run_distributed(all_workers, 4, list(FOUR_RANKS.values()), timeout=240)
-    return dict(zip(FOUR_RANKS, results[0], strict=True))
+    results = run_distributed(all_workers, 4, [*FOUR_RANKS.values(), "exchange"], timeout=240)
+    out = dict(zip([*FOUR_RANKS, "exchange"], results[0], strict=True))
+    out["exchange"] = [r[-1] for r in results]  # every rank's errors
+    return out
+
+
+def test_the_two_hop_dispatch_over_two_nodes_matches_the_full_layer(
+    four_ranks: dict[str, Any],
+) -> None:
+    """ep=4 as two nodes of two ranks (both hops cross ranks), four nodes of one and one of four."""
+    for rank, errors in enumerate(four_ranks["exchange"]):
+        # (nodes1 and nodes2 also with hop 1 pipelined in 3 chunks, plainly and recomputed)
+        hows = ("nodes1", "nodes2", "nodes4", "nodes1_overlap", "nodes2_overlap", "nodes2_overlap_recompute")
+        for how in hows:
+            for key in LAYER_KEYS:
+                assert errors[f"{how}_{key}"] < 1e-6, (rank, how, key, errors[f"{how}_{key}"])
+        # Across nodes a token travels once per node: two nodes of two ranks send fewer rows off
+        # the node than four nodes of one (once per rank), and one node sends none.
+        assert errors["nodes2_off_node"] < errors["nodes1_off_node"], (rank, errors)
+        assert errors["nodes4_off_node"] == 0
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
@@ -178,16 +250,23 @@ def test_four_rank_layouts_match_one_process(four_ranks: dict[str, dict[str, Any
 
 @pytest.mark.parametrize(
     "layout",
-    [{"dp": 2, "ep": 2}, {"cp": 2, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2, "sequence_parallel": True}],
-    ids=["dp2-ep2", "cp2-ep2", "tp2sp-dp2-ep2"],
+    [
+        {"dp": 2, "ep": 2},
+        {"dp": 2, "ep": 2, "moe_overlap_chunks": 2},
+        {"dp": 2, "ep": 2, "moe_dispatch": "nodes"},
+        {"cp": 2, "ep": 2},
+        {"tp": 2, "dp": 2, "ep": 2, "sequence_parallel": True},
+    ],
+    ids=["dp2-ep2", "dp2-ep2-overlap2", "dp2-ep2-nodes", "cp2-ep2", "tp2sp-dp2-ep2"],
 )
 def test_the_engine_runs_ep2_like_one_process(
     tmp_path: Path, corpus: Path, one_thread: None, layout: dict[str, int]
 ) -> None:
-    """torchrun with ep=2 carved from dp=2, or from cp=2 (the ranks hold halves of every sequence and
-    exchange them with the experts), or beside tp=2 with sequence parallelism (each tp rank holds its
-    slice of its ep rank's experts), through build_model, the distributed optimizer and the training
-    loop, aux loss on: the one-process run's losses and grad norms."""
+    """torchrun with ep=2 carved from dp=2 (its all-to-alls plain, pipelined behind the experts in two
+    token chunks, or in two hops: once per node, then per rank), or from cp=2 (the ranks hold halves
+    of every sequence and exchange them with the experts), or beside tp=2 with sequence parallelism
+    (each tp rank holds its slice of its ep rank's experts), through build_model, the distributed
+    optimizer and the training loop, aux loss on: the one-process run's losses and grad norms."""
     raw = tiny_spec(corpus, train_iters=4, warmup_iters=1, checkpoint_interval=0, eval_interval=0)
     raw["model"]["moe"] = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32}
     run(parse_spec(raw), tmp_path / "single")
@@ -200,6 +279,11 @@ def test_the_engine_runs_ep2_like_one_process(
            "-m", "megatrain.engine.train", "--spec", spec, "--out", out]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    chunks = layout.get("moe_overlap_chunks", 1)
+    how = f"pipelined behind the experts in {chunks} token chunks" if chunks > 1 else "not overlapped"
+    if layout.get("moe_dispatch") == "nodes":  # one torchrun: one node, so the hop across ranks
+        how = "in two hops, once per node, then per rank (2 ep ranks per node)"
+    assert f"experts: 2 of 4 per rank (ep=2) | all-to-all {how}" in proc.stdout + proc.stderr
     ref = [r for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if "loss" in r]
     got = [r for r in read_jsonl(tmp_path / "ep" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in got] == [1, 2, 3, 4]

@@ -122,9 +122,11 @@ def _gather(names: dict[nn.Parameter, str], state: ParallelState, grad: bool) ->
     return out
 
 
-def _rank(rank: int, world: int, flavour: str, tp: int, pp: int, sp: bool, split: int | None) -> dict:
+def _rank(
+    rank: int, world: int, flavour: str, tp: int, pp: int, sp: bool, split: int | None, schedule: str
+) -> dict:
     cfg = t5_config(flavour)
-    state = ParallelState.build(Layout(tp=tp, pp=pp, sequence_parallel=sp))
+    state = ParallelState.build(Layout(tp=tp, pp=pp, sequence_parallel=sp, pipeline_schedule=schedule))
     torch.manual_seed(SEED)
     model = T5Model(cfg)
     tracker = RNGStatesTracker.for_tensor_parallel(SEED, state) if tp > 1 else None
@@ -134,7 +136,7 @@ def _rank(rank: int, world: int, flavour: str, tp: int, pp: int, sp: bool, split
         stages = build_t5_stages(model, state, split)
         module: nn.Module = nn.ModuleList(stages)
         names = t5_stage_parameter_names(stages)
-        sched = build_t5_schedule(stages, state, split, MICRO, dtype=torch.float32)
+        sched = build_t5_schedule(stages, state, split, MICRO, dtype=torch.float32, schedule=schedule)
     else:
         module, names = model, {p: n for n, p in model.named_parameters()}
     opt = torch.optim.SGD(module.parameters(), lr=LR)
@@ -193,6 +195,9 @@ CASES = {
     "pp2-split1-relu-tied": ("relu-tied", 1, 2, False, 1),
     "pp4-split2-relu-tied": ("relu-tied", 1, 4, False, 2),
     "tp2-sp-pp2-gated-untied": ("gated-untied", 2, 2, True, 1),
+    # zb-h1: each backward split into the input gradient (B) and the deferred weight GEMMs (W).
+    "pp4-split2-relu-tied-zbh1": ("relu-tied", 1, 4, False, 2),
+    "tp2-sp-pp2-gated-untied-zbh1": ("gated-untied", 2, 2, True, 1),
 }
 
 
@@ -200,7 +205,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_t5_parallel_matches_single_process(case: str) -> None:
     flavour, tp, pp, sp, split = CASES[case]
-    results = run_distributed(_rank, tp * pp, flavour, tp, pp, sp, split, timeout=120)
+    schedule = "zb-h1" if case.endswith("zbh1") else "1f1b"
+    results = run_distributed(_rank, tp * pp, flavour, tp, pp, sp, split, schedule, timeout=120)
     ref = reference(t5_config(flavour))
     seen: set[str] = set()
     for res in results:
