@@ -3,6 +3,8 @@
     python benchmarks/planner.py                 # plan latency for several model / pool sizes
     python benchmarks/planner.py --repeat 5      # best of 5 calls each
     python benchmarks/planner.py --gloo          # measure all-reduce latency and bandwidth (2 ranks)
+    python benchmarks/planner.py --published     # the GPU constants' fit: published runs vs predictions
+    python benchmarks/planner.py --published --fit   # ... and the grid search that fitted them
 
 The table: for each model (Llama shapes from 1B to 405B, Mixtral 8x7B and a DeepSeek-V3-class MoE)
 and pool (8-GPU H100 nodes; H800 nodes for DeepSeek-V3, whose NVLink is half an H100's), the number
@@ -18,6 +20,11 @@ DeepSeek-V3 cannot be written exactly: its multi-head latent attention is modell
 MHA of hidden 7168 and its first 3 dense layers as MoE ones (model.moe.layer_freq has no offset),
 which gives 705B total / 38.7B active parameters (published: 671B / 37B).
 
+--published predicts the runs of megatrain.plan.published (Megatron-LM's H100 weak and strong
+scaling, Llama 3 405B, Mixtral 8x7B, Megatron-Bridge's fp8 Llama runs) on their own layouts and
+with `parallelism: auto`, against the throughput their sources report; --fit searches the grid of
+the four fitted GPU constants on the rows not held out (least squares of log throughput).
+
 --gloo times `all_reduce` of 4 KiB to 16 MiB between two gloo processes on this host (one thread
 each) and fits t = 2·latency + bytes / bandwidth, the two-rank ring formula of megatrain.plan.cost
 (latency from the small messages, bandwidth from the large ones):
@@ -27,7 +34,10 @@ the figures behind megatrain.plan.cost.CPU_LINKS.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -38,7 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatrain.plan.cost import StepSettings, predict_step  # noqa: E402
+from megatrain.plan import published as published_runs  # noqa: E402
+from megatrain.plan.cost import GPU_CONSTANTS, StepSettings, predict_step  # noqa: E402
 from megatrain.plan.memory import from_spec  # noqa: E402
 from megatrain.plan.planner import Plan, PlanError, balanced_layers, plan  # noqa: E402
 from megatrain.plan.pool import PoolSpec  # noqa: E402
@@ -260,6 +271,66 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['plan_ms']:.1f} | {r['layout']} | {r['step_s']:.2f} | {r['mfu']:.1%} | {r['gib']:.1f} |")  # fmt: skip  # noqa: E501
 
 
+# -- the GPU constants against published runs ---------------------------------------------------------
+
+
+def published_calibration() -> list[dict[str, Any]]:
+    """Each published run: its figure, the prediction for its layout and `parallelism: auto`'s."""
+    rows = []
+    for run in published_runs.RUNS:
+        pred, auto = published_runs.predict(run), published_runs.plan_auto(run)
+        auto_tokens = auto.time.tokens_per_s / run.gpus
+        c = auto.choice
+        rows.append({
+            "run": run.name, "gpus": run.gpus, "held_out": run.held_out, "precision": run.precision,
+            "published_layout": " ".join(f"{k}={v}" for k, v in run.parallelism.items()),
+            "published_tflops": run.tflops, "published_tokens_per_gpu": run.published_tokens_per_gpu,
+            "layout": pred.layout, "tokens_per_gpu": pred.tokens_per_gpu, "error": pred.error,
+            "auto_layout": f"{c.layout.describe()} v={c.layout.virtual_stages} mbs={c.micro_batch_size} "
+                           f"{c.recompute}",
+            "auto_tokens_per_gpu": auto_tokens, "auto_gain": auto_tokens / pred.tokens_per_gpu - 1,
+            "source": run.source,
+        })  # fmt: skip
+    return rows
+
+
+def print_calibration(rows: list[dict[str, Any]]) -> None:
+    print("| run | GPUs | fit | published layout | published tokens/s/GPU (TFLOP/s) "
+          "| predicted (open choices) | tokens/s/GPU | error | auto | auto tokens/s/GPU "
+          "| auto vs the published layout |")  # fmt: skip
+    print("|---|---:|---|---|---:|---|---:|---:|---|---:|---:|")
+    for r in rows:
+        tf = f" ({r['published_tflops']:.0f})" if r["published_tflops"] else ""
+        print(f"| {r['run']} | {r['gpus']:,} | {'held out' if r['held_out'] else 'train'} | "
+              f"{r['published_layout']} | {r['published_tokens_per_gpu']:,.0f}{tf} | {r['layout']} | "
+              f"{r['tokens_per_gpu']:,.0f} | {r['error']:+.1%} | {r['auto_layout']} | "
+              f"{r['auto_tokens_per_gpu']:,.0f} | {r['auto_gain']:+.1%} |")  # fmt: skip
+
+
+FIT_GRID = {
+    "max_fraction": [0.54 + 0.01 * i for i in range(10)],
+    "elementwise_bytes": [60.0, 120.0, 180.0, 210.0, 240.0, 270.0, 300.0],
+    "tp_overlap": [0.0, 0.5, 1.0],
+    "dp_overlap": [0.7, 0.8, 0.9, 1.0],
+}
+"""The fitted GPU constants and the values searched (the rest stay as in GPU_CONSTANTS)."""
+
+
+def fit_constants(top: int = 5) -> list[tuple[float, dict[str, float]]]:
+    """The grid's best points by the rms of log(predicted / published) over the rows not held out."""
+    train = [r for r in published_runs.RUNS if not r.held_out]
+    scored = []
+    for values in itertools.product(*FIT_GRID.values()):
+        point = dict(zip(FIT_GRID, values, strict=True))
+        c = dataclasses.replace(GPU_CONSTANTS, **point)
+        logs = [math.log1p(published_runs.predict(r, c).error) for r in train]
+        scored.append((math.sqrt(sum(x * x for x in logs) / len(logs)), point))
+    scored.sort(key=lambda x: x[0])
+    for rms, point in scored[:top]:
+        print(f"rms {rms:.4f}  " + "  ".join(f"{k}={v:g}" for k, v in point.items()))
+    return scored[:top]
+
+
 # -- gloo link constants ----------------------------------------------------------------------------
 
 SIZES = [1 << k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
@@ -321,8 +392,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeat", type=int, default=3, help="plan() calls per case (the best is shown)")
     parser.add_argument("--gloo", action="store_true", help="measure gloo all-reduce on localhost instead")
+    parser.add_argument("--published", action="store_true", help="published runs against the predictions")
+    parser.add_argument("--fit", action="store_true", help="with --published: search the fitted constants")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    if args.published:
+        rows = published_calibration()
+        print_calibration(rows)
+        if args.fit:
+            fit_constants()
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     result: Any = gloo_links() if args.gloo else plan_latency(args.repeat)
     if not args.gloo:
         print_table(result)

@@ -19,35 +19,49 @@ from megatrain.plan.shapes import (
 )
 
 
+def _static(precision: str, ranks: int) -> float:
+    """Bytes per trainable parameter: weights, fp32 gradient, optimizer state sharded over `ranks`."""
+    return (4.0 + 4.0 + 8.0 / ranks) if precision == "fp32" else (2.0 + 4.0 + 12.0 / ranks)
+
+
+def layer_state_bytes(m: ModelShape, precision: str, tp: int, shard: int, ep: int = 1) -> tuple[float, float]:
+    """Bytes of params + grads + optimizer of one (dense, MoE) layer on a rank, sharded as
+    model_state_floor says: what a stage holds for each of its layers, whatever else it holds."""
+    expert_shard = max(1, shard // ep)
+    frozen = 4.0 if precision == "fp32" else 2.0
+    dense_b = frozen if m.lora else _static(precision, shard)
+    expert_b = frozen if m.lora else _static(precision, expert_shard)
+    nf4_saves = frozen - NF4_BYTES  # per QLoRA weight held in NF4
+    adapter_b = _static(precision, shard)
+    dense = layer_params(m, tp) * dense_b + lora_layer_params(m, tp) * adapter_b
+    dense -= nf4_layer_params(m, tp) * nf4_saves
+    if m.moe is None:
+        return dense, dense
+    moe = layer_params(m, tp, moe=True) * dense_b + expert_params(m, tp, ep) * expert_b
+    moe += lora_layer_params(m, tp, moe=True) * adapter_b - nf4_layer_params(m, tp, moe=True) * nf4_saves
+    moe += lora_expert_params(m, tp, ep) * _static(precision, expert_shard)
+    return dense, moe
+
+
 def model_state_floor(m: ModelShape, precision: str, tp: int, pp: int, shard: int, ep: int = 1) -> int:
     """Bytes of params + grads + optimizer on the worst stage, optimizer state sharded over `shard`
     ranks (dp·cp with the distributed optimizer, else 1) and the routed experts' over shard/ep: a
     lower bound of any estimate (whatever the split, some stage holds at least ceil(layers / pp)
     layers, and some stage at least ceil(MoE layers / pp) MoE layers). A LoRA run's frozen
     parameters count their bytes only, its adapters as trainable ones."""
-
-    def static(ranks: int) -> float:
-        return (4.0 + 4.0 + 8.0 / ranks) if precision == "fp32" else (2.0 + 4.0 + 12.0 / ranks)
-
-    expert_shard = max(1, shard // ep)
-    frozen = 4.0 if precision == "fp32" else 2.0
-    dense_b = frozen if m.lora else static(shard)
-    expert_b = frozen if m.lora else static(expert_shard)
-    nf4_saves = frozen - NF4_BYTES  # per QLoRA weight held in NF4
     if pp == 1:
+        frozen = 4.0 if precision == "fp32" else 2.0
+        dense_b = frozen if m.lora else _static(precision, shard)
+        expert_b = frozen if m.lora else _static(precision, max(1, shard // ep))
         parts = stage_params(m, tp, 1, 0, ep=ep)
         experts = parts.get("experts", 0)
-        adapters = lora_stage_params(m, tp, 1, 0, ep=ep) * static(shard)
-        nf4 = nf4_stage_params(m, tp, 1, 0) * nf4_saves
+        adapters = lora_stage_params(m, tp, 1, 0, ep=ep) * _static(precision, shard)
+        nf4 = nf4_stage_params(m, tp, 1, 0) * (frozen - NF4_BYTES)
         return int((sum(parts.values()) - experts) * dense_b + experts * expert_b + adapters - nf4)
-    dense = layer_params(m, tp) * dense_b + lora_layer_params(m, tp) * static(shard)
-    dense -= nf4_layer_params(m, tp) * nf4_saves
+    dense, moe = layer_state_bytes(m, precision, tp, shard, ep)
     if m.moe is None:
         # (T5: some stage holds ceil(all layers / pp), each at least an encoder layer's.)
         return int(-(-m.total_layers // pp) * dense)
-    moe = layer_params(m, tp, moe=True) * dense_b + expert_params(m, tp, ep) * expert_b
-    moe += lora_layer_params(m, tp, moe=True) * static(shard) - nf4_layer_params(m, tp, moe=True) * nf4_saves
-    moe += lora_expert_params(m, tp, ep) * static(expert_shard)
     return int(max(-(-m.num_layers // pp) * min(dense, moe), -(-m.num_moe_layers // pp) * moe))
 
 
@@ -63,4 +77,4 @@ def saved_per_token(m: ModelShape, precision: str, tp: int, sp: bool) -> dict[st
     return out
 
 
-__all__ = ["model_state_floor", "saved_per_token"]
+__all__ = ["layer_state_bytes", "model_state_floor", "saved_per_token"]

@@ -8,7 +8,8 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   `max_fraction · g / (g + half_size)` with g the geometric mean of M, K, N. Small per-tp GEMMs
   (a narrow hidden size split 8 ways, few tokens) run well below the peak; big ones approach
   `max_fraction`. Backward is two GEMMs of the same shape per forward one (3× in all). The
-  attention core runs at `attention_fraction` of a GEMM of its size. Memory-bound elementwise work
+  attention core runs at `attention_fraction` of a GEMM of its size, a causal one computing
+  `causal_attention_work` of its counted FLOPs (the unmasked tiles). Memory-bound elementwise work
   (norms, RoPE, SwiGLU, residuals) moves `elementwise_bytes` per token and hidden unit through
   memory; every layer and micro-batch also pays a fixed `layer_overhead_s` (kernel launches,
   autograd, Python: what dominates a tiny model on a CPU).
@@ -26,15 +27,19 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   (tokens, hidden) activations; with sequence parallelism 2 all-gathers + 2 reduce-scatters forward
   and 4 all-gathers + 2 reduce-scatters backward (the column-parallel linears gather their input
   again for the weight gradient). Ring costs, inside a node (tp never leaves one):
-  all-reduce `2(t-1)/t · B/bw + 2(t-1)·latency`, all-gather or reduce-scatter half of it.
-  Not overlapped with compute.
+  all-reduce `2(t-1)/t · B/bw + 2(t-1)·latency`, all-gather or reduce-scatter half of it. The
+  column-parallel backward's re-gather and reduce-scatter run beside its two GEMMs, each hiding
+  for `tp_overlap` of its GEMM's time; the rest is exposed, unless Overlaps.tp_comm pipelines every
+  collective with its GEMM the same way (Megatron's --tp-comm-overlap; layer_cost).
 - **Pipeline**: each micro-batch chunk waits for one activation and one gradient (latency + bytes /
   bandwidth, inter-node unless the whole job fits one node); the bubble is (pp-1)/virtual_stages
   stage-micro-batch times (1F1B: (pp-1)/m of the step, interleaved: divided by virtual_stages).
 - **Data parallelism**: the fp32 gradient buffer is all-reduced (reduce-scattered with the
-  distributed optimizer, whose updated parameter shards are then all-gathered, exposed). With
-  overlap_grad_reduce buckets start while the last micro-batch's backward runs: only what exceeds
-  that backward is exposed, and never less than the last bucket.
+  distributed optimizer, whose updated parameter shards are then all-gathered, exposed unless
+  Overlaps.param_gather runs them under the next step's first forward). With overlap_grad_reduce
+  buckets start while the last micro-batch's backward runs: only what exceeds `dp_overlap` of that
+  backward is exposed, and never less than the last bucket. Across nodes the ring runs at the NICs
+  of the group's ranks on a node together (links.ring_link): dp=48 at tp=1 pushes through 8 NICs.
 - **Optimizer**: Adam reads and writes ~32 bytes per parameter this rank owns (sharded by the
   distributed optimizer) at the memory bandwidth, plus a fixed per-step cost.
 - **Context parallelism**: a rank holds seq/cp tokens of each sequence (two mirrored chunks, so the
@@ -46,9 +51,14 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   GEMM of tokens·topk·ep/num_experts rows: the tokens routed to it from the ep group, at the lower
   efficiency of that smaller shape) and the shared expert in place of the MLP, and permutes the
   routed tokens through memory. Expert parallelism adds two all-to-alls of topk·tokens·hidden per
-  MoE layer forward (dispatch, combine) and two backward (ep_comm_s), not overlapped, at NVLink for
-  the peers on the node and the inter-node link for the rest. Routed experts' gradients are reduced
-  over their expert-data-parallel group (dp·cp/ep ranks) and their optimizer state sharded over it.
+  MoE layer forward (dispatch, combine) and two backward (ep_comm_s), at NVLink for the peers on the
+  node and the inter-node link for the rest; with node-limited routing (router groups = the ep
+  group's nodes) each token crosses nodes once per node it is routed to, at most router_group_topk
+  (megatrain.plan.links.routed_all_to_all_time). With moe_overlap_chunks = K > 1 the exchanges of K
+  token chunks hide behind the experts' compute: per direction only max(2d, 2Kd - experts) is
+  exposed, d one chunk's exchange (megatrain.plan.layer_cost._moe_layer); K = 1 hides nothing.
+  Routed experts' gradients are reduced over their expert-data-parallel group (dp·cp/ep ranks) and
+  their optimizer state sharded over it.
   Useful FLOPs, and so MFU, are the active ones (megatrain.plan.flops).
 
 - **BERT** runs GPT's layers (bidirectional attention costs what causal attention is counted at)
@@ -58,9 +68,10 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   over the decoder's tokens, pipeline stages split between the two (megatrain.plan.t5_cost,
   megatrain.plan.stacks); tokens_per_s counts encoder tokens.
 
-Two sets of constants: GPU defaults (H100-class, sane for A100/B200) and this project's CPU hosts,
-calibrated by benchmarks/planner_engine.py against the engine running under torchrun/gloo
-(see BENCHMARKS.md "Layout planner" for the figures).
+Two sets of constants: GPU defaults (H100-class, sane for A100/B200), fitted to published
+Megatron-Core H100 runs (megatrain.plan.published), and this project's CPU hosts, calibrated by
+benchmarks/planner_engine.py against the engine running under torchrun/gloo (see BENCHMARKS.md
+"Layout planner" for the figures).
 """
 
 from __future__ import annotations
@@ -81,17 +92,30 @@ from megatrain.plan.cost_constants import (  # noqa: F401  (re-exported)
 from megatrain.plan.flops import flops_per_iteration
 from megatrain.plan.layer_cost import LayerCosts, layer_costs, plus_adapters
 from megatrain.plan.layout import Layout
-from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_time
+from megatrain.plan.links import Links, all_to_all_time, ep_ranks_per_node, link, ring_link, ring_time
 from megatrain.plan.pool import PoolSpec
-from megatrain.plan.shapes import (
-    ModelShape,
-    layers_on_stage,
-    lora_expert_params,
-    lora_stage_params,
-    moe_layers_on_stage,
-    stage_params,
-)
+from megatrain.plan.shapes import ModelShape, lora_expert_params, lora_stage_params
+from megatrain.plan.stages import layers_on_stage, moe_layers_on_stage
 from megatrain.plan.t5_cost import t5_layer_costs, t5_stage_seconds
+from megatrain.plan.zero_bubble import edge_stages, schedule_stage_params, stage_ordered
+
+
+@dataclass(frozen=True)
+class Overlaps:
+    """Communication a training stack hides behind compute beyond what every stack does (the
+    data-parallel reduce under the last backward; under sequence parallelism the backward's
+    re-gather and reduce-scatter beside the column-parallel linear's GEMMs). The engine does neither
+    of these; Megatron-Core's published runs did both (megatrain.plan.published)."""
+
+    tp_comm: bool = False
+    """--tp-comm-overlap: every sequence-parallel all-gather and reduce-scatter pipelined with its GEMM."""
+    param_gather: bool = False
+    """--overlap-param-gather: the distributed optimizer's parameter all-gather runs under the next
+    step's first forward instead of after the optimizer step."""
+
+
+ENGINE_OVERLAPS = Overlaps()
+MEGATRON_OVERLAPS = Overlaps(tp_comm=True, param_gather=True)
 
 
 @dataclass(frozen=True)
@@ -106,6 +130,14 @@ class StepSettings:
     precision: str = "bf16"
     overlap_grad_reduce: bool = True
     grad_bucket_elements: int = 40_000_000
+    moe_overlap_chunks: int = 1
+    """parallelism.moe_overlap_chunks: an MoE layer's all-to-alls pipelined behind its experts in
+    this many token chunks (megatrain.plan.layer_cost._moe_layer)."""
+    moe_dispatch: str = "pairs"
+    """parallelism.moe_dispatch: "nodes" sends a token across nodes once per node it reaches
+    (megatrain.plan.layer_cost._moe_layer)."""
+    overlaps: Overlaps = ENGINE_OVERLAPS
+    """What the training stack hides beyond the engine (Megatron-Core's flags, for its published runs)."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +205,7 @@ def _stage_layers(
 @lru_cache(maxsize=4096)
 def _stage_param_counts(
     model: ModelShape, tp: int, pp: int, ep: int, v: int, pipeline_layers: tuple[int, ...] | None,
-    stages: tuple[int, ...],
+    stages: tuple[int, ...], schedule: str = "1f1b",
 ) -> tuple[int, int]:  # fmt: skip
     """(trainable parameters, of them routed experts) of the rank of `stages` holding the most: a
     LoRA run's adapters (its routed experts' adapters, if any, counted as the experts)."""
@@ -185,7 +217,7 @@ def _stage_param_counts(
         ]  # fmt: skip
         return max(counts)
     counts = max(
-        (stage_params(model, tp, pp, st, pipeline_layers, ep, v) for st in stages),
+        (schedule_stage_params(model, tp, pp, st, pipeline_layers, ep, v, schedule) for st in stages),
         key=lambda p: sum(p.values()),
     )
     return sum(counts.values()), counts.get("experts", 0)
@@ -197,10 +229,13 @@ def _flops_per_iteration(model: ModelShape, global_batch_size: int) -> float:
 
 
 def _worst_stage(
-    lc: LayerCosts, candidates: list[int], layers: list[int], moes: list[int], pp: int, c: CostConstants
-) -> tuple[float, tuple[float, float, float, float, float]]:
+    lc: LayerCosts, candidates: list[int], layers: list[int], moes: list[int], pp: int, c: CostConstants,
+    edges: tuple[int, int] | None = None,
+) -> tuple[float, tuple[float, float, float, float, float]]:  # fmt: skip
     """One micro-batch's time on the slowest candidate stage, and its (compute, recompute, tp, cp,
-    ep) parts: its dense and MoE layers, the embedding's and head's share on the edge stages."""
+    ep) parts: its dense and MoE layers, the embedding's and head's share on the edge stages
+    (`edges`: the stages that embed and score, zero_bubble.edge_stages; default 0 and pp - 1)."""
+    embeds, scores = edges or (0, pp - 1)
     layer_compute, layer_recompute, layer_tp, layer_cp = lc[:4]
     moe_compute, moe_recompute, moe_tp, moe_ep, head, edge_tp = lc[4:]
     stage_times, stage_parts = [], []
@@ -212,10 +247,10 @@ def _worst_stage(
         compute += c.microbatch_overhead_s / (1 if pp == 1 else 2)
         comm = n * layer_tp + n_moe * moe_tp
         cp_ep = (n + n_moe) * layer_cp + n_moe * moe_ep
-        if stage == pp - 1:
+        if stage == scores:
             compute += head
             comm += edge_tp / 2
-        if stage == 0:
+        if stage == embeds:
             comm += edge_tp / 2
         stage_times.append(compute + comm + cp_ep)
         stage_parts.append((compute, recompute, comm, (n + n_moe) * layer_cp, n_moe * moe_ep))
@@ -233,12 +268,17 @@ def _dp_comm(
     tp, dp, cp, ep = layout.tp, layout.dp, layout.cp, layout.ep
     shards = dp * cp
     dist_opt = settings.distributed_optimizer and shards > 1
-    bw_dp, lat_dp = link(pool, tp * cp * dp <= pool.devices_per_node)
     buckets = max(1, math.ceil(params / settings.grad_bucket_elements))
     reduce_s = gather_s = 0.0
-    for n_params, ranks in ((params - experts, shards), (experts, shards // ep)):
+    # Group members sit tp apart (dense) or tp·ep apart (routed experts): a node holds this many,
+    # each with its own NIC on a GPU node (a CPU host's slots share one).
+    for n_params, ranks, apart in ((params - experts, shards, tp), (experts, shards // ep, tp * ep)):
         if ranks <= 1 or n_params <= 0:
             continue
+        per_node = min(ranks, max(1, pool.devices_per_node // apart))
+        if pool.is_cpu and per_node < ranks:
+            per_node = 1
+        bw_dp, lat_dp = ring_link(pool, ranks, per_node)
         n_buckets = max(1, round(buckets * n_params / params))
         if dist_opt:
             reduce_s += ring_time("reduce_scatter", 4.0 * n_params, ranks, bw_dp, 0.0)
@@ -249,6 +289,36 @@ def _dp_comm(
             reduce_s += ring_time("all_reduce", 4.0 * n_params, ranks, bw_dp, 0.0)
             reduce_s += n_buckets * 2 * (ranks - 1) * lat_dp * 1e-6
     return reduce_s, gather_s, buckets
+
+
+def _pp_comm_s(layout: Layout, pool: PoolSpec, message_bytes: float, micro_batches: int) -> float:
+    """A stage's sends and receives of one step: each micro-batch's activation forward and its
+    gradient back, per model chunk, plus the pipeline's fill."""
+    if layout.pp == 1:
+        return 0.0
+    bw, lat = link(pool, layout.world_size <= pool.devices_per_node)
+    p2p = lat * 1e-6 + message_bytes / (bw * 1e9)
+    return 2 * p2p * (micro_batches * layout.virtual_stages + layout.pp - 1)
+
+
+def _dp_exposed(
+    reduce_s: float, gather_s: float, buckets: int, compute_mb: float, layout: Layout,
+    settings: StepSettings, c: CostConstants,
+) -> float:  # fmt: skip
+    """What of the data-parallel reduce and gather the step waits for. The reduce hides under the
+    last micro-batch's backward (2/3 of its compute, `compute_mb` without recompute) but for its
+    last bucket; a zero-bubble schedule's W passes add weight gradients after the last backward,
+    so its reduction starts when they are done (engine.parallel.schedules), not overlapped. The
+    gather hides under the first forward only where the stack overlaps it (Overlaps.param_gather)."""
+    if layout.dp * layout.cp == 1:
+        return reduce_s + gather_s
+    exposed_reduce = reduce_s
+    if settings.overlap_grad_reduce and layout.pipeline_schedule not in ZERO_BUBBLE:
+        exposed_reduce = max(reduce_s / buckets, reduce_s - c.dp_overlap * (2 / 3) * compute_mb)
+    exposed_gather = gather_s
+    if settings.overlaps.param_gather:  # (bucket by bucket under the first forward)
+        exposed_gather = max(gather_s / buckets, gather_s - c.dp_overlap * compute_mb / 3)
+    return exposed_reduce + exposed_gather
 
 
 def predict_step(
@@ -275,7 +345,8 @@ def predict_step(
     links = Links.of(pool)
     lc = layer_costs(
         model, tp, cp, ep, sp, settings.micro_batch_size, settings.recompute, settings.recompute_every,
-        act, peak, links, c, linear_peak,
+        act, peak, links, c, linear_peak, settings.moe_overlap_chunks, settings.overlaps.tp_comm,
+        settings.moe_dispatch == "nodes",
     )  # fmt: skip
     if model.lora is not None:
         lc = plus_adapters(
@@ -284,7 +355,8 @@ def predict_step(
         )  # fmt: skip
 
     # The edges (embedding, head) and the stage with the most layers (an uneven split's middle).
-    candidates, layers, moes = _stage_layers(model, pp, v, layout.pipeline_layers)
+    split = stage_ordered(layout.pipeline_layers, pp, layout.pipeline_schedule)  # (zbv's V: c on c % pp)
+    candidates, layers, moes = _stage_layers(model, pp, v, split)
     p2p_tokens = tokens
     if model.family == "t5":
         enc, dec = t5_layer_costs(
@@ -295,30 +367,22 @@ def predict_step(
         # A decoder stage's message carries the encoder's output beside the decoder's hidden states.
         p2p_tokens = settings.micro_batch_size * (model.seq_length + model.dec_seq_length)
     else:
-        t_mb, parts = _worst_stage(lc, candidates, layers, moes, pp, c)
+        t_mb, parts = _worst_stage(
+            lc, candidates, layers, moes, pp, c, edge_stages(pp, layout.pipeline_schedule)
+        )
     compute_mb, recompute_mb, tp_mb, cp_mb, ep_mb = parts
 
     compute_s = m * compute_mb
     tp_comm_s = m * tp_mb
     bubble_s = pipeline_bubble_s(layout.pipeline_schedule, pp, v, t_mb)
-    pp_comm_s = 0.0
-    if pp > 1:
-        bw_pp, lat_pp = link(pool, layout.world_size <= pool.devices_per_node)
-        p2p = lat_pp * 1e-6 + p2p_tokens * h * act / seq_div / (bw_pp * 1e9)
-        pp_comm_s = 2 * p2p * (m * v + pp - 1)
+    pp_comm_s = _pp_comm_s(layout, pool, p2p_tokens * h * act / seq_div, m)
 
-    params, experts = _stage_param_counts(model, tp, pp, ep, v, layout.pipeline_layers, tuple(candidates))
+    params, experts = _stage_param_counts(
+        model, tp, pp, ep, v, split, tuple(candidates), layout.pipeline_schedule
+    )
     reduce_s, gather_s, buckets = _dp_comm(params, experts, layout, settings, pool, act)
     shards = dp * cp
-    # A zero-bubble schedule's W passes add weight gradients after the last backward: its
-    # data-parallel reduction starts when they are done (engine.parallel.schedules), not overlapped.
-    overlap = settings.overlap_grad_reduce and layout.pipeline_schedule not in ZERO_BUBBLE
-    if overlap and shards > 1:
-        backward_window = c.dp_overlap * (2 / 3) * (compute_mb - recompute_mb)
-        exposed_reduce = max(reduce_s / buckets, reduce_s - backward_window)
-    else:
-        exposed_reduce = reduce_s
-    dp_exposed_s = exposed_reduce + gather_s
+    dp_exposed_s = _dp_exposed(reduce_s, gather_s, buckets, compute_mb - recompute_mb, layout, settings, c)
 
     dist_opt = settings.distributed_optimizer and shards > 1
     owned = (params - experts) / shards + experts / (shards // ep) if dist_opt else params
@@ -352,10 +416,13 @@ def predict_step(
 
 
 __all__ = [
+    "ENGINE_OVERLAPS",
+    "MEGATRON_OVERLAPS",
     "CPU_CONSTANTS",
     "CPU_LINKS",
     "GPU_CONSTANTS",
     "CostConstants",
+    "Overlaps",
     "StepSettings",
     "StepTime",
     "all_to_all_time",

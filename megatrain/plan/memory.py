@@ -29,6 +29,10 @@ tensors as causal); its last stage holds the masked-LM transform and scores only
 (megatrain.plan.activation_memory). T5's encoder and decoder stacks, cross-attention, the encoder
 output every decoder stage holds and the position-bias masks: megatrain.plan.t5_memory.
 
+The zero-bubble schedules (zb-h1, zbv) keep each chunk's activations until its W, and from its B to
+its W the output gradients of its linears (megatrain.plan.zero_bubble): a stage's peak is the larger
+of its activations' peak and its cool-down's, where up to 2s+1 chunks wait for their W on stage s.
+
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"): per layer and micro-batch sbh(34 + 5as/h) bytes at 16 bits, tensor-parallel parts divided
 by t, everything divided by t with sequence parallelism, selective recompute dropping the 5as/h
@@ -74,15 +78,23 @@ from megatrain.plan.shapes import (
     NF4_BYTES,
     ModelShape,
     layer_params,
-    layers_on_stage,
     lora_stage_params,
-    moe_layers_on_stage,
     nf4_stage_params,
     shape_of_spec,
     stage_params,
 )
+from megatrain.plan.stages import layers_on_stage, moe_layers_on_stage
 from megatrain.plan.startup_memory import startup_phases
 from megatrain.plan.t5_memory import T5StepActivations
+from megatrain.plan.zero_bubble import (
+    SPLIT_SCHEDULES,
+    deferred_bytes,
+    edge_stages,
+    schedule_stage_params,
+    stage_ordered,
+    t5_deferred_bytes,
+    weight_grad_moments,
+)
 from megatrain.spec import ParallelismSpec
 
 if TYPE_CHECKING:
@@ -244,6 +256,52 @@ def _check_arguments(precision: str, recompute: str, sizes: tuple[int, ...]) -> 
         raise ValueError(f"ep={ep} must divide dp×cp={dp}×{cp}")
 
 
+def _peak_moments(
+    schedule: str, pp: int, stage: int, in_flight_first: int | None, num_microbatches: int | None,
+    virtual_stages: int,
+) -> tuple[tuple[float, float], ...]:  # fmt: skip
+    """(micro-batches holding activations, of them waiting for their W) at each moment the stage can
+    peak, in whole-stage micro-batches (an interleaved or zbv chunk holds 1/V of its layers).
+    Without num_microbatches: the first stage holds in_flight_first (default pp), each next one fewer."""
+    v = virtual_stages
+    if num_microbatches is None:
+        return ((max(1, (pp if in_flight_first is None else in_flight_first) - stage), 0.0),)
+    if schedule in SPLIT_SCHEDULES:
+        counts = weight_grad_moments(schedule, pp, stage, num_microbatches)
+        return tuple((held / v, pending / v) for held, pending in counts)
+    return ((chunks_in_flight(schedule, pp, stage, num_microbatches, v) / v, 0.0),)
+
+
+def _stored_at_peak(
+    acts: StepActivations, t5: T5StepActivations | None, moments: tuple[tuple[float, float], ...],
+    stage: int, pp: int, pipeline_layers: Sequence[int] | None, recompute: Recompute,
+    recompute_every: int, edges: tuple[bool, bool], counts: tuple[int, int, int],
+) -> tuple[float, dict[str, float], dict[str, float]]:  # fmt: skip
+    """(micro-batches in flight, stored bytes by kind, transients) at the stage's worst moment.
+    edges: whether it embeds and scores; counts: its layers, MoE layers and checkpointed layers."""
+    (first, last), (n_layers, n_moe, n_ckpt) = edges, counts
+    options = []
+    for in_flight, pending in moments:
+        if t5 is not None:
+            stored, transients = t5.stage(
+                stage, pp, pipeline_layers, recompute=recompute, recompute_every=recompute_every,
+                in_flight=in_flight,
+            )  # fmt: skip
+            deferred = pending and t5_deferred_bytes(
+                t5, stage, pp, pipeline_layers, recompute=recompute, recompute_every=recompute_every
+            )
+        else:
+            stored, transients = acts.stage(
+                first=first, last=last, n_layers=n_layers, n_moe=n_moe, n_ckpt=n_ckpt, in_flight=in_flight
+            )
+            deferred = pending and deferred_bytes(acts, n_layers, n_moe, n_ckpt)
+        if deferred:  # (none for float8 linears or frozen weights)
+            stored["deferred_weight_grads"] = pending * deferred
+        options.append((sum(stored.values()), in_flight, stored, transients))
+    _, in_flight, stored, transients = max(options, key=lambda o: o[0])
+    return in_flight, stored, transients
+
+
 def estimate_memory(
     model: Any,
     *,
@@ -274,8 +332,11 @@ def estimate_memory(
     num_microbatches_in_flight: activations the first stage holds at once; 1F1B keeps up to pp
     (the default), stage i one fewer per step down the pipeline. Given num_microbatches (per step
     and dp rank) instead, each stage's count follows pipeline_schedule and virtual_stages
-    (chunks_in_flight; an interleaved chunk holds 1/virtual_stages of the stage's layers).
-    pipeline_layers: explicit layers per model chunk (see layers_on_stage). recompute="full" checkpoints
+    (chunks_in_flight; an interleaved chunk holds 1/virtual_stages of the stage's layers); under
+    zb-h1 and zbv, also the output gradients a chunk keeps from its B to its W (megatrain.plan.zero_bubble),
+    at whichever moment of the stage's order adds up to the most.
+    pipeline_layers: explicit layers per model chunk (see layers_on_stage; zbv's in the engine's
+    order, the V's down leg then its up leg). recompute="full" checkpoints
     layers 0, k, 2k, … of each stage (k = recompute_every) and keeps only their inputs.
     attention: "flash" for SDPA's flash/memory-efficient/cuDNN kernels, "math" for the fallback.
     fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
@@ -289,7 +350,8 @@ def estimate_memory(
     """
     m = ModelShape.of(model)
     _check_arguments(precision, recompute, (tp, pp, dp, cp, ep, micro_batch_size, recompute_every))
-    in_flight_first = pp if num_microbatches_in_flight is None else num_microbatches_in_flight
+    pipeline_layers = stage_ordered(pipeline_layers, pp, pipeline_schedule)  # (zbv's V: chunk c on c % pp)
+    embeds, scores = edge_stages(pp, pipeline_schedule)  # (zbv's first stage runs the LM head too)
     act = _act_bytes(precision)
     # fp8 under sp: a float8 linear saves its all-gathered input (no re-gather in backward; the
     # LM head, bf16, still re-gathers).
@@ -309,26 +371,20 @@ def estimate_memory(
     wanted = stage
     stages: list[MemoryEstimate] = []
     for stage in range(pp):
-        parts = stage_params(m, tp, pp, stage, pipeline_layers, ep, virtual_stages)
+        parts = schedule_stage_params(
+            m, tp, pp, stage, pipeline_layers, ep, virtual_stages, pipeline_schedule
+        )
         n_lora = lora_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages, ep)
         n_nf4 = nf4_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
-        in_flight: float = max(1, in_flight_first - stage)
-        if num_microbatches is not None:
-            chunks = chunks_in_flight(pipeline_schedule, pp, stage, num_microbatches, virtual_stages)
-            in_flight = chunks / virtual_stages  # in whole-stage micro-batches
+        moments = _peak_moments(pipeline_schedule, pp, stage, num_microbatches_in_flight,
+                                num_microbatches, virtual_stages)  # fmt: skip
         n_layers = layers_on_stage(m.total_layers, pp, stage, pipeline_layers)
         n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
         n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
-        if t5 is not None:
-            stored, transients = t5.stage(
-                stage, pp, pipeline_layers, recompute=recompute, recompute_every=recompute_every,
-                in_flight=in_flight,
-            )  # fmt: skip
-        else:
-            stored, transients = acts.stage(
-                first=stage == 0, last=stage == pp - 1, n_layers=n_layers, n_moe=n_moe, n_ckpt=n_ckpt,
-                in_flight=in_flight,
-            )  # fmt: skip
+        in_flight, stored, transients = _stored_at_peak(
+            acts, t5, moments, stage, pp, pipeline_layers, recompute, recompute_every,
+            (stage == embeds, stage == scores), (n_layers, n_moe, n_ckpt),
+        )  # fmt: skip
         if cp > 1 and n_layers:
             # Ring attention's backward: the K/V block in use and the next, and fp32 dK/dV (tp-split heads).
             transients["ring_attention"] = tokens * m.kv_size * (4 * act + 8) / tp

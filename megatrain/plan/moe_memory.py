@@ -11,10 +11,9 @@ token dispatcher, with the experts split over tp as the dense MLP is):
   after the all-to-all, as Megatron's dispatcher does), so routed tensors are whole over tp; only the
   experts' intermediate (ffn-wide) tensors are split by tp.
 - Saved for backward, per routed token: the experts' input (fc1's weight gradient), fc1's output
-  and the activation's product (as the dense MLP), and two fp32 copies of the experts' output in
-  the combine (megatrain.engine.models.moe.PermuteDispatcher.combine): its fp32 cast, which the
-  product with the routing probabilities saves, and that weighted product, which index_add_ saves
-  (its backward expands the gradient to the source's shape). The router keeps the fp32 cast of its
+  and the activation's product (as the dense MLP), and the experts' output as it arrives back at
+  the combine (megatrain.kernels.moe_combine, for the probabilities' gradient; the composite it
+  replaced kept two fp32 copies instead, 8·h bytes). The router keeps the fp32 cast of its
   input (its gate's weight gradient), its fp32 logits/probabilities (E per token) and the top-k
   choices. A shared expert saves what a dense MLP of its width does. (Counted op by op on fake
   tensors: megatrain.engine.dryrun, tests/engine/test_dryrun.py.)
@@ -51,8 +50,8 @@ def moe_layer_activations(
         terms["linear_inputs"] = dense_terms["linear_inputs"] / 2
     # fp32 input cast, fp32 probs; top-k probs, ids
     terms["moe_router"] = 4.0 * h + 4.0 * moe.num_experts + 12.0 * moe.router_topk
-    # The experts' input; their output cast to fp32 and weighted by the probabilities (fp32 both).
-    terms["moe_routed_io"] = routed * (act * h + 8 * h)
+    # The experts' input, and their output kept by the combine.
+    terms["moe_routed_io"] = routed * 2 * act * h
     terms["moe_experts"] = routed * act * _mlp_saved_width(m, moe.ffn_hidden_size) / tp
     shared = moe.shared_expert_ffn_hidden_size
     if shared:

@@ -2,33 +2,37 @@
 
 `plan(spec, pool, devices)` enumerates tp (divisors of the node's devices, so tp stays inside a
 node), cp (powers of two leaving at least MIN_CP_CHUNK tokens of a sequence per rank), pp, dp
-(filling the devices), ep for an MoE model (divisors of its experts that divide dp·cp), virtual
-stages, micro-batch size, recompute, the distributed optimizer and sequence parallelism; drops
-every candidate that breaks a layout rule (megatrain.plan.layout) or cannot fit
+(filling the devices), ep for an MoE model (divisors of its experts that divide dp·cp), the
+pipeline schedule (1F1B over 1..MAX_VIRTUAL_STAGES chunks per stage; zb-h1 and zbv, per
+megatrain.plan.zero_bubble), micro-batch size, recompute, the distributed optimizer and sequence
+parallelism; drops every candidate that breaks a layout rule (megatrain.plan.layout) or cannot fit
 (megatrain.plan.memory, with `fits`' headroom); predicts the rest's step time (megatrain.plan.cost)
 and returns the fastest, its runners-up and the rejected ones with their reasons. A spec with an
 explicit `parallelism` gets the prediction for its layout.
 
-BERT is planned as GPT is. T5 gets no cp and no virtual stages (the engine refuses them) and, with
+BERT is planned as GPT is. T5 gets no cp, no virtual stages and no zero-bubble schedule, and, with
 pp > 1, the split of its encoder and decoder layers over the stages that balances their time
 (megatrain.plan.t5_cost.t5_pipeline_layers), written into the layout's pipeline_layers.
 
 Fast by pruning, not by sampling: a model-state lower bound per (tp, cp, pp, ep, distributed
-optimizer) rejects whole families before any activation estimate; the survivors are scored by the
-cheap cost model and only then, fastest first, given the full memory estimate until enough fit;
-memory grows with the micro-batch size and shrinks with recompute, so one miss rules out the bigger
-batches of its family without estimating them.
+optimizer) rejects whole families before any activation estimate, a bound of the first stage's
+activations (and a zero-bubble schedule's last stage, which holds the most) single candidates; the
+survivors are scored by the cheap cost model and only then, fastest first, given the full memory
+estimate until enough fit; memory grows with the micro-batch size and shrinks with recompute, so
+one miss rules out the bigger batches of its family without estimating them.
 
 What it answers (Choice, Plan, Rejection, the JSON) lives in megatrain.plan.result.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
-from megatrain.plan.bounds import model_state_floor, saved_per_token
-from megatrain.plan.cost import StepSettings, StepTime, predict_step
+from megatrain.plan.bounds import layer_state_bytes, model_state_floor, saved_per_token
+from megatrain.plan.cost import ENGINE_OVERLAPS, Overlaps, StepSettings, StepTime, predict_step
 from megatrain.plan.fp8 import fp8_width_problems
 from megatrain.plan.layout import (
     Layout,
@@ -39,6 +43,7 @@ from megatrain.plan.layout import (
     pairs_whole,
     resolve_layout,
 )
+from megatrain.plan.links import ep_ranks_per_node
 from megatrain.plan.memory import GiB, MemoryEstimate, chunks_in_flight, fits, from_spec, planned_precision
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.result import (
@@ -47,21 +52,21 @@ from megatrain.plan.result import (
     Plan,
     PlanError,
     Rejection,
-    most_telling,
+    memory_message,
+    nothing_fits,
     predicted_dict,
 )
-from megatrain.plan.shapes import (
-    BYTE_TOKENIZER_VOCAB,
-    ModelShape,
-    balanced_layers,
-    divisors,
-    layers_on_stage,
-    moe_layers_on_stage,
-    param_counts,
-    shape_of_spec,
-)
+from megatrain.plan.shapes import BYTE_TOKENIZER_VOCAB, ModelShape, param_counts, shape_of_spec
 from megatrain.plan.stacks import family_layout_problems, stack_layers_on_stage
+from megatrain.plan.stages import balanced_layers, divisors, layers_on_stage, moe_layers_on_stage
 from megatrain.plan.t5_cost import t5_pipeline_layers
+from megatrain.plan.zero_bubble import (
+    SPLIT_SCHEDULES,
+    deferred_per_layer,
+    last_stage_floor,
+    stage_ordered,
+    zero_bubble_pipelines,
+)
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
 
 HEADROOM = 0.9
@@ -74,13 +79,16 @@ MIN_CP_CHUNK = 4096
 its ring hops grow relative to block attention, while a shorter sequence's activations rarely
 need splitting (Megatron uses cp from 8K-token sequences up)."""
 MAX_RUNNERS_UP = 5
+MOE_OVERLAP_CHUNKS = (2, 4)
+"""Chunks an MoE layer's all-to-alls may be pipelined in under `parallelism: auto` (beyond 4 the
+exchanges are wire-bound where they matter: tests/plan/test_moe_overlap.py)."""
 
 
 class _Search:
     """The state of one planning call: the spec's fixed facts and what has been rejected."""
 
-    def __init__(self, spec: JobSpec, pool: PoolSpec, devices: int, vocab: int):
-        self.spec, self.pool, self.devices, self.vocab = spec, pool, devices, vocab
+    def __init__(self, spec: JobSpec, pool: PoolSpec, devices: int, vocab: int, overlaps: Overlaps):
+        self.spec, self.pool, self.devices, self.vocab, self.overlaps = spec, pool, devices, vocab, overlaps
         self.model: ModelShape = shape_of_spec(spec, vocab)
         self.accelerator = "cpu" if pool.is_cpu else pool.accelerator
         self.precision = planned_precision(spec.training.precision, self.accelerator)
@@ -88,6 +96,7 @@ class _Search:
         self.rejected: list[Rejection] = []
         self.counts: Counter[str] = Counter()
         self.considered = 0
+        self._pipelines: dict[int, list[tuple[str, int, tuple[int, ...] | None]]] = {}
 
     @property
     def fixed_micro_batch(self) -> int | None:
@@ -111,6 +120,9 @@ class _Search:
             precision=self.precision,
             overlap_grad_reduce=par.overlap_grad_reduce if par else True,
             grad_bucket_elements=par.grad_bucket_elements if par else 40_000_000,
+            moe_overlap_chunks=c.moe_overlap_chunks,
+            moe_dispatch=c.moe_dispatch,
+            overlaps=self.overlaps,
         )
 
     def memory(self, c: Choice) -> MemoryEstimate:
@@ -129,30 +141,8 @@ class _Search:
         )
 
     def memory_rejection(self, c: Choice, est: MemoryEstimate) -> None:
-        if est.startup_bytes > est.total_bytes:
-            # The start (plan.startup_memory) is what does not fit, not the step.
-            self.reject(
-                "memory",
-                f"needs {est.startup_bytes / GiB:,.2f} GiB per device to start (the start-up peak, "
-                f"before the first step; a step needs {est.total_bytes / GiB:,.2f}) but "
-                f"{HEADROOM:.0%} of the pool's {self.pool.device_memory_bytes / GiB:,.1f} GiB is "
-                f"{self.budget / GiB:,.2f} GiB",
-                c,
-                memory_per_gpu_bytes=est.startup_bytes,
-                budget_bytes=int(self.budget),
-            )
-            return
-        self.reject(
-            "memory",
-            f"needs {est.total_bytes / GiB:,.2f} GiB per device (stage {est.stage}: params "
-            f"{est.params_bytes / GiB:,.2f}, grads {est.grads_bytes / GiB:,.2f}, optimizer "
-            f"{est.optimizer_bytes / GiB:,.2f}, activations {est.activations_bytes / GiB:,.2f}) but "
-            f"{HEADROOM:.0%} of the pool's {self.pool.device_memory_bytes / GiB:,.1f} GiB is "
-            f"{self.budget / GiB:,.2f} GiB",
-            c,
-            memory_per_gpu_bytes=est.total_bytes,
-            budget_bytes=int(self.budget),
-        )
+        message, needed = memory_message(est, self.budget, self.pool.device_memory_bytes, HEADROOM)
+        self.reject("memory", message, c, memory_per_gpu_bytes=needed, budget_bytes=int(self.budget))
 
     # -- enumeration ---------------------------------------------------------------------------
 
@@ -291,44 +281,62 @@ class _Search:
         sp_ok = tp > 1 and not model_problems(sp_lay, seq_length=m.seq_length)
         sp_ok = sp_ok and not family_layout_problems(self.spec.model, sp_lay)
         sps = (True, False) if sp_ok else (False,)
-        vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
-        vs = [1] if m.family == "t5" else vs  # (no interleaved schedule for T5)
         saved = {sp: saved_per_token(m, self.precision, tp, sp) for sp in sps}
+        state = layer_state_bytes(m, self.precision, tp, dp * cp if dist_opt else 1, ep)
+        deferred = {sp: deferred_per_layer(m, self.precision, tp, sp) for sp in sps}
         # The spec's micro-batch size when it gives one (families checked it divides per_rank).
         auto = [n for n in divisors(per_rank) if pairs_whole(self.spec, n)]
         for mbs in [self.fixed_micro_batch] if self.fixed_micro_batch else auto:
             n_micro = per_rank // mbs
-            for v in vs:
-                if v > 1 and n_micro % pp:
+            for schedule, v, split in self.pipelines(pp):
+                if v > 1 and n_micro % pp and schedule != "zbv":
                     continue  # interleaving needs micro-batches in groups of pp (batch_problems)
-                split = balanced_layers(m.num_layers, pp, v)
                 # What the first stage keeps for its micro-batches in flight: a lower bound of its
                 # activations (megatrain.plan.memory), so hopeless candidates are never scored.
-                tokens = chunks_in_flight("1f1b", pp, 0, n_micro, v) / v * mbs * m.seq_length / cp
-                n = layers_on_stage(m.num_layers, pp, 0, split)
-                n_moe = moe_layers_on_stage(m, pp, 0, split, v)
+                tokens = chunks_in_flight(schedule, pp, 0, n_micro, v) / v * mbs * m.seq_length / cp
+                staged = stage_ordered(split, pp, schedule)
+                n = layers_on_stage(m.num_layers, pp, 0, staged)
+                n_moe = moe_layers_on_stage(m, pp, 0, staged, v)
                 for sp in sps:
                     if m.family == "t5":  # encoder stages, then decoder stages; the bound: the encoder's
                         split = t5_pipeline_layers(m, self.pool, self.precision, tp=tp, pp=pp, sp=sp,
                                                    micro_batch_size=mbs)  # fmt: skip
                         n = stack_layers_on_stage(m, pp, 0, split)[0]
-                    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v,
-                                 sequence_parallel=sp, pipeline_layers=split)  # fmt: skip
+                    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v, sequence_parallel=sp,
+                                 pipeline_schedule=schedule, pipeline_layers=split)  # fmt: skip
                     for rc in RECOMPUTE_ORDER:
                         per_token = saved[sp][rc]
                         kept = per_token[0] * -(-n // every) if rc == "full" else (
                             per_token[0] * (n - n_moe) + per_token[1] * n_moe)  # fmt: skip
-                        if tokens * kept > self.budget:
+                        bound = tokens * kept
+                        if schedule in SPLIT_SCHEDULES:  # their last stage holds the most
+                            bound = max(bound, last_stage_floor(
+                                m, schedule, pp, v, n_micro, staged, tokens=mbs * m.seq_length / cp,
+                                kept=per_token, deferred=deferred[sp], state=state,
+                                full_every=every if rc == "full" else None,
+                            ))  # fmt: skip
+                        if bound > self.budget:
                             self.counts["memory"] += 1
                             continue
                         out.append(Choice(lay, mbs, rc, dist_opt))
         return out
 
+    def pipelines(self, pp: int) -> list[tuple[str, int, tuple[int, ...] | None]]:
+        """(schedule, virtual stages, pipeline_layers) tried at pp: 1F1B over 1..MAX_VIRTUAL_STAGES
+        chunks per stage (one for T5), and zb-h1 and zbv where the layout rules allow them."""
+        m = self.model
+        if pp not in self._pipelines:
+            vs = [v for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp * v <= m.num_layers] if pp > 1 else [1]
+            vs = [1] if m.family == "t5" else vs  # (no interleaved schedule for T5: its split comes later)
+            out = [("1f1b", v, balanced_layers(m.num_layers, pp, v)) for v in vs]
+            self._pipelines[pp] = out + zero_bubble_pipelines(self.spec.model, m, pp)
+        return self._pipelines[pp]
+
     def search(self) -> Plan:
         scored: list[tuple[float, int, Choice, StepTime]] = []
         for tp, cp, pp, dp in self.families():
             for c in self.choices(tp, cp, pp, dp):
-                t = predict_step(self.model, c.layout, self.settings(c), self.pool)
+                c, t = self.fastest_exchange(c)
                 scored.append((t.step_time_s, len(scored), c, t))
         self.considered = len(scored) + sum(self.counts.values())
         scored.sort(key=lambda x: (x[0], x[1]))
@@ -357,7 +365,14 @@ class _Search:
             if best_miss is None or est.total_bytes < best_miss[1].total_bytes:
                 best_miss = (c, est)
         if not fitting:
-            raise self.nothing_fits(best_miss)
+            raise nothing_fits(
+                self.rejected,
+                best_miss,
+                self.devices,
+                self.pool.device_memory_bytes,
+                self.budget,
+                bool(self.fixed_micro_batch),
+            )
         (c, t, est), runners = fitting[0], fitting[1:]
         return Plan(
             choice=c,
@@ -373,30 +388,26 @@ class _Search:
             parameters=param_counts(self.model),
         )
 
-    def nothing_fits(self, best_miss: tuple[Choice, MemoryEstimate] | None) -> PlanError:
-        """The error when no candidate survives: the closest miss, or every rule that ruled all out."""
-        floors = [r for r in self.rejected if r.code == "model_state"]
-        if best_miss is None and floors:
-            closest = min(floors, key=lambda r: r.numbers["memory_per_gpu_bytes"])
-            message = f"no layout of {self.devices} devices fits: the smallest, {closest.message}"
-        elif best_miss is not None:
-            c, est = best_miss
-            message = (
-                f"no layout of {self.devices} devices fits a {self.pool.device_memory_bytes / GiB:,.1f} "
-                f"GiB device: the smallest, {c.layout.describe()} micro_batch_size={c.micro_batch_size} "
-                f"recompute={c.recompute}, needs {est.total_bytes / GiB:,.2f} GiB of the "
-                f"{self.budget / GiB:,.2f} GiB budget: use more devices or a pool with more memory"
-            )
-            if c.micro_batch_size > 1 and self.fixed_micro_batch:
-                message += ", or a smaller training.micro_batch_size (auto: the planner picks one)"
-        else:
-            rules = list(dict.fromkeys(r.message for r in most_telling(self.rejected)))[:5]
-            message = f"no layout of {self.devices} devices passes the layout rules: " + "; ".join(rules)
-        field_name = "resources.devices" if best_miss is None and not floors else "model"
-        return PlanError(
-            [{"field": field_name, "message": message}],
-            [r.as_dict() for r in self.rejected[:MAX_REJECTED_SHOWN]],
-        )
+    def fastest_exchange(self, c: Choice) -> tuple[Choice, StepTime]:
+        """`c` with the fastest way to run its MoE all-to-alls (at ep > 1): as they are or pipelined
+        behind the experts in MOE_OVERLAP_CHUNKS chunks, by the pairs dispatch or, where the ep
+        group spans nodes, in two hops. The memory estimate is the same for all, as what each keeps
+        for backward is (tests/engine/parallel/test_expert_parallel.py)."""
+        best = (c, predict_step(self.model, c.layout, self.settings(c), self.pool))
+        lay = c.layout
+        if lay.ep == 1 or self.model.moe is None:
+            return best
+        spans_nodes = ep_ranks_per_node(lay.tp, lay.cp, lay.ep, self.pool.devices_per_node) < lay.ep
+        for how, k in itertools.product(
+            ("pairs", "nodes") if spans_nodes else ("pairs",), (1, *MOE_OVERLAP_CHUNKS)
+        ):
+            if (k, how) == (c.moe_overlap_chunks, c.moe_dispatch):
+                continue
+            option = replace(c, moe_overlap_chunks=k, moe_dispatch=how)
+            t = predict_step(self.model, lay, self.settings(option), self.pool)
+            if t.step_time_s < best[1].step_time_s:
+                best = (option, t)
+        return best
 
 
 def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
@@ -409,10 +420,12 @@ def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
 
 
 def plan(
-    spec: JobSpec, pool: PoolSpec, devices: int | None = None, *, tokenizer_vocab: int | None = None
-) -> Plan:
+    spec: JobSpec, pool: PoolSpec, devices: int | None = None, *, tokenizer_vocab: int | None = None,
+    overlaps: Overlaps = ENGINE_OVERLAPS,
+) -> Plan:  # fmt: skip
     """The fastest layout of `spec` on `devices` of `pool` (default: resources.devices, else the
-    whole pool) that fits its devices; an explicit `parallelism` is predicted as given.
+    whole pool) that fits its devices; an explicit `parallelism` is predicted as given. `overlaps`:
+    what the stack hides beyond the engine (MEGATRON_OVERLAPS for Megatron-Core's published runs).
 
     Raises PlanError (a SpecError: field-named problems) when nothing can run, naming why."""
     vocab = _vocab(spec, tokenizer_vocab)
@@ -424,28 +437,15 @@ def plan(
         except SpecError as exc:
             raise PlanError(exc.errors) from None
         if wanted is not None and layout.world_size != wanted:
-            raise PlanError(
-                [
-                    {
-                        "field": "parallelism",
-                        "message": f"tp×pp×cp×dp={layout.world_size} processes, but {wanted} devices "
-                        "were asked for",
-                    }
-                ]
-            )
+            why = f"tp×pp×cp×dp={layout.world_size} processes, but {wanted} devices were asked for"
+            raise PlanError([{"field": "parallelism", "message": why}])
         wanted = layout.world_size
     n = wanted or pool.total_devices
     if n > pool.total_devices:
-        raise PlanError(
-            [
-                {
-                    "field": "resources.devices",
-                    "message": f"{n} devices exceed the {pool.nodes}×{pool.devices_per_node}="
-                    f"{pool.total_devices} of pool {pool.name!r}",
-                }
-            ]
-        )
-    search = _Search(spec, pool, n, vocab)
+        why = f"{n} devices exceed the {pool.nodes}×{pool.devices_per_node}={pool.total_devices} of pool"
+        why += f" {pool.name!r}"
+        raise PlanError([{"field": "resources.devices", "message": why}])
+    search = _Search(spec, pool, n, vocab, overlaps)
     return _explicit(search, layout) if layout is not None else search.search()
 
 
@@ -472,7 +472,7 @@ def _explicit(search: _Search, layout: Layout) -> Plan:
     ]  # fmt: skip
     best: tuple[Choice, StepTime, MemoryEstimate] | None = None
     for n in sizes:
-        c = Choice(layout, n, tr.recompute, dist_opt)
+        c = Choice(layout, n, tr.recompute, dist_opt, par.moe_overlap_chunks, par.moe_dispatch)
         est = search.memory(c)
         if not fits(est, pool.device_memory_bytes, HEADROOM):
             search.memory_rejection(c, est)

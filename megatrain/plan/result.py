@@ -9,7 +9,7 @@ from typing import Any
 
 from megatrain.plan.cost import StepTime
 from megatrain.plan.layout import Layout
-from megatrain.plan.memory import MemoryEstimate
+from megatrain.plan.memory import GiB, MemoryEstimate
 from megatrain.spec import JobSpec, SpecError, parse_spec
 
 MAX_REJECTED_SHOWN = 20
@@ -33,6 +33,10 @@ class Choice:
     micro_batch_size: int
     recompute: str
     distributed_optimizer: bool
+    moe_overlap_chunks: int = 1
+    """parallelism.moe_overlap_chunks: an MoE layer's all-to-alls pipelined behind its experts."""
+    moe_dispatch: str = "pairs"
+    """parallelism.moe_dispatch: "nodes", each token once per node (an ep group across nodes)."""
 
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -49,6 +53,8 @@ class Choice:
             "distributed_optimizer": self.distributed_optimizer,
             "pipeline_schedule": lay.pipeline_schedule,
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
+            "moe_overlap_chunks": self.moe_overlap_chunks,
+            "moe_dispatch": self.moe_dispatch,
         }
 
     def apply(self, spec: JobSpec) -> JobSpec:
@@ -67,7 +73,10 @@ class Choice:
             "virtual_stages": lay.virtual_stages,
             "sequence_parallel": lay.sequence_parallel,
             "distributed_optimizer": self.distributed_optimizer,
+            "pipeline_schedule": lay.pipeline_schedule,
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
+            "moe_overlap_chunks": self.moe_overlap_chunks,
+            "moe_dispatch": self.moe_dispatch,
         }
         raw["training"].update(micro_batch_size=self.micro_batch_size, recompute=self.recompute)
         raw["resources"]["devices"] = lay.world_size
@@ -136,10 +145,59 @@ REJECTION_ORDER = (
 )
 
 
+def nothing_fits(
+    rejected: list[Rejection], best_miss: tuple[Choice, MemoryEstimate] | None, devices: int,
+    device_bytes: int, budget: float, fixed_micro_batch: bool,
+) -> PlanError:  # fmt: skip
+    """The error when no candidate survives: the closest miss, or every rule that ruled all out."""
+    floors = [r for r in rejected if r.code == "model_state"]
+    if best_miss is None and floors:
+        closest = min(floors, key=lambda r: r.numbers["memory_per_gpu_bytes"])
+        message = f"no layout of {devices} devices fits: the smallest, {closest.message}"
+    elif best_miss is not None:
+        c, est = best_miss
+        message = (
+            f"no layout of {devices} devices fits a {device_bytes / GiB:,.1f} "
+            f"GiB device: the smallest, {c.layout.describe()} micro_batch_size={c.micro_batch_size} "
+            f"recompute={c.recompute}, needs {est.total_bytes / GiB:,.2f} GiB of the "
+            f"{budget / GiB:,.2f} GiB budget: use more devices or a pool with more memory"
+        )
+        if c.micro_batch_size > 1 and fixed_micro_batch:
+            message += ", or a smaller training.micro_batch_size (auto: the planner picks one)"
+    else:
+        rules = list(dict.fromkeys(r.message for r in most_telling(rejected)))[:5]
+        message = f"no layout of {devices} devices passes the layout rules: " + "; ".join(rules)
+    field_name = "resources.devices" if best_miss is None and not floors else "model"
+    return PlanError(
+        [{"field": field_name, "message": message}],
+        [r.as_dict() for r in rejected[:MAX_REJECTED_SHOWN]],
+    )
+
+
 def most_telling(rejected: list[Rejection]) -> list[Rejection]:
     """The rejections to show: the nearest misses (memory) first, capped."""
     rank = {code: i for i, code in enumerate(REJECTION_ORDER)}
     return sorted(rejected, key=lambda r: rank.get(r.code, len(rank)))[:MAX_REJECTED_SHOWN]
+
+
+def memory_message(est: MemoryEstimate, budget: float, device_bytes: int, headroom: float) -> tuple[str, int]:
+    """Why a layout does not fit (its step's or, where larger, its start-up's bytes against the
+    budget), and the bytes it needs."""
+    gib = 1 << 30
+    pool = f"{headroom:.0%} of the pool's {device_bytes / gib:,.1f} GiB is {budget / gib:,.2f} GiB"
+    if est.startup_bytes > est.total_bytes:
+        # The start (plan.startup_memory) is what does not fit, not the step.
+        return (
+            f"needs {est.startup_bytes / gib:,.2f} GiB per device to start (the start-up peak, before the "
+            f"first step; a step needs {est.total_bytes / gib:,.2f}) but {pool}",
+            est.startup_bytes,
+        )
+    return (
+        f"needs {est.total_bytes / gib:,.2f} GiB per device (stage {est.stage}: params "
+        f"{est.params_bytes / gib:,.2f}, grads {est.grads_bytes / gib:,.2f}, optimizer "
+        f"{est.optimizer_bytes / gib:,.2f}, activations {est.activations_bytes / gib:,.2f}) but {pool}",
+        est.total_bytes,
+    )
 
 
 def predicted_dict(time: StepTime, memory: MemoryEstimate, brief: bool = False) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from megatrain.plan.stacks import (
     t5_config_fields,
     t5_edge_params,
 )
+from megatrain.plan.stages import layers_on_stage, moe_layers_on_stage
 
 if TYPE_CHECKING:
     from megatrain.spec import JobSpec
@@ -56,6 +57,9 @@ class MoEShape:
     shared_expert_ffn_hidden_size: int | None = None
     capacity_factor: float | None = None
     """None: dropless (every routed token computed); else each expert's buffer bound, × tokens·topk/E."""
+    router_num_groups: int | None = None
+    router_group_topk: int | None = None
+    """A token's experts in its best group_topk of num_groups groups (links.routed_all_to_all_time)."""
 
     @classmethod
     def of(cls, moe: Any, dense_ffn: int) -> MoEShape | None:
@@ -70,6 +74,8 @@ class MoEShape:
             layer_freq=get("layer_freq", 1),
             shared_expert_ffn_hidden_size=get("shared_expert_ffn_hidden_size"),
             capacity_factor=get("capacity_factor"),
+            router_num_groups=get("router_num_groups"),
+            router_group_topk=get("router_group_topk"),
         )
 
 
@@ -442,59 +448,3 @@ def spec_param_counts(spec: JobSpec) -> dict[str, int] | None:
     if spec.model.vocab_size is None and spec.data.tokenizer.type != "byte":
         return None
     return param_counts(shape_of_spec(spec, spec.model.vocab_size or BYTE_TOKENIZER_VOCAB))
-
-
-def layers_on_stage(
-    num_layers: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
-) -> int:
-    """Layers are split evenly (the engine needs num_layers divisible by pp × virtual stages then;
-    any remainder would go to the first stages), or as `pipeline_layers` says: one count per model
-    chunk, chunk c on stage c % pp (megatrain.plan.layout.Layout.chunk_layers)."""
-    if pipeline_layers is not None:
-        return sum(pipeline_layers[stage::pp])
-    base, extra = divmod(num_layers, pp)
-    return base + (1 if stage < extra else 0)
-
-
-def moe_layers_on_stage(
-    m: ModelShape, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None, virtual_stages: int = 1
-) -> int:
-    """How many of a stage's layers are MoE layers (layer i is when i % layer_freq == 0); the stage's
-    model chunks hold contiguous layer ranges, chunk c on stage c % pp."""
-    if m.moe is None:
-        return 0
-    L, f = m.num_layers, m.moe.layer_freq
-    if pipeline_layers is not None:
-        counts = list(pipeline_layers)
-    elif virtual_stages > 1 and L % (pp * virtual_stages) == 0:
-        counts = [L // (pp * virtual_stages)] * (pp * virtual_stages)
-    else:
-        base, extra = divmod(L, pp)
-        counts = [base + (1 if i < extra else 0) for i in range(pp)]
-    out, start = 0, 0
-    for c, n in enumerate(counts):
-        if c % pp == stage:
-            out += -(-(start + n) // f) - -(-start // f)  # multiples of f in [start, start + n)
-        start += n
-    return out
-
-
-def balanced_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...] | None:
-    """Layers per model chunk (chunk c on stage c % pp) when pp·v does not divide num_layers, else
-    None (the even split). The extra layers go to the middle stages first: the first stage also runs
-    the embedding and the last the LM head and the loss (as Llama 3 405B's 126 layers over pp=16)."""
-    chunks = pp * v
-    base, extra = divmod(num_layers, chunks)
-    if not extra:
-        return None
-    order = sorted(range(chunks), key=lambda c: (c % pp == pp - 1, c % pp == 0, c))
-    counts = [base] * chunks
-    for c in order[:extra]:
-        counts[c] += 1
-    return tuple(counts)
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of `n`, ascending."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})

@@ -65,8 +65,9 @@ def spec_decoder_layers(m: Any) -> int:
 def family_layout_problems(m: Any, layout: Any) -> list[dict[str, str]]:
     """The rules a layout breaks for model.arch t5 (`m`: its ModelSpec), each naming its field: the
     engine runs T5 without context parallelism (its relative position biases and cross-attention
-    have no ring attention) and without interleaved stages, and splits its pipeline at the
-    encoder/decoder boundary; under sequence parallelism the decoder's length splits over tp too."""
+    have no ring attention) and without interleaved stages (so without zbv's V), and splits its
+    pipeline at the encoder/decoder boundary; under sequence parallelism the decoder's length splits
+    over tp too."""
     if m.arch != "t5":
         return []
     out: list[dict[str, str]] = []
@@ -74,10 +75,6 @@ def family_layout_problems(m: Any, layout: Any) -> list[dict[str, str]]:
         why = (f"parallelism.cp={layout.cp} is not supported for model.arch t5 (its relative position "
                "biases and cross-attention run without ring attention); set parallelism.cp to 1")  # fmt: skip
         out.append({"field": "parallelism.cp", "message": why})
-    if layout.pipeline_schedule in ("zb-h1", "zbv") and layout.pp > 1:
-        why = (f"parallelism.pipeline_schedule={layout.pipeline_schedule} is not supported for model.arch t5 "
-               "yet (its encoder/decoder pipeline runs 1f1b or all_forward_all_backward)")  # fmt: skip
-        out.append({"field": "parallelism.pipeline_schedule", "message": why})
     total = m.num_layers + spec_decoder_layers(m)
     rules = t5_split_problems(m.num_layers, total, layout.pp, layout.virtual_stages, layout.pipeline_layers)
     out += [{"field": field, "message": why} for field, why in rules]
@@ -107,7 +104,7 @@ def stage_layer_range(
     total: int, pp: int, stage: int, pipeline_layers: Sequence[int] | None = None
 ) -> tuple[int, int]:
     """[start, end) of the layers a stage holds with one model chunk per stage (the even split puts
-    any remainder on the first stages, as megatrain.plan.shapes.layers_on_stage)."""
+    any remainder on the first stages, as megatrain.plan.stages.layers_on_stage)."""
     if pipeline_layers is not None:
         start = sum(pipeline_layers[:stage])
         return start, start + pipeline_layers[stage]

