@@ -2,6 +2,8 @@
 
     python benchmarks/expert_parallel.py                     # ep 1, 2, 4; hidden 256, 8 experts, top-2
     python benchmarks/expert_parallel.py --ep 1 2 --tokens 1024 --steps 3
+    python benchmarks/expert_parallel.py --ep 1 2 --overlap 2 4         # the exchange hidden in chunks
+    python benchmarks/expert_parallel.py --ep 4 --nodes 1 2 4           # two hops, once per node
 
 Every rank (one thread each) runs one MoELayer (the engine's router, GroupedExperts on the CPU
 grouped_mlp kernel) on its own `--tokens` tokens per step: ep=1 is one process with all E experts;
@@ -11,6 +13,25 @@ so the time difference is the price of the exchange. Per ep it prints: the step 
 rank's median), the all-to-all bytes each rank sends per step (measured: rows that leave the rank in
 dispatch and combine, forward and backward, × hidden × 4 bytes; next to the analytical figure for
 uniform routing, 4·tokens·k·(P-1)/P rows) and the expert weight bytes each rank holds.
+
+With `--overlap K`, every ep > 1 also runs with the exchange pipelined behind the experts in K token
+chunks (parallelism.moe_overlap_chunks; engine.parallel.expert_overlap), next to the parts it
+overlaps: the experts' compute alone (every rank at once running a layer of E/ep experts with no
+exchange, the GEMM shapes an ep rank's experts get) and the exchange alone (four all-to-alls per
+step, dispatch and combine forward and backward, of the uniform-routing volume, timed on the same
+ranks with nothing else running). Overlap works when the step falls from about their sum toward
+the larger of the two.
+
+With `--nodes R`, every ep divisible by R also runs the two-hop dispatch (parallelism.moe_dispatch
+nodes; engine.parallel.expert_dedup) with its ranks taken as nodes of R: a token goes once to each
+node holding one of its experts, then once to each rank there (with `--overlap K` also with the
+hop across nodes pipelined in K chunks). Its rows show the bytes sent and the part of them that
+crossed nodes.
+
+Every row also says what the layer's forward leaves held for backward beyond its output (live
+tensor bytes, one untimed step under engine.memtrack); with `--recompute` every step runs inside a
+non-reentrant checkpoint, as training.recompute full runs a layer, so that figure is what recompute
+keeps (the input, and the chunks' row indices).
 
 Ranks beyond the machine's cores time-share: on a 2-core machine ep=4 runs four ranks on two cores,
 so its step time reads about twice what four cores would give. The table says how many cores there
@@ -32,52 +53,136 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrain.engine.config import MoEConfig, TransformerConfig  # noqa: E402
+from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
 from megatrain.engine.models.moe import MoELayer  # noqa: E402
 from megatrain.engine.parallel.expert import AllToAllDispatcher, parallelize_experts  # noqa: E402
+from megatrain.engine.parallel.expert_dedup import NodeDispatcher, dedup_experts  # noqa: E402
+from megatrain.engine.parallel.expert_overlap import overlap_experts  # noqa: E402
 from megatrain.engine.parallel.state import ParallelState  # noqa: E402
 from megatrain.plan.layout import Layout  # noqa: E402
 
 
-def layer_config(args: argparse.Namespace) -> TransformerConfig:
-    moe = MoEConfig(
-        num_experts=args.experts, router_topk=args.topk, ffn_hidden_size=args.ffn, aux_loss_coeff=1e-2
-    )
+def layer_config(args: argparse.Namespace, experts: int | None = None) -> TransformerConfig:
+    e = experts or args.experts
+    moe = MoEConfig(num_experts=e, router_topk=args.topk, ffn_hidden_size=args.ffn, aux_loss_coeff=1e-2)
     return TransformerConfig.preset("tiny-llama", hidden_size=args.hidden, moe=moe)
 
 
 def measure(rank: int, ep: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One rank's timings and volumes (ep=1: the single process)."""
+    """One rank's timings and volumes for each chunk count (ep=1: the single process)."""
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    layer: Any = MoELayer(layer_config(args))  # the full layer on every rank, as build_model does
     state = ParallelState.build(Layout(dp=ep, ep=ep)) if ep > 1 else ParallelState.single()
-    parallelize_experts(layer, state)
+    out: dict[Any, Any] = {}
+    for variant in variants(ep, args):
+        out[variant] = measure_layer(rank, ep, state, variant, args)
+    if ep > 1:
+        out["exchange_s"] = measure_exchange(ep, state, args)
+        out["compute_s"] = measure_layer(rank, ep, state, 1, args, local=True)["time_s"]
+    return out
+
+
+def measure_exchange(ep: int, state: ParallelState, args: argparse.Namespace) -> float:
+    """The four all-to-alls of a step on their own, at the uniform-routing volume (median)."""
+    rows = args.tokens * args.topk // ep  # to each rank, this one included
+    x = torch.randn(rows * ep, args.hidden)
+    out = torch.empty_like(x)
+    splits = [rows] * ep
+    times = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(4):
+            dist.all_to_all_single(out, x, splits, splits, group=state.ep_group)
+        dist.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def variants(ep: int, args: argparse.Namespace) -> list[int | str]:
+    """What runs at this ep: chunk counts of the pairs dispatch, and "nodes{R}x{K}" (two hops, R ep
+    ranks to a node, the others on other nodes as far as the dispatch knows; the hop across nodes
+    in K chunks, where there are several nodes)."""
+    if ep == 1:
+        return [1]
+    nodes = [r for r in args.nodes if ep % r == 0]
+    two_hops = [f"nodes{r}x{k}" for r in nodes for k in (1, *args.overlap) if k == 1 or r < ep]
+    return [1, *args.overlap, *two_hops]
+
+
+def _two_hops(variant: str) -> tuple[int, int]:
+    """ "nodes{R}x{K}" -> (R ep ranks to a node, K chunks)."""
+    r, k = variant.removeprefix("nodes").split("x")
+    return int(r), int(k)
+
+
+def measure_layer(
+    rank: int,
+    ep: int,
+    state: ParallelState,
+    variant: int | str,
+    args: argparse.Namespace,
+    local: bool = False,
+) -> dict[str, Any]:
+    """The layer's forward + backward (median step over the ranks' barriers). local: the compute
+    alone, every rank at once (the same contention): a layer of E/ep experts with no exchange, whose
+    GEMMs have the shapes an ep rank's experts get (tokens·k rows over E/ep experts)."""
+    torch.manual_seed(args.seed)
+    if local:
+        layer: Any = MoELayer(layer_config(args, args.experts // ep))
+    else:
+        layer = MoELayer(layer_config(args))  # the full layer on every rank, as build_model does
+        parallelize_experts(layer, state)
+        if isinstance(variant, str):
+            dedup_experts(layer, state, *_two_hops(variant))
+        else:
+            overlap_experts(layer, variant)
     g = torch.Generator().manual_seed(args.seed + 1 + rank)
     x = torch.randn(1, args.tokens, args.hidden, generator=g, requires_grad=True)
     upstream = torch.randn(x.shape, generator=g)
-    times, sent = [], []
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        return checkpoint(layer, t, use_reentrant=False) if args.recompute else layer(t)
+
+    times, sent, off_node = [], [], []
     for step in range(args.warmup + args.steps):
         if ep > 1:
             dist.barrier()
         began = time.perf_counter()
-        layer(x).backward(upstream)
+        run(x).backward(upstream)
         if ep > 1:
             dist.barrier()  # the step ends when the slowest rank is done
         elapsed = time.perf_counter() - began
         if step >= args.warmup:
             times.append(elapsed)
-            d = layer.dispatcher
-            rows = d.rows_sent + d.rows_received if isinstance(d, AllToAllDispatcher) else 0
-            # dispatch sends rows_sent, combine sends back rows_received; backward does the reverse.
-            sent.append(2 * rows * args.hidden * x.element_size())
+            d, row_bytes = layer.dispatcher, args.hidden * x.element_size()
+            if isinstance(d, NodeDispatcher):  # combine sends back as many as dispatch sent, on average
+                sent.append(4 * d.rows_sent * row_bytes)
+                off_node.append(4 * d.rows_sent_off_node * row_bytes)
+            else:
+                rows = d.rows_sent + d.rows_received if isinstance(d, AllToAllDispatcher) else 0
+                # dispatch sends rows_sent, combine sends back rows_received; backward the reverse.
+                sent.append(2 * rows * row_bytes)
         layer.zero_grad(set_to_none=True)
         x.grad = None
+    with LiveTensorBytes(tensors_of(layer, x, upstream)) as live:
+        y = run(x)
+        time.sleep(0.05)  # gloo's worker thread lets go of an exchange's buffers a little after wait()
+        held = live.current - y.untyped_storage().nbytes()
+        y.backward(upstream)
     expert_bytes = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
-    return {"time_s": statistics.median(times), "sent": statistics.mean(sent), "expert_bytes": expert_bytes}
+    return {
+        "held": held,
+        "time_s": statistics.median(times),
+        "sent": statistics.mean(sent),
+        "off_node": statistics.mean(off_node) if off_node else None,
+        "expert_bytes": expert_bytes,
+    }
 
 
 def _rank_main(rank: int, ep: int, args: argparse.Namespace, store_path: str, out: Any) -> None:
@@ -118,27 +223,60 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--overlap", type=int, nargs="*", default=[], help="moe_overlap_chunks to run beside 1 (ep > 1)"
+    )
+    parser.add_argument(
+        "--nodes", type=int, nargs="*", default=[], help="moe_dispatch nodes with R ep ranks to a node"
+    )
+    parser.add_argument("--recompute", action="store_true", help="each layer inside a checkpoint")
     args = parser.parse_args()
 
     print(
         f"MoE layer: hidden {args.hidden}, {args.experts} experts of width {args.ffn} (SwiGLU), "
         f"top-{args.topk}, {args.tokens} tokens per rank; fp32, one thread per rank, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}"
+        f"{os.cpu_count()} cores, torch {torch.__version__}{'; recomputed' if args.recompute else ''}"
     )
     print(
-        "| ep | experts per rank | step (s) | all-to-all sent per rank per step (MiB) "
-        "| uniform-routing figure (MiB) | expert weights per rank (MiB) |"
+        "| ep | experts per rank | dispatch | step (s) | all-to-all sent per rank per step (MiB) "
+        "| of it across nodes (MiB) | uniform-routing figure, pairs (MiB) | expert weights per rank (MiB) "
+        "| held for backward (MiB) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     mib = 1 / 2**20
+    overlap_rows = []
     for ep in args.ep:
         ranks = run_ep(ep, args)
-        step = max(r["time_s"] for r in ranks)
-        sent = statistics.mean(r["sent"] for r in ranks)
-        analytic = 4 * args.tokens * args.topk * (ep - 1) / ep * args.hidden * 4
+        for variant in variants(ep, args):
+            step = max(r[variant]["time_s"] for r in ranks)
+            sent = statistics.mean(r[variant]["sent"] for r in ranks)
+            analytic = 4 * args.tokens * args.topk * (ep - 1) / ep * args.hidden * 4
+            if isinstance(variant, str):
+                per_node, chunks = _two_hops(variant)
+                label = f"two hops, {per_node} ranks to a node" + (f", {chunks} chunks" if chunks > 1 else "")
+                off = f"{statistics.mean(r[variant]['off_node'] for r in ranks) * mib:.2f}"
+            else:
+                label, off = (f"pairs, {variant} chunks" if variant > 1 else "pairs"), "-"
+            print(
+                f"| {ep} | {args.experts // ep} | {label} | {step:.3f} | {sent * mib:.2f} | {off} | "
+                f"{analytic * mib:.2f} | {ranks[0][variant]['expert_bytes'] * mib:.2f} | "
+                f"{max(r[variant]['held'] for r in ranks) * mib:.2f} |"
+            )
+            if ep > 1 and not isinstance(variant, str):
+                parts = (max(r["compute_s"] for r in ranks), max(r["exchange_s"] for r in ranks))
+                overlap_rows.append((ep, variant, step, *parts))
+    if not args.overlap:
+        return
+    print(
+        "\nThe step against its parts, each timed alone on the same ranks (compute: E/ep experts "
+        "with no exchange; exchange: the four all-to-alls):\n"
+    )
+    print("| ep | chunks | step (s) | compute (s) | exchange (s) | compute + exchange | max of the two |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for ep, chunks, step, compute, exchange in overlap_rows:
         print(
-            f"| {ep} | {args.experts // ep} | {step:.3f} | {sent * mib:.2f} | {analytic * mib:.2f} | "
-            f"{ranks[0]['expert_bytes'] * mib:.2f} |"
+            f"| {ep} | {chunks} | {step:.3f} | {compute:.3f} | {exchange:.3f} | {compute + exchange:.3f} | "
+            f"{max(compute, exchange):.3f} |"
         )
 
 
