@@ -73,6 +73,23 @@ def write_corpus(path: Path) -> None:
             f.write(json.dumps({"text": f"{i}: {text}"}) + "\n")
 
 
+def _stepped_this_attempt(session: Any, job_id: str) -> bool:
+    """Whether the job logged a step since its latest attempt started."""
+    from sqlalchemy import func, select
+
+    from megatrain.db.models import JobEvent, JobLog
+
+    started = session.scalar(
+        select(func.max(JobEvent.created_at)).where(JobEvent.job_id == job_id, JobEvent.kind == "started")
+    )
+    if started is None:
+        return False
+    step = select(JobLog.seq).where(
+        JobLog.job_id == job_id, JobLog.created_at >= started, JobLog.line.contains(" | loss ")
+    )
+    return session.scalar(step.limit(1)) is not None
+
+
 def say(start: float, what: str) -> None:
     print(f"{time.monotonic() - start:7.1f} s  {what}", flush=True)
 
@@ -121,8 +138,9 @@ class Driver:
         raise RuntimeError("the API took no job for a minute")
 
     def running_target(self, with_checkpoint: bool = False) -> tuple[str, int, str] | None:
-        """(job, attempt, node) of a running job that has stepped (and, if asked, checkpointed) and
-        has steps left, chosen at random."""
+        """(job, attempt, node) of a running job that has stepped in its current attempt (and, if
+        asked, checkpointed) and has steps left, chosen at random. A job still resuming from the last
+        fault is not hit again: its resume would be timed with the second fault's delay in it."""
         from sqlalchemy import select
 
         from megatrain.db.models import Checkpoint, Job, Node
@@ -137,7 +155,8 @@ class Driver:
             q = q.where(select(Checkpoint.id).where(Checkpoint.job_id == Job.id).exists())
         with self.cluster.session() as s:
             rows = s.execute(q).all()
-        rows = [r for r in rows if self.cluster.engine_pid(r[2], r[0], r[1]) is not None]
+            rows = [r for r in rows if self.cluster.engine_pid(r[2], r[0], r[1]) is not None]
+            rows = [r for r in rows if _stepped_this_attempt(s, r[0])]
         return tuple(random.choice(rows)) if rows else None  # type: ignore[return-value]
 
     def running_on(self, node: str) -> list[str]:
