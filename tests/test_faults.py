@@ -39,11 +39,12 @@ def test_injected_5xx_are_retried_and_every_object_arrives(
     monkeypatch.setenv(ENV, "storage:rate=0.3")
     store = open_store(f"{s3_bucket_url}/faults")
     assert store.faults is not None
+    store.faults._random.seed(1234)  # which requests fail: the same every run (CI once drew 1 of ~24)
     blobs = {f"ckpt/shard-{i}.bin": bytes([i]) * (1000 + i) for i in range(12)}
     for key, data in blobs.items():
         store.put_bytes(key, data)
     assert {key: store.get_bytes(key) for key in blobs} == blobs
-    assert store.faults.injected > 1  # ~30% of ~24 requests failed at first and were retried
+    assert store.faults.injected >= 6  # ~30% of ~30 requests (12 with this seed) failed and were retried
 
 
 def test_a_store_that_always_fails_says_so(s3_bucket_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
