@@ -56,6 +56,12 @@ class ParallelismSpec(Strict):
     (Megatron's --overlap-moe-expert-parallel-comm); 1: no overlap. With moe_dispatch nodes, the
     hop across nodes is pipelined behind the node hop and the experts. Under `parallelism: auto`
     the planner picks 1, 2 or 4, whichever it predicts fastest."""
+    moe_overlap_microbatches: bool = False
+    """Under ep > 1, two micro-batches in flight: one's forward and the one before's backward take
+    turns on each rank, each running while the other waits on an all-to-all (DualPipe's overlap,
+    Megatron's combined 1F1B; engine.parallel.lanes). Holds two micro-batches' activations instead
+    of one (one more on each pipeline stage, 1F1B's steady pairs); needs pipeline_schedule 1f1b
+    with virtual_stages 1, pp + 1 micro-batches per step or more and dropout 0."""
     moe_dispatch: Literal["pairs", "nodes"] = "pairs"
     """How tokens reach their experts under ep > 1. pairs: one row per routed (token, expert) pair,
     one all-to-all each way. nodes: DeepSeek-V3's two hops, each token once to every node holding

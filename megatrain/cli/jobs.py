@@ -324,6 +324,7 @@ def download(
 
 _LAYOUT_DEFAULTS = {"cp": 1, "ep": 1, "virtual_stages": 1, "sequence_parallel": False,
                     "pipeline_schedule": "1f1b", "pipeline_layers": None, "moe_overlap_chunks": 1,
+                    "moe_overlap_microbatches": False,
                     "moe_dispatch": "pairs"}  # fmt: skip
 
 

@@ -159,6 +159,9 @@ class Trainable:
     logps: LossFn | None = None
     """Preference training with a pipeline: the last stage's (B,) row log-probs on (output,
     micro-batch) (engine.dpo.head_logps); None otherwise."""
+    microbatch_lanes: bool = False
+    """parallelism.moe_overlap_microbatches without a pipeline: each micro-batch's forward runs
+    beside the one before's backward (engine.parallel.lanes; a pipeline pairs them itself)."""
 
     def allreduce_shared_grads(self) -> None:
         """Sum the gradients of weights several pipeline stages hold over those stages, after the
@@ -219,11 +222,13 @@ def make_trainable(
             (cfg.micro_batch_size, seq, mcfg.hidden_size),
             dtype,
             state.layout.pipeline_schedule,
+            lanes=par.moe_overlap_microbatches and state.ep_size > 1,
         )
         loss = _pipeline_loss(model.chunks, state, mcfg.real_vocab_size)
         if cfg.dpo is not None:
             logps = _pipeline_logps(model.chunks, mcfg.real_vocab_size, state)
-    return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss, logps)
+    lanes = par.moe_overlap_microbatches and state.ep_size > 1 and pipeline is None  # (a pipeline's own)
+    return Trainable(model, ddp, optimizer, model.parameter_names(), pipeline, loss, logps, lanes)
 
 
 def lm_loss(model: nn.Module, batch: MicroBatch, state: ParallelState) -> torch.Tensor:

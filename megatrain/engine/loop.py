@@ -31,6 +31,7 @@ from megatrain.engine.microbatch import (
 from megatrain.engine.models.moe import moe_layers
 from megatrain.engine.moe_metrics import moe_metrics, set_microbatch_aux_scale
 from megatrain.engine.optimizer import lr_at
+from megatrain.engine.parallel import lanes
 from megatrain.engine.parallel.bert_loss import counting_binary
 from megatrain.engine.parallel.mappings import allreduce_sequence_parallel_grads
 from megatrain.engine.parallel.state import ParallelState
@@ -197,15 +198,29 @@ class TrainLoop:
             timers.add("forward", pipeline.times.forward_s - fwd0)
             timers.add("backward", pipeline.times.backward_s - bwd0)
         else:
-            for m, mb in enumerate(batches):
+
+            def forward(mb: MicroBatch) -> torch.Tensor:
+                set_microbatch_aux_scale(self.moe_layers, mb, denominator, optimizer.loss_scale)
+                return self._share(mb, denominator)
+
+            def backward(loss: torch.Tensor, last: bool) -> None:
                 # Gradient buckets are reduced only during the last micro-batch's backward.
-                last = m == len(batches) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
-                    set_microbatch_aux_scale(self.moe_layers, mb, denominator, optimizer.loss_scale)
+                    optimizer.scale_loss(loss).backward()
+
+            if train.microbatch_lanes:  # micro-batch m's forward beside m-1's backward
+                seconds = [0.0, 0.0]
+                losses = lanes.overlapped(batches, forward, backward, seconds)
+                timers.add("forward", seconds[0])
+                timers.add("backward", seconds[1])
+            else:
+                losses = []
+                for m, mb in enumerate(batches):
                     with timers("forward"):
-                        loss = self._share(mb, denominator)
+                        losses.append(forward(mb))
                     with timers("backward"):
-                        optimizer.scale_loss(loss).backward()
+                        backward(losses[-1], m == len(batches) - 1)
+            for loss in losses:
                 loss_sum += loss.detach()
 
     def _share(self, mb: MicroBatch, denominator: float) -> torch.Tensor:

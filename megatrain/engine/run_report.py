@@ -107,6 +107,8 @@ def _say_experts(train: Trainable, layout: Layout, log: RunLog) -> None:
         how = f"pipelined behind the experts in {chunks} token chunks"
     else:
         how = "not overlapped"
+    if train.microbatch_lanes:
+        how += "; each micro-batch's forward beside the one before's backward"
     log.say(f"experts: {total // layout.ep} of {total} per rank (ep={layout.ep}) | all-to-all {how}")
 
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from megatrain.plan.fp8 import fp8_problems
-from megatrain.plan.schedule_rules import zero_bubble_problems
+from megatrain.plan.schedule_rules import microbatch_lane_problems, zero_bubble_problems
 from megatrain.plan.split_rank import split_pipeline_layers, split_rank_problems
 from megatrain.plan.stacks import family_layout_problems, spec_decoder_layers
 from megatrain.spec import JobSpec, ParallelismSpec, SpecError
@@ -359,7 +359,7 @@ def with_micro_batch_size(spec: JobSpec, size: int | None = None, layout: Layout
 
 def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
     """Every rule `layout` breaks for `spec`'s model and batch, each naming its spec field."""
-    m, tr = spec.model, spec.training
+    m, tr, mbs = spec.model, spec.training, micro_batch_size(spec, layout)
     return [
         *family_layout_problems(m, layout),
         *split_rank_problems(spec, layout),
@@ -378,7 +378,8 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             model="model.",
             par="parallelism.",
         ),
-        *batch_problems(layout, tr.global_batch_size, micro_batch_size(spec, layout)),
+        *batch_problems(layout, tr.global_batch_size, mbs),
+        *microbatch_lane_problems(spec, layout, mbs),
         *expert_problems(layout, m.moe.num_experts if m.moe is not None else 0),
         *context_problems(layout, m.attention_dropout, m.attention_backend),
         *fp8_problems(spec, layout),

@@ -227,6 +227,40 @@ def test_resolve_layout_errors_name_the_field(
     assert text in info.value.errors[0]["message"]
 
 
+LANES = {"moe_overlap_microbatches": True}
+FLAG = "parallelism.moe_overlap_microbatches"
+MOE = {"moe": {"num_experts": 4, "router_topk": 2}}
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "gbs", "mbs", "model", "field", "text"),
+    [
+        ({"dp": 2, **LANES}, 16, 4, {}, FLAG, "but the model has no model.moe"),
+        ({"dp": 2, **LANES}, 16, 4, MOE, FLAG, "but parallelism.ep is 1"),
+        ({"dp": 2, "pp": 2, "ep": 2, "pipeline_schedule": "zb-h1", **LANES}, 16, 4, MOE, FLAG,
+         "with parallelism.pp > 1 it needs pipeline_schedule 1f1b (not zb-h1) and virtual_stages 1"),
+        ({"dp": 2, "ep": 2, **LANES}, 8, 4, MOE, "training.global_batch_size",
+         "needs 2 or more micro-batches per step on each rank (pp + 1, for a forward beside a "
+         "backward); training.global_batch_size / (micro_batch_size × dp) is 1"),
+        ({"dp": 2, "pp": 2, "ep": 2, **LANES}, 16, 4, MOE, "training.global_batch_size",
+         "needs 3 or more micro-batches"),
+        ({"dp": 2, "ep": 2, **LANES}, 16, 4, {**MOE, "hidden_dropout": 0.1}, "model.hidden_dropout",
+         "parallelism.moe_overlap_microbatches needs model.hidden_dropout 0 (not 0.1)"),
+    ],
+)  # fmt: skip
+def test_two_microbatches_in_flight_need_experts_apart_no_pipeline_and_no_dropout(
+    parallelism: dict[str, Any], gbs: int, mbs: int, model: dict[str, Any], field: str, text: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        resolve_layout(spec_with(parallelism, None, gbs, mbs, **model))
+    assert [e["field"] for e in info.value.errors] == [field]
+    assert text in info.value.errors[0]["message"]
+    for pp in (1, 2):  # 4 micro-batches per rank: enough for lanes at pp 1 and 2
+        fine = {**parallelism, "pp": pp, "ep": 2, "pipeline_schedule": "1f1b"}
+        layout = resolve_layout(spec_with(fine, None, 32, 4, **MOE))
+        assert (layout.dp, layout.ep, layout.pp) == (2, 2, pp)
+
+
 def with_(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """BASE with the dotted `path` set to `value`."""
     spec = copy.deepcopy(base or BASE)

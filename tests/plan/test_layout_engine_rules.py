@@ -49,6 +49,9 @@ def spec_of(model: dict[str, Any] | None = None, parallelism: Any = None, **trai
     return data
 
 
+LANES_V2 = {"pp": 2, "dp": 2, "ep": 2, "virtual_stages": 2, "moe_overlap_microbatches": True}
+
+
 def layout_of(spec: JobSpec) -> Layout:
     """The spec's explicit layout as written (resolve_layout would refuse it: that is the point)."""
     par = spec.parallelism
@@ -107,8 +110,9 @@ def cp_chunks(spec: JobSpec, layout: Layout) -> None:
 
 def schedule(spec: JobSpec, layout: Layout) -> None:
     tr = spec.training
+    lanes = isinstance(spec.parallelism, ParallelismSpec) and spec.parallelism.moe_overlap_microbatches
     check_schedule(layout.pipeline_schedule, layout.pp, layout.micro_batches(tr.global_batch_size,
-                   tr.micro_batch_size), layout.virtual_stages)  # fmt: skip
+                   tr.micro_batch_size), layout.virtual_stages, lanes)  # fmt: skip
 
 
 def world(spec: JobSpec, layout: Layout) -> None:
@@ -184,6 +188,8 @@ CASES: dict[str, tuple[dict[str, Any], str, str, Engine, bool]] = {
                       "parallelism.virtual_stages", "runs one chunk per stage", schedule, False),
     "zbv_virtual": (spec_of(parallelism={"pp": 2, "pipeline_schedule": "zbv"}), "parallelism.virtual_stages",
                     "pipeline_schedule=zbv runs two chunks per stage in a V", schedule, False),
+    "lanes_v2": (spec_of({"moe": {"num_experts": 4}}, LANES_V2, global_batch_size=16, micro_batch_size=2),
+                 "parallelism.moe_overlap_microbatches", "virtual_stages 1 (not 2)", schedule, False),
     "t5_split": (t5_spec(parallelism={"pp": 4, "pipeline_layers": [2, 1, 3, 2]}),
                  "parallelism.pipeline_layers",
                  "the layers per stage ([2, 1, 3, 2]) must put the boundary after layer 4", build, False),
@@ -202,7 +208,7 @@ GUARDS: dict[tuple[str, str], list[str] | str] = {
     ("parallel/context.py", "parallelize_context"): ["cp_dropout", "cp_backend"],
     ("microbatch.py", "context_parallel_index"): ["cp_chunks"],
     ("parallel/schedules.py", "check_schedule"): ["virtual_without_pp", "interleaved_batches",
-                                                  "zb_h1_virtual", "zbv_virtual"],
+                                                  "zb_h1_virtual", "zbv_virtual", "lanes_v2"],
     ("parallel/state.py", "build"): ["world"],
     ("train.py", "check_runnable"): ["world"],
     # Below parallelize_model, whose rules (the tp cases above) refuse every width first.

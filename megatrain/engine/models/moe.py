@@ -43,6 +43,7 @@ from torch import nn
 from megatrain import kernels
 from megatrain.engine.config import MoEConfig, TransformerConfig
 from megatrain.engine.models.gpt import MLP
+from megatrain.engine.parallel import lanes
 from megatrain.kernels.grouped_mlp import grouped_mlp_lora
 
 
@@ -342,7 +343,8 @@ class MoELayer(nn.Module):
         tokens = self.enter(x)  # (B, T', C): T' = T, or the whole sequence under sequence parallelism
         flat = tokens.reshape(-1, tokens.shape[-1])  # (N, C)
         probs, routing_map = self.router(flat)
-        y = self.dispatcher.run(flat, probs, routing_map, self.experts)  # (N, C)
+        with lanes.exclusive(self.dispatcher):  # it keeps this call's splits from dispatch to combine
+            y = self.dispatcher.run(flat, probs, routing_map, self.experts)  # (N, C)
         return self.leave(y.view_as(tokens))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

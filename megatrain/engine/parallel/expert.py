@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatrain.engine.models.moe import Dispatcher, PermuteDispatcher, moe_layers
+from megatrain.engine.parallel import lanes
 from megatrain.engine.parallel.mappings import check_group, is_expert_parallel, mark_expert_parallel
 from megatrain.engine.parallel.state import Group, ParallelState
 from megatrain.plan.layout import LayoutError, expert_problems
@@ -59,7 +60,8 @@ def _exchange(
 ) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    # Posted, then waited through lanes: with two micro-batches in flight the other one runs meanwhile.
+    lanes.wait(dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True))
     return out
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatrain.engine.models.moe import PermuteDispatcher, moe_layers
+from megatrain.engine.parallel import lanes
 from megatrain.engine.parallel.expert import AllToAllDispatcher, _all_gather_single, _chunk_order
 from megatrain.engine.parallel.mappings import check_group
 from megatrain.engine.parallel.state import Group
@@ -85,7 +86,7 @@ def _post(x: torch.Tensor, group: Group, output_splits: list[int], input_splits:
 
 def _take(posted: tuple) -> torch.Tensor:
     _, out, work = posted
-    work.wait()
+    lanes.wait(work)
     return out
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from megatrain.engine.parallel import lanes
 from megatrain.engine.parallel.state import ParallelState
 
 Kind = Literal["activation", "grad"]
@@ -81,6 +82,7 @@ class _Receives:
         assert self.posted is not None
         buf, works = self.posted
         self.posted = None
+        lanes.hand_over()  # with two micro-batches in flight, the other one runs meanwhile
         t0 = time.perf_counter()
         for w in works:
             w.wait()

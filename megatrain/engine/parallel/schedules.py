@@ -6,12 +6,12 @@ its input from the previous stage (or the tokens), a backward its output gradien
 (or the loss). Sends are posted with batch_isend_irecv and not waited for until the end of the step;
 receives are posted one ahead (the next activation and the next gradient are in flight while the
 stage computes, as Megatron's overlap_p2p_comm) and waited for when needed: that wait is the stage's
-bubble. Since every stage's list
-respects the dependencies, nothing can deadlock, and messages between two stages match in order:
-the k-th activation stage s sends is the k-th one stage s+1 receives (the interleaved orders below
-keep this true across the wrap from the last stage to stage 0). Activations and gradients travel on
-two process groups over the same ranks, so with pp=2 (where "next" and "previous" are the same rank)
-their streams cannot cross, on gloo or on NCCL, which ignores tags.
+bubble. Since every stage's list respects the dependencies, nothing can deadlock, and messages
+between two stages match in order: the k-th activation stage s sends is the k-th one stage s+1
+receives (the interleaved orders below keep this true across the wrap from the last stage to
+stage 0). Activations and gradients travel on two process groups over the same ranks, so with pp=2
+(where "next" and "previous" are the same rank) their streams cannot cross, on gloo or on NCCL,
+which ignores tags.
 
 Every stage holds each micro-batch (every rank loads the step's data): its position and segment ids
 go to every chunk (attention needs them), its tokens to the first, its labels and loss mask to the
@@ -23,7 +23,9 @@ model's, so no shape handshake precedes a transfer.
 Orders (Megatron's, M micro-batches, p stages, V chunks per stage, stage s):
 - all_forward_all_backward: every forward, then every backward (GPipe; holds M micro-batches).
 - 1f1b: p-s-1 warm-up forwards, then one forward one backward, then the cool-down backwards; the
-  first stage holds at most p micro-batches' activations.
+  first stage holds at most p micro-batches' activations. With `lanes` one more warm-up forward,
+  and each steady pair's forward and backward (two micro-batches) run beside each other, taking
+  turns at their transfers (engine.parallel.lanes): p-s+1 in flight.
 - interleaved (1f1b with V > 1): the k-th forward runs chunk (k mod pV) // p on micro-batch
   (k // pV)·p + k mod p, backwards mirror it over the chunks in reverse; warm-up (p-s-1)·2 + (V-1)·p.
   Needs M divisible by p. The bubble shrinks by V: (p-1)/V / (M + (p-1)/V).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatrain.engine.microbatch import MicroBatch
+from megatrain.engine.parallel import lanes
 from megatrain.engine.parallel.p2p import P2P, Kind, StageTimes, _Receives  # noqa: F401  (re-exported)
 from megatrain.engine.parallel.state import ParallelState
 from megatrain.engine.parallel.zero_bubble import (
@@ -76,12 +80,16 @@ def chunk_stage(chunk: int, pp: int, virtual_stages: int, schedule: str = "1f1b"
     return chunk % pp
 
 
-def check_schedule(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+def check_schedule(
+    schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1, lanes: bool = False
+) -> None:
     """Raise ScheduleError explaining the first rule the configuration breaks."""
     if schedule not in SCHEDULES:
         raise ScheduleError(f"pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if pp < 1 or virtual_stages < 1 or num_microbatches < 1:
         raise ScheduleError("pp, virtual_stages and the number of micro-batches must be >= 1")
+    if lanes and (schedule != "1f1b" or virtual_stages != 1):
+        raise ScheduleError("two micro-batches in flight (lanes) pair 1F1B's steps: one chunk per stage")
     if schedule == "zb-h1" and virtual_stages != 1:
         raise ScheduleError(
             "pipeline_schedule=zb-h1 runs one chunk per stage: set virtual_stages=1 (or use zbv)"
@@ -112,10 +120,12 @@ def _interleaved_microbatch(k: int, pp: int, v: int) -> int:
 
 
 def schedule_actions(
-    schedule: str, pp: int, stage: int, num_microbatches: int, virtual_stages: int = 1
+    schedule: str, pp: int, stage: int, num_microbatches: int, virtual_stages: int = 1, lanes: bool = False
 ) -> list[Action]:
-    """The ordered forward/backward actions of one stage (pure; see the module docstring)."""
-    check_schedule(schedule, pp, num_microbatches, virtual_stages)
+    """The ordered forward/backward actions of one stage (pure; see the module docstring). `lanes`
+    (1F1B, one chunk per stage): one more forward in the warm-up, so that each steady-state pair
+    is the forward and backward of two different micro-batches, run beside each other."""
+    check_schedule(schedule, pp, num_microbatches, virtual_stages, lanes)
     if schedule == "zb-h1":
         return zb_h1_actions(pp, stage, num_microbatches)
     if schedule == "zbv":
@@ -136,7 +146,7 @@ def schedule_actions(
     if schedule == "all_forward_all_backward":
         return [fwd(k) for k in range(total)] + [bwd(k) for k in range(total)]
     if v == 1:
-        warmup = min(pp - stage - 1, m)
+        warmup = min(pp - stage - 1 + lanes, m)
     elif m == pp:
         warmup = total  # too few micro-batches for a steady state: all forwards first
     else:
@@ -256,12 +266,16 @@ class PipelineSchedule:
     times: StageTimes = field(default_factory=StageTimes)
     output_shape: tuple[int, ...] | None = None
     """The shape of what this stage sends (and receives gradients of); None: activation_shape."""
+    lanes: bool = False
+    """1F1B's steady-state forward and backward (of two micro-batches) beside each other, taking
+    turns at their transfers (engine.parallel.lanes; parallelism.moe_overlap_microbatches)."""
 
     def __post_init__(self) -> None:
         self.pp, self.v = self.state.pp_size, len(self.chunks)
         self.stage = self.state.pp_rank
         self.ids = stage_chunk_ids(self.stage, self.pp, self.v, self.schedule)
         self.split = self.schedule in SPLIT_SCHEDULES
+        self._laned = False
         self.p2p = P2P(self.state, self.activation_shape, self.dtype, self.times, self.output_shape)
         self.n_chunks = self.pp * self.v
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -279,6 +293,8 @@ class PipelineSchedule:
         return None if stage == self.stage else self.p2p.rank_of_stage(stage)
 
     def _timed(self, kind: str, fn: Callable[[], Any]) -> Any:
+        if self._laned:  # timed per lane by _pair
+            return fn()
         t0 = time.perf_counter()
         out = fn()
         dt = time.perf_counter() - t0
@@ -378,27 +394,57 @@ class PipelineSchedule:
         them); the sum of the losses on the last stage, else 0. before_forward(micro-batch) is called
         before each of its chunks' forwards (the MoE aux-loss scale is set per micro-batch)."""
         batches = _microbatches(batches)
-        actions = schedule_actions(self.schedule, self.pp, self.state.pp_rank, len(batches), self.v)
+        m = len(batches)
+        actions = schedule_actions(self.schedule, self.pp, self.state.pp_rank, m, self.v, self.lanes)
         self._expect(actions)
         slots: dict[tuple[int, int], _Slot] = {}
         total = torch.zeros((), device=self.state.device)
         last_b = max(i for i, a in enumerate(actions) if a.kind == "B")
-        for i, a in enumerate(actions):
+
+        def forward(a: Action) -> None:
+            slot = slots.setdefault((a.chunk, a.microbatch), _Slot())
+            if before_forward is not None:
+                before_forward(batches[a.microbatch])
+            self._forward(a, batches, slot, loss_fn, grad=True)
+            if slot.loss is not None:
+                total.add_(slot.loss.detach().float())
+
+        def backward(i: int, a: Action) -> None:
+            if before_backward is not None:
+                before_backward(i == last_b and not self.split)
+            self._backward(a, slots.pop((a.chunk, a.microbatch)), scale_loss)
+
+        i = 0
+        while i < len(actions):
+            a, after = actions[i], actions[i + 1] if i + 1 < len(actions) else None
+            if self.lanes and a.kind == "F" and after is not None and after.kind == "B":
+                self._pair(partial(forward, a), partial(backward, i + 1, after))
+                i += 2
+                continue
             if a.kind == "F":
-                slot = slots.setdefault((a.chunk, a.microbatch), _Slot())
-                if before_forward is not None:
-                    before_forward(batches[a.microbatch])
-                self._forward(a, batches, slot, loss_fn, grad=True)
-                if slot.loss is not None:
-                    total += slot.loss.detach().float()
+                forward(a)
             elif a.kind == "B":
-                if before_backward is not None:
-                    before_backward(i == last_b and not self.split)
-                self._backward(a, slots.pop((a.chunk, a.microbatch)), scale_loss)
+                backward(i, a)
             else:
                 self._weight(a)
+            i += 1
         self._finish()
         return total
+
+    def _pair(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
+        """A steady-state forward and backward in lanes; their compute times are each lane's turns
+        less the waits on neighbours inside them (split in proportion)."""
+        seconds, waited = [0.0, 0.0], self.times.wait_s
+        self._laned = True
+        try:
+            lanes.two_lanes(forward, backward, seconds)
+        finally:
+            self._laned = False
+        busy = sum(seconds)
+        compute = max(0.0, busy - (self.times.wait_s - waited))
+        if busy > 0:
+            self.times.forward_s += compute * seconds[0] / busy
+            self.times.backward_s += compute * seconds[1] / busy
 
     @torch.no_grad()
     def forward_only(

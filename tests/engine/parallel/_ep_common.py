@@ -33,6 +33,7 @@ from megatrain.engine.memtrack import LiveTensorBytes, tensors_of
 from megatrain.engine.models.gpt import GPTModel, lm_loss
 from megatrain.engine.models.moe import MoELayer, moe_layers, set_aux_loss_scale
 from megatrain.engine.optimizer import MixedPrecisionOptimizer
+from megatrain.engine.parallel import lanes
 from megatrain.engine.parallel.data import DataParallel
 from megatrain.engine.parallel.expert import (
     AllToAllDispatcher,
@@ -80,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "virtual_stages": 1,
     "overlap_chunks": 1,  # parallelism.moe_overlap_chunks
     "ep_ranks_per_node": None,  # parallelism.moe_dispatch nodes, the ep group in nodes of this many
+    "lanes": False,  # parallelism.moe_overlap_microbatches (1F1B's steady pairs in lanes)
     "distributed_optimizer": False,
     "bucket_elements": 2000,
     "save_at": None,  # (url, step): save a checkpoint after that many steps
@@ -227,7 +229,8 @@ def trainable(opts: dict[str, Any], state: ParallelState) -> Trainable:
     if model.chunks:
         cfg = MODELS[opts["model"]]
         shape = (opts["micro_batch"], cfg.seq_length, cfg.hidden_size)
-        pipeline = PipelineSchedule(model.chunks, state, shape, torch.float32, opts["schedule"])
+        schedule = opts["schedule"]
+        pipeline = PipelineSchedule(model.chunks, state, shape, torch.float32, schedule, lanes=opts["lanes"])
     return Trainable(model, ddp, opt, model.parameter_names(), pipeline, None)
 
 
@@ -298,10 +301,13 @@ def ep_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     )
     save_at = opts["save_at"]
     stop = save_at[1] if save_at else opts["steps"]
+    turns = lanes.hand_overs
     losses, norms = train_steps(opts, train, 0, stop)
     if save_at:
         save(train, *save_at)
-    return {"losses": losses, "norms": norms, "params": full_params(train), "expert_bytes": expert_bytes}
+    params = full_params(train)
+    return {"losses": losses, "norms": norms, "params": params, "expert_bytes": expert_bytes,
+            "hand_overs": lanes.hand_overs - turns}  # fmt: skip
 
 
 def save(train: Trainable, url: str, step: int) -> None:

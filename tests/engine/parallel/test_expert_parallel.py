@@ -212,6 +212,12 @@ FOUR_RANKS = {
         model="llama4", pp=2, dp=2, ep=2, distributed_optimizer=True, schedule="zb-h1", overlap_chunks=2
     ),
     "ep2_pp2_zbv": options(model="llama4", pp=2, dp=2, ep=2, schedule="zbv", virtual_stages=2),
+    # 1F1B's steady pairs (4 micro-batches per rank) in lanes, the forward of one beside the backward
+    # of another: plain, and with two hops, the hop across nodes in 2 chunks.
+    "ep2_pp2_lanes": options(model="llama4", pp=2, dp=2, ep=2, global_batch=16, lanes=True),
+    "ep2_pp2_lanes_nodes_overlap2": options(
+        model="llama4", pp=2, dp=2, ep=2, global_batch=16, lanes=True, overlap_chunks=2, ep_ranks_per_node=1
+    ),
     # Two hops with the ep ranks on two nodes, the hop across them pipelined in 2 chunks, zb-h1.
     "ep2_pp2_zbh1_nodes_overlap2": options(
         model="llama4", pp=2, dp=2, ep=2, schedule="zb-h1", overlap_chunks=2, ep_ranks_per_node=1
@@ -246,6 +252,8 @@ def test_the_two_hop_dispatch_over_two_nodes_matches_the_full_layer(
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_four_rank_layouts_match_one_process(four_ranks: dict[str, dict[str, Any]], name: str) -> None:
     _matches(four_ranks[name], reference_run(FOUR_RANKS[name]))
+    # In lanes the forward and backward take turns at each all-to-all and pipeline receive.
+    assert (four_ranks[name]["hand_overs"] > 0) == FOUR_RANKS[name]["lanes"]
 
 
 @pytest.mark.parametrize(
@@ -254,16 +262,18 @@ def test_four_rank_layouts_match_one_process(four_ranks: dict[str, dict[str, Any
         {"dp": 2, "ep": 2},
         {"dp": 2, "ep": 2, "moe_overlap_chunks": 2},
         {"dp": 2, "ep": 2, "moe_dispatch": "nodes"},
+        {"dp": 2, "ep": 2, "moe_overlap_microbatches": True},
         {"cp": 2, "ep": 2},
         {"tp": 2, "dp": 2, "ep": 2, "sequence_parallel": True},
     ],
-    ids=["dp2-ep2", "dp2-ep2-overlap2", "dp2-ep2-nodes", "cp2-ep2", "tp2sp-dp2-ep2"],
+    ids=["dp2-ep2", "dp2-ep2-overlap2", "dp2-ep2-nodes", "dp2-ep2-lanes", "cp2-ep2", "tp2sp-dp2-ep2"],
 )
 def test_the_engine_runs_ep2_like_one_process(
     tmp_path: Path, corpus: Path, one_thread: None, layout: dict[str, int]
 ) -> None:
     """torchrun with ep=2 carved from dp=2 (its all-to-alls plain, pipelined behind the experts in two
-    token chunks, or in two hops: once per node, then per rank), or from cp=2 (the ranks hold halves
+    token chunks, or in two hops: once per node, then per rank, or each micro-batch's forward beside
+    the one before's backward), or from cp=2 (the ranks hold halves
     of every sequence and exchange them with the experts), or beside tp=2 with sequence parallelism
     (each tp rank holds its slice of its ep rank's experts), through build_model, the distributed
     optimizer and the training loop, aux loss on: the one-process run's losses and grad norms."""
@@ -283,6 +293,8 @@ def test_the_engine_runs_ep2_like_one_process(
     how = f"pipelined behind the experts in {chunks} token chunks" if chunks > 1 else "not overlapped"
     if layout.get("moe_dispatch") == "nodes":  # one torchrun: one node, so the hop across ranks
         how = "in two hops, once per node, then per rank (2 ep ranks per node)"
+    if layout.get("moe_overlap_microbatches"):  # global batch 8 = 2 micro-batches per rank
+        how += "; each micro-batch's forward beside the one before's backward"
     assert f"experts: 2 of 4 per rank (ep=2) | all-to-all {how}" in proc.stdout + proc.stderr
     ref = [r for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if "loss" in r]
     got = [r for r in read_jsonl(tmp_path / "ep" / "metrics.jsonl") if "loss" in r]
