@@ -57,6 +57,10 @@ call. Every term follows what the engine really does (megatrain.engine.parallel)
   (megatrain.plan.links.routed_all_to_all_time). With moe_overlap_chunks = K > 1 the exchanges of K
   token chunks hide behind the experts' compute: per direction only max(2d, 2Kd - experts) is
   exposed, d one chunk's exchange (megatrain.plan.layer_cost._moe_layer); K = 1 hides nothing.
+  With moe_overlap_microbatches each of 1F1B's steady pairs (max(0, M - pp) on the first stage,
+  its warm-up one longer) runs a forward beside another micro-batch's backward, each exchange
+  behind the other's compute: a pair exposes only what exceeds that compute, and at least one
+  exchange (the last wait, with the other lane done) (lanes_hidden_s).
   Routed experts' gradients are reduced over their expert-data-parallel group (dp·cp/ep ranks) and
   their optimizer state sharded over it.
   Useful FLOPs, and so MFU, are the active ones (megatrain.plan.flops).
@@ -136,6 +140,8 @@ class StepSettings:
     moe_dispatch: str = "pairs"
     """parallelism.moe_dispatch: "nodes" sends a token across nodes once per node it reaches
     (megatrain.plan.layer_cost._moe_layer)."""
+    moe_overlap_microbatches: bool = False
+    """parallelism.moe_overlap_microbatches: 1F1B's steady pairs in lanes (lanes_hidden_s)."""
     overlaps: Overlaps = ENGINE_OVERLAPS
     """What the training stack hides beyond the engine (Megatron-Core's flags, for its published runs)."""
 
@@ -173,6 +179,13 @@ class StepTime:
 
 
 ZERO_BUBBLE = ("zb-h1", "zbv")
+
+
+def lanes_hidden_s(exchange_s: float, compute_s: float, one_exchange_s: float) -> float:
+    """Seconds of a micro-batch's exposed all-to-alls (exchange_s, forward and backward) that a
+    steady pair in lanes hides behind the other lane's compute (compute_s, a micro-batch's forward
+    and backward): all of them but max(one exchange, exchange_s - compute_s)."""
+    return max(0.0, exchange_s - max(min(one_exchange_s, exchange_s), exchange_s - compute_s))
 
 
 def pipeline_bubble_s(schedule: str, pp: int, v: int, t_mb: float) -> float:
@@ -390,6 +403,9 @@ def predict_step(
     overhead_s = c.step_overhead_s
 
     cp_comm_s, ep_comm_s = m * cp_mb, m * ep_mb
+    if settings.moe_overlap_microbatches and ep > 1:
+        pairs = max(0, m - pp)  # the first stage's: one more warm-up forward than 1F1B's
+        ep_comm_s -= pairs * lanes_hidden_s(ep_mb, compute_mb + tp_mb, lc.moe_ep / 4)
     step = compute_s + tp_comm_s + cp_comm_s + ep_comm_s + bubble_s + pp_comm_s + dp_exposed_s
     step += optimizer_s + overhead_s
     useful = _flops_per_iteration(model, settings.global_batch_size)
@@ -429,6 +445,7 @@ __all__ = [
     "constants_for",
     "ep_ranks_per_node",
     "gemm_efficiency",
+    "lanes_hidden_s",
     "predict_step",
     "ring_time",
 ]

@@ -258,14 +258,17 @@ def _check_arguments(precision: str, recompute: str, sizes: tuple[int, ...]) -> 
 
 def _peak_moments(
     schedule: str, pp: int, stage: int, in_flight_first: int | None, num_microbatches: int | None,
-    virtual_stages: int,
+    virtual_stages: int, lanes: bool = False,
 ) -> tuple[tuple[float, float], ...]:  # fmt: skip
     """(micro-batches holding activations, of them waiting for their W) at each moment the stage can
     peak, in whole-stage micro-batches (an interleaved or zbv chunk holds 1/V of its layers).
-    Without num_microbatches: the first stage holds in_flight_first (default pp), each next one fewer."""
+    Without num_microbatches: the first stage holds in_flight_first (default pp), each next one fewer.
+    `lanes` (1F1B's steady pairs side by side): one more warm-up forward, so one more held."""
     v = virtual_stages
     if num_microbatches is None:
-        return ((max(1, (pp if in_flight_first is None else in_flight_first) - stage), 0.0),)
+        return ((max(1, (pp if in_flight_first is None else in_flight_first) + lanes - stage), 0.0),)
+    if lanes:
+        return ((min(pp - stage + 1, num_microbatches), 0.0),)
     if schedule in SPLIT_SCHEDULES:
         counts = weight_grad_moments(schedule, pp, stage, num_microbatches)
         return tuple((held / v, pending / v) for held, pending in counts)
@@ -326,6 +329,7 @@ def estimate_memory(
     device: Literal["cuda", "cpu"] = "cuda",
     fused_loss: bool = False,
     stage: int | None = None,
+    microbatch_lanes: bool = False,
 ) -> MemoryEstimate:
     """Per-rank bytes of one training step on the worst pipeline stage.
 
@@ -346,6 +350,8 @@ def estimate_memory(
     cp: the sequence split over cp ranks; ep: an MoE model's routed experts split over ep ranks
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     stage: the figures of that pipeline stage instead of the worst one (stage_totals stay all).
+    microbatch_lanes: parallelism.moe_overlap_microbatches (1F1B, one chunk per stage): each stage
+    holds one micro-batch more (its warm-up one forward longer; two at pp = 1).
     A model with `lora` (ModelShape.lora) is a LoRA run: only its adapters train.
     """
     m = ModelShape.of(model)
@@ -377,7 +383,7 @@ def estimate_memory(
         n_lora = lora_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages, ep)
         n_nf4 = nf4_stage_params(m, tp, pp, stage, pipeline_layers, virtual_stages)
         moments = _peak_moments(pipeline_schedule, pp, stage, num_microbatches_in_flight,
-                                num_microbatches, virtual_stages)  # fmt: skip
+                                num_microbatches, virtual_stages, microbatch_lanes)  # fmt: skip
         n_layers = layers_on_stage(m.total_layers, pp, stage, pipeline_layers)
         n_ckpt = -(-n_layers // recompute_every) if recompute == "full" else 0
         n_moe = moe_layers_on_stage(m, pp, stage, pipeline_layers, virtual_stages)
@@ -457,6 +463,7 @@ def from_spec(
         "recompute_every": tr.recompute_every,
         # The engine fuses the LM head with the loss at every tp (megatrain.engine.build.lm_loss).
         "fused_loss": True,
+        "microbatch_lanes": par.moe_overlap_microbatches and layout.ep > 1,
     }
     settings.update(kwargs)
     return estimate_memory(model, **settings)

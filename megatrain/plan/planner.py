@@ -2,10 +2,11 @@
 
 `plan(spec, pool, devices)` enumerates tp (divisors of the node's devices, so tp stays inside a
 node), cp (powers of two leaving at least MIN_CP_CHUNK tokens of a sequence per rank), pp, dp
-(filling the devices), ep for an MoE model (divisors of its experts that divide dp·cp), the
-pipeline schedule (1F1B over 1..MAX_VIRTUAL_STAGES chunks per stage; zb-h1 and zbv, per
-megatrain.plan.zero_bubble), micro-batch size, recompute, the distributed optimizer and sequence
-parallelism; drops every candidate that breaks a layout rule (megatrain.plan.layout) or cannot fit
+(filling the devices), ep for an MoE model (divisors of its experts that divide dp·cp), the pipeline
+schedule (1F1B over 1..MAX_VIRTUAL_STAGES chunks per stage; zb-h1 and zbv, per
+megatrain.plan.zero_bubble), micro-batch size, recompute, the distributed optimizer, sequence
+parallelism and, for an MoE model, how its all-to-alls run (megatrain.plan.moe_exchange); drops
+every candidate that breaks a layout rule (megatrain.plan.layout) or cannot fit
 (megatrain.plan.memory, with `fits`' headroom); predicts the rest's step time (megatrain.plan.cost)
 and returns the fastest, its runners-up and the rejected ones with their reasons. A spec with an
 explicit `parallelism` gets the prediction for its layout.
@@ -26,9 +27,7 @@ What it answers (Choice, Plan, Rejection, the JSON) lives in megatrain.plan.resu
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
 from megatrain.plan.bounds import layer_state_bytes, model_state_floor, saved_per_token
@@ -43,8 +42,8 @@ from megatrain.plan.layout import (
     pairs_whole,
     resolve_layout,
 )
-from megatrain.plan.links import ep_ranks_per_node
 from megatrain.plan.memory import GiB, MemoryEstimate, chunks_in_flight, fits, from_spec, planned_precision
+from megatrain.plan.moe_exchange import exchange_options
 from megatrain.plan.pool import PoolSpec
 from megatrain.plan.result import (
     MAX_REJECTED_SHOWN,
@@ -79,9 +78,6 @@ MIN_CP_CHUNK = 4096
 its ring hops grow relative to block attention, while a shorter sequence's activations rarely
 need splitting (Megatron uses cp from 8K-token sequences up)."""
 MAX_RUNNERS_UP = 5
-MOE_OVERLAP_CHUNKS = (2, 4)
-"""Chunks an MoE layer's all-to-alls may be pipelined in under `parallelism: auto` (beyond 4 the
-exchanges are wire-bound where they matter: tests/plan/test_moe_overlap.py)."""
 
 
 class _Search:
@@ -122,6 +118,7 @@ class _Search:
             grad_bucket_elements=par.grad_bucket_elements if par else 40_000_000,
             moe_overlap_chunks=c.moe_overlap_chunks,
             moe_dispatch=c.moe_dispatch,
+            moe_overlap_microbatches=c.moe_overlap_microbatches,
             overlaps=self.overlaps,
         )
 
@@ -138,6 +135,7 @@ class _Search:
             recompute_every=self.settings(c).recompute_every,
             distributed_optimizer=c.distributed_optimizer,
             device="cpu" if self.pool.is_cpu else "cuda",
+            microbatch_lanes=c.moe_overlap_microbatches,
         )
 
     def memory_rejection(self, c: Choice, est: MemoryEstimate) -> None:
@@ -336,18 +334,18 @@ class _Search:
         scored: list[tuple[float, int, Choice, StepTime]] = []
         for tp, cp, pp, dp in self.families():
             for c in self.choices(tp, cp, pp, dp):
-                c, t = self.fastest_exchange(c)
-                scored.append((t.step_time_s, len(scored), c, t))
+                for option, t in exchange_options(self, c):
+                    scored.append((t.step_time_s, len(scored), option, t))
         self.considered = len(scored) + sum(self.counts.values())
         scored.sort(key=lambda x: (x[0], x[1]))
-        # Families whose smallest failing micro-batch is known: (layout, dist_opt, recompute) -> mbs.
-        too_big: dict[tuple[Layout, bool, str], int] = {}
+        # Families whose smallest failing micro-batch is known: (layout, lanes, dist_opt, recompute) -> mbs.
+        too_big: dict[tuple[Layout, bool, bool, str], int] = {}
         fitting: list[tuple[Choice, StepTime, MemoryEstimate]] = []
         best_miss: tuple[Choice, MemoryEstimate] | None = None
         for _, _, c, t in scored:
             key_rc = RECOMPUTE_ORDER.index(c.recompute)
             known = [
-                too_big.get((c.layout, c.distributed_optimizer, rc))
+                too_big.get((c.layout, c.moe_overlap_microbatches, c.distributed_optimizer, rc))
                 for rc in RECOMPUTE_ORDER[key_rc:]  # less recompute than a miss can only need more
             ]
             if any(b is not None and c.micro_batch_size >= b for b in known):
@@ -360,7 +358,7 @@ class _Search:
                     break
                 continue
             self.memory_rejection(c, est)
-            k = (c.layout, c.distributed_optimizer, c.recompute)
+            k = (c.layout, c.moe_overlap_microbatches, c.distributed_optimizer, c.recompute)
             too_big[k] = min(too_big.get(k, c.micro_batch_size), c.micro_batch_size)
             if best_miss is None or est.total_bytes < best_miss[1].total_bytes:
                 best_miss = (c, est)
@@ -387,27 +385,6 @@ class _Search:
             considered=self.considered,
             parameters=param_counts(self.model),
         )
-
-    def fastest_exchange(self, c: Choice) -> tuple[Choice, StepTime]:
-        """`c` with the fastest way to run its MoE all-to-alls (at ep > 1): as they are or pipelined
-        behind the experts in MOE_OVERLAP_CHUNKS chunks, by the pairs dispatch or, where the ep
-        group spans nodes, in two hops. The memory estimate is the same for all, as what each keeps
-        for backward is (tests/engine/parallel/test_expert_parallel.py)."""
-        best = (c, predict_step(self.model, c.layout, self.settings(c), self.pool))
-        lay = c.layout
-        if lay.ep == 1 or self.model.moe is None:
-            return best
-        spans_nodes = ep_ranks_per_node(lay.tp, lay.cp, lay.ep, self.pool.devices_per_node) < lay.ep
-        for how, k in itertools.product(
-            ("pairs", "nodes") if spans_nodes else ("pairs",), (1, *MOE_OVERLAP_CHUNKS)
-        ):
-            if (k, how) == (c.moe_overlap_chunks, c.moe_dispatch):
-                continue
-            option = replace(c, moe_overlap_chunks=k, moe_dispatch=how)
-            t = predict_step(self.model, lay, self.settings(option), self.pool)
-            if t.step_time_s < best[1].step_time_s:
-                best = (option, t)
-        return best
 
 
 def _vocab(spec: JobSpec, tokenizer_vocab: int | None) -> int:
@@ -472,7 +449,8 @@ def _explicit(search: _Search, layout: Layout) -> Plan:
     ]  # fmt: skip
     best: tuple[Choice, StepTime, MemoryEstimate] | None = None
     for n in sizes:
-        c = Choice(layout, n, tr.recompute, dist_opt, par.moe_overlap_chunks, par.moe_dispatch)
+        c = Choice(layout, n, tr.recompute, dist_opt, par.moe_overlap_chunks, par.moe_dispatch,
+                   par.moe_overlap_microbatches and layout.ep > 1)  # fmt: skip
         est = search.memory(c)
         if not fits(est, pool.device_memory_bytes, HEADROOM):
             search.memory_rejection(c, est)

@@ -37,6 +37,8 @@ class Choice:
     """parallelism.moe_overlap_chunks: an MoE layer's all-to-alls pipelined behind its experts."""
     moe_dispatch: str = "pairs"
     """parallelism.moe_dispatch: "nodes", each token once per node (an ep group across nodes)."""
+    moe_overlap_microbatches: bool = False
+    """parallelism.moe_overlap_microbatches: 1F1B's steady pairs side by side (engine.parallel.lanes)."""
 
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -55,6 +57,7 @@ class Choice:
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
             "moe_overlap_chunks": self.moe_overlap_chunks,
             "moe_dispatch": self.moe_dispatch,
+            "moe_overlap_microbatches": self.moe_overlap_microbatches,
         }
 
     def apply(self, spec: JobSpec) -> JobSpec:
@@ -77,6 +80,7 @@ class Choice:
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
             "moe_overlap_chunks": self.moe_overlap_chunks,
             "moe_dispatch": self.moe_dispatch,
+            "moe_overlap_microbatches": self.moe_overlap_microbatches,
         }
         raw["training"].update(micro_batch_size=self.micro_batch_size, recompute=self.recompute)
         raw["resources"]["devices"] = lay.world_size
