@@ -4,6 +4,7 @@
     python benchmarks/expert_parallel.py --ep 1 2 --tokens 1024 --steps 3
     python benchmarks/expert_parallel.py --ep 1 2 --overlap 2 4         # the exchange hidden in chunks
     python benchmarks/expert_parallel.py --ep 4 --nodes 1 2 4           # two hops, once per node
+    python benchmarks/expert_parallel.py --ep 2 4 --lanes 4             # 4 micro-batches in lanes
 
 Every rank (one thread each) runs one MoELayer (the engine's router, GroupedExperts on the CPU
 grouped_mlp kernel) on its own `--tokens` tokens per step: ep=1 is one process with all E experts;
@@ -27,6 +28,12 @@ nodes; engine.parallel.expert_dedup) with its ranks taken as nodes of R: a token
 node holding one of its experts, then once to each rank there (with `--overlap K` also with the
 hop across nodes pipelined in K chunks). Its rows show the bytes sent and the part of them that
 crossed nodes.
+
+With `--lanes M`, every ep > 1 also runs the step as M micro-batches of tokens/M, one after the
+other and then in lanes (parallelism.moe_overlap_microbatches; engine.parallel.lanes: micro-batch
+m's forward beside m-1's backward, each one's all-to-alls on the wire while the other computes).
+The overlap works when the lanes' step falls below the one-after-the-other step toward the larger
+of compute and exchange.
 
 Every row also says what the layer's forward leaves held for backward beyond its output (live
 tensor bytes, one untimed step under engine.memtrack); with `--recompute` every step runs inside a
@@ -60,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatrain.engine.config import MoEConfig, TransformerConfig  # noqa: E402
 from megatrain.engine.memtrack import LiveTensorBytes, tensors_of  # noqa: E402
 from megatrain.engine.models.moe import MoELayer  # noqa: E402
+from megatrain.engine.parallel import lanes  # noqa: E402
 from megatrain.engine.parallel.expert import AllToAllDispatcher, parallelize_experts  # noqa: E402
 from megatrain.engine.parallel.expert_dedup import NodeDispatcher, dedup_experts  # noqa: E402
 from megatrain.engine.parallel.expert_overlap import overlap_experts  # noqa: E402
@@ -112,7 +120,16 @@ def variants(ep: int, args: argparse.Namespace) -> list[int | str]:
         return [1]
     nodes = [r for r in args.nodes if ep % r == 0]
     two_hops = [f"nodes{r}x{k}" for r in nodes for k in (1, *args.overlap) if k == 1 or r < ep]
-    return [1, *args.overlap, *two_hops]
+    microbatches = [f"{how}{m}" for m in args.lanes for how in ("mb", "lanes")]
+    return [1, *args.overlap, *two_hops, *microbatches]
+
+
+def _microbatches(variant: int | str) -> tuple[int, bool] | None:
+    """ "mb{M}" -> (M, False), "lanes{M}" -> (M, True); None for the other variants."""
+    if isinstance(variant, str) and not variant.startswith("nodes"):
+        laned = variant.startswith("lanes")
+        return int(variant.removeprefix("lanes" if laned else "mb")), laned
+    return None
 
 
 def _two_hops(variant: str) -> tuple[int, int]:
@@ -138,9 +155,9 @@ def measure_layer(
     else:
         layer = MoELayer(layer_config(args))  # the full layer on every rank, as build_model does
         parallelize_experts(layer, state)
-        if isinstance(variant, str):
+        if isinstance(variant, str) and variant.startswith("nodes"):
             dedup_experts(layer, state, *_two_hops(variant))
-        else:
+        elif isinstance(variant, int):
             overlap_experts(layer, variant)
     g = torch.Generator().manual_seed(args.seed + 1 + rank)
     x = torch.randn(1, args.tokens, args.hidden, generator=g, requires_grad=True)
@@ -149,12 +166,26 @@ def measure_layer(
     def run(t: torch.Tensor) -> torch.Tensor:
         return checkpoint(layer, t, use_reentrant=False) if args.recompute else layer(t)
 
+    split = _microbatches(variant)
+    m, laned = split or (1, False)
+    pieces = list(zip(x.chunk(m, dim=1), upstream.chunk(m, dim=1), strict=True))
+
+    def forward(piece: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (run(piece[0]) * piece[1]).sum()  # its backward is y.backward(upstream)
+
+    def step_once() -> None:
+        if laned:
+            lanes.overlapped(pieces, forward, lambda loss, last: loss.backward(), [0.0, 0.0])
+        else:
+            for piece in pieces:
+                forward(piece).backward()
+
     times, sent, off_node = [], [], []
     for step in range(args.warmup + args.steps):
         if ep > 1:
             dist.barrier()
         began = time.perf_counter()
-        run(x).backward(upstream)
+        step_once()
         if ep > 1:
             dist.barrier()  # the step ends when the slowest rank is done
         elapsed = time.perf_counter() - began
@@ -166,8 +197,9 @@ def measure_layer(
                 off_node.append(4 * d.rows_sent_off_node * row_bytes)
             else:
                 rows = d.rows_sent + d.rows_received if isinstance(d, AllToAllDispatcher) else 0
-                # dispatch sends rows_sent, combine sends back rows_received; backward the reverse.
-                sent.append(2 * rows * row_bytes)
+                # dispatch sends rows_sent, combine sends back rows_received; backward the reverse
+                # (the last micro-batch's, times m).
+                sent.append(2 * rows * row_bytes * m)
         layer.zero_grad(set_to_none=True)
         x.grad = None
     with LiveTensorBytes(tensors_of(layer, x, upstream)) as live:
@@ -229,6 +261,9 @@ def main() -> None:
     parser.add_argument(
         "--nodes", type=int, nargs="*", default=[], help="moe_dispatch nodes with R ep ranks to a node"
     )
+    parser.add_argument(
+        "--lanes", type=int, nargs="*", default=[], help="micro-batches per step, in turn and in lanes"
+    )
     parser.add_argument("--recompute", action="store_true", help="each layer inside a checkpoint")
     args = parser.parse_args()
 
@@ -251,7 +286,12 @@ def main() -> None:
             step = max(r[variant]["time_s"] for r in ranks)
             sent = statistics.mean(r[variant]["sent"] for r in ranks)
             analytic = 4 * args.tokens * args.topk * (ep - 1) / ep * args.hidden * 4
-            if isinstance(variant, str):
+            held = f"{max(r[variant]['held'] for r in ranks) * mib:.2f}"
+            split = _microbatches(variant)
+            if split is not None:
+                how = "in lanes" if split[1] else "one after the other"
+                label, off, held = f"pairs, {split[0]} micro-batches {how}", "-", "-"
+            elif isinstance(variant, str):
                 per_node, chunks = _two_hops(variant)
                 label = f"two hops, {per_node} ranks to a node" + (f", {chunks} chunks" if chunks > 1 else "")
                 off = f"{statistics.mean(r[variant]['off_node'] for r in ranks) * mib:.2f}"
@@ -259,23 +299,24 @@ def main() -> None:
                 label, off = (f"pairs, {variant} chunks" if variant > 1 else "pairs"), "-"
             print(
                 f"| {ep} | {args.experts // ep} | {label} | {step:.3f} | {sent * mib:.2f} | {off} | "
-                f"{analytic * mib:.2f} | {ranks[0][variant]['expert_bytes'] * mib:.2f} | "
-                f"{max(r[variant]['held'] for r in ranks) * mib:.2f} |"
+                f"{analytic * mib:.2f} | {ranks[0][variant]['expert_bytes'] * mib:.2f} | {held} |"
             )
-            if ep > 1 and not isinstance(variant, str):
+            if (ep > 1 and not isinstance(variant, str)) or (split is not None and split[1]):
                 parts = (max(r["compute_s"] for r in ranks), max(r["exchange_s"] for r in ranks))
                 overlap_rows.append((ep, variant, step, *parts))
-    if not args.overlap:
+    if not args.overlap and not args.lanes:
         return
     print(
         "\nThe step against its parts, each timed alone on the same ranks (compute: E/ep experts "
         "with no exchange; exchange: the four all-to-alls):\n"
     )
-    print("| ep | chunks | step (s) | compute (s) | exchange (s) | compute + exchange | max of the two |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for ep, chunks, step, compute, exchange in overlap_rows:
+    print("| ep | overlap | step (s) | compute (s) | exchange (s) | compute + exchange | max of the two |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for ep, variant, step, compute, exchange in overlap_rows:
+        split = _microbatches(variant)
+        how = f"{split[0]} micro-batches in lanes" if split else f"{variant} chunks"
         print(
-            f"| {ep} | {chunks} | {step:.3f} | {compute:.3f} | {exchange:.3f} | {compute + exchange:.3f} | "
+            f"| {ep} | {how} | {step:.3f} | {compute:.3f} | {exchange:.3f} | {compute + exchange:.3f} | "
             f"{max(compute, exchange):.3f} |"
         )
 

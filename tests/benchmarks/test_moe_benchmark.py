@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -19,11 +21,12 @@ def test_moe_benchmark_runs() -> None:
 
 
 def test_expert_parallel_benchmark_runs_every_dispatch() -> None:
-    """benchmarks/expert_parallel.py at a tiny size, recomputed: pairs, pipelined chunks and the two
-    hops (on two nodes also pipelined) at ep=2, each row with the bytes it sent (the two hops'
-    across-node part 0 on one node of two, the same in chunks as whole)."""
-    args = ["--ep", "1", "2", "--overlap", "2", "--nodes", "1", "2", "--tokens", "64", "--steps", "1",
-            "--hidden", "32", "--ffn", "32", "--recompute"]  # fmt: skip
+    """benchmarks/expert_parallel.py at a tiny size, recomputed: pairs, pipelined chunks, the two
+    hops (on two nodes also pipelined) and two micro-batches in turn and in lanes at ep=2, each row
+    with the bytes it sent (the two hops' across-node part 0 on one node of two, the same in chunks
+    as whole)."""
+    args = ["--ep", "1", "2", "--overlap", "2", "--nodes", "1", "2", "--lanes", "2", "--tokens", "64",
+            "--steps", "1", "--hidden", "32", "--ffn", "32", "--recompute"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(BENCH / "expert_parallel.py"), *args],
         capture_output=True,
@@ -42,7 +45,14 @@ def test_expert_parallel_benchmark_runs_every_dispatch() -> None:
         "two hops, 1 ranks to a node",
         "two hops, 1 ranks to a node, 2 chunks",
         "two hops, 2 ranks to a node",
+        "pairs, 2 micro-batches one after the other",
+        "pairs, 2 micro-batches in lanes",
     }
+    # Two micro-batches of half the tokens send what one whole one does, in turn or in lanes.
+    for how in ("one after the other", "in lanes"):
+        sent = float(rows[f"pairs, 2 micro-batches {how}"][5])
+        assert sent == pytest.approx(float(rows["pairs"][5]), rel=0.3)
+    assert "| 2 | 2 micro-batches in lanes |" in proc.stdout  # its row against compute and exchange
     assert float(rows["pairs"][5]) > 0 and rows["pairs"][6].strip() == "-"
     for key in (
         "pairs",
