@@ -5,6 +5,7 @@
     python benchmarks/expert_parallel.py --ep 1 2 --overlap 2 4         # the exchange hidden in chunks
     python benchmarks/expert_parallel.py --ep 4 --nodes 1 2 4           # two hops, once per node
     python benchmarks/expert_parallel.py --ep 2 4 --lanes 4             # 4 micro-batches in lanes
+    python benchmarks/expert_parallel.py --ep 2 --overlap 2 --lanes 4 --wire-gbs 0.4  # a slower wire
 
 Every rank (one thread each) runs one MoELayer (the engine's router, GroupedExperts on the CPU
 grouped_mlp kernel) on its own `--tokens` tokens per step: ep=1 is one process with all E experts;
@@ -34,6 +35,11 @@ other and then in lanes (parallelism.moe_overlap_microbatches; engine.parallel.l
 m's forward beside m-1's backward, each one's all-to-alls on the wire while the other computes).
 The overlap works when the lanes' step falls below the one-after-the-other step toward the larger
 of compute and exchange.
+
+With `--wire-gbs G` every all-to-all (the engine's and the exchange timed alone) completes no sooner
+than its bytes at G GB/s after it is posted, the CPU free meanwhile: an emulated slower wire, as a
+GPU's NICs are to its compute, where on this machine's loopback gloo the exchange is a few per cent
+of a step and there is little for any overlap to hide.
 
 Every row also says what the layer's forward leaves held for backward beyond its output (live
 tensor bytes, one untimed step under engine.memtrack); with `--recompute` every step runs inside a
@@ -81,9 +87,39 @@ def layer_config(args: argparse.Namespace, experts: int | None = None) -> Transf
     return TransformerConfig.preset("tiny-llama", hidden_size=args.hidden, moe=moe)
 
 
+class _Late:
+    """An all-to-all's work that completes no sooner than `due` (time.perf_counter)."""
+
+    def __init__(self, work: Any, due: float):
+        self.work, self.due = work, due
+
+    def wait(self) -> bool:
+        self.work.wait()
+        time.sleep(max(0.0, self.due - time.perf_counter()))
+        return True
+
+
+def slow_wire(bytes_per_s: float) -> None:
+    """Every dist.all_to_all_single from now on completes its input's bytes at `bytes_per_s` after
+    it is posted, at the soonest."""
+    real = dist.all_to_all_single
+
+    def posted(out: torch.Tensor, x: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        due = time.perf_counter() + x.numel() * x.element_size() / bytes_per_s
+        late = _Late(real(out, x, *args, async_op=True, **kwargs), due)
+        if async_op:
+            return late
+        late.wait()
+        return None
+
+    dist.all_to_all_single = posted  # type: ignore[assignment]
+
+
 def measure(rank: int, ep: int, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's timings and volumes for each chunk count (ep=1: the single process)."""
     torch.set_num_threads(1)
+    if args.wire_gbs:
+        slow_wire(args.wire_gbs * 1e9)
     state = ParallelState.build(Layout(dp=ep, ep=ep)) if ep > 1 else ParallelState.single()
     out: dict[Any, Any] = {}
     for variant in variants(ep, args):
@@ -264,6 +300,7 @@ def main() -> None:
     parser.add_argument(
         "--lanes", type=int, nargs="*", default=[], help="micro-batches per step, in turn and in lanes"
     )
+    parser.add_argument("--wire-gbs", type=float, default=0.0, help="emulated all-to-all bandwidth (GB/s)")
     parser.add_argument("--recompute", action="store_true", help="each layer inside a checkpoint")
     args = parser.parse_args()
 
@@ -271,6 +308,7 @@ def main() -> None:
         f"MoE layer: hidden {args.hidden}, {args.experts} experts of width {args.ffn} (SwiGLU), "
         f"top-{args.topk}, {args.tokens} tokens per rank; fp32, one thread per rank, "
         f"{os.cpu_count()} cores, torch {torch.__version__}{'; recomputed' if args.recompute else ''}"
+        f"{f'; all-to-alls at {args.wire_gbs:g} GB/s at most (emulated wire)' if args.wire_gbs else ''}"
     )
     print(
         "| ep | experts per rank | dispatch | step (s) | all-to-all sent per rank per step (MiB) "

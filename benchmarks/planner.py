@@ -5,6 +5,7 @@
     python benchmarks/planner.py --gloo          # measure all-reduce latency and bandwidth (2 ranks)
     python benchmarks/planner.py --published     # the GPU constants' fit: published runs vs predictions
     python benchmarks/planner.py --published --fit   # ... and the grid search that fitted them
+    python benchmarks/planner.py --deepseek      # DeepSeek-V3's layout, each way to run its exchanges
 
 The table: for each model (Llama shapes from 1B to 405B, Mixtral 8x7B and a DeepSeek-V3-class MoE)
 and pool (8-GPU H100 nodes; H800 nodes for DeepSeek-V3, whose NVLink is half an H100's), the number
@@ -24,6 +25,10 @@ which gives 705B total / 38.7B active parameters (published: 671B / 37B).
 scaling, Llama 3 405B, Mixtral 8x7B, Megatron-Bridge's fp8 Llama runs) on their own layouts and
 with `parallelism: auto`, against the throughput their sources report; --fit searches the grid of
 the four fitted GPU constants on the rows not held out (least squares of log throughput).
+
+--deepseek predicts DeepSeek-V3 on its published pp16 dp128 ep64 at 1F1B (full recompute, the least
+that fits) with each way the engine runs its all-to-alls: pairs or two hops, in 1, 2 or 4 chunks,
+with and without two micro-batches in flight (parallelism.moe_overlap_microbatches).
 
 --gloo times `all_reduce` of 4 KiB to 16 MiB between two gloo processes on this host (one thread
 each) and fits t = 2·latency + bytes / bandwidth, the two-rank ring formula of megatrain.plan.cost
@@ -386,6 +391,25 @@ def gloo_links() -> dict[str, float]:
     return links
 
 
+DEEPSEEK_PUBLISHED_TOKENS_PER_GPU = 1543
+"""DeepSeek-V3 technical report: 2.664M H800 GPU hours for 14.8T tokens on 2,048 GPUs."""
+
+
+def deepseek_exchanges() -> None:
+    """The --deepseek table."""
+    name, gpus, batch = "DeepSeek-V3", 2048, 15360
+    par = {"tp": 1, "pp": 16, "dp": 128, "ep": 64, "pipeline_layers": list(balanced_layers(61, 16, 1))}
+    print("| dispatch | chunks | lanes | step (s) | exposed all-to-all (s) | tokens/s/GPU "
+          "| published / predicted | GiB/GPU |\n|---|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    for lanes, how, k in itertools.product((False, True), ("pairs", "nodes"), (1, 2, 4)):
+        way = {"moe_dispatch": how, "moe_overlap_chunks": k, "moe_overlap_microbatches": lanes}
+        r = plan(_spec(name, gpus, batch, {**par, **way}, "full"), pool_for(name, gpus))
+        t, per_gpu, gib = r.time, r.time.tokens_per_s / gpus, r.memory.total_bytes / 2**30
+        print(f"| {'two hops' if how == 'nodes' else how} | {k} | {'yes' if lanes else 'no'} | "
+              f"{t.step_time_s:.2f} | {t.ep_comm_s:.2f} | {per_gpu:,.0f} | "
+              f"{DEEPSEEK_PUBLISHED_TOKENS_PER_GPU / per_gpu:.2f} | {gib:.1f} |")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -394,8 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gloo", action="store_true", help="measure gloo all-reduce on localhost instead")
     parser.add_argument("--published", action="store_true", help="published runs against the predictions")
     parser.add_argument("--fit", action="store_true", help="with --published: search the fitted constants")
+    parser.add_argument("--deepseek", action="store_true", help="DeepSeek-V3's layout, each exchange")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    if args.deepseek:
+        deepseek_exchanges()
+        return 0
     if args.published:
         rows = published_calibration()
         print_calibration(rows)

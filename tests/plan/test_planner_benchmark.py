@@ -35,3 +35,23 @@ def test_the_planner_benchmark_prints_its_table_and_meets_the_target(tmp_path: P
     assert not same["fits"] and same["gib"] > 80 and lora["step_s"] < same["step_s"]
     assert not full_8["fits"] and "no layout of 8 devices fits" in full_8["note"]
     assert full_32["fits"] and full_32["trainable"] == full_32["total"]
+
+
+def test_the_deepseek_table_runs_every_exchange_and_lanes_hide_the_most() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--deepseek"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [
+        line.split("|")[1:-1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and "---" not in line
+    ]
+    body = [[c.strip() for c in r] for r in rows[1:]]
+    assert len(body) == 12  # pairs / two hops × 1, 2, 4 chunks × lanes or not
+    exposed = {(r[0], int(r[1]), r[2]): float(r[4]) for r in body}
+    for key, seconds in exposed.items():
+        if key[2] == "yes":  # two micro-batches in flight hide more than the same exchange alone
+            assert seconds < exposed[(key[0], key[1], "no")]
+    best = min(body, key=lambda r: float(r[3]))
+    assert best[:3] == ["two hops", "4", "yes"]
