@@ -1,6 +1,6 @@
 """Two micro-batches in flight on one rank: one's forward and another's backward take turns, each
-running while the other waits on an expert-parallel all-to-all (DualPipe's overlap; Megatron's
-combined 1F1B, `--overlap-moe-expert-parallel-comm` across micro-batches),
+running while the other waits on an expert-parallel all-to-all or a pipeline receive (DualPipe's
+overlap; Megatron's combined 1F1B, `--overlap-moe-expert-parallel-comm` across micro-batches),
 `parallelism.moe_overlap_microbatches`.
 
     forward_out, backward_out = two_lanes(lambda: forward(i), lambda: backward(i - 1))
@@ -17,6 +17,9 @@ which is the order Megatron's combined 1F1B writes out by hand, here without cut
 pieces: the hand-overs are where a lane would block. Exactly one lane runs at a time (a baton), so
 every collective is issued in the same order on every rank and the result equals running the two
 one after the other, to the bit: the same ops on the same tensors.
+
+A layer's dispatcher keeps a call's splits from dispatch to combine; `exclusive` keeps the lanes
+from meeting inside one (only a recompute, the backward lane rerunning a layer, can).
 
 The helper thread runs in a copy of this thread's context (its context variables: the loss's token
 counters) with its grad mode and CUDA device and stream (thread-local in torch). Random draws would
