@@ -48,4 +48,7 @@ def signed_in_page(context: Any, errors: list[str], base_url: str, key: str, rou
     page.goto(f"{base_url}/#{route}")
     page.fill("#api-key", key)
     page.click("button[type=submit]")
+    # Signed in once the form is gone: a test's next goto must not race the sign-in's own route
+    # (the MoE dashboard test once stayed on the jobs list it had asked to leave).
+    page.wait_for_selector("#api-key", state="detached")
     return page
