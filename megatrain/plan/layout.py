@@ -372,8 +372,7 @@ def layout_problems(spec: JobSpec, layout: Layout) -> list[Problem]:
             # The rows (a multiple of 128); None (the tokenizer's, not known here) fits any power of 2.
             vocab_size=m.padded_vocab(m.vocab_size) if m.vocab_size else None,
             seq_length=m.seq_length,
-            # An expert width left None is model.ffn_hidden_size's, judged above.
-            moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe is not None else None,
+            moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe is not None else None,  # None: ffn's
             shared_expert_ffn_hidden_size=m.moe.shared_expert_ffn_hidden_size if m.moe is not None else None,
             model="model.",
             par="parallelism.",

@@ -337,11 +337,10 @@ def estimate_memory(
     (the default), stage i one fewer per step down the pipeline. Given num_microbatches (per step
     and dp rank) instead, each stage's count follows pipeline_schedule and virtual_stages
     (chunks_in_flight; an interleaved chunk holds 1/virtual_stages of the stage's layers); under
-    zb-h1 and zbv, also the output gradients a chunk keeps from its B to its W (megatrain.plan.zero_bubble),
-    at whichever moment of the stage's order adds up to the most.
+    zb-h1 and zbv, also the output gradients a chunk keeps from B to W (plan.zero_bubble), at its peak.
     pipeline_layers: explicit layers per model chunk (see layers_on_stage; zbv's in the engine's
-    order, the V's down leg then its up leg). recompute="full" checkpoints
-    layers 0, k, 2k, … of each stage (k = recompute_every) and keeps only their inputs.
+    order, the V's down leg then its up leg). recompute="full" checkpoints layers 0, k, 2k, … of
+    each stage (k = recompute_every) and keeps only their inputs.
     attention: "flash" for SDPA's flash/memory-efficient/cuDNN kernels, "math" for the fallback.
     fused_optimizer: False for foreach AdamW, whose step allocates one fp32 temporary per parameter.
     device: only the dropout masks differ (bool on CUDA, the model dtype on CPU).
@@ -350,8 +349,7 @@ def estimate_memory(
     cp: the sequence split over cp ranks; ep: an MoE model's routed experts split over ep ranks
     (their optimizer state sharded over dp·cp/ep with the distributed optimizer).
     stage: the figures of that pipeline stage instead of the worst one (stage_totals stay all).
-    microbatch_lanes: parallelism.moe_overlap_microbatches (1F1B, one chunk per stage): each stage
-    holds one micro-batch more (its warm-up one forward longer; two at pp = 1).
+    microbatch_lanes: parallelism.moe_overlap_microbatches: one micro-batch more held per stage.
     A model with `lora` (ModelShape.lora) is a LoRA run: only its adapters train.
     """
     m = ModelShape.of(model)
